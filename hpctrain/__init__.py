@@ -1,0 +1,14 @@
+"""hpctrain: MPI-based training for HPC clusters.
+
+    import hpctrain as ht
+    comm = ht.Communicator()
+    grid = ht.ProcessGrid(comm, tp=2)
+"""
+
+from . import backend, errors
+from .comm import Communicator, ProcessGrid
+from .errors import HpctrainError
+
+__version__ = "0.1.0"
+
+__all__ = ["Communicator", "HpctrainError", "ProcessGrid", "__version__", "backend", "errors"]

@@ -1,0 +1,126 @@
+"""Array module selection (NumPy or CuPy), host<->device copies and GPU choice.
+
+Everything above the communication layer calls ``xp_of(array)`` and uses the module it returns, so
+one code path serves NumPy and CuPy. CuPy is optional: importing this module never requires it.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+_cupy: ModuleType | None = None
+_cupy_checked = False
+
+# Host<->device copies made through this module, so a step can report them (GPU issue).
+transfer_counts = {"to_host": 0, "to_device": 0}
+
+LOCAL_RANK_VARS = (
+    "HPCTRAIN_LOCAL_RANK",
+    "SLURM_LOCALID",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "PMI_LOCAL_RANK",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+)
+
+
+def cupy() -> ModuleType | None:
+    """The cupy module if it imports and sees at least one GPU, else ``None`` (cached)."""
+    global _cupy, _cupy_checked
+    if not _cupy_checked:
+        _cupy_checked = True
+        try:
+            import cupy as cp
+
+            if cp.cuda.runtime.getDeviceCount() > 0:
+                _cupy = cp
+        except Exception:  # no cupy, no driver, no device: all mean "CPU only"
+            _cupy = None
+    return _cupy
+
+
+def gpu_available() -> bool:
+    return cupy() is not None
+
+
+def is_device_array(a: Any) -> bool:
+    """True for arrays that live in GPU memory (CuPy or anything with the CUDA interface)."""
+    return hasattr(a, "__cuda_array_interface__")
+
+
+def xp_of(a: Any) -> ModuleType:
+    """The array module (numpy or cupy) that owns ``a``."""
+    if is_device_array(a):
+        cp = cupy()
+        if cp is None:
+            raise RuntimeError("got a device array but CuPy is not usable in this process")
+        return cp
+    return np
+
+
+def get_xp(device: str = "cpu") -> ModuleType:
+    """The array module for ``device`` ("cpu" or "gpu")."""
+    if device == "cpu":
+        return np
+    if device in ("gpu", "cuda"):
+        cp = cupy()
+        if cp is None:
+            raise RuntimeError("device='gpu' asked for, but CuPy or a GPU is not available")
+        return cp
+    raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+
+
+def to_host(a: Any) -> np.ndarray:
+    """A NumPy copy (or the array itself if it already is one)."""
+    if is_device_array(a):
+        transfer_counts["to_host"] += 1
+        return a.get()
+    return np.asarray(a)
+
+
+def to_device(a: Any, xp: ModuleType) -> Any:
+    """``a`` as an array of module ``xp``; copies only across the host/device boundary."""
+    if xp is np:
+        return to_host(a)
+    if is_device_array(a):
+        return a
+    transfer_counts["to_device"] += 1
+    return xp.asarray(a)
+
+
+def synchronize(a: Any = None) -> None:
+    """Wait for the current CUDA stream, so MPI never reads device memory still being written."""
+    if a is None or is_device_array(a):
+        cp = cupy()
+        if cp is not None:
+            cp.cuda.get_current_stream().synchronize()
+
+
+def local_rank_from_env() -> int | None:
+    """This process's rank on its node, from the launcher's environment, or ``None``."""
+    for var in LOCAL_RANK_VARS:
+        value = os.environ.get(var)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return int(value)
+    return None
+
+
+def select_device(local_rank: int) -> int | None:
+    """Make GPU ``local_rank % count`` current (``HPCTRAIN_DEVICE`` overrides); return its id.
+
+    Several ranks may share a GPU (for tests); without CuPy this returns ``None``.
+    """
+    cp = cupy()
+    if cp is None:
+        return None
+    count = cp.cuda.runtime.getDeviceCount()
+    override = os.environ.get("HPCTRAIN_DEVICE")
+    device = int(override) if override not in (None, "") else local_rank % count
+    if not 0 <= device < count:
+        raise ValueError(f"HPCTRAIN_DEVICE={device} but only {count} GPU(s) are visible")
+    cp.cuda.Device(device).use()
+    return device

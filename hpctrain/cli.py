@@ -1,0 +1,93 @@
+"""The ``hpctrain`` command.
+
+Subcommands register themselves in ``COMMANDS``: each is ``(help, add_arguments, run)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from collections import Counter
+from collections.abc import Callable
+
+from . import __version__, backend
+
+
+def _info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--probe", action="store_true", help="also run the CUDA-aware MPI probe")
+
+
+def _gather_rank_info(comm) -> dict:
+    cp = backend.cupy()
+    local = comm.local_rank
+    info = {
+        "rank": comm.rank,
+        "host": comm.hostname(),
+        "local_rank": local,
+        "gpus_visible": 0,
+        "device": None,
+        "gpu_name": None,
+    }
+    if cp is not None:
+        info["gpus_visible"] = cp.cuda.runtime.getDeviceCount()
+        info["device"] = backend.select_device(local)
+        props = cp.cuda.runtime.getDeviceProperties(info["device"])
+        info["gpu_name"] = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return info
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """One report for the whole job, printed by rank 0."""
+    import mpi4py
+    from mpi4py import MPI
+
+    from .comm import Communicator
+    from .comm import cuda_aware as ca
+
+    comm = Communicator()
+    ranks = comm.gather_obj(_gather_rank_info(comm))
+    aware = comm.cuda_aware if (args.probe or backend.cupy() is not None) else False
+    if comm.rank != 0:
+        return 0
+    per_node = Counter(r["host"] for r in ranks)
+    lib = MPI.Get_library_version().splitlines()[0].strip()
+    says = ca.library_says()
+    print(f"hpctrain {__version__}  (Python {platform.python_version()}, mpi4py {mpi4py.__version__})")
+    print(f"MPI library      : {lib}  (MPI standard {'.'.join(map(str, MPI.Get_version()))})")
+    print(f"world size       : {comm.size}")
+    print(f"nodes            : {len(per_node)}  (ranks per node: "
+          + ", ".join(f"{h}={n}" for h, n in sorted(per_node.items())) + ")")
+    print(f"CUDA-aware MPI   : {'yes' if aware else 'no'}  (library reports "
+          f"{'unknown' if says is None else 'yes' if says else 'no'}; "
+          f"{'device buffers go to MPI directly' if aware else 'device buffers are staged through pinned host memory'})")
+    print(f"CuPy             : {'available' if backend.cupy() is not None else 'not available (CPU only)'}")
+    print(f"{'rank':>4} {'host':<20} {'local':>5} {'gpus':>4}  device")
+    for r in ranks:
+        dev = "-" if r["device"] is None else f"{r['device']} ({r['gpu_name']})"
+        print(f"{r['rank']:>4} {r['host']:<20} {r['local_rank']:>5} {r['gpus_visible']:>4}  {dev}")
+    return 0
+
+
+Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: dict[str, Command] = {
+    "info": ("report the MPI library, world, nodes and GPUs (one report per job)", _info_args, run_info),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpctrain", description="MPI training for HPC clusters")
+    parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_, description=help_))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command][2](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

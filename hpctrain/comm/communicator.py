@@ -1,0 +1,461 @@
+"""Communicator: a thin object over an mpi4py communicator, one method per collective.
+
+Arrays in, arrays out. Array methods use mpi4py's buffer (uppercase) calls directly on the arrays'
+memory: no pickling and no copies beyond the ones a caller asked for (a result array when
+``out`` is not given). Methods ending in ``_obj`` pickle Python objects.
+
+CuPy arrays go through the same methods. When the MPI library is CUDA-aware the device buffers
+are handed to MPI after the CUDA stream is synchronised; otherwise they are staged through pinned
+host buffers that are reused from call to call.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import backend
+from ..errors import BufferError, DtypeError
+from . import cuda_aware as _cuda_aware
+from . import debug as _debug
+
+_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+# Types with an MPI datatype that MPICH and Open MPI both reduce. float16 works on MPICH >= 4
+# and Open MPI >= 5 (MPIX_C_FLOAT16); it is checked once on first use.
+_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (
+        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+)  # fmt: skip
+
+
+def _op(op: str, dtype: np.dtype) -> MPI.Op:
+    try:
+        mpi_op = _OPS[op]
+    except KeyError:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}") from None
+    if op == "mean" and dtype.kind not in "fc":
+        raise DtypeError(f"op='mean' needs a floating dtype, got {dtype}; reduce with 'sum'")
+    if op in ("max", "min") and dtype.kind == "c":
+        raise DtypeError(f"op={op!r} is not defined for complex dtype {dtype}")
+    return mpi_op
+
+
+def _as_array(x: Any) -> Any:
+    return x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
+
+
+def _check_dtype(x: Any) -> None:
+    if np.dtype(x.dtype) not in _DTYPES:
+        names = ", ".join(sorted(str(d) for d in _DTYPES))
+        raise DtypeError(f"dtype {x.dtype} cannot be communicated; use one of: {names}")
+
+
+def _send_ready(x: Any) -> Any:
+    """``x`` as a contiguous array MPI can read (a copy only if ``x`` is strided)."""
+    x = _as_array(x)
+    _check_dtype(x)
+    if not x.flags.c_contiguous:
+        x = backend.xp_of(x).ascontiguousarray(x)
+    return x
+
+
+def _check_out(out: Any, shape: tuple, dtype: np.dtype, what: str) -> None:
+    if not hasattr(out, "flags"):
+        raise BufferError(f"{what}: out must be an array, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise BufferError(f"{what}: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if np.dtype(out.dtype) != np.dtype(dtype):
+        raise DtypeError(f"{what}: out has dtype {out.dtype}, expected {dtype}")
+    if not out.flags.c_contiguous:
+        raise BufferError(f"{what}: out must be C-contiguous to receive in place")
+
+
+class _HostStage:
+    """Pinned host buffers for staging device arrays through a non-CUDA-aware MPI.
+
+    Buffers are pooled by byte size and handed out one per outstanding operation, so two
+    non-blocking transfers never share one; after warm-up a training step allocates nothing.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lent: dict[int, np.ndarray] = {}
+
+    def take(self, shape: tuple, dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        pool = self._free.get(nbytes)
+        raw = pool.pop() if pool else self._alloc(nbytes)
+        view = raw[:nbytes].view(dtype).reshape(shape)
+        self._lent[id(view)] = raw
+        return view
+
+    def give(self, view: np.ndarray) -> None:
+        raw = self._lent.pop(id(view))
+        self._free.setdefault(raw.nbytes - 1, []).append(raw)
+
+    @property
+    def pooled(self) -> int:
+        """Buffers allocated so far (lent or free): constant once a workload has warmed up."""
+        return len(self._lent) + sum(len(v) for v in self._free.values())
+
+    @staticmethod
+    def _alloc(nbytes: int) -> np.ndarray:
+        # One spare byte so zero-length arrays still get a real buffer to view.
+        cp = backend.cupy()
+        if cp is not None:
+            import cupyx
+
+            return cupyx.empty_pinned((nbytes + 1,), dtype=np.uint8)
+        return np.empty(nbytes + 1, dtype=np.uint8)
+
+
+def _copy_to_host(src: Any, host: np.ndarray) -> None:
+    if backend.is_device_array(src):
+        backend.transfer_counts["to_host"] += 1
+        src.get(out=host)
+    else:
+        np.copyto(host, src)
+
+
+def _copy_from_host(host: np.ndarray, dst: Any) -> None:
+    if backend.is_device_array(dst):
+        backend.transfer_counts["to_device"] += 1
+        dst.set(host)
+    else:
+        np.copyto(dst, host)
+
+
+class Request:
+    """A pending non-blocking operation. ``wait()`` completes it and returns its result."""
+
+    def __init__(self, req: MPI.Request, result: Any, finish: Callable[[], None] | None = None):
+        self._req = req
+        self._result = result
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._req.Wait()
+            self._complete()
+        return self._result
+
+    def test(self) -> bool:
+        """Drive progress; True once the operation has completed (then ``wait`` is free)."""
+        if not self._done and self._req.Test():
+            self._complete()
+        return self._done
+
+    def _complete(self) -> None:
+        self._done = True
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+
+
+class Communicator:
+    """A group of MPI processes and the operations between them.
+
+    ``Communicator()`` wraps ``MPI.COMM_WORLD``; ``Communicator(comm)`` wraps any mpi4py
+    intracommunicator. ``rank``, ``size`` and ``cuda_aware`` describe it.
+    """
+
+    def __init__(self, comm: MPI.Comm | None = None) -> None:
+        if isinstance(comm, Communicator):
+            comm = comm.mpi
+        self.mpi: MPI.Intracomm = MPI.COMM_WORLD if comm is None else comm
+        self.rank: int = self.mpi.Get_rank()
+        self.size: int = self.mpi.Get_size()
+        self._stage = _HostStage()
+        self._cuda_aware: bool | None = None
+        # Tests set this to send NumPy arrays through the staging path, which is the only way to
+        # exercise that logic on machines without a GPU.
+        self._force_staging = False
+        self._debug = _debug.Tracer.from_env(self)
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, size={self.size})"
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def cuda_aware(self) -> bool:
+        """Whether device (CuPy) buffers go to MPI directly instead of through host memory."""
+        if self._cuda_aware is None:
+            self._cuda_aware = _cuda_aware.verdict()
+        return self._cuda_aware
+
+    @property
+    def local_rank(self) -> int:
+        """Rank among the processes of this node (launcher environment, else a shared split)."""
+        env = backend.local_rank_from_env()
+        if env is not None:
+            return env
+        node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return node.Get_rank()
+        finally:
+            node.Free()
+
+    # -- staging ----------------------------------------------------------------------------
+
+    def _staged(self, *arrays: Any) -> bool:
+        if self._force_staging:
+            return True
+        if any(backend.is_device_array(a) for a in arrays if a is not None):
+            if self.cuda_aware:
+                backend.synchronize()
+                return False
+            return True
+        return False
+
+    def _in(self, x: Any) -> np.ndarray:
+        host = self._stage.take(x.shape, x.dtype)
+        _copy_to_host(x, host)
+        return host
+
+    # -- reductions -------------------------------------------------------------------------
+
+    def allreduce(self, x: Any, op: str = "sum", out: Any = None) -> Any:
+        """Reduce ``x`` over all ranks; every rank gets the result.
+
+        ``op`` is "sum", "mean", "max" or "min". ``out=x`` reduces in place; another ``out``
+        receives the result; without ``out`` a new array is returned.
+        """
+        x = _as_array(x)
+        _check_dtype(x)
+        mpi_op = _op(op, np.dtype(x.dtype))
+        inplace = out is x
+        if inplace:
+            _check_out(out, x.shape, x.dtype, "allreduce")
+        else:
+            x = _send_ready(x)
+            if out is None:
+                out = backend.xp_of(x).empty_like(x)
+            _check_out(out, x.shape, x.dtype, "allreduce")
+        self._debug.enter("allreduce", x, op)
+        if self._staged(x, out):
+            host = self._in(x)
+            self.mpi.Allreduce(MPI.IN_PLACE, host, mpi_op)
+            _copy_from_host(host, out)
+            self._stage.give(host)
+        else:
+            self.mpi.Allreduce(MPI.IN_PLACE if inplace else x, out, mpi_op)
+        if op == "mean":
+            out /= self.size
+        return out
+
+    def iallreduce(self, x: Any, op: str = "sum", out: Any = None) -> Request:
+        """Start an all-reduce; ``req.wait()`` returns the result (``out`` if given).
+
+        ``x`` (and ``out``) must not be touched until the request has completed.
+        """
+        x = _as_array(x)
+        _check_dtype(x)
+        mpi_op = _op(op, np.dtype(x.dtype))
+        inplace = out is x
+        if not inplace:
+            x = _send_ready(x)
+            if out is None:
+                out = backend.xp_of(x).empty_like(x)
+        _check_out(out, x.shape, x.dtype, "iallreduce")
+        self._debug.enter("iallreduce", x, op)
+        scale = self.size if op == "mean" else None
+        if self._staged(x, out):
+            host = self._in(x)
+            req = self.mpi.Iallreduce(MPI.IN_PLACE, host, mpi_op)
+
+            def finish() -> None:
+                _copy_from_host(host, out)
+                self._stage.give(host)
+                if scale:
+                    out.__itruediv__(scale)
+
+            return Request(req, out, finish)
+        req = self.mpi.Iallreduce(MPI.IN_PLACE if inplace else x, out, mpi_op)
+        return Request(req, out, (lambda: out.__itruediv__(scale)) if scale else None)
+
+    def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None) -> Any:
+        """Reduce ``x`` over ranks and give rank r block r of the result along axis 0.
+
+        ``x.shape[0]`` must be divisible by ``size``; the result has shape
+        ``(x.shape[0] // size, *x.shape[1:])``.
+        """
+        x = _send_ready(x)
+        mpi_op = _op(op, np.dtype(x.dtype))
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise BufferError(
+                f"reduce_scatter: first dimension {x.shape[:1]} is not divisible by "
+                f"the communicator size {self.size}"
+            )
+        shape = (x.shape[0] // self.size, *x.shape[1:])
+        if out is None:
+            out = backend.xp_of(x).empty(shape, dtype=x.dtype)
+        _check_out(out, shape, x.dtype, "reduce_scatter")
+        self._debug.enter("reduce_scatter", x, op)
+        if self._staged(x, out):
+            host_in, host_out = self._in(x), self._stage.take(shape, x.dtype)
+            self.mpi.Reduce_scatter_block(host_in, host_out, mpi_op)
+            _copy_from_host(host_out, out)
+            self._stage.give(host_in)
+            self._stage.give(host_out)
+        else:
+            self.mpi.Reduce_scatter_block(x, out, mpi_op)
+        if op == "mean":
+            out /= self.size
+        return out
+
+    # -- data movement ----------------------------------------------------------------------
+
+    def bcast(self, x: Any, root: int = 0) -> Any:
+        """Broadcast ``root``'s ``x`` into ``x`` on every rank (in place); returns ``x``."""
+        self._check_peer(root, "root")
+        _check_dtype(x)
+        _check_out(x, x.shape, x.dtype, "bcast")
+        self._debug.enter("bcast", x, root)
+        if self._staged(x):
+            host = self._in(x)
+            self.mpi.Bcast(host, root)
+            _copy_from_host(host, x)
+            self._stage.give(host)
+        else:
+            self.mpi.Bcast(x, root)
+        return x
+
+    def allgather(self, x: Any, out: Any = None) -> Any:
+        """Every rank's ``x`` stacked: shape ``(size, *x.shape)``, in rank order."""
+        x = _send_ready(x)
+        shape = (self.size, *x.shape)
+        if out is None:
+            out = backend.xp_of(x).empty(shape, dtype=x.dtype)
+        _check_out(out, shape, x.dtype, "allgather")
+        self._debug.enter("allgather", x)
+        if self._staged(x, out):
+            host_in, host_out = self._in(x), self._stage.take(shape, x.dtype)
+            self.mpi.Allgather(host_in, host_out)
+            _copy_from_host(host_out, out)
+            self._stage.give(host_in)
+            self._stage.give(host_out)
+        else:
+            self.mpi.Allgather(x, out)
+        return out
+
+    # -- point to point ---------------------------------------------------------------------
+
+    def send(self, x: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``x`` to ``dest``."""
+        self._check_peer(dest, "dest")
+        x = _send_ready(x)
+        self._debug.enter_p2p("send", x, dest, tag)
+        if self._staged(x):
+            host = self._in(x)
+            self.mpi.Send(host, dest, tag)
+            self._stage.give(host)
+        else:
+            self.mpi.Send(x, dest, tag)
+
+    def recv(self, out: Any, source: int, tag: int = 0) -> Any:
+        """Blocking receive into ``out`` (its shape and dtype define the message); returns it."""
+        self._check_peer(source, "source")
+        _check_dtype(out)
+        _check_out(out, out.shape, out.dtype, "recv")
+        status = MPI.Status()
+        if self._staged(out):
+            host = self._stage.take(out.shape, out.dtype)
+            self.mpi.Recv(host, source, tag, status)
+            _copy_from_host(host, out)
+            self._stage.give(host)
+        else:
+            self.mpi.Recv(out, source, tag, status)
+        self._check_count(status, out, source, tag)
+        return out
+
+    def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
+        """Start sending ``x``; keep ``x`` unchanged until the request completes."""
+        self._check_peer(dest, "dest")
+        x = _send_ready(x)
+        self._debug.enter_p2p("isend", x, dest, tag)
+        if self._staged(x):
+            host = self._in(x)
+            return Request(self.mpi.Isend(host, dest, tag), None, lambda: self._stage.give(host))
+        return Request(self.mpi.Isend(x, dest, tag), None)
+
+    def irecv(self, out: Any, source: int, tag: int = 0) -> Request:
+        """Start receiving into ``out``; ``req.wait()`` returns ``out`` once it has arrived."""
+        self._check_peer(source, "source")
+        _check_dtype(out)
+        _check_out(out, out.shape, out.dtype, "irecv")
+        if self._staged(out):
+            host = self._stage.take(out.shape, out.dtype)
+            req = self.mpi.Irecv(host, source, tag)
+
+            def finish() -> None:
+                _copy_from_host(host, out)
+                self._stage.give(host)
+
+            return Request(req, out, finish)
+        return Request(self.mpi.Irecv(out, source, tag), out)
+
+    # -- objects ----------------------------------------------------------------------------
+
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast a picklable object from ``root``; returns it on every rank."""
+        self._check_peer(root, "root")
+        return self.mpi.bcast(obj, root)
+
+    def allgather_obj(self, obj: Any) -> list:
+        """A list of every rank's (picklable) ``obj``, in rank order."""
+        return self.mpi.allgather(obj)
+
+    def gather_obj(self, obj: Any, root: int = 0) -> list | None:
+        """Every rank's ``obj`` as a list on ``root``, ``None`` elsewhere."""
+        self._check_peer(root, "root")
+        return self.mpi.gather(obj, root)
+
+    # -- structure --------------------------------------------------------------------------
+
+    def split(self, color: int, key: int | None = None) -> Communicator:
+        """Sub-communicators of the ranks sharing ``color``, ordered by ``key`` (default rank)."""
+        return Communicator(self.mpi.Split(color, self.rank if key is None else key))
+
+    def barrier(self) -> None:
+        """Wait until every rank has called ``barrier``."""
+        self._debug.enter("barrier", None)
+        self.mpi.Barrier()
+
+    def abort(self, code: int = 1) -> None:
+        """End every process of the job (``MPI_Abort``)."""
+        self.mpi.Abort(code)
+
+    def free(self) -> None:
+        """Release a communicator made by ``split`` (never the world)."""
+        if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
+            self.mpi.Free()
+
+    def hostname(self) -> str:
+        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
+            raise ValueError(f"{what}={peer!r} is not a rank of this communicator (size {self.size})")
+
+    @staticmethod
+    def _check_count(status: MPI.Status, out: Any, source: int, tag: int) -> None:
+        got = status.Get_count(MPI.BYTE)
+        if got != out.nbytes:
+            raise BufferError(
+                f"recv from rank {source} (tag {tag}) got {got} bytes into a buffer of "
+                f"{out.nbytes} bytes (shape {tuple(out.shape)}, dtype {out.dtype})"
+            )

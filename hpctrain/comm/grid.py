@@ -1,0 +1,113 @@
+"""ProcessGrid: the world split into data-, tensor- and pipeline-parallel groups.
+
+The layout is a pure function (``layout``) so it can be tested without MPI. Tensor-parallel
+groups are contiguous ranks, so their frequent all-reduces stay inside a node; the pipeline is
+the outermost dimension, so its point-to-point traffic is what crosses nodes:
+
+    rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import GridError
+from .communicator import Communicator
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where a rank sits in a dp x tp x pp grid."""
+
+    dp: int
+    tp: int
+    pp: int
+
+
+def factor(size: int, tp: int = 1, pp: int = 1) -> int:
+    """The data-parallel size for ``size`` ranks, or a ``GridError`` naming the numbers."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise GridError(f"{name} must be a positive integer, got {value!r}")
+    if size % (tp * pp):
+        raise GridError(
+            f"a world of {size} ranks does not factor into tp={tp} x pp={pp} x dp: "
+            f"{size} is not divisible by tp*pp={tp * pp}"
+        )
+    return size // (tp * pp)
+
+
+def coords(rank: int, size: int, tp: int = 1, pp: int = 1) -> Coords:
+    """The grid coordinates of ``rank``."""
+    dp = factor(size, tp, pp)
+    if not 0 <= rank < size:
+        raise GridError(f"rank {rank} is outside a world of {size}")
+    return Coords(dp=(rank // tp) % dp, tp=rank % tp, pp=rank // (dp * tp))
+
+
+def rank_of(c: Coords, size: int, tp: int = 1, pp: int = 1) -> int:
+    """Inverse of ``coords``."""
+    dp = factor(size, tp, pp)
+    return c.pp * dp * tp + c.dp * tp + c.tp
+
+
+def layout(size: int, tp: int = 1, pp: int = 1) -> dict[str, list[list[int]]]:
+    """The member ranks of every dp, tp and pp group, each group in the order of its index."""
+    dp = factor(size, tp, pp)
+    groups: dict[str, dict[tuple, list[int]]] = {"dp": {}, "tp": {}, "pp": {}}
+    for rank in range(size):
+        c = coords(rank, size, tp, pp)
+        groups["dp"].setdefault((c.pp, c.tp), []).append(rank)
+        groups["tp"].setdefault((c.pp, c.dp), []).append(rank)
+        groups["pp"].setdefault((c.dp, c.tp), []).append(rank)
+    out = {name: [g[k] for k in sorted(g)] for name, g in groups.items()}
+    assert len(out["dp"]) == tp * pp and len(out["tp"]) == dp * pp and len(out["pp"]) == dp * tp
+    return out
+
+
+class ProcessGrid:
+    """The world split into dp x tp x pp sub-communicators.
+
+    ``grid.dp``, ``grid.tp`` and ``grid.pp`` are Communicators of the groups this rank belongs
+    to; ``grid.coords`` is its position. Every rank must pass the same ``tp`` and ``pp``: the
+    grid checks that and raises the same ``GridError`` on every rank if not.
+    """
+
+    def __init__(self, comm: Communicator | None = None, tp: int = 1, pp: int = 1) -> None:
+        self.world = comm if isinstance(comm, Communicator) else Communicator(comm)
+        size, rank = self.world.size, self.world.rank
+        # Agree before splitting: a rank with other numbers would otherwise wait in Split.
+        try:
+            factor(size, tp, pp)
+            mine = ("ok", tp, pp)
+        except GridError as err:
+            mine = ("error", str(err))
+        everyone = self.world.allgather_obj(mine)
+        for r, theirs in enumerate(everyone):
+            if theirs[0] == "error":
+                raise GridError(f"rank {r}: {theirs[1]}")
+        if len(set(everyone)) > 1:
+            seen = ", ".join(f"rank {r}: tp={t[1]} pp={t[2]}" for r, t in enumerate(everyone))
+            raise GridError(f"ranks asked for different process grids ({seen})")
+        self.tp_size, self.pp_size = tp, pp
+        self.dp_size = factor(size, tp, pp)
+        self.coords = coords(rank, size, tp, pp)
+        c = self.coords
+        # Split keys keep each group ordered by its grid index.
+        self.dp = self.world.split(color=c.pp * tp + c.tp, key=c.dp)
+        self.tp = self.world.split(color=c.pp * self.dp_size + c.dp, key=c.tp)
+        self.pp = self.world.split(color=c.dp * tp + c.tp, key=c.pp)
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessGrid(world={self.world.size}, dp={self.dp_size}, tp={self.tp_size}, "
+            f"pp={self.pp_size}, rank={self.world.rank}, coords={self.coords})"
+        )
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"dp": self.dp_size, "tp": self.tp_size, "pp": self.pp_size}
+
+    def free(self) -> None:
+        for c in (self.dp, self.tp, self.pp):
+            c.free()

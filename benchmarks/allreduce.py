@@ -65,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         nbytes *= 4 if nbytes < 4096 else 2
     if comm.rank == 0:
         lib = MPI.Get_library_version().splitlines()[0].strip()
-        bar = "|" if args.markdown else " "
         head = ["bytes", "mpi4py us", "hpctrain us", "mpi4py GB/s", "hpctrain GB/s", "ratio"]
         print(f"# allreduce sweep: {n} ranks, float32, {lib}")
         if args.markdown:

@@ -5,10 +5,14 @@
     grid = ht.ProcessGrid(comm, tp=2)
 """
 
-from . import backend, errors
+from . import backend, errors, nn, optim, parallel
 from .comm import Communicator, ProcessGrid
 from .errors import HpctrainError
+from .trainer import StepStats, Trainer
 
 __version__ = "0.1.0"
 
-__all__ = ["Communicator", "HpctrainError", "ProcessGrid", "__version__", "backend", "errors"]
+__all__ = [
+    "Communicator", "HpctrainError", "ProcessGrid", "StepStats", "Trainer", "__version__",
+    "backend", "errors", "nn", "optim", "parallel",
+]  # fmt: skip

@@ -60,7 +60,8 @@ def run_info(args: argparse.Namespace) -> int:
           + ", ".join(f"{h}={n}" for h, n in sorted(per_node.items())) + ")")
     print(f"CUDA-aware MPI   : {'yes' if aware else 'no'}  (library reports "
           f"{'unknown' if says is None else 'yes' if says else 'no'}; "
-          f"{'device buffers go to MPI directly' if aware else 'device buffers are staged through pinned host memory'})")
+          + ("device buffers go to MPI directly)" if aware
+             else "device buffers are staged through pinned host memory)"))
     print(f"CuPy             : {'available' if backend.cupy() is not None else 'not available (CPU only)'}")
     print(f"{'rank':>4} {'host':<20} {'local':>5} {'gpus':>4}  device")
     for r in ranks:

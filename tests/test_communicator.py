@@ -83,7 +83,7 @@ def test_allreduce_scalar(comm):
 def test_iallreduce(comm):
     xs = [data(comm.rank, n, "float32", seed=n) for n in (10, 5000)]
     reqs = [comm.iallreduce(x, op="mean") for x in xs]
-    for n, x, req in zip((10, 5000), xs, reqs):
+    for n, req in zip((10, 5000), reqs):
         ref = everyone(comm, n, "float32", seed=n).mean(0)
         np.testing.assert_allclose(req.wait(), ref, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(req.wait(), ref, rtol=1e-5, atol=1e-6)  # idempotent

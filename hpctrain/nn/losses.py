@@ -1,0 +1,93 @@
+"""Losses: ``forward(pred, target, weight=None)`` returns the (weighted) batch mean as a float,
+``backward(scale=1.0)`` the gradient of that mean with respect to ``pred``.
+
+``weight`` is an optional per-sample weight of shape ``(B,)`` (0 for padding samples a sampler
+added, 1 otherwise): the loss is then ``sum(w * l) / sum(w)``, so padded samples never count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backend import xp_of
+
+
+def _per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, float]:
+    """Broadcastable weights and their total (the denominator of the mean)."""
+    xp = xp_of(per_sample)
+    b = per_sample.shape[0]
+    if weight is None:
+        return None, float(per_sample.size)
+    w = xp.asarray(weight, dtype=per_sample.dtype)
+    if w.shape != (b,):
+        raise ValueError(f"weight must have shape ({b},), got {tuple(w.shape)}")
+    w = w.reshape((b,) + (1,) * (per_sample.ndim - 1))
+    return w, float(w.sum()) * (per_sample.size // b)
+
+
+class MSELoss:
+    """Mean squared error over all elements (the widely used reference's default)."""
+
+    def __init__(self) -> None:
+        self.cache = None
+
+    def forward(self, pred: Any, target: Any, weight: Any = None) -> float:
+        if pred.shape != target.shape:
+            raise ValueError(f"MSELoss: pred shape {pred.shape} != target shape {target.shape}")
+        diff = pred - target.astype(pred.dtype, copy=False)
+        sq = diff * diff
+        w, denom = _per_sample_weight(weight, sq)
+        if w is not None:
+            sq = sq * w
+        self.cache = (diff, w, denom)
+        return float(sq.sum()) / denom if denom else 0.0
+
+    def backward(self, scale: float = 1.0) -> Any:
+        diff, w, denom = self.cache
+        if not denom:
+            return diff * 0
+        g = diff * (2.0 * scale / denom)
+        return g * w if w is not None else g
+
+
+class CrossEntropyLoss:
+    """Softmax cross-entropy with integer targets; logits ``(B, C)`` or ``(B, T, C)``.
+
+    Uses a stable log-softmax (max subtracted); the mean runs over every target position.
+    """
+
+    def __init__(self) -> None:
+        self.cache = None
+
+    def forward(self, logits: Any, target: Any, weight: Any = None) -> float:
+        xp = xp_of(logits)
+        if logits.shape[:-1] != target.shape:
+            raise ValueError(
+                f"CrossEntropyLoss: logits {logits.shape} need targets of shape "
+                f"{logits.shape[:-1]}, got {target.shape}"
+            )
+        if target.dtype.kind not in "iu":
+            raise TypeError(f"CrossEntropyLoss needs integer targets, got {target.dtype}")
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        exp = xp.exp(shifted)
+        sumexp = exp.sum(axis=-1, keepdims=True)
+        logp_t = xp.take_along_axis(shifted, target[..., None], axis=-1)[..., 0] - xp.log(
+            sumexp[..., 0]
+        )
+        nll = -logp_t
+        w, denom = _per_sample_weight(weight, nll)
+        if w is not None:
+            nll = nll * w
+        self.cache = (exp / sumexp, target, w, denom)
+        return float(nll.sum()) / denom if denom else 0.0
+
+    def backward(self, scale: float = 1.0) -> Any:
+        probs, target, w, denom = self.cache
+        xp = xp_of(probs)
+        g = probs.copy()
+        if not denom:
+            return g * 0
+        onehot_at = xp.take_along_axis(g, target[..., None], axis=-1) - 1
+        xp.put_along_axis(g, target[..., None], onehot_at, axis=-1)
+        g *= scale / denom
+        return g * w[..., None] if w is not None else g

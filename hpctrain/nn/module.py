@@ -1,0 +1,203 @@
+"""The model protocol: ``Parameter``, ``Module``, ``Sequential``.
+
+A module computes ``forward(x)`` and, given the gradient of the loss with respect to its output,
+``backward(grad_out)`` returns the gradient with respect to its input and *adds* parameter
+gradients into ``Parameter.grad``. Layers keep what backward needs in ``self.cache`` so a
+pipeline can hold several micro-batches in flight (``get_cache``/``set_cache``). Any user object
+with this protocol trains with every hpctrain trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..backend import get_xp, to_device, xp_of
+
+
+class Parameter:
+    """A trainable array with its gradient (same shape and dtype, accumulated by backward)."""
+
+    __slots__ = ("data", "grad", "name")
+
+    def __init__(self, data: Any, name: str = "") -> None:
+        self.data = data
+        self.grad = xp_of(data).zeros_like(data)
+        self.name = name
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.data.dtype)
+
+    def __repr__(self) -> str:
+        return f"Parameter({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def as_rng(rng: int | np.random.Generator | None) -> np.random.Generator:
+    """A Generator from a seed, a Generator, or ``None`` (fresh entropy)."""
+    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+
+
+class Module:
+    """Base class of layers and models.
+
+    Attributes holding a ``Parameter`` or a ``Module`` are registered in assignment order, which
+    gives stable dotted names (``blocks.0.attn.qkv.weight``).
+    """
+
+    training: bool = True
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        d = self.__dict__
+        if isinstance(value, Parameter):
+            d.setdefault("_parameters", {})[key] = value
+        elif isinstance(value, Module):
+            d.setdefault("_modules", {})[key] = value
+        object.__setattr__(self, key, value)
+
+    # -- computation --------------------------------------------------------------------------
+
+    def forward(self, x: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.forward")
+
+    def backward(self, grad_out: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.backward")
+
+    def __call__(self, x: Any) -> Any:
+        return self.forward(x)
+
+    # -- structure ----------------------------------------------------------------------------
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
+        yield prefix, self
+        for name, mod in self.__dict__.get("_modules", {}).items():
+            yield from mod.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def children(self) -> list[Module]:
+        return list(self.__dict__.get("_modules", {}).values())
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """(dotted name, parameter) in registration order; also sets each ``Parameter.name``."""
+        for mod_name, mod in self.named_modules(prefix):
+            for name, p in mod.__dict__.get("_parameters", {}).items():
+                full = f"{mod_name}.{name}" if mod_name else name
+                p.name = full
+                yield full, p
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad.fill(0)
+
+    def train(self, mode: bool = True) -> Module:
+        for _, m in self.named_modules():
+            m.training = mode
+        return self
+
+    def eval(self) -> Module:
+        return self.train(False)
+
+    def to(self, device: str) -> Module:
+        """Move parameters (and gradients) to ``"cpu"`` or ``"gpu"``."""
+        xp = get_xp(device)
+        for p in self.parameters():
+            p.data = to_device(p.data, xp)
+            p.grad = xp.zeros_like(p.data)
+        return self
+
+    # -- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameter arrays by dotted name (the arrays themselves, not copies)."""
+        return {name: p.data for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy ``state`` into the parameters; refuses missing, unexpected or misshapen entries."""
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(state))
+        unexpected = sorted(set(state) - set(params))
+        wrong = [
+            f"{k}: expected {params[k].shape}, got {tuple(np.shape(state[k]))}"
+            for k in params
+            if k in state and tuple(np.shape(state[k])) != params[k].shape
+        ]
+        if missing or unexpected or wrong:
+            parts = []
+            if missing:
+                parts.append(f"missing: {', '.join(missing)}")
+            if unexpected:
+                parts.append(f"unexpected: {', '.join(unexpected)}")
+            if wrong:
+                parts.append(f"wrong shape: {'; '.join(wrong)}")
+            raise ValueError(f"{type(self).__name__}.load_state_dict refused ({' | '.join(parts)})")
+        for k, p in params.items():
+            xp = xp_of(p.data)
+            p.data[...] = to_device(state[k], xp).astype(p.dtype, copy=False)
+
+    # -- micro-batch caches (pipeline parallelism) --------------------------------------------
+
+    def get_cache(self) -> dict[str, Any]:
+        """What every submodule keeps for its backward, so another micro-batch can run."""
+        return {name: m.__dict__.get("cache") for name, m in self.named_modules()}
+
+    def set_cache(self, caches: dict[str, Any]) -> None:
+        for name, m in self.named_modules():
+            m.__dict__["cache"] = caches.get(name)
+
+    def __repr__(self) -> str:
+        kids = self.__dict__.get("_modules", {})
+        if not kids:
+            return f"{type(self).__name__}({self.extra_repr()})"
+        inner = "\n".join(f"  ({k}): " + repr(m).replace("\n", "\n  ") for k, m in kids.items())
+        return f"{type(self).__name__}(\n{inner}\n)"
+
+    def extra_repr(self) -> str:
+        return ""
+
+
+class Sequential(Module):
+    """Modules applied in order; backward runs them in reverse.
+
+    ``names`` keeps the original indices when a pipeline cuts a slice out of a bigger model, so
+    parameter names stay those of the full model.
+    """
+
+    def __init__(self, *modules: Module, names: list[str] | None = None) -> None:
+        names = [str(i) for i in range(len(modules))] if names is None else list(names)
+        if len(names) != len(modules):
+            raise ValueError(f"{len(modules)} modules but {len(names)} names")
+        for name, m in zip(names, modules):
+            if not isinstance(m, Module):
+                raise TypeError(f"Sequential takes Modules, got {type(m).__name__} at {name}")
+            setattr(self, name, m)
+        self.layer_names = names
+
+    def __len__(self) -> int:
+        return len(self.layer_names)
+
+    def __iter__(self) -> Iterator[Module]:
+        return (getattr(self, n) for n in self.layer_names)
+
+    def __getitem__(self, i: int | slice) -> Module:
+        if isinstance(i, slice):
+            names = self.layer_names[i]
+            return Sequential(*(getattr(self, n) for n in names), names=names)
+        return getattr(self, self.layer_names[i])
+
+    def forward(self, x: Any) -> Any:
+        for m in self:
+            x = m.forward(x)
+        return x
+
+    def backward(self, grad_out: Any) -> Any:
+        for n in reversed(self.layer_names):
+            grad_out = getattr(self, n).backward(grad_out)
+        return grad_out

@@ -1,0 +1,156 @@
+"""Optimizers: SGD, Adam, AdamW with the formulas and defaults of the widely used references.
+
+State is kept per parameter *name* (``Parameter.name``), so a checkpoint can store it next to the
+parameter and reshard it with it. ``schedule`` (a callable ``step -> multiplier``) scales ``lr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..backend import to_device, xp_of
+from ..nn.module import Parameter
+
+
+class Optimizer:
+    """Base: holds parameters, the step count and per-parameter state."""
+
+    state_keys: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        params: Iterable[Parameter],
+        lr: float,
+        schedule: Callable[[int], float] | None = None,
+    ) -> None:
+        self.params = list(params)
+        if not self.params:
+            raise ValueError(f"{type(self).__name__} got no parameters")
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        names = [p.name or str(i) for i, p in enumerate(self.params)]
+        if len(set(names)) != len(names):
+            raise ValueError("parameters passed to an optimizer must have distinct names")
+        self.names = names
+        self.lr = lr
+        self.schedule = schedule
+        self.step_count = 0
+        self.state: dict[str, dict[str, Any]] = {n: {} for n in names}
+
+    @property
+    def current_lr(self) -> float:
+        """The learning rate the next ``step`` uses (after the schedule)."""
+        return self.lr * (self.schedule(self.step_count) if self.schedule else 1.0)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad.fill(0)
+
+    def step(self) -> None:
+        lr = self.current_lr
+        self.step_count += 1
+        for name, p in zip(self.names, self.params):
+            self._update(p, self.state[name], lr)
+
+    def _update(self, p: Parameter, state: dict[str, Any], lr: float) -> None:
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        """Hyper-parameters (compared across ranks and stored in checkpoints)."""
+        return {"type": type(self).__name__, "lr": self.lr}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"step": n, "config": {...}, "state": {param name: {key: array}}}``."""
+        return {"step": self.step_count, "config": self.config(), "state": self.state}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        unknown = sorted(set(sd["state"]) - set(self.names))
+        if unknown:
+            raise ValueError(f"optimizer state for unknown parameters: {', '.join(unknown)}")
+        self.step_count = int(sd["step"])
+        for name, p in zip(self.names, self.params):
+            src = sd["state"].get(name, {})
+            xp = xp_of(p.data)
+            self.state[name] = {k: to_device(v, xp).astype(p.dtype, copy=True) for k, v in src.items()}
+
+
+class SGD(Optimizer):
+    """SGD with momentum, Nesterov and (L2) weight decay, as in the common reference."""
+
+    state_keys = ("momentum_buffer",)
+
+    def __init__(self, params, lr: float, momentum: float = 0.0, nesterov: bool = False,
+                 weight_decay: float = 0.0, schedule=None) -> None:
+        super().__init__(params, lr, schedule)
+        if nesterov and momentum <= 0:
+            raise ValueError("nesterov=True needs momentum > 0")
+        self.momentum, self.nesterov, self.weight_decay = momentum, nesterov, weight_decay
+
+    def _update(self, p, state, lr) -> None:
+        g = p.grad
+        if self.weight_decay:
+            g = g + self.weight_decay * p.data
+        if self.momentum:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = g.copy()
+            else:
+                buf *= self.momentum
+                buf += g
+            g = g + self.momentum * buf if self.nesterov else buf
+        p.data -= lr * g
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "momentum": self.momentum, "nesterov": self.nesterov,
+                "weight_decay": self.weight_decay}
+
+
+class Adam(Optimizer):
+    """Adam with bias correction; ``weight_decay`` is L2 added to the gradient."""
+
+    state_keys = ("exp_avg", "exp_avg_sq")
+    decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, schedule=None) -> None:
+        super().__init__(params, lr, schedule)
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
+
+    def _update(self, p, state, lr) -> None:
+        b1, b2 = self.betas
+        t = self.step_count
+        g = p.grad
+        if self.weight_decay:
+            if self.decoupled:
+                p.data *= 1 - lr * self.weight_decay
+            else:
+                g = g + self.weight_decay * p.data
+        if "exp_avg" not in state:
+            xp = xp_of(p.data)
+            state["exp_avg"] = xp.zeros_like(p.data)
+            state["exp_avg_sq"] = xp.zeros_like(p.data)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m *= b1
+        m += (1 - b1) * g
+        v *= b2
+        v += (1 - b2) * (g * g)
+        step_size = lr / (1 - b1**t)
+        denom = xp_of(v).sqrt(v / (1 - b2**t)) + self.eps
+        p.data -= step_size * (m / denom)
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (``p *= 1 - lr * wd`` before the Adam update)."""
+
+    decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, schedule=None) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, schedule)

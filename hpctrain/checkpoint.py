@@ -1,0 +1,406 @@
+"""HDF5 checkpoints of a whole training state, atomic, loadable under another layout.
+
+One file holds every parameter as a full (unsharded) tensor under its dotted name, the
+optimizer state per parameter, the trainer's own state (counters, RNG states, sampler position)
+and configuration, the layout it was saved from, a format version and hpctrain's version.
+
+Trainers describe what they hold with ``trainer.shards()``: for each parameter name, the local
+``Parameter``, the full shape and the index of the local array inside the full tensor. Saving
+walks the names in sorted order and rank 0 writes each piece as it arrives (one tensor slice in
+memory at a time); loading reads on every rank only the hyperslabs it needs.
+
+The file is written under a temporary name in the same directory, flushed, fsynced and renamed:
+a crash mid-write leaves the previous checkpoint intact. Every dataset carries a CRC32 that is
+checked on load.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .backend import to_device, to_host, xp_of
+from .errors import CheckpointError
+
+FORMAT = "hpctrain-checkpoint"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"ckpt-(\d{8,})\.h5$")
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _crc(a: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
+
+
+def _slices(index: tuple) -> list[list[int | None]]:
+    return [[s.start, s.stop, s.step] for s in index]
+
+
+def _index(spec: list) -> tuple[slice, ...]:
+    return tuple(slice(*s) for s in spec)
+
+
+def _norm_index(index: tuple, shape: tuple) -> tuple[slice, ...]:
+    """Concrete (start, stop, 1) slices, so equal pieces compare equal across ranks."""
+    out = []
+    for s, n in zip(index, shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise CheckpointError(f"shards() must use unit-step slices, got {s}")
+        out.append(slice(start, stop, 1))
+    return tuple(out)
+
+
+def _to_json(obj: Any, arrays: dict[str, np.ndarray], path: str = "") -> Any:
+    """JSON-able copy of ``obj``; arrays are moved to ``arrays`` and left as references."""
+    if isinstance(obj, dict):
+        return {str(k): _to_json(v, arrays, f"{path}/{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_json(v, arrays, f"{path}/{i}") for i, v in enumerate(obj)]
+    if hasattr(obj, "__array__") and not np.isscalar(obj):
+        arrays[path] = to_host(obj)
+        return {"__array__": path}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _from_json(obj: Any, arrays: dict[str, np.ndarray]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__array__"}:
+            return arrays[obj["__array__"]]
+        return {k: _from_json(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(v, arrays) for v in obj]
+    return obj
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _optimizer(trainer: Any) -> Any:
+    return getattr(trainer, "optimizer", None)
+
+
+def _local_pieces(trainer: Any) -> dict[str, tuple[Any, tuple, tuple]]:
+    """{dataset path: (local array, full shape, index)} for parameters and optimizer state."""
+    opt = _optimizer(trainer)
+    pieces: dict[str, tuple[Any, tuple, tuple]] = {}
+    for name, (param, full_shape, index) in trainer.shards().items():
+        full_shape = tuple(int(n) for n in full_shape)
+        index = _norm_index(tuple(index), full_shape)
+        pieces[f"model/{name}"] = (param.data, full_shape, index)
+        state = opt.state.get(param.name, {}) if opt is not None else {}
+        for key, value in sorted(state.items()):
+            if hasattr(value, "shape") and tuple(value.shape) == tuple(param.data.shape):
+                pieces[f"optim/{name}/{key}"] = (value, full_shape, index)
+    return pieces
+
+
+# -- save ------------------------------------------------------------------------------------
+
+
+def save(path: str, trainer: Any) -> str:
+    """Write ``trainer``'s whole state to ``path`` (collective: every rank of the job calls it).
+
+    Returns the path. The previous file at ``path`` (if any) is replaced only once the new one
+    is complete on disk.
+    """
+    import h5py
+
+    comm = trainer.comm
+    pieces = _local_pieces(trainer)
+    meta = {k: (full, _slices(idx), str(np.dtype(a.dtype))) for k, (a, full, idx) in pieces.items()}
+    everyone = comm.allgather_obj(meta)
+    # One owner per distinct piece (the lowest rank holding it); replicas write nothing.
+    plan: dict[str, list[tuple[list, int]]] = {}
+    shapes: dict[str, tuple[tuple, str]] = {}
+    for rank, m in enumerate(everyone):
+        for key, (full, idx, dtype) in m.items():
+            have = shapes.setdefault(key, (tuple(full), dtype))
+            if have != (tuple(full), dtype):
+                raise CheckpointError(f"ranks disagree on {key}: {have} vs {(tuple(full), dtype)}")
+            if all(idx != i for i, _ in plan.setdefault(key, [])):
+                plan[key].append((idx, rank))
+    for key, parts in plan.items():
+        covered = sum(int(np.prod([len(range(*s)) for s in idx])) for idx, _ in parts)
+        if covered != int(np.prod(shapes[key][0])):
+            raise CheckpointError(f"the ranks' shards of {key} do not cover its full shape {shapes[key][0]}")
+
+    state = trainer.state_dict()
+    extra_arrays: dict[str, np.ndarray] = {}
+    state_json = json.dumps(_to_json(state, extra_arrays))
+    opt = _optimizer(trainer)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    error = None
+    f = None
+    if comm.rank == 0:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            f = h5py.File(tmp, "w")
+            f.attrs["format"] = FORMAT
+            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["hpctrain_version"] = __version__
+            f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            f.attrs["layout"] = json.dumps(getattr(trainer, "layout", {"dp": comm.size}))
+            f.attrs["config"] = json.dumps(trainer.config())
+            f.attrs["trainer_state"] = state_json
+            f.attrs["optimizer"] = json.dumps(
+                {} if opt is None else {"step": opt.step_count, "config": opt.config()}
+            )
+            for key, arr in extra_arrays.items():
+                d = f.create_dataset(f"state{key}", data=arr)
+                d.attrs["crc32"] = _crc(arr)
+        except Exception as exc:  # reported on every rank below
+            error = f"cannot write checkpoint {tmp}: {exc}"
+    error = comm.bcast_obj(error)
+    if error:
+        raise CheckpointError(error)
+
+    for key in sorted(plan):
+        full, dtype = shapes[key]
+        whole = len(plan[key]) == 1  # one piece is the whole tensor: checksum it as it passes
+        if comm.rank == 0:
+            dset = f.create_dataset(key, shape=full, dtype=dtype)
+        for idx_spec, owner in plan[key]:
+            idx = _index(idx_spec)
+            piece = None
+            if comm.rank == owner:
+                piece = np.ascontiguousarray(to_host(pieces[key][0]))
+                if owner != 0:
+                    comm.send(piece, dest=0, tag=17)
+            elif comm.rank == 0:
+                buf = np.empty([len(range(*s)) for s in idx_spec], dtype=dtype)
+                piece = comm.recv(buf, source=owner, tag=17)
+            if comm.rank == 0:
+                dset[idx] = piece
+                if whole:
+                    dset.attrs["crc32"] = _crc(piece)
+        if comm.rank == 0 and not whole:
+            # Pieces arrive in index order, not byte order: checksum the assembled tensor.
+            dset.attrs["crc32"] = _crc(dset[()])
+
+    if comm.rank == 0:
+        try:
+            f.flush()
+            f.close()
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path)
+        except Exception as exc:
+            error = f"cannot finish checkpoint {path}: {exc}"
+    error = comm.bcast_obj(error)
+    if error:
+        raise CheckpointError(error)
+    return path
+
+
+# -- load ------------------------------------------------------------------------------------
+
+
+def _verify(path: str) -> dict[str, Any]:
+    """Open ``path`` and check every dataset's CRC; the header as a dict, or an exception."""
+    import h5py
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        f = h5py.File(path, "r")
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} is not a readable HDF5 file ({exc})") from None
+    with f:
+        if f.attrs.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not an hpctrain checkpoint (no '{FORMAT}' marker)")
+        version = int(f.attrs.get("format_version", -1))
+        if version > FORMAT_VERSION:
+            raise CheckpointError(f"{path} has format version {version}; this hpctrain reads <= {FORMAT_VERSION}")
+        bad: list[str] = []
+
+        def check(name: str, obj: Any) -> None:
+            if isinstance(obj, h5py.Dataset):
+                try:
+                    ok = _crc(obj[()]) == int(obj.attrs["crc32"])
+                except Exception as exc:  # truncated data, missing attribute
+                    ok = False
+                    name = f"{name} ({exc})"
+                if not ok:
+                    bad.append(name)
+
+        f.visititems(check)
+        if bad:
+            raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in {', '.join(bad[:5])}")
+        header = {k: f.attrs[k] for k in ("layout", "config", "trainer_state", "optimizer")}
+        header = {k: json.loads(v) for k, v in header.items()}
+        header["hpctrain_version"] = str(f.attrs.get("hpctrain_version"))
+        header["datasets"] = sorted(k for k in _all_datasets(f))
+        return header
+
+
+def _all_datasets(f: Any) -> list[str]:
+    import h5py
+
+    names: list[str] = []
+    f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    return names
+
+
+def load(path: str, trainer: Any) -> dict[str, Any]:
+    """Restore ``trainer`` from ``path`` (collective). Returns the checkpoint's header.
+
+    The saved layout may differ from the trainer's: every rank reads the slices it holds now.
+    A missing file raises ``FileNotFoundError`` and a corrupt, truncated or foreign one a
+    ``CheckpointError``, on every rank.
+    """
+    import h5py
+
+    comm = trainer.comm
+    verdict: Any
+    if comm.rank == 0:
+        try:
+            verdict = ("ok", _verify(path))
+        except FileNotFoundError as exc:
+            verdict = ("missing", str(exc))
+        except CheckpointError as exc:
+            verdict = ("bad", str(exc))
+    verdict = comm.bcast_obj(verdict if comm.rank == 0 else None)
+    if verdict[0] == "missing":
+        raise FileNotFoundError(verdict[1])
+    if verdict[0] == "bad":
+        raise CheckpointError(verdict[1])
+    header = verdict[1]
+
+    pieces = _local_pieces_for_load(trainer)
+    problems: list[str] = []
+    with h5py.File(path, "r") as f:
+        for key, (assign, _local_shape, full_shape, index) in pieces.items():
+            if key not in f:
+                if key.startswith("model/"):
+                    problems.append(f"{key[6:]} is not in the checkpoint")
+                continue
+            dset = f[key]
+            if tuple(dset.shape) != tuple(full_shape):
+                problems.append(f"{key}: checkpoint has shape {dset.shape}, model needs {full_shape}")
+                continue
+            assign(dset[index])
+        wanted = {k for k in pieces if k.startswith("model/")}
+        stored = {f"model/{k}" for k in f["model"]} if "model" in f else set()
+    everyone = comm.allgather_obj((problems, sorted(wanted)))
+    all_problems = [p for ps, _ in everyone for p in ps]
+    all_wanted = set().union(*(set(w) for _, w in everyone))
+    all_problems += [f"{k[6:]} is in the checkpoint but not in the model" for k in sorted(stored - all_wanted)]
+    if all_problems:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(all_problems[:6]))
+
+    opt = _optimizer(trainer)
+    if opt is not None and header["optimizer"]:
+        opt.step_count = int(header["optimizer"]["step"])
+    arrays: dict[str, np.ndarray] = {}
+    with h5py.File(path, "r") as f:
+        if "state" in f:
+            f["state"].visititems(
+                lambda n, o: arrays.__setitem__("/" + n, o[()]) if isinstance(o, h5py.Dataset) else None
+            )
+    trainer.load_state_dict(_from_json(header["trainer_state"], arrays))
+    return header
+
+
+def _local_pieces_for_load(trainer: Any) -> dict[str, tuple[Any, tuple, tuple, tuple]]:
+    """{dataset path: (assign(array), local shape, full shape, index)} for what this rank holds."""
+    opt = _optimizer(trainer)
+    out: dict[str, tuple[Any, tuple, tuple, tuple]] = {}
+    keys = getattr(opt, "state_keys", ()) if opt is not None else ()
+    for name, (param, full_shape, index) in trainer.shards().items():
+        full_shape = tuple(int(n) for n in full_shape)
+        index = _norm_index(tuple(index), full_shape)
+
+        def set_param(a: np.ndarray, p: Any = param) -> None:
+            p.data[...] = to_device(a, xp_of(p.data)).astype(p.dtype, copy=False)
+
+        out[f"model/{name}"] = (set_param, param.shape, full_shape, index)
+        for key in keys:
+
+            def set_state(a: np.ndarray, p: Any = param, k: str = key) -> None:
+                opt.state.setdefault(p.name, {})[k] = to_device(a, xp_of(p.data)).astype(p.dtype, copy=True)
+
+            out[f"optim/{name}/{key}"] = (set_state, param.shape, full_shape, index)
+    return out
+
+
+# -- directories of checkpoints --------------------------------------------------------------
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"ckpt-{step:08d}.h5")
+
+
+def list_checkpoints(directory: str) -> list[str]:
+    """Complete checkpoints in ``directory``, oldest first (temporary files are ignored)."""
+    found = [p for p in glob.glob(os.path.join(directory, "ckpt-*.h5")) if _NAME.search(p)]
+    return sorted(found, key=lambda p: int(_NAME.search(p).group(1)))
+
+
+def save_in(directory: str, trainer: Any, keep: int = 3) -> str:
+    """Save as ``ckpt-<step>.h5`` in ``directory`` and delete all but the newest ``keep``."""
+    path = save(checkpoint_path(directory, trainer.global_step), trainer)
+    if trainer.comm.rank == 0 and keep > 0:
+        for old in list_checkpoints(directory)[:-keep]:
+            os.remove(old)
+    trainer.comm.barrier()
+    return path
+
+
+def load_latest(directory: str, trainer: Any) -> str | None:
+    """Load the newest checkpoint in ``directory`` that verifies; ``None`` if there is none.
+
+    A newest file that is corrupt (say, the job died while the disk was failing) is skipped with
+    a warning on rank 0 and the one before it is used.
+    """
+    comm = trainer.comm
+    candidates = comm.bcast_obj(list_checkpoints(directory) if comm.rank == 0 else None)
+    for path in reversed(candidates):
+        try:
+            load(path, trainer)
+            return path
+        except CheckpointError as exc:
+            if comm.rank == 0:
+                print(f"hpctrain: skipping checkpoint {path}: {exc}", flush=True)
+    return None
+
+
+def inspect(path: str) -> str:
+    """A human-readable summary of what a checkpoint holds (no MPI needed)."""
+    import h5py
+
+    header = _verify(path)
+    lines = [f"checkpoint {path}"]
+    lines.append(f"  hpctrain {header['hpctrain_version']}, saved from layout {header['layout']}")
+    state = header["trainer_state"]
+    lines.append(f"  step {state.get('global_step')}, epoch {state.get('epoch')}")
+    lines.append(f"  trainer: {json.dumps(header['config'])}")
+    if header["optimizer"]:
+        lines.append(f"  optimizer: {json.dumps(header['optimizer']['config'])} at step {header['optimizer']['step']}")
+    total = 0
+    with h5py.File(path, "r") as f:
+        for name in sorted(f["model"]) if "model" in f else []:
+            d = f["model"][name]
+            total += d.size
+            states = sorted(f["optim"][name]) if "optim" in f and name in f["optim"] else []
+            lines.append(f"  {name:<40} {str(d.shape):<18} {d.dtype}  {' '.join(states)}")
+    lines.append(f"  {total:,} parameters; all checksums verified")
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""GPU paths. The MPI side of the NCCL bootstrap runs everywhere; the rest needs CuPy and a
+GPU and skips cleanly without them (CI has none)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpctrain import Communicator, backend
+from hpctrain.comm import nccl
+from hpctrain.errors import DtypeError
+
+pytestmark = pytest.mark.timeout(120)
+needs_gpu = pytest.mark.skipif(backend.cupy() is None, reason="needs CuPy and an NVIDIA GPU")
+
+
+def test_nccl_id_bootstrap_over_mpi(comm):
+    """Every rank receives rank 0's id, byte for byte (the id itself is opaque to us)."""
+    rng = np.random.default_rng(comm.bcast_obj(int(np.random.default_rng().integers(1 << 30))))
+    expected = tuple(int(v) for v in rng.integers(-128, 128, nccl.UNIQUE_ID_BYTES))
+    calls = []
+
+    def make_id():
+        calls.append(1)
+        return expected
+
+    assert nccl.bootstrap_id(comm, make_id) == expected
+    assert len(calls) == (1 if comm.rank == 0 else 0)
+
+
+def test_nccl_type_tables():
+    assert nccl.nccl_dtype(np.float32) == 7 and nccl.nccl_dtype("float16") == 6
+    with pytest.raises(DtypeError):
+        nccl.nccl_dtype(np.complex64)
+    with pytest.raises(ValueError, match="op must be"):
+        nccl.nccl_op("prod-ish")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "float16"])
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_device_allreduce_matches_numpy(comm, dtype, op):
+    cp = backend.cupy()
+    if op == "mean" and dtype == "int32":
+        pytest.skip("mean is defined for floating dtypes only")
+    backend.select_device(comm.local_rank)
+    all_x = np.stack([np.arange(1000, dtype=dtype) * (r + 1) for r in range(comm.size)])
+    ref = {"sum": all_x.sum(0), "mean": all_x.mean(0), "max": all_x.max(0)}[op]
+    for staged in (False, True):
+        c = Communicator(comm.mpi)
+        c._cuda_aware = False if staged else c.cuda_aware
+        got = c.allreduce(cp.asarray(all_x[comm.rank]), op=op)
+        assert isinstance(got, cp.ndarray)
+        np.testing.assert_allclose(got.get(), ref.astype(dtype), rtol=1e-2 if dtype == "float16" else 1e-6)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_device_point_to_point_and_bcast(comm):
+    cp = backend.cupy()
+    backend.select_device(comm.local_rank)
+    x = cp.full(257, comm.rank, dtype=cp.float32)
+    comm.bcast(x, root=comm.size - 1)
+    assert float(x[0].get()) == comm.size - 1
+    if comm.size > 1:
+        right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+        out = cp.empty(257, cp.float32)
+        r = comm.irecv(out, source=left)
+        comm.isend(cp.full(257, comm.rank, cp.float32), dest=right).wait()
+        assert float(r.wait()[0].get()) == left
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_nccl_allreduce_one_gpu_per_rank(comm):
+    cp = backend.cupy()
+    if cp.cuda.runtime.getDeviceCount() < comm.size:
+        pytest.skip(f"NCCL needs one GPU per rank: {comm.size} ranks, "
+                    f"{cp.cuda.runtime.getDeviceCount()} GPU(s)")
+    backend.select_device(comm.local_rank)
+    nc = nccl.NcclCommunicator(comm)
+    x = cp.full(1 << 16, comm.rank + 1, dtype=cp.float32)
+    np.testing.assert_allclose(nc.allreduce(x).get(), comm.size * (comm.size + 1) / 2)

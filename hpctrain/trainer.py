@@ -35,8 +35,21 @@ class StepStats:
 class Trainer:
     """Base of the trainers: owns the step/epoch counters and the ``fit`` loop."""
 
-    def __init__(self, *, comm: Communicator | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        comm: Communicator | None = None,
+        on_nonfinite: str = "raise",
+        timeout: float | None = None,
+    ) -> None:
+        from .guard import POLICIES
+
+        if on_nonfinite not in POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {POLICIES}, got {on_nonfinite!r}")
         self.comm = comm if comm is not None else Communicator()
+        self.on_nonfinite = on_nonfinite
+        # Seconds a collective may wait before the watchdog aborts the job (None: HPCTRAIN_TIMEOUT).
+        self.timeout = timeout
         self.global_step = 0
         self.epoch = 0
 

@@ -31,6 +31,19 @@ test-mpi2: venv
 test-mpi4: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI)
 
+# A real single-node Slurm on this machine (tests/test_slurm.py): Debian's slurmctld, slurmd and
+# munge are installed when missing (needs root and apt-get; otherwise the test skips and says why).
+SLURM_PKGS := slurmctld slurmd slurm-client munge
+test-slurm: venv
+	@if ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing $(SLURM_PKGS)"; \
+	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null; \
+	  else echo "Slurm is not installed and this is not root with apt-get: the test will skip"; fi; \
+	fi
+	HPCTRAIN_TEST_SLURM=1 $(PY) -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm.py
+
 demo: venv
 	$(MPIEXEC) -n 2 $(VENV)/bin/hpctrain info
 

@@ -62,7 +62,8 @@ class Linear(Module):
 class ReLU(Module):
     """``max(x, 0)``; the gradient at exactly 0 is taken as 0."""
 
-    def __init__(self) -> None:
+    def __init__(self, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        # rng and dtype are accepted so every layer shares one constructor signature; unused.
         self.cache = None
 
     def forward(self, x: Any) -> Any:
@@ -79,7 +80,8 @@ class ReLU(Module):
 class GELU(Module):
     """GELU in the tanh approximation of GPT-2: ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``."""
 
-    def __init__(self) -> None:
+    def __init__(self, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        # rng and dtype are accepted so every layer shares one constructor signature; unused.
         self.cache = None
 
     def forward(self, x: Any) -> Any:
@@ -98,7 +100,8 @@ class GELU(Module):
 class Tanh(Module):
     """Elementwise ``tanh``."""
 
-    def __init__(self) -> None:
+    def __init__(self, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        # rng and dtype are accepted so every layer shares one constructor signature; unused.
         self.cache = None
 
     def forward(self, x: Any) -> Any:
@@ -162,9 +165,10 @@ class LayerNorm(Module):
 def _scatter_add(target: Any, index: Any, values: Any) -> None:
     """``target[index] += values`` with repeated indices accumulated (numpy or cupy)."""
     xp = xp_of(target)
-    if xp is np:
-        np.add.at(target, index, values)
-    else:  # CuPy: cupyx.scatter_add works on every CuPy version that has it
+    add_at = getattr(xp.add, "at", None)  # NumPy, and CuPy >= 13
+    if add_at is not None:
+        add_at(target, index, values)
+    else:  # older CuPy
         import cupyx
 
         cupyx.scatter_add(target, index, values)
@@ -181,9 +185,10 @@ class Embedding(Module):
         self,
         n: int,
         d: int,
-        std: float = 1.0,
         rng: int | np.random.Generator | None = None,
         dtype: Any = np.float32,
+        *,
+        std: float = 1.0,
     ) -> None:
         if n < 1 or d < 1:
             raise ValueError(f"Embedding needs positive sizes, got n={n}, d={d}")
@@ -221,7 +226,8 @@ class Dropout(Module):
     seed drop the same elements.
     """
 
-    def __init__(self, p: float = 0.5, rng: int | np.random.Generator | None = None) -> None:
+    def __init__(self, p: float = 0.5, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        # dtype is accepted for a uniform constructor signature; the mask takes the input's dtype.
         if not 0.0 <= p < 1.0:
             raise ValueError(f"Dropout probability must be in [0, 1), got {p}")
         self.p = p

@@ -221,9 +221,10 @@ class Embedding(Module):
 class Dropout(Module):
     """Zeroes each element with probability ``p`` and scales the rest by ``1 / (1 - p)``.
 
-    Identity in eval mode or when ``p == 0``. The mask is drawn on the host from ``self.rng`` (a
-    ``numpy.random.Generator``, which trainers checkpoint), so NumPy and CuPy runs with the same
-    seed drop the same elements.
+    Identity in eval mode or when ``p == 0``. ``self.rng`` (a ``numpy.random.Generator``, which
+    trainers checkpoint) is the only random state: on NumPy it draws the mask, on CuPy it draws a
+    seed for a device generator, so the mask is made on the GPU (no host-to-device copy) and runs
+    stay reproducible from the seed on either device (the two devices draw different masks).
     """
 
     def __init__(self, p: float = 0.5, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
@@ -238,8 +239,12 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             self.cache = None
             return x
-        keep = self.rng.random(x.shape) >= self.p
-        mask = to_device((keep / (1.0 - self.p)).astype(x.dtype), xp_of(x))
+        xp = xp_of(x)
+        if xp is np:
+            u = self.rng.random(x.shape)
+        else:
+            u = xp.random.RandomState(int(self.rng.integers(2**63))).random_sample(x.shape)
+        mask = (u >= self.p).astype(x.dtype) * (1.0 / (1.0 - self.p))
         self.cache = mask
         return x * mask
 

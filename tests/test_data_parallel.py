@@ -110,7 +110,8 @@ def test_serial_trainer_matches_plain_loop():
     comm = ht.Communicator().split(ht.Communicator().rank)
     x, y = global_data(24)
     model = make_model(0)
-    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=make_opt("sgd", model.parameters()),
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=make_opt("sgd", model.parameters()),
                              comm=comm)
     for _ in range(3):
         tr.step(x, y)
@@ -135,7 +136,8 @@ def test_bad_arguments_refused():
 @pytest.mark.timeout(120)
 def test_replicas_bitwise_identical_after_many_steps(comm):
     model = make_model(100 + comm.rank, np.float32)  # different init per rank: rank 0's wins
-    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=make_opt("adamw", model.parameters()),
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=make_opt("adamw", model.parameters()),
                              comm=comm, bucket_mb=0.002)
     g = np.random.default_rng(comm.rank)  # different data on every rank
     for _ in range(40):
@@ -152,7 +154,8 @@ def test_replicas_bitwise_identical_after_many_steps(comm):
 @pytest.mark.timeout(60)
 def test_check_replicas_detects_drift(comm):
     model = make_model(0)
-    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=make_opt("sgd", model.parameters()),
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=make_opt("sgd", model.parameters()),
                              comm=comm)
     tr.check_replicas()
     if comm.rank == comm.size - 1:
@@ -171,7 +174,8 @@ def test_equivalence_with_serial(comm, opt_kind, accum, clip, overlap):
     steps, per_rank = 4, 6
     batches = [global_data(per_rank * comm.size, seed=s) for s in range(steps)]
     model = make_model(0)
-    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=make_opt(opt_kind, model.parameters()),
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=make_opt(opt_kind, model.parameters()),
                              comm=comm, bucket_mb=0.001, overlap=overlap, accum_steps=accum, clip_norm=clip)
     assert tr._hooks is None or tr._hooks.active == overlap
     stats = [tr.step(share(x, comm), share(y, comm)) for x, y in batches]
@@ -189,7 +193,8 @@ def test_compression_close_to_serial(comm, compression):
     steps, per_rank = 5, 8
     batches = [global_data(per_rank * comm.size, seed=s, dtype=np.float32) for s in range(steps)]
     model = make_model(0, np.float32)
-    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=make_opt("sgd", model.parameters()),
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=make_opt("sgd", model.parameters()),
                              comm=comm, bucket_mb=0.001, compression=compression)
     for x, y in batches:
         tr.step(share(x, comm), share(y, comm))
@@ -236,7 +241,8 @@ def test_masked_samples_weight_each_rank_by_true_count(comm):
     w_all = np.concatenate([(np.arange(per_rank) < per_rank - min(r, per_rank - 1)).astype(float)
                             for r in range(comm.size)])
     model = make_model(0)
-    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=make_opt("sgd", model.parameters()),
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=make_opt("sgd", model.parameters()),
                              comm=comm, accum_steps=2, bucket_mb=0.001)
     stats = [tr.step(share(x, comm), share(y, comm), share(w_all, comm)) for x, y in batches]
     keep = w_all > 0
@@ -270,7 +276,8 @@ class TwoBranch(Module):
 def test_unused_parameters_contribute_zeros(comm, overlap):
     x, y = global_data(4 * comm.size, seed=3)
     model = TwoBranch(use_b=comm.rank == 0)
-    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=ht.optim.SGD(model.parameters(), lr=1.0),
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=ht.optim.SGD(model.parameters(), lr=1.0),
                              comm=comm, overlap=overlap, bucket_mb=1e-4)
     before = model.b.weight.data.copy()
     tr.step(share(x, comm), share(y, comm))

@@ -11,15 +11,15 @@ builds from the same serial model, so every rank refuses alike.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
-from ..backend import xp_of
+from ..backend import to_device, xp_of
 from ..nn.layers import Linear
 from ..nn.losses import _per_sample_weight
 from ..nn.module import Module, Parameter
+from ..nn.transformer import causal_attention, causal_attention_backward
 from .tensor_mappings import copy_to_tp, gather_from_tp, partition, reduce_from_tp, scatter_to_tp
 
 
@@ -229,36 +229,23 @@ class ParallelSelfAttention(Module):
         return a.reshape(b, t, self.n_local_heads, self.head_dim).transpose(0, 2, 1, 3)
 
     def forward(self, x: Any) -> Any:
-        xp = xp_of(x)
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"ParallelSelfAttention expects (B, T, {self.d_model}), got {x.shape}")
         b, t, _ = x.shape
         dl = self.n_local_heads * self.head_dim
         qkv = self.qkv.forward(x)
         q, k, v = (self._heads(qkv[..., j * dl : (j + 1) * dl]) for j in range(3))
-        scale = 1.0 / math.sqrt(self.head_dim)
-        scores = (q @ k.transpose(0, 1, 3, 2)) * scale
-        future = xp.triu(xp.ones((t, t), dtype=bool), k=1)
-        scores = xp.where(future, -xp.inf, scores)
-        scores -= scores.max(axis=-1, keepdims=True)
-        att = xp.exp(scores)
-        att /= att.sum(axis=-1, keepdims=True)
-        y = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, dl)
-        self.cache = (q, k, v, att, scale)
-        return self.proj.forward(y)
+        y, att = causal_attention(q, k, v)  # the serial attention core, on this rank's heads
+        self.cache = (q, k, v, att)
+        return self.proj.forward(y.transpose(0, 2, 1, 3).reshape(b, t, dl))
 
     def backward(self, grad_out: Any) -> Any:
-        xp = xp_of(grad_out)
-        q, k, v, att, scale = self.cache
+        q, k, v, att = self.cache
         b, _, t, _ = q.shape
         dy = self._heads(self.proj.backward(grad_out))
-        datt = dy @ v.transpose(0, 1, 3, 2)
-        dv = att.transpose(0, 1, 3, 2) @ dy
-        dscores = att * (datt - (datt * att).sum(axis=-1, keepdims=True)) * scale
-        dq = dscores @ k
-        dk = dscores.transpose(0, 1, 3, 2) @ q
-        merged = [g.transpose(0, 2, 1, 3).reshape(b, t, -1) for g in (dq, dk, dv)]
-        return self.qkv.backward(xp.concatenate(merged, axis=-1))
+        grads = causal_attention_backward(dy, q, k, v, att)
+        merged = [g.transpose(0, 2, 1, 3).reshape(b, t, -1) for g in grads]
+        return self.qkv.backward(xp_of(grad_out).concatenate(merged, axis=-1))
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads} (local {self.n_local_heads}), tp={self.comm.size}"
@@ -289,6 +276,12 @@ class VocabParallelEmbedding(Module):
         xp = xp_of(self.weight.data)
         if idx.dtype.kind not in "iu":
             raise TypeError(f"VocabParallelEmbedding needs integer ids, got {idx.dtype}")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.n):
+            raise IndexError(
+                f"VocabParallelEmbedding({self.n}): ids must be in [0, {self.n}), "
+                f"got range [{int(idx.min())}, {int(idx.max())}]"
+            )
+        idx = to_device(idx, xp)
         mine = (idx >= self.start) & (idx < self.stop)
         local = xp.where(mine, idx - self.start, 0)
         out = self.weight.data[local] * mine[..., None]

@@ -11,6 +11,7 @@ builds from the same serial model, so every rank refuses alike.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -179,7 +180,7 @@ class ParallelMLP(Module):
             raise ValueError(
                 f"ParallelMLP: hidden size {d_hidden} is not divisible by the tensor-parallel size {comm.size}"
             )
-        return cls(ColumnParallelLinear.from_serial(mlp.fc1, comm), mlp.act,
+        return cls(ColumnParallelLinear.from_serial(mlp.fc1, comm), copy.deepcopy(mlp.act),  # own cache
                    RowParallelLinear.from_serial(mlp.fc2, comm))
 
     def forward(self, x: Any) -> Any:

@@ -87,6 +87,7 @@ class Trainer:
             "global_step": self.global_step,
             "epoch": self.epoch,
             "rng": self.comm.allgather_obj(rngs),
+            "world_size": self.comm.size,
         }
         sampler = getattr(self, "_sampler", None)
         if sampler is not None and hasattr(sampler, "state_dict"):
@@ -105,10 +106,20 @@ class Trainer:
                 if name in mine:
                     m.rng.bit_generator.state = mine[name]
         # Kept until fit() sees the loader's sampler (or applied now if it already has one).
-        self._pending_sampler = state.get("sampler")
+        sampler_state = state.get("sampler")
+        saved_size = int(state.get("world_size", self.comm.size))
+        if sampler_state is not None:
+            sampler_state = dict(sampler_state)
+        if sampler_state is not None and saved_size != self.comm.size:
+            # Positions count this rank's share of the interleaved epoch order: the samples
+            # consumed by all ranks (position x old size) are spread over the new size.
+            sampler_state["position"] = int(sampler_state["position"]) * saved_size // self.comm.size
+        self._pending_sampler = sampler_state
         sampler = getattr(self, "_sampler", None)
-        if sampler is not None and self._pending_sampler is not None:
-            sampler.load_state_dict(self._pending_sampler)
+        if sampler is not None and sampler_state is not None:
+            if hasattr(sampler, "__len__"):
+                sampler_state["position"] = min(int(sampler_state["position"]), len(sampler))
+            sampler.load_state_dict(sampler_state)
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -52,20 +52,27 @@ def _layer_cost(layer: Module) -> int:
 
 
 def balance_by_cost(costs: list[int], stages: int) -> list[int]:
-    """Layer counts per stage for ``stages`` contiguous parts minimising the largest part's cost."""
+    """Layer counts per stage for ``stages`` contiguous parts minimising the largest part's cost.
+
+    Ties are broken towards even parts (smaller sum of squared part costs), which keeps a stage
+    from being left with only parameter-free layers when a better-spread cut is as good.
+    """
     n = len(costs)
     if stages > n:
         raise ValueError(f"cannot cut {n} layers into {stages} pipeline stages: need at least one layer per stage")
-    prefix = np.concatenate([[0], np.cumsum(costs)])
-    inf = float("inf")
-    # best[k][j]: smallest max-part cost of cutting the first j layers into k parts.
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + int(c))
+    inf = (float("inf"), float("inf"))
+    # best[k][j]: (largest part, sum of squared parts) of the best cut of the first j layers into k parts.
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0, 0)
     for k in range(1, stages + 1):
         for j in range(k, n - (stages - k) + 1):
             for i in range(k - 1, j):
-                v = max(best[k - 1][i], prefix[j] - prefix[i])
+                part = prefix[j] - prefix[i]
+                v = (max(best[k - 1][i][0], part), best[k - 1][i][1] + part * part)
                 if v < best[k][j]:
                     best[k][j], cut[k][j] = v, i
     counts, j = [], n

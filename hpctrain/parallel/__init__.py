@@ -2,6 +2,7 @@
 
 from . import schedules
 from .data import DataParallelTrainer
+from .param_server import ParameterServerTrainer
 from .pipeline import PipelineParallelTrainer, pipeline_stage
 from .tensor import (
     ColumnParallelLinear,
@@ -16,3 +17,4 @@ __all__: list[str] = ["DataParallelTrainer"]
 __all__ += ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear",
             "TensorParallelTrainer", "tensor_parallel"]  # fmt: skip
 __all__ += ["PipelineParallelTrainer", "pipeline_stage", "schedules"]
+__all__ += ["ParameterServerTrainer"]

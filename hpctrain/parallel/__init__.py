@@ -1,3 +1,5 @@
 """Parallel strategies, one module each: data, tensor, pipeline, param_server."""
 
-__all__: list[str] = []
+from .data import DataParallelTrainer
+
+__all__: list[str] = ["DataParallelTrainer"]

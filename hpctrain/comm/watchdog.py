@@ -168,6 +168,10 @@ class _Dog:
         if lead != self.world_rank:
             _err(f"{head}; rank {lead} reports the details; aborting the job")
             time.sleep(3.0)
+        elif peer is not None:
+            peer_rank = members[peer] if members is not None else peer
+            _err(f"{head}\n  peer rank {peer_rank}: {_state_text(answers.get(peer_rank))}"
+                 "\n  aborting the whole job (MPI_Abort)")
         else:
             lines = [head]
             arrived = [self.world_rank] + sorted(r for r, a in answers.items() if _waits_in(a, mine))
@@ -226,7 +230,10 @@ def _waits_in(answer: dict | None, mine: tuple) -> bool:
 
 
 def _op_text(op: str, seq: int | None, members: Any, peer: int | None) -> str:
-    who = f"with rank {members[peer]}" if peer is not None and members else f"on ranks {list(members or [])}"
+    if peer is not None and members:
+        who = f"{'from' if 'recv' in op else 'to' if 'send' in op else 'with'} rank {members[peer]}"
+    else:
+        who = f"on ranks {list(members or [])}"
     return f"{op}{f' #{seq}' if seq is not None else ''} {who}"
 
 

@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from .backend import xp_of
 from .errors import ConfigError, HpctrainError
+from .nn import Module, Sequential
 
 # -- configuration ---------------------------------------------------------------------------
 
@@ -171,6 +173,9 @@ def resolve(cfg: dict[str, Any], world: int) -> dict[str, Any]:
         tp, pp = c["tp"] or 1, c["pp"] or 1
     else:
         tp, pp = 1, 1
+    if tp > 1 and pp > 1:
+        raise ConfigError(f"tp={tp} together with pp={pp} is not supported yet (pipeline stages are not tensor "
+                          f"parallel): use --tp with dp, or --pp with dp")
     if world % (tp * pp):
         raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp} x dp: "
                           f"the world size must be a multiple of {tp * pp}")
@@ -203,6 +208,8 @@ def resolve(cfg: dict[str, Any], world: int) -> dict[str, Any]:
         c["optimizer"] = "sgd" if strategy == "ps" else "adamw"
     if strategy == "ps" and c["optimizer"] != "sgd":
         raise ConfigError(f"--strategy ps applies SGD on the servers: --optimizer {c['optimizer']} is not possible")
+    if strategy == "ps" and c["weight_decay"]:
+        raise ConfigError("--strategy ps applies plain SGD (with --momentum): --weight-decay is not possible")
     if c["lr"] is None:
         c["lr"] = 0.05 if c["optimizer"] == "sgd" else 3e-3
     if c["lr"] <= 0:
@@ -214,7 +221,7 @@ def resolve(cfg: dict[str, Any], world: int) -> dict[str, Any]:
 
 def _n_stages_possible(c: dict[str, Any]) -> int:
     """Layers a pipeline can be cut between (see build_model)."""
-    return 3 + 2 * c["n_layers"] if c["model"] == "mlp" else c["n_layers"]
+    return 3 + 2 * c["n_layers"] if c["model"] == "mlp" else c["n_layers"] + 3
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -276,7 +283,7 @@ def open_data(c: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
 def _builtin(name: str) -> str:
     from .data import builtin
 
-    return getattr(builtin, name)()
+    return str(getattr(builtin, name)())
 
 
 # -- model and strategy ----------------------------------------------------------------------
@@ -289,7 +296,8 @@ def build_model(c: dict[str, Any], meta: dict[str, Any]) -> Any:
     rng = np.random.default_rng(c["seed"])
     d = c["d_model"]
     if c["model"] == "gpt":
-        return nn.GPT(meta["vocab_size"], c["block_size"], d, c["n_heads"], c["n_layers"], rng=rng)
+        gpt = nn.GPT(meta["vocab_size"], c["block_size"], d, c["n_heads"], c["n_layers"], rng=rng)
+        return _as_layers(gpt) if c["pp"] > 1 else gpt
     # A flat Sequential so a pipeline can cut it anywhere; MLP blocks so tensor parallelism
     # has something to shard (fc1 column-wise, fc2 row-wise).
     layers: list[Any] = [nn.Linear(meta["n_in"], d, rng=rng), nn.GELU()]
@@ -297,6 +305,33 @@ def build_model(c: dict[str, Any], meta: dict[str, Any]) -> Any:
         layers += [nn.MLP(d, 4 * d, rng=rng), nn.GELU()]
     layers.append(nn.Linear(d, meta["n_classes"], rng=rng))
     return nn.Sequential(*layers)
+
+
+class GPTEmbedding(Module):
+    """Token plus position embedding of a GPT as one layer, so a pipeline can cut the GPT."""
+
+    def __init__(self, tok_emb: Any, pos_emb: Any) -> None:
+        self.tok_emb, self.pos_emb = tok_emb, pos_emb
+
+    def forward(self, idx: Any) -> Any:
+        xp = xp_of(self.tok_emb.weight.data)
+        return self.tok_emb.forward(idx) + self.pos_emb.forward(xp.arange(idx.shape[1]))
+
+    def backward(self, grad_out: Any) -> None:
+        self.tok_emb.backward(grad_out)
+        self.pos_emb.backward(grad_out.sum(axis=0))
+        return None
+
+
+def _as_layers(gpt: Any) -> Sequential:
+    """The same GPT (same weights) as a flat Sequential a pipeline can cut between blocks.
+
+    Names follow the GPT's (``blocks.0.attn.qkv.weight``, ``ln_f.weight``, ``head.weight``)
+    except the embeddings, which live in one layer ``emb`` (``emb.tok_emb.weight``).
+    """
+    blocks = list(gpt.blocks)
+    names = ["emb"] + [f"blocks.{i}" for i in range(len(blocks))] + ["ln_f", "head"]
+    return Sequential(GPTEmbedding(gpt.tok_emb, gpt.pos_emb), *blocks, gpt.ln_f, gpt.head, names=names)
 
 
 def _optimizer(c: dict[str, Any], params: list[Any]) -> Any:
@@ -319,12 +354,10 @@ def build_trainer(c: dict[str, Any], model: Any, comm: Any) -> Any:
                                             comm=comm)
     if c["strategy"] == "ps":
         return parallel.ParameterServerTrainer(model=model, loss=loss, lr=c["lr"], comm=comm, mode=c["ps_mode"],
-                                               staleness=c["staleness"])
+                                               staleness=c["staleness"], momentum=c["momentum"])
     grid = ProcessGrid(comm, tp=c["tp"], pp=c["pp"])
     if c["pp"] > 1:
         stage = parallel.pipeline_stage(model, grid.pp)
-        if c["tp"] > 1:
-            stage = parallel.tensor_parallel(stage, grid.tp)
         return parallel.PipelineParallelTrainer(stage=stage, loss=loss, optimizer=_optimizer(c, stage.parameters()),
                                                 grid=grid, microbatches=c["microbatches"], schedule=c["schedule"])
     tp_model = parallel.tensor_parallel(model, grid.tp)
@@ -400,8 +433,9 @@ class Timeline:
     """Wall-clock span of every step on this rank, written as one Chrome trace for all ranks.
 
     It wraps ``trainer.step`` (the loop in ``fit`` calls it) rather than asking every strategy
-    to record spans; events a trainer reports itself in ``StepStats.extra['events']`` (e.g. a
-    pipeline's forward/backward per micro-batch) are added to the rank's lane.
+    to record spans. The communication span is drawn at the end of the step (its total, not
+    its true position: strategies report only the sum). A pipeline additionally writes its
+    last step's schedule (``timeline.json``, forward/backward per micro-batch).
     """
 
     def __init__(self, trainer: Any) -> None:
@@ -416,8 +450,6 @@ class Timeline:
             self._add(f"step {trainer.global_step}", t0, t1 - t0, {"loss": stats.loss})
             if stats.comm_seconds:
                 self._add("communication", t1 - stats.comm_seconds, stats.comm_seconds, {}, tid=1)
-            for ev in stats.extra.get("events", ()) if isinstance(stats.extra, dict) else ():
-                self.events.append({**ev, "pid": self.rank})
             return stats
 
         trainer.step = timed
@@ -461,6 +493,25 @@ def _all_or_none(comm: Any, fn: Any) -> Any:
     return result
 
 
+def limit_blas_threads(comm: Any) -> int | None:
+    """Size each rank's BLAS thread pool to its share of the node's cores; return the size.
+
+    NumPy's OpenBLAS starts one thread per core in every process, so N ranks on a node run N
+    times too many threads and the small matrix products of a step slow down many-fold. Left
+    alone when the user set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS.
+    """
+    if any(v in os.environ for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")):
+        return None
+    hosts = comm.allgather_obj(comm.hostname())
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # Bound to fewer cores than the node has (srun --cpu-bind, taskset): those cores are ours.
+    n = mine if mine < (os.cpu_count() or mine) else max(1, mine // hosts.count(hosts[comm.rank]))
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=n, user_api="blas")
+    return n
+
+
 def run(cfg: dict[str, Any], comm: Any = None) -> dict[str, Any]:
     """Train as ``cfg`` (merged options) says; return the summary (the same on every rank)."""
     from . import checkpoint
@@ -470,9 +521,16 @@ def run(cfg: dict[str, Any], comm: Any = None) -> dict[str, Any]:
     comm = comm if comm is not None else Communicator()
     c = _all_or_none(comm, lambda: resolve(cfg, comm.size))
     agree(comm, "hpctrain train configuration", c)
+    limit_blas_threads(comm)
     if c["run_dir"] is None:
         c["run_dir"] = comm.bcast_obj(os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
     c["checkpoint_dir"] = c["checkpoint_dir"] or os.path.join(c["run_dir"], "checkpoints")
+
+    if c["data"] is None:
+        # Rank 0 writes the built-in set first; the others then find it (or, on node-local
+        # disks, write their own identical copy) instead of all writing at once.
+        name = "classification" if c["model"] == "mlp" else "corpus"
+        _all_or_none(comm, lambda: _builtin(name) if comm.rank == 0 else None)
 
     def prepare() -> tuple:
         if not c["resume"] and checkpoint.list_checkpoints(c["checkpoint_dir"]):
@@ -508,6 +566,8 @@ def run(cfg: dict[str, Any], comm: Any = None) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     trace = os.path.join(c["run_dir"], "trace.json")
     timeline.write(comm, trace)
+    if hasattr(trainer, "save_timeline"):  # the pipeline's executed schedule of its last step
+        trainer.save_timeline(c["run_dir"], png=False)
 
     # A fresh serial model on rank 0 takes the gathered weights: strategies may have rebuilt
     # ``model`` in place into parallel layers whose forward would need the other ranks.

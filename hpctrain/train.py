@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .backend import xp_of
-from .errors import ConfigError, HpctrainError
+from .errors import CheckpointError, ConfigError, HpctrainError
 from .nn import Module, Sequential
 
 # -- configuration ---------------------------------------------------------------------------
@@ -53,9 +53,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("data", str, None, "HDF5 file (mlp: keys x, y; gpt: key tokens); default: the built-in set"),
     Option("epochs", int, 3, "passes over the training data"),
     Option("batch_size", int, 64, "global batch: samples per optimizer step over the whole job"),
-    Option("lr", float, None, "learning rate (default: 3e-3 for adam/adamw, 0.05 for sgd)"),
+    Option("lr", float, None, "learning rate (default: 3e-3 for adam/adamw, 0.1 for sgd)"),
     Option("optimizer", str, None, "default: adamw (sgd for --strategy ps)", ("sgd", "adam", "adamw")),
-    Option("momentum", float, 0.0, "SGD momentum"),
+    Option("momentum", float, 0.9, "SGD momentum (sgd and ps)"),
     Option("weight_decay", float, 0.0, "weight decay (decoupled for adamw)"),
     Option("seed", int, 0, "seed of the model's initial weights and of the data order"),
     Option("run_dir", str, None, "where metrics, trace, checkpoints go (default: runs/<date-time>)"),
@@ -211,7 +211,7 @@ def resolve(cfg: dict[str, Any], world: int) -> dict[str, Any]:
     if strategy == "ps" and c["weight_decay"]:
         raise ConfigError("--strategy ps applies plain SGD (with --momentum): --weight-decay is not possible")
     if c["lr"] is None:
-        c["lr"] = 0.05 if c["optimizer"] == "sgd" else 3e-3
+        c["lr"] = 0.1 if c["optimizer"] == "sgd" else 3e-3
     if c["lr"] <= 0:
         raise ConfigError(f"--lr must be > 0, got {c['lr']}")
     if c["resume"] and c["run_dir"] is None and c["checkpoint_dir"] is None:
@@ -375,45 +375,20 @@ def data_rank(c: dict[str, Any], comm: Any) -> tuple[int, int]:
 # -- evaluation ------------------------------------------------------------------------------
 
 
-def gather_full(trainer: Any, comm: Any) -> dict[str, np.ndarray] | None:
-    """The full (unsharded) parameters, on rank 0 (``None`` elsewhere), from ``trainer.shards()``.
+def load_weights(model: Any, path: str) -> Any:
+    """Read a checkpoint's full tensors (``model/<dotted name>``) into a serial ``model``."""
+    import h5py
 
-    Each distinct piece travels once, from the lowest rank holding it (replicas send nothing).
-    """
-    from .backend import to_host
-
-    mine = {name: (tuple(full), _norm(index, full)) for name, (_, full, index) in trainer.shards().items()}
-    everyone = comm.allgather_obj(mine)
-    owners: dict[tuple[str, tuple], int] = {}
-    for rank, pieces in enumerate(everyone):
-        for name, (_, idx) in pieces.items():
-            owners.setdefault((name, idx), rank)
-    shards = trainer.shards()
-    send = {(n, i): to_host(shards[n][0].data) for (n, i), r in owners.items() if r == comm.rank}
-    got = comm.gather_obj(send)
-    if comm.rank != 0:
-        return None
-    full: dict[str, np.ndarray] = {}
-    for pieces in got:
-        for (name, idx), arr in pieces.items():
-            shape = everyone[owners[(name, idx)]][name][0]
-            out = full.setdefault(name, np.zeros(shape, dtype=arr.dtype))
-            out[tuple(slice(*s) for s in idx)] = arr
-    return full
+    with h5py.File(path, "r") as f:
+        for name, p in model.named_parameters():
+            p.data[...] = f["model"][name][()]
+    return model
 
 
-def _norm(index: tuple, full: tuple) -> tuple:
-    """A hashable, explicit form of an index tuple: ((start, stop), ...) for every axis."""
-    index = tuple(index) + (slice(None),) * (len(full) - len(tuple(index)))
-    return tuple(s.indices(n)[:2] for s, n in zip(index, full))
-
-
-def evaluate(model: Any, params: dict[str, np.ndarray], data: Any, batch: int = 256) -> dict[str, float]:
-    """Loss and accuracy of ``model`` with ``params`` on all of ``data`` (one process)."""
+def evaluate(model: Any, data: Any, batch: int = 256) -> dict[str, float]:
+    """Loss and accuracy of ``model`` on all of ``data`` (one process)."""
     from .nn import CrossEntropyLoss
 
-    for name, p in model.named_parameters():
-        p.data[...] = params[name]
     model.eval()
     loss = CrossEntropyLoss()
     total_loss, correct, count = 0.0, 0, 0
@@ -568,14 +543,22 @@ def run(cfg: dict[str, Any], comm: Any = None) -> dict[str, Any]:
     timeline.write(comm, trace)
     if hasattr(trainer, "save_timeline"):  # the pipeline's executed schedule of its last step
         trainer.save_timeline(c["run_dir"], png=False)
+    if hasattr(trainer, "close"):  # the parameter server: final pull, windows freed on every rank
+        trainer.close()
 
-    # A fresh serial model on rank 0 takes the gathered weights: strategies may have rebuilt
-    # ``model`` in place into parallel layers whose forward would need the other ranks.
-    full = gather_full(trainer, comm)
-    result = evaluate(build_model(c, meta), full, val_set) if comm.rank == 0 else None
-    result = comm.bcast_obj(result)
-    latest = checkpoint.list_checkpoints(c["checkpoint_dir"]) if comm.rank == 0 else None
-    latest = comm.bcast_obj(latest)
+    # Evaluate what the run leaves behind: rank 0 loads the final checkpoint (full tensors,
+    # whatever the layout) into a fresh serial model. The strategies' own models may be
+    # sharded or rebuilt in place into parallel layers that need the other ranks.
+    latest = comm.bcast_obj(checkpoint.list_checkpoints(c["checkpoint_dir"]) if comm.rank == 0 else None)
+    result = error = None
+    if comm.rank == 0:
+        try:
+            result = evaluate(load_weights(build_model(c, meta), latest[-1]), val_set)
+        except (OSError, KeyError, ValueError) as exc:  # shared below: no rank waits for a dead one
+            error = f"cannot evaluate the final checkpoint {latest[-1]}: {exc}"
+    result, error = comm.bcast_obj((result, error))
+    if error:
+        raise CheckpointError(error)
 
     seconds = sum(s.seconds for s in history)
     tail = history[-len(loader):] if history else []

@@ -119,4 +119,4 @@ def test_layouts(argv, world, layout):
 
 def test_ps_defaults_to_sgd():
     c = resolve(cfg("--strategy", "ps"), world=2)
-    assert c["optimizer"] == "sgd" and c["lr"] == 0.05
+    assert c["optimizer"] == "sgd" and c["lr"] == 0.1 and c["momentum"] == 0.9

@@ -10,6 +10,7 @@ stopped. Without the binaries or without root (slurmd must run as root to launch
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,8 +198,19 @@ def _sbatch_and_wait(cluster: Cluster, workdir: Path, script: Path, *args: str, 
 
 
 def test_train_sbatch_two_tasks(cluster, tmp_path):
-    """train.sbatch on 2 tasks: both ranks in one MPI world, training ends with a checkpoint."""
-    state, out = _sbatch_and_wait(cluster, tmp_path, REPO / "slurm" / "train.sbatch")
+    """train.sbatch on 2 tasks: one MPI world of 2 ranks trains and leaves a checkpoint."""
+    run_dir = tmp_path / "run"
+    cluster.env["HPCTRAIN_RUN_DIR"] = str(run_dir)
+    state, out = _sbatch_and_wait(cluster, tmp_path, REPO / "slurm" / "train.sbatch", "--epochs", "2")
     assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{cluster.logs()}"
     # `hpctrain info` under srun: one MPI world of 2 ranks (not two singletons).
     assert "world size       : 2" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 1}, summary
+    assert summary["steps"] > 0 and summary["val_accuracy"] > 0.5, summary
+    ckpt = Path(summary["checkpoint"])
+    assert ckpt.parent == run_dir / "checkpoints" and ckpt.exists(), summary
+    assert f"checkpoint      {ckpt}" in out, out  # the job's own summary names it
+    with h5py.File(ckpt, "r") as f:
+        assert json.loads(f.attrs["layout"])["dp"] == 2
+        assert f.attrs["format"] == "hpctrain-checkpoint"

@@ -102,14 +102,12 @@ def main(args: argparse.Namespace) -> int:
             return 2
         run = os.path.dirname(runs[-1])
     try:
-        import matplotlib  # noqa: F401
+        for path in plot(run, args.out):
+            print(path)
     except ImportError:
         print("hpctrain plot needs matplotlib: pip install matplotlib (or the extra: pip install 'hpctrain[plot]')",
               file=sys.stderr)
         return 1
-    try:
-        for path in plot(run, args.out):
-            print(path)
     except (OSError, ValueError) as exc:
         print(f"hpctrain plot: error: {exc}", file=sys.stderr)
         return 2

@@ -72,6 +72,22 @@ def test_loader_reads_only_batch_rows_once_per_key(h5file, shuffle, pad):
     assert sum(log) == 13 * len(sampler) < 13 * len(ds)
 
 
+@pytest.mark.parametrize("pattern", ["one", "strided", "runs", "scattered"])
+def test_every_selection_path_reads_exactly_the_rows(h5file, pattern):
+    path, x, y = h5file
+    idx = {
+        "one": np.array([7]),
+        "strided": np.arange(5, 290, 7),  # one strided hyperslab
+        "runs": np.r_[10:20, 40:41, 100:130],  # a union of a few runs
+        "scattered": np.sort(np.random.default_rng(1).choice(301, 60, replace=False)),  # fancy / points
+    }[pattern]
+    ds = HDF5Dataset(path, ["x", "y"])
+    log = spy_on(ds)
+    gx, gy = ds[idx]
+    assert np.array_equal(gx, x[idx]) and np.array_equal(gy, y[idx])
+    assert log == [idx.size * 12, idx.size]
+
+
 def test_getitem_any_order_and_duplicates(h5file):
     path, x, y = h5file
     ds = HDF5Dataset(path, ("x", "y"))

@@ -124,13 +124,25 @@ def save(path: str, trainer: Any) -> str:
     import h5py
 
     comm = trainer.comm
-    pieces = _local_pieces(trainer)
-    meta = {k: (full, _slices(idx), str(np.dtype(a.dtype))) for k, (a, full, idx) in pieces.items()}
-    everyone = comm.allgather_obj(meta)
+    # Every step that can fail on one rank reports through a collective, so a failure is
+    # raised on every rank instead of leaving the others blocked in the next send or bcast.
+    pieces: dict[str, tuple[Any, tuple, tuple]] = {}
+    meta: dict[str, tuple] = {}
+    state_json, extra_arrays, local_error = "", {}, None
+    try:
+        pieces = _local_pieces(trainer)
+        meta = {k: (full, _slices(idx), str(np.dtype(a.dtype))) for k, (a, full, idx) in pieces.items()}
+        state_json = json.dumps(_to_json(trainer.state_dict(), extra_arrays))
+    except Exception as exc:
+        local_error = f"{type(exc).__name__}: {exc}"
+    everyone = comm.allgather_obj((meta, local_error))
+    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(everyone) if e]
+    if errors:
+        raise CheckpointError(f"cannot save checkpoint {path}: " + "; ".join(errors[:4]))
     # One owner per distinct piece (the lowest rank holding it); replicas write nothing.
     plan: dict[str, list[tuple[list, int]]] = {}
     shapes: dict[str, tuple[tuple, str]] = {}
-    for rank, m in enumerate(everyone):
+    for rank, (m, _) in enumerate(everyone):
         for key, (full, idx, dtype) in m.items():
             have = shapes.setdefault(key, (tuple(full), dtype))
             if have != (tuple(full), dtype):
@@ -142,9 +154,6 @@ def save(path: str, trainer: Any) -> str:
         if covered != int(np.prod(shapes[key][0])):
             raise CheckpointError(f"the ranks' shards of {key} do not cover its full shape {shapes[key][0]}")
 
-    state = trainer.state_dict()
-    extra_arrays: dict[str, np.ndarray] = {}
-    state_json = json.dumps(_to_json(state, extra_arrays))
     opt = _optimizer(trainer)
     tmp = f"{path}.tmp.{os.getpid()}"
     error = None
@@ -166,8 +175,9 @@ def save(path: str, trainer: Any) -> str:
             for key, arr in extra_arrays.items():
                 d = f.create_dataset(f"state{key}", data=arr)
                 d.attrs["crc32"] = _crc(arr)
-        except Exception as exc:  # reported on every rank below
+        except Exception as exc:
             error = f"cannot write checkpoint {tmp}: {exc}"
+            _discard(f, tmp)
     error = comm.bcast_obj(error)
     if error:
         raise CheckpointError(error)
@@ -175,10 +185,13 @@ def save(path: str, trainer: Any) -> str:
     for key in sorted(plan):
         full, dtype = shapes[key]
         whole = len(plan[key]) == 1  # one piece is the whole tensor: checksum it as it passes
-        if comm.rank == 0:
-            dset = f.create_dataset(key, shape=full, dtype=dtype)
+        dset = None
+        if comm.rank == 0 and error is None:
+            try:
+                dset = f.create_dataset(key, shape=full, dtype=dtype)
+            except Exception as exc:
+                error = f"cannot write {key} to {tmp}: {exc}"
         for idx_spec, owner in plan[key]:
-            idx = _index(idx_spec)
             piece = None
             if comm.rank == owner:
                 piece = np.ascontiguousarray(to_host(pieces[key][0]))
@@ -187,28 +200,48 @@ def save(path: str, trainer: Any) -> str:
             elif comm.rank == 0:
                 buf = np.empty([len(range(*s)) for s in idx_spec], dtype=dtype)
                 piece = comm.recv(buf, source=owner, tag=17)
-            if comm.rank == 0:
-                dset[idx] = piece
-                if whole:
-                    dset.attrs["crc32"] = _crc(piece)
-        if comm.rank == 0 and not whole:
+            # Rank 0 keeps receiving after a write error so no owner stays blocked in send.
+            if comm.rank == 0 and error is None:
+                try:
+                    dset[_index(idx_spec)] = piece
+                    if whole:
+                        dset.attrs["crc32"] = _crc(piece)
+                except Exception as exc:
+                    error = f"cannot write {key} to {tmp}: {exc}"
+        if comm.rank == 0 and not whole and error is None:
             # Pieces arrive in index order, not byte order: checksum the assembled tensor.
             dset.attrs["crc32"] = _crc(dset[()])
 
     if comm.rank == 0:
-        try:
-            f.flush()
-            f.close()
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(path)
-        except Exception as exc:
-            error = f"cannot finish checkpoint {path}: {exc}"
+        if error is None:
+            try:
+                f.flush()
+                f.close()
+                with open(tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
+                os.replace(tmp, path)
+                _fsync_dir(path)
+            except Exception as exc:
+                error = f"cannot finish checkpoint {path}: {exc}"
+        if error is not None:
+            _discard(f, tmp)
     error = comm.bcast_obj(error)
     if error:
         raise CheckpointError(error)
     return path
+
+
+def _discard(f: Any, tmp: str) -> None:
+    """Close and remove a half-written temporary file (the previous checkpoint is untouched)."""
+    try:
+        if f is not None:
+            f.close()
+    except Exception:
+        pass
+    try:
+        os.remove(tmp)
+    except OSError:
+        pass
 
 
 # -- load ------------------------------------------------------------------------------------
@@ -245,8 +278,10 @@ def _verify(path: str) -> dict[str, Any]:
         f.visititems(check)
         if bad:
             raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in {', '.join(bad[:5])}")
-        header = {k: f.attrs[k] for k in ("layout", "config", "trainer_state", "optimizer")}
-        header = {k: json.loads(v) for k, v in header.items()}
+        try:
+            header = {k: json.loads(f.attrs[k]) for k in ("layout", "config", "trainer_state", "optimizer")}
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint {path} has a damaged header ({type(exc).__name__}: {exc})") from None
         header["hpctrain_version"] = str(f.attrs.get("hpctrain_version"))
         header["datasets"] = sorted(k for k in _all_datasets(f))
         return header
@@ -278,6 +313,8 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
             verdict = ("missing", str(exc))
         except CheckpointError as exc:
             verdict = ("bad", str(exc))
+        except Exception as exc:  # anything h5py raises on a damaged file, reported on every rank
+            verdict = ("bad", f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc})")
     verdict = comm.bcast_obj(verdict if comm.rank == 0 else None)
     if verdict[0] == "missing":
         raise FileNotFoundError(verdict[1])
@@ -285,21 +322,26 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
         raise CheckpointError(verdict[1])
     header = verdict[1]
 
-    pieces = _local_pieces_for_load(trainer)
     problems: list[str] = []
-    with h5py.File(path, "r") as f:
-        for key, (assign, _local_shape, full_shape, index) in pieces.items():
-            if key not in f:
-                if key.startswith("model/"):
-                    problems.append(f"{key[6:]} is not in the checkpoint")
-                continue
-            dset = f[key]
-            if tuple(dset.shape) != tuple(full_shape):
-                problems.append(f"{key}: checkpoint has shape {dset.shape}, model needs {full_shape}")
-                continue
-            assign(dset[index])
+    wanted: set[str] = set()
+    stored: set[str] = set()
+    try:
+        pieces = _local_pieces_for_load(trainer)
         wanted = {k for k in pieces if k.startswith("model/")}
-        stored = {f"model/{k}" for k in f["model"]} if "model" in f else set()
+        with h5py.File(path, "r") as f:
+            stored = {f"model/{k}" for k in f["model"]} if "model" in f else set()
+            for key, (assign, _local_shape, full_shape, index) in pieces.items():
+                if key not in f:
+                    if key.startswith("model/"):
+                        problems.append(f"{key[6:]} is not in the checkpoint")
+                    continue
+                dset = f[key]
+                if tuple(dset.shape) != tuple(full_shape):
+                    problems.append(f"{key}: checkpoint has shape {dset.shape}, model needs {full_shape}")
+                    continue
+                assign(dset[index])
+    except Exception as exc:  # reported on every rank below instead of leaving the others waiting
+        problems.append(f"rank {comm.rank}: {type(exc).__name__}: {exc}")
     everyone = comm.allgather_obj((problems, sorted(wanted)))
     all_problems = [p for ps, _ in everyone for p in ps]
     all_wanted = set().union(*(set(w) for _, w in everyone))

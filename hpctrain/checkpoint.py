@@ -184,7 +184,11 @@ def save(path: str, trainer: Any) -> str:
 
     for key in sorted(plan):
         full, dtype = shapes[key]
-        whole = len(plan[key]) == 1  # one piece is the whole tensor: checksum it as it passes
+        # When the pieces tile the tensor along its first axis, byte order is piece order and the
+        # CRC is chained as they pass; otherwise the assembled tensor is read back once.
+        plan[key].sort(key=lambda part: [s[0] for s in part[0]])
+        chained = all(all(s[:2] == [0, n] for s, n in zip(idx[1:], full[1:])) for idx, _ in plan[key])
+        crc = 0
         dset = None
         if comm.rank == 0 and error is None:
             try:
@@ -204,13 +208,12 @@ def save(path: str, trainer: Any) -> str:
             if comm.rank == 0 and error is None:
                 try:
                     dset[_index(idx_spec)] = piece
-                    if whole:
-                        dset.attrs["crc32"] = _crc(piece)
+                    if chained:
+                        crc = zlib.crc32(np.ascontiguousarray(piece).view(np.uint8).reshape(-1), crc)
                 except Exception as exc:
                     error = f"cannot write {key} to {tmp}: {exc}"
-        if comm.rank == 0 and not whole and error is None:
-            # Pieces arrive in index order, not byte order: checksum the assembled tensor.
-            dset.attrs["crc32"] = _crc(dset[()])
+        if comm.rank == 0 and error is None:
+            dset.attrs["crc32"] = (crc & 0xFFFFFFFF) if chained else _crc(dset[()])
 
     if comm.rank == 0:
         if error is None:
@@ -247,8 +250,11 @@ def _discard(f: Any, tmp: str) -> None:
 # -- load ------------------------------------------------------------------------------------
 
 
-def _verify(path: str) -> dict[str, Any]:
-    """Open ``path`` and check every dataset's CRC; the header as a dict, or an exception."""
+def _verify(path: str, skip: Any = ()) -> dict[str, Any]:
+    """Open ``path``, check its header and the CRC of every dataset not in ``skip``.
+
+    Returns the header as a dict, or raises ``FileNotFoundError`` / ``CheckpointError``.
+    """
     import h5py
 
     if not os.path.exists(path):
@@ -263,28 +269,37 @@ def _verify(path: str) -> dict[str, Any]:
         version = int(f.attrs.get("format_version", -1))
         if version > FORMAT_VERSION:
             raise CheckpointError(f"{path} has format version {version}; this hpctrain reads <= {FORMAT_VERSION}")
-        bad: list[str] = []
-
-        def check(name: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Dataset):
-                try:
-                    ok = _crc(obj[()]) == int(obj.attrs["crc32"])
-                except Exception as exc:  # truncated data, missing attribute
-                    ok = False
-                    name = f"{name} ({exc})"
-                if not ok:
-                    bad.append(name)
-
-        f.visititems(check)
-        if bad:
-            raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in {', '.join(bad[:5])}")
         try:
             header = {k: json.loads(f.attrs[k]) for k in ("layout", "config", "trainer_state", "optimizer")}
         except (KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(f"checkpoint {path} has a damaged header ({type(exc).__name__}: {exc})") from None
+        names = _all_datasets(f)
+        bad = [problem for n in names if n not in skip for problem in [_check_crc(f[n], f[n][()])] if problem]
+        if bad:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(bad[:5])}")
         header["hpctrain_version"] = str(f.attrs.get("hpctrain_version"))
-        header["datasets"] = sorted(k for k in _all_datasets(f))
+        header["datasets"] = sorted(names)
         return header
+
+
+def _check_crc(dset: Any, data: np.ndarray) -> str | None:
+    """``None`` when ``data`` (all of ``dset``) matches its stored CRC, else what is wrong."""
+    try:
+        if _crc(data) == int(dset.attrs["crc32"]):
+            return None
+        return f"checksum mismatch in {dset.name.lstrip('/')}"
+    except Exception as exc:  # truncated data, missing attribute
+        return f"checksum mismatch in {dset.name.lstrip('/')} ({exc})"
+
+
+class _Everything:
+    """A ``skip`` set that contains every name: header checks only."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
+_EVERYTHING = _Everything()
 
 
 def _all_datasets(f: Any) -> list[str]:
@@ -308,7 +323,7 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
     verdict: Any
     if comm.rank == 0:
         try:
-            verdict = ("ok", _verify(path))
+            verdict = ("ok", _verify(path, skip=_EVERYTHING))
         except FileNotFoundError as exc:
             verdict = ("missing", str(exc))
         except CheckpointError as exc:
@@ -322,9 +337,13 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
         raise CheckpointError(verdict[1])
     header = verdict[1]
 
+    # Each rank reads only its slices and checks the CRC of every tensor it reads whole (all of
+    # them under data parallelism); rank 0 then checks whatever no rank read whole, so the file
+    # is read about once however it is sharded.
     problems: list[str] = []
     wanted: set[str] = set()
     stored: set[str] = set()
+    checked: set[str] = set()
     try:
         pieces = _local_pieces_for_load(trainer)
         wanted = {k for k in pieces if k.startswith("model/")}
@@ -339,12 +358,30 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
                 if tuple(dset.shape) != tuple(full_shape):
                     problems.append(f"{key}: checkpoint has shape {dset.shape}, model needs {full_shape}")
                     continue
-                assign(dset[index])
+                data = dset[index]
+                if data.shape == dset.shape:
+                    bad = _check_crc(dset, data)
+                    if bad:
+                        problems.append(bad)
+                        continue
+                    checked.add(key)
+                assign(data)
     except Exception as exc:  # reported on every rank below instead of leaving the others waiting
         problems.append(f"rank {comm.rank}: {type(exc).__name__}: {exc}")
-    everyone = comm.allgather_obj((problems, sorted(wanted)))
-    all_problems = [p for ps, _ in everyone for p in ps]
-    all_wanted = set().union(*(set(w) for _, w in everyone))
+    everyone = comm.allgather_obj((problems, sorted(wanted), sorted(checked)))
+    rest = None
+    if comm.rank == 0:
+        try:
+            _verify(path, skip=set().union(*(set(c) for _, _, c in everyone)))
+        except Exception as exc:
+            rest = str(exc)
+    rest = comm.bcast_obj(rest)
+    if rest is not None:
+        raise CheckpointError(rest)
+    all_problems = [p for ps, _, _ in everyone for p in ps]
+    if any("checksum mismatch" in p for p in all_problems):
+        raise CheckpointError(f"checkpoint {path} is corrupt: " + "; ".join(all_problems[:5]))
+    all_wanted = set().union(*(set(w) for _, w, _ in everyone))
     all_problems += [f"{k[6:]} is in the checkpoint but not in the model" for k in sorted(stored - all_wanted)]
     if all_problems:
         raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(all_problems[:6]))

@@ -1,9 +1,9 @@
 """Datasets: indexable by an int index array, returning a tuple of arrays (one per key).
 
 ``ArrayDataset`` wraps arrays already in memory. ``HDF5Dataset`` reads only the rows a batch
-needs straight from an HDF5 file: each key is read with one HDF5 read call per batch, selecting
-the batch's rows (merged into contiguous runs) as a single hyperslab union, so a rank never loads
-the whole file and never issues one read per row.
+needs straight from an HDF5 file: each key costs one HDF5 read call per batch whose selection is
+exactly the batch's distinct rows, so a rank never loads the whole file and never issues one read
+per row. ``TokenDataset`` cuts a token stream (the built-in corpus) into next-token windows.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The header names the machine (CPU, cores, memory), the software (Python, NumPy, 
 the MPI library) and the date and commit. Each benchmark in benchmarks/ runs under
 ``mpiexec -n NP`` with ``--markdown FILE`` (it appends its table to FILE) and within a time limit;
 its section shows the command and the table, or says plainly that it failed and why. Benchmarks
-that arrive later are picked up by name: every ``benchmarks/*.py`` except this file runs, the
+that arrive later are picked up by name: every ``benchmarks/*.py`` except this file and ``common.py`` runs, the
 known ones first in the order below.
 """
 
@@ -105,7 +105,9 @@ def header(python: str, np_: int, quick: bool) -> str:
 
 
 def benchmarks(only: list[str] | None) -> list[tuple[str, str]]:
-    present = {p.stem for p in HERE.glob("*.py") if p.stem not in ("report", "__init__") and not p.stem.startswith("_")}
+    # Not benchmarks: this file and the helpers the benchmarks import.
+    helpers = ("report", "common", "__init__")
+    present = {p.stem for p in HERE.glob("*.py") if p.stem not in helpers and not p.stem.startswith("_")}
     order = [(s, t) for s, t in KNOWN if s in present]
     order += [(s, s.replace("_", " ")) for s in sorted(present - {s for s, _ in KNOWN})]
     if only:

@@ -72,6 +72,34 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ckpt_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="ckpt_command", required=True)
+    q = sub.add_parser("inspect", help="print what a checkpoint holds and verify its checksums")
+    q.add_argument("file", help="checkpoint file (ckpt-*.h5) or a directory of them (the newest)")
+
+
+def run_ckpt(args: argparse.Namespace) -> int:
+    """``hpctrain ckpt inspect FILE``: no MPI needed; exit 1 with the reason for a bad file."""
+    import os
+
+    from . import checkpoint
+    from .errors import CheckpointError
+
+    path = args.file
+    if os.path.isdir(path):
+        found = checkpoint.list_checkpoints(path)
+        if not found:
+            print(f"hpctrain: no checkpoints in {path}", file=sys.stderr)
+            return 1
+        path = found[-1]
+    try:
+        print(checkpoint.inspect(path))
+    except (FileNotFoundError, CheckpointError) as exc:
+        print(f"hpctrain: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["make"], help="make: write the built-in sets (if absent) and list them")
     p.add_argument("--dir", default=None,
@@ -96,6 +124,7 @@ COMMANDS: dict[str, Command] = {
     "train": ("train a model with a parallel strategy (the main job; flags or --config FILE.toml)",
               _train.add_arguments, _train.main),
     "plot": ("draw loss and throughput curves of a run to PNG (needs matplotlib)", _plot.add_arguments, _plot.main),
+    "ckpt": ("inspect checkpoints", _ckpt_args, run_ckpt),
     "data": ("built-in data sets: `hpctrain data make [--dir D]` writes them as HDF5", _data_args, run_data),
 }
 

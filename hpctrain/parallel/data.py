@@ -12,6 +12,7 @@ those of the global batch without the padding.
 from __future__ import annotations
 
 import math
+import os
 import time
 import zlib
 from typing import Any
@@ -22,7 +23,7 @@ from ..backend import to_host, xp_of
 from ..comm import Communicator
 from ..comm.buckets import COMPRESSIONS, GradBuckets
 from ..comm.validate import agree, describe_model
-from ..errors import MismatchError
+from ..errors import MismatchError, StallError
 from ..guard import check_finite
 from ..trainer import StepStats, Trainer
 
@@ -123,7 +124,9 @@ class DataParallelTrainer(Trainer):
     ``accum_steps=k`` the share is split into k micro-batches whose gradients are summed
     locally and communicated once. ``clip_norm`` clips the global gradient norm (after the
     reduction, so every rank clips alike). ``compression`` is ``None``, ``"fp16"`` or
-    ``"bf16"`` (16-bit values on the wire, full-precision gradients otherwise).
+    ``"bf16"`` (16-bit values on the wire, full-precision gradients otherwise). ``timeout``
+    (default: the ``HPCTRAIN_TIMEOUT`` environment variable) bounds the wait for the gradient
+    reduction: past it, ``StallError`` instead of a silent hang.
 
     Construction is collective: ranks agree on the model's parameter names, shapes and dtypes,
     the optimizer's settings and this trainer's settings (``MismatchError``, a ``ValueError``,
@@ -176,7 +179,10 @@ class DataParallelTrainer(Trainer):
         # Start from rank 0's parameters so all replicas are identical.
         for p in self.params:
             self.comm.bcast(p.data, root=0)
-        self.buckets = GradBuckets(self.params, self.comm, bucket_mb=bucket_mb, compression=compression)
+        if timeout is None and os.environ.get("HPCTRAIN_TIMEOUT"):
+            timeout = float(os.environ["HPCTRAIN_TIMEOUT"])
+        self.buckets = GradBuckets(self.params, self.comm, bucket_mb=bucket_mb, compression=compression,
+                                   timeout=timeout)
         self._hooks = _BackwardHooks(model, self.buckets) if overlap else None
 
     # -- description ---------------------------------------------------------------------------
@@ -218,7 +224,7 @@ class DataParallelTrainer(Trainer):
         ]
         # The global count of real samples: each rank's gradient is weighted by its share.
         t0 = time.perf_counter()
-        total = float(self.comm.allreduce(np.array([sum(counts)], dtype=np.float64))[0])
+        total = float(self._wait(self.comm.iallreduce(np.array([sum(counts)], dtype=np.float64)), "sample count")[0])
         comm_s += time.perf_counter() - t0
 
         self.optimizer.zero_grad()
@@ -247,7 +253,7 @@ class DataParallelTrainer(Trainer):
                     hooks.disarm()
         self.buckets.finish()
         t0 = time.perf_counter()
-        loss = float(loss_req.wait()[0])
+        loss = float(self._wait(loss_req, "loss")[0])
         comm_s += time.perf_counter() - t0 + self.buckets.comm_seconds
 
         norm = None
@@ -256,6 +262,8 @@ class DataParallelTrainer(Trainer):
         t0 = time.perf_counter()
         skip = check_finite(self.comm, loss, self.params, policy=self.on_nonfinite)
         comm_s += time.perf_counter() - t0
+        if total == 0:
+            skip = True  # every sample of the global batch was padding: nothing to learn from
         if not skip:
             if self.clip_norm is not None:
                 _clip(self.params, self.clip_norm, norm)
@@ -269,6 +277,21 @@ class DataParallelTrainer(Trainer):
             comm_seconds=comm_s,
             skipped=bool(skip),
         )
+
+    def _wait(self, req: Any, what: str) -> Any:
+        """``req.wait()``, bounded by ``self.timeout`` (StallError past it)."""
+        timeout = self.buckets.timeout
+        if timeout is None:
+            return req.wait()
+        t0 = time.perf_counter()
+        while not req.test():
+            if time.perf_counter() - t0 > timeout:
+                raise StallError(
+                    f"all-reduce of the {what} did not complete within {timeout:g} s on rank {self.comm.rank}: "
+                    "another rank is stuck, dead or not calling step"
+                )
+            time.sleep(1e-4)
+        return req.wait()
 
     # -- replicas ------------------------------------------------------------------------------
 

@@ -10,9 +10,10 @@ each way, never an allocation.)
 Order matters in MPI: every rank must start its non-blocking collectives in the same order.
 Parameters are sorted by name (numbers in names compared as numbers, so ``layers.10`` comes
 after ``layers.9``) and packed in that order; buckets are *started* in reverse packing order
-(the last layers first, as backward produces them) and a bucket never starts before the ones
-ahead of it in that order. Which bucket is ready when may differ between ranks (unused
-branches, timing), but the order of starts never does.
+(the last layers first, as backward produces them) until ``adopt_order`` replaces that with the
+order rank 0 observed in a real backward; a bucket never starts before the ones ahead of it in
+the start order. Which bucket is ready when may differ between ranks (unused branches, timing),
+but the order of starts never does.
 
 Overlap: a caller marks parameters whose gradient is final with ``mark_ready``; as soon as a
 bucket's last parameter is marked (and the buckets ahead of it have started) its all-reduce
@@ -179,6 +180,10 @@ class GradBuckets:
         self._ready = set()
         self._active = False
         self.comm_seconds = 0.0
+        # How many buckets the last step started while backward still had gradients to produce.
+        self.overlapped = 0
+        self._completed: list[int] = []
+        self._n_params = len(self._where)
 
     def _add(self, group: list[Any]) -> None:
         xp = xp_of(group[0].data)
@@ -204,6 +209,8 @@ class GradBuckets:
             b.request = None
         self._next = 0
         self._ready: set[int] = set()
+        self._completed = []
+        self.overlapped = 0
         self._active = True
 
     def mark_ready(self, params: Iterable[Any]) -> None:
@@ -221,6 +228,8 @@ class GradBuckets:
                 b, i = where
                 self._pack(b, i)
                 b.pending -= 1
+                if b.pending == 0:
+                    self._completed.append(b.index)
         self._launch(force=False)
         # MPI progresses non-blocking collectives only inside MPI calls: poke the ones in flight
         # so they advance while backward computes (no progress thread needed).
@@ -259,6 +268,7 @@ class GradBuckets:
                 for i in range(len(b.params)):
                     self._pack(b, i)
                 b.pending = 0
+                self._completed.append(b.index)
         self._launch(force=True)
         t0 = time.perf_counter()
         for b in self._order:
@@ -274,6 +284,20 @@ class GradBuckets:
                     p.grad[...] = b.views[i]
         self._active = False
         return self.comm_seconds
+
+    def adopt_order(self) -> list[int]:
+        """Start buckets from now on in the order they became ready in the last step on rank 0.
+
+        Collective (one small broadcast). Call it on every rank after one step whose backward
+        marked parameters ready: the packing (by name) stays, only the order of starts follows
+        the model's real backward order, so a bucket finished early is not held back behind one
+        that fills last (the token embedding of a GPT, say). Returns the adopted order.
+        """
+        order = self.comm.bcast_obj(list(self._completed) if self.comm.rank == 0 else None, root=0)
+        if sorted(order) != list(range(len(self.buckets))):
+            raise RuntimeError(f"adopt_order: rank 0 reported an incomplete bucket order {order}")
+        self._order = [self.buckets[i] for i in order]
+        return order
 
     # -- internals -------------------------------------------------------------------------
 
@@ -291,6 +315,8 @@ class GradBuckets:
             b = self._order[self._next]
             if b.pending > 0 and not force:
                 return
+            if len(self._ready) < self._n_params and not force:
+                self.overlapped += 1
             t0 = time.perf_counter()
             if self.compression == "fp16":
                 b.wire[...] = b.flat

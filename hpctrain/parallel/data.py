@@ -11,7 +11,6 @@ those of the global batch without the padding.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import zlib
@@ -19,30 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_host, xp_of
+from ..backend import to_host
 from ..comm import Communicator
 from ..comm.buckets import COMPRESSIONS, GradBuckets
 from ..comm.validate import agree, describe_model
 from ..errors import MismatchError, StallError
 from ..guard import check_finite
+from ..optim import clip_grad_norm
 from ..trainer import StepStats, Trainer
-
-
-def _global_norm(params: list[Any]) -> float:
-    """L2 norm over all gradients, accumulated in float64."""
-    total = 0.0
-    for p in params:
-        g = p.grad
-        total += float(xp_of(g).vdot(g.ravel(), g.ravel()).real) if g.size else 0.0
-    return math.sqrt(total)
-
-
-def _clip(params: list[Any], max_norm: float, norm: float) -> None:
-    """Scale gradients so their global norm is at most ``max_norm`` (reference semantics)."""
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            p.grad *= coef
 
 
 class _BackwardHooks:
@@ -184,6 +167,11 @@ class DataParallelTrainer(Trainer):
         self.buckets = GradBuckets(self.params, self.comm, bucket_mb=bucket_mb, compression=compression,
                                    timeout=timeout)
         self._hooks = _BackwardHooks(model, self.buckets) if overlap else None
+        # Hooks depend on the model's structure: a rank without them would start its buckets in
+        # another order, so the ranks must agree (a model with the same parameters but another
+        # module tree would otherwise deadlock).
+        agree(self.comm, "the overlap hooks (module tree)", bool(self._hooks and self._hooks.active))
+        self._order_learned = False
 
     # -- description ---------------------------------------------------------------------------
 
@@ -252,13 +240,15 @@ class DataParallelTrainer(Trainer):
                 if last and hooks:
                     hooks.disarm()
         self.buckets.finish()
+        if hooks and not self._order_learned:
+            # First step: from now on start buckets in the order backward really fills them.
+            self.buckets.adopt_order()
+            self._order_learned = True
         t0 = time.perf_counter()
         loss = float(self._wait(loss_req, "loss")[0])
         comm_s += time.perf_counter() - t0 + self.buckets.comm_seconds
 
         norm = None
-        if self.clip_norm is not None:
-            norm = _global_norm(self.params)  # identical on every rank: gradients are reduced
         t0 = time.perf_counter()
         skip = check_finite(self.comm, loss, self.params, policy=self.on_nonfinite)
         comm_s += time.perf_counter() - t0
@@ -266,7 +256,8 @@ class DataParallelTrainer(Trainer):
             skip = True  # every sample of the global batch was padding: nothing to learn from
         if not skip:
             if self.clip_norm is not None:
-                _clip(self.params, self.clip_norm, norm)
+                # The reduced gradients are identical on every rank, so is their norm.
+                norm = clip_grad_norm(self.params, self.clip_norm)
             self.optimizer.step()
         self.global_step += 1
         return StepStats(

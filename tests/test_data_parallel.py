@@ -374,3 +374,18 @@ def test_gpt_equivalence_with_serial(comm, overlap):
         opt.zero_grad()
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         np.testing.assert_allclose(a.data, b.data, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_malformed_batch_on_one_rank_raises_everywhere(comm):
+    model = make_model(0)
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=make_opt("sgd", model.parameters()), comm=comm)
+    x, y = global_data(4)
+    if comm.rank == comm.size - 1:
+        y = y[:3]
+    with pytest.raises(ValueError, match=rf"rank {comm.size - 1}: x, y .*same length, got 4, 3"):
+        tr.step(x, y)
+    tr.step(x, global_data(4)[1])  # and the trainer is still usable afterwards
+    tr.check_replicas()

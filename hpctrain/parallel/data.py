@@ -201,18 +201,25 @@ class DataParallelTrainer(Trainer):
         t_start = time.perf_counter()
         comm_s = 0.0
         n = len(y)
+        problem = None
         if len(x) != n or (weight is not None and len(weight) != n):
-            raise ValueError(f"step: x, y (and weight) need the same length, got {len(x)}, {n}"
-                             + (f", {len(weight)}" if weight is not None else ""))
+            problem = f"x, y (and weight) need the same length, got {len(x)}, {n}" + (
+                f", {len(weight)}" if weight is not None else "")
         k = self.accum_steps
         bounds = [(i * n) // k for i in range(k + 1)]
         counts = [
-            float(to_host(weight[a:b]).sum()) if weight is not None else float(b - a)
+            float(to_host(weight[a:b]).sum()) if weight is not None and not problem else float(b - a)
             for a, b in zip(bounds, bounds[1:])
         ]
-        # The global count of real samples: each rank's gradient is weighted by its share.
+        # The global count of real samples (each rank's gradient is weighted by its share) and,
+        # riding along, whether any rank got a malformed batch: then all ranks raise together.
         t0 = time.perf_counter()
-        total = float(self._wait(self.comm.iallreduce(np.array([sum(counts)], dtype=np.float64)), "sample count")[0])
+        req = self.comm.iallreduce(np.array([sum(counts), 1.0 if problem else 0.0], dtype=np.float64))
+        total, n_bad = (float(v) for v in self._wait(req, "sample count"))
+        if n_bad:
+            problems = self.comm.allgather_obj(problem)
+            raise ValueError("DataParallelTrainer.step: " + "; ".join(
+                f"rank {r}: {p}" for r, p in enumerate(problems) if p))
         comm_s += time.perf_counter() - t0
 
         self.optimizer.zero_grad()

@@ -72,11 +72,11 @@ def time_steps(fn, iters: int, rounds: int, comm: MPI.Comm = MPI.COMM_WORLD) -> 
 class DPCase:
     """One DataParallelTrainer configuration and its step on a fixed batch."""
 
-    def __init__(self, comm, args, overlap: bool, bucket_mb: float) -> None:
+    def __init__(self, comm, args, overlap: bool, bucket_mb: float, compression: str | None = None) -> None:
         model = mlp(args.width, args.depth, args.d_in)
         opt = ht.optim.SGD(model.parameters(), lr=1e-3)
         self.tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=opt, comm=comm,
-                                      overlap=overlap, bucket_mb=bucket_mb)
+                                      overlap=overlap, bucket_mb=bucket_mb, compression=compression)
         g = np.random.default_rng(comm.rank)
         self.x = g.normal(size=(args.batch, args.d_in)).astype(np.float32)
         self.y = g.integers(0, CLASSES, args.batch)
@@ -184,20 +184,23 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[tuple[str, str, str, str, str]] = []
     solo = DPCase(alone, args, overlap=True, bucket_mb=25)
-    cases = {(ov, mb): DPCase(world, args, ov, mb) for ov in (True, False) for mb in (25, 1)}
+    cases = {(ov, mb, None): DPCase(world, args, ov, mb) for ov in (True, False) for mb in (25, 1)}
+    cases[(True, 25, "bf16")] = DPCase(world, args, True, 25, "bf16")
     # Interleaved rounds, best kept: load from other jobs hits every configuration alike.
     for _ in range(args.rounds):
         for case in (solo, *cases.values()):
             case.best = min(case.best, time_steps(case.step, args.iters, 1))
-    par = cases[(True, 25)].best
+    par = cases[(True, 25, None)].best
     eff = solo.best / par
     rows.append((f"weak scaling 1 -> {n} ranks (batch {args.batch}/rank)",
                  f"{n * args.batch / par:,.0f} samples/s on {n}", f"{args.batch / solo.best:,.0f} samples/s on 1",
                  f"efficiency {eff:.2f}", ">= 0.90"))
-    for (overlap, mb), case in cases.items():
+    for (overlap, mb, comp), case in cases.items():
         t, c = case.best, case.exposed_comm()
-        rows.append((f"step, overlap={'on' if overlap else 'off'}, bucket {mb} MB",
-                     f"{t * 1e3:.1f} ms/step", f"exposed comm {c * 1e3:.1f} ms", f"comm share {c / t:.0%}", ""))
+        wire = f", {comp} wire" if comp else ""
+        rows.append((f"step, overlap={'on' if overlap else 'off'}, bucket {mb} MB{wire}",
+                     f"{t * 1e3:.1f} ms/step (efficiency {solo.best / t:.2f})", f"exposed comm {c * 1e3:.1f} ms",
+                     f"comm share {c / t:.0%}", ""))
     t_ours, t_flat, t_loop, ntens, nbytes = sync_case(world, args)
     rows.append((f"grad sync, {ntens} tensors, {nbytes / 2**20:.1f} MB", f"hpctrain {t_ours * 1e3:.2f} ms",
                  f"flat raw Allreduce {t_flat * 1e3:.2f} ms", f"{t_ours / t_flat:.2f}x", "<= 1.10x"))

@@ -21,14 +21,17 @@ starts, while backward continues on earlier layers. ``finish`` marks the rest, s
 not started, waits and writes the results back.
 
 Compression: ``compression="fp16"`` or ``"bf16"`` sends 16-bit values while the gradients (the
-"master" copy) stay in their own precision. fp16 uses MPI's float16 sum; bf16 has no MPI type, so
-it travels as uint16 with a user-defined sum operation that adds in float32 and rounds to
-nearest even.
+"master" copy) stay in float32. Both travel as uint16 with a user-defined NumPy sum (bf16 has
+no MPI type; MPI's own float16 sum is very slow on subnormal numbers): bf16 adds in float32 and
+rounds to nearest even. fp16 keeps 10 mantissa bits but underflows below ~6e-8 (subnormals from
+6e-5): prefer bf16 for tiny gradients. On one node 16-bit sums cost more CPU than they save in
+bytes; compression pays off on slow networks.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -71,23 +74,35 @@ def from_bf16(h: Any, out: Any) -> Any:
     return out
 
 
-_BF16_OP = None
+_SUM16_OPS: dict[str, Any] = {}
 
 
-def _bf16_sum_op() -> Any:
-    """An MPI operation summing bfloat16 (as uint16) in float32, created once."""
-    global _BF16_OP
-    if _BF16_OP is None:
+def _sum16_op(kind: str) -> Any:
+    """An MPI operation summing 16-bit floats (carried as uint16), created once per kind.
+
+    bf16 has no MPI type; for fp16 MPICH's built-in float16 sum exists but crawls on subnormal
+    values (small gradients), several times slower than this NumPy sum.
+    """
+    if kind not in _SUM16_OPS:
         from mpi4py import MPI
 
-        def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-            a = np.frombuffer(inbuf, dtype=np.uint16)
-            b = np.frombuffer(inoutbuf, dtype=np.uint16)
-            s = from_bf16(a, np.empty(a.shape, np.float32)) + from_bf16(b, np.empty(b.shape, np.float32))
-            to_bf16(s, b)
+        if kind == "bf16":
 
-        _BF16_OP = MPI.Op.Create(add, commute=True)
-    return _BF16_OP
+            def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                a = np.frombuffer(inbuf, dtype=np.uint16)
+                b = np.frombuffer(inoutbuf, dtype=np.uint16)
+                s = from_bf16(a, np.empty(a.shape, np.float32))
+                s += from_bf16(b, np.empty(b.shape, np.float32))
+                to_bf16(s, b)
+
+        else:
+
+            def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                b = np.frombuffer(inoutbuf, dtype=np.float16)
+                np.add(np.frombuffer(inbuf, dtype=np.float16), b, out=b)
+
+        _SUM16_OPS[kind] = MPI.Op.Create(add, commute=True)
+    return _SUM16_OPS[kind]
 
 
 # -- buckets -----------------------------------------------------------------------------------
@@ -232,13 +247,14 @@ class GradBuckets:
                     self._completed.append(b.index)
         self._launch(force=False)
         # MPI progresses non-blocking collectives only inside MPI calls: poke the ones in flight
-        # so they advance while backward computes (no progress thread needed).
+        # so they advance while backward computes (no progress thread needed). The poke moves
+        # data, so its time counts as communication time.
+        t0 = time.perf_counter()
         for b in self._order[: self._next]:
             b.request.test()
+        self.comm_seconds += time.perf_counter() - t0
 
     def _wait(self, b: _Bucket, t0: float) -> None:
-        import time
-
         if self.timeout is None:
             b.request.wait()
             return
@@ -257,8 +273,6 @@ class GradBuckets:
 
         Returns the seconds spent inside communication calls (starting and waiting).
         """
-        import time
-
         if not self._active:
             self.begin()
         for b in self.buckets:
@@ -309,8 +323,6 @@ class GradBuckets:
             b.views[i][...] = p.grad
 
     def _launch(self, force: bool) -> None:
-        import time
-
         while self._next < len(self._order):
             b = self._order[self._next]
             if b.pending > 0 and not force:
@@ -320,26 +332,28 @@ class GradBuckets:
             t0 = time.perf_counter()
             if self.compression == "fp16":
                 b.wire[...] = b.flat
-                b.request = self.comm.iallreduce(b.wire, out=b.wire)
+                b.request = self._iallreduce16(b.wire.view(np.uint16), "fp16")
             elif self.compression == "bf16":
                 to_bf16(b.flat, b.wire)
-                b.request = self._iallreduce_bf16(b.wire)
+                b.request = self._iallreduce16(b.wire, "bf16")
             else:
                 b.request = self.comm.iallreduce(b.flat, out=b.flat)
             self.comm_seconds += time.perf_counter() - t0
             self._next += 1
 
-    def _iallreduce_bf16(self, wire: Any) -> Request:
+    def _iallreduce16(self, wire: Any, kind: str) -> Request:
+        """In-place all-reduce of 16-bit floats (as uint16) with a NumPy sum operation."""
         from mpi4py import MPI
 
+        op = _sum16_op(kind)
         if xp_of(wire) is not np or self.comm._force_staging:
             # Device buffers: stage through host memory (the user operation runs on the CPU).
             host = np.empty(wire.shape, np.uint16)
             host[...] = wire.get() if hasattr(wire, "get") else wire
-            req = self.comm.mpi.Iallreduce(MPI.IN_PLACE, host, _bf16_sum_op())
+            req = self.comm.mpi.Iallreduce(MPI.IN_PLACE, host, op)
 
             def finish() -> None:
                 wire[...] = xp_of(wire).asarray(host)
 
             return Request(req, wire, finish)
-        return Request(self.comm.mpi.Iallreduce(MPI.IN_PLACE, wire, _bf16_sum_op()), wire)
+        return Request(self.comm.mpi.Iallreduce(MPI.IN_PLACE, wire, op), wire)

@@ -10,9 +10,10 @@ each way, never an allocation.)
 Order matters in MPI: every rank must start its non-blocking collectives in the same order.
 Parameters are sorted by name (numbers in names compared as numbers, so ``layers.10`` comes
 after ``layers.9``) and packed in that order; buckets are *started* in reverse packing order
-(the last layers first, as backward produces them) and a bucket never starts before the ones
-ahead of it in that order. Which bucket is ready when may differ between ranks (unused
-branches, timing), but the order of starts never does.
+(the last layers first, as backward produces them) until ``adopt_order`` replaces that with the
+order rank 0 observed in a real backward; a bucket never starts before the ones ahead of it in
+the start order. Which bucket is ready when may differ between ranks (unused branches, timing),
+but the order of starts never does.
 
 Overlap: a caller marks parameters whose gradient is final with ``mark_ready``; as soon as a
 bucket's last parameter is marked (and the buckets ahead of it have started) its all-reduce
@@ -20,20 +21,24 @@ starts, while backward continues on earlier layers. ``finish`` marks the rest, s
 not started, waits and writes the results back.
 
 Compression: ``compression="fp16"`` or ``"bf16"`` sends 16-bit values while the gradients (the
-"master" copy) stay in their own precision. fp16 uses MPI's float16 sum; bf16 has no MPI type, so
-it travels as uint16 with a user-defined sum operation that adds in float32 and rounds to
-nearest even.
+"master" copy) stay in float32. Both travel as uint16 with a user-defined NumPy sum (bf16 has
+no MPI type; MPI's own float16 sum is very slow on subnormal numbers): bf16 adds in float32 and
+rounds to nearest even. fp16 keeps 10 mantissa bits but underflows below ~6e-8 (subnormals from
+6e-5): prefer bf16 for tiny gradients. On one node 16-bit sums cost more CPU than they save in
+bytes; compression pays off on slow networks.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from ..backend import xp_of
+from ..errors import StallError
 from .communicator import Communicator, Request
 
 COMPRESSIONS = (None, "fp16", "bf16")
@@ -69,23 +74,35 @@ def from_bf16(h: Any, out: Any) -> Any:
     return out
 
 
-_BF16_OP = None
+_SUM16_OPS: dict[str, Any] = {}
 
 
-def _bf16_sum_op() -> Any:
-    """An MPI operation summing bfloat16 (as uint16) in float32, created once."""
-    global _BF16_OP
-    if _BF16_OP is None:
+def _sum16_op(kind: str) -> Any:
+    """An MPI operation summing 16-bit floats (carried as uint16), created once per kind.
+
+    bf16 has no MPI type; for fp16 MPICH's built-in float16 sum exists but crawls on subnormal
+    values (small gradients), several times slower than this NumPy sum.
+    """
+    if kind not in _SUM16_OPS:
         from mpi4py import MPI
 
-        def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-            a = np.frombuffer(inbuf, dtype=np.uint16)
-            b = np.frombuffer(inoutbuf, dtype=np.uint16)
-            s = from_bf16(a, np.empty(a.shape, np.float32)) + from_bf16(b, np.empty(b.shape, np.float32))
-            to_bf16(s, b)
+        if kind == "bf16":
 
-        _BF16_OP = MPI.Op.Create(add, commute=True)
-    return _BF16_OP
+            def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                a = np.frombuffer(inbuf, dtype=np.uint16)
+                b = np.frombuffer(inoutbuf, dtype=np.uint16)
+                s = from_bf16(a, np.empty(a.shape, np.float32))
+                s += from_bf16(b, np.empty(b.shape, np.float32))
+                to_bf16(s, b)
+
+        else:
+
+            def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                b = np.frombuffer(inoutbuf, dtype=np.float16)
+                np.add(np.frombuffer(inbuf, dtype=np.float16), b, out=b)
+
+        _SUM16_OPS[kind] = MPI.Op.Create(add, commute=True)
+    return _SUM16_OPS[kind]
 
 
 # -- buckets -----------------------------------------------------------------------------------
@@ -140,6 +157,7 @@ class GradBuckets:
         comm: Communicator,
         bucket_mb: float = 25.0,
         compression: str | None = None,
+        timeout: float | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -154,6 +172,8 @@ class GradBuckets:
                 raise ValueError(f"compression={compression!r} needs float32 gradients; {p.name} is {p.data.dtype}")
         self.comm = comm
         self.compression = compression
+        # Seconds ``finish`` waits for the reductions before raising StallError (None: forever).
+        self.timeout = timeout
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.buckets: list[_Bucket] = []
         group: list[Any] = []
@@ -175,6 +195,10 @@ class GradBuckets:
         self._ready = set()
         self._active = False
         self.comm_seconds = 0.0
+        # How many buckets the last step started while backward still had gradients to produce.
+        self.overlapped = 0
+        self._completed: list[int] = []
+        self._n_params = len(self._where)
 
     def _add(self, group: list[Any]) -> None:
         xp = xp_of(group[0].data)
@@ -200,6 +224,8 @@ class GradBuckets:
             b.request = None
         self._next = 0
         self._ready: set[int] = set()
+        self._completed = []
+        self.overlapped = 0
         self._active = True
 
     def mark_ready(self, params: Iterable[Any]) -> None:
@@ -217,19 +243,36 @@ class GradBuckets:
                 b, i = where
                 self._pack(b, i)
                 b.pending -= 1
+                if b.pending == 0:
+                    self._completed.append(b.index)
         self._launch(force=False)
         # MPI progresses non-blocking collectives only inside MPI calls: poke the ones in flight
-        # so they advance while backward computes (no progress thread needed).
+        # so they advance while backward computes (no progress thread needed). The poke moves
+        # data, so its time counts as communication time.
+        t0 = time.perf_counter()
         for b in self._order[: self._next]:
             b.request.test()
+        self.comm_seconds += time.perf_counter() - t0
+
+    def _wait(self, b: _Bucket, t0: float) -> None:
+        if self.timeout is None:
+            b.request.wait()
+            return
+        # Poll so a dead or stuck peer turns into an error instead of a silent hang.
+        while not b.request.test():
+            if time.perf_counter() - t0 > self.timeout:
+                self._active = False
+                raise StallError(
+                    f"gradient all-reduce of bucket {b.index} ({b.nbytes} bytes) did not complete within "
+                    f"{self.timeout:g} s on rank {self.comm.rank}: another rank is stuck, dead or not calling step"
+                )
+            time.sleep(1e-4)
 
     def finish(self) -> float:
         """Start every bucket not started yet, wait for all, write the sums into ``.grad``.
 
         Returns the seconds spent inside communication calls (starting and waiting).
         """
-        import time
-
         if not self._active:
             self.begin()
         for b in self.buckets:
@@ -239,10 +282,11 @@ class GradBuckets:
                 for i in range(len(b.params)):
                     self._pack(b, i)
                 b.pending = 0
+                self._completed.append(b.index)
         self._launch(force=True)
         t0 = time.perf_counter()
         for b in self._order:
-            b.request.wait()
+            self._wait(b, t0)
         self.comm_seconds += time.perf_counter() - t0
         for b in self.buckets:
             if self.compression == "fp16":
@@ -255,6 +299,20 @@ class GradBuckets:
         self._active = False
         return self.comm_seconds
 
+    def adopt_order(self) -> list[int]:
+        """Start buckets from now on in the order they became ready in the last step on rank 0.
+
+        Collective (one small broadcast). Call it on every rank after one step whose backward
+        marked parameters ready: the packing (by name) stays, only the order of starts follows
+        the model's real backward order, so a bucket finished early is not held back behind one
+        that fills last (the token embedding of a GPT, say). Returns the adopted order.
+        """
+        order = self.comm.bcast_obj(list(self._completed) if self.comm.rank == 0 else None, root=0)
+        if sorted(order) != list(range(len(self.buckets))):
+            raise RuntimeError(f"adopt_order: rank 0 reported an incomplete bucket order {order}")
+        self._order = [self.buckets[i] for i in order]
+        return order
+
     # -- internals -------------------------------------------------------------------------
 
     def _pack(self, b: _Bucket, i: int) -> None:
@@ -265,35 +323,37 @@ class GradBuckets:
             b.views[i][...] = p.grad
 
     def _launch(self, force: bool) -> None:
-        import time
-
         while self._next < len(self._order):
             b = self._order[self._next]
             if b.pending > 0 and not force:
                 return
+            if len(self._ready) < self._n_params and not force:
+                self.overlapped += 1
             t0 = time.perf_counter()
             if self.compression == "fp16":
                 b.wire[...] = b.flat
-                b.request = self.comm.iallreduce(b.wire, out=b.wire)
+                b.request = self._iallreduce16(b.wire.view(np.uint16), "fp16")
             elif self.compression == "bf16":
                 to_bf16(b.flat, b.wire)
-                b.request = self._iallreduce_bf16(b.wire)
+                b.request = self._iallreduce16(b.wire, "bf16")
             else:
                 b.request = self.comm.iallreduce(b.flat, out=b.flat)
             self.comm_seconds += time.perf_counter() - t0
             self._next += 1
 
-    def _iallreduce_bf16(self, wire: Any) -> Request:
+    def _iallreduce16(self, wire: Any, kind: str) -> Request:
+        """In-place all-reduce of 16-bit floats (as uint16) with a NumPy sum operation."""
         from mpi4py import MPI
 
+        op = _sum16_op(kind)
         if xp_of(wire) is not np or self.comm._force_staging:
             # Device buffers: stage through host memory (the user operation runs on the CPU).
             host = np.empty(wire.shape, np.uint16)
             host[...] = wire.get() if hasattr(wire, "get") else wire
-            req = self.comm.mpi.Iallreduce(MPI.IN_PLACE, host, _bf16_sum_op())
+            req = self.comm.mpi.Iallreduce(MPI.IN_PLACE, host, op)
 
             def finish() -> None:
                 wire[...] = xp_of(wire).asarray(host)
 
             return Request(req, wire, finish)
-        return Request(self.comm.mpi.Iallreduce(MPI.IN_PLACE, wire, _bf16_sum_op()), wire)
+        return Request(self.comm.mpi.Iallreduce(MPI.IN_PLACE, wire, op), wire)

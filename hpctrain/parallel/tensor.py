@@ -72,14 +72,19 @@ def tensor_parallel(model: Module, tp_comm: Any) -> Module:
     ``model`` itself is a ``GPT`` its ``tok_emb`` becomes a ``VocabParallelEmbedding`` and its
     ``head`` a column-parallel Linear whose logits stay split over the vocabulary (train it with
     ``CrossEntropyLoss``: the trainer swaps in ``VocabParallelCrossEntropy``). The ranks first
-    agree on the model's structure and take tp rank 0's weights. ``model`` is left untouched.
+    agree on the model's structure and take tp rank 0's weights and RNG states. ``model`` is left untouched.
     Sizes that do not split (``n_heads % tp``, hidden sizes) raise ``ValueError`` on every rank.
     """
     agree(tp_comm, "the serial model handed to tensor_parallel (parameters, modules, heads)", _structure(model))
     model = copy.deepcopy(model)
-    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if tp_comm.size > 1:
+    if tp_comm.size > 1:
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             tp_comm.bcast(p.data, root=0)  # slices must come from one and the same full tensor
+        # Random layers (Dropout) sit in replicated regions: every tp rank must draw the same mask.
+        rngs = [m for _, m in model.named_modules() if isinstance(getattr(m, "rng", None), np.random.Generator)]
+        states = tp_comm.bcast_obj([m.rng.bit_generator.state for m in rngs], root=0)
+        for m, state in zip(rngs, states):
+            m.rng.bit_generator.state = state
     if isinstance(model, MLP):
         out: Module = ParallelMLP.from_serial(model, tp_comm)
     elif isinstance(model, CausalSelfAttention):

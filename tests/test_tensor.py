@@ -323,3 +323,23 @@ def test_dropout_masks_agree_across_the_tp_group(comm):
     everyone = comm.allgather(np.ascontiguousarray(out))
     for other in everyone:
         np.testing.assert_array_equal(other, out)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_one_rank_with_a_serial_model_refused_on_every_rank(comm):
+    grid = ProcessGrid(comm, tp=comm.size)
+    serial = MLP(4, 2 * comm.size, rng=0)
+    split = tensor_parallel(serial, grid.tp)
+    model = serial if comm.rank == 0 else split  # rank 0 forgot to split its model
+    with pytest.raises(GridError, match=r"got a serial model.*\(ranks \[0\]\)"):
+        TensorParallelTrainer(model=model, loss=MSELoss(), optimizer=AdamW(model.parameters()), grid=grid)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_gpt_with_a_non_ce_loss_refused(comm):
+    grid = ProcessGrid(comm, tp=comm.size)
+    model = tensor_parallel(GPT(7, 4, 2 * comm.size, comm.size, 1, rng=0), grid.tp)
+    with pytest.raises(ValueError, match="CrossEntropyLoss, got MSELoss"):
+        TensorParallelTrainer(model=model, loss=MSELoss(), optimizer=AdamW(model.parameters()), grid=grid)

@@ -145,21 +145,15 @@ class TensorParallelTrainer(Trainer):
     def __init__(self, *, model: Module, loss: Any, optimizer: Any, grid: Any, clip_norm: float | None = None,
                  on_nonfinite: str = "raise", timeout: float | None = None) -> None:
         super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
-        if grid.pp_size != 1:
-            raise GridError(f"TensorParallelTrainer needs a grid with pp=1, got {grid.sizes}")
-        if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
-        model_tp = getattr(model, "tp_comm", None)
-        if model_tp is None or model_tp.size != grid.tp_size:
-            got = "a serial model" if model_tp is None else f"a model split {model_tp.size} ways"
-            raise GridError(f"TensorParallelTrainer on a grid with tp={grid.tp_size} got {got}; "
-                            "build it with tensor_parallel(model, grid.tp)")
         self.grid, self.model, self.optimizer, self.clip_norm = grid, model, optimizer, clip_norm
+        problem = self._check_args(grid, model, loss, clip_norm)
+        problems = self.comm.allgather_obj(None if problem is None else (type(problem).__name__, str(problem)))
+        bad = [r for r, q in enumerate(problems) if q]
+        if bad:  # one rank's bad argument is refused on every rank, before any array collective
+            kind, msg = problems[bad[0]]
+            raise {"GridError": GridError, "ValueError": ValueError}[kind](f"{msg} (ranks {bad})")
         vocab = getattr(model, "vocab_parallel", None)
         if vocab is not None:
-            if not isinstance(loss, CrossEntropyLoss | VocabParallelCrossEntropy):
-                raise ValueError("a vocab-parallel GPT's logits are split over the vocabulary; "
-                                 f"train it with CrossEntropyLoss, got {type(loss).__name__}")
             loss = VocabParallelCrossEntropy(grid.tp, vocab[0], vocab[1])
         self.loss = loss
         self._shards = shard_map(model)
@@ -181,6 +175,24 @@ class TensorParallelTrainer(Trainer):
         if grid.dp_size > 1:
             for p in self.params:  # dp replicas start identical
                 grid.dp.bcast(p.data, root=0)
+
+    @staticmethod
+    def _check_args(grid: Any, model: Any, loss: Any, clip_norm: float | None) -> Exception | None:
+        if grid.pp_size != 1:
+            return GridError(f"TensorParallelTrainer needs a grid with pp=1, got {grid.sizes}")
+        if clip_norm is not None and not clip_norm > 0:
+            return ValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
+        model_tp = getattr(model, "tp_comm", None)
+        if model_tp is None or model_tp.size != grid.tp_size:
+            got = "a serial model" if model_tp is None else f"a model split {model_tp.size} ways"
+            return GridError(f"TensorParallelTrainer on a grid with tp={grid.tp_size} got {got}; "
+                             "build it with tensor_parallel(model, grid.tp)")
+        if getattr(model, "vocab_parallel", None) is not None and not isinstance(
+            loss, CrossEntropyLoss | VocabParallelCrossEntropy
+        ):
+            return ValueError("a vocab-parallel GPT's logits are split over the vocabulary; "
+                              f"train it with CrossEntropyLoss, got {type(loss).__name__}")
+        return None
 
     # -- description ---------------------------------------------------------------------------
 

@@ -183,3 +183,15 @@ def test_schedules_values_and_use_in_optimizer():
     np.testing.assert_allclose(np.diff(steps, prepend=0.0), [0.25, 0.5, 0.75, 1.0, 1.0])
     assert opt.config()["schedule"] == {"type": "LinearWarmup", "warmup_steps": 4}
     assert optim.SGD([p], lr=1.0).config()["schedule"] is None
+
+
+def test_bad_hyperparameters_raise():
+    p = nn.Parameter(np.zeros(1), name="p")
+    for make in (lambda: optim.SGD([p], lr=-1.0), lambda: optim.SGD([p], lr=0.1, momentum=-0.5),
+                 lambda: optim.Adam([p], betas=(1.0, 0.999)), lambda: optim.AdamW([p], weight_decay=-0.1),
+                 lambda: optim.Adam([p], eps=-1.0), lambda: optim.SGD([], lr=0.1)):
+        with pytest.raises(ValueError):
+            make()
+    q = nn.Parameter(np.zeros(1), name="p")
+    with pytest.raises(ValueError, match="distinct names"):
+        optim.SGD([p, q], lr=0.1)

@@ -107,6 +107,8 @@ class SGD(Optimizer):
     def __init__(self, params, lr: float, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, schedule=None) -> None:
         super().__init__(params, lr, schedule)
+        if momentum < 0 or weight_decay < 0:
+            raise ValueError(f"momentum and weight_decay must be >= 0, got {momentum} and {weight_decay}")
         if nesterov and momentum <= 0:
             raise ValueError("nesterov=True needs momentum > 0")
         self.momentum, self.nesterov, self.weight_decay = momentum, nesterov, weight_decay
@@ -141,6 +143,8 @@ class Adam(Optimizer):
         super().__init__(params, lr, schedule)
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if eps < 0 or weight_decay < 0:
+            raise ValueError(f"eps and weight_decay must be >= 0, got {eps} and {weight_decay}")
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
 
     def _update(self, p, state, lr) -> None:

@@ -179,6 +179,8 @@ def test_equivalence_with_serial(comm, opt_kind, accum, clip, overlap):
                              comm=comm, bucket_mb=0.001, overlap=overlap, accum_steps=accum, clip_norm=clip)
     assert tr._hooks is None or tr._hooks.active == overlap
     stats = [tr.step(share(x, comm), share(y, comm)) for x, y in batches]
+    # With overlap every bucket but the first layer's started while backward was still running.
+    assert tr.buckets.overlapped == (len(tr.buckets.buckets) - 1 if overlap else 0)
     ref, ref_losses = serial_run(opt_kind, steps, batches, clip=clip)
     np.testing.assert_allclose([s.loss for s in stats], ref_losses, rtol=1e-12)
     assert all(s.samples == per_rank * comm.size for s in stats)
@@ -287,4 +289,103 @@ def test_unused_parameters_contribute_zeros(comm, overlap):
     loss.forward(ref.forward(x[:4]), y[:4])
     ref.backward(loss.backward())
     np.testing.assert_allclose(before - model.b.weight.data, ref.b.weight.grad / comm.size, rtol=1e-12)
+    tr.check_replicas()
+
+
+_STALL = """
+import sys, time
+import numpy as np
+import hpctrain as ht
+from hpctrain.errors import StallError
+from hpctrain.parallel import DataParallelTrainer
+comm = ht.Communicator()
+model = ht.nn.Sequential(ht.nn.Linear(4, 3, rng=0))
+tr = DataParallelTrainer(model=model, loss=ht.nn.MSELoss(), optimizer=ht.optim.SGD(model.parameters(), lr=0.1),
+                         comm=comm, timeout=1.0)
+x, y = np.ones((2, 4), np.float32), np.zeros((2, 3), np.float32)
+tr.step(x, y)
+if comm.rank == 1:
+    time.sleep(60)  # stuck: never calls step again
+try:
+    tr.step(x, y)
+except StallError as exc:
+    print("STALL", exc, flush=True)
+    comm.abort(3)
+"""
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_stuck_rank_raises_stall_error_instead_of_hanging(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("spawns its own 2-rank job; run serially")
+    script = tmp_path / "stall.py"
+    script.write_text(_STALL)
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    t0 = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_", "HYDRA_"))}
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=90, env=env)
+    elapsed = time.monotonic() - t0
+    assert "STALL" in proc.stdout, proc.stdout + proc.stderr
+    assert "did not complete within 1 s on rank 0" in proc.stdout
+    assert proc.returncode != 0 and elapsed < 45
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_gpt_equivalence_with_serial(comm, overlap):
+    # Nested modules, embeddings (backward returns None), a block applied inside a Sequential:
+    # the overlap hooks must fire only when each parameter's gradient is final.
+    def gpt():
+        return ht.nn.GPT(vocab_size=11, block_size=6, d_model=8, n_heads=2, n_layers=2, rng=0, dtype=np.float64)
+
+    g = np.random.default_rng(4)
+    per_rank, steps = 2, 3
+    tokens = [g.integers(0, 11, (per_rank * comm.size, 6)) for _ in range(steps)]
+    model = gpt()
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=ht.optim.AdamW(model.parameters(), lr=1e-2), comm=comm,
+                             overlap=overlap, bucket_mb=2e-3, accum_steps=2, clip_norm=1.0)
+    assert len(tr.buckets.buckets) > 3
+    for t in tokens:
+        tr.step(share(t[:, :-1], comm), share(t[:, 1:], comm))
+    # After the first step buckets start in the observed backward order: all but the bucket
+    # holding tok_emb (the last gradient backward produces) start while backward runs.
+    last = [b.index for b in tr.buckets.buckets if any(p.name == "tok_emb.weight" for p in b.params)]
+    assert tr.buckets.overlapped == (len(tr.buckets.buckets) - 1 if overlap else 0)
+    assert [b.index for b in tr.buckets._order][-1:] == (last if overlap else [0])
+    ref = gpt()
+    opt = ht.optim.AdamW(ref.parameters(), lr=1e-2)
+    loss = ht.nn.CrossEntropyLoss()
+    for t in tokens:
+        loss.forward(ref.forward(t[:, :-1]), t[:, 1:])
+        ref.backward(loss.backward())
+        ht.optim.clip_grad_norm(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        np.testing.assert_allclose(a.data, b.data, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_malformed_batch_on_one_rank_raises_everywhere(comm):
+    model = make_model(0)
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=make_opt("sgd", model.parameters()), comm=comm)
+    x, y = global_data(4)
+    if comm.rank == comm.size - 1:
+        y = y[:3]
+    with pytest.raises(ValueError, match=rf"rank {comm.size - 1}: x, y .*same length, got 4, 3"):
+        tr.step(x, y)
+    tr.step(x, global_data(4)[1])  # and the trainer is still usable afterwards
     tr.check_replicas()

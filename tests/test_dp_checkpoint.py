@@ -217,3 +217,15 @@ def test_fit_serial_without_sampler(tmp_path):
     tr2.fit(batches, epochs=2, progress=False, checkpoint_dir=str(tmp_path))
     assert tr2.global_step == 10
     assert_same(snapshot(tr2), snapshot(tr))
+
+
+def test_fit_progress_bar_and_plain_lines(capsys):
+    comm = ht.Communicator().split(ht.Communicator().rank)
+    g = np.random.default_rng(0)
+    batches = [(g.normal(size=(4, D_IN)), g.integers(0, D_OUT, 4)) for _ in range(4)]
+    trainer(comm).fit(batches, epochs=1, progress=True, log_every=2)
+    cap = capsys.readouterr()
+    assert "4/4" in cap.err and "samples/s" in cap.err  # tqdm bar with the metrics as postfix
+    trainer(comm).fit(batches, epochs=1, progress=False, log_every=2)
+    cap = capsys.readouterr()
+    assert cap.out.count("samples/s") == 2 and "epoch 0 step 4" in cap.out

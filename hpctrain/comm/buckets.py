@@ -2,15 +2,18 @@
 
 ``GradBuckets`` packs the gradients of a list of parameters (any objects with ``.name``,
 ``.grad`` and ``.data`` arrays) into flat buffers of at most ``bucket_mb`` megabytes. The
-buffers are allocated once; each step copies gradients in (no allocation), reduces each bucket
-with one ``iallreduce`` and copies the result back into ``.grad``.
+buffers are allocated once and each ``p.grad`` is made a view of its slice, so backward writes
+gradients straight into the buckets; each bucket is reduced in place with one ``iallreduce``.
+(A parameter whose ``.grad`` was replaced by another array since is copied in and out, one copy
+each way, never an allocation.)
 
 Order matters in MPI: every rank must start its non-blocking collectives in the same order.
 Parameters are sorted by name (numbers in names compared as numbers, so ``layers.10`` comes
 after ``layers.9``) and packed in that order; buckets are *started* in reverse packing order
-(the last layers first, as backward produces them) and a bucket never starts before the ones
-ahead of it in that order. Which bucket is ready when may differ between ranks (unused
-branches, timing), but the order of starts never does.
+(the last layers first, as backward produces them) until ``adopt_order`` replaces that with the
+order rank 0 observed in a real backward; a bucket never starts before the ones ahead of it in
+the start order. Which bucket is ready when may differ between ranks (unused branches, timing),
+but the order of starts never does.
 
 Overlap: a caller marks parameters whose gradient is final with ``mark_ready``; as soon as a
 bucket's last parameter is marked (and the buckets ahead of it have started) its all-reduce
@@ -32,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import xp_of
+from ..errors import StallError
 from .communicator import Communicator, Request
 
 COMPRESSIONS = (None, "fp16", "bf16")
@@ -90,7 +94,7 @@ def _bf16_sum_op() -> Any:
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "offsets", "flat", "wire", "pending", "request", "nbytes")
+    __slots__ = ("index", "params", "offsets", "flat", "views", "wire", "pending", "request", "nbytes")
 
     def __init__(self, index: int, params: list[Any], xp: Any, dtype: np.dtype, compression: str | None) -> None:
         self.index = index
@@ -99,6 +103,14 @@ class _Bucket:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         n = int(self.offsets[-1])
         self.flat = xp.zeros(n, dtype=dtype)
+        # Gradients live in the bucket: each p.grad becomes a view of its slice, so backward
+        # accumulates straight into the buffer that is reduced (no copy in, no copy out).
+        self.views = []
+        for i, p in enumerate(params):
+            v = self.flat[self.offsets[i] : self.offsets[i + 1]].reshape(p.data.shape)
+            v[...] = p.grad
+            p.grad = v
+            self.views.append(v)
         # The 16-bit wire copy, allocated once like the flat buffer.
         self.wire = None
         if compression == "fp16":
@@ -110,8 +122,7 @@ class _Bucket:
         self.request: Request | None = None
 
     def view(self, i: int) -> Any:
-        p = self.params[i]
-        return self.flat[self.offsets[i] : self.offsets[i + 1]].reshape(p.data.shape)
+        return self.views[i]
 
 
 class GradBuckets:
@@ -131,6 +142,7 @@ class GradBuckets:
         comm: Communicator,
         bucket_mb: float = 25.0,
         compression: str | None = None,
+        timeout: float | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -145,6 +157,8 @@ class GradBuckets:
                 raise ValueError(f"compression={compression!r} needs float32 gradients; {p.name} is {p.data.dtype}")
         self.comm = comm
         self.compression = compression
+        # Seconds ``finish`` waits for the reductions before raising StallError (None: forever).
+        self.timeout = timeout
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.buckets: list[_Bucket] = []
         group: list[Any] = []
@@ -163,8 +177,13 @@ class GradBuckets:
         # Start order: reverse of packing order, the way backward produces gradients.
         self._order = list(reversed(self.buckets))
         self._next = 0
+        self._ready = set()
         self._active = False
         self.comm_seconds = 0.0
+        # How many buckets the last step started while backward still had gradients to produce.
+        self.overlapped = 0
+        self._completed: list[int] = []
+        self._n_params = len(self._where)
 
     def _add(self, group: list[Any]) -> None:
         xp = xp_of(group[0].data)
@@ -189,6 +208,9 @@ class GradBuckets:
             b.pending = len(b.params)
             b.request = None
         self._next = 0
+        self._ready: set[int] = set()
+        self._completed = []
+        self.overlapped = 0
         self._active = True
 
     def mark_ready(self, params: Iterable[Any]) -> None:
@@ -201,11 +223,34 @@ class GradBuckets:
             return
         for p in params:
             where = self._where.get(id(p))
-            if where is not None:
+            if where is not None and id(p) not in self._ready:
+                self._ready.add(id(p))
                 b, i = where
                 self._pack(b, i)
                 b.pending -= 1
+                if b.pending == 0:
+                    self._completed.append(b.index)
         self._launch(force=False)
+        # MPI progresses non-blocking collectives only inside MPI calls: poke the ones in flight
+        # so they advance while backward computes (no progress thread needed).
+        for b in self._order[: self._next]:
+            b.request.test()
+
+    def _wait(self, b: _Bucket, t0: float) -> None:
+        import time
+
+        if self.timeout is None:
+            b.request.wait()
+            return
+        # Poll so a dead or stuck peer turns into an error instead of a silent hang.
+        while not b.request.test():
+            if time.perf_counter() - t0 > self.timeout:
+                self._active = False
+                raise StallError(
+                    f"gradient all-reduce of bucket {b.index} ({b.nbytes} bytes) did not complete within "
+                    f"{self.timeout:g} s on rank {self.comm.rank}: another rank is stuck, dead or not calling step"
+                )
+            time.sleep(1e-4)
 
     def finish(self) -> float:
         """Start every bucket not started yet, wait for all, write the sums into ``.grad``.
@@ -218,14 +263,16 @@ class GradBuckets:
             self.begin()
         for b in self.buckets:
             if b.pending > 0:
+                # Unused parameters (no backward ran for them) are packed as they are: zeros
+                # after zero_grad, so they contribute nothing, and no rank waits for them.
                 for i in range(len(b.params)):
-                    if b.request is None:
-                        self._pack(b, i)
+                    self._pack(b, i)
                 b.pending = 0
+                self._completed.append(b.index)
         self._launch(force=True)
         t0 = time.perf_counter()
         for b in self._order:
-            b.request.wait()
+            self._wait(b, t0)
         self.comm_seconds += time.perf_counter() - t0
         for b in self.buckets:
             if self.compression == "fp16":
@@ -233,15 +280,33 @@ class GradBuckets:
             elif self.compression == "bf16":
                 from_bf16(b.wire, b.flat)
             for i, p in enumerate(b.params):
-                p.grad[...] = b.view(i)
+                if p.grad is not b.views[i]:
+                    p.grad[...] = b.views[i]
         self._active = False
         return self.comm_seconds
+
+    def adopt_order(self) -> list[int]:
+        """Start buckets from now on in the order they became ready in the last step on rank 0.
+
+        Collective (one small broadcast). Call it on every rank after one step whose backward
+        marked parameters ready: the packing (by name) stays, only the order of starts follows
+        the model's real backward order, so a bucket finished early is not held back behind one
+        that fills last (the token embedding of a GPT, say). Returns the adopted order.
+        """
+        order = self.comm.bcast_obj(list(self._completed) if self.comm.rank == 0 else None, root=0)
+        if sorted(order) != list(range(len(self.buckets))):
+            raise RuntimeError(f"adopt_order: rank 0 reported an incomplete bucket order {order}")
+        self._order = [self.buckets[i] for i in order]
+        return order
 
     # -- internals -------------------------------------------------------------------------
 
     def _pack(self, b: _Bucket, i: int) -> None:
-        # Copy into the preallocated flat buffer; a contiguous grad's reshape is a view.
-        b.view(i)[...] = b.params[i].grad
+        # Normally a no-op: p.grad is a view of the bucket. A module that replaced p.grad by a
+        # new array (instead of accumulating in place) costs one copy into the bucket.
+        p = b.params[i]
+        if p.grad is not b.views[i]:
+            b.views[i][...] = p.grad
 
     def _launch(self, force: bool) -> None:
         import time
@@ -250,6 +315,8 @@ class GradBuckets:
             b = self._order[self._next]
             if b.pending > 0 and not force:
                 return
+            if len(self._ready) < self._n_params and not force:
+                self.overlapped += 1
             t0 = time.perf_counter()
             if self.compression == "fp16":
                 b.wire[...] = b.flat

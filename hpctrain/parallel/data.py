@@ -11,37 +11,21 @@ those of the global batch without the padding.
 
 from __future__ import annotations
 
-import math
+import os
 import time
 import zlib
 from typing import Any
 
 import numpy as np
 
-from ..backend import to_host, xp_of
+from ..backend import to_host
 from ..comm import Communicator
 from ..comm.buckets import COMPRESSIONS, GradBuckets
 from ..comm.validate import agree, describe_model
-from ..errors import MismatchError
+from ..errors import MismatchError, StallError
 from ..guard import check_finite
+from ..optim import clip_grad_norm
 from ..trainer import StepStats, Trainer
-
-
-def _global_norm(params: list[Any]) -> float:
-    """L2 norm over all gradients, accumulated in float64."""
-    total = 0.0
-    for p in params:
-        g = p.grad
-        total += float(xp_of(g).vdot(g.ravel(), g.ravel()).real) if g.size else 0.0
-    return math.sqrt(total)
-
-
-def _clip(params: list[Any], max_norm: float, norm: float) -> None:
-    """Scale gradients so their global norm is at most ``max_norm`` (reference semantics)."""
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            p.grad *= coef
 
 
 class _BackwardHooks:
@@ -123,7 +107,9 @@ class DataParallelTrainer(Trainer):
     ``accum_steps=k`` the share is split into k micro-batches whose gradients are summed
     locally and communicated once. ``clip_norm`` clips the global gradient norm (after the
     reduction, so every rank clips alike). ``compression`` is ``None``, ``"fp16"`` or
-    ``"bf16"`` (16-bit values on the wire, full-precision gradients otherwise).
+    ``"bf16"`` (16-bit values on the wire, full-precision gradients otherwise). ``timeout``
+    (default: the ``HPCTRAIN_TIMEOUT`` environment variable) bounds the wait for the gradient
+    reduction: past it, ``StallError`` instead of a silent hang.
 
     Construction is collective: ranks agree on the model's parameter names, shapes and dtypes,
     the optimizer's settings and this trainer's settings (``MismatchError``, a ``ValueError``,
@@ -176,8 +162,16 @@ class DataParallelTrainer(Trainer):
         # Start from rank 0's parameters so all replicas are identical.
         for p in self.params:
             self.comm.bcast(p.data, root=0)
-        self.buckets = GradBuckets(self.params, self.comm, bucket_mb=bucket_mb, compression=compression)
+        if timeout is None and os.environ.get("HPCTRAIN_TIMEOUT"):
+            timeout = float(os.environ["HPCTRAIN_TIMEOUT"])
+        self.buckets = GradBuckets(self.params, self.comm, bucket_mb=bucket_mb, compression=compression,
+                                   timeout=timeout)
         self._hooks = _BackwardHooks(model, self.buckets) if overlap else None
+        # Hooks depend on the model's structure: a rank without them would start its buckets in
+        # another order, so the ranks must agree (a model with the same parameters but another
+        # module tree would otherwise deadlock).
+        agree(self.comm, "the overlap hooks (module tree)", bool(self._hooks and self._hooks.active))
+        self._order_learned = False
 
     # -- description ---------------------------------------------------------------------------
 
@@ -207,18 +201,25 @@ class DataParallelTrainer(Trainer):
         t_start = time.perf_counter()
         comm_s = 0.0
         n = len(y)
+        problem = None
         if len(x) != n or (weight is not None and len(weight) != n):
-            raise ValueError(f"step: x, y (and weight) need the same length, got {len(x)}, {n}"
-                             + (f", {len(weight)}" if weight is not None else ""))
+            problem = f"x, y (and weight) need the same length, got {len(x)}, {n}" + (
+                f", {len(weight)}" if weight is not None else "")
         k = self.accum_steps
         bounds = [(i * n) // k for i in range(k + 1)]
         counts = [
-            float(to_host(weight[a:b]).sum()) if weight is not None else float(b - a)
+            float(to_host(weight[a:b]).sum()) if weight is not None and not problem else float(b - a)
             for a, b in zip(bounds, bounds[1:])
         ]
-        # The global count of real samples: each rank's gradient is weighted by its share.
+        # The global count of real samples (each rank's gradient is weighted by its share) and,
+        # riding along, whether any rank got a malformed batch: then all ranks raise together.
         t0 = time.perf_counter()
-        total = float(self.comm.allreduce(np.array([sum(counts)], dtype=np.float64))[0])
+        req = self.comm.iallreduce(np.array([sum(counts), 1.0 if problem else 0.0], dtype=np.float64))
+        total, n_bad = (float(v) for v in self._wait(req, "sample count"))
+        if n_bad:
+            problems = self.comm.allgather_obj(problem)
+            raise ValueError("DataParallelTrainer.step: " + "; ".join(
+                f"rank {r}: {p}" for r, p in enumerate(problems) if p))
         comm_s += time.perf_counter() - t0
 
         self.optimizer.zero_grad()
@@ -246,19 +247,24 @@ class DataParallelTrainer(Trainer):
                 if last and hooks:
                     hooks.disarm()
         self.buckets.finish()
+        if hooks and not self._order_learned:
+            # First step: from now on start buckets in the order backward really fills them.
+            self.buckets.adopt_order()
+            self._order_learned = True
         t0 = time.perf_counter()
-        loss = float(loss_req.wait()[0])
+        loss = float(self._wait(loss_req, "loss")[0])
         comm_s += time.perf_counter() - t0 + self.buckets.comm_seconds
 
         norm = None
-        if self.clip_norm is not None:
-            norm = _global_norm(self.params)  # identical on every rank: gradients are reduced
         t0 = time.perf_counter()
         skip = check_finite(self.comm, loss, self.params, policy=self.on_nonfinite)
         comm_s += time.perf_counter() - t0
+        if total == 0:
+            skip = True  # every sample of the global batch was padding: nothing to learn from
         if not skip:
             if self.clip_norm is not None:
-                _clip(self.params, self.clip_norm, norm)
+                # The reduced gradients are identical on every rank, so is their norm.
+                norm = clip_grad_norm(self.params, self.clip_norm)
             self.optimizer.step()
         self.global_step += 1
         return StepStats(
@@ -269,6 +275,21 @@ class DataParallelTrainer(Trainer):
             comm_seconds=comm_s,
             skipped=bool(skip),
         )
+
+    def _wait(self, req: Any, what: str) -> Any:
+        """``req.wait()``, bounded by ``self.timeout`` (StallError past it)."""
+        timeout = self.buckets.timeout
+        if timeout is None:
+            return req.wait()
+        t0 = time.perf_counter()
+        while not req.test():
+            if time.perf_counter() - t0 > timeout:
+                raise StallError(
+                    f"all-reduce of the {what} did not complete within {timeout:g} s on rank {self.comm.rank}: "
+                    "another rank is stuck, dead or not calling step"
+                )
+            time.sleep(1e-4)
+        return req.wait()
 
     # -- replicas ------------------------------------------------------------------------------
 

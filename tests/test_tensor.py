@@ -287,3 +287,59 @@ def test_model_split_for_another_grid_refused(comm):
     model = tensor_parallel(MLP(4, 2 * comm.size, rng=0), comm)
     with pytest.raises(GridError, match="split"):
         TensorParallelTrainer(model=model, loss=MSELoss(), optimizer=AdamW(model.parameters()), grid=grid)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_nonfinite_guard_decides_on_every_rank(comm):
+    from hpctrain.errors import NonFiniteError
+
+    grid = ProcessGrid(comm, tp=comm.size)
+    for policy in ("skip", "raise"):
+        model = tensor_parallel(MLP(4, 2 * comm.size, rng=0, dtype=F64), grid.tp)
+        trainer = TensorParallelTrainer(model=model, loss=MSELoss(), optimizer=AdamW(model.parameters()), grid=grid,
+                                        on_nonfinite=policy)
+        before = {n: p.data.copy() for n, p in model.named_parameters()}
+        x = np.ones((2, 4))
+        x[1, 2] = np.nan
+        if policy == "skip":
+            assert trainer.step(x, np.zeros((2, 4))).skipped
+        else:
+            with pytest.raises(NonFiniteError, match="fc1.weight"):
+                trainer.step(x, np.zeros((2, 4)))
+        for n, p in model.named_parameters():
+            np.testing.assert_array_equal(p.data, before[n])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_dropout_masks_agree_across_the_tp_group(comm):
+    from hpctrain.nn import Dropout
+
+    seed = 1 + comm.rank  # built differently on each rank: tensor_parallel takes tp rank 0's RNG
+    model = Sequential(MLP(4, 2 * comm.size, rng=0, dtype=F64), Dropout(0.5, rng=seed))
+    par = tensor_parallel(model, comm)
+    out = par.forward(np.ones((3, 4)))
+    everyone = comm.allgather(np.ascontiguousarray(out))
+    for other in everyone:
+        np.testing.assert_array_equal(other, out)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_one_rank_with_a_serial_model_refused_on_every_rank(comm):
+    grid = ProcessGrid(comm, tp=comm.size)
+    serial = MLP(4, 2 * comm.size, rng=0)
+    split = tensor_parallel(serial, grid.tp)
+    model = serial if comm.rank == 0 else split  # rank 0 forgot to split its model
+    with pytest.raises(GridError, match=r"got a serial model.*\(ranks \[0\]\)"):
+        TensorParallelTrainer(model=model, loss=MSELoss(), optimizer=AdamW(model.parameters()), grid=grid)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_gpt_with_a_non_ce_loss_refused(comm):
+    grid = ProcessGrid(comm, tp=comm.size)
+    model = tensor_parallel(GPT(7, 4, 2 * comm.size, comm.size, 1, rng=0), grid.tp)
+    with pytest.raises(ValueError, match="CrossEntropyLoss, got MSELoss"):
+        TensorParallelTrainer(model=model, loss=MSELoss(), optimizer=AdamW(model.parameters()), grid=grid)

@@ -168,3 +168,30 @@ def test_stop_and_resume_equals_uninterrupted(comm, tmp_path):
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-12, atol=1e-15, err_msg=k)
     assert second.optimizer.step_count == full.optimizer.step_count
+
+
+def test_index_ids_validated():
+    from hpctrain.errors import CheckpointError
+
+    ok = ckpt._norm_index((slice(None), np.array([0, 1, 4, 5])), (3, 8))
+    assert ok[0] == slice(0, 3, 1) and ok[1].tolist() == [0, 1, 4, 5]
+    with pytest.raises(CheckpointError, match="strictly increasing"):
+        ckpt._norm_index((slice(None), np.array([4, 5, 0, 1])), (3, 8))
+    with pytest.raises(CheckpointError, match="one axis only"):
+        ckpt._norm_index((np.array([0]), np.array([1])), (3, 8))
+
+
+def test_tp1_roundtrip_in_one_process(tmp_path):
+    from mpi4py import MPI
+
+    from hpctrain import Communicator
+
+    one = Communicator(MPI.COMM_SELF)
+    a = make_trainer(one, tp=1)
+    for s in range(2):
+        step(a, *global_batch(s, 1))
+    ckpt.save(str(tmp_path / "a.h5"), a)
+    b = make_trainer(one, tp=1, seed=3)
+    ckpt.load(str(tmp_path / "a.h5"), b)
+    assert_same(local_snapshot(b), local_snapshot(a))
+    assert "blocks.0.attn.qkv.weight" in ckpt.inspect(str(tmp_path / "a.h5"))

@@ -72,14 +72,19 @@ def tensor_parallel(model: Module, tp_comm: Any) -> Module:
     ``model`` itself is a ``GPT`` its ``tok_emb`` becomes a ``VocabParallelEmbedding`` and its
     ``head`` a column-parallel Linear whose logits stay split over the vocabulary (train it with
     ``CrossEntropyLoss``: the trainer swaps in ``VocabParallelCrossEntropy``). The ranks first
-    agree on the model's structure and take tp rank 0's weights. ``model`` is left untouched.
+    agree on the model's structure and take tp rank 0's weights and RNG states. ``model`` is left untouched.
     Sizes that do not split (``n_heads % tp``, hidden sizes) raise ``ValueError`` on every rank.
     """
     agree(tp_comm, "the serial model handed to tensor_parallel (parameters, modules, heads)", _structure(model))
     model = copy.deepcopy(model)
-    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if tp_comm.size > 1:
+    if tp_comm.size > 1:
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             tp_comm.bcast(p.data, root=0)  # slices must come from one and the same full tensor
+        # Random layers (Dropout) sit in replicated regions: every tp rank must draw the same mask.
+        rngs = [m for _, m in model.named_modules() if isinstance(getattr(m, "rng", None), np.random.Generator)]
+        states = tp_comm.bcast_obj([m.rng.bit_generator.state for m in rngs], root=0)
+        for m, state in zip(rngs, states):
+            m.rng.bit_generator.state = state
     if isinstance(model, MLP):
         out: Module = ParallelMLP.from_serial(model, tp_comm)
     elif isinstance(model, CausalSelfAttention):
@@ -140,21 +145,15 @@ class TensorParallelTrainer(Trainer):
     def __init__(self, *, model: Module, loss: Any, optimizer: Any, grid: Any, clip_norm: float | None = None,
                  on_nonfinite: str = "raise", timeout: float | None = None) -> None:
         super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
-        if grid.pp_size != 1:
-            raise GridError(f"TensorParallelTrainer needs a grid with pp=1, got {grid.sizes}")
-        if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
-        model_tp = getattr(model, "tp_comm", None)
-        if model_tp is None or model_tp.size != grid.tp_size:
-            got = "a serial model" if model_tp is None else f"a model split {model_tp.size} ways"
-            raise GridError(f"TensorParallelTrainer on a grid with tp={grid.tp_size} got {got}; "
-                            "build it with tensor_parallel(model, grid.tp)")
         self.grid, self.model, self.optimizer, self.clip_norm = grid, model, optimizer, clip_norm
+        problem = self._check_args(grid, model, loss, clip_norm)
+        problems = self.comm.allgather_obj(None if problem is None else (type(problem).__name__, str(problem)))
+        bad = [r for r, q in enumerate(problems) if q]
+        if bad:  # one rank's bad argument is refused on every rank, before any array collective
+            kind, msg = problems[bad[0]]
+            raise {"GridError": GridError, "ValueError": ValueError}[kind](f"{msg} (ranks {bad})")
         vocab = getattr(model, "vocab_parallel", None)
         if vocab is not None:
-            if not isinstance(loss, CrossEntropyLoss | VocabParallelCrossEntropy):
-                raise ValueError("a vocab-parallel GPT's logits are split over the vocabulary; "
-                                 f"train it with CrossEntropyLoss, got {type(loss).__name__}")
             loss = VocabParallelCrossEntropy(grid.tp, vocab[0], vocab[1])
         self.loss = loss
         self._shards = shard_map(model)
@@ -176,6 +175,24 @@ class TensorParallelTrainer(Trainer):
         if grid.dp_size > 1:
             for p in self.params:  # dp replicas start identical
                 grid.dp.bcast(p.data, root=0)
+
+    @staticmethod
+    def _check_args(grid: Any, model: Any, loss: Any, clip_norm: float | None) -> Exception | None:
+        if grid.pp_size != 1:
+            return GridError(f"TensorParallelTrainer needs a grid with pp=1, got {grid.sizes}")
+        if clip_norm is not None and not clip_norm > 0:
+            return ValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
+        model_tp = getattr(model, "tp_comm", None)
+        if model_tp is None or model_tp.size != grid.tp_size:
+            got = "a serial model" if model_tp is None else f"a model split {model_tp.size} ways"
+            return GridError(f"TensorParallelTrainer on a grid with tp={grid.tp_size} got {got}; "
+                             "build it with tensor_parallel(model, grid.tp)")
+        if getattr(model, "vocab_parallel", None) is not None and not isinstance(
+            loss, CrossEntropyLoss | VocabParallelCrossEntropy
+        ):
+            return ValueError("a vocab-parallel GPT's logits are split over the vocabulary; "
+                              f"train it with CrossEntropyLoss, got {type(loss).__name__}")
+        return None
 
     # -- description ---------------------------------------------------------------------------
 

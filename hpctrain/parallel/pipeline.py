@@ -430,6 +430,7 @@ class PipelineParallelTrainer(Trainer):
         per_stage = every[:: self.dp.size]
         extra = {
             "bubble": float(1.0 - every[:, 0].mean() / every[:, 1].max()),
+            "schedule_seconds": float(every[:, 1].max()),
             "peak_activations": int(every[:, 2].max()),
             "peak_activation_bytes": int(every[:, 3].max()),
             "peak_activations_per_stage": [int(v) for v in per_stage[:, 2]],

@@ -143,3 +143,54 @@ def test_all_layers_keep_float32(rng):
         y = m.forward(x)
         assert y.dtype == np.float32, type(m).__name__
         assert m.backward(np.ones_like(y)).dtype == np.float32, type(m).__name__
+
+
+def test_block_and_gpt_compose_their_parts(rng):
+    blk = nn.TransformerBlock(8, 2, 12, rng=0, **F64)
+    x = rng.standard_normal((2, 5, 8))
+    h = x + blk.attn.forward(blk.ln1.forward(x))
+    np.testing.assert_allclose(blk.forward(x), h + blk.mlp.forward(blk.ln2.forward(h)), rtol=1e-12)
+    gpt = nn.GPT(vocab_size=7, block_size=5, d_model=8, n_heads=2, n_layers=2, rng=1, **F64)
+    idx = rng.integers(0, 7, (2, 4))
+    e = gpt.tok_emb.weight.data[idx] + gpt.pos_emb.weight.data[:4]
+    for b in gpt.blocks:
+        e = b.forward(e)
+    ref = gpt.ln_f.forward(e) @ gpt.head.weight.data
+    np.testing.assert_allclose(gpt.forward(idx), ref, rtol=1e-12)
+    assert gpt.head.bias is None
+
+
+def test_linear_without_bias_gradients(rng):
+    check_module(nn.Linear(4, 3, bias=False, rng=0, **F64), rng.standard_normal((2, 3, 4)), rng)
+
+
+def test_loss_scale_and_sequence_shape(rng):
+    logits, t = rng.standard_normal((3, 4, 6)), rng.integers(0, 6, (3, 4))
+    ce = nn.CrossEntropyLoss()
+    value = ce.forward(logits, t)
+    g = ce.backward()
+    np.testing.assert_allclose(ce.backward(0.25), 0.25 * g)
+    flat = nn.CrossEntropyLoss()
+    assert flat.forward(logits.reshape(12, 6), t.reshape(12)) == pytest.approx(value)
+    np.testing.assert_allclose(flat.backward().reshape(3, 4, 6), g, rtol=1e-12)
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    np.testing.assert_allclose(g, (p - np.eye(6)[t]) / 12, rtol=1e-10)
+    x32 = logits.astype(np.float32)
+    ce.forward(x32, t)
+    assert ce.backward().dtype == np.float32
+    mse = nn.MSELoss()
+    mse.forward(x32, x32 * 0)
+    assert mse.backward().dtype == np.float32
+
+
+def test_bad_shapes_raise_clear_errors(rng):
+    with pytest.raises(ValueError, match=r"LayerNorm\(4\)"):
+        nn.LayerNorm(4).forward(np.zeros((2, 5)))
+    with pytest.raises(ValueError, match=r"needs \(B, T, 8\)"):
+        nn.CausalSelfAttention(8, 2).forward(np.zeros((2, 8)))
+    with pytest.raises(ValueError, match="n_layers"):
+        nn.GPT(vocab_size=5, block_size=4, d_model=8, n_heads=2, n_layers=0)
+    with pytest.raises(ValueError, match="divide"):
+        nn.GPT(vocab_size=5, block_size=4, d_model=8, n_heads=3, n_layers=1)
+    with pytest.raises(ValueError, match=r"CrossEntropyLoss: logits"):
+        nn.CrossEntropyLoss().forward(np.zeros((2, 3, 4)), np.zeros(2, dtype=int))

@@ -62,7 +62,8 @@ class Linear(Module):
 class ReLU(Module):
     """``max(x, 0)``; the gradient at exactly 0 is taken as 0."""
 
-    def __init__(self) -> None:
+    def __init__(self, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        # rng and dtype are accepted so every layer shares one constructor signature; unused.
         self.cache = None
 
     def forward(self, x: Any) -> Any:
@@ -79,7 +80,8 @@ class ReLU(Module):
 class GELU(Module):
     """GELU in the tanh approximation of GPT-2: ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``."""
 
-    def __init__(self) -> None:
+    def __init__(self, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        # rng and dtype are accepted so every layer shares one constructor signature; unused.
         self.cache = None
 
     def forward(self, x: Any) -> Any:
@@ -98,7 +100,8 @@ class GELU(Module):
 class Tanh(Module):
     """Elementwise ``tanh``."""
 
-    def __init__(self) -> None:
+    def __init__(self, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        # rng and dtype are accepted so every layer shares one constructor signature; unused.
         self.cache = None
 
     def forward(self, x: Any) -> Any:
@@ -162,9 +165,10 @@ class LayerNorm(Module):
 def _scatter_add(target: Any, index: Any, values: Any) -> None:
     """``target[index] += values`` with repeated indices accumulated (numpy or cupy)."""
     xp = xp_of(target)
-    if xp is np:
-        np.add.at(target, index, values)
-    else:  # CuPy: cupyx.scatter_add works on every CuPy version that has it
+    add_at = getattr(xp.add, "at", None)  # NumPy, and CuPy >= 13
+    if add_at is not None:
+        add_at(target, index, values)
+    else:  # older CuPy
         import cupyx
 
         cupyx.scatter_add(target, index, values)
@@ -181,9 +185,10 @@ class Embedding(Module):
         self,
         n: int,
         d: int,
-        std: float = 1.0,
         rng: int | np.random.Generator | None = None,
         dtype: Any = np.float32,
+        *,
+        std: float = 1.0,
     ) -> None:
         if n < 1 or d < 1:
             raise ValueError(f"Embedding needs positive sizes, got n={n}, d={d}")
@@ -216,12 +221,14 @@ class Embedding(Module):
 class Dropout(Module):
     """Zeroes each element with probability ``p`` and scales the rest by ``1 / (1 - p)``.
 
-    Identity in eval mode or when ``p == 0``. The mask is drawn on the host from ``self.rng`` (a
-    ``numpy.random.Generator``, which trainers checkpoint), so NumPy and CuPy runs with the same
-    seed drop the same elements.
+    Identity in eval mode or when ``p == 0``. ``self.rng`` (a ``numpy.random.Generator``, which
+    trainers checkpoint) is the only random state: on NumPy it draws the mask, on CuPy it draws a
+    seed for a device generator, so the mask is made on the GPU (no host-to-device copy) and runs
+    stay reproducible from the seed on either device (the two devices draw different masks).
     """
 
-    def __init__(self, p: float = 0.5, rng: int | np.random.Generator | None = None) -> None:
+    def __init__(self, p: float = 0.5, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        # dtype is accepted for a uniform constructor signature; the mask takes the input's dtype.
         if not 0.0 <= p < 1.0:
             raise ValueError(f"Dropout probability must be in [0, 1), got {p}")
         self.p = p
@@ -232,8 +239,12 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             self.cache = None
             return x
-        keep = self.rng.random(x.shape) >= self.p
-        mask = to_device((keep / (1.0 - self.p)).astype(x.dtype), xp_of(x))
+        xp = xp_of(x)
+        if xp is np:
+            u = self.rng.random(x.shape)
+        else:
+            u = xp.random.RandomState(int(self.rng.integers(2**63))).random_sample(x.shape)
+        mask = (u >= self.p).astype(x.dtype) * (1.0 / (1.0 - self.p))
         self.cache = mask
         return x * mask
 

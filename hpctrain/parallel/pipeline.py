@@ -19,6 +19,7 @@ is exactly the gradient of the global-batch mean, as if one process trained on t
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from ..comm.validate import agree, describe_model
 from ..errors import GridError, StallError
 from ..guard import check_finite
 from ..nn.module import Module, Sequential
+from ..optim.clip import clip_grad_norm
 from ..trainer import StepStats, Trainer
 from . import timeline as _timeline
 from .schedules import Action, get_schedule
@@ -154,7 +156,11 @@ class PipelineParallelTrainer(Trainer):
         on_nonfinite: str = "raise",
         timeout: float | None = None,
     ) -> None:
+        if timeout is None and os.environ.get("HPCTRAIN_TIMEOUT"):
+            timeout = float(os.environ["HPCTRAIN_TIMEOUT"])
         super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0 (or None), got {clip_norm}")
         get_schedule(schedule)  # unknown names fail here, identically on every rank
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
@@ -222,10 +228,14 @@ class PipelineParallelTrainer(Trainer):
             state = super().state_dict()
         except NotImplementedError:
             state = {"global_step": self.global_step, "epoch": self.epoch}
-        rngs: dict[str, Any] = {}
-        for part in self.comm.allgather_obj(self._module_rngs()):
-            for k, v in part.items():
-                rngs.setdefault(k, v)
+        # By module name, one state per dp replica: loads under another pp split, and replicas
+        # that draw differently keep doing so when the dp size is unchanged.
+        rngs: dict[str, list[Any]] = {}
+        for part in self.comm.allgather_obj((self.dp.rank, self._module_rngs())):
+            d, states = part
+            for k, v in states.items():
+                slots = rngs.setdefault(k, [None] * self.dp.size)
+                slots[d] = v
         state["module_rngs"] = rngs
         return state
 
@@ -238,7 +248,8 @@ class PipelineParallelTrainer(Trainer):
         saved = state.get("module_rngs", {})
         for name, m in self.stage.named_modules():
             if name in saved and isinstance(getattr(m, "rng", None), np.random.Generator):
-                m.rng.bit_generator.state = saved[name]
+                per_replica = saved[name]
+                m.rng.bit_generator.state = per_replica[self.dp.rank if len(per_replica) == self.dp.size else 0]
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -419,10 +430,8 @@ class PipelineParallelTrainer(Trainer):
         grad_norm = float(np.sqrt(every[:, 5].sum() / self.dp.size))
         skipped = check_finite(self.comm, loss, self.params, policy=self.on_nonfinite)
         if not skipped:
-            if self.clip_norm is not None and grad_norm > self.clip_norm:
-                factor = self.clip_norm / (grad_norm + 1e-6)
-                for p_ in self.params:
-                    p_.grad *= factor
+            if self.clip_norm is not None:  # every rank scales by the same, globally reduced norm
+                clip_grad_norm(self.params, self.clip_norm, norm=grad_norm)
             self.optimizer.step()
             self.global_step += 1
         self.optimizer.zero_grad()
@@ -469,8 +478,6 @@ class PipelineParallelTrainer(Trainer):
         every rank (open it in https://ui.perfetto.dev) and ``timeline.png`` when matplotlib is
         installed and ``png``. Returns the paths written, the same list on every rank.
         """
-        import os
-
         everyone = self.comm.allgather_obj((self.stage_id, self.dp.rank, self.last_events))
         events = {r: ev for r, (_, _, ev) in enumerate(everyone)}
         labels = {r: f"rank {r}: stage {st}, replica {d}" for r, (st, d, _) in enumerate(everyone)}

@@ -81,8 +81,12 @@ def test_errors_on_every_rank(comm):
         pipeline_stage(model, _FakeSize(comm, 8))
     stage = pipeline_stage(model, grid.pp)
     opt = Adam(stage.parameters(), lr=0.01)
-    with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        PipelineParallelTrainer(stage=stage, loss=loss, optimizer=opt, grid=grid, schedule="zigzag")
+    # Only rank 1 asks for a bad schedule: every rank raises, naming it.
+    with pytest.raises(ValueError, match="rank 1: unknown pipeline schedule 'zigzag'"):
+        PipelineParallelTrainer(stage=stage, loss=loss, optimizer=opt, grid=grid,
+                                schedule="zigzag" if comm.rank == 1 else "1f1b")  # fmt: skip
+    with pytest.raises(ValueError, match="clip_norm"):
+        PipelineParallelTrainer(stage=stage, loss=loss, optimizer=opt, grid=grid, clip_norm=0.0)
     # Ranks asking for different micro-batch counts are refused everywhere, before any p2p traffic.
     with pytest.raises(MismatchError, match="microbatches"):
         PipelineParallelTrainer(stage=stage, loss=loss, optimizer=opt, grid=grid, microbatches=2 + comm.rank % 2)

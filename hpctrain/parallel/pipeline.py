@@ -159,13 +159,19 @@ class PipelineParallelTrainer(Trainer):
         if timeout is None and os.environ.get("HPCTRAIN_TIMEOUT"):
             timeout = float(os.environ["HPCTRAIN_TIMEOUT"])
         super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
+        # Argument problems are gathered and raised on every rank (a rank alone raising would
+        # leave the others waiting in the first collective).
+        problems = []
         if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"clip_norm must be > 0 (or None), got {clip_norm}")
-        get_schedule(schedule)  # unknown names fail here, identically on every rank
+            problems.append(f"clip_norm must be > 0 (or None), got {clip_norm}")
+        try:
+            get_schedule(schedule)
+        except ValueError as exc:
+            problems.append(str(exc))
         if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-        if 3 * microbatches + 3 > _MIN_TAG_UB:
-            raise ValueError(f"microbatches={microbatches} is too many for MPI tags (<= {_MIN_TAG_UB // 3 - 1})")
+            problems.append(f"microbatches must be a positive integer, got {microbatches!r}")
+        elif 3 * microbatches + 3 > _MIN_TAG_UB:
+            problems.append(f"microbatches={microbatches} is too many for MPI tags (<= {_MIN_TAG_UB // 3 - 1})")
         if grid.tp.size > 1:
             raise GridError("PipelineParallelTrainer does not combine with tensor parallelism (grid.tp must be 1)")
         self.stage = self.model = stage
@@ -182,15 +188,14 @@ class PipelineParallelTrainer(Trainer):
         self.last_events: list[tuple[str, str, float, float]] = []
 
         info = getattr(stage, "pipeline", None)
-        problem = None
         if info is None:
-            problem = "stage has no .pipeline attribute: build it with pipeline_stage(model, grid.pp)"
+            problems.append("stage has no .pipeline attribute: build it with pipeline_stage(model, grid.pp)")
         elif (info["stage"], info["stages"]) != (self.stage_id, self.stages):
-            problem = (
+            problems.append(
                 f"stage was cut as stage {info['stage']} of {info['stages']} but this rank is stage "
                 f"{self.stage_id} of grid.pp size {self.stages}: cut it with pipeline_stage(model, grid.pp)"
             )
-        _everywhere(self.comm, problem)
+        _everywhere(self.comm, "; ".join(problems) or None)
         # Before the first collective of training: every rank must run the same pipeline.
         agree(self.comm, "pipeline trainer config", self.config())
         agree(self.comm, "optimizer config", optimizer.config())

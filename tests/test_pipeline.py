@@ -176,6 +176,9 @@ def test_nonfinite_skip_and_raise_on_every_rank(comm):
     assert st.skipped and not np.isfinite(st.loss) and tr.global_step == 0
     assert all(np.array_equal(p.data, before[p.name]) for p in tr.stage.parameters())
     assert not tr.step(x, y).skipped and tr.global_step == 1  # gradients were cleared after the skip
+    # A batch of padding only (all weights 0) is no data: no update on any rank.
+    st = tr.step(x, y, np.zeros(8))
+    assert st.skipped and st.samples == 0 and st.loss == 0.0 and tr.global_step == 1
     tr = _trainer(comm, "mlp", comm.size, "gpipe", 4)
     with pytest.raises(NonFiniteError):
         tr.step(bad, y)
@@ -188,7 +191,7 @@ def test_fit_with_loader_matches_serial(comm):
 
     g = np.random.default_rng(3)
     xs, ys = g.standard_normal((40, 6)), g.standard_normal((40, 3))
-    tr = _trainer(comm, "mlp", comm.size, "1f1b", 2)
+    tr = _trainer(comm, "mlp", comm.size, "1f1b", 2, timeout=60.0)  # waits poll against the timeout
     # One pipeline (dp = 1): every stage reads the same batches.
     loader = DataLoader(ArrayDataset(xs, ys), batch_size=8, sampler=ShardedSampler(40, 0, 1, seed=4))
     history = tr.fit(loader, epochs=2)

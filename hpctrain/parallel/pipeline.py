@@ -304,7 +304,7 @@ class PipelineParallelTrainer(Trainer):
             raise ValueError(problem or "another pipeline replica got a batch it cannot cut (see its error)")
         w_total, samples = float(totals[0]), int(totals[1])
 
-        bounds = np.linspace(0, n, m + 1).astype(int)  # nearly equal micro-batches, larger ones last
+        bounds = np.linspace(0, n, m + 1).astype(int)  # micro-batch sizes differ by at most one
         parts = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
         keys = [((b.stop - b.start, *x.shape[1:]), str(x.dtype)) for b in parts]
         scales = [
@@ -434,6 +434,8 @@ class PipelineParallelTrainer(Trainer):
         loss = float(every[:, 4].sum())
         grad_norm = float(np.sqrt(every[:, 5].sum() / self.dp.size))
         skipped = check_finite(self.comm, loss, self.params, policy=self.on_nonfinite)
+        # A batch of padding only (every weight 0) carries no data: no update, as in data parallelism.
+        skipped = skipped or w_total == 0
         if not skipped:
             if self.clip_norm is not None:  # every rank scales by the same, globally reduced norm
                 clip_grad_norm(self.params, self.clip_norm, norm=grad_norm)

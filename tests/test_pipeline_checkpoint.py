@@ -124,3 +124,32 @@ def test_stop_and_resume_equals_uninterrupted(comm, shared_dir, schedule):
     after = [_step(resumed, b).loss for b in data[3:]]
     assert after == losses[3:]  # same layout: bitwise
     _assert_same_state(_full_state(whole), _full_state(resumed))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_fit_resumes_mid_epoch_exactly(comm, shared_dir):
+    import inspect
+
+    from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
+
+    if "checkpoint_dir" not in inspect.signature(PipelineParallelTrainer.fit).parameters:
+        pytest.skip("this Trainer.fit has no checkpoint cadence yet (it comes with the data-parallel branch)")
+    g = np.random.default_rng(3)
+    xs, ys = g.standard_normal((40, 6)), g.standard_normal((40, 3))
+
+    def loader():
+        return DataLoader(ArrayDataset(xs, ys), batch_size=8, sampler=ShardedSampler(40, 0, 1, seed=4))
+
+    quiet = {"progress": False, "log_every": 1000}
+    full = [s.loss for s in _trainer(comm, comm.size).fit(loader(), epochs=3, **quiet)]
+    _trainer(comm, comm.size).fit(loader(), epochs=3, checkpoint_dir=shared_dir, checkpoint_every=3, **quiet)
+    comm.barrier()
+    if comm.rank == 0:  # keep only the checkpoint taken in the middle of epoch 1 (step 9 of 15)
+        for name in os.listdir(shared_dir):
+            if name != "ckpt-00000009.h5":
+                os.remove(os.path.join(shared_dir, name))
+    comm.barrier()
+    resumed = _trainer(comm, comm.size, seed=5)
+    rest = resumed.fit(loader(), epochs=3, checkpoint_dir=shared_dir, checkpoint_every=100, **quiet)
+    assert [s.loss for s in rest] == full[9:] and resumed.global_step == 15

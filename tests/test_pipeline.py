@@ -81,8 +81,12 @@ def test_errors_on_every_rank(comm):
         pipeline_stage(model, _FakeSize(comm, 8))
     stage = pipeline_stage(model, grid.pp)
     opt = Adam(stage.parameters(), lr=0.01)
-    with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        PipelineParallelTrainer(stage=stage, loss=loss, optimizer=opt, grid=grid, schedule="zigzag")
+    # Only rank 1 asks for a bad schedule: every rank raises, naming it.
+    with pytest.raises(ValueError, match="rank 1: unknown pipeline schedule 'zigzag'"):
+        PipelineParallelTrainer(stage=stage, loss=loss, optimizer=opt, grid=grid,
+                                schedule="zigzag" if comm.rank == 1 else "1f1b")  # fmt: skip
+    with pytest.raises(ValueError, match="clip_norm"):
+        PipelineParallelTrainer(stage=stage, loss=loss, optimizer=opt, grid=grid, clip_norm=0.0)
     # Ranks asking for different micro-batch counts are refused everywhere, before any p2p traffic.
     with pytest.raises(MismatchError, match="microbatches"):
         PipelineParallelTrainer(stage=stage, loss=loss, optimizer=opt, grid=grid, microbatches=2 + comm.rank % 2)
@@ -127,3 +131,80 @@ def test_timeline_written(comm):
                 if os.path.exists(p):
                     os.remove(p)
             os.rmdir(directory)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pp", ["world", 2])
+def test_clipping_matches_serial(comm, pp):
+    from hpctrain.optim import clip_grad_norm
+
+    pp = comm.size if pp == "world" else pp
+    if comm.size % pp:
+        pytest.skip(f"pp={pp} does not divide a world of {comm.size}")
+    data = batches("mlp", [12, 12, 12])
+    model, loss = make("mlp")
+    opt = Adam(model.parameters(), lr=0.01)
+    ref_norms = []
+    for x, y, w in data:
+        loss.forward(model.forward(x), y, w)
+        model.backward(loss.backward())
+        ref_norms.append(clip_grad_norm(model.parameters(), 0.05))
+        opt.step()
+        opt.zero_grad()
+    tr = _trainer(comm, "mlp", pp, "1f1b", 3, clip_norm=0.05)
+    dp, d = tr.dp.size, tr.dp.rank
+    norms = [tr.step(share(x, d, dp), share(y, d, dp)).grad_norm for x, y, _ in data]
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-10)
+    assert min(norms) > 0.05  # clipping really happened
+    ref = dict(model.named_parameters())
+    for p in tr.stage.parameters():
+        np.testing.assert_allclose(p.data, ref[p.name].data, rtol=1e-9, atol=1e-11, err_msg=p.name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_nonfinite_skip_and_raise_on_every_rank(comm):
+    from hpctrain.errors import NonFiniteError
+
+    x, y, _ = batches("mlp", [8])[0]
+    bad = x.copy()
+    bad[3, 0] = np.nan  # only stage 0 reads x; the NaN reaches the loss on the last stage
+    tr = _trainer(comm, "mlp", comm.size, "1f1b", 4, on_nonfinite="skip")
+    before = {p.name: p.data.copy() for p in tr.stage.parameters()}
+    st = tr.step(bad, y)
+    assert st.skipped and not np.isfinite(st.loss) and tr.global_step == 0
+    assert all(np.array_equal(p.data, before[p.name]) for p in tr.stage.parameters())
+    assert not tr.step(x, y).skipped and tr.global_step == 1  # gradients were cleared after the skip
+    # A batch of padding only (all weights 0) is no data: no update on any rank.
+    st = tr.step(x, y, np.zeros(8))
+    assert st.skipped and st.samples == 0 and st.loss == 0.0 and tr.global_step == 1
+    tr = _trainer(comm, "mlp", comm.size, "gpipe", 4)
+    with pytest.raises(NonFiniteError):
+        tr.step(bad, y)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_fit_with_loader_matches_serial(comm):
+    from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
+
+    g = np.random.default_rng(3)
+    xs, ys = g.standard_normal((40, 6)), g.standard_normal((40, 3))
+    tr = _trainer(comm, "mlp", comm.size, "1f1b", 2, timeout=60.0)  # waits poll against the timeout
+    # One pipeline (dp = 1): every stage reads the same batches.
+    loader = DataLoader(ArrayDataset(xs, ys), batch_size=8, sampler=ShardedSampler(40, 0, 1, seed=4))
+    history = tr.fit(loader, epochs=2)
+    ref_loader = DataLoader(ArrayDataset(xs, ys), batch_size=8, sampler=ShardedSampler(40, 0, 1, seed=4))
+    model, loss = make("mlp")
+    opt = Adam(model.parameters(), lr=0.01)
+    ref = []
+    for epoch in range(2):
+        ref_loader.sampler.set_epoch(epoch)
+        for x, y in ref_loader:
+            ref.append(loss.forward(model.forward(x), y))
+            model.backward(loss.backward())
+            opt.step()
+            opt.zero_grad()
+    np.testing.assert_allclose([s.loss for s in history], ref, rtol=1e-10)
+    assert tr.global_step == 10 and tr.epoch == 2

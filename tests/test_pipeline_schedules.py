@@ -110,3 +110,29 @@ def test_pipeline_stage_serial():
         pipeline_stage(model, comm, balance=[2])
     with pytest.raises(TypeError, match="Sequential"):
         pipeline_stage(Linear(2, 2), comm)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_stage_trainer_matches_serial(schedule):
+    """A pipeline of one stage (every rank on its own) is micro-batched gradient accumulation."""
+    import numpy as np
+    from pipeline_models import batches, make, serial_run
+
+    from hpctrain import Communicator, ProcessGrid
+    from hpctrain.optim import Adam
+    from hpctrain.parallel import PipelineParallelTrainer, pipeline_stage
+
+    alone = Communicator().split(Communicator().rank)
+    grid = ProcessGrid(alone, pp=1)
+    model, loss = make("transformer")
+    stage = pipeline_stage(model, grid.pp)
+    tr = PipelineParallelTrainer(stage=stage, loss=loss, optimizer=Adam(stage.parameters(), lr=0.01), grid=grid,
+                                 microbatches=3, schedule=schedule)  # fmt: skip
+    data = batches("transformer", [7, 9, 6], masked=True)
+    ref_losses, ref_params, _ = serial_run("transformer", data)
+    stats = [tr.step(x, y, w) for x, y, w in data]
+    np.testing.assert_allclose([s.loss for s in stats], ref_losses, rtol=1e-10)
+    for p in stage.parameters():
+        np.testing.assert_allclose(p.data, ref_params[p.name], rtol=1e-9, atol=1e-11)
+    assert stats[-1].extra["peak_activations"] == (1 if schedule == "1f1b" else 3)
+    assert stats[-1].extra["bubble"] >= 0.0

@@ -19,6 +19,7 @@ is exactly the gradient of the global-batch mean, as if one process trained on t
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from ..comm.validate import agree, describe_model
 from ..errors import GridError, StallError
 from ..guard import check_finite
 from ..nn.module import Module, Sequential
+from ..optim.clip import clip_grad_norm
 from ..trainer import StepStats, Trainer
 from . import timeline as _timeline
 from .schedules import Action, get_schedule
@@ -154,12 +156,22 @@ class PipelineParallelTrainer(Trainer):
         on_nonfinite: str = "raise",
         timeout: float | None = None,
     ) -> None:
+        if timeout is None and os.environ.get("HPCTRAIN_TIMEOUT"):
+            timeout = float(os.environ["HPCTRAIN_TIMEOUT"])
         super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
-        get_schedule(schedule)  # unknown names fail here, identically on every rank
+        # Argument problems are gathered and raised on every rank (a rank alone raising would
+        # leave the others waiting in the first collective).
+        problems = []
+        if clip_norm is not None and not clip_norm > 0:
+            problems.append(f"clip_norm must be > 0 (or None), got {clip_norm}")
+        try:
+            get_schedule(schedule)
+        except ValueError as exc:
+            problems.append(str(exc))
         if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-        if 3 * microbatches + 3 > _MIN_TAG_UB:
-            raise ValueError(f"microbatches={microbatches} is too many for MPI tags (<= {_MIN_TAG_UB // 3 - 1})")
+            problems.append(f"microbatches must be a positive integer, got {microbatches!r}")
+        elif 3 * microbatches + 3 > _MIN_TAG_UB:
+            problems.append(f"microbatches={microbatches} is too many for MPI tags (<= {_MIN_TAG_UB // 3 - 1})")
         if grid.tp.size > 1:
             raise GridError("PipelineParallelTrainer does not combine with tensor parallelism (grid.tp must be 1)")
         self.stage = self.model = stage
@@ -176,15 +188,14 @@ class PipelineParallelTrainer(Trainer):
         self.last_events: list[tuple[str, str, float, float]] = []
 
         info = getattr(stage, "pipeline", None)
-        problem = None
         if info is None:
-            problem = "stage has no .pipeline attribute: build it with pipeline_stage(model, grid.pp)"
+            problems.append("stage has no .pipeline attribute: build it with pipeline_stage(model, grid.pp)")
         elif (info["stage"], info["stages"]) != (self.stage_id, self.stages):
-            problem = (
+            problems.append(
                 f"stage was cut as stage {info['stage']} of {info['stages']} but this rank is stage "
                 f"{self.stage_id} of grid.pp size {self.stages}: cut it with pipeline_stage(model, grid.pp)"
             )
-        _everywhere(self.comm, problem)
+        _everywhere(self.comm, "; ".join(problems) or None)
         # Before the first collective of training: every rank must run the same pipeline.
         agree(self.comm, "pipeline trainer config", self.config())
         agree(self.comm, "optimizer config", optimizer.config())
@@ -222,10 +233,14 @@ class PipelineParallelTrainer(Trainer):
             state = super().state_dict()
         except NotImplementedError:
             state = {"global_step": self.global_step, "epoch": self.epoch}
-        rngs: dict[str, Any] = {}
-        for part in self.comm.allgather_obj(self._module_rngs()):
-            for k, v in part.items():
-                rngs.setdefault(k, v)
+        # By module name, one state per dp replica: loads under another pp split, and replicas
+        # that draw differently keep doing so when the dp size is unchanged.
+        rngs: dict[str, list[Any]] = {}
+        for part in self.comm.allgather_obj((self.dp.rank, self._module_rngs())):
+            d, states = part
+            for k, v in states.items():
+                slots = rngs.setdefault(k, [None] * self.dp.size)
+                slots[d] = v
         state["module_rngs"] = rngs
         return state
 
@@ -238,7 +253,8 @@ class PipelineParallelTrainer(Trainer):
         saved = state.get("module_rngs", {})
         for name, m in self.stage.named_modules():
             if name in saved and isinstance(getattr(m, "rng", None), np.random.Generator):
-                m.rng.bit_generator.state = saved[name]
+                per_replica = saved[name]
+                m.rng.bit_generator.state = per_replica[self.dp.rank if len(per_replica) == self.dp.size else 0]
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -288,7 +304,7 @@ class PipelineParallelTrainer(Trainer):
             raise ValueError(problem or "another pipeline replica got a batch it cannot cut (see its error)")
         w_total, samples = float(totals[0]), int(totals[1])
 
-        bounds = np.linspace(0, n, m + 1).astype(int)  # nearly equal micro-batches, larger ones last
+        bounds = np.linspace(0, n, m + 1).astype(int)  # micro-batch sizes differ by at most one
         parts = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
         keys = [((b.stop - b.start, *x.shape[1:]), str(x.dtype)) for b in parts]
         scales = [
@@ -418,11 +434,11 @@ class PipelineParallelTrainer(Trainer):
         loss = float(every[:, 4].sum())
         grad_norm = float(np.sqrt(every[:, 5].sum() / self.dp.size))
         skipped = check_finite(self.comm, loss, self.params, policy=self.on_nonfinite)
+        # A batch of padding only (every weight 0) carries no data: no update, as in data parallelism.
+        skipped = skipped or w_total == 0
         if not skipped:
-            if self.clip_norm is not None and grad_norm > self.clip_norm:
-                factor = self.clip_norm / (grad_norm + 1e-6)
-                for p_ in self.params:
-                    p_.grad *= factor
+            if self.clip_norm is not None:  # every rank scales by the same, globally reduced norm
+                clip_grad_norm(self.params, self.clip_norm, norm=grad_norm)
             self.optimizer.step()
             self.global_step += 1
         self.optimizer.zero_grad()
@@ -430,6 +446,7 @@ class PipelineParallelTrainer(Trainer):
         per_stage = every[:: self.dp.size]
         extra = {
             "bubble": float(1.0 - every[:, 0].mean() / every[:, 1].max()),
+            "schedule_seconds": float(every[:, 1].max()),
             "peak_activations": int(every[:, 2].max()),
             "peak_activation_bytes": int(every[:, 3].max()),
             "peak_activations_per_stage": [int(v) for v in per_stage[:, 2]],
@@ -468,8 +485,6 @@ class PipelineParallelTrainer(Trainer):
         every rank (open it in https://ui.perfetto.dev) and ``timeline.png`` when matplotlib is
         installed and ``png``. Returns the paths written, the same list on every rank.
         """
-        import os
-
         everyone = self.comm.allgather_obj((self.stage_id, self.dp.rank, self.last_events))
         events = {r: ev for r, (_, _, ev) in enumerate(everyone)}
         labels = {r: f"rank {r}: stage {st}, replica {d}" for r, (st, d, _) in enumerate(everyone)}

@@ -83,13 +83,16 @@ def simulate(
     microbatches: int,
     t_forward: float = 1.0,
     t_backward: float = 2.0,
+    durations: Callable[[int, Action], float] | None = None,
 ) -> dict[str, object]:
     """Execute every stage's action list against the pipeline's dependencies (no MPI).
 
     Each stage runs its actions in order; an action starts when the stage is free and its input
-    exists (instant messages). Returns ``{"start": {(stage, action): t}, "makespan": T,
-    "bubble": idle fraction}``. Raises ``RuntimeError`` if the lists deadlock, or if a stage
-    runs an action twice or misses one.
+    exists (instant messages). Actions last ``t_forward`` / ``t_backward``, or
+    ``durations(stage, action)`` when given (e.g. times measured in a real run, to see what a
+    pipeline with free communication would have done with them). Returns
+    ``{"start": {(stage, action): t}, "makespan": T, "bubble": idle fraction}``. Raises
+    ``RuntimeError`` if the lists deadlock, or if a stage runs an action twice or misses one.
     """
     fn = get_schedule(schedule) if isinstance(schedule, str) else schedule
     lists = [list(fn(stages, s, microbatches)) for s in range(stages)]
@@ -101,6 +104,7 @@ def simulate(
     start: dict[tuple[int, Action], float] = {}
     pos, free = [0] * stages, [0.0] * stages
     remaining = sum(len(a) for a in lists)
+    busy = 0.0
     while remaining:
         progressed = False
         for s in range(stages):
@@ -115,7 +119,9 @@ def simulate(
             if all(d in done for d in deps):
                 t0 = max([free[s]] + [done[d] for d in deps])
                 start[(s, a)] = t0
-                free[s] = done[(s, a)] = t0 + (t_forward if a.kind == "F" else t_backward)
+                dt = durations(s, a) if durations else (t_forward if a.kind == "F" else t_backward)
+                free[s] = done[(s, a)] = t0 + dt
+                busy += dt
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
@@ -123,5 +129,4 @@ def simulate(
             stuck = {s: lists[s][pos[s]] for s in range(stages) if pos[s] < len(lists[s])}
             raise RuntimeError(f"schedule deadlocks: stages wait on {stuck}")
     makespan = max(free)
-    busy = stages * microbatches * (t_forward + t_backward)
     return {"start": start, "makespan": makespan, "bubble": 1.0 - busy / (stages * makespan)}

@@ -75,6 +75,18 @@ class Run:
             self.t_target = now
 
 
+def slow_down(comm, args, poke=None) -> None:
+    """The last rank's extra compute: ``--slow-ms`` of sleep, in 1 ms slices with ``poke`` between
+    them (a slow worker whose layers take 1 ms each and that pokes MPI progress between layers)."""
+    if comm.rank != comm.size - 1 or not args.slow_ms:
+        return
+    end = time.perf_counter() + args.slow_ms / 1000
+    while (left := end - time.perf_counter()) > 0:
+        time.sleep(min(left, 1e-3) if poke is not None else left)
+        if poke is not None:
+            poke()
+
+
 def train_dp(comm, args, data, target) -> Run:
     x, y, xe, ye = data
     model, loss = make_model(), MSELoss()
@@ -86,8 +98,7 @@ def train_dp(comm, args, data, target) -> Run:
     comm.barrier()
     t0 = time.perf_counter()
     while True:
-        if comm.rank == comm.size - 1 and args.slow_ms:
-            time.sleep(args.slow_ms / 1000)
+        slow_down(comm, args)
         idx = np.sort(g.choice(len(x), args.batch, replace=False))
         model.zero_grad()
         loss.forward(model.forward(x[idx]), y[idx])
@@ -124,8 +135,7 @@ def train_ps(comm, args, data, target, mode: str, staleness: int = 0) -> Run:
     comm.barrier()
     t0 = time.perf_counter()
     while True:
-        if comm.rank == comm.size - 1 and args.slow_ms:
-            time.sleep(args.slow_ms / 1000)
+        slow_down(comm, args, None if args.no_poke else t.progress)
         idx = np.sort(g.choice(len(x), args.batch, replace=False))
         stats = t.step(x[idx], y[idx])
         run.steps += 1
@@ -169,7 +179,8 @@ def part_training(comm, args) -> list[list[str]]:
                          f"{min(steps)}-{max(steps)}", str(lag)])
     if comm.rank == 0:
         print(f"# training: {comm.size} ranks, rank {comm.size - 1} sleeps {args.slow_ms:g} ms/step, "
-              f"batch {args.batch}/worker, lr {args.lr}, {args.seconds:g} s per mode, "
+              f"{'' if args.no_poke else '(poking progress every 1 ms) '}batch {args.batch}/worker, lr {args.lr}, "
+              f"{args.seconds:g} s per mode, "
               f"target loss {target:.4f} ({args.target:g} x initial {initial:.4f})")
     head = ["mode", "grads/s", "vs dp", "s to target", "final loss", "steps/worker", "max lag"]
     return [head] + rows
@@ -268,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--target", type=float, default=0.2, help="target loss as a fraction of the initial loss")
+    ap.add_argument("--no-poke", action="store_true", help="the slow worker sleeps without calling progress()")
     ap.add_argument("--quick", action="store_true", help="1.5 s per mode, short delay runs (< 60 s)")
     ap.add_argument("--markdown", metavar="FILE", help="append the tables to FILE")
     args = ap.parse_args(argv)

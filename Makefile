@@ -36,6 +36,7 @@ demo: venv
 
 bench: venv
 	$(MPIEXEC) -n 2 $(PY) benchmarks/allreduce.py
+	$(MPIEXEC) -n 4 $(PY) benchmarks/param_server.py --quick --markdown benchmarks/REPORT.md
 
 lint: venv
 	$(VENV)/bin/ruff check hpctrain tests benchmarks

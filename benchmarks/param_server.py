@@ -177,13 +177,12 @@ def part_training(comm, args) -> list[list[str]]:
             ttt = f"{run.t_target:.2f}" if run.t_target is not None else f"not in {args.seconds:g} s"
             rows.append([label, f"{ups:.0f}", f"{ups / base:.2f}", ttt, f"{run.final:.4f}",
                          f"{min(steps)}-{max(steps)}", str(lag)])
-    if comm.rank == 0:
-        print(f"# training: {comm.size} ranks, rank {comm.size - 1} sleeps {args.slow_ms:g} ms/step, "
-              f"{'' if args.no_poke else '(poking progress every 1 ms) '}batch {args.batch}/worker, lr {args.lr}, "
-              f"{args.seconds:g} s per mode, "
-              f"target loss {target:.4f} ({args.target:g} x initial {initial:.4f})")
+    caption = (f"Training: {comm.size} ranks, rank {comm.size - 1} sleeps {args.slow_ms:g} ms/step "
+               f"{'(without progress calls)' if args.no_poke else '(calling progress() every 1 ms)'}, "
+               f"batch {args.batch}/worker, lr {args.lr}, {args.seconds:g} s per mode, "
+               f"target loss {target:.4f} ({args.target:g} x initial {initial:.4f}).")
     head = ["mode", "grads/s", "vs dp", "s to target", "final loss", "steps/worker", "max lag"]
-    return [head] + rows
+    return caption, [head] + rows
 
 
 def busy(seconds: float, poke=None, every: float = 1e-3) -> None:
@@ -227,10 +226,9 @@ def part_progress(comm, args) -> list[list[str]]:
                 rows.append([{None: "default (shm)", False: "shm=False"}[shm], state,
                              f"{1e3 * float(np.median(lat)):.3f}", f"{1e3 * max(lat):.3f}", str(len(lat))])
         win.free()
-    if comm.rank == 0:
-        print(f"# update delay: rank 1 accumulates {n * 8 >> 10} KiB into rank 0 every 5 ms "
-              f"while rank 0 is idle / busy {dur:g} s / busy calling progress() every ~1 ms")
-    return [head] + rows
+    caption = (f"Update delay: rank 1 times lock/accumulate({n * 8 >> 10} KiB)/unlock epochs on rank 0 every 5 ms "
+               f"while rank 0 is idle (in a barrier), busy {dur:g} s in NumPy, or busy calling progress() every ~1 ms.")
+    return caption, [head] + rows
 
 
 def part_raw(comm, args) -> list[list[str]]:
@@ -263,7 +261,7 @@ def part_raw(comm, args) -> list[list[str]]:
     win.free()
     row = ["fetch_add epoch (Get_accumulate SUM)", str(n), f"{best['mpi'] * 1e6:.1f}",
            f"{best['ours'] * 1e6:.1f}", f"{best['ours'] / best['mpi']:.2f}"]
-    return [head, row]
+    return "Window against raw mpi4py on the same window (each rank to its right neighbour).", [head, row]
 
 
 def table(rows: list[list[str]]) -> str:
@@ -291,23 +289,15 @@ def main(argv: list[str] | None = None) -> int:
             print("param_server benchmark needs at least 2 ranks (mpiexec -n 2 or more)")
         return 0
     lib = MPI.Get_library_version().splitlines()[0].strip()
-    sections = []
-    rows = part_training(comm, args)
-    if comm.rank == 0:
-        sections.append(f"### Parameter server, {comm.size} ranks ({lib})\n\n" + table(rows))
-        print(table(rows), flush=True)
-    rows = part_progress(comm, args)
-    if comm.rank == 0:
-        sections.append(table(rows))
-        print(table(rows), flush=True)
-    rows = part_raw(comm, args)
-    if comm.rank == 0:
-        sections.append(table(rows))
-        print(table(rows), flush=True)
-        if args.markdown:
-            with open(args.markdown, "a") as f:
-                f.write("\n\n".join(sections) + "\n\n")
-        sys.stdout.flush()
+    sections = [f"Parameter server benchmark, {comm.size} ranks, {lib}."]
+    for part in (part_training, part_progress, part_raw):
+        caption, rows = part(comm, args)
+        if comm.rank == 0:
+            sections.append(caption + "\n\n" + table(rows))
+            print(sections[-1] + "\n", flush=True)
+    if comm.rank == 0 and args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write("\n\n".join(sections) + "\n\n")
     return 0
 
 

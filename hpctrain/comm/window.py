@@ -174,6 +174,58 @@ class Window:
             )
         return out
 
+    # -- one epoch over several targets ----------------------------------------------------------
+
+    def _check_parts(self, a: np.ndarray, parts: list[tuple[int, int, int]], what: str) -> None:
+        for target, lo, hi in parts:
+            if not 0 <= lo <= hi <= a.size:
+                raise BufferError(f"{what}: part [{lo}, {hi}) is outside the array of {a.size} elements")
+            self._check(a[lo:hi], target, 0, what)
+
+    def _all_targets(self, parts: list[tuple[int, int, int]], issue: Any) -> None:
+        """Issue ``issue(win, target, lo, hi)`` for every part inside one ``Lock_all`` epoch: the
+        operations to different targets overlap instead of paying one round trip each."""
+        win = self._live()
+        win.Lock_all()
+        try:
+            for target, lo, hi in parts:
+                if hi > lo:
+                    issue(win, target, lo, hi)
+        finally:
+            win.Unlock_all()
+
+    def accumulate_parts(self, x: np.ndarray, parts: list[tuple[int, int, int]]) -> None:
+        """Add ``x[lo:hi]`` into the start of ``target``'s piece for each ``(target, lo, hi)``,
+        all in one epoch (complete at every target when this returns)."""
+        self._check_parts(x, parts, "accumulate_parts")
+        t = self._mpi_type
+        self._all_targets(parts, lambda w, r, lo, hi: w.Accumulate([x[lo:hi], hi - lo, t], r, [0, hi - lo, t], MPI.SUM))
+
+    def get_parts(self, out: np.ndarray, parts: list[tuple[int, int, int]]) -> np.ndarray:
+        """Read the start of each ``target``'s piece into ``out[lo:hi]`` (atomic per element), one epoch."""
+        self._check_parts(out, parts, "get_parts")
+        t, d = self._mpi_type, self._dummy
+
+        def issue(w: MPI.Win, r: int, lo: int, hi: int) -> None:
+            w.Get_accumulate([d, 1, t], [out[lo:hi], hi - lo, t], r, [0, hi - lo, t], MPI.NO_OP)
+
+        self._all_targets(parts, issue)
+        return out
+
+    def fetch_add_parts(self, x: np.ndarray, out: np.ndarray, parts: list[tuple[int, int, int]]) -> np.ndarray:
+        """``fetch_add`` of ``x[lo:hi]`` into ``out[lo:hi]`` for every part, all in one epoch."""
+        if x.size != out.size:
+            raise BufferError(f"fetch_add_parts: x has {x.size} elements but out has {out.size}")
+        self._check_parts(x, parts, "fetch_add_parts")
+        self._check_parts(out, parts, "fetch_add_parts")
+        t = self._mpi_type
+
+        def issue(w: MPI.Win, r: int, lo: int, hi: int) -> None:
+            w.Get_accumulate([x[lo:hi], hi - lo, t], [out[lo:hi], hi - lo, t], r, [0, hi - lo, t], MPI.SUM)
+
+        self._all_targets(parts, issue)
+        return out
+
     def local(self) -> np.ndarray:
         """This rank's own piece, as a NumPy view of the window memory.
 

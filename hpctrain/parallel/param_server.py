@@ -227,18 +227,17 @@ class ParameterServerTrainer(Trainer):
 
     # -- window traffic ------------------------------------------------------------------------
 
+    # Each moves every chunk inside one Lock_all epoch, so the servers are reached concurrently.
+
     def _pull(self) -> None:
-        for s, lo, hi in self.chunks:
-            self._win.get(self._flat[lo:hi], s)
+        self._win.get_parts(self._flat, self.chunks)
 
     def _push(self) -> None:
-        for s, lo, hi in self.chunks:
-            self._win.accumulate(self._gflat[lo:hi], s)
+        self._win.accumulate_parts(self._gflat, self.chunks)
 
     def _push_pull(self) -> None:
         """One ``Get_accumulate`` per chunk: values before our add, plus our add = values after it."""
-        for s, lo, hi in self.chunks:
-            self._win.fetch_add(self._gflat[lo:hi], self._flat[lo:hi], s)
+        self._win.fetch_add_parts(self._gflat, self._flat, self.chunks)
         self._flat += self._gflat
 
     def _read_clocks(self) -> np.ndarray:

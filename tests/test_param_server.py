@@ -277,3 +277,35 @@ def test_sync_stop_and_resume_equals_uninterrupted(comm, momentum):
         comm.barrier()
         if comm.rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+@mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_checkpoint_restores_the_servers_state(comm, mode):
+    x, y = regression()
+    kw = dict(loss=MSELoss(), lr=0.02, comm=comm, mode=mode, staleness=1, timeout=60)
+    directory = shared_tmpdir(comm)
+    try:
+        path = os.path.join(directory, "ps-async.h5")
+        t = ParameterServerTrainer(model=Sequential(Linear(8, 2, rng=0, dtype=np.float64)), **kw)
+        for i in range(6):
+            t.step(x[i * 8 + comm.rank :: 64][:8], y[i * 8 + comm.rank :: 64][:8])
+        checkpoint.save(path, t)  # collective: the servers' state at this point, whole
+        saved = flat(t.model)
+        t.close()
+        fresh = ParameterServerTrainer(model=Sequential(Linear(8, 2, rng=9, dtype=np.float64)), **kw)
+        checkpoint.load(path, fresh)
+        assert fresh.global_step == 6 and fresh.clock == 6
+        np.testing.assert_array_equal(flat(fresh.model), saved)
+        fresh.shards()  # pulls from the servers: they hold the checkpoint's values too
+        np.testing.assert_array_equal(flat(fresh.model), saved)
+        everyone = comm.allgather(saved)  # the snapshot is the same on every rank
+        for other in everyone[1:]:
+            np.testing.assert_array_equal(other, everyone[0])
+        fresh.step(x[:8], y[:8])  # and training goes on from there
+        fresh.close()
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)

@@ -394,8 +394,14 @@ class ParameterServerTrainer(Trainer):
     # -- checkpoints ----------------------------------------------------------------------------
 
     def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
-        """Every parameter whole (each rank holds a full replica), refreshed from the servers."""
-        if not self.closed:
+        """Every parameter whole (each rank holds a full replica).
+
+        In sync mode the replicas already equal the servers' state after every step. In async
+        and ssp modes this is collective: the ranks meet (every push so far has landed), then
+        each replica is refreshed from the servers, so all ranks describe the same state.
+        """
+        if not self.closed and self.mode != "sync":
+            self.comm.barrier()
             self._pull()
             self._unpack_params()
         return {name: (p, p.shape, tuple(slice(0, n) for n in p.shape)) for name, p in self.named}

@@ -147,7 +147,9 @@ class ParameterServerTrainer(Trainer):
         self.clock = 0
         self.closed = False
         self._owner = bool(self._win.count) or comm.rank == 0
-        self._one = np.ones(1, np.int64)
+        self._inc = np.zeros(comm.size + 1, np.int64)  # +1 on our own clock slot
+        self._inc[comm.rank] = 1
+        self._seen: np.ndarray | None = None  # everyone's clocks at our last bump
         self._clock_buf = np.empty(comm.size + 1, np.int64)
 
     # -- setup ----------------------------------------------------------------------------------
@@ -250,6 +252,19 @@ class ParameterServerTrainer(Trainer):
             )
         return self._clock_buf[:-1]
 
+    def _bump_clock(self) -> np.ndarray:
+        """Add 1 to our clock and read everyone's (as they were just before) in one atomic op."""
+        self._clocks.fetch_add(self._inc, self._clock_buf, 0)
+        if self._clock_buf[-1]:
+            self._read_clocks()  # raises NonFiniteError naming the rank
+        self._seen = self._clock_buf[:-1].copy()
+        return self._seen
+
+    def _lag(self, clocks: np.ndarray, clock: int) -> int:
+        """How far ``clock`` (ours) is ahead of the slowest of ``clocks``."""
+        others = np.delete(clocks, self.comm.rank)
+        return max(0, clock - int(others.min())) if others.size else 0
+
     def _wait_for(self, clock: int) -> tuple[int, float]:
         """Block until the slowest worker has reached ``clock - staleness``; (lag, seconds waited)."""
         limit = self.timeout
@@ -336,26 +351,20 @@ class ParameterServerTrainer(Trainer):
         waited = 0.0
         if self.mode == "async":
             self._push_pull()
-            # Increment our clock and read everyone's in one atomic operation.
-            inc = np.zeros(self.comm.size + 1, np.int64)
-            inc[self.comm.rank] = 1
-            self._clocks.fetch_add(inc, self._clock_buf, 0)
-            if self._clock_buf[-1]:
-                self._read_clocks()  # raises NonFiniteError naming the rank
-            clocks = self._clock_buf[:-1].copy()
-            clocks[self.comm.rank] = new_clock
-            lag = new_clock - int(clocks.min())
+            lag = self._lag(self._bump_clock(), new_clock)
         else:
-            clocks = self._read_clocks().copy()
-            clocks[self.comm.rank] = new_clock
-            lag = new_clock - int(clocks.min())
+            # Clocks only grow: if the snapshot taken at our last clock bump already satisfies
+            # the bound, it holds now too; only when it does not do we look again.
+            lag = self._lag(self._seen if self._seen is not None else self._read_clocks(), new_clock)
+            if lag > self.staleness and self._seen is not None:
+                lag = self._lag(self._read_clocks(), new_clock)
             if lag <= self.staleness:
                 # Everyone already has every update the next step must see: fuse push and pull.
                 self._push_pull()
-                self._clocks.accumulate(self._one, 0, offset=self.comm.rank)
+                self._bump_clock()
             else:
                 self._push()
-                self._clocks.accumulate(self._one, 0, offset=self.comm.rank)
+                self._bump_clock()
                 lag, waited = self._wait_for(new_clock)
                 self._pull()
         self._unpack_params()
@@ -431,6 +440,7 @@ class ParameterServerTrainer(Trainer):
         if self.closed:
             raise WindowError("load_state_dict after close()")
         self.clock = int(state.get("clock", self.global_step))
+        self._seen = None
         rngs = state.get("rng")
         if isinstance(rngs, list) and len(rngs) == self.comm.size:
             for name, m in self.model.named_modules():

@@ -1,6 +1,6 @@
 """OSU-style all-reduce sweep: hpctrain's Communicator against raw mpi4py on the same buffers.
 
-    mpiexec -n 2 python benchmarks/allreduce.py [--max-bytes 67108864] [--markdown]
+    mpiexec -n 2 python benchmarks/allreduce.py [--max-bytes 67108864] [--quick] [--markdown REPORT.md]
 
 Both sides reduce the same float32 buffers in the same run, interleaved per size, so machine
 noise hits them alike. Bus bandwidth is 2(n-1)/n x bytes / time (the NCCL-tests convention).
@@ -9,23 +9,16 @@ noise hits them alike. Bus bandwidth is 2(n-1)/n x bytes / time (the NCCL-tests 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
 
-from hpctrain import Communicator
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit, timed  # noqa: E402
 
-
-def timed(fn, iters: int, comm: MPI.Comm) -> float:
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - t0
-    # The slowest rank's time is the operation's time.
-    return comm.allreduce(elapsed, op=MPI.MAX) / iters
+from hpctrain import Communicator  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,8 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-bytes", type=int, default=4)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size; best kept")
-    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="up to 1 MiB, 2 rounds")
+    ap.add_argument("--markdown", metavar="FILE", help="append the table to FILE as Markdown")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.max_bytes, args.rounds = min(args.max_bytes, 1 << 20), 2
 
     comm = Communicator()
     raw = MPI.COMM_WORLD
@@ -66,18 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         lib = MPI.Get_library_version().splitlines()[0].strip()
         head = ["bytes", "mpi4py us", "hpctrain us", "mpi4py GB/s", "hpctrain GB/s", "ratio"]
-        print(f"# allreduce sweep: {n} ranks, float32, {lib}")
-        if args.markdown:
-            print("| " + " | ".join(head) + " |")
-            print("|" + "---|" * len(head))
-        else:
-            print(" ".join(f"{h:>14}" for h in head))
-        for b, tr, to, bwr, bwo in rows:
-            cells = [f"{b}", f"{tr * 1e6:.2f}", f"{to * 1e6:.2f}", f"{bwr / 1e9:.3f}",
-                     f"{bwo / 1e9:.3f}", f"{to / tr:.3f}"]
-            print(("| " + " | ".join(cells) + " |") if args.markdown
-                  else " ".join(f"{c:>14}" for c in cells))
-        sys.stdout.flush()
+        table = [
+            [b, f"{tr * 1e6:.2f}", f"{to * 1e6:.2f}", f"{bwr / 1e9:.3f}", f"{bwo / 1e9:.3f}", f"{to / tr:.3f}"]
+            for b, tr, to, bwr, bwo in rows
+        ]
+        emit(f"allreduce sweep: {n} ranks, float32, {lib}", head, table, args.markdown,
+             notes=["ratio = hpctrain time / raw mpi4py time (1.0 = same speed); bus bandwidth = "
+                    "2(n-1)/n x bytes / time."])
     return 0
 
 

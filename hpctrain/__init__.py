@@ -5,7 +5,7 @@
     grid = ht.ProcessGrid(comm, tp=2)
 """
 
-from . import backend, errors, nn, optim, parallel
+from . import backend, data, errors, nn, optim, parallel
 from .comm import Communicator, ProcessGrid
 from .errors import HpctrainError
 from .trainer import StepStats, Trainer
@@ -14,5 +14,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Communicator", "HpctrainError", "ProcessGrid", "StepStats", "Trainer", "__version__",
-    "backend", "errors", "nn", "optim", "parallel",
+    "backend", "data", "errors", "nn", "optim", "parallel",
 ]  # fmt: skip

@@ -42,22 +42,39 @@ def _crc(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
 
 
-def _slices(index: tuple) -> list[list[int | None]]:
-    return [[s.start, s.stop, s.step] for s in index]
+def _slices(index: tuple) -> list[Any]:
+    return [[s.start, s.stop, s.step] if isinstance(s, slice) else {"ids": [int(i) for i in s]} for s in index]
 
 
-def _index(spec: list) -> tuple[slice, ...]:
-    return tuple(slice(*s) for s in spec)
+def _index(spec: list) -> tuple[Any, ...]:
+    return tuple(np.asarray(s["ids"], dtype=np.int64) if isinstance(s, dict) else slice(*s) for s in spec)
 
 
-def _norm_index(index: tuple, shape: tuple) -> tuple[slice, ...]:
-    """Concrete (start, stop, 1) slices, so equal pieces compare equal across ranks."""
-    out = []
+def _extent(spec: Any) -> int:
+    """How many elements one axis of an index spec selects."""
+    return len(spec["ids"]) if isinstance(spec, dict) else len(range(*spec))
+
+
+def _norm_index(index: tuple, shape: tuple) -> tuple[Any, ...]:
+    """Concrete (start, stop, 1) slices, so equal pieces compare equal across ranks.
+
+    One axis may instead hold strictly increasing integer ids (a tensor-parallel rank's q, k and v
+    columns of a fused qkv weight are three separate ranges); HDF5 reads and writes those directly.
+    """
+    out: list[Any] = []
     for s, n in zip(index, shape):
+        if not isinstance(s, slice):
+            ids = np.asarray(to_host(s), dtype=np.int64).reshape(-1)
+            if ids.size and (ids[0] < 0 or ids[-1] >= n or (ids.size > 1 and np.any(np.diff(ids) <= 0))):
+                raise CheckpointError(f"shards() index ids must be strictly increasing in [0, {n})")
+            out.append(ids)
+            continue
         start, stop, step = s.indices(n)
         if step != 1:
             raise CheckpointError(f"shards() must use unit-step slices, got {s}")
         out.append(slice(start, stop, 1))
+    if sum(not isinstance(s, slice) for s in out) > 1:
+        raise CheckpointError("shards() index may hold integer ids on one axis only")
     return tuple(out)
 
 
@@ -124,13 +141,25 @@ def save(path: str, trainer: Any) -> str:
     import h5py
 
     comm = trainer.comm
-    pieces = _local_pieces(trainer)
-    meta = {k: (full, _slices(idx), str(np.dtype(a.dtype))) for k, (a, full, idx) in pieces.items()}
-    everyone = comm.allgather_obj(meta)
+    # Every step that can fail on one rank reports through a collective, so a failure is
+    # raised on every rank instead of leaving the others blocked in the next send or bcast.
+    pieces: dict[str, tuple[Any, tuple, tuple]] = {}
+    meta: dict[str, tuple] = {}
+    state_json, extra_arrays, local_error = "", {}, None
+    try:
+        pieces = _local_pieces(trainer)
+        meta = {k: (full, _slices(idx), str(np.dtype(a.dtype))) for k, (a, full, idx) in pieces.items()}
+        state_json = json.dumps(_to_json(trainer.state_dict(), extra_arrays))
+    except Exception as exc:
+        local_error = f"{type(exc).__name__}: {exc}"
+    everyone = comm.allgather_obj((meta, local_error))
+    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(everyone) if e]
+    if errors:
+        raise CheckpointError(f"cannot save checkpoint {path}: " + "; ".join(errors[:4]))
     # One owner per distinct piece (the lowest rank holding it); replicas write nothing.
     plan: dict[str, list[tuple[list, int]]] = {}
     shapes: dict[str, tuple[tuple, str]] = {}
-    for rank, m in enumerate(everyone):
+    for rank, (m, _) in enumerate(everyone):
         for key, (full, idx, dtype) in m.items():
             have = shapes.setdefault(key, (tuple(full), dtype))
             if have != (tuple(full), dtype):
@@ -138,13 +167,10 @@ def save(path: str, trainer: Any) -> str:
             if all(idx != i for i, _ in plan.setdefault(key, [])):
                 plan[key].append((idx, rank))
     for key, parts in plan.items():
-        covered = sum(int(np.prod([len(range(*s)) for s in idx])) for idx, _ in parts)
+        covered = sum(int(np.prod([_extent(s) for s in idx])) for idx, _ in parts)
         if covered != int(np.prod(shapes[key][0])):
             raise CheckpointError(f"the ranks' shards of {key} do not cover its full shape {shapes[key][0]}")
 
-    state = trainer.state_dict()
-    extra_arrays: dict[str, np.ndarray] = {}
-    state_json = json.dumps(_to_json(state, extra_arrays))
     opt = _optimizer(trainer)
     tmp = f"{path}.tmp.{os.getpid()}"
     error = None
@@ -166,56 +192,86 @@ def save(path: str, trainer: Any) -> str:
             for key, arr in extra_arrays.items():
                 d = f.create_dataset(f"state{key}", data=arr)
                 d.attrs["crc32"] = _crc(arr)
-        except Exception as exc:  # reported on every rank below
+        except Exception as exc:
             error = f"cannot write checkpoint {tmp}: {exc}"
+            _discard(f, tmp)
     error = comm.bcast_obj(error)
     if error:
         raise CheckpointError(error)
 
     for key in sorted(plan):
         full, dtype = shapes[key]
-        whole = len(plan[key]) == 1  # one piece is the whole tensor: checksum it as it passes
-        if comm.rank == 0:
-            dset = f.create_dataset(key, shape=full, dtype=dtype)
+        # When the pieces tile the tensor along its first axis, byte order is piece order and the
+        # CRC is chained as they pass; otherwise the assembled tensor is read back once.
+        plan[key].sort(key=lambda part: [s[0] for s in part[0]])
+        chained = all(all(s[:2] == [0, n] for s, n in zip(idx[1:], full[1:])) for idx, _ in plan[key])
+        crc = 0
+        dset = None
+        if comm.rank == 0 and error is None:
+            try:
+                dset = f.create_dataset(key, shape=full, dtype=dtype)
+            except Exception as exc:
+                error = f"cannot write {key} to {tmp}: {exc}"
         for idx_spec, owner in plan[key]:
-            idx = _index(idx_spec)
             piece = None
             if comm.rank == owner:
                 piece = np.ascontiguousarray(to_host(pieces[key][0]))
                 if owner != 0:
                     comm.send(piece, dest=0, tag=17)
             elif comm.rank == 0:
-                buf = np.empty([len(range(*s)) for s in idx_spec], dtype=dtype)
+                buf = np.empty([_extent(s) for s in idx_spec], dtype=dtype)
                 piece = comm.recv(buf, source=owner, tag=17)
-            if comm.rank == 0:
-                dset[idx] = piece
-                if whole:
-                    dset.attrs["crc32"] = _crc(piece)
-        if comm.rank == 0 and not whole:
-            # Pieces arrive in index order, not byte order: checksum the assembled tensor.
-            dset.attrs["crc32"] = _crc(dset[()])
+            # Rank 0 keeps receiving after a write error so no owner stays blocked in send.
+            if comm.rank == 0 and error is None:
+                try:
+                    dset[_index(idx_spec)] = piece
+                    if chained:
+                        crc = zlib.crc32(np.ascontiguousarray(piece).view(np.uint8).reshape(-1), crc)
+                except Exception as exc:
+                    error = f"cannot write {key} to {tmp}: {exc}"
+        if comm.rank == 0 and error is None:
+            dset.attrs["crc32"] = (crc & 0xFFFFFFFF) if chained else _crc(dset[()])
 
     if comm.rank == 0:
-        try:
-            f.flush()
-            f.close()
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(path)
-        except Exception as exc:
-            error = f"cannot finish checkpoint {path}: {exc}"
+        if error is None:
+            try:
+                f.flush()
+                f.close()
+                with open(tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
+                os.replace(tmp, path)
+                _fsync_dir(path)
+            except Exception as exc:
+                error = f"cannot finish checkpoint {path}: {exc}"
+        if error is not None:
+            _discard(f, tmp)
     error = comm.bcast_obj(error)
     if error:
         raise CheckpointError(error)
     return path
 
 
+def _discard(f: Any, tmp: str) -> None:
+    """Close and remove a half-written temporary file (the previous checkpoint is untouched)."""
+    try:
+        if f is not None:
+            f.close()
+    except Exception:
+        pass
+    try:
+        os.remove(tmp)
+    except OSError:
+        pass
+
+
 # -- load ------------------------------------------------------------------------------------
 
 
-def _verify(path: str) -> dict[str, Any]:
-    """Open ``path`` and check every dataset's CRC; the header as a dict, or an exception."""
+def _verify(path: str, skip: Any = ()) -> dict[str, Any]:
+    """Open ``path``, check its header and the CRC of every dataset not in ``skip``.
+
+    Returns the header as a dict, or raises ``FileNotFoundError`` / ``CheckpointError``.
+    """
     import h5py
 
     if not os.path.exists(path):
@@ -230,26 +286,37 @@ def _verify(path: str) -> dict[str, Any]:
         version = int(f.attrs.get("format_version", -1))
         if version > FORMAT_VERSION:
             raise CheckpointError(f"{path} has format version {version}; this hpctrain reads <= {FORMAT_VERSION}")
-        bad: list[str] = []
-
-        def check(name: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Dataset):
-                try:
-                    ok = _crc(obj[()]) == int(obj.attrs["crc32"])
-                except Exception as exc:  # truncated data, missing attribute
-                    ok = False
-                    name = f"{name} ({exc})"
-                if not ok:
-                    bad.append(name)
-
-        f.visititems(check)
+        try:
+            header = {k: json.loads(f.attrs[k]) for k in ("layout", "config", "trainer_state", "optimizer")}
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint {path} has a damaged header ({type(exc).__name__}: {exc})") from None
+        names = _all_datasets(f)
+        bad = [problem for n in names if n not in skip for problem in [_check_crc(f[n], f[n][()])] if problem]
         if bad:
-            raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in {', '.join(bad[:5])}")
-        header = {k: f.attrs[k] for k in ("layout", "config", "trainer_state", "optimizer")}
-        header = {k: json.loads(v) for k, v in header.items()}
+            raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(bad[:5])}")
         header["hpctrain_version"] = str(f.attrs.get("hpctrain_version"))
-        header["datasets"] = sorted(k for k in _all_datasets(f))
+        header["datasets"] = sorted(names)
         return header
+
+
+def _check_crc(dset: Any, data: np.ndarray) -> str | None:
+    """``None`` when ``data`` (all of ``dset``) matches its stored CRC, else what is wrong."""
+    try:
+        if _crc(data) == int(dset.attrs["crc32"]):
+            return None
+        return f"checksum mismatch in {dset.name.lstrip('/')}"
+    except Exception as exc:  # truncated data, missing attribute
+        return f"checksum mismatch in {dset.name.lstrip('/')} ({exc})"
+
+
+class _Everything:
+    """A ``skip`` set that contains every name: header checks only."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
+_EVERYTHING = _Everything()
 
 
 def _all_datasets(f: Any) -> list[str]:
@@ -273,11 +340,13 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
     verdict: Any
     if comm.rank == 0:
         try:
-            verdict = ("ok", _verify(path))
+            verdict = ("ok", _verify(path, skip=_EVERYTHING))
         except FileNotFoundError as exc:
             verdict = ("missing", str(exc))
         except CheckpointError as exc:
             verdict = ("bad", str(exc))
+        except Exception as exc:  # anything h5py raises on a damaged file, reported on every rank
+            verdict = ("bad", f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc})")
     verdict = comm.bcast_obj(verdict if comm.rank == 0 else None)
     if verdict[0] == "missing":
         raise FileNotFoundError(verdict[1])
@@ -285,24 +354,51 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
         raise CheckpointError(verdict[1])
     header = verdict[1]
 
-    pieces = _local_pieces_for_load(trainer)
+    # Each rank reads only its slices and checks the CRC of every tensor it reads whole (all of
+    # them under data parallelism); rank 0 then checks whatever no rank read whole, so the file
+    # is read about once however it is sharded.
     problems: list[str] = []
-    with h5py.File(path, "r") as f:
-        for key, (assign, _local_shape, full_shape, index) in pieces.items():
-            if key not in f:
-                if key.startswith("model/"):
-                    problems.append(f"{key[6:]} is not in the checkpoint")
-                continue
-            dset = f[key]
-            if tuple(dset.shape) != tuple(full_shape):
-                problems.append(f"{key}: checkpoint has shape {dset.shape}, model needs {full_shape}")
-                continue
-            assign(dset[index])
+    wanted: set[str] = set()
+    stored: set[str] = set()
+    checked: set[str] = set()
+    try:
+        pieces = _local_pieces_for_load(trainer)
         wanted = {k for k in pieces if k.startswith("model/")}
-        stored = {f"model/{k}" for k in f["model"]} if "model" in f else set()
-    everyone = comm.allgather_obj((problems, sorted(wanted)))
-    all_problems = [p for ps, _ in everyone for p in ps]
-    all_wanted = set().union(*(set(w) for _, w in everyone))
+        with h5py.File(path, "r") as f:
+            stored = {f"model/{k}" for k in f["model"]} if "model" in f else set()
+            for key, (assign, _local_shape, full_shape, index) in pieces.items():
+                if key not in f:
+                    if key.startswith("model/"):
+                        problems.append(f"{key[6:]} is not in the checkpoint")
+                    continue
+                dset = f[key]
+                if tuple(dset.shape) != tuple(full_shape):
+                    problems.append(f"{key}: checkpoint has shape {dset.shape}, model needs {full_shape}")
+                    continue
+                data = dset[index]
+                if data.shape == dset.shape:
+                    bad = _check_crc(dset, data)
+                    if bad:
+                        problems.append(bad)
+                        continue
+                    checked.add(key)
+                assign(data)
+    except Exception as exc:  # reported on every rank below instead of leaving the others waiting
+        problems.append(f"rank {comm.rank}: {type(exc).__name__}: {exc}")
+    everyone = comm.allgather_obj((problems, sorted(wanted), sorted(checked)))
+    rest = None
+    if comm.rank == 0:
+        try:
+            _verify(path, skip=set().union(*(set(c) for _, _, c in everyone)))
+        except Exception as exc:
+            rest = str(exc)
+    rest = comm.bcast_obj(rest)
+    if rest is not None:
+        raise CheckpointError(rest)
+    all_problems = [p for ps, _, _ in everyone for p in ps]
+    if any("checksum mismatch" in p for p in all_problems):
+        raise CheckpointError(f"checkpoint {path} is corrupt: " + "; ".join(all_problems[:5]))
+    all_wanted = set().union(*(set(w) for _, w, _ in everyone))
     all_problems += [f"{k[6:]} is in the checkpoint but not in the model" for k in sorted(stored - all_wanted)]
     if all_problems:
         raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(all_problems[:6]))

@@ -70,9 +70,57 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ckpt_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="ckpt_command", required=True)
+    q = sub.add_parser("inspect", help="print what a checkpoint holds and verify its checksums")
+    q.add_argument("file", help="checkpoint file (ckpt-*.h5) or a directory of them (the newest)")
+
+
+def run_ckpt(args: argparse.Namespace) -> int:
+    """``hpctrain ckpt inspect FILE``: no MPI needed; exit 1 with the reason for a bad file."""
+    import os
+
+    from . import checkpoint
+    from .errors import CheckpointError
+
+    path = args.file
+    if os.path.isdir(path):
+        found = checkpoint.list_checkpoints(path)
+        if not found:
+            print(f"hpctrain: no checkpoints in {path}", file=sys.stderr)
+            return 1
+        path = found[-1]
+    try:
+        print(checkpoint.inspect(path))
+    except (FileNotFoundError, CheckpointError) as exc:
+        print(f"hpctrain: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["make"], help="make: write the built-in sets (if absent) and list them")
+    p.add_argument("--dir", default=None,
+                   help="directory for the files (default: $HPCTRAIN_DATA or ~/.cache/hpctrain)")
+
+
+def run_data(args: argparse.Namespace) -> int:
+    """Write the built-in HDF5 sets; no MPI needed (the writes are atomic renames)."""
+    import os
+
+    from .data import builtin
+
+    for name, make in (("classification", builtin.classification), ("corpus", builtin.corpus)):
+        path = make(None if args.dir is None else os.path.join(args.dir, f"{name}.h5"))
+        print(f"{name:<15} {path}  {os.path.getsize(path)} bytes")
+    return 0
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "info": ("report the MPI library, world, nodes and GPUs (one report per job)", _info_args, run_info),
+    "ckpt": ("inspect checkpoints", _ckpt_args, run_ckpt),
+    "data": ("built-in data sets: `hpctrain data make [--dir D]` writes them as HDF5", _data_args, run_data),
 }
 
 

@@ -6,8 +6,14 @@ A strategy subclasses ``Trainer`` and implements ``step(x, y, weight=None) -> St
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .comm import Communicator
 
@@ -60,21 +66,203 @@ class Trainer:
         """The trainer's settings, compared across ranks and stored in checkpoints."""
         return {"type": type(self).__name__}
 
+    # -- state ----------------------------------------------------------------------------------
+
+    def _modules_with_rng(self) -> list[tuple[str, Any]]:
+        model = getattr(self, "model", None)
+        if model is None:
+            model = getattr(self, "stage", None)
+        if model is None or not hasattr(model, "named_modules"):
+            return []
+        return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "rng", None), np.random.Generator)]
+
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """Counters, the sampler's state (when ``fit`` runs with one) and module RNG states.
+
+        Collective: RNG states are gathered from every rank (replicas may draw differently).
+        Subclasses extend this dict.
+        """
+        rngs = {n: m.rng.bit_generator.state for n, m in self._modules_with_rng()}
+        state: dict[str, Any] = {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "rng": self.comm.allgather_obj(rngs),
+            "world_size": self.comm.size,
+        }
+        sampler = getattr(self, "_sampler", None)
+        if sampler is not None and hasattr(sampler, "state_dict"):
+            state["sampler"] = sampler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Restore what ``state_dict`` saved. RNG states go back to the same rank when the world
+        size is unchanged; otherwise every rank takes rank 0's."""
+        self.global_step = int(state["global_step"])
+        self.epoch = int(state["epoch"])
+        rngs = state.get("rng") or []
+        if rngs:
+            mine = rngs[self.comm.rank] if len(rngs) == self.comm.size else rngs[0]
+            for name, m in self._modules_with_rng():
+                if name in mine:
+                    m.rng.bit_generator.state = mine[name]
+        # Kept until fit() sees the loader's sampler (or applied now if it already has one).
+        sampler_state = state.get("sampler")
+        saved_size = int(state.get("world_size", self.comm.size))
+        if sampler_state is not None:
+            sampler_state = dict(sampler_state)
+        if sampler_state is not None and saved_size != self.comm.size:
+            # Positions count this rank's share of the interleaved epoch order: the samples
+            # consumed by all ranks (position x old size) are spread over the new size.
+            sampler_state["position"] = int(sampler_state["position"]) * saved_size // self.comm.size
+        self._pending_sampler = sampler_state
+        sampler = getattr(self, "_sampler", None)
+        if sampler is not None and sampler_state is not None:
+            if hasattr(sampler, "__len__"):
+                sampler_state["position"] = min(int(sampler_state["position"]), len(sampler))
+            sampler.load_state_dict(sampler_state)
 
-    def fit(self, loader: Any, epochs: int = 1) -> list[StepStats]:
-        """Train for ``epochs`` over ``loader`` (which yields ``(x, y)`` or ``(x, y, w)``)."""
-        history: list[StepStats] = []
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        loader: Any,
+        epochs: int = 1,
+        *,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None,
+        keep: int = 3,
+        resume: bool = True,
+        log_every: int = 10,
+        metrics_file: str | None = None,
+        progress: bool | None = None,
+    ) -> list[StepStats]:
+        """Train until ``epochs`` epochs are done over ``loader`` (collective).
+
+        ``loader`` yields ``(x, y)`` or ``(x, y, w)``; its ``sampler`` (if any) gets
+        ``set_epoch`` each epoch. With ``checkpoint_dir`` and ``resume`` the newest valid
+        checkpoint there is loaded first and training continues where it stopped (mid-epoch
+        included: the sampler's position is restored); with ``checkpoint_every=k`` a checkpoint
+        is written every k steps and at the end, keeping the newest ``keep``. Rank 0 logs loss,
+        samples/s, step time and communication share every ``log_every`` steps: a tqdm bar when
+        stdout is a terminal (or ``progress=True``), plain lines otherwise. ``metrics_file``
+        receives one JSON line per step (rank 0). Returns this call's steps' statistics.
+        """
+        from . import checkpoint as ckpt
+
         sampler = getattr(loader, "sampler", None)
-        for epoch in range(self.epoch, epochs):
-            self.epoch = epoch
-            if sampler is not None and hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
-            for batch in loader:
-                history.append(self.step(*batch))
-        self.epoch = epochs
+        self._sampler = sampler
+        resumed_mid_epoch = False
+        if checkpoint_dir is not None and resume:
+            path = ckpt.load_latest(checkpoint_dir, self)
+            if path is not None:
+                pending = getattr(self, "_pending_sampler", None)
+                # Mid-epoch only if the checkpoint's sampler epoch is the one to run now and it was
+                # not finished (a checkpoint written at the end of fit has epoch already advanced).
+                resumed_mid_epoch = (
+                    pending is not None
+                    and int(pending.get("epoch", -1)) == self.epoch
+                    and 0 < int(pending.get("position", 0)) < _length(sampler)
+                )
+                if self.comm.rank == 0:
+                    print(f"hpctrain: resumed from {path} at step {self.global_step}, epoch {self.epoch}", flush=True)
+        self._pending_sampler = None
+        log = _Logger(self, loader, epochs, log_every, metrics_file, progress)
+        history: list[StepStats] = []
+        saved_at = self.global_step
+        try:
+            for epoch in range(self.epoch, epochs):
+                self.epoch = epoch
+                if sampler is not None and hasattr(sampler, "set_epoch"):
+                    if resumed_mid_epoch:
+                        # The checkpoint restored this epoch's order and position: keep them.
+                        resumed_mid_epoch = False
+                    else:
+                        sampler.set_epoch(epoch)
+                for batch in loader:
+                    stats = self.step(*batch)
+                    history.append(stats)
+                    log.step(stats)
+                    if checkpoint_dir is not None and checkpoint_every and self.global_step % checkpoint_every == 0:
+                        ckpt.save_in(checkpoint_dir, self, keep=keep)
+                        saved_at = self.global_step
+            self.epoch = max(self.epoch, epochs)
+            if checkpoint_dir is not None and checkpoint_every and saved_at != self.global_step:
+                ckpt.save_in(checkpoint_dir, self, keep=keep)
+        finally:
+            log.close()
         return history
+
+
+def _length(sampler: Any) -> float:
+    try:
+        return len(sampler)
+    except TypeError:
+        return float("inf")
+
+
+class _Logger:
+    """Rank 0's progress output and JSON-lines metrics; a no-op on other ranks."""
+
+    def __init__(self, trainer: Trainer, loader: Any, epochs: int, every: int, metrics_file: str | None,
+                 progress: bool | None) -> None:
+        self.trainer = trainer
+        self.every = max(1, int(every))
+        self.on = trainer.comm.rank == 0
+        self.metrics = None
+        self.bar = None
+        self.window: list[StepStats] = []
+        if not self.on:
+            return
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            self.metrics = open(metrics_file, "a")
+        if progress is None:
+            progress = sys.stdout.isatty()
+        if progress:
+            try:
+                from tqdm import tqdm
+
+                try:
+                    per_epoch = len(loader)
+                except TypeError:
+                    per_epoch = None
+                total = per_epoch * epochs if per_epoch is not None else None
+                self.bar = tqdm(total=total, initial=min(trainer.global_step, total or trainer.global_step),
+                                unit="step", dynamic_ncols=True)
+            except ImportError:
+                self.bar = None
+
+    def step(self, s: StepStats) -> None:
+        if not self.on:
+            return
+        t = self.trainer
+        if self.metrics is not None:
+            rec = {
+                "step": t.global_step, "epoch": t.epoch, "loss": s.loss, "grad_norm": s.grad_norm,
+                "seconds": s.seconds, "samples": s.samples, "comm_seconds": s.comm_seconds,
+                "samples_per_s": s.samples / s.seconds if s.seconds > 0 else None, "skipped": s.skipped,
+                "time": time.time(),
+            }
+            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.flush()
+        self.window.append(s)
+        if self.bar is not None:
+            self.bar.update(1)
+        if len(self.window) >= self.every:
+            secs = sum(w.seconds for w in self.window)
+            samples = sum(w.samples for w in self.window)
+            comm = sum(w.comm_seconds for w in self.window)
+            loss = sum(w.loss for w in self.window) / len(self.window)
+            text = (f"loss {loss:.4f} | {samples / secs if secs else 0:,.0f} samples/s | "
+                    f"step {1000 * secs / len(self.window):.1f} ms | comm {100 * comm / secs if secs else 0:.0f}%")
+            if self.bar is not None:
+                self.bar.set_postfix_str(text)
+            else:
+                print(f"epoch {t.epoch} step {t.global_step} | {text}", flush=True)
+            self.window = []
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.bar is not None:
+            self.bar.close()

@@ -416,14 +416,10 @@ class ParameterServerTrainer(Trainer):
         return {name: (p, p.shape, tuple(slice(0, n) for n in p.shape)) for name, p in self.named}
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, clock, module RNG states and (sync momentum) the global velocity. Collective."""
-        try:
-            state = super().state_dict()
-        except NotImplementedError:
-            state = {"global_step": self.global_step, "epoch": self.epoch}
+        """The base state (counters, RNG states, sampler), the clock and, with momentum, the global
+        velocity. Collective."""
+        state = super().state_dict()
         state["clock"] = self.clock
-        rngs = {name: m.rng.bit_generator.state for name, m in self.model.named_modules() if hasattr(m, "rng")}
-        state["rng"] = self.comm.allgather_obj(rngs)
         if self._velocity is not None:
             # Only the sum of the workers' velocities matters (momentum is linear): store it whole.
             state["velocity"] = self.comm.allreduce(self._velocity)
@@ -432,20 +428,11 @@ class ParameterServerTrainer(Trainer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters and state; the servers take their values from the model's parameters
         (``checkpoint.load`` fills those first). Collective."""
-        try:
-            super().load_state_dict(state)
-        except NotImplementedError:
-            self.global_step = int(state["global_step"])
-            self.epoch = int(state["epoch"])
+        super().load_state_dict(state)
         if self.closed:
             raise WindowError("load_state_dict after close()")
         self.clock = int(state.get("clock", self.global_step))
         self._seen = None
-        rngs = state.get("rng")
-        if isinstance(rngs, list) and len(rngs) == self.comm.size:
-            for name, m in self.model.named_modules():
-                if hasattr(m, "rng") and name in rngs[self.comm.rank]:
-                    m.rng.bit_generator.state = rngs[self.comm.rank][name]
         if self._velocity is not None:
             v = state.get("velocity")
             self._velocity[...] = 0

@@ -1,6 +1,8 @@
 """Parallel strategies, one module each: data, tensor, pipeline, param_server."""
 
+from . import schedules
 from .data import DataParallelTrainer
+from .pipeline import PipelineParallelTrainer, pipeline_stage
 from .tensor import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -13,3 +15,4 @@ from .tensor import (
 __all__: list[str] = ["DataParallelTrainer"]
 __all__ += ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear",
             "TensorParallelTrainer", "tensor_parallel"]  # fmt: skip
+__all__ += ["PipelineParallelTrainer", "pipeline_stage", "schedules"]

@@ -38,6 +38,7 @@ bench: venv
 	$(MPIEXEC) -n 2 $(PY) benchmarks/allreduce.py
 	$(MPIEXEC) -n 2 $(PY) benchmarks/ddp.py --quick --markdown benchmarks/REPORT.md
 	$(MPIEXEC) -n 2 $(PY) benchmarks/tensor.py --quick --markdown benchmarks/REPORT.md
+	$(MPIEXEC) -n 4 $(PY) benchmarks/pipeline.py --markdown benchmarks/REPORT.md
 	$(MPIEXEC) -n 4 $(PY) benchmarks/param_server.py --quick --markdown benchmarks/REPORT.md
 
 lint: venv

@@ -55,6 +55,11 @@ def _extent(spec: Any) -> int:
     return len(spec["ids"]) if isinstance(spec, dict) else len(range(*spec))
 
 
+def _first(spec: Any) -> int:
+    """Where one axis of an index spec starts (for ordering pieces)."""
+    return (spec["ids"][0] if spec["ids"] else 0) if isinstance(spec, dict) else spec[0]
+
+
 def _norm_index(index: tuple, shape: tuple) -> tuple[Any, ...]:
     """Concrete (start, stop, 1) slices, so equal pieces compare equal across ranks.
 
@@ -203,8 +208,11 @@ def save(path: str, trainer: Any) -> str:
         full, dtype = shapes[key]
         # When the pieces tile the tensor along its first axis, byte order is piece order and the
         # CRC is chained as they pass; otherwise the assembled tensor is read back once.
-        plan[key].sort(key=lambda part: [s[0] for s in part[0]])
-        chained = all(all(s[:2] == [0, n] for s, n in zip(idx[1:], full[1:])) for idx, _ in plan[key])
+        plan[key].sort(key=lambda part: [_first(s) for s in part[0]])
+        chained = all(
+            isinstance(idx[0], list) and all(isinstance(s, list) and s[:2] == [0, n] for s, n in zip(idx[1:], full[1:]))
+            for idx, _ in plan[key]
+        )
         crc = 0
         dset = None
         if comm.rank == 0 and error is None:

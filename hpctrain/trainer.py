@@ -160,7 +160,13 @@ class Trainer:
             path = ckpt.load_latest(checkpoint_dir, self)
             if path is not None:
                 pending = getattr(self, "_pending_sampler", None)
-                resumed_mid_epoch = pending is not None and int(pending.get("position", 0)) > 0
+                # Mid-epoch only if the checkpoint's sampler epoch is the one to run now and it was
+                # not finished (a checkpoint written at the end of fit has epoch already advanced).
+                resumed_mid_epoch = (
+                    pending is not None
+                    and int(pending.get("epoch", -1)) == self.epoch
+                    and 0 < int(pending.get("position", 0)) < _length(sampler)
+                )
                 if self.comm.rank == 0:
                     print(f"hpctrain: resumed from {path} at step {self.global_step}, epoch {self.epoch}", flush=True)
         self._pending_sampler = None
@@ -189,6 +195,13 @@ class Trainer:
         finally:
             log.close()
         return history
+
+
+def _length(sampler: Any) -> float:
+    try:
+        return len(sampler)
+    except TypeError:
+        return float("inf")
 
 
 class _Logger:

@@ -129,6 +129,28 @@ def test_stop_and_resume_equals_uninterrupted_run(comm, tmp_path):
     assert second.fit(loader(comm), epochs=epochs, checkpoint_dir=d, checkpoint_every=2, progress=False) == []
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(180)
+def test_extending_a_finished_run_equals_one_longer_run(comm, tmp_path):
+    """Checkpoints at epoch ends (and the one fit writes when it finishes) resume into the next
+    epoch: fit(epochs=2) then fit(epochs=3) from its directory equals fit(epochs=3)."""
+    d = os.path.join(shared_dir(comm, tmp_path), "ends")
+    per_epoch = len(loader(comm))
+    full = trainer(comm)
+    history = full.fit(loader(comm), epochs=3, progress=False)
+    # every=per_epoch: the last checkpoint is written inside the loop at the epoch's end;
+    # every=per_epoch+1: the last one is the one fit writes after the loop (epoch advanced).
+    for every in (per_epoch, per_epoch + 1):
+        where = os.path.join(d, str(every))
+        first = trainer(comm)
+        first.fit(loader(comm), epochs=2, checkpoint_dir=where, checkpoint_every=every, progress=False)
+        second = trainer(comm, seed=2)
+        rest = second.fit(loader(comm), epochs=3, checkpoint_dir=where, checkpoint_every=every, progress=False)
+        assert len(rest) == per_epoch and second.global_step == 3 * per_epoch, every
+        assert [s.loss for s in rest] == [s.loss for s in history[2 * per_epoch :]]
+        assert_same(snapshot(second), snapshot(full))
+
+
 def _train_world(comm, steps: int = 3) -> DataParallelTrainer:
     tr = trainer(comm)
     g = np.random.default_rng(11)

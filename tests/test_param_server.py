@@ -14,6 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain import Communicator, checkpoint
+from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
 from hpctrain.errors import MismatchError, NonFiniteError, WindowError
 from hpctrain.nn import Linear, MSELoss, ReLU, Sequential
 from hpctrain.optim import SGD
@@ -277,3 +278,83 @@ def test_sync_stop_and_resume_equals_uninterrupted(comm, momentum):
         comm.barrier()
         if comm.rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+@mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_checkpoint_restores_the_servers_state(comm, mode):
+    x, y = regression()
+    kw = dict(loss=MSELoss(), lr=0.02, comm=comm, mode=mode, staleness=1, timeout=60)
+    directory = shared_tmpdir(comm)
+    try:
+        path = os.path.join(directory, "ps-async.h5")
+        t = ParameterServerTrainer(model=Sequential(Linear(8, 2, rng=0, dtype=np.float64)), **kw)
+        for i in range(6):
+            t.step(x[i * 8 + comm.rank :: 64][:8], y[i * 8 + comm.rank :: 64][:8])
+        checkpoint.save(path, t)  # collective: the servers' state at this point, whole
+        saved = flat(t.model)
+        t.close()
+        fresh = ParameterServerTrainer(model=Sequential(Linear(8, 2, rng=9, dtype=np.float64)), **kw)
+        checkpoint.load(path, fresh)
+        assert fresh.global_step == 6 and fresh.clock == 6
+        np.testing.assert_array_equal(flat(fresh.model), saved)
+        fresh.shards()  # pulls from the servers: they hold the checkpoint's values too
+        np.testing.assert_array_equal(flat(fresh.model), saved)
+        everyone = comm.allgather(saved)  # the snapshot is the same on every rank
+        for other in everyone[1:]:
+            np.testing.assert_array_equal(other, everyone[0])
+        fresh.step(x[:8], y[:8])  # and training goes on from there
+        fresh.close()
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _loader(comm) -> DataLoader:
+    g = np.random.default_rng(21)
+    data = ArrayDataset(g.normal(size=(45, 5)), g.normal(size=(45, 3)))
+    return DataLoader(data, batch_size=4, sampler=ShardedSampler(45, comm.rank, comm.size, seed=2, pad="mask"))
+
+
+@mpi
+@pytest.mark.timeout(180)
+def test_sync_fit_stop_and_resume_equals_uninterrupted(comm, tmp_path):
+    """fit() with a checkpoint cadence, killed mid-epoch, resumed by a fresh trainer (other init):
+    same losses and parameters as one uninterrupted fit (sampler position, clock, velocity)."""
+    root = comm.bcast_obj(str(tmp_path) if comm.rank == 0 else None)
+    kw = dict(loss=MSELoss(), lr=0.05, comm=comm, mode="sync", momentum=0.5)
+    with ParameterServerTrainer(model=mlp(), **kw) as full:
+        history = full.fit(_loader(comm), epochs=3, progress=False, log_every=1000)
+    per_epoch = len(_loader(comm))
+    stop = per_epoch + 2
+
+    class Interrupted:
+        def __init__(self, inner, tr) -> None:
+            self.inner, self.tr, self.sampler = inner, tr, inner.sampler
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+        def __iter__(self):
+            for batch in self.inner:
+                if self.tr.global_step >= stop:
+                    raise _Stop
+                yield batch
+
+    d = os.path.join(root, "ps-ckpts")
+    with ParameterServerTrainer(model=mlp(), **kw) as first:
+        with pytest.raises(_Stop):
+            first.fit(Interrupted(_loader(comm), first), epochs=3, checkpoint_dir=d, checkpoint_every=2,
+                      progress=False)
+    with ParameterServerTrainer(model=mlp(seed=8), **kw) as second:
+        rest = second.fit(_loader(comm), epochs=3, checkpoint_dir=d, checkpoint_every=2, progress=False)
+        assert second.global_step == full.global_step and second.clock == full.clock
+    last = stop - stop % 2
+    np.testing.assert_allclose([s.loss for s in rest], [s.loss for s in history[last:]], rtol=1e-12)
+    np.testing.assert_allclose(flat(second.model), flat(full.model), rtol=0, atol=1e-12)

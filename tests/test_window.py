@@ -115,3 +115,30 @@ def test_free_is_collective_and_use_after_free_raises_everywhere(comm):
     with Window(comm, comm.rank) as w2:
         with pytest.raises(BufferError, match="rank 0's piece of 0 elements"):
             w2.get(np.empty(1), 0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_parts_reach_every_target_in_one_epoch(comm):
+    # A flat vector split over all ranks' pieces (rank r holds r + 1 elements), as the
+    # parameter server lays out its parameters.
+    counts = [r + 1 for r in range(comm.size)]
+    bounds = np.cumsum([0] + counts)
+    parts = [(r, int(bounds[r]), int(bounds[r + 1])) for r in range(comm.size)]
+    x = np.arange(bounds[-1], dtype=np.float64) + 1
+    with Window(comm, counts[comm.rank]) as win:
+        win.accumulate_parts(x, parts)
+        comm.barrier()
+        np.testing.assert_array_equal(win.get_parts(np.empty_like(x), parts), comm.size * x)
+        np.testing.assert_array_equal(win.local(), comm.size * x[bounds[comm.rank] : bounds[comm.rank + 1]])
+        comm.barrier()
+        # fetch_add_parts: each rank sees the values before its own add, and the adds never tear.
+        old = win.fetch_add_parts(np.ones_like(x), np.empty_like(x), parts)
+        seen = comm.allgather(old)
+        for i in range(x.size):
+            assert sorted(seen[:, i]) == [comm.size * x[i] + k for k in range(comm.size)]
+        with pytest.raises(BufferError, match="outside the array"):
+            win.get_parts(np.empty(2), [(0, 0, 3)])
+        with pytest.raises(BufferError, match="do not fit"):
+            win.accumulate_parts(np.ones(counts[-1] + 1), [(comm.size - 1, 0, counts[-1] + 1)])
+        comm.barrier()

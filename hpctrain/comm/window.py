@@ -66,6 +66,11 @@ class Window:
         self._local = np.frombuffer(mem, dtype=dtype, count=self.count) if self.count else np.empty(0, dtype)
         self._mpi_type = from_numpy_dtype(dtype)
         self._dummy = np.zeros(1, dtype)
+        # A receive that never matches, on a private communicator: testing it runs MPI's whole
+        # progress engine (MPICH's MPI_Test polls every channel; Iprobe may poll only one).
+        self._poke_comm = MPI.COMM_SELF.Dup()
+        self._poke_buf = np.zeros(1, np.uint8)
+        self._poke_req = self._poke_comm.Irecv(self._poke_buf, 0, 0)
         with self.locked():
             self._local.fill(0)
         # Nobody touches a piece before its owner has zeroed it.
@@ -82,6 +87,9 @@ class Window:
         if self._win is not None:
             self._local = np.empty(0, self.dtype)
             win, self._win = self._win, None
+            self._poke_req.Cancel()
+            self._poke_req.Wait()
+            self._poke_comm.Free()
             win.Free()
 
     def __enter__(self) -> Window:
@@ -166,6 +174,58 @@ class Window:
             )
         return out
 
+    # -- one epoch over several targets ----------------------------------------------------------
+
+    def _check_parts(self, a: np.ndarray, parts: list[tuple[int, int, int]], what: str) -> None:
+        for target, lo, hi in parts:
+            if not 0 <= lo <= hi <= a.size:
+                raise BufferError(f"{what}: part [{lo}, {hi}) is outside the array of {a.size} elements")
+            self._check(a[lo:hi], target, 0, what)
+
+    def _all_targets(self, parts: list[tuple[int, int, int]], issue: Any) -> None:
+        """Issue ``issue(win, target, lo, hi)`` for every part inside one ``Lock_all`` epoch: the
+        operations to different targets overlap instead of paying one round trip each."""
+        win = self._live()
+        win.Lock_all()
+        try:
+            for target, lo, hi in parts:
+                if hi > lo:
+                    issue(win, target, lo, hi)
+        finally:
+            win.Unlock_all()
+
+    def accumulate_parts(self, x: np.ndarray, parts: list[tuple[int, int, int]]) -> None:
+        """Add ``x[lo:hi]`` into the start of ``target``'s piece for each ``(target, lo, hi)``,
+        all in one epoch (complete at every target when this returns)."""
+        self._check_parts(x, parts, "accumulate_parts")
+        t = self._mpi_type
+        self._all_targets(parts, lambda w, r, lo, hi: w.Accumulate([x[lo:hi], hi - lo, t], r, [0, hi - lo, t], MPI.SUM))
+
+    def get_parts(self, out: np.ndarray, parts: list[tuple[int, int, int]]) -> np.ndarray:
+        """Read the start of each ``target``'s piece into ``out[lo:hi]`` (atomic per element), one epoch."""
+        self._check_parts(out, parts, "get_parts")
+        t, d = self._mpi_type, self._dummy
+
+        def issue(w: MPI.Win, r: int, lo: int, hi: int) -> None:
+            w.Get_accumulate([d, 1, t], [out[lo:hi], hi - lo, t], r, [0, hi - lo, t], MPI.NO_OP)
+
+        self._all_targets(parts, issue)
+        return out
+
+    def fetch_add_parts(self, x: np.ndarray, out: np.ndarray, parts: list[tuple[int, int, int]]) -> np.ndarray:
+        """``fetch_add`` of ``x[lo:hi]`` into ``out[lo:hi]`` for every part, all in one epoch."""
+        if x.size != out.size:
+            raise BufferError(f"fetch_add_parts: x has {x.size} elements but out has {out.size}")
+        self._check_parts(x, parts, "fetch_add_parts")
+        self._check_parts(out, parts, "fetch_add_parts")
+        t = self._mpi_type
+
+        def issue(w: MPI.Win, r: int, lo: int, hi: int) -> None:
+            w.Get_accumulate([x[lo:hi], hi - lo, t], [out[lo:hi], hi - lo, t], r, [0, hi - lo, t], MPI.SUM)
+
+        self._all_targets(parts, issue)
+        return out
+
     def local(self) -> np.ndarray:
         """This rank's own piece, as a NumPy view of the window memory.
 
@@ -183,10 +243,10 @@ class Window:
     def progress(self) -> None:
         """Poke this process's MPI progress engine so pending operations aimed at it complete.
 
-        ``MPI_Iprobe`` runs one pass of the progress engine in MPICH and Open MPI (it matches
-        nothing here: no messages are sent on this window's communicator by hpctrain)."""
+        Tests a never-matching receive on a private communicator: ``MPI_Test`` runs one pass
+        of the progress engine (cheap: about a microsecond when nothing is pending)."""
         self._live()
-        self.comm.mpi.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+        self._poke_req.Test()
 
 
 class _Epoch:

@@ -147,7 +147,9 @@ class ParameterServerTrainer(Trainer):
         self.clock = 0
         self.closed = False
         self._owner = bool(self._win.count) or comm.rank == 0
-        self._one = np.ones(1, np.int64)
+        self._inc = np.zeros(comm.size + 1, np.int64)  # +1 on our own clock slot
+        self._inc[comm.rank] = 1
+        self._seen: np.ndarray | None = None  # everyone's clocks at our last bump
         self._clock_buf = np.empty(comm.size + 1, np.int64)
 
     # -- setup ----------------------------------------------------------------------------------
@@ -227,18 +229,17 @@ class ParameterServerTrainer(Trainer):
 
     # -- window traffic ------------------------------------------------------------------------
 
+    # Each moves every chunk inside one Lock_all epoch, so the servers are reached concurrently.
+
     def _pull(self) -> None:
-        for s, lo, hi in self.chunks:
-            self._win.get(self._flat[lo:hi], s)
+        self._win.get_parts(self._flat, self.chunks)
 
     def _push(self) -> None:
-        for s, lo, hi in self.chunks:
-            self._win.accumulate(self._gflat[lo:hi], s)
+        self._win.accumulate_parts(self._gflat, self.chunks)
 
     def _push_pull(self) -> None:
         """One ``Get_accumulate`` per chunk: values before our add, plus our add = values after it."""
-        for s, lo, hi in self.chunks:
-            self._win.fetch_add(self._gflat[lo:hi], self._flat[lo:hi], s)
+        self._win.fetch_add_parts(self._gflat, self._flat, self.chunks)
         self._flat += self._gflat
 
     def _read_clocks(self) -> np.ndarray:
@@ -250,6 +251,19 @@ class ParameterServerTrainer(Trainer):
                 f"rank {self.comm.rank} stops too"
             )
         return self._clock_buf[:-1]
+
+    def _bump_clock(self) -> np.ndarray:
+        """Add 1 to our clock and read everyone's (as they were just before) in one atomic op."""
+        self._clocks.fetch_add(self._inc, self._clock_buf, 0)
+        if self._clock_buf[-1]:
+            self._read_clocks()  # raises NonFiniteError naming the rank
+        self._seen = self._clock_buf[:-1].copy()
+        return self._seen
+
+    def _lag(self, clocks: np.ndarray, clock: int) -> int:
+        """How far ``clock`` (ours) is ahead of the slowest of ``clocks``."""
+        others = np.delete(clocks, self.comm.rank)
+        return max(0, clock - int(others.min())) if others.size else 0
 
     def _wait_for(self, clock: int) -> tuple[int, float]:
         """Block until the slowest worker has reached ``clock - staleness``; (lag, seconds waited)."""
@@ -270,7 +284,7 @@ class ParameterServerTrainer(Trainer):
                 )
             self.progress()
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 2e-4)  # short: this rank serves window traffic while it waits
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -337,26 +351,20 @@ class ParameterServerTrainer(Trainer):
         waited = 0.0
         if self.mode == "async":
             self._push_pull()
-            # Increment our clock and read everyone's in one atomic operation.
-            inc = np.zeros(self.comm.size + 1, np.int64)
-            inc[self.comm.rank] = 1
-            self._clocks.fetch_add(inc, self._clock_buf, 0)
-            if self._clock_buf[-1]:
-                self._read_clocks()  # raises NonFiniteError naming the rank
-            clocks = self._clock_buf[:-1].copy()
-            clocks[self.comm.rank] = new_clock
-            lag = new_clock - int(clocks.min())
+            lag = self._lag(self._bump_clock(), new_clock)
         else:
-            clocks = self._read_clocks().copy()
-            clocks[self.comm.rank] = new_clock
-            lag = new_clock - int(clocks.min())
+            # Clocks only grow: if the snapshot taken at our last clock bump already satisfies
+            # the bound, it holds now too; only when it does not do we look again.
+            lag = self._lag(self._seen if self._seen is not None else self._read_clocks(), new_clock)
+            if lag > self.staleness and self._seen is not None:
+                lag = self._lag(self._read_clocks(), new_clock)
             if lag <= self.staleness:
                 # Everyone already has every update the next step must see: fuse push and pull.
                 self._push_pull()
-                self._clocks.accumulate(self._one, 0, offset=self.comm.rank)
+                self._bump_clock()
             else:
                 self._push()
-                self._clocks.accumulate(self._one, 0, offset=self.comm.rank)
+                self._bump_clock()
                 lag, waited = self._wait_for(new_clock)
                 self._pull()
         self._unpack_params()
@@ -395,21 +403,23 @@ class ParameterServerTrainer(Trainer):
     # -- checkpoints ----------------------------------------------------------------------------
 
     def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
-        """Every parameter whole (each rank holds a full replica), refreshed from the servers."""
-        if not self.closed:
+        """Every parameter whole (each rank holds a full replica).
+
+        In sync mode the replicas already equal the servers' state after every step. In async
+        and ssp modes this is collective: the ranks meet (every push so far has landed), then
+        each replica is refreshed from the servers, so all ranks describe the same state.
+        """
+        if not self.closed and self.mode != "sync":
+            self.comm.barrier()
             self._pull()
             self._unpack_params()
         return {name: (p, p.shape, tuple(slice(0, n) for n in p.shape)) for name, p in self.named}
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, clock, module RNG states and (sync momentum) the global velocity. Collective."""
-        try:
-            state = super().state_dict()
-        except NotImplementedError:
-            state = {"global_step": self.global_step, "epoch": self.epoch}
+        """The base state (counters, RNG states, sampler), the clock and, with momentum, the global
+        velocity. Collective."""
+        state = super().state_dict()
         state["clock"] = self.clock
-        rngs = {name: m.rng.bit_generator.state for name, m in self.model.named_modules() if hasattr(m, "rng")}
-        state["rng"] = self.comm.allgather_obj(rngs)
         if self._velocity is not None:
             # Only the sum of the workers' velocities matters (momentum is linear): store it whole.
             state["velocity"] = self.comm.allreduce(self._velocity)
@@ -418,19 +428,11 @@ class ParameterServerTrainer(Trainer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters and state; the servers take their values from the model's parameters
         (``checkpoint.load`` fills those first). Collective."""
-        try:
-            super().load_state_dict(state)
-        except NotImplementedError:
-            self.global_step = int(state["global_step"])
-            self.epoch = int(state["epoch"])
+        super().load_state_dict(state)
         if self.closed:
             raise WindowError("load_state_dict after close()")
         self.clock = int(state.get("clock", self.global_step))
-        rngs = state.get("rng")
-        if isinstance(rngs, list) and len(rngs) == self.comm.size:
-            for name, m in self.model.named_modules():
-                if hasattr(m, "rng") and name in rngs[self.comm.rank]:
-                    m.rng.bit_generator.state = rngs[self.comm.rank][name]
+        self._seen = None
         if self._velocity is not None:
             v = state.get("velocity")
             self._velocity[...] = 0

@@ -72,6 +72,22 @@ def test_loader_reads_only_batch_rows_once_per_key(h5file, shuffle, pad):
     assert sum(log) == 13 * len(sampler) < 13 * len(ds)
 
 
+@pytest.mark.parametrize("pattern", ["one", "strided", "runs", "scattered"])
+def test_every_selection_path_reads_exactly_the_rows(h5file, pattern):
+    path, x, y = h5file
+    idx = {
+        "one": np.array([7]),
+        "strided": np.arange(5, 290, 7),  # one strided hyperslab
+        "runs": np.r_[10:20, 40:41, 100:130],  # a union of a few runs
+        "scattered": np.sort(np.random.default_rng(1).choice(301, 60, replace=False)),  # fancy / points
+    }[pattern]
+    ds = HDF5Dataset(path, ["x", "y"])
+    log = spy_on(ds)
+    gx, gy = ds[idx]
+    assert np.array_equal(gx, x[idx]) and np.array_equal(gy, y[idx])
+    assert log == [idx.size * 12, idx.size]
+
+
 def test_getitem_any_order_and_duplicates(h5file):
     path, x, y = h5file
     ds = HDF5Dataset(path, ("x", "y"))
@@ -225,3 +241,43 @@ def test_mpi_builtin_write_and_hdf5_shards_cover_once(comm, tmp_path):
                 rows[i] += wi
     assert rows == Counter({i: 1.0 for i in range(n)})
     assert not [f for f in os.listdir(shared) if f.endswith(".tmp")]
+
+
+def test_token_dataset_windows_from_array_and_hdf5(tmp_path):
+    from hpctrain.data import TokenDataset
+
+    path = builtin.corpus(tmp_path / "corpus.h5")
+    (stream,) = HDF5Dataset(path, "tokens")[np.arange(len(HDF5Dataset(path, "tokens")))]
+    mem, disk = TokenDataset(stream, 16), TokenDataset(path, 16)
+    assert len(mem) == len(disk) == (len(stream) - 17) // 16 + 1
+    log = spy_on(disk.tokens)
+    idx = np.array([len(disk) - 1, 0, 5, 6])
+    (xm, ym), (xd, yd) = mem[idx], disk[idx]
+    assert np.array_equal(xm, xd) and np.array_equal(ym, yd) and xd.shape == (4, 16)
+    assert np.array_equal(xd[1], stream[:16]) and np.array_equal(yd[1], stream[1:17])
+    assert log == [4 * 17 - 1]  # one read of the distinct positions (windows 5 and 6 share one)
+    overlapping = TokenDataset(stream, 8, stride=1)
+    assert len(overlapping) == len(stream) - 8
+    loader = DataLoader(disk, 32, ShardedSampler(len(disk), 0, 1))
+    assert sum(len(bx) for bx, _ in loader) == len(disk)
+    with pytest.raises(DatasetError, match="shorter"):
+        TokenDataset(np.arange(5), 8)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_mpi_collective_open_fails_on_every_rank(comm, h5file, tmp_path):
+    path, _, y = h5file
+    last = comm.size - 1
+    mine = tmp_path / "missing.h5" if comm.rank == last else path
+    with pytest.raises(DatasetError, match=rf"rank\(s\) \[{last}\].*no such file"):
+        HDF5Dataset(mine, ["x", "y"], comm=comm)
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as f:
+        f["x"], f["y"] = np.zeros((5, 4, 3)), y[:5]
+    from hpctrain.errors import MismatchError
+
+    with pytest.raises(MismatchError, match="shapes"):
+        HDF5Dataset(other if comm.rank == last else path, ["x", "y"], comm=comm)
+    ds = HDF5Dataset(path, ["x", "y"], comm=comm)
+    assert len(ds) == 301

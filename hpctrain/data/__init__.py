@@ -7,8 +7,8 @@
         for x, y, w in loader: ...
 """
 
-from .datasets import ArrayDataset, HDF5Dataset
+from .datasets import ArrayDataset, HDF5Dataset, TokenDataset
 from .loader import DataLoader
 from .sampler import ShardedSampler
 
-__all__ = ["ArrayDataset", "DataLoader", "HDF5Dataset", "ShardedSampler"]
+__all__ = ["ArrayDataset", "DataLoader", "HDF5Dataset", "ShardedSampler", "TokenDataset"]

@@ -1,9 +1,9 @@
 """Datasets: indexable by an int index array, returning a tuple of arrays (one per key).
 
 ``ArrayDataset`` wraps arrays already in memory. ``HDF5Dataset`` reads only the rows a batch
-needs straight from an HDF5 file: each key is read with one HDF5 read call per batch, selecting
-the batch's rows (merged into contiguous runs) as a single hyperslab union, so a rank never loads
-the whole file and never issues one read per row.
+needs straight from an HDF5 file: each key costs one HDF5 read call per batch whose selection is
+exactly the batch's distinct rows, so a rank never loads the whole file and never issues one read
+per row. ``TokenDataset`` cuts a token stream (the built-in corpus) into next-token windows.
 """
 
 from __future__ import annotations
@@ -67,9 +67,11 @@ def runs(sorted_idx: np.ndarray) -> np.ndarray:
     return np.stack([sorted_idx[starts], stops - starts], axis=1)
 
 
-# Measured on h5py 3.16 / HDF5 2.0 (256-row batches of float32 x 32): a union of up to ~16 hyperslab
-# runs reads faster than h5py's fancy indexing (e.g. 1 run: 1.4 vs 2.7 ms); beyond that fancy
-# indexing wins (256 runs: 11 vs 17 ms). Both are one read of exactly the rows asked for.
+# How a batch's rows are selected (always one H5Dread of exactly those rows), from measurements on
+# h5py 3.16 / HDF5 2.0: evenly spaced rows -> one strided hyperslab; up to ~16 contiguous runs -> a
+# union of hyperslabs (1 run of 256 float32x32 rows: 1.4 ms vs 2.7 ms for h5py fancy indexing);
+# scattered scalars -> a point selection (4096 labels: 1.1 ms vs 19 ms fancy); scattered rows ->
+# h5py fancy indexing (256 runs: 11 ms vs 17 ms for a union OR-ed together from Python).
 UNION_MAX_RUNS = 16
 
 
@@ -82,14 +84,40 @@ class HDF5Dataset:
     selected, so tests and benchmarks can check that nothing else is read.
 
     A missing file, a missing key, a key that is not a dataset, or keys of different lengths raise
-    :class:`~hpctrain.errors.DatasetError` naming the file and the key.
+    :class:`~hpctrain.errors.DatasetError` naming the file and the key. With ``comm`` (a
+    Communicator) the opening is collective: if any rank fails, every rank raises, and ranks that
+    see different shapes raise ``MismatchError``.
     """
 
-    def __init__(self, path: str | os.PathLike, keys: str | Sequence[str] = ("x", "y")) -> None:
-        import h5py
-
+    def __init__(self, path: str | os.PathLike, keys: str | Sequence[str] = ("x", "y"), comm: Any = None) -> None:
         self.path = os.fspath(path)
         self.keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        self.reads = 0
+        self.rows_read = 0
+        if comm is None:
+            self._open()
+            return
+        # Collective: a file that only some ranks cannot open (a node-local path, a stale mount)
+        # must fail on every rank, not leave the others waiting in the trainer's first collective.
+        try:
+            self._open()
+            problem = None
+        except DatasetError as exc:
+            problem = str(exc)
+        problems = comm.allgather_obj(problem)
+        bad = [r for r, p in enumerate(problems) if p is not None]
+        if bad:
+            if problem is None:
+                self.close()
+            raise DatasetError(f"rank(s) {bad} cannot use the dataset: {problems[bad[0]]}")
+        from ..comm.validate import agree
+
+        agree(comm, f"the shapes of {self.path}", {k: list(v) for k, v in self.shapes.items()})
+
+    def _open(self) -> None:
+        """Open the file and check the keys; DatasetError naming file and key on any problem."""
+        import h5py
+
         if not self.keys:
             raise DatasetError(f"{self.path}: HDF5Dataset needs at least one key")
         if not os.path.exists(self.path):
@@ -117,8 +145,6 @@ class HDF5Dataset:
             self._file.close()
             raise
         self._len = self._dsets[0].shape[0]
-        self.reads = 0
-        self.rows_read = 0
 
     def __len__(self) -> int:
         return self._len
@@ -152,20 +178,30 @@ class HDF5Dataset:
         from h5py import h5s
 
         count = uniq.size
+        tail = tuple(dset.shape[1:])
         if count == 0:
-            return np.empty((0, *dset.shape[1:]), dtype=dset.dtype)
-        if len(selection) > UNION_MAX_RUNS:
+            return np.empty((0, *tail), dtype=dset.dtype)
+        zeros = (0,) * len(tail)
+        fspace = dset.id.get_space()
+        steps = np.diff(uniq)
+        if count > 1 and np.all(steps == steps[0]):
+            # Evenly spaced rows (an unshuffled shard: r, r+size, ...): one strided hyperslab.
+            fspace.select_hyperslab((int(uniq[0]), *zeros), (count, *(1,) * len(tail)),
+                                    stride=(int(steps[0]), *(1,) * len(tail)), block=(1, *tail))
+        elif len(selection) <= UNION_MAX_RUNS:
+            fspace.select_none()
+            for start, length in selection.tolist():
+                fspace.select_hyperslab((start, *zeros), (length, *tail), op=h5s.SELECT_OR)
+        elif not tail:
+            # Scattered scalars (labels, tokens): a point selection is far cheaper than per-row slabs.
+            fspace.select_elements(uniq.astype(np.uint64).reshape(-1, 1))
+        else:
             # Scattered rows: h5py's fancy selection (built in C) beats OR-ing many hyperslabs from
             # Python; it is still a single H5Dread of exactly these rows.
             out = dset[uniq]
-        else:
-            out = np.empty((count, *dset.shape[1:]), dtype=dset.dtype)
-            fspace = dset.id.get_space()
-            fspace.select_none()
-            tail = tuple(dset.shape[1:])
-            zeros = (0,) * len(tail)
-            for start, length in selection.tolist():
-                fspace.select_hyperslab((start, *zeros), (length, *tail), op=h5s.SELECT_OR)
+            fspace = None
+        if fspace is not None:
+            out = np.empty((count, *tail), dtype=dset.dtype)
             dset.id.read(h5s.create_simple(out.shape), fspace, out)
         self.reads += 1
         self.rows_read += count
@@ -183,3 +219,48 @@ class HDF5Dataset:
 
     def __repr__(self) -> str:
         return f"HDF5Dataset({self.path!r}, keys={list(self.keys)}, len={self._len})"
+
+
+class TokenDataset:
+    """Windows of a 1-D token stream for next-token prediction: sample i is
+    ``x = tokens[s : s + block_size]``, ``y = tokens[s + 1 : s + block_size + 1]`` with ``s = i * stride``.
+
+    ``tokens`` is a 1-D int array, or an HDF5 file path (key ``key``, e.g. the built-in corpus), or an
+    :class:`HDF5Dataset` with one key. From HDF5 a batch costs one read of the distinct token
+    positions its windows cover (never the whole stream). ``stride`` defaults to ``block_size``
+    (windows that do not overlap, apart from each target's last token).
+    """
+
+    def __init__(self, tokens: Any, block_size: int, stride: int | None = None, key: str = "tokens") -> None:
+        if isinstance(tokens, (str, os.PathLike)):
+            tokens = HDF5Dataset(tokens, key)
+        if isinstance(tokens, HDF5Dataset) and len(tokens.keys) != 1:
+            raise DatasetError(f"{tokens.path}: TokenDataset needs one key, got {list(tokens.keys)}")
+        self.tokens = tokens
+        self.block_size = int(block_size)
+        self.stride = self.block_size if stride is None else int(stride)
+        if self.block_size < 1 or self.stride < 1:
+            raise ValueError(f"block_size and stride must be >= 1, got {self.block_size}, {self.stride}")
+        n = len(tokens)
+        if n < self.block_size + 1:
+            raise DatasetError(f"token stream of {n} is shorter than one window of {self.block_size} + 1")
+        self._len = (n - self.block_size - 1) // self.stride + 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, idx: Any) -> tuple[np.ndarray, np.ndarray]:
+        idx = _as_index(idx)
+        _check_range(idx, self._len, "TokenDataset")
+        positions = idx[:, None] * self.stride + np.arange(self.block_size + 1)
+        if isinstance(self.tokens, HDF5Dataset):
+            flat, inverse = np.unique(positions, return_inverse=True)
+            (stream,) = self.tokens[flat]
+            windows = stream[inverse.reshape(positions.shape)]
+        else:
+            windows = np.asarray(self.tokens)[positions]
+        windows = windows.astype(np.int64, copy=False)
+        return windows[:, :-1], windows[:, 1:]
+
+    def __repr__(self) -> str:
+        return f"TokenDataset({self.tokens!r}, block_size={self.block_size}, stride={self.stride}, len={self._len})"

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -80,7 +81,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def header(python: str, np_: int, quick: bool) -> str:
+def header(python: str, np_: int | None, quick: bool) -> str:
     v = _versions(python)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
@@ -97,7 +98,8 @@ def header(python: str, np_: int, quick: bool) -> str:
         f"| cores | {os.cpu_count()} |",
         f"| memory | {_memory_gib()} |",
         *(f"| {k} | {val} |" for k, val in v.items()),
-        f"| ranks | {np_} per benchmark (mpiexec -n {np_}) |",
+        f"| ranks | {f'{np_} for every benchmark' if np_ else 'as each benchmark section says'} "
+        f"({os.cpu_count()} cores: more ranks than cores oversubscribe) |",
         f"| mode | {'quick (--quick: small sizes)' if quick else 'full'} |",
         "",
     ]
@@ -113,6 +115,16 @@ def benchmarks(only: list[str] | None) -> list[tuple[str, str]]:
     if only:
         order = [(s, t) for s, t in order if s in only]
     return order
+
+
+def ranks_of(stem: str, default: int = 2) -> int:
+    """The rank count a benchmark documents in its usage line (``mpiexec -n 4 python ...``)."""
+    head = (HERE / f"{stem}.py").read_text().split("\n", 12)[:12]
+    for line in head:
+        m = re.search(r"mpiexec -n (\d+)", line)
+        if m:
+            return int(m.group(1))
+    return default
 
 
 def run_one(stem: str, mpiexec: str, python: str, np_: int, quick: bool, timeout: float) -> tuple[str, bool]:
@@ -146,7 +158,8 @@ def run_one(stem: str, mpiexec: str, python: str, np_: int, quick: bool, timeout
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "REPORT.md"))
-    ap.add_argument("--np", type=int, default=int(os.environ.get("BENCH_NP", 2)), help="ranks per benchmark")
+    ap.add_argument("--np", type=int, default=None,
+                    help="ranks for every benchmark (default: the count each one's usage line names, else 2)")
     ap.add_argument("--mpiexec", default=os.environ.get("MPIEXEC", "mpiexec"))
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--quick", action="store_true", help="pass --quick to every benchmark (small sizes)")
@@ -157,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parts = [header(args.python, args.np, args.quick)]
     failed = []
     for stem, title in benchmarks(args.only):
-        print(f"bench: {stem} ...", flush=True)
-        body, ok = run_one(stem, args.mpiexec, args.python, args.np, args.quick, args.timeout)
+        np_ = args.np or ranks_of(stem)
+        print(f"bench: {stem} on {np_} ranks ...", flush=True)
+        body, ok = run_one(stem, args.mpiexec, args.python, np_, args.quick, args.timeout)
         print(body, flush=True)
         parts += [f"## {title}", "", body]
         if not ok:

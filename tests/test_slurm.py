@@ -173,14 +173,17 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
-def _sbatch_and_wait(cluster: Cluster, workdir: Path, script: Path, *args: str, ntasks: int = 2,
+def _sbatch_and_wait(cluster: Cluster, workdir: Path, script: Path, *args: str, options: tuple[str, ...] = (),
                      timeout: float = 400) -> tuple[str, str]:
-    """Submit ``script`` and wait for it to leave the queue; return (final state, job output)."""
+    """Submit ``script`` on 2 tasks of the node and wait for it to leave the queue.
+
+    Returns (final state, job output). ``options`` are extra sbatch options; ``args`` go to the
+    script. The venv is this interpreter's (the repository's .venv under ``make test-slurm``).
+    """
     out_file = workdir / "job.out"
-    env_venv = os.environ.get("HPCTRAIN_VENV", str(Path(sys.executable).parents[1]))
-    cluster.env["HPCTRAIN_VENV"] = env_venv
-    sub = cluster.run("sbatch", "--parsable", f"--ntasks={ntasks}", "--nodes=1", f"--chdir={workdir}",
-                      f"--output={out_file}", "--time=10", str(script), *args)
+    cluster.env["HPCTRAIN_VENV"] = os.environ.get("HPCTRAIN_VENV", str(Path(sys.executable).parents[1]))
+    sub = cluster.run("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                      f"--chdir={workdir}", f"--output={out_file}", "--time=10", *options, str(script), *args)
     job = sub.stdout.strip().split(";")[0]
     deadline = time.monotonic() + timeout
     state = ""
@@ -194,6 +197,8 @@ def _sbatch_and_wait(cluster: Cluster, workdir: Path, script: Path, *args: str, 
         cluster.run("scancel", job, check=False)
         pytest.fail(f"job {job} still {state} after {timeout:.0f} s\n{cluster.logs()}")
     text = out_file.read_text(errors="replace") if out_file.exists() else "(no output file)"
+    # A broken line in the script does not fail the job when a later line succeeds: look for it.
+    assert "command not found" not in text and "syntax error" not in text, text
     return state, text
 
 
@@ -214,3 +219,27 @@ def test_train_sbatch_two_tasks(cluster, tmp_path):
     with h5py.File(ckpt, "r") as f:
         assert json.loads(f.attrs["layout"])["dp"] == 2
         assert f.attrs["format"] == "hpctrain-checkpoint"
+
+
+def test_hybrid_sbatch_tp2(cluster, tmp_path):
+    """hybrid.sbatch with TP=2 on the 2 tasks: a (small) GPT trains tensor parallel under srun."""
+    run_dir = tmp_path / "run"
+    cluster.env.update(HPCTRAIN_RUN_DIR=str(run_dir), TP="2", PP="1")
+    small = ("--n-layers", "1", "--d-model", "32", "--n-heads", "4", "--block-size", "16", "--batch-size", "16",
+             "--max-samples", "128", "--epochs", "1")
+    state, out = _sbatch_and_wait(cluster, tmp_path, REPO / "slurm" / "hybrid.sbatch", *small)
+    assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{cluster.logs()}"
+    assert "2 ranks = tp 2 x pp 1 x dp 1" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["model"], summary["layout"]) == ("gpt", {"dp": 1, "tp": 2, "pp": 1}), summary
+    assert Path(summary["checkpoint"]).exists()
+
+
+def test_test_sbatch_runs_pytest_under_srun(cluster, tmp_path):
+    """test.sbatch: pytest --with-mpi on 2 ranks (one test file, from the repository)."""
+    cluster.env.pop("TP", None)
+    state, out = _sbatch_and_wait(cluster, tmp_path, REPO / "slurm" / "test.sbatch", "tests/test_grid.py",
+                                  options=(f"--chdir={REPO}",))
+    assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{cluster.logs()}"
+    assert out.count(" passed") == 2, out  # both ranks report their run: the tests ran in one world of 2
+    assert "world size       : 2" in out, out

@@ -53,9 +53,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("data", str, None, "HDF5 file (mlp: keys x, y; gpt: key tokens); default: the built-in set"),
     Option("epochs", int, 3, "passes over the training data"),
     Option("batch_size", int, 64, "global batch: samples per optimizer step over the whole job"),
-    Option("lr", float, None, "learning rate (default: 3e-3 for adam/adamw, 0.1 for sgd)"),
+    Option("lr", float, None, "learning rate (default: 3e-3 adam/adamw; sgd: 0.1, 0.3 without momentum)"),
     Option("optimizer", str, None, "default: adamw (sgd for --strategy ps)", ("sgd", "adam", "adamw")),
-    Option("momentum", float, 0.9, "SGD momentum (sgd and ps)"),
+    Option("momentum", float, None, "SGD momentum (default: 0.9; 0 for ps async/ssp, which take none)"),
     Option("weight_decay", float, 0.0, "weight decay (decoupled for adamw)"),
     Option("seed", int, 0, "seed of the model's initial weights and of the data order"),
     Option("run_dir", str, None, "where metrics, trace, checkpoints go (default: runs/<date-time>)"),
@@ -210,8 +210,18 @@ def resolve(cfg: dict[str, Any], world: int) -> dict[str, Any]:
         raise ConfigError(f"--strategy ps applies SGD on the servers: --optimizer {c['optimizer']} is not possible")
     if strategy == "ps" and c["weight_decay"]:
         raise ConfigError("--strategy ps applies plain SGD (with --momentum): --weight-decay is not possible")
+    # Server-side momentum needs every worker's gradient of a step: only the sync mode has that.
+    plain = strategy == "ps" and c["ps_mode"] != "sync"
+    if plain and c["momentum"]:
+        raise ConfigError(f"--ps-mode {c['ps_mode']} applies plain SGD: --momentum {c['momentum']} "
+                          "needs --ps-mode sync")
+    if c["momentum"] is None:
+        c["momentum"] = 0.0 if plain else 0.9
+    if c["momentum"] < 0:
+        raise ConfigError(f"--momentum must be >= 0, got {c['momentum']}")
     if c["lr"] is None:
-        c["lr"] = 0.1 if c["optimizer"] == "sgd" else 3e-3
+        # Plain SGD on this data wants a larger step than SGD with momentum 0.9.
+        c["lr"] = 3e-3 if c["optimizer"] != "sgd" else 0.3 if c["momentum"] == 0 else 0.1
     if c["lr"] <= 0:
         raise ConfigError(f"--lr must be > 0, got {c['lr']}")
     if c["resume"] and c["run_dir"] is None and c["checkpoint_dir"] is None:
@@ -516,7 +526,10 @@ def run(cfg: dict[str, Any], comm: Any = None) -> dict[str, Any]:
 
     train_set, val_set, meta, model = _all_or_none(comm, prepare)
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
-    trainer = build_trainer(c, model, comm)
+    try:
+        trainer = build_trainer(c, model, comm)
+    except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
+        raise ConfigError(f"the {c['strategy']} trainer refuses this setup: {exc}") from exc
 
     from .data import DataLoader, ShardedSampler
 
@@ -529,7 +542,7 @@ def run(cfg: dict[str, Any], comm: Any = None) -> dict[str, Any]:
         with open(os.path.join(c["run_dir"], "config.json"), "w") as f:
             json.dump({k: v for k, v in c.items()}, f, indent=1)
         print(f"hpctrain train: {c['model']} ({n_params:,} parameters) on {meta['path']}: "
-              f"{len(train_set):,} training samples, {c['strategy']} with dp={c['dp']} tp={c['tp']} pp={c['pp']}, "
+              f"{len(train_set):,} training samples, {_layout_text(c)}, "
               f"global batch {c['batch_size']}, {c['optimizer']} lr={c['lr']:g}, {c['epochs']} epoch(s), "
               f"{len(loader)} steps each; run dir {c['run_dir']}", flush=True)
 
@@ -578,6 +591,12 @@ def run(cfg: dict[str, Any], comm: Any = None) -> dict[str, Any]:
             json.dump(summary, f, indent=1)
         print(format_summary(summary), flush=True)
     return summary
+
+
+def _layout_text(c: dict[str, Any]) -> str:
+    if c["strategy"] == "ps":
+        return f"parameter server ({c['ps_mode']}) with {c['dp']} workers"
+    return f"{c['strategy']} with dp={c['dp']} tp={c['tp']} pp={c['pp']}"
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -94,6 +94,7 @@ def test_bad_flag_value_exits_with_usage(capsys):
         (["--lr", "-1"], 2, "--lr must be > 0"),
         (["--val-fraction", "1.5"], 2, "--val-fraction must be between 0 and 1"),
         (["--resume"], 2, "--resume needs the --run-dir"),
+        (["--strategy", "ps", "--ps-mode", "ssp", "--momentum", "0.5"], 2, "needs --ps-mode sync"),
     ],
 )
 def test_impossible_settings_refused(argv, world, message):
@@ -120,3 +121,5 @@ def test_layouts(argv, world, layout):
 def test_ps_defaults_to_sgd():
     c = resolve(cfg("--strategy", "ps"), world=2)
     assert c["optimizer"] == "sgd" and c["lr"] == 0.1 and c["momentum"] == 0.9
+    c = resolve(cfg("--strategy", "ps", "--ps-mode", "async"), world=2)
+    assert c["optimizer"] == "sgd" and c["lr"] == 0.3 and c["momentum"] == 0.0

@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from . import nn
 from .backend import xp_of
-from .errors import CheckpointError, ConfigError, HpctrainError
+from .errors import CheckpointError, ConfigError, DatasetError, HpctrainError
 from .nn import Module, Sequential
 
 # -- configuration ---------------------------------------------------------------------------
@@ -253,7 +254,6 @@ class _Rows:
 def open_data(c: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """(train set, validation set, facts the model needs) from the HDF5 file of the run."""
     from .data import ArrayDataset, HDF5Dataset
-    from .errors import DatasetError
 
     if c["model"] == "mlp":
         path = c["data"] or _builtin("classification")
@@ -261,7 +261,8 @@ def open_data(c: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         shapes = ds.shapes
         if len(shapes["x"]) != 2 or len(shapes["y"]) != 1:
             raise DatasetError(f"{path}: mlp needs x of shape (N, D) and y of shape (N,), got {shapes}")
-        y_all = ds[np.arange(len(ds))][1]
+        with HDF5Dataset(path, ("y",)) as labels:  # the class count: read the labels, not x
+            y_all = labels[np.arange(len(labels))][0]
         if y_all.dtype.kind not in "iu" or y_all.min() < 0:
             raise DatasetError(f"{path}: y must hold class indices >= 0, got dtype {y_all.dtype}")
         meta = {"n_in": int(shapes["x"][1]), "n_classes": int(y_all.max()) + 1}
@@ -301,8 +302,6 @@ def _builtin(name: str) -> str:
 
 def build_model(c: dict[str, Any], meta: dict[str, Any]) -> Any:
     """The serial model, identical on every rank (same seed): strategies shard it from here."""
-    from . import nn
-
     rng = np.random.default_rng(c["seed"])
     d = c["d_model"]
     if c["model"] == "gpt":
@@ -355,7 +354,7 @@ def _optimizer(c: dict[str, Any], params: list[Any]) -> Any:
 
 def build_trainer(c: dict[str, Any], model: Any, comm: Any) -> Any:
     """The trainer of ``c['strategy']`` around ``model`` (collective: trainers agree on configs)."""
-    from . import nn, parallel
+    from . import parallel
     from .comm import ProcessGrid
 
     loss = nn.CrossEntropyLoss()
@@ -397,10 +396,8 @@ def load_weights(model: Any, path: str) -> Any:
 
 def evaluate(model: Any, data: Any, batch: int = 256) -> dict[str, float]:
     """Loss and accuracy of ``model`` on all of ``data`` (one process)."""
-    from .nn import CrossEntropyLoss
-
     model.eval()
-    loss = CrossEntropyLoss()
+    loss = nn.CrossEntropyLoss()
     total_loss, correct, count = 0.0, 0, 0
     for start in range(0, len(data), batch):
         x, y = data[np.arange(start, min(start + batch, len(data)))]

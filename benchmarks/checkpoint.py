@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             ["op", "method", "ms", "GiB/s", "x plain h5py"],
             rows_out,
             args.markdown,
-            notes=["hpctrain save = gather shards + CRC32 per dataset + tmp file + fsync + rename; "
+            notes=["hpctrain save = gather shards + XXH3 checksum per dataset + tmp file + fsync + rename; "
                    "hpctrain load = verify every checksum + read this rank's slices. Target >= 0.9x h5py."],
         )
         shutil.rmtree(where, ignore_errors=True)

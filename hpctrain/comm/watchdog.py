@@ -69,6 +69,7 @@ class _Dog:
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             self.side = MPI.COMM_WORLD.Dup()  # collective: every rank creates its first Communicator
         self.pending: list[MPI.Request] = []
+        self.qid = 0
         self.stop = threading.Event()
         self.fired = False
         self.thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
@@ -112,8 +113,8 @@ class _Dog:
         status = MPI.Status()
         while self.side.Iprobe(MPI.ANY_SOURCE, _QUERY, status):
             src = status.Get_source()
-            self.side.recv(source=src, tag=_QUERY)
-            self.pending.append(self.side.isend(self.describe(), dest=src, tag=_ANSWER))
+            qid = self.side.recv(source=src, tag=_QUERY)
+            self.pending.append(self.side.isend({**self.describe(), "qid": qid}, dest=src, tag=_ANSWER))
 
     def describe(self) -> dict[str, Any]:
         """This rank's state as another rank's report shows it."""
@@ -133,14 +134,17 @@ class _Dog:
         answers: dict[int, dict] = {}
         if self.side is None:
             return answers
-        sends = [self.side.isend(None, dest=r, tag=_QUERY) for r in ranks]
+        self.qid += 1
+        sends = [self.side.isend(self.qid, dest=r, tag=_QUERY) for r in ranks]
         deadline = time.monotonic() + _ANSWER_WAIT
         status = MPI.Status()
         while len(answers) < len(ranks) and time.monotonic() < deadline:
             self._serve()  # two stalled ranks may be asking each other at once
             while self.side.Iprobe(MPI.ANY_SOURCE, _ANSWER, status):
                 src = status.Get_source()
-                answers[src] = self.side.recv(source=src, tag=_ANSWER)
+                answer = self.side.recv(source=src, tag=_ANSWER)
+                if answer.get("qid") == self.qid:  # late answers to an earlier query are stale
+                    answers[src] = answer
             time.sleep(0.05)
         self.pending.extend(sends)
         return answers

@@ -1,6 +1,6 @@
 """OSU-style all-reduce sweep: hpctrain's Communicator against raw mpi4py on the same buffers.
 
-    mpiexec -n 2 python benchmarks/allreduce.py [--max-bytes 67108864] [--markdown]
+    mpiexec -n 2 python benchmarks/allreduce.py [--max-bytes 67108864] [--markdown [FILE]] [--quick]
 
 Both sides reduce the same float32 buffers in the same run, interleaved per size, so machine
 noise hits them alike. Bus bandwidth is 2(n-1)/n x bytes / time (the NCCL-tests convention).
@@ -33,8 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-bytes", type=int, default=4)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size; best kept")
-    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
+                    help="print a Markdown table; with FILE also append it there (make bench)")
+    ap.add_argument("--quick", action="store_true", help="sizes up to 1 MiB, 2 rounds (well under a minute)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.max_bytes, args.rounds = min(args.max_bytes, 1 << 20), 2
 
     comm = Communicator()
     raw = MPI.COMM_WORLD
@@ -66,18 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         lib = MPI.Get_library_version().splitlines()[0].strip()
         head = ["bytes", "mpi4py us", "hpctrain us", "mpi4py GB/s", "hpctrain GB/s", "ratio"]
-        print(f"# allreduce sweep: {n} ranks, float32, {lib}")
+        lines = [f"# allreduce sweep: {n} ranks, float32, {lib}"]
         if args.markdown:
-            print("| " + " | ".join(head) + " |")
-            print("|" + "---|" * len(head))
+            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         else:
-            print(" ".join(f"{h:>14}" for h in head))
+            lines.append(" ".join(f"{h:>14}" for h in head))
         for b, tr, to, bwr, bwo in rows:
             cells = [f"{b}", f"{tr * 1e6:.2f}", f"{to * 1e6:.2f}", f"{bwr / 1e9:.3f}",
                      f"{bwo / 1e9:.3f}", f"{to / tr:.3f}"]
-            print(("| " + " | ".join(cells) + " |") if args.markdown
-                  else " ".join(f"{c:>14}" for c in cells))
-        sys.stdout.flush()
+            lines.append(("| " + " | ".join(cells) + " |") if args.markdown
+                         else " ".join(f"{c:>14}" for c in cells))
+        print("\n".join(lines), flush=True)
+        if args.markdown and args.markdown != "-":
+            with open(args.markdown, "a") as f:
+                f.write(f"{n} ranks, float32, {lib}; ratio = hpctrain time / mpi4py time\n\n")
+                f.write("\n".join(lines[1:]) + "\n")
     return 0
 
 

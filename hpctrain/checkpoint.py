@@ -42,22 +42,39 @@ def _crc(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
 
 
-def _slices(index: tuple) -> list[list[int | None]]:
-    return [[s.start, s.stop, s.step] for s in index]
+def _slices(index: tuple) -> list[Any]:
+    return [[s.start, s.stop, s.step] if isinstance(s, slice) else {"ids": [int(i) for i in s]} for s in index]
 
 
-def _index(spec: list) -> tuple[slice, ...]:
-    return tuple(slice(*s) for s in spec)
+def _index(spec: list) -> tuple[Any, ...]:
+    return tuple(np.asarray(s["ids"], dtype=np.int64) if isinstance(s, dict) else slice(*s) for s in spec)
 
 
-def _norm_index(index: tuple, shape: tuple) -> tuple[slice, ...]:
-    """Concrete (start, stop, 1) slices, so equal pieces compare equal across ranks."""
-    out = []
+def _extent(spec: Any) -> int:
+    """How many elements one axis of an index spec selects."""
+    return len(spec["ids"]) if isinstance(spec, dict) else len(range(*spec))
+
+
+def _norm_index(index: tuple, shape: tuple) -> tuple[Any, ...]:
+    """Concrete (start, stop, 1) slices, so equal pieces compare equal across ranks.
+
+    One axis may instead hold strictly increasing integer ids (a tensor-parallel rank's q, k and v
+    columns of a fused qkv weight are three separate ranges); HDF5 reads and writes those directly.
+    """
+    out: list[Any] = []
     for s, n in zip(index, shape):
+        if not isinstance(s, slice):
+            ids = np.asarray(to_host(s), dtype=np.int64).reshape(-1)
+            if ids.size and (ids[0] < 0 or ids[-1] >= n or (ids.size > 1 and np.any(np.diff(ids) <= 0))):
+                raise CheckpointError(f"shards() index ids must be strictly increasing in [0, {n})")
+            out.append(ids)
+            continue
         start, stop, step = s.indices(n)
         if step != 1:
             raise CheckpointError(f"shards() must use unit-step slices, got {s}")
         out.append(slice(start, stop, 1))
+    if sum(not isinstance(s, slice) for s in out) > 1:
+        raise CheckpointError("shards() index may hold integer ids on one axis only")
     return tuple(out)
 
 
@@ -138,7 +155,7 @@ def save(path: str, trainer: Any) -> str:
             if all(idx != i for i, _ in plan.setdefault(key, [])):
                 plan[key].append((idx, rank))
     for key, parts in plan.items():
-        covered = sum(int(np.prod([len(range(*s)) for s in idx])) for idx, _ in parts)
+        covered = sum(int(np.prod([_extent(s) for s in idx])) for idx, _ in parts)
         if covered != int(np.prod(shapes[key][0])):
             raise CheckpointError(f"the ranks' shards of {key} do not cover its full shape {shapes[key][0]}")
 
@@ -185,7 +202,7 @@ def save(path: str, trainer: Any) -> str:
                 if owner != 0:
                     comm.send(piece, dest=0, tag=17)
             elif comm.rank == 0:
-                buf = np.empty([len(range(*s)) for s in idx_spec], dtype=dtype)
+                buf = np.empty([_extent(s) for s in idx_spec], dtype=dtype)
                 piece = comm.recv(buf, source=owner, tag=17)
             if comm.rank == 0:
                 dset[idx] = piece

@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from . import __version__, backend
+from . import plot as _plot
+from . import train as _train
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
@@ -70,9 +72,31 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["make"], help="make: write the built-in sets (if absent) and list them")
+    p.add_argument("--dir", default=None,
+                   help="directory for the files (default: $HPCTRAIN_DATA or ~/.cache/hpctrain)")
+
+
+def run_data(args: argparse.Namespace) -> int:
+    """Write the built-in HDF5 sets; no MPI needed (the writes are atomic renames)."""
+    import os
+
+    from .data import builtin
+
+    for name, make in (("classification", builtin.classification), ("corpus", builtin.corpus)):
+        path = make(None if args.dir is None else os.path.join(args.dir, f"{name}.h5"))
+        print(f"{name:<15} {path}  {os.path.getsize(path)} bytes")
+    return 0
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "info": ("report the MPI library, world, nodes and GPUs (one report per job)", _info_args, run_info),
+    "train": ("train a model with a parallel strategy (the main job; flags or --config FILE.toml)",
+              _train.add_arguments, _train.main),
+    "plot": ("draw loss and throughput curves of a run to PNG (needs matplotlib)", _plot.add_arguments, _plot.main),
+    "data": ("built-in data sets: `hpctrain data make [--dir D]` writes them as HDF5", _data_args, run_data),
 }
 
 

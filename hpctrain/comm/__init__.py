@@ -2,5 +2,6 @@
 
 from .communicator import Communicator, Request
 from .grid import ProcessGrid
+from .window import Window
 
-__all__ = ["Communicator", "ProcessGrid", "Request"]
+__all__ = ["Communicator", "ProcessGrid", "Request", "Window"]

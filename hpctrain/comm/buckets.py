@@ -2,8 +2,10 @@
 
 ``GradBuckets`` packs the gradients of a list of parameters (any objects with ``.name``,
 ``.grad`` and ``.data`` arrays) into flat buffers of at most ``bucket_mb`` megabytes. The
-buffers are allocated once; each step copies gradients in (no allocation), reduces each bucket
-with one ``iallreduce`` and copies the result back into ``.grad``.
+buffers are allocated once and each ``p.grad`` is made a view of its slice, so backward writes
+gradients straight into the buckets; each bucket is reduced in place with one ``iallreduce``.
+(A parameter whose ``.grad`` was replaced by another array since is copied in and out, one copy
+each way, never an allocation.)
 
 Order matters in MPI: every rank must start its non-blocking collectives in the same order.
 Parameters are sorted by name (numbers in names compared as numbers, so ``layers.10`` comes
@@ -90,7 +92,7 @@ def _bf16_sum_op() -> Any:
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "offsets", "flat", "wire", "pending", "request", "nbytes")
+    __slots__ = ("index", "params", "offsets", "flat", "views", "wire", "pending", "request", "nbytes")
 
     def __init__(self, index: int, params: list[Any], xp: Any, dtype: np.dtype, compression: str | None) -> None:
         self.index = index
@@ -99,6 +101,14 @@ class _Bucket:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         n = int(self.offsets[-1])
         self.flat = xp.zeros(n, dtype=dtype)
+        # Gradients live in the bucket: each p.grad becomes a view of its slice, so backward
+        # accumulates straight into the buffer that is reduced (no copy in, no copy out).
+        self.views = []
+        for i, p in enumerate(params):
+            v = self.flat[self.offsets[i] : self.offsets[i + 1]].reshape(p.data.shape)
+            v[...] = p.grad
+            p.grad = v
+            self.views.append(v)
         # The 16-bit wire copy, allocated once like the flat buffer.
         self.wire = None
         if compression == "fp16":
@@ -110,8 +120,7 @@ class _Bucket:
         self.request: Request | None = None
 
     def view(self, i: int) -> Any:
-        p = self.params[i]
-        return self.flat[self.offsets[i] : self.offsets[i + 1]].reshape(p.data.shape)
+        return self.views[i]
 
 
 class GradBuckets:
@@ -163,6 +172,7 @@ class GradBuckets:
         # Start order: reverse of packing order, the way backward produces gradients.
         self._order = list(reversed(self.buckets))
         self._next = 0
+        self._ready = set()
         self._active = False
         self.comm_seconds = 0.0
 
@@ -189,6 +199,7 @@ class GradBuckets:
             b.pending = len(b.params)
             b.request = None
         self._next = 0
+        self._ready: set[int] = set()
         self._active = True
 
     def mark_ready(self, params: Iterable[Any]) -> None:
@@ -201,11 +212,16 @@ class GradBuckets:
             return
         for p in params:
             where = self._where.get(id(p))
-            if where is not None:
+            if where is not None and id(p) not in self._ready:
+                self._ready.add(id(p))
                 b, i = where
                 self._pack(b, i)
                 b.pending -= 1
         self._launch(force=False)
+        # MPI progresses non-blocking collectives only inside MPI calls: poke the ones in flight
+        # so they advance while backward computes (no progress thread needed).
+        for b in self._order[: self._next]:
+            b.request.test()
 
     def finish(self) -> float:
         """Start every bucket not started yet, wait for all, write the sums into ``.grad``.
@@ -218,9 +234,10 @@ class GradBuckets:
             self.begin()
         for b in self.buckets:
             if b.pending > 0:
+                # Unused parameters (no backward ran for them) are packed as they are: zeros
+                # after zero_grad, so they contribute nothing, and no rank waits for them.
                 for i in range(len(b.params)):
-                    if b.request is None:
-                        self._pack(b, i)
+                    self._pack(b, i)
                 b.pending = 0
         self._launch(force=True)
         t0 = time.perf_counter()
@@ -233,15 +250,19 @@ class GradBuckets:
             elif self.compression == "bf16":
                 from_bf16(b.wire, b.flat)
             for i, p in enumerate(b.params):
-                p.grad[...] = b.view(i)
+                if p.grad is not b.views[i]:
+                    p.grad[...] = b.views[i]
         self._active = False
         return self.comm_seconds
 
     # -- internals -------------------------------------------------------------------------
 
     def _pack(self, b: _Bucket, i: int) -> None:
-        # Copy into the preallocated flat buffer; a contiguous grad's reshape is a view.
-        b.view(i)[...] = b.params[i].grad
+        # Normally a no-op: p.grad is a view of the bucket. A module that replaced p.grad by a
+        # new array (instead of accumulating in place) costs one copy into the bucket.
+        p = b.params[i]
+        if p.grad is not b.views[i]:
+            b.views[i][...] = p.grad
 
     def _launch(self, force: bool) -> None:
         import time

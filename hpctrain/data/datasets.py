@@ -67,6 +67,12 @@ def runs(sorted_idx: np.ndarray) -> np.ndarray:
     return np.stack([sorted_idx[starts], stops - starts], axis=1)
 
 
+# Measured on h5py 3.16 / HDF5 2.0 (256-row batches of float32 x 32): a union of up to ~16 hyperslab
+# runs reads faster than h5py's fancy indexing (e.g. 1 run: 1.4 vs 2.7 ms); beyond that fancy
+# indexing wins (256 runs: 11 vs 17 ms). Both are one read of exactly the rows asked for.
+UNION_MAX_RUNS = 16
+
+
 class HDF5Dataset:
     """Rows of one or more equal-length datasets (``keys``) in an HDF5 file.
 
@@ -137,25 +143,30 @@ class HDF5Dataset:
         selection = runs(uniq)
         out = []
         for dset in self._dsets:
-            rows = self._read(dset, selection, uniq.size)
+            rows = self._read(dset, uniq, selection)
             out.append(rows if inverse is None else rows[inverse])
         return tuple(out)
 
-    def _read(self, dset: Any, selection: np.ndarray, count: int) -> np.ndarray:
-        """One HDF5 read of the union of ``selection``'s runs into a fresh array of ``count`` rows."""
+    def _read(self, dset: Any, uniq: np.ndarray, selection: np.ndarray) -> np.ndarray:
+        """One HDF5 read of rows ``uniq`` (sorted, distinct; ``selection`` = their runs)."""
         from h5py import h5s
 
-        out = np.empty((count, *dset.shape[1:]), dtype=dset.dtype)
+        count = uniq.size
         if count == 0:
-            return out
-        fspace = dset.id.get_space()
-        fspace.select_none()
-        tail = tuple(dset.shape[1:])
-        zeros = (0,) * len(tail)
-        for start, length in selection.tolist():
-            fspace.select_hyperslab((start, *zeros), (length, *tail), op=h5s.SELECT_OR)
-        mspace = h5s.create_simple(out.shape)
-        dset.id.read(mspace, fspace, out)
+            return np.empty((0, *dset.shape[1:]), dtype=dset.dtype)
+        if len(selection) > UNION_MAX_RUNS:
+            # Scattered rows: h5py's fancy selection (built in C) beats OR-ing many hyperslabs from
+            # Python; it is still a single H5Dread of exactly these rows.
+            out = dset[uniq]
+        else:
+            out = np.empty((count, *dset.shape[1:]), dtype=dset.dtype)
+            fspace = dset.id.get_space()
+            fspace.select_none()
+            tail = tuple(dset.shape[1:])
+            zeros = (0,) * len(tail)
+            for start, length in selection.tolist():
+                fspace.select_hyperslab((start, *zeros), (length, *tail), op=h5s.SELECT_OR)
+            dset.id.read(h5s.create_simple(out.shape), fspace, out)
         self.reads += 1
         self.rows_read += count
         return out

@@ -58,21 +58,45 @@ class Optimizer:
 
     def config(self) -> dict[str, Any]:
         """Hyper-parameters (compared across ranks and stored in checkpoints)."""
-        return {"type": type(self).__name__, "lr": self.lr}
+        return {"type": type(self).__name__, "lr": self.lr, "schedule": _describe(self.schedule)}
 
     def state_dict(self) -> dict[str, Any]:
         """``{"step": n, "config": {...}, "state": {param name: {key: array}}}``."""
         return {"step": self.step_count, "config": self.config(), "state": self.state}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore the step count and per-parameter state from :meth:`state_dict` (copies it).
+
+        Refuses state of another optimizer type, of unknown parameters or of the wrong shape.
+        """
+        kind = sd.get("config", {}).get("type")
+        if kind is not None and kind != type(self).__name__:
+            raise ValueError(f"{type(self).__name__}.load_state_dict got the state of a {kind}")
         unknown = sorted(set(sd["state"]) - set(self.names))
         if unknown:
             raise ValueError(f"optimizer state for unknown parameters: {', '.join(unknown)}")
+        wrong = [
+            f"{name}/{k}: expected {p.shape}, got {tuple(v.shape)}"
+            for name, p in zip(self.names, self.params)
+            for k, v in sd["state"].get(name, {}).items()
+            if tuple(v.shape) != p.shape
+        ]
+        if wrong:
+            raise ValueError(f"optimizer state of the wrong shape: {'; '.join(wrong)}")
         self.step_count = int(sd["step"])
         for name, p in zip(self.names, self.params):
             src = sd["state"].get(name, {})
             xp = xp_of(p.data)
             self.state[name] = {k: to_device(v, xp).astype(p.dtype, copy=True) for k, v in src.items()}
+
+
+def _describe(schedule: Callable[[int], float] | None) -> Any:
+    """A JSON-able description of a schedule: its ``config()`` if it has one, else its name."""
+    if schedule is None:
+        return None
+    if hasattr(schedule, "config"):
+        return schedule.config()
+    return getattr(schedule, "__qualname__", type(schedule).__name__)
 
 
 class SGD(Optimizer):
@@ -83,6 +107,8 @@ class SGD(Optimizer):
     def __init__(self, params, lr: float, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, schedule=None) -> None:
         super().__init__(params, lr, schedule)
+        if momentum < 0 or weight_decay < 0:
+            raise ValueError(f"momentum and weight_decay must be >= 0, got {momentum} and {weight_decay}")
         if nesterov and momentum <= 0:
             raise ValueError("nesterov=True needs momentum > 0")
         self.momentum, self.nesterov, self.weight_decay = momentum, nesterov, weight_decay
@@ -117,6 +143,8 @@ class Adam(Optimizer):
         super().__init__(params, lr, schedule)
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if eps < 0 or weight_decay < 0:
+            raise ValueError(f"eps and weight_decay must be >= 0, got {eps} and {weight_decay}")
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
 
     def _update(self, p, state, lr) -> None:

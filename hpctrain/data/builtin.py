@@ -1,0 +1,166 @@
+"""Built-in data sets, written as HDF5 on first use so the HDF5 path is the one exercised.
+
+* :func:`classification`: 4096 samples of 20 float32 features, 6 classes labelled by a fixed
+  random teacher network (tanh hidden layer); samples too close to the teacher's decision
+  boundaries are left out, so a small MLP learns it to high accuracy in a few epochs.
+  Keys ``x`` (N, 20) float32 and ``y`` (N,) int64.
+* :func:`corpus`: a character-level corpus from the text shipped in ``hpctrain/data/corpus/*.txt``
+  (Act I of Shakespeare's *Coriolanus*, public domain). Key ``tokens`` (N,) int64 and the root
+  attribute ``vocab``: the characters of the vocabulary in token order (``vocab[t]`` is token t).
+
+Files go to ``$HPCTRAIN_DATA`` or ``~/.cache/hpctrain`` unless a path is given. Writing is
+race-free without MPI: each process writes its own temporary file next to the target and renames
+it into place (``os.replace`` is atomic), so any number of ranks may call these at once and every
+reader sees either no file or a complete one. The content is deterministic, so which rank's copy
+wins does not matter.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import DatasetError
+
+VERSION = 1
+CLASSIFICATION_SHAPE = (4096, 20)
+CLASSIFICATION_CLASSES = 6
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+
+
+def cache_dir() -> Path:
+    """Where built-in sets are written: ``$HPCTRAIN_DATA`` or ``~/.cache/hpctrain``."""
+    env = os.environ.get("HPCTRAIN_DATA")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hpctrain"
+
+
+def _is_current(path: Path, name: str) -> bool:
+    """True if ``path`` holds built-in set ``name`` of this VERSION; raises if it is someone else's file."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            tag = f.attrs.get("hpctrain_builtin")
+            version = f.attrs.get("version")
+    except OSError as exc:
+        raise DatasetError(f"{path}: exists but is not readable HDF5 ({exc}); remove it to rebuild {name!r}") from exc
+    if isinstance(tag, bytes):
+        tag = tag.decode()
+    if tag != name:
+        raise DatasetError(f"{path}: exists but is not hpctrain's built-in {name!r} set; choose another path")
+    return version == VERSION
+
+
+def _write_atomic(path: Path, fill: Callable[[Any], None]) -> None:
+    """Write an HDF5 file through a process-private temporary name, then rename it into place."""
+    import h5py
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with h5py.File(tmp, "w") as f:
+            fill(f)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _ensure(path: str | os.PathLike | None, default_name: str, name: str, fill: Callable[[Any], None]) -> Path:
+    target = Path(path).expanduser() if path is not None else cache_dir() / default_name
+    if not (target.exists() and _is_current(target, name)):
+        _write_atomic(target, fill)
+    return target
+
+
+def make_classification(n: int = CLASSIFICATION_SHAPE[0], d: int = CLASSIFICATION_SHAPE[1],
+                        classes: int = CLASSIFICATION_CLASSES, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The teacher-labelled arrays ``(x float32 (n, d), y int64 (n,))`` (deterministic in ``seed``)."""
+    rng = np.random.default_rng([seed, 20260101])
+    hidden = 32
+    w1 = rng.standard_normal((d, hidden)) / np.sqrt(d)
+    b1 = 0.5 * rng.standard_normal(hidden)
+    w2 = rng.standard_normal((hidden, classes)) * (3.0 / np.sqrt(hidden))
+    pool = rng.standard_normal((3 * n, d))
+    logits = np.tanh(pool @ w1 + b1) @ w2
+    # Shift each class's logit until the classes are about equally frequent (a random teacher alone
+    # gives some classes several times the samples of others).
+    for _ in range(50):
+        counts = np.bincount(logits.argmax(axis=1), minlength=classes) + 1.0
+        logits -= 0.5 * np.log(counts / counts.mean())
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    label = logits.argmax(axis=1)
+    # Keep, per class, the samples farthest from a decision boundary (then back in drawing order):
+    # labels are unambiguous, so a student can reach high accuracy instead of fitting boundary noise,
+    # and the classes are exactly balanced.
+    keep = []
+    for c in range(classes):
+        members = np.flatnonzero(label == c)
+        want = n // classes + (c < n % classes)
+        if members.size < want:
+            raise ValueError(f"teacher gave class {c} only {members.size} of {want} samples; change seed")
+        keep.append(members[np.argsort(margin[members])[-want:]])
+    keep = np.sort(np.concatenate(keep))
+    x = pool[keep].astype(np.float32)
+    y = label[keep].astype(np.int64)
+    return x, y
+
+
+def classification(path: str | os.PathLike | None = None) -> Path:
+    """Path of the built-in classification set (written first if absent): keys ``x``, ``y``."""
+
+    def fill(f: Any) -> None:
+        x, y = make_classification()
+        f.create_dataset("x", data=x)
+        f.create_dataset("y", data=y)
+        f.attrs.update(hpctrain_builtin="classification", version=VERSION, classes=CLASSIFICATION_CLASSES,
+                       description="teacher-network labels: tanh MLP 20-32-6, low-margin samples left out")
+
+    return _ensure(path, "classification.h5", "classification", fill)
+
+
+def corpus_text() -> str:
+    """The shipped text: every ``corpus/*.txt`` in name order, joined by newlines."""
+    files = sorted(CORPUS_DIR.glob("*.txt"))
+    if not files:
+        raise DatasetError(f"{CORPUS_DIR}: no corpus text shipped (package data missing?)")
+    return "\n".join(p.read_text(encoding="utf-8") for p in files)
+
+
+def encode(text: str, vocab: str) -> np.ndarray:
+    """Characters of ``text`` as int64 token ids of ``vocab`` (KeyError for a character outside it)."""
+    table = {c: i for i, c in enumerate(vocab)}
+    return np.fromiter((table[c] for c in text), dtype=np.int64, count=len(text))
+
+
+def decode(tokens: Any, vocab: str) -> str:
+    """Token ids back to text."""
+    return "".join(vocab[int(t)] for t in np.asarray(tokens).ravel())
+
+
+def corpus(path: str | os.PathLike | None = None) -> Path:
+    """Path of the built-in character corpus (written first if absent): key ``tokens``, attr ``vocab``."""
+
+    def fill(f: Any) -> None:
+        text = corpus_text()
+        vocab = "".join(sorted(set(text)))
+        f.create_dataset("tokens", data=encode(text, vocab))
+        f.attrs.update(hpctrain_builtin="corpus", version=VERSION, vocab=vocab,
+                       source="Shakespeare, Coriolanus Act I (public domain)")
+
+    return _ensure(path, "corpus.h5", "corpus", fill)
+
+
+def read_vocab(path: str | os.PathLike) -> str:
+    """The ``vocab`` attribute of a corpus file."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        vocab = f.attrs["vocab"]
+    return vocab.decode() if isinstance(vocab, bytes) else str(vocab)

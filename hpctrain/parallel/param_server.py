@@ -1,0 +1,451 @@
+"""Parameter server on MPI one-sided windows: synchronous, asynchronous and stale-synchronous SGD.
+
+The model's parameters, sorted by name and flattened, are split into contiguous chunks, one per
+server rank, and live in an RMA window (``hpctrain.comm.Window``). Every rank is a worker with a
+full replica of the model: it computes a gradient on its own batch, *pushes* ``-lr * grad`` into
+the servers' chunks with ``MPI_Accumulate`` (SUM) and *pulls* fresh parameters with an atomic
+get. No server loop is needed for SGD: the window does the adding, and each chunk is touched in
+one short passive-target epoch per step (push and pull fused into one ``MPI_Get_accumulate``
+whenever the mode allows).
+
+Modes:
+
+- ``"sync"``: push, barrier, pull. Every step sees every worker's gradient of that step, each
+  scaled by its share of the global batch, so this equals serial SGD on the global batch.
+  Server-side momentum is supported here only: momentum is linear, so each worker keeps the
+  velocity of its own share and the sum of the pushes is exactly SGD-with-momentum's update.
+- ``"async"``: no waiting at all (Hogwild across ranks): each push is ``-lr * grad`` of the
+  worker's own batch, applied to whatever the servers hold at that moment.
+- ``"ssp"``: stale-synchronous parallel. Each worker's clock (steps pushed) lives in a window on
+  rank 0; a worker at clock ``c`` proceeds only once the slowest worker has reached
+  ``c - staleness``, so it never computes on parameters missing an update older than that. A
+  wait longer than ``timeout`` raises ``StallError`` on the waiting rank.
+
+Every step records the observed lag (own clock minus the slowest clock) in ``StepStats.extra``.
+In async and ssp modes ``StepStats`` describes this worker's own batch (there is no global
+batch); in sync mode it is the global batch, identical on every rank.
+
+MPI does not promise progress for passive-target operations while the target computes (MPI
+Forum issue 635). With ``progress_layers=True`` the trainer pokes MPI's progress engine between
+the layers of a ``Sequential`` model (forward and backward), so updates aimed at this rank land
+while it computes; ``benchmarks/param_server.py`` measures the delay with and without.
+
+``close()`` is collective: each worker marks itself finished (clock = "done", so no SSP worker
+waits on it), then all ranks meet, pull the final parameters (every replica ends equal to the
+servers' state) and free the windows. Workers may have run different numbers of steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from ..backend import to_device, to_host, xp_of
+from ..comm import Communicator, Window
+from ..comm.validate import agree, describe_model
+from ..errors import MismatchError, NonFiniteError, StallError, WindowError
+from ..guard import check_finite
+from ..trainer import StepStats, Trainer
+
+MODES = ("sync", "async", "ssp")
+_DONE = 1 << 60  # clock of a worker that has closed: larger than any real clock
+_DEFAULT_TIMEOUT = 300.0
+
+
+class ParameterServerTrainer(Trainer):
+    """Train ``model`` with a parameter server held in MPI RMA windows.
+
+    Args:
+        model: the replica this rank computes with (same architecture on every rank; rank 0's
+            initial values are broadcast).
+        loss: a loss with ``forward(pred, target, weight=None)`` / ``backward()``.
+        lr: learning rate of the servers' SGD.
+        comm: world communicator (default ``COMM_WORLD``); every rank is a worker.
+        mode: ``"sync"``, ``"async"`` or ``"ssp"``.
+        staleness: for ``"ssp"``: how many clocks a worker may run ahead of the slowest one.
+        servers: ranks holding a chunk of the parameters (default: all ranks).
+        momentum: server-side SGD momentum; ``mode="sync"`` only (it is exact there).
+        progress_layers: poke MPI progress between the layers of a ``Sequential`` model.
+        shm: window allocation in shared memory between ranks of a node (``None``: MPI's default,
+            ``False``: the network path, as between nodes).
+        timeout: seconds an SSP worker may wait for the slowest one (default ``HPCTRAIN_TIMEOUT``
+            or 300).
+        on_nonfinite: ``"raise"`` or ``"skip"``. In sync mode the decision is collective; in
+            async/ssp modes a worker skips its own push, or raises and flags the error in the
+            clock window so every other worker raises ``NonFiniteError`` at its next step.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        loss: Any,
+        lr: float,
+        comm: Communicator | None = None,
+        mode: str = "sync",
+        staleness: int = 2,
+        servers: list[int] | None = None,
+        momentum: float = 0.0,
+        progress_layers: bool = True,
+        shm: bool | None = None,
+        timeout: float | None = None,
+        on_nonfinite: str = "raise",
+    ) -> None:
+        super().__init__(comm=comm, on_nonfinite=on_nonfinite, timeout=timeout)
+        comm = self.comm
+        self.model, self.loss, self.lr = model, loss, float(lr)
+        self.mode, self.staleness, self.momentum = mode, int(staleness), float(momentum)
+        self.progress_layers = bool(progress_layers)
+        self.optimizer = None  # the servers' SGD lives in the windows, not in an Optimizer
+        self.servers = list(range(comm.size)) if servers is None else [int(s) for s in servers]
+        self.named = sorted(model.named_parameters(), key=lambda kv: kv[0])
+        self.params = [p for _, p in self.named]
+
+        problem = self._validate()
+        problems = comm.allgather_obj(problem)
+        bad = [(r, p) for r, p in enumerate(problems) if p]
+        if bad:
+            raise ValueError("ParameterServerTrainer: " + "; ".join(f"rank {r}: {p}" for r, p in bad))
+        agree(comm, "model (names, shapes, dtypes)", describe_model(model))
+        agree(comm, "parameter-server configuration", self.config())
+
+        self.dtype = np.dtype(self.params[0].dtype)
+        self._offsets: list[tuple[int, int]] = []
+        n = 0
+        for p in self.params:
+            size = int(np.prod(p.shape, dtype=np.int64))
+            self._offsets.append((n, size))
+            n += size
+        self.numel = n
+        base, rem = divmod(n, len(self.servers))
+        self.chunks: list[tuple[int, int, int]] = []  # (server rank, lo, hi) of the flat vector
+        lo = 0
+        for i, s in enumerate(self.servers):
+            hi = lo + base + (1 if i < rem else 0)
+            self.chunks.append((s, lo, hi))
+            lo = hi
+        mine = [(lo, hi) for s, lo, hi in self.chunks if s == comm.rank]
+        self._my_chunk = mine[0] if mine else (0, 0)
+
+        self._flat = np.empty(n, self.dtype)  # parameter values, host side
+        self._gflat = np.empty(n, self.dtype)  # update to push
+        self._velocity = np.zeros(n, self.dtype) if self.momentum else None
+        self._pack_params()
+        comm.bcast(self._flat, root=0)  # every replica and the servers start from rank 0's values
+        self._unpack_params()
+
+        self._win = Window(comm, self._my_chunk[1] - self._my_chunk[0], self.dtype, shm=shm)
+        # Clocks of the workers (slots 0..size-1) and an error flag (slot size) on rank 0.
+        self._clocks = Window(comm, comm.size + 1 if comm.rank == 0 else 0, np.int64, shm=shm)
+        with self._win.locked():
+            self._win.local()[:] = self._flat[slice(*self._my_chunk)]
+        comm.barrier()  # servers hold the initial values before anyone pulls
+        self.clock = 0
+        self.closed = False
+        self._owner = bool(self._win.count) or comm.rank == 0
+        self._one = np.ones(1, np.int64)
+        self._clock_buf = np.empty(comm.size + 1, np.int64)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _validate(self) -> str | None:
+        if self.mode not in MODES:
+            return f"mode must be one of {MODES}, got {self.mode!r}"
+        if self.staleness < 0:
+            return f"staleness must be >= 0, got {self.staleness}"
+        if not self.lr >= 0 or not math.isfinite(self.lr):
+            return f"lr must be a finite number >= 0, got {self.lr}"
+        if self.momentum and self.mode != "sync":
+            return f"momentum is supported only with mode='sync' (got mode={self.mode!r}, momentum={self.momentum})"
+        if not 0 <= self.momentum < 1:
+            return f"momentum must be in [0, 1), got {self.momentum}"
+        size = self.comm.size
+        if not self.servers or len(set(self.servers)) != len(self.servers) or any(
+            not 0 <= s < size for s in self.servers
+        ):
+            return f"servers must be distinct ranks in [0, {size}), got {self.servers}"
+        if not self.params:
+            return "the model has no parameters"
+        dtypes = sorted({str(p.dtype) for p in self.params})
+        if len(dtypes) != 1:
+            return f"all parameters must share one dtype for the server windows, got {dtypes}"
+        return None
+
+    def config(self) -> dict[str, Any]:
+        return {
+            **super().config(), "mode": self.mode, "staleness": self.staleness, "lr": self.lr,
+            "momentum": self.momentum, "servers": self.servers, "loss": type(self.loss).__name__,
+        }  # fmt: skip
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """Every rank holds a whole replica: a checkpoint sees plain data parallelism."""
+        return {"dp": self.comm.size, "tp": 1, "pp": 1}
+
+    # -- flat vectors ---------------------------------------------------------------------------
+
+    def _pack_params(self) -> None:
+        for (off, n), p in zip(self._offsets, self.params):
+            self._flat[off : off + n] = to_host(p.data).reshape(-1)
+
+    def _pack_grads(self) -> None:
+        for (off, n), p in zip(self._offsets, self.params):
+            self._gflat[off : off + n] = to_host(p.grad).reshape(-1)
+
+    def _unpack_params(self) -> None:
+        for (off, n), p in zip(self._offsets, self.params):
+            p.data[...] = to_device(self._flat[off : off + n].reshape(p.shape), xp_of(p.data))
+
+    # -- progress ------------------------------------------------------------------------------
+
+    def progress(self) -> None:
+        """Let MPI complete operations aimed at this rank's windows (cheap; no-op on non-owners)."""
+        if self._owner and not self.closed:
+            self._win.progress()
+
+    def _forward(self, x: Any) -> Any:
+        layers = getattr(self.model, "layer_names", None)
+        if not (self.progress_layers and layers):
+            return self.model.forward(x)
+        for name in layers:
+            x = getattr(self.model, name).forward(x)
+            self.progress()
+        return x
+
+    def _backward(self, g: Any) -> None:
+        layers = getattr(self.model, "layer_names", None)
+        if not (self.progress_layers and layers):
+            self.model.backward(g)
+            return
+        for name in reversed(layers):
+            g = getattr(self.model, name).backward(g)
+            self.progress()
+
+    # -- window traffic ------------------------------------------------------------------------
+
+    def _pull(self) -> None:
+        for s, lo, hi in self.chunks:
+            self._win.get(self._flat[lo:hi], s)
+
+    def _push(self) -> None:
+        for s, lo, hi in self.chunks:
+            self._win.accumulate(self._gflat[lo:hi], s)
+
+    def _push_pull(self) -> None:
+        """One ``Get_accumulate`` per chunk: values before our add, plus our add = values after it."""
+        for s, lo, hi in self.chunks:
+            self._win.fetch_add(self._gflat[lo:hi], self._flat[lo:hi], s)
+        self._flat += self._gflat
+
+    def _read_clocks(self) -> np.ndarray:
+        self._clocks.get(self._clock_buf, 0)
+        flag = int(self._clock_buf[-1])
+        if flag:
+            raise NonFiniteError(
+                f"rank {flag - 1} hit a non-finite loss or gradient (on_nonfinite='raise'); "
+                f"rank {self.comm.rank} stops too"
+            )
+        return self._clock_buf[:-1]
+
+    def _wait_for(self, clock: int) -> tuple[int, float]:
+        """Block until the slowest worker has reached ``clock - staleness``; (lag, seconds waited)."""
+        limit = self.timeout
+        if limit is None:
+            limit = float(os.environ.get("HPCTRAIN_TIMEOUT", _DEFAULT_TIMEOUT))
+        t0 = time.perf_counter()
+        pause = 20e-6
+        while True:
+            slowest = int(min(self._read_clocks()))
+            if clock - slowest <= self.staleness:
+                return clock - slowest, time.perf_counter() - t0
+            if time.perf_counter() - t0 > limit:
+                slow = [r for r, c in enumerate(self._clock_buf[:-1]) if c == slowest]
+                raise StallError(
+                    f"rank {self.comm.rank} (ssp, clock {clock}, staleness {self.staleness}) waited "
+                    f"{limit:.0f} s for rank(s) {slow} stuck at clock {slowest}"
+                )
+            self.progress()
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
+        """One worker step on this rank's batch; see the module docstring for each mode."""
+        if self.closed:
+            raise WindowError("ParameterServerTrainer.step after close()")
+        t0 = time.perf_counter()
+        self.model.zero_grad()
+        pred = self._forward(x)
+        loss = float(self.loss.forward(pred, y, weight))
+        self._backward(self.loss.backward())
+        n_local = float(to_host(weight).sum()) if weight is not None else float(len(x))
+        self._pack_grads()
+        if self.mode == "sync":
+            stats = self._step_sync(loss, n_local, t0)
+        else:
+            stats = self._step_async(loss, n_local, t0)
+        self.global_step += 1
+        return stats
+
+    def _step_sync(self, loss: float, n_local: float, t0: float) -> StepStats:
+        tc = time.perf_counter()
+        # This all-reduce also separates the previous step's pulls from this step's pushes.
+        tot = self.comm.allreduce(np.array([loss * n_local, n_local]))
+        n_total = float(tot[1])
+        gloss = float(tot[0]) / n_total if n_total else 0.0
+        skip = check_finite(self.comm, gloss, self.params, policy=self.on_nonfinite)
+        if not skip and n_total:
+            g = self._gflat
+            g *= n_local / n_total  # this worker's share of the global-batch mean gradient
+            if self._velocity is not None:
+                self._velocity *= self.momentum
+                self._velocity += g
+                g[...] = self._velocity
+            g *= -self.lr
+            self._push()
+            self.comm.barrier()  # every push has completed at its server
+            self._pull()
+            self._unpack_params()
+        self.clock += 1
+        now = time.perf_counter()
+        return StepStats(
+            loss=gloss, grad_norm=None, seconds=now - t0, samples=int(round(n_total)),
+            comm_seconds=now - tc, skipped=skip, extra={"lag": 0, "clock": self.clock, "mode": "sync"},
+        )  # fmt: skip
+
+    def _step_async(self, loss: float, n_local: float, t0: float) -> StepStats:
+        tc = time.perf_counter()
+        finite = math.isfinite(loss) and bool(np.isfinite(self._gflat).all())
+        if not finite:
+            if self.on_nonfinite == "raise":
+                bad = [p.name for p in self.params if not bool(xp_of(p.grad).isfinite(p.grad).all())]
+                flag = np.array([self.comm.rank + 1], np.int64)
+                self._clocks.accumulate(flag, 0, offset=self.comm.size, op="max")
+                raise NonFiniteError(
+                    f"rank {self.comm.rank}: non-finite loss or gradients ({', '.join(bad[:8]) or 'loss'}); "
+                    "on_nonfinite='raise' (other workers stop at their next step)"
+                )
+            self._gflat.fill(0)  # skip: push nothing, still advance the clock
+        else:
+            self._gflat *= -self.lr
+        new_clock = self.clock + 1
+        waited = 0.0
+        if self.mode == "async":
+            self._push_pull()
+            # Increment our clock and read everyone's in one atomic operation.
+            inc = np.zeros(self.comm.size + 1, np.int64)
+            inc[self.comm.rank] = 1
+            self._clocks.fetch_add(inc, self._clock_buf, 0)
+            if self._clock_buf[-1]:
+                self._read_clocks()  # raises NonFiniteError naming the rank
+            clocks = self._clock_buf[:-1].copy()
+            clocks[self.comm.rank] = new_clock
+            lag = new_clock - int(clocks.min())
+        else:
+            clocks = self._read_clocks().copy()
+            clocks[self.comm.rank] = new_clock
+            lag = new_clock - int(clocks.min())
+            if lag <= self.staleness:
+                # Everyone already has every update the next step must see: fuse push and pull.
+                self._push_pull()
+                self._clocks.accumulate(self._one, 0, offset=self.comm.rank)
+            else:
+                self._push()
+                self._clocks.accumulate(self._one, 0, offset=self.comm.rank)
+                lag, waited = self._wait_for(new_clock)
+                self._pull()
+        self._unpack_params()
+        self.clock = new_clock
+        now = time.perf_counter()
+        return StepStats(
+            loss=loss, grad_norm=None, seconds=now - t0, samples=int(round(n_local)), comm_seconds=now - tc,
+            skipped=not finite, extra={"lag": int(lag), "clock": new_clock, "waited_s": waited, "mode": self.mode},
+        )  # fmt: skip
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish (collective over ``comm``; workers may have run different numbers of steps).
+
+        Marks this worker done so no SSP worker waits on it, waits for every worker to arrive
+        (MPI keeps serving the others' window operations meanwhile), pulls the final parameters
+        into this replica and frees the windows. Calling it twice is a no-op.
+        """
+        if self.closed:
+            return
+        self._clocks.accumulate(np.array([_DONE], np.int64), 0, offset=self.comm.rank, op="replace")
+        self.comm.barrier()  # every push has completed
+        self._pull()
+        self._unpack_params()
+        self.closed = True
+        self._win.free()
+        self._clocks.free()
+
+    def __enter__(self) -> ParameterServerTrainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
+        """Every parameter whole (each rank holds a full replica), refreshed from the servers."""
+        if not self.closed:
+            self._pull()
+            self._unpack_params()
+        return {name: (p, p.shape, tuple(slice(0, n) for n in p.shape)) for name, p in self.named}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, clock, module RNG states and (sync momentum) the global velocity. Collective."""
+        try:
+            state = super().state_dict()
+        except NotImplementedError:
+            state = {"global_step": self.global_step, "epoch": self.epoch}
+        state["clock"] = self.clock
+        rngs = {name: m.rng.bit_generator.state for name, m in self.model.named_modules() if hasattr(m, "rng")}
+        state["rng"] = self.comm.allgather_obj(rngs)
+        if self._velocity is not None:
+            # Only the sum of the workers' velocities matters (momentum is linear): store it whole.
+            state["velocity"] = self.comm.allreduce(self._velocity)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters and state; the servers take their values from the model's parameters
+        (``checkpoint.load`` fills those first). Collective."""
+        try:
+            super().load_state_dict(state)
+        except NotImplementedError:
+            self.global_step = int(state["global_step"])
+            self.epoch = int(state["epoch"])
+        if self.closed:
+            raise WindowError("load_state_dict after close()")
+        self.clock = int(state.get("clock", self.global_step))
+        rngs = state.get("rng")
+        if isinstance(rngs, list) and len(rngs) == self.comm.size:
+            for name, m in self.model.named_modules():
+                if hasattr(m, "rng") and name in rngs[self.comm.rank]:
+                    m.rng.bit_generator.state = rngs[self.comm.rank][name]
+        if self._velocity is not None:
+            v = state.get("velocity")
+            self._velocity[...] = 0
+            if v is not None:
+                v = np.asarray(v, self.dtype).reshape(-1)
+                if v.size != self.numel:  # same state on every rank: raised on every rank
+                    raise MismatchError(f"saved velocity has {v.size} elements, the model {self.numel}")
+                if self.comm.rank == 0:
+                    self._velocity[...] = v
+        self._pack_params()
+        self.comm.barrier()  # nobody is reading or writing the windows now
+        with self._win.locked():
+            self._win.local()[:] = self._flat[slice(*self._my_chunk)]
+        if self.comm.rank == 0:
+            with self._clocks.locked():
+                self._clocks.local()[:-1] = self.clock
+                self._clocks.local()[-1] = 0
+        self.comm.barrier()

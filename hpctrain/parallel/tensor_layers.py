@@ -1,0 +1,351 @@
+"""Tensor-parallel layers: column/row-parallel Linear, MLP, self-attention, vocab-parallel embedding and loss.
+
+Each layer holds this rank's slice of the serial layer's parameters under the serial attribute
+names (``weight``, ``bias``, ``fc1``, ``qkv`` ...) so dotted names stay those of the serial model,
+and records in ``shard_index`` where each local array sits in the full tensor (``full_shape`` and
+an index). Communication goes only through the paired mappings of ``tensor_mappings``.
+
+Shapes that do not split are refused with a ``ValueError`` when the layer is built; every rank
+builds from the same serial model, so every rank refuses alike.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+
+from ..backend import to_device, xp_of
+from ..nn.layers import Linear
+from ..nn.losses import _per_sample_weight
+from ..nn.module import Module, Parameter
+from ..nn.transformer import causal_attention, causal_attention_backward
+from .tensor_mappings import copy_to_tp, gather_from_tp, partition, reduce_from_tp, scatter_to_tp
+
+
+def _index_of(ranges: list[tuple[int, int]]) -> Any:
+    """A slice for one contiguous range, else the sorted column ids (several ranges, as for qkv)."""
+    if len(ranges) == 1:
+        return slice(*ranges[0])
+    return np.concatenate([np.arange(a, b) for a, b in ranges])
+
+
+class ColumnParallelLinear(Module):
+    """``y = x @ W + b`` with ``W`` split by output columns: rank r holds ``W[:, cols_r]``, ``b[cols_r]``.
+
+    The input is replicated (``copy_to_tp``: its gradient is all-reduced); the output stays split
+    unless ``gather_output`` (then an all-gather, which needs ``d_out % tp == 0``).
+    """
+
+    def __init__(self, d_in: int, d_out: int, comm: Any, bias: bool = True, gather_output: bool = False,
+                 rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        self._setup(Linear(d_in, d_out, bias=bias, rng=rng, dtype=dtype), comm, gather_output, None)
+
+    @classmethod
+    def from_serial(cls, linear: Linear, comm: Any, gather_output: bool = False,
+                    columns: list[tuple[int, int]] | None = None) -> ColumnParallelLinear:
+        """Slice ``linear``'s columns for this rank (``columns``: explicit ``[start, stop)`` ranges)."""
+        obj = cls.__new__(cls)
+        obj._setup(linear, comm, gather_output, columns)
+        return obj
+
+    def _setup(self, linear: Linear, comm: Any, gather_output: bool, columns: list | None) -> None:
+        d_in, d_out = linear.weight.shape
+        if columns is None:
+            if gather_output and d_out % comm.size:
+                raise ValueError(
+                    f"ColumnParallelLinear: d_out={d_out} is not divisible by the tensor-parallel size "
+                    f"{comm.size} (needed to gather the output)"
+                )
+            if d_out < comm.size:
+                raise ValueError(f"ColumnParallelLinear: d_out={d_out} < tensor-parallel size {comm.size}")
+            columns = [partition(d_out, comm.size, comm.rank)]
+        self.comm, self.gather_output = comm, gather_output
+        self.d_in, self.d_out = d_in, d_out
+        idx = _index_of(columns)
+        xp = xp_of(linear.weight.data)
+        self.weight = Parameter(xp.ascontiguousarray(linear.weight.data[:, idx]))
+        self.bias = Parameter(xp.ascontiguousarray(linear.bias.data[idx])) if linear.bias is not None else None
+        self.d_local = self.weight.shape[1]
+        self.shard_index = {"weight": ((d_in, d_out), (slice(None), idx))}
+        if self.bias is not None:
+            self.shard_index["bias"] = ((d_out,), (idx,))
+        self.cache = None
+
+    def forward(self, x: Any) -> Any:
+        if x.shape[-1] != self.d_in:
+            raise ValueError(f"ColumnParallelLinear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
+        x = copy_to_tp(x, self.comm)
+        self.cache = x
+        y = x @ self.weight.data
+        if self.bias is not None:
+            y += self.bias.data
+        return gather_from_tp(y, self.comm) if self.gather_output else y
+
+    def backward(self, grad_out: Any) -> Any:
+        if self.gather_output:
+            grad_out = scatter_to_tp(grad_out, self.comm)
+        x2 = self.cache.reshape(-1, self.d_in)
+        g2 = grad_out.reshape(-1, self.d_local)
+        self.weight.grad += x2.T @ g2
+        if self.bias is not None:
+            self.bias.grad += g2.sum(axis=0)
+        return reduce_from_tp(grad_out @ self.weight.data.T, self.comm)  # twin of copy_to_tp
+
+    def extra_repr(self) -> str:
+        return f"{self.d_in}, {self.d_out} (local {self.d_local}), tp={self.comm.size}"
+
+
+class RowParallelLinear(Module):
+    """``y = x @ W + b`` with ``W`` split by input rows: rank r holds ``W[rows_r, :]``; ``b`` is replicated.
+
+    The input arrives split along its last axis (``input_is_parallel``; otherwise it is scattered
+    here); partial products are all-reduced and the bias is added once, after the reduction.
+    """
+
+    def __init__(self, d_in: int, d_out: int, comm: Any, bias: bool = True, input_is_parallel: bool = True,
+                 rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
+        self._setup(Linear(d_in, d_out, bias=bias, rng=rng, dtype=dtype), comm, input_is_parallel, None)
+
+    @classmethod
+    def from_serial(cls, linear: Linear, comm: Any, input_is_parallel: bool = True,
+                    rows: tuple[int, int] | None = None) -> RowParallelLinear:
+        """Slice ``linear``'s rows for this rank (``rows``: an explicit ``[start, stop)``)."""
+        obj = cls.__new__(cls)
+        obj._setup(linear, comm, input_is_parallel, rows)
+        return obj
+
+    def _setup(self, linear: Linear, comm: Any, input_is_parallel: bool, rows: tuple | None) -> None:
+        d_in, d_out = linear.weight.shape
+        if rows is None:
+            if not input_is_parallel and d_in % comm.size:
+                raise ValueError(
+                    f"RowParallelLinear: d_in={d_in} is not divisible by the tensor-parallel size {comm.size} "
+                    "(needed to scatter the input)"
+                )
+            if d_in < comm.size:
+                raise ValueError(f"RowParallelLinear: d_in={d_in} < tensor-parallel size {comm.size}")
+            rows = partition(d_in, comm.size, comm.rank)
+        self.comm, self.input_is_parallel = comm, input_is_parallel
+        self.d_in, self.d_out = d_in, d_out
+        xp = xp_of(linear.weight.data)
+        self.weight = Parameter(xp.ascontiguousarray(linear.weight.data[rows[0] : rows[1]]))
+        self.bias = Parameter(linear.bias.data.copy()) if linear.bias is not None else None
+        self.d_local = self.weight.shape[0]
+        self.shard_index = {"weight": ((d_in, d_out), (slice(*rows), slice(None)))}
+        self.cache = None
+
+    def forward(self, x: Any) -> Any:
+        if not self.input_is_parallel:
+            if x.shape[-1] != self.d_in:
+                raise ValueError(f"RowParallelLinear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
+            x = scatter_to_tp(x, self.comm)
+        elif x.shape[-1] != self.d_local:
+            raise ValueError(
+                f"RowParallelLinear({self.d_in}, {self.d_out}) expects this rank's {self.d_local} input "
+                f"columns, got input of shape {x.shape}"
+            )
+        self.cache = x
+        y = reduce_from_tp(x @ self.weight.data, self.comm)
+        if self.bias is not None:
+            y += self.bias.data  # once, after the reduction
+        return y
+
+    def backward(self, grad_out: Any) -> Any:
+        # reduce_from_tp's twin is the identity: grad_out is the same full gradient on every rank.
+        x2 = self.cache.reshape(-1, self.d_local)
+        g2 = grad_out.reshape(-1, self.d_out)
+        self.weight.grad += x2.T @ g2
+        if self.bias is not None:
+            self.bias.grad += g2.sum(axis=0)
+        gx = grad_out @ self.weight.data.T
+        return gx if self.input_is_parallel else gather_from_tp(gx, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_in} (local {self.d_local}), {self.d_out}, tp={self.comm.size}"
+
+
+class ParallelMLP(Module):
+    """``fc2(act(fc1(x)))`` with ``fc1`` column- and ``fc2`` row-parallel: one all-reduce each way."""
+
+    def __init__(self, fc1: ColumnParallelLinear, act: Module, fc2: RowParallelLinear) -> None:
+        self.fc1, self.act, self.fc2 = fc1, act, fc2
+
+    @classmethod
+    def from_serial(cls, mlp: Any, comm: Any) -> ParallelMLP:
+        """Split a serial ``MLP`` (``fc1``, ``act``, ``fc2``) over ``comm``."""
+        d_hidden = mlp.fc1.weight.shape[1]
+        if d_hidden % comm.size:
+            raise ValueError(
+                f"ParallelMLP: hidden size {d_hidden} is not divisible by the tensor-parallel size {comm.size}"
+            )
+        return cls(ColumnParallelLinear.from_serial(mlp.fc1, comm), copy.deepcopy(mlp.act),  # own cache
+                   RowParallelLinear.from_serial(mlp.fc2, comm))
+
+    def forward(self, x: Any) -> Any:
+        return self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+
+    def backward(self, grad_out: Any) -> Any:
+        return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)))
+
+
+class ParallelSelfAttention(Module):
+    """Causal multi-head self-attention with the heads split across the tensor-parallel group.
+
+    ``qkv`` is column-parallel (rank r holds the q, k and v columns of its heads), the attention
+    of those heads runs locally and ``proj`` is row-parallel: one all-reduce forward, one backward.
+    Needs ``n_heads % tp == 0``.
+    """
+
+    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, n_heads: int, comm: Any) -> None:
+        self.qkv, self.proj = qkv, proj
+        self.n_heads, self.comm = n_heads, comm
+        self.n_local_heads = n_heads // comm.size
+        self.d_model = proj.d_out
+        self.head_dim = self.d_model // n_heads
+        self.cache = None
+
+    @classmethod
+    def from_serial(cls, attn: Any, comm: Any) -> ParallelSelfAttention:
+        """Split a serial ``CausalSelfAttention`` (``qkv``, ``proj``, ``n_heads``) by heads over ``comm``."""
+        n_heads = int(attn.n_heads)
+        d = attn.proj.weight.shape[1]
+        if n_heads % comm.size:
+            raise ValueError(
+                f"ParallelSelfAttention: n_heads={n_heads} is not divisible by the tensor-parallel size "
+                f"{comm.size}; choose tp among the divisors of n_heads"
+            )
+        if attn.qkv.weight.shape != (d, 3 * d):
+            raise ValueError(f"ParallelSelfAttention: qkv weight must be ({d}, {3 * d}), got {attn.qkv.weight.shape}")
+        dl = d // comm.size
+        start = comm.rank * dl
+        cols = [(j * d + start, j * d + start + dl) for j in range(3)]  # this rank's heads of q, k, v
+        qkv = ColumnParallelLinear.from_serial(attn.qkv, comm, columns=cols)
+        proj = RowParallelLinear.from_serial(attn.proj, comm, rows=(start, start + dl))
+        return cls(qkv, proj, n_heads, comm)
+
+    def _heads(self, a: Any) -> Any:
+        b, t, _ = a.shape
+        return a.reshape(b, t, self.n_local_heads, self.head_dim).transpose(0, 2, 1, 3)
+
+    def forward(self, x: Any) -> Any:
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"ParallelSelfAttention expects (B, T, {self.d_model}), got {x.shape}")
+        b, t, _ = x.shape
+        dl = self.n_local_heads * self.head_dim
+        qkv = self.qkv.forward(x)
+        q, k, v = (self._heads(qkv[..., j * dl : (j + 1) * dl]) for j in range(3))
+        y, att = causal_attention(q, k, v)  # the serial attention core, on this rank's heads
+        self.cache = (q, k, v, att)
+        return self.proj.forward(y.transpose(0, 2, 1, 3).reshape(b, t, dl))
+
+    def backward(self, grad_out: Any) -> Any:
+        q, k, v, att = self.cache
+        b, _, t, _ = q.shape
+        dy = self._heads(self.proj.backward(grad_out))
+        grads = causal_attention_backward(dy, q, k, v, att)
+        merged = [g.transpose(0, 2, 1, 3).reshape(b, t, -1) for g in grads]
+        return self.qkv.backward(xp_of(grad_out).concatenate(merged, axis=-1))
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads} (local {self.n_local_heads}), tp={self.comm.size}"
+
+
+class VocabParallelEmbedding(Module):
+    """An ``Embedding`` whose rows (the vocabulary) are split: rank r looks up only its own ids.
+
+    Ids owned by other ranks give zeros locally; one all-reduce assembles the full embeddings.
+    """
+
+    def __init__(self, weight: Any, n: int, comm: Any, rows: tuple[int, int]) -> None:
+        self.comm, self.n = comm, n
+        self.start, self.stop = rows
+        self.weight = Parameter(weight)
+        self.shard_index = {"weight": ((n, weight.shape[1]), (slice(*rows), slice(None)))}
+        self.cache = None
+
+    @classmethod
+    def from_serial(cls, emb: Any, comm: Any) -> VocabParallelEmbedding:
+        n = emb.weight.shape[0]
+        if n < comm.size:
+            raise ValueError(f"VocabParallelEmbedding: {n} rows < tensor-parallel size {comm.size}")
+        rows = partition(n, comm.size, comm.rank)
+        return cls(xp_of(emb.weight.data).ascontiguousarray(emb.weight.data[rows[0] : rows[1]]), n, comm, rows)
+
+    def forward(self, idx: Any) -> Any:
+        xp = xp_of(self.weight.data)
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"VocabParallelEmbedding needs integer ids, got {idx.dtype}")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.n):
+            raise IndexError(
+                f"VocabParallelEmbedding({self.n}): ids must be in [0, {self.n}), "
+                f"got range [{int(idx.min())}, {int(idx.max())}]"
+            )
+        idx = to_device(idx, xp)
+        mine = (idx >= self.start) & (idx < self.stop)
+        local = xp.where(mine, idx - self.start, 0)
+        out = self.weight.data[local] * mine[..., None]
+        self.cache = (local, mine)
+        return reduce_from_tp(out, self.comm)
+
+    def backward(self, grad_out: Any) -> None:
+        xp = xp_of(grad_out)
+        local, mine = self.cache
+        d = self.weight.shape[1]
+        xp.add.at(self.weight.grad, local[mine], grad_out[mine].reshape(-1, d))
+        return None
+
+    def extra_repr(self) -> str:
+        return f"{self.n} (local rows {self.start}:{self.stop}), {self.weight.shape[1]}, tp={self.comm.size}"
+
+
+class VocabParallelCrossEntropy:
+    """Cross-entropy over logits split along the vocabulary (last) axis; never builds full logits.
+
+    Same interface and result as ``CrossEntropyLoss``: three small all-reduces of (B, T)-shaped
+    arrays (max, sum of exp, target logit) replace a gather of (B, T, vocab).
+    """
+
+    def __init__(self, comm: Any, start: int, vocab: int) -> None:
+        self.comm, self.start, self.vocab = comm, start, vocab
+        self.cache = None
+
+    def forward(self, logits: Any, target: Any, weight: Any = None) -> float:
+        xp = xp_of(logits)
+        if logits.shape[:-1] != target.shape:
+            raise ValueError(
+                f"VocabParallelCrossEntropy: logits {logits.shape} need targets of shape {logits.shape[:-1]}, "
+                f"got {target.shape}"
+            )
+        if target.dtype.kind not in "iu":
+            raise TypeError(f"cross-entropy needs integer targets, got {target.dtype}")
+        n_local = logits.shape[-1]
+        gmax = logits.max(axis=-1)
+        if self.comm.size > 1:
+            gmax = self.comm.allreduce(gmax, op="max")
+        shifted = logits - gmax[..., None]
+        exp = xp.exp(shifted)
+        sumexp = reduce_from_tp(exp.sum(axis=-1), self.comm)
+        local_t = target - self.start
+        mine = (local_t >= 0) & (local_t < n_local)
+        safe = xp.where(mine, local_t, 0)
+        picked = xp.take_along_axis(shifted, safe[..., None], axis=-1)[..., 0] * mine
+        target_logit = reduce_from_tp(picked, self.comm)
+        nll = xp.log(sumexp) - target_logit
+        w, denom = _per_sample_weight(weight, nll)
+        if w is not None:
+            nll = nll * w
+        self.cache = (exp / sumexp[..., None], safe, mine, w, denom)
+        return float(nll.sum()) / denom if denom else 0.0
+
+    def backward(self, scale: float = 1.0) -> Any:
+        xp = xp_of(self.cache[0])
+        probs, safe, mine, w, denom = self.cache
+        g = probs.copy()
+        if not denom:
+            return g * 0
+        at = xp.take_along_axis(g, safe[..., None], axis=-1) - mine[..., None]
+        xp.put_along_axis(g, safe[..., None], at, axis=-1)
+        g *= scale / denom
+        return g * w[..., None] if w is not None else g

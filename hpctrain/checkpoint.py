@@ -180,6 +180,7 @@ def save(path: str, trainer: Any) -> str:
             f.attrs["optimizer"] = json.dumps(
                 {} if opt is None else {"step": opt.step_count, "config": opt.config()}
             )
+            f.attrs["header_crc32"] = _header_crc(f.attrs)
             for key, arr in extra_arrays.items():
                 d = f.create_dataset(f"state{key}", data=arr)
                 d.attrs["crc32"] = _crc(arr)
@@ -241,32 +242,57 @@ def _verify(path: str) -> dict[str, Any]:
         f = h5py.File(path, "r")
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path} is not a readable HDF5 file ({exc})") from None
-    with f:
-        if f.attrs.get("format") != FORMAT:
-            raise CheckpointError(f"{path} is not an hpctrain checkpoint (no '{FORMAT}' marker)")
-        version = int(f.attrs.get("format_version", -1))
-        if version > FORMAT_VERSION:
-            raise CheckpointError(f"{path} has format version {version}; this hpctrain reads <= {FORMAT_VERSION}")
-        bad: list[str] = []
+    try:
+        with f:
+            return _verify_open(f, path)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # damaged HDF5 metadata surfaces as KeyError, OSError, RuntimeError...
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(exc).__name__}: {exc})") from None
 
-        def check(name: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Dataset):
-                try:
-                    ok = _crc(obj[()]) == int(obj.attrs["crc32"])
-                except Exception as exc:  # truncated data, missing attribute
-                    ok = False
-                    name = f"{name} ({exc})"
-                if not ok:
-                    bad.append(name)
 
-        f.visititems(check)
-        if bad:
-            raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in {', '.join(bad[:5])}")
-        header = {k: f.attrs[k] for k in ("layout", "config", "trainer_state", "optimizer")}
-        header = {k: json.loads(v) for k, v in header.items()}
-        header["hpctrain_version"] = str(f.attrs.get("hpctrain_version"))
-        header["datasets"] = sorted(k for k in _all_datasets(f))
-        return header
+_HEADER = ("layout", "config", "trainer_state", "optimizer")
+
+
+def _header_crc(attrs: Any) -> int:
+    """CRC32 of the JSON header attributes: a flipped bit there would otherwise load silently."""
+    crc = 0
+    for k in _HEADER:
+        v = attrs[k]
+        crc = zlib.crc32(v.encode() if isinstance(v, str) else bytes(v), crc)
+    return crc & 0xFFFFFFFF
+
+
+def _verify_open(f: Any, path: str) -> dict[str, Any]:
+    import h5py
+
+    if f.attrs.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an hpctrain checkpoint (no '{FORMAT}' marker)")
+    version = int(f.attrs.get("format_version", -1))
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {version}; this hpctrain reads <= {FORMAT_VERSION}")
+    bad: list[str] = []
+
+    def check(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            try:
+                ok = _crc(obj[()]) == int(obj.attrs["crc32"])
+            except Exception as exc:  # truncated data, missing attribute
+                ok = False
+                name = f"{name} ({exc})"
+            if not ok:
+                bad.append(name)
+
+    f.visititems(check)
+    if bad:
+        raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in {', '.join(bad[:5])}")
+    if "header_crc32" in f.attrs and _header_crc(f.attrs) != int(f.attrs["header_crc32"]):
+        raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in its header attributes")
+    header = {k: f.attrs[k] for k in _HEADER}
+    header = {k: json.loads(v) for k, v in header.items()}
+    header["hpctrain_version"] = str(f.attrs.get("hpctrain_version"))
+    header["datasets"] = sorted(k for k in _all_datasets(f))
+    return header
 
 
 def _all_datasets(f: Any) -> list[str]:
@@ -304,19 +330,23 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
 
     pieces = _local_pieces_for_load(trainer)
     problems: list[str] = []
-    with h5py.File(path, "r") as f:
-        for key, (assign, _local_shape, full_shape, index) in pieces.items():
-            if key not in f:
-                if key.startswith("model/"):
-                    problems.append(f"{key[6:]} is not in the checkpoint")
-                continue
-            dset = f[key]
-            if tuple(dset.shape) != tuple(full_shape):
-                problems.append(f"{key}: checkpoint has shape {dset.shape}, model needs {full_shape}")
-                continue
-            assign(dset[index])
-        wanted = {k for k in pieces if k.startswith("model/")}
-        stored = {f"model/{k}" for k in f["model"]} if "model" in f else set()
+    wanted = {k for k in pieces if k.startswith("model/")}
+    stored: set[str] = set()
+    try:
+        with h5py.File(path, "r") as f:
+            for key, (assign, _local_shape, full_shape, index) in pieces.items():
+                if key not in f:
+                    if key.startswith("model/"):
+                        problems.append(f"{key[6:]} is not in the checkpoint")
+                    continue
+                dset = f[key]
+                if tuple(dset.shape) != tuple(full_shape):
+                    problems.append(f"{key}: checkpoint has shape {dset.shape}, model needs {full_shape}")
+                    continue
+                assign(dset[index])
+            stored = {f"model/{k}" for k in f["model"]} if "model" in f else set()
+    except Exception as exc:  # the file changed or broke after rank 0 verified it
+        problems.append(f"cannot be read ({type(exc).__name__}: {exc})")
     everyone = comm.allgather_obj((problems, sorted(wanted)))
     all_problems = [p for ps, _ in everyone for p in ps]
     all_wanted = set().union(*(set(w) for _, w in everyone))
@@ -328,12 +358,17 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
     if opt is not None and header["optimizer"]:
         opt.step_count = int(header["optimizer"]["step"])
     arrays: dict[str, np.ndarray] = {}
-    with h5py.File(path, "r") as f:
-        if "state" in f:
-            f["state"].visititems(
-                lambda n, o: arrays.__setitem__("/" + n, o[()]) if isinstance(o, h5py.Dataset) else None
-            )
-    trainer.load_state_dict(_from_json(header["trainer_state"], arrays))
+    try:
+        with h5py.File(path, "r") as f:
+            if "state" in f:
+                f["state"].visititems(
+                    lambda n, o: arrays.__setitem__("/" + n, o[()]) if isinstance(o, h5py.Dataset) else None
+                )
+        state = _from_json(header["trainer_state"], arrays)
+    except Exception as exc:  # every rank reads the same file, so every rank raises alike
+        why = f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(f"checkpoint {path}: cannot read the trainer state ({why})") from None
+    trainer.load_state_dict(state)
     return header
 
 
@@ -402,9 +437,16 @@ def load_latest(directory: str, trainer: Any) -> str | None:
 
 def inspect(path: str) -> str:
     """A human-readable summary of what a checkpoint holds (no MPI needed)."""
+    header = _verify(path)
+    try:
+        return _summary(path, header)
+    except Exception as exc:  # verified but not laid out as hpctrain writes it
+        raise CheckpointError(f"checkpoint {path} has an unexpected layout ({type(exc).__name__}: {exc})") from None
+
+
+def _summary(path: str, header: dict[str, Any]) -> str:
     import h5py
 
-    header = _verify(path)
     lines = [f"checkpoint {path}"]
     lines.append(f"  hpctrain {header['hpctrain_version']}, saved from layout {header['layout']}")
     state = header["trainer_state"]

@@ -243,7 +243,7 @@ def _op_text(op: str, seq: int | None, members: Any, peer: int | None) -> str:
 
 def _state_text(answer: dict | None) -> str:
     if answer is None:
-        return "did not answer (dead, or stuck in code that holds the Python GIL)"
+        return f"did not answer within {_ANSWER_WAIT:g} s (exited, killed, or stuck in code that holds the Python GIL)"
     step = f" at step {answer['step']}" if answer.get("step") is not None else ""
     if answer["active"]:
         op, members, peer, seq, age = answer["active"][0]

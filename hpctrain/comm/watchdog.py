@@ -171,7 +171,9 @@ class _Dog:
         )
         if lead != self.world_rank:
             _err(f"{head}; rank {lead} reports the details; aborting the job")
-            time.sleep(3.0)
+            # Give the lead time to reach its own timeout and report (it may have arrived later).
+            lead_age = max((a[4] for a in answers[lead]["active"] if tuple(a[:4]) == mine), default=limit)
+            time.sleep(max(3.0, limit - lead_age + _ANSWER_WAIT + 3.0))
         elif peer is not None:
             peer_rank = members[peer] if members is not None else peer
             _err(f"{head}\n  peer rank {peer_rank}: {_state_text(answers.get(peer_rank))}"
@@ -185,6 +187,8 @@ class _Dog:
                 lines.append(f"  NOT arrived: ranks {missing}")
             for r in missing:
                 lines.append(f"    rank {r}: {_state_text(answers.get(r))}")
+            if self.side is None:
+                lines.append("  (other ranks' states unknown: MPI runs without MPI_THREAD_MULTIPLE)")
             _err("\n".join(lines) + "\n  aborting the whole job (MPI_Abort)")
         MPI.COMM_WORLD.Abort(STALL_EXIT)
 

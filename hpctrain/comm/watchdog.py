@@ -153,6 +153,15 @@ class _Dog:
         if self.fired:
             return
         self.fired = True
+        try:
+            self._report(rec, limit)
+        except BaseException as exc:  # whatever happens while reporting, the job must end
+            _err(f"hpctrain watchdog (rank {self.world_rank}): stall report failed ({exc!r})")
+        finally:
+            MPI.COMM_WORLD.Abort(STALL_EXIT)
+
+    def _report(self, rec: tuple, limit: float) -> None:
+        """Ask the peers what they do and print the stall report (the lead rank prints it all)."""
         op, comm, peer, seq, t0 = rec
         members = _members(comm)
         involved = [members[peer]] if peer is not None and members is not None else list(members or [])
@@ -190,7 +199,6 @@ class _Dog:
             if self.side is None:
                 lines.append("  (other ranks' states unknown: MPI runs without MPI_THREAD_MULTIPLE)")
             _err("\n".join(lines) + "\n  aborting the whole job (MPI_Abort)")
-        MPI.COMM_WORLD.Abort(STALL_EXIT)
 
     def shutdown(self) -> None:
         self.stop.set()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -65,12 +67,15 @@ def test_side_channel_sees_who_has_arrived(comm):
     dog = watchdog._dog
     sub = comm.split(0)  # members in world ranks, as the reports name them
     if comm.rank == 0:
-        answers = {}
+        answers: dict = {}
+        deadline = time.monotonic() + 30
         while len(answers) < comm.size - 1 or not all(a["active"] for a in answers.values()):
+            assert time.monotonic() < deadline, answers
             answers = dog._ask(list(range(1, comm.size)))
         for r, a in answers.items():
             assert a["rank"] == r
             op, members, peer, seq, age = a["active"][0]
-            assert (op, members, peer, seq) == ("barrier", tuple(range(comm.size)), None, sub._seq + 1)
+            # (In HPCTRAIN_DEBUG mode they wait in the barrier's fingerprint exchange.)
+            assert op.startswith("barrier") and (members, peer, seq) == (tuple(range(comm.size)), None, sub._seq + 1)
     sub.barrier()
     sub.free()

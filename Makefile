@@ -31,15 +31,28 @@ test-mpi2: venv
 test-mpi4: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI)
 
-demo: venv
-	$(MPIEXEC) -n 2 $(VENV)/bin/hpctrain info
+# A real single-node Slurm on this machine (tests/test_slurm.py): Debian's slurmctld, slurmd and
+# munge are installed when missing (needs root and apt-get; otherwise the test skips and says why).
+SLURM_PKGS := slurmctld slurmd slurm-client munge
+test-slurm: venv
+	@if ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing $(SLURM_PKGS)"; \
+	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null; \
+	  else echo "Slurm is not installed and this is not root with apt-get: the test will skip"; fi; \
+	fi
+	HPCTRAIN_TEST_SLURM=1 $(PY) -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm.py
 
+# The main job: an MLP classifier on the built-in HDF5 set, data parallel on 2 ranks.
+demo: venv
+	$(MPIEXEC) -n 2 $(VENV)/bin/hpctrain train
+
+# Every benchmarks/*.py (each under mpiexec with --markdown) into one regenerated REPORT.md.
+# BENCHFLAGS: e.g. --quick, --np 4, --only ddp pipeline.
+BENCHFLAGS ?=
 bench: venv
-	$(MPIEXEC) -n 2 $(PY) benchmarks/allreduce.py
-	$(MPIEXEC) -n 2 $(PY) benchmarks/ddp.py --quick --markdown benchmarks/REPORT.md
-	$(MPIEXEC) -n 2 $(PY) benchmarks/tensor.py --quick --markdown benchmarks/REPORT.md
-	$(MPIEXEC) -n 4 $(PY) benchmarks/pipeline.py --markdown benchmarks/REPORT.md
-	$(MPIEXEC) -n 4 $(PY) benchmarks/param_server.py --quick --markdown benchmarks/REPORT.md
+	$(PY) benchmarks/report.py --mpiexec $(MPIEXEC) --out benchmarks/REPORT.md $(BENCHFLAGS)
 
 lint: venv
 	$(VENV)/bin/ruff check hpctrain tests benchmarks

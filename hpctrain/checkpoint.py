@@ -202,6 +202,7 @@ def save(path: str, trainer: Any) -> str:
             f.attrs["optimizer"] = json.dumps(
                 {} if opt is None else {"step": opt.step_count, "config": opt.config()}
             )
+            f.attrs["header_" + CHECKSUM] = _header_digest(f.attrs)
             for key, arr in extra_arrays.items():
                 d = f.create_dataset(f"state{key}", data=arr)
                 d.attrs[CHECKSUM] = _digest(arr)
@@ -296,23 +297,46 @@ def _verify(path: str, skip: Any = ()) -> dict[str, Any]:
         f = h5py.File(path, "r")
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path} is not a readable HDF5 file ({exc})") from None
-    with f:
-        if f.attrs.get("format") != FORMAT:
-            raise CheckpointError(f"{path} is not an hpctrain checkpoint (no '{FORMAT}' marker)")
-        version = int(f.attrs.get("format_version", -1))
-        if version > FORMAT_VERSION:
-            raise CheckpointError(f"{path} has format version {version}; this hpctrain reads <= {FORMAT_VERSION}")
-        try:
-            header = {k: json.loads(f.attrs[k]) for k in ("layout", "config", "trainer_state", "optimizer")}
-        except (KeyError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"checkpoint {path} has a damaged header ({type(exc).__name__}: {exc})") from None
-        names = _all_datasets(f)
-        bad = [problem for n in names if n not in skip for problem in [_check_digest(f[n], f[n][()])] if problem]
-        if bad:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(bad[:5])}")
-        header["hpctrain_version"] = str(f.attrs.get("hpctrain_version"))
-        header["datasets"] = sorted(names)
-        return header
+    try:
+        with f:
+            return _verify_open(f, path, skip)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # damaged HDF5 metadata surfaces as KeyError, OSError, RuntimeError...
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(exc).__name__}: {exc})") from None
+
+
+_HEADER = ("layout", "config", "trainer_state", "optimizer")
+
+
+def _header_digest(attrs: Any) -> str:
+    """Checksum of the JSON header attributes: a flipped bit there would otherwise load silently."""
+    h = xxhash.xxh3_64()
+    for k in _HEADER:
+        v = attrs[k]
+        h.update(v.encode() if isinstance(v, str) else bytes(v))
+    return h.hexdigest()
+
+
+def _verify_open(f: Any, path: str, skip: Any) -> dict[str, Any]:
+    if f.attrs.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an hpctrain checkpoint (no '{FORMAT}' marker)")
+    version = int(f.attrs.get("format_version", -1))
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {version}; this hpctrain reads <= {FORMAT_VERSION}")
+    if "header_" + CHECKSUM not in f.attrs or _header_digest(f.attrs) != str(f.attrs["header_" + CHECKSUM]):
+        raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in its header attributes")
+    try:
+        header = {k: json.loads(f.attrs[k]) for k in _HEADER}
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path} has a damaged header ({type(exc).__name__}: {exc})") from None
+    names = _all_datasets(f)
+    bad = [problem for n in names if n not in skip for problem in [_check_digest(f[n], f[n][()])] if problem]
+    if bad:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(bad[:5])}")
+    header["hpctrain_version"] = str(f.attrs.get("hpctrain_version"))
+    header["datasets"] = sorted(names)
+    return header
 
 
 def _check_digest(dset: Any, data: np.ndarray) -> str | None:
@@ -429,12 +453,17 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
     if opt is not None and header["optimizer"]:
         opt.step_count = int(header["optimizer"]["step"])
     arrays: dict[str, np.ndarray] = {}
-    with h5py.File(path, "r") as f:
-        if "state" in f:
-            f["state"].visititems(
-                lambda n, o: arrays.__setitem__("/" + n, o[()]) if isinstance(o, h5py.Dataset) else None
-            )
-    trainer.load_state_dict(_from_json(header["trainer_state"], arrays))
+    try:
+        with h5py.File(path, "r") as f:
+            if "state" in f:
+                f["state"].visititems(
+                    lambda n, o: arrays.__setitem__("/" + n, o[()]) if isinstance(o, h5py.Dataset) else None
+                )
+        state = _from_json(header["trainer_state"], arrays)
+    except Exception as exc:  # every rank reads the same file, so every rank raises alike
+        why = f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(f"checkpoint {path}: cannot read the trainer state ({why})") from None
+    trainer.load_state_dict(state)
     return header
 
 
@@ -515,9 +544,16 @@ def load_latest(directory: str, trainer: Any) -> str | None:
 
 def inspect(path: str) -> str:
     """A human-readable summary of what a checkpoint holds (no MPI needed)."""
+    header = _verify(path)
+    try:
+        return _summary(path, header)
+    except Exception as exc:  # verified but not laid out as hpctrain writes it
+        raise CheckpointError(f"checkpoint {path} has an unexpected layout ({type(exc).__name__}: {exc})") from None
+
+
+def _summary(path: str, header: dict[str, Any]) -> str:
     import h5py
 
-    header = _verify(path)
     lines = [f"checkpoint {path}"]
     lines.append(f"  hpctrain {header['hpctrain_version']}, saved from layout {header['layout']}")
     state = header["trainer_state"]

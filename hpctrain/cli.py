@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from . import __version__, backend
+from . import plot as _plot
+from . import train as _train
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
@@ -120,6 +122,9 @@ Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argpar
 COMMANDS: dict[str, Command] = {
     "info": ("report the MPI library, world, nodes and GPUs (one report per job)", _info_args, run_info),
     "ckpt": ("inspect checkpoints", _ckpt_args, run_ckpt),
+    "train": ("train a model with a parallel strategy (the main job; flags or --config FILE.toml)",
+              _train.add_arguments, _train.main),
+    "plot": ("draw loss and throughput curves of a run to PNG (needs matplotlib)", _plot.add_arguments, _plot.main),
     "data": ("built-in data sets: `hpctrain data make [--dir D]` writes them as HDF5", _data_args, run_data),
 }
 

@@ -58,6 +58,10 @@ class Trainer:
         self.timeout = timeout
         self.global_step = 0
         self.epoch = 0
+        # The stall watchdog reads this trainer's timeout and global_step (for its reports).
+        from .comm import watchdog
+
+        watchdog.attach(self)
 
     def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
         raise NotImplementedError

@@ -23,6 +23,7 @@ from .. import backend
 from ..errors import BufferError, DtypeError
 from . import cuda_aware as _cuda_aware
 from . import debug as _debug
+from . import watchdog as _watch
 
 _OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -138,15 +139,42 @@ def _copy_from_host(host: np.ndarray, dst: Any) -> None:
 class Request:
     """A pending non-blocking operation. ``wait()`` completes it and returns its result."""
 
-    def __init__(self, req: MPI.Request, result: Any, finish: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        req: MPI.Request,
+        result: Any,
+        finish: Callable[[], None] | None = None,
+        watch: tuple | None = None,
+        check: Callable[[], None] | None = None,
+    ):
         self._req = req
         self._result = result
         self._finish = finish
         self._done = False
+        # (communicator, op, peer, seq) for the stall watchdog; check: HPCTRAIN_DEBUG's receive-side test.
+        self._watch = watch
+        self._check = check
 
     def wait(self) -> Any:
         if not self._done:
-            self._req.Wait()
+            if self._check is not None:
+                # HPCTRAIN_DEBUG: compare the sender's fingerprint before taking the data.
+                check, self._check = self._check, None
+                try:
+                    check()
+                except Exception:
+                    self._req.Cancel()
+                    try:
+                        self._req.Wait()
+                    except Exception:  # a truncated message: the mismatch is the error to report
+                        pass
+                    self._done = True
+                    raise
+            token = _watch.begin(*self._watch) if self._watch is not None else None
+            try:
+                self._req.Wait()
+            finally:
+                _watch.end(token)
             self._complete()
         return self._result
 
@@ -161,6 +189,9 @@ class Request:
         if self._finish is not None:
             self._finish()
             self._finish = None
+        if self._check is not None:
+            check, self._check = self._check, None
+            check()
 
 
 class Communicator:
@@ -181,6 +212,14 @@ class Communicator:
         # Tests set this to send NumPy arrays through the staging path, which is the only way to
         # exercise that logic on machines without a GPU.
         self._force_staging = False
+        # Collective calls made so far (stall reports and debug fingerprints number them).
+        self._seq = 0
+        self._timeout: float | None = None
+        if comm is None or comm == MPI.COMM_WORLD:
+            # The first world Communicator starts the stall watchdog (collective) and makes an
+            # unhandled exception on one rank abort the whole job.
+            _watch.start()
+            _watch.install_excepthook()
         self._debug = _debug.Tracer.from_env(self)
 
     def __repr__(self) -> str:
@@ -206,6 +245,23 @@ class Communicator:
             return node.Get_rank()
         finally:
             node.Free()
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """Seconds a blocking call on this communicator may wait before the watchdog aborts the job.
+
+        ``None`` falls back to the trainer's ``timeout``, then ``HPCTRAIN_TIMEOUT`` (default 300);
+        ``0`` disables stall detection for this communicator.
+        """
+        if seconds is not None and (not isinstance(seconds, (int, float)) or seconds < 0):
+            raise ValueError(f"timeout must be None or seconds >= 0, got {seconds!r}")
+        self._timeout = None if seconds is None else float(seconds)
+
+    def _begin(self, op: str, peer: int | None = None) -> int | None:
+        """Tell the watchdog a blocking call starts (collectives get the next sequence number)."""
+        if peer is None:
+            self._seq += 1
+            return _watch.begin(self, op, None, self._seq)
+        return _watch.begin(self, op, peer)
 
     # -- staging ----------------------------------------------------------------------------
 
@@ -244,13 +300,17 @@ class Communicator:
                 out = backend.xp_of(x).empty_like(x)
             _check_out(out, x.shape, x.dtype, "allreduce")
         self._debug.enter("allreduce", x, op)
-        if self._staged(x, out):
-            host = self._in(x)
-            self.mpi.Allreduce(MPI.IN_PLACE, host, mpi_op)
-            _copy_from_host(host, out)
-            self._stage.give(host)
-        else:
-            self.mpi.Allreduce(MPI.IN_PLACE if inplace else x, out, mpi_op)
+        token = self._begin("allreduce")
+        try:
+            if self._staged(x, out):
+                host = self._in(x)
+                self.mpi.Allreduce(MPI.IN_PLACE, host, mpi_op)
+                _copy_from_host(host, out)
+                self._stage.give(host)
+            else:
+                self.mpi.Allreduce(MPI.IN_PLACE if inplace else x, out, mpi_op)
+        finally:
+            _watch.end(token)
         if op == "mean":
             out /= self.size
         return out
@@ -271,6 +331,8 @@ class Communicator:
         _check_out(out, x.shape, x.dtype, "iallreduce")
         self._debug.enter("iallreduce", x, op)
         scale = self.size if op == "mean" else None
+        self._seq += 1
+        watch = (self, "iallreduce", None, self._seq)
         if self._staged(x, out):
             host = self._in(x)
             req = self.mpi.Iallreduce(MPI.IN_PLACE, host, mpi_op)
@@ -281,9 +343,9 @@ class Communicator:
                 if scale:
                     out.__itruediv__(scale)
 
-            return Request(req, out, finish)
+            return Request(req, out, finish, watch)
         req = self.mpi.Iallreduce(MPI.IN_PLACE if inplace else x, out, mpi_op)
-        return Request(req, out, (lambda: out.__itruediv__(scale)) if scale else None)
+        return Request(req, out, (lambda: out.__itruediv__(scale)) if scale else None, watch)
 
     def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None) -> Any:
         """Reduce ``x`` over ranks and give rank r block r of the result along axis 0.
@@ -303,14 +365,18 @@ class Communicator:
             out = backend.xp_of(x).empty(shape, dtype=x.dtype)
         _check_out(out, shape, x.dtype, "reduce_scatter")
         self._debug.enter("reduce_scatter", x, op)
-        if self._staged(x, out):
-            host_in, host_out = self._in(x), self._stage.take(shape, x.dtype)
-            self.mpi.Reduce_scatter_block(host_in, host_out, mpi_op)
-            _copy_from_host(host_out, out)
-            self._stage.give(host_in)
-            self._stage.give(host_out)
-        else:
-            self.mpi.Reduce_scatter_block(x, out, mpi_op)
+        token = self._begin("reduce_scatter")
+        try:
+            if self._staged(x, out):
+                host_in, host_out = self._in(x), self._stage.take(shape, x.dtype)
+                self.mpi.Reduce_scatter_block(host_in, host_out, mpi_op)
+                _copy_from_host(host_out, out)
+                self._stage.give(host_in)
+                self._stage.give(host_out)
+            else:
+                self.mpi.Reduce_scatter_block(x, out, mpi_op)
+        finally:
+            _watch.end(token)
         if op == "mean":
             out /= self.size
         return out
@@ -323,13 +389,17 @@ class Communicator:
         _check_dtype(x)
         _check_out(x, x.shape, x.dtype, "bcast")
         self._debug.enter("bcast", x, root)
-        if self._staged(x):
-            host = self._in(x)
-            self.mpi.Bcast(host, root)
-            _copy_from_host(host, x)
-            self._stage.give(host)
-        else:
-            self.mpi.Bcast(x, root)
+        token = self._begin("bcast")
+        try:
+            if self._staged(x):
+                host = self._in(x)
+                self.mpi.Bcast(host, root)
+                _copy_from_host(host, x)
+                self._stage.give(host)
+            else:
+                self.mpi.Bcast(x, root)
+        finally:
+            _watch.end(token)
         return x
 
     def allgather(self, x: Any, out: Any = None) -> Any:
@@ -340,14 +410,18 @@ class Communicator:
             out = backend.xp_of(x).empty(shape, dtype=x.dtype)
         _check_out(out, shape, x.dtype, "allgather")
         self._debug.enter("allgather", x)
-        if self._staged(x, out):
-            host_in, host_out = self._in(x), self._stage.take(shape, x.dtype)
-            self.mpi.Allgather(host_in, host_out)
-            _copy_from_host(host_out, out)
-            self._stage.give(host_in)
-            self._stage.give(host_out)
-        else:
-            self.mpi.Allgather(x, out)
+        token = self._begin("allgather")
+        try:
+            if self._staged(x, out):
+                host_in, host_out = self._in(x), self._stage.take(shape, x.dtype)
+                self.mpi.Allgather(host_in, host_out)
+                _copy_from_host(host_out, out)
+                self._stage.give(host_in)
+                self._stage.give(host_out)
+            else:
+                self.mpi.Allgather(x, out)
+        finally:
+            _watch.end(token)
         return out
 
     # -- point to point ---------------------------------------------------------------------
@@ -357,12 +431,16 @@ class Communicator:
         self._check_peer(dest, "dest")
         x = _send_ready(x)
         self._debug.enter_p2p("send", x, dest, tag)
-        if self._staged(x):
-            host = self._in(x)
-            self.mpi.Send(host, dest, tag)
-            self._stage.give(host)
-        else:
-            self.mpi.Send(x, dest, tag)
+        token = self._begin("send", dest)
+        try:
+            if self._staged(x):
+                host = self._in(x)
+                self.mpi.Send(host, dest, tag)
+                self._stage.give(host)
+            else:
+                self.mpi.Send(x, dest, tag)
+        finally:
+            _watch.end(token)
 
     def recv(self, out: Any, source: int, tag: int = 0) -> Any:
         """Blocking receive into ``out`` (its shape and dtype define the message); returns it."""
@@ -370,13 +448,20 @@ class Communicator:
         _check_dtype(out)
         _check_out(out, out.shape, out.dtype, "recv")
         status = MPI.Status()
-        if self._staged(out):
-            host = self._stage.take(out.shape, out.dtype)
-            self.mpi.Recv(host, source, tag, status)
-            _copy_from_host(host, out)
-            self._stage.give(host)
-        else:
-            self.mpi.Recv(out, source, tag, status)
+        check = self._debug.enter_recv("recv", out, source, tag)
+        if check is not None:
+            check()
+        token = self._begin("recv", source)
+        try:
+            if self._staged(out):
+                host = self._stage.take(out.shape, out.dtype)
+                self.mpi.Recv(host, source, tag, status)
+                _copy_from_host(host, out)
+                self._stage.give(host)
+            else:
+                self.mpi.Recv(out, source, tag, status)
+        finally:
+            _watch.end(token)
         self._check_count(status, out, source, tag)
         return out
 
@@ -385,16 +470,19 @@ class Communicator:
         self._check_peer(dest, "dest")
         x = _send_ready(x)
         self._debug.enter_p2p("isend", x, dest, tag)
+        watch = (self, "isend.wait", dest, None)
         if self._staged(x):
             host = self._in(x)
-            return Request(self.mpi.Isend(host, dest, tag), None, lambda: self._stage.give(host))
-        return Request(self.mpi.Isend(x, dest, tag), None)
+            return Request(self.mpi.Isend(host, dest, tag), None, lambda: self._stage.give(host), watch)
+        return Request(self.mpi.Isend(x, dest, tag), None, None, watch)
 
     def irecv(self, out: Any, source: int, tag: int = 0) -> Request:
         """Start receiving into ``out``; ``req.wait()`` returns ``out`` once it has arrived."""
         self._check_peer(source, "source")
         _check_dtype(out)
         _check_out(out, out.shape, out.dtype, "irecv")
+        watch = (self, "irecv.wait", source, None)
+        check = self._debug.enter_recv("irecv", out, source, tag)
         if self._staged(out):
             host = self._stage.take(out.shape, out.dtype)
             req = self.mpi.Irecv(host, source, tag)
@@ -403,38 +491,63 @@ class Communicator:
                 _copy_from_host(host, out)
                 self._stage.give(host)
 
-            return Request(req, out, finish)
-        return Request(self.mpi.Irecv(out, source, tag), out)
+            return Request(req, out, finish, watch, check)
+        return Request(self.mpi.Irecv(out, source, tag), out, None, watch, check)
 
     # -- objects ----------------------------------------------------------------------------
 
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
         """Broadcast a picklable object from ``root``; returns it on every rank."""
         self._check_peer(root, "root")
-        return self.mpi.bcast(obj, root)
+        self._debug.enter("bcast_obj", None, root)
+        token = self._begin("bcast_obj")
+        try:
+            return self.mpi.bcast(obj, root)
+        finally:
+            _watch.end(token)
 
     def allgather_obj(self, obj: Any) -> list:
         """A list of every rank's (picklable) ``obj``, in rank order."""
-        return self.mpi.allgather(obj)
+        self._debug.enter("allgather_obj", None)
+        token = self._begin("allgather_obj")
+        try:
+            return self.mpi.allgather(obj)
+        finally:
+            _watch.end(token)
 
     def gather_obj(self, obj: Any, root: int = 0) -> list | None:
         """Every rank's ``obj`` as a list on ``root``, ``None`` elsewhere."""
         self._check_peer(root, "root")
-        return self.mpi.gather(obj, root)
+        self._debug.enter("gather_obj", None, root)
+        token = self._begin("gather_obj")
+        try:
+            return self.mpi.gather(obj, root)
+        finally:
+            _watch.end(token)
 
     # -- structure --------------------------------------------------------------------------
 
     def split(self, color: int, key: int | None = None) -> Communicator:
         """Sub-communicators of the ranks sharing ``color``, ordered by ``key`` (default rank)."""
-        return Communicator(self.mpi.Split(color, self.rank if key is None else key))
+        token = self._begin("split")
+        try:
+            sub = self.mpi.Split(color, self.rank if key is None else key)
+        finally:
+            _watch.end(token)
+        return Communicator(sub)
 
     def barrier(self) -> None:
         """Wait until every rank has called ``barrier``."""
         self._debug.enter("barrier", None)
-        self.mpi.Barrier()
+        token = self._begin("barrier")
+        try:
+            self.mpi.Barrier()
+        finally:
+            _watch.end(token)
 
     def abort(self, code: int = 1) -> None:
         """End every process of the job (``MPI_Abort``)."""
+        _watch.stop()
         self.mpi.Abort(code)
 
     def free(self) -> None:

@@ -28,5 +28,9 @@ class Tracer:
     def enter_p2p(self, op: str, x: Any, peer: int, tag: int) -> None:
         """Called before a point-to-point send starts."""
 
+    def enter_recv(self, op: str, out: Any, peer: int, tag: int) -> Any:
+        """Called before a receive is posted; may return a check to run once it completes."""
+        return None
+
 
 _NULL = Tracer()

@@ -1,0 +1,359 @@
+"""Stall watchdog and whole-job abort: an MPI job never hangs silently.
+
+Every blocking wait of a ``Communicator`` (collectives, ``recv``, ``send``, ``Request.wait``) is
+bracketed by ``begin``/``end``: two dictionary writes and a clock read, nothing else on the fast
+path. A daemon thread per process (started with the first world ``Communicator`` when the world
+has more than one rank) looks at those records a few times a second. When one has waited longer
+than its timeout it asks the other ranks, over a side channel, what they are doing, prints a
+report naming the operation, the step and which ranks have and have not arrived, and calls
+``MPI_Abort`` so that ``mpiexec`` ends every rank with a non-zero exit.
+
+The side channel is a duplicate of ``COMM_WORLD`` owned by the watchdog threads (MPI must provide
+``MPI_THREAD_MULTIPLE``, mpi4py's default). Each thread answers queries with its rank's state:
+the blocking operation it is in (or none: the rank is running Python code, and where), its last
+completed operation and the training step. A rank that does not answer within a few seconds is
+reported as dead or stuck without releasing the GIL.
+
+Timeouts: ``Communicator.set_timeout(s)`` for one communicator, else the ``timeout`` of the live
+``Trainer`` (``Trainer(timeout=s)``), else ``HPCTRAIN_TIMEOUT`` (seconds, default 300; ``0``
+turns the watchdog off entirely).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any
+
+from mpi4py import MPI
+
+DEFAULT_TIMEOUT = 300.0
+#: Exit status handed to MPI_Abort when the watchdog ends a stalled job.
+STALL_EXIT = 3
+#: Exit status handed to MPI_Abort after an unhandled exception on one rank.
+EXCEPTION_EXIT = 1
+_QUERY, _ANSWER = 1, 2
+_POLL = 0.2  # seconds between two looks of the watchdog thread
+_ANSWER_WAIT = 5.0  # how long a stalled rank waits for the others to describe themselves
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def env_timeout() -> float:
+    """``HPCTRAIN_TIMEOUT`` in seconds (default 300); 0 or negative means no watchdog."""
+    raw = os.environ.get("HPCTRAIN_TIMEOUT", "")
+    try:
+        return float(raw) if raw.strip() else DEFAULT_TIMEOUT
+    except ValueError:
+        print(f"hpctrain: ignoring HPCTRAIN_TIMEOUT={raw!r} (not a number); using {DEFAULT_TIMEOUT:g} s",
+              file=sys.stderr)  # fmt: skip
+        return DEFAULT_TIMEOUT
+
+
+class _Dog:
+    """Process-wide watchdog state and its thread."""
+
+    def __init__(self, default: float) -> None:
+        self.default = default
+        self.active: dict[int, tuple] = {}  # thread id -> (op, comm, peer, seq, t0)
+        self.last: tuple | None = None  # (op, comm, peer, seq, t_end)
+        self.trainer: Any = None  # weakref to the live Trainer (step, timeout)
+        self.main_ident = threading.main_thread().ident
+        self.world_rank = MPI.COMM_WORLD.Get_rank()
+        self.world_size = MPI.COMM_WORLD.Get_size()
+        self.side: MPI.Intracomm | None = None
+        if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+            self.side = MPI.COMM_WORLD.Dup()  # collective: every rank creates its first Communicator
+        self.pending: list[MPI.Request] = []
+        self.qid = 0
+        self.stop = threading.Event()
+        self.fired = False
+        self.thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
+        self.thread.start()
+
+    # -- timeouts and context ---------------------------------------------------------------
+
+    def timeout_of(self, comm: Any) -> float:
+        own = getattr(comm, "_timeout", None)
+        if own is not None:
+            return own
+        trainer = self.trainer() if self.trainer is not None else None
+        if trainer is not None and getattr(trainer, "timeout", None) is not None:
+            return float(trainer.timeout)
+        return self.default
+
+    def step(self) -> int | None:
+        trainer = self.trainer() if self.trainer is not None else None
+        return getattr(trainer, "global_step", None) if trainer is not None else None
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self.stop.wait(_POLL):
+            try:
+                self._serve()
+                now = time.monotonic()
+                for rec in list(self.active.values()):
+                    limit = self.timeout_of(rec[1])
+                    if limit > 0 and now - rec[4] > limit:
+                        self._fire(rec, limit)
+            except Exception as exc:  # the watchdog must never take a healthy job down itself
+                print(f"hpctrain watchdog (rank {self.world_rank}): internal error {exc!r}", file=sys.stderr)
+                time.sleep(1.0)
+
+    def _serve(self) -> None:
+        """Answer every pending query from another rank's watchdog."""
+        if self.side is None:
+            return
+        self.pending = [r for r in self.pending if not r.Test()]
+        status = MPI.Status()
+        while self.side.Iprobe(MPI.ANY_SOURCE, _QUERY, status):
+            src = status.Get_source()
+            qid = self.side.recv(source=src, tag=_QUERY)
+            self.pending.append(self.side.isend({**self.describe(), "qid": qid}, dest=src, tag=_ANSWER))
+
+    def describe(self) -> dict[str, Any]:
+        """This rank's state as another rank's report shows it."""
+        now = time.monotonic()
+        active = [(op, _members(c), peer, seq, now - t0) for op, c, peer, seq, t0 in list(self.active.values())]
+        last = self.last
+        return {
+            "rank": self.world_rank,
+            "active": active,
+            "last": None if last is None else (last[0], _members(last[1]), last[2], last[3], now - last[4]),
+            "where": _where(self.main_ident),
+            "step": self.step(),
+        }
+
+    def _ask(self, ranks: list[int]) -> dict[int, dict]:
+        """Query ``ranks`` over the side channel; answers that came within ``_ANSWER_WAIT``."""
+        answers: dict[int, dict] = {}
+        if self.side is None:
+            return answers
+        self.qid += 1
+        sends = [self.side.isend(self.qid, dest=r, tag=_QUERY) for r in ranks]
+        deadline = time.monotonic() + _ANSWER_WAIT
+        status = MPI.Status()
+        while len(answers) < len(ranks) and time.monotonic() < deadline:
+            self._serve()  # two stalled ranks may be asking each other at once
+            while self.side.Iprobe(MPI.ANY_SOURCE, _ANSWER, status):
+                src = status.Get_source()
+                answer = self.side.recv(source=src, tag=_ANSWER)
+                if answer.get("qid") == self.qid:  # late answers to an earlier query are stale
+                    answers[src] = answer
+            time.sleep(0.05)
+        self.pending.extend(sends)
+        return answers
+
+    def _fire(self, rec: tuple, limit: float) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        try:
+            self._report(rec, limit)
+        except BaseException as exc:  # whatever happens while reporting, the job must end
+            _err(f"hpctrain watchdog (rank {self.world_rank}): stall report failed ({exc!r})")
+        finally:
+            MPI.COMM_WORLD.Abort(STALL_EXIT)
+
+    def _report(self, rec: tuple, limit: float) -> None:
+        """Ask the peers what they do and print the stall report (the lead rank prints it all)."""
+        op, comm, peer, seq, t0 = rec
+        members = _members(comm)
+        involved = [members[peer]] if peer is not None and members is not None else list(members or [])
+        others = [r for r in involved if r != self.world_rank]
+        answers = self._ask(others)
+        mine = (op, members, peer, seq)
+        # Only the lowest rank that waits in this same operation prints the full report; the
+        # others say one line and abort a little later in case that rank cannot.
+        lead = min([self.world_rank] + [r for r, a in answers.items() if _waits_in(a, mine)])
+        step = self.step()
+        what = _op_text(op, seq, members, peer)
+        head = (
+            f"hpctrain watchdog: StallError on rank {self.world_rank}: {what} has not completed after "
+            f"{time.monotonic() - t0:.0f} s (timeout {limit:g} s; HPCTRAIN_TIMEOUT / Trainer(timeout=) / "
+            f"comm.set_timeout)" + (f" at step {step}" if step is not None else "")
+        )
+        if lead != self.world_rank:
+            _err(f"{head}; rank {lead} reports the details; aborting the job")
+            # Give the lead time to reach its own timeout and report (it may have arrived later).
+            lead_age = max((a[4] for a in answers[lead]["active"] if tuple(a[:4]) == mine), default=limit)
+            time.sleep(max(3.0, limit - lead_age + _ANSWER_WAIT + 3.0))
+        elif peer is not None:
+            peer_rank = members[peer] if members is not None else peer
+            _err(f"{head}\n  peer rank {peer_rank}: {_state_text(answers.get(peer_rank))}"
+                 "\n  aborting the whole job (MPI_Abort)")
+        else:
+            lines = [head]
+            arrived = [self.world_rank] + sorted(r for r, a in answers.items() if _waits_in(a, mine))
+            lines.append(f"  arrived (waiting in the same call): ranks {arrived}")
+            missing = [r for r in others if r not in arrived]
+            if missing:
+                lines.append(f"  NOT arrived: ranks {missing}")
+            for r in missing:
+                lines.append(f"    rank {r}: {_state_text(answers.get(r))}")
+            if self.side is None:
+                lines.append("  (other ranks' states unknown: MPI runs without MPI_THREAD_MULTIPLE)")
+            _err("\n".join(lines) + "\n  aborting the whole job (MPI_Abort)")
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout=2.0)
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _members(comm: Any) -> tuple[int, ...] | None:
+    """World ranks of ``comm``'s members, in its rank order (cached on the Communicator)."""
+    if comm is None:
+        return None
+    members = getattr(comm, "_wd_members", None)
+    if members is None:
+        try:
+            group, world = comm.mpi.Get_group(), MPI.COMM_WORLD.Get_group()
+            members = tuple(MPI.Group.Translate_ranks(group, list(range(comm.size)), world))
+            group.Free()
+            world.Free()
+        except Exception:
+            return None
+        comm._wd_members = members
+    return members
+
+
+def _where(ident: int | None) -> str:
+    """Innermost frame of thread ``ident`` outside hpctrain's comm layer: ``file:line in func``."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    if frame is None:
+        return "unknown"
+    stack = traceback.extract_stack(frame)
+    outside = [f for f in stack if not f.filename.startswith(os.path.join(_PKG, "comm"))]
+    f = (outside or stack)[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def _waits_in(answer: dict | None, mine: tuple) -> bool:
+    if not answer:
+        return False
+    return any(tuple(a[:4]) == mine for a in answer["active"])
+
+
+def _op_text(op: str, seq: int | None, members: Any, peer: int | None) -> str:
+    if peer is not None and members:
+        who = f"{'from' if 'recv' in op else 'to' if 'send' in op else 'with'} rank {members[peer]}"
+    else:
+        who = f"on ranks {list(members or [])}"
+    return f"{op}{f' #{seq}' if seq is not None else ''} {who}"
+
+
+def _state_text(answer: dict | None) -> str:
+    if answer is None:
+        return f"did not answer within {_ANSWER_WAIT:g} s (exited, killed, or stuck in code that holds the Python GIL)"
+    step = f" at step {answer['step']}" if answer.get("step") is not None else ""
+    if answer["active"]:
+        op, members, peer, seq, age = answer["active"][0]
+        return f"blocked for {age:.0f} s in a different call: {_op_text(op, seq, members, peer)}{step}"
+    last = answer["last"]
+    if last is None:
+        done = "no communication yet"
+    else:
+        op, members, peer, seq, ago = last
+        done = f"last completed {_op_text(op, seq, members, peer)} {ago:.0f} s ago"
+    return f"not in any communication: running Python at {answer['where']}{step} ({done})"
+
+
+# -- module state and the fast path ------------------------------------------------------------
+
+_dog: _Dog | None = None
+_lock = threading.Lock()
+
+
+def start() -> None:
+    """Start the watchdog (idempotent). Collective over COMM_WORLD the first time."""
+    global _dog
+    with _lock:
+        if _dog is not None or MPI.COMM_WORLD.Get_size() < 2:
+            return
+        default = env_timeout()
+        if default <= 0:
+            return
+        _dog = _Dog(default)
+        atexit.register(_dog.shutdown)  # before mpi4py finalizes MPI
+
+
+def stop() -> None:
+    """Stop the watchdog thread (tests and benchmarks; the job then has no stall detection)."""
+    global _dog
+    with _lock:
+        if _dog is not None:
+            _dog.shutdown()
+            _dog = None
+
+
+def running() -> bool:
+    return _dog is not None
+
+
+def attach(trainer: Any) -> None:
+    """Make ``trainer`` the source of the step shown in reports and of the default timeout."""
+    if _dog is not None:
+        _dog.trainer = weakref.ref(trainer)
+
+
+def begin(comm: Any, op: str, peer: int | None = None, seq: int | None = None) -> int | None:
+    """Record that this thread starts a blocking wait; returns a token for ``end``."""
+    dog = _dog
+    if dog is None:
+        return None
+    ident = threading.get_ident()
+    dog.active[ident] = (op, comm, peer, seq, time.monotonic())
+    return ident
+
+
+def end(token: int | None) -> None:
+    """Record that the wait started by ``begin`` is over."""
+    if token is None:
+        return
+    dog = _dog
+    if dog is not None:
+        rec = dog.active.pop(token, None)
+        if rec is not None:
+            dog.last = (*rec[:4], time.monotonic())
+
+
+# -- unhandled exceptions end the whole job ------------------------------------------------------
+
+_hook_installed = False
+
+
+def _abort_hook(exc_type: type, exc: BaseException, tb: Any) -> None:
+    world = MPI.COMM_WORLD
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    _err(
+        f"hpctrain: unhandled exception on rank {world.Get_rank()} of {world.Get_size()}; aborting the whole "
+        f"job so the other ranks do not wait forever:\n" + text.rstrip()
+    )
+    stop()
+    world.Abort(EXCEPTION_EXIT)
+
+
+def install_excepthook() -> None:
+    """Abort every rank (MPI_Abort) when an exception escapes on one rank of a multi-rank job.
+
+    Without it the failing rank exits while the others wait in their next collective forever
+    (unless the user launched with ``python -m mpi4py``). Pytest is unaffected: it catches the
+    exceptions of tests itself, so they never reach ``sys.excepthook``.
+    """
+    global _hook_installed
+    if _hook_installed or MPI.COMM_WORLD.Get_size() < 2:
+        return
+    _hook_installed = True
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _abort_hook

@@ -1,0 +1,59 @@
+"""Small jobs for the fault tests, launched without ``-m mpi4py`` like a user's own script.
+
+    mpiexec -n 2 python tests/faults/misc.py crash        # last rank raises; the others wait in allreduce
+    mpiexec -n 2 python tests/faults/misc.py recv-stall   # rank 0 waits in recv from a rank that sleeps
+    mpiexec -n 2 python tests/faults/misc.py model        # last rank builds another model -> refused
+    mpiexec -n 2 python tests/faults/misc.py debug-shape  # HPCTRAIN_DEBUG=1: allreduce of different shapes
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+import hpctrain as ht
+from hpctrain.errors import HpctrainError
+from hpctrain.nn import Linear, ReLU, Sequential
+from hpctrain.parallel import DataParallelTrainer
+
+
+def main(mode: str) -> int:
+    comm = ht.Communicator()
+    last = comm.size - 1
+    comm.allreduce(np.ones(2))
+    if mode == "crash":
+        if comm.rank == last:
+            raise RuntimeError("injected failure on the last rank")
+        comm.allreduce(np.ones(2))  # would wait forever without the abort hook
+    elif mode == "recv-stall":
+        comm.set_timeout(3)
+        if comm.rank == 0:
+            comm.recv(np.empty(4), source=1, tag=5)
+        elif comm.rank == 1:
+            time.sleep(600)
+    elif mode == "model":
+        hidden = 9 if comm.rank == last else 8
+        r = np.random.default_rng(0)
+        model = Sequential(Linear(5, hidden, rng=r), ReLU(), Linear(hidden, 3, rng=r))
+        opt = ht.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=opt, comm=comm)
+        except HpctrainError as exc:
+            print(f"rank {comm.rank} refused: {type(exc).__name__}: {exc}", flush=True)
+            return 2
+    elif mode == "debug-shape":
+        try:
+            comm.allreduce(np.ones(5 if comm.rank == last else 4))
+        except HpctrainError as exc:
+            print(f"rank {comm.rank} refused: {type(exc).__name__}: {exc}", flush=True)
+            return 2
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    print(f"rank {comm.rank} finished", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

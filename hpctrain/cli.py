@@ -121,10 +121,10 @@ def run_data(args: argparse.Namespace) -> int:
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "info": ("report the MPI library, world, nodes and GPUs (one report per job)", _info_args, run_info),
+    "ckpt": ("inspect checkpoints", _ckpt_args, run_ckpt),
     "train": ("train a model with a parallel strategy (the main job; flags or --config FILE.toml)",
               _train.add_arguments, _train.main),
     "plot": ("draw loss and throughput curves of a run to PNG (needs matplotlib)", _plot.add_arguments, _plot.main),
-    "ckpt": ("inspect checkpoints", _ckpt_args, run_ckpt),
     "data": ("built-in data sets: `hpctrain data make [--dir D]` writes them as HDF5", _data_args, run_data),
 }
 

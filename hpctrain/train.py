@@ -103,8 +103,10 @@ def read_toml(path: str) -> dict[str, Any]:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except OSError as exc:  # a directory, no permission
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
     if isinstance(raw.get("train"), dict):
         raw = {**{k: v for k, v in raw.items() if k != "train"}, **raw["train"]}
     out = {}

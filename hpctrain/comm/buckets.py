@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from ..backend import xp_of
-from ..errors import StallError
 from .communicator import Communicator, Request
 
 COMPRESSIONS = (None, "fp16", "bf16")
@@ -157,7 +156,6 @@ class GradBuckets:
         comm: Communicator,
         bucket_mb: float = 25.0,
         compression: str | None = None,
-        timeout: float | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -172,8 +170,6 @@ class GradBuckets:
                 raise ValueError(f"compression={compression!r} needs float32 gradients; {p.name} is {p.data.dtype}")
         self.comm = comm
         self.compression = compression
-        # Seconds ``finish`` waits for the reductions before raising StallError (None: forever).
-        self.timeout = timeout
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.buckets: list[_Bucket] = []
         group: list[Any] = []
@@ -254,20 +250,6 @@ class GradBuckets:
             b.request.test()
         self.comm_seconds += time.perf_counter() - t0
 
-    def _wait(self, b: _Bucket, t0: float) -> None:
-        if self.timeout is None:
-            b.request.wait()
-            return
-        # Poll so a dead or stuck peer turns into an error instead of a silent hang.
-        while not b.request.test():
-            if time.perf_counter() - t0 > self.timeout:
-                self._active = False
-                raise StallError(
-                    f"gradient all-reduce of bucket {b.index} ({b.nbytes} bytes) did not complete within "
-                    f"{self.timeout:g} s on rank {self.comm.rank}: another rank is stuck, dead or not calling step"
-                )
-            time.sleep(1e-4)
-
     def finish(self) -> float:
         """Start every bucket not started yet, wait for all, write the sums into ``.grad``.
 
@@ -286,7 +268,9 @@ class GradBuckets:
         self._launch(force=True)
         t0 = time.perf_counter()
         for b in self._order:
-            self._wait(b, t0)
+            # The communicator's stall watchdog bounds this wait: a dead or stuck peer ends the
+            # job with a report of who arrived instead of a silent hang.
+            b.request.wait()
         self.comm_seconds += time.perf_counter() - t0
         for b in self.buckets:
             if self.compression == "fp16":

@@ -69,6 +69,7 @@ class _Dog:
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             self.side = MPI.COMM_WORLD.Dup()  # collective: every rank creates its first Communicator
         self.pending: list[MPI.Request] = []
+        self.qid = 0
         self.stop = threading.Event()
         self.fired = False
         self.thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
@@ -112,8 +113,8 @@ class _Dog:
         status = MPI.Status()
         while self.side.Iprobe(MPI.ANY_SOURCE, _QUERY, status):
             src = status.Get_source()
-            self.side.recv(source=src, tag=_QUERY)
-            self.pending.append(self.side.isend(self.describe(), dest=src, tag=_ANSWER))
+            qid = self.side.recv(source=src, tag=_QUERY)
+            self.pending.append(self.side.isend({**self.describe(), "qid": qid}, dest=src, tag=_ANSWER))
 
     def describe(self) -> dict[str, Any]:
         """This rank's state as another rank's report shows it."""
@@ -133,14 +134,17 @@ class _Dog:
         answers: dict[int, dict] = {}
         if self.side is None:
             return answers
-        sends = [self.side.isend(None, dest=r, tag=_QUERY) for r in ranks]
+        self.qid += 1
+        sends = [self.side.isend(self.qid, dest=r, tag=_QUERY) for r in ranks]
         deadline = time.monotonic() + _ANSWER_WAIT
         status = MPI.Status()
         while len(answers) < len(ranks) and time.monotonic() < deadline:
             self._serve()  # two stalled ranks may be asking each other at once
             while self.side.Iprobe(MPI.ANY_SOURCE, _ANSWER, status):
                 src = status.Get_source()
-                answers[src] = self.side.recv(source=src, tag=_ANSWER)
+                answer = self.side.recv(source=src, tag=_ANSWER)
+                if answer.get("qid") == self.qid:  # late answers to an earlier query are stale
+                    answers[src] = answer
             time.sleep(0.05)
         self.pending.extend(sends)
         return answers
@@ -149,6 +153,15 @@ class _Dog:
         if self.fired:
             return
         self.fired = True
+        try:
+            self._report(rec, limit)
+        except BaseException as exc:  # whatever happens while reporting, the job must end
+            _err(f"hpctrain watchdog (rank {self.world_rank}): stall report failed ({exc!r})")
+        finally:
+            MPI.COMM_WORLD.Abort(STALL_EXIT)
+
+    def _report(self, rec: tuple, limit: float) -> None:
+        """Ask the peers what they do and print the stall report (the lead rank prints it all)."""
         op, comm, peer, seq, t0 = rec
         members = _members(comm)
         involved = [members[peer]] if peer is not None and members is not None else list(members or [])
@@ -167,7 +180,9 @@ class _Dog:
         )
         if lead != self.world_rank:
             _err(f"{head}; rank {lead} reports the details; aborting the job")
-            time.sleep(3.0)
+            # Give the lead time to reach its own timeout and report (it may have arrived later).
+            lead_age = max((a[4] for a in answers[lead]["active"] if tuple(a[:4]) == mine), default=limit)
+            time.sleep(max(3.0, limit - lead_age + _ANSWER_WAIT + 3.0))
         elif peer is not None:
             peer_rank = members[peer] if members is not None else peer
             _err(f"{head}\n  peer rank {peer_rank}: {_state_text(answers.get(peer_rank))}"
@@ -181,8 +196,9 @@ class _Dog:
                 lines.append(f"  NOT arrived: ranks {missing}")
             for r in missing:
                 lines.append(f"    rank {r}: {_state_text(answers.get(r))}")
+            if self.side is None:
+                lines.append("  (other ranks' states unknown: MPI runs without MPI_THREAD_MULTIPLE)")
             _err("\n".join(lines) + "\n  aborting the whole job (MPI_Abort)")
-        MPI.COMM_WORLD.Abort(STALL_EXIT)
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -239,7 +255,7 @@ def _op_text(op: str, seq: int | None, members: Any, peer: int | None) -> str:
 
 def _state_text(answer: dict | None) -> str:
     if answer is None:
-        return "did not answer (dead, or stuck in code that holds the Python GIL)"
+        return f"did not answer within {_ANSWER_WAIT:g} s (exited, killed, or stuck in code that holds the Python GIL)"
     step = f" at step {answer['step']}" if answer.get("step") is not None else ""
     if answer["active"]:
         op, members, peer, seq, age = answer["active"][0]

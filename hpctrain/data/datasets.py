@@ -127,24 +127,32 @@ class HDF5Dataset:
         except OSError as exc:
             raise DatasetError(f"{self.path}: cannot open as HDF5 ({exc})") from exc
         try:
-            self._dsets = []
-            for key in self.keys:
-                if key not in self._file:
-                    have = sorted(self._file.keys())
-                    raise DatasetError(f"{self.path}: no key {key!r} (the file has {have})")
-                obj = self._file[key]
-                if not isinstance(obj, h5py.Dataset):
-                    raise DatasetError(f"{self.path}: key {key!r} is a {type(obj).__name__}, not a dataset")
-                if obj.ndim == 0:
-                    raise DatasetError(f"{self.path}: key {key!r} is a scalar, it has no rows")
-                self._dsets.append(obj)
-            lengths = {k: d.shape[0] for k, d in zip(self.keys, self._dsets)}
-            if len(set(lengths.values())) != 1:
-                raise DatasetError(f"{self.path}: keys have different lengths {lengths}")
-        except BaseException:
+            self._open_keys()
+        except DatasetError:
             self._file.close()
             raise
+        except Exception as exc:  # damaged HDF5 metadata surfaces as KeyError, OSError, RuntimeError...
+            self._file.close()
+            raise DatasetError(f"{self.path}: corrupt or unreadable HDF5 file ({type(exc).__name__}: {exc})") from None
         self._len = self._dsets[0].shape[0]
+
+    def _open_keys(self) -> None:
+        import h5py
+
+        self._dsets = []
+        for key in self.keys:
+            if key not in self._file:
+                have = sorted(self._file.keys())
+                raise DatasetError(f"{self.path}: no key {key!r} (the file has {have})")
+            obj = self._file[key]
+            if not isinstance(obj, h5py.Dataset):
+                raise DatasetError(f"{self.path}: key {key!r} is a {type(obj).__name__}, not a dataset")
+            if obj.ndim == 0:
+                raise DatasetError(f"{self.path}: key {key!r} is a scalar, it has no rows")
+            self._dsets.append(obj)
+        lengths = {k: d.shape[0] for k, d in zip(self.keys, self._dsets)}
+        if len(set(lengths.values())) != 1:
+            raise DatasetError(f"{self.path}: keys have different lengths {lengths}")
 
     def __len__(self) -> int:
         return self._len
@@ -168,8 +176,12 @@ class HDF5Dataset:
             uniq, inverse = np.unique(idx, return_inverse=True)
         selection = runs(uniq)
         out = []
-        for dset in self._dsets:
-            rows = self._read(dset, uniq, selection)
+        for key, dset in zip(self.keys, self._dsets):
+            try:
+                rows = self._read(dset, uniq, selection)
+            except (OSError, RuntimeError, ValueError) as exc:  # damaged chunks or a closed file
+                why = f"{type(exc).__name__}: {exc}"
+                raise DatasetError(f"{self.path}: cannot read rows of key {key!r} ({why})") from None
             out.append(rows if inverse is None else rows[inverse])
         return tuple(out)
 

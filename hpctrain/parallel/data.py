@@ -11,7 +11,6 @@ those of the global batch without the padding.
 
 from __future__ import annotations
 
-import os
 import time
 import zlib
 from typing import Any
@@ -22,7 +21,7 @@ from ..backend import to_host
 from ..comm import Communicator
 from ..comm.buckets import COMPRESSIONS, GradBuckets
 from ..comm.validate import agree, describe_model
-from ..errors import MismatchError, StallError
+from ..errors import MismatchError
 from ..guard import check_finite
 from ..optim import clip_grad_norm
 from ..trainer import StepStats, Trainer
@@ -108,8 +107,8 @@ class DataParallelTrainer(Trainer):
     locally and communicated once. ``clip_norm`` clips the global gradient norm (after the
     reduction, so every rank clips alike). ``compression`` is ``None``, ``"fp16"`` or
     ``"bf16"`` (16-bit values on the wire, full-precision gradients otherwise). ``timeout``
-    (default: the ``HPCTRAIN_TIMEOUT`` environment variable) bounds the wait for the gradient
-    reduction: past it, ``StallError`` instead of a silent hang.
+    (default: the ``HPCTRAIN_TIMEOUT`` environment variable, 300 s) is how long any wait may last
+    before the stall watchdog reports which ranks did not arrive and aborts the job.
 
     Construction is collective: ranks agree on the model's parameter names, shapes and dtypes,
     the optimizer's settings and this trainer's settings (``MismatchError``, a ``ValueError``,
@@ -162,10 +161,7 @@ class DataParallelTrainer(Trainer):
         # Start from rank 0's parameters so all replicas are identical.
         for p in self.params:
             self.comm.bcast(p.data, root=0)
-        if timeout is None and os.environ.get("HPCTRAIN_TIMEOUT"):
-            timeout = float(os.environ["HPCTRAIN_TIMEOUT"])
-        self.buckets = GradBuckets(self.params, self.comm, bucket_mb=bucket_mb, compression=compression,
-                                   timeout=timeout)
+        self.buckets = GradBuckets(self.params, self.comm, bucket_mb=bucket_mb, compression=compression)
         self._hooks = _BackwardHooks(model, self.buckets) if overlap else None
         # Hooks depend on the model's structure: a rank without them would start its buckets in
         # another order, so the ranks must agree (a model with the same parameters but another
@@ -277,18 +273,7 @@ class DataParallelTrainer(Trainer):
         )
 
     def _wait(self, req: Any, what: str) -> Any:
-        """``req.wait()``, bounded by ``self.timeout`` (StallError past it)."""
-        timeout = self.buckets.timeout
-        if timeout is None:
-            return req.wait()
-        t0 = time.perf_counter()
-        while not req.test():
-            if time.perf_counter() - t0 > timeout:
-                raise StallError(
-                    f"all-reduce of the {what} did not complete within {timeout:g} s on rank {self.comm.rank}: "
-                    "another rank is stuck, dead or not calling step"
-                )
-            time.sleep(1e-4)
+        """``req.wait()``; the communicator's stall watchdog bounds it (``self.timeout``)."""
         return req.wait()
 
     # -- replicas ------------------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""Fault tests: ranks killed, stalled, crashing, disagreeing or producing NaN.
+
+The ``fault`` tests launch their own ``mpiexec -n 2`` jobs (tests/faults/*.py) as subprocesses
+with timeouts, so they run only in the serial pass (skipped when this pytest itself runs under
+mpiexec). The in-process tests below them run at every world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import hpctrain as ht
+from hpctrain import checkpoint as ckpt
+from hpctrain.errors import MismatchError, NonFiniteError
+from hpctrain.nn import Linear, ReLU, Sequential
+from hpctrain.parallel import DataParallelTrainer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAULTS = os.path.join(HERE, "faults")
+# Launcher variables of an enclosing MPI job must not leak into the jobs we start.
+_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "HPCTRAIN_")
+
+
+def _mpiexec() -> str:
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return local if os.path.exists(local) else (shutil.which("mpiexec") or "mpiexec")
+
+
+@pytest.fixture
+def launch(comm):
+    if comm.size > 1:
+        pytest.skip("fault tests start their own mpiexec; they run in the serial pass")
+
+    def run(script: str, *args: str, env: dict | None = None, timeout: float = 60) -> tuple:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
+        clean.update(env or {})
+        t0 = time.monotonic()
+        p = subprocess.run([_mpiexec(), "-n", "2", sys.executable, os.path.join(FAULTS, script), *args],
+                           capture_output=True, text=True, timeout=timeout, env=clean)
+        return p, time.monotonic() - t0
+
+    return run
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(150)
+def test_sigkill_mid_training_keeps_checkpoint_and_resume_matches(launch, tmp_path):
+    ref, _ = launch("train_dp.py", "--ckpt", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.npz"))
+    assert ref.returncode == 0, ref.stderr
+
+    run = str(tmp_path / "run")
+    killed, took = launch("train_dp.py", "--ckpt", run, "--kill-rank", "1", "--kill-step", "7",
+                          env={"HPCTRAIN_TIMEOUT": "20"})
+    assert killed.returncode != 0 and took < 30, (killed.returncode, took)
+    assert "SIGKILL at step 7" in killed.stdout
+    saved = ckpt.list_checkpoints(run)
+    assert [os.path.basename(p) for p in saved][-1] == "ckpt-00000006.h5"
+    for path in saved:  # every checkpoint left behind is complete and verifies
+        assert "all checksums verified" in ckpt.inspect(path)
+    assert not glob.glob(os.path.join(run, "*.tmp.*"))
+
+    resumed, _ = launch("train_dp.py", "--ckpt", run, "--out", str(tmp_path / "run.npz"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "ckpt-00000006.h5 at step 6" in resumed.stdout
+    a, b = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "run.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        assert np.array_equal(a[k], b[k]), k  # bitwise: resume continues exactly
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+def test_stalled_rank_is_named_and_job_aborts(launch):
+    # Trainer(timeout=3); HPCTRAIN_TIMEOUT stays at its 300 s default: the trainer's setting wins.
+    p, took = launch("train_dp.py", "--stall-rank", "1", "--stall-step", "2", "--timeout", "3")
+    assert p.returncode != 0 and took < 30, (p.returncode, took, p.stderr)
+    err = p.stderr
+    # The first wait of step 2 that rank 0 cannot finish: the sample-count all-reduce.
+    assert re.search(r"hpctrain watchdog: StallError on rank 0: i?allreduce #\d+ on ranks \[0, 1\]", err), err
+    assert "at step 2" in err
+    assert "NOT arrived: ranks [1]" in err
+    assert "rank 1: not in any communication: running Python at" in err and "train_dp.py" in err
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+def test_stalled_peer_in_recv(launch):
+    p, took = launch("misc.py", "recv-stall")
+    assert p.returncode != 0 and took < 30, (p.returncode, took, p.stderr)
+    assert "recv from rank 1 has not completed" in p.stderr
+    assert "peer rank 1: not in any communication" in p.stderr
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+def test_unhandled_exception_on_one_rank_ends_the_job(launch):
+    # No `-m mpi4py`, watchdog at 300 s: only the excepthook can end this job quickly.
+    p, took = launch("misc.py", "crash", env={"HPCTRAIN_TIMEOUT": "300"})
+    assert p.returncode != 0 and took < 30, (p.returncode, took)
+    assert "unhandled exception on rank 1 of 2" in p.stderr
+    assert "RuntimeError: injected failure on the last rank" in p.stderr
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+def test_different_model_refused_on_every_rank(launch):
+    p, took = launch("misc.py", "model")
+    assert p.returncode == 2, p.stderr
+    for r in (0, 1):
+        assert f"rank {r} refused: MismatchError: ranks disagree on the model's parameters" in p.stdout
+    assert "8 != 9" in p.stdout
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+def test_debug_mode_names_mismatched_collective(launch):
+    p, _ = launch("misc.py", "debug-shape", env={"HPCTRAIN_DEBUG": "1"})
+    assert p.returncode == 2, p.stderr
+    for r in (0, 1):
+        assert f"rank {r} refused: CollectiveMismatchError" in p.stdout
+    assert "rank 0 called allreduce(shape=(4,)" in p.stdout and "rank 1 called allreduce(shape=(5,)" in p.stdout
+
+
+# -- in process, every world size ------------------------------------------------------------------
+
+
+class Injecting(Sequential):
+    """A model whose backward can write a NaN into one parameter's gradient."""
+
+    inject = False
+
+    def backward(self, g):
+        out = super().backward(g)
+        if self.inject:
+            getattr(self, "2").bias.grad[0] = np.nan
+        return out
+
+
+def _trainer(comm, policy: str, hidden: int = 8):
+    r = np.random.default_rng(0)
+    model = Injecting(Linear(5, hidden, rng=r, dtype=np.float64), ReLU(), Linear(hidden, 3, rng=r, dtype=np.float64))
+    opt = ht.optim.Adam(model.parameters(), lr=1e-2)
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=opt, comm=comm,
+                             overlap=False, on_nonfinite=policy)
+    return tr, model, opt
+
+
+def _batch(comm, step: int):
+    g = np.random.default_rng(100 * step + comm.rank)
+    return g.normal(size=(4, 5)), g.integers(0, 3, 4)
+
+
+def _snapshot(model, opt):
+    return ({n: p.data.copy() for n, p in model.named_parameters()}, copy.deepcopy(opt.state), opt.step_count)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_nan_on_one_rank_skips_the_step_everywhere_and_changes_nothing(comm):
+    tr, model, opt = _trainer(comm, "skip")
+    for s in range(2):
+        assert not tr.step(*_batch(comm, s)).skipped
+    params, state, count = _snapshot(model, opt)
+    model.inject = comm.rank == comm.size - 1
+    stats = tr.step(*_batch(comm, 2))
+    model.inject = False
+    assert stats.skipped  # on every rank, although only one rank had the NaN
+    after, state_after, count_after = _snapshot(model, opt)
+    assert count_after == count
+    for n in params:
+        assert np.array_equal(params[n], after[n]), n
+        for k in state[n]:
+            assert np.array_equal(state[n][k], state_after[n][k]), (n, k)
+    tr.check_replicas()
+    stats = tr.step(*_batch(comm, 3))  # training goes on normally
+    assert not stats.skipped and np.isfinite(stats.loss)
+    tr.check_replicas()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_nan_on_one_rank_raises_everywhere_naming_the_parameter(comm):
+    tr, model, opt = _trainer(comm, "raise")
+    tr.step(*_batch(comm, 0))
+    params, _, _ = _snapshot(model, opt)
+    model.inject = comm.rank == comm.size - 1
+    with pytest.raises(NonFiniteError, match=r"rank 0: 2\.bias") as info:
+        tr.step(*_batch(comm, 1))
+    assert "0.weight" not in str(info.value)  # only the affected parameter is named
+    after, _, _ = _snapshot(model, opt)
+    assert all(np.array_equal(params[n], after[n]) for n in params)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_different_model_on_one_rank_refused_everywhere(comm):
+    hidden = 9 if comm.rank == comm.size - 1 else 8
+    same = "0" if comm.size == 2 else f"0-{comm.size - 2}"
+    with pytest.raises(MismatchError, match=rf"ranks {same} differ from ranks {comm.size - 1}.*8 != 9"):
+        _trainer(comm, "raise", hidden=hidden)

@@ -33,6 +33,7 @@ KNOWN = [
     ("param_server", "Parameter server: sync, SSP, async vs all-reduce"),
     ("hdf5_dataset", "HDF5 dataset reads vs plain h5py"),
     ("checkpoint", "Checkpoint save/load vs plain h5py and numpy"),
+    ("guard", "Watchdog and debug fingerprints: per-call cost vs raw mpi4py"),
 ]
 
 

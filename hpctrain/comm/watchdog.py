@@ -40,6 +40,9 @@ EXCEPTION_EXIT = 1
 _QUERY, _ANSWER = 1, 2
 _POLL = 0.2  # seconds between two looks of the watchdog thread
 _ANSWER_WAIT = 5.0  # how long a stalled rank waits for the others to describe themselves
+# MPI_Abort makes the launcher kill every process at once; output still in its forwarding pipes can
+# be lost (seen with MPICH's hydra on a loaded machine). Pause this long after the report first.
+_FLUSH_GRACE = 1.0
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -158,6 +161,7 @@ class _Dog:
         except BaseException as exc:  # whatever happens while reporting, the job must end
             _err(f"hpctrain watchdog (rank {self.world_rank}): stall report failed ({exc!r})")
         finally:
+            time.sleep(_FLUSH_GRACE)
             MPI.COMM_WORLD.Abort(STALL_EXIT)
 
     def _report(self, rec: tuple, limit: float) -> None:
@@ -341,6 +345,7 @@ def _abort_hook(exc_type: type, exc: BaseException, tb: Any) -> None:
         f"job so the other ranks do not wait forever:\n" + text.rstrip()
     )
     stop()
+    time.sleep(_FLUSH_GRACE)
     world.Abort(EXCEPTION_EXIT)
 
 

@@ -37,3 +37,11 @@ def emit(title: str, head: Sequence[str], rows: Sequence[Sequence[object]], mark
                 fh.write("| " + " | ".join(r) + " |\n")
             for n in notes:
                 fh.write(f"\n{n}\n")
+
+
+def publish(text: str, markdown: str | None = None) -> None:
+    """Print a finished Markdown section; with ``markdown`` also append it to that file."""
+    print(text, flush=True)
+    if markdown:
+        with open(markdown, "a") as fh:
+            fh.write(text + "\n\n")

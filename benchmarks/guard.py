@@ -15,19 +15,12 @@ import sys
 import time
 
 import numpy as np
+from common import publish, timed
 from mpi4py import MPI
 
 from hpctrain import Communicator
 from hpctrain.comm import watchdog
 from hpctrain.comm.fingerprint import FingerprintTracer
-
-
-def timed(fn, iters: int, raw: MPI.Comm) -> float:
-    raw.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return raw.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"| Communicator(COMM_SELF).allreduce 8 B, watchdog stopped | {self_off * 1e9:.0f} |",
                   f"| Communicator(COMM_SELF).allreduce 8 B, watchdog running | {self_on * 1e9:.0f} |",
                   f"| difference | {(self_on - self_off) * 1e9:+.0f} |"]
-        text = "\n".join(lines)
-        print(text, flush=True)
-        if args.markdown:
-            with open(args.markdown, "a") as f:
-                f.write(text + "\n\n")
+        publish("\n".join(lines), args.markdown)
     return 0
 
 

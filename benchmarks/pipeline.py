@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import numpy as np
+from common import publish
 from mpi4py import MPI
 
 from hpctrain import Communicator, ProcessGrid
@@ -187,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(benchmark took {time.perf_counter() - t0:.1f} s)",
         "",
     ]
-    text = "\n".join(out)
-    print(text, flush=True)
-    if args.markdown:
-        with open(args.markdown, "a") as fh:
-            fh.write(text + "\n")
+    publish("\n".join(out), args.markdown)
     return 0
 
 

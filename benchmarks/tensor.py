@@ -24,6 +24,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+from common import publish  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from hpctrain import Communicator, ProcessGrid  # noqa: E402
@@ -140,11 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| {act_bytes} bytes | {ratios[0] * 1e6:.1f} | {ratios[1] * 1e6:.1f} | {ratios[1] / ratios[0]:.3f} |",
         "",
     ]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write(text + "\n")
+    publish("\n".join(lines), args.markdown)
     return 0
 
 

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from interrupt import Interrupted, Stop
 
 import hpctrain as ht
 from hpctrain import checkpoint as ckpt
@@ -75,26 +76,6 @@ def assert_same(a: dict, b: dict, exact: bool = True) -> None:
             np.testing.assert_allclose(a[k], b[k], rtol=1e-10, atol=1e-12, err_msg=k)
 
 
-class _Stop(Exception):
-    pass
-
-
-class Interrupted:
-    """A loader that dies (on every rank alike) once the trainer reaches ``stop`` steps."""
-
-    def __init__(self, inner: DataLoader, tr, stop: int) -> None:
-        self.inner, self.tr, self.stop, self.sampler = inner, tr, stop, inner.sampler
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __iter__(self):
-        for batch in self.inner:
-            if self.tr.global_step >= self.stop:
-                raise _Stop
-            yield batch
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(180)
 def test_stop_and_resume_equals_uninterrupted_run(comm, tmp_path):
@@ -110,7 +91,7 @@ def test_stop_and_resume_equals_uninterrupted_run(comm, tmp_path):
     stop = per_epoch + 3
     first = trainer(comm)
     d = os.path.join(root, "ckpts")
-    with pytest.raises(_Stop):
+    with pytest.raises(Stop):
         first.fit(Interrupted(loader(comm), first, stop), epochs=epochs, checkpoint_dir=d, checkpoint_every=2,
                   keep=2, progress=False)
     names = [os.path.basename(p) for p in ckpt.list_checkpoints(d)]

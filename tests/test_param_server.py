@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from interrupt import Interrupted, Stop
 from mpi4py import MPI
 
 from hpctrain import Communicator, checkpoint
@@ -312,10 +313,6 @@ def test_async_checkpoint_restores_the_servers_state(comm, mode):
             shutil.rmtree(directory, ignore_errors=True)
 
 
-class _Stop(Exception):
-    pass
-
-
 def _loader(comm) -> DataLoader:
     g = np.random.default_rng(21)
     data = ArrayDataset(g.normal(size=(45, 5)), g.normal(size=(45, 3)))
@@ -334,23 +331,11 @@ def test_sync_fit_stop_and_resume_equals_uninterrupted(comm, tmp_path):
     per_epoch = len(_loader(comm))
     stop = per_epoch + 2
 
-    class Interrupted:
-        def __init__(self, inner, tr) -> None:
-            self.inner, self.tr, self.sampler = inner, tr, inner.sampler
-
-        def __len__(self) -> int:
-            return len(self.inner)
-
-        def __iter__(self):
-            for batch in self.inner:
-                if self.tr.global_step >= stop:
-                    raise _Stop
-                yield batch
 
     d = os.path.join(root, "ps-ckpts")
     with ParameterServerTrainer(model=mlp(), **kw) as first:
-        with pytest.raises(_Stop):
-            first.fit(Interrupted(_loader(comm), first), epochs=3, checkpoint_dir=d, checkpoint_every=2,
+        with pytest.raises(Stop):
+            first.fit(Interrupted(_loader(comm), first, stop), epochs=3, checkpoint_dir=d, checkpoint_every=2,
                       progress=False)
     with ParameterServerTrainer(model=mlp(seed=8), **kw) as second:
         rest = second.fit(_loader(comm), epochs=3, checkpoint_dir=d, checkpoint_every=2, progress=False)

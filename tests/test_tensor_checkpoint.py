@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from interrupt import Interrupted, Stop
 
 from hpctrain import ProcessGrid
 from hpctrain import checkpoint as ckpt
@@ -113,26 +114,6 @@ def test_reshard_tp2_to_tp1_and_back(comm, tmp_path):
     np.testing.assert_allclose(step(back, x, y), step(one, x, y), rtol=1e-10)
 
 
-class _Stop(Exception):
-    pass
-
-
-class Interrupted:
-    """A loader that dies (on every rank alike) once the trainer reaches ``stop`` steps."""
-
-    def __init__(self, inner, tr, stop: int) -> None:
-        self.inner, self.tr, self.stop, self.sampler = inner, tr, stop, inner.sampler
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __iter__(self):
-        for batch in self.inner:
-            if self.tr.global_step >= self.stop:
-                raise _Stop
-            yield batch
-
-
 def loader(tr) -> DataLoader:
     g = np.random.default_rng(8)
     tokens = g.integers(0, VOCAB, (23, T + 1))
@@ -154,7 +135,7 @@ def test_stop_and_resume_equals_uninterrupted(comm, tmp_path):
 
     stop = per_epoch + 2  # mid-epoch 1; checkpoints every 3 steps
     first = make_trainer(comm, tp, clip=1.0)
-    with pytest.raises(_Stop):
+    with pytest.raises(Stop):
         first.fit(Interrupted(loader(first), first, stop), epochs=epochs, checkpoint_dir=d, checkpoint_every=3,
                   progress=False)
     last = stop - stop % 3

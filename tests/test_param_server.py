@@ -330,8 +330,6 @@ def test_sync_fit_stop_and_resume_equals_uninterrupted(comm, tmp_path):
         history = full.fit(_loader(comm), epochs=3, progress=False, log_every=1000)
     per_epoch = len(_loader(comm))
     stop = per_epoch + 2
-
-
     d = os.path.join(root, "ps-ckpts")
     with ParameterServerTrainer(model=mlp(), **kw) as first:
         with pytest.raises(Stop):

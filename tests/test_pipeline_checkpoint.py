@@ -129,12 +129,8 @@ def test_stop_and_resume_equals_uninterrupted(comm, shared_dir, schedule):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_fit_resumes_mid_epoch_exactly(comm, shared_dir):
-    import inspect
-
     from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
 
-    if "checkpoint_dir" not in inspect.signature(PipelineParallelTrainer.fit).parameters:
-        pytest.skip("this Trainer.fit has no checkpoint cadence yet (it comes with the data-parallel branch)")
     g = np.random.default_rng(3)
     xs, ys = g.standard_normal((40, 6)), g.standard_normal((40, 3))
 

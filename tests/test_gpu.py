@@ -82,3 +82,39 @@ def test_nccl_allreduce_one_gpu_per_rank(comm):
     nc = nccl.NcclCommunicator(comm)
     x = cp.full(1 << 16, comm.rank + 1, dtype=cp.float32)
     np.testing.assert_allclose(nc.allreduce(x).get(), comm.size * (comm.size + 1) / 2)
+
+
+def _dp_trainer(comm, xp_device: str, **kw):
+    import hpctrain as ht
+    from hpctrain.parallel import DataParallelTrainer
+
+    model = ht.nn.Sequential(ht.nn.Linear(6, 8, rng=0), ht.nn.ReLU(), ht.nn.Linear(8, 3, rng=1)).to(xp_device)
+    opt = ht.optim.SGD(model.parameters(), lr=0.1)
+    return model, DataParallelTrainer(model=model, loss=ht.nn.MSELoss(), optimizer=opt, comm=comm, **kw)
+
+
+def test_nccl_backend_refused_on_every_rank_without_a_gpu_model(comm):
+    """A host model (or a rank without CuPy) cannot use NCCL: every rank says so, none hangs."""
+    with pytest.raises(RuntimeError, match="backend='nccl' needs CuPy and the model on the GPU on every rank"):
+        _dp_trainer(comm, "cpu", backend="nccl")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _dp_trainer(comm, "cpu", backend="gloo")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_dp_nccl_backend_equals_mpi_backend(comm):
+    cp = backend.cupy()
+    if cp.cuda.runtime.getDeviceCount() < comm.size:
+        pytest.skip(f"NCCL needs one GPU per rank: {comm.size} ranks, {cp.cuda.runtime.getDeviceCount()} GPU(s)")
+    backend.select_device(comm.local_rank)
+    g = np.random.default_rng(comm.rank)
+    x, y = g.standard_normal((4, 6), dtype=np.float32), g.standard_normal((4, 3), dtype=np.float32)
+    results = []
+    for name in ("mpi", "nccl"):
+        model, tr = _dp_trainer(comm, "gpu", backend=name)
+        for _ in range(3):
+            tr.step(cp.asarray(x), cp.asarray(y))
+        results.append([p.data.get() for p in model.parameters()])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -156,6 +156,7 @@ class GradBuckets:
         comm: Communicator,
         bucket_mb: float = 25.0,
         compression: str | None = None,
+        reducer: Any = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -169,6 +170,9 @@ class GradBuckets:
             if compression and np.dtype(p.data.dtype) != np.float32:
                 raise ValueError(f"compression={compression!r} needs float32 gradients; {p.name} is {p.data.dtype}")
         self.comm = comm
+        # What reduces the uncompressed buckets: the MPI communicator, or an NcclCommunicator
+        # (same iallreduce signature) for device arrays on the NCCL fast path.
+        self.reducer = comm if reducer is None else reducer
         self.compression = compression
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.buckets: list[_Bucket] = []
@@ -321,7 +325,7 @@ class GradBuckets:
                 to_bf16(b.flat, b.wire)
                 b.request = self._iallreduce16(b.wire, "bf16")
             else:
-                b.request = self.comm.iallreduce(b.flat, out=b.flat)
+                b.request = self.reducer.iallreduce(b.flat, out=b.flat)
             self.comm_seconds += time.perf_counter() - t0
             self._next += 1
 

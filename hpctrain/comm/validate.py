@@ -84,3 +84,36 @@ def describe_model(model: Any) -> list[list[Any]]:
     return sorted(
         [name, list(p.data.shape), str(p.data.dtype)] for name, p in model.named_parameters()
     )
+
+
+def raise_if_any(comm: Any, problem: BaseException | str | None, *, what: str = "") -> None:
+    """Raise the same error on every rank of ``comm`` if any rank has a ``problem`` (collective).
+
+    The one place where "a check failed on some ranks" becomes "every rank raises": each rank
+    passes its own finding (``None`` when all is well, a message, or an exception it caught).
+    Costs one ``allgather_obj`` of a small tuple. The error raised everywhere has the type of the
+    first failing rank's exception (``ValueError`` for a plain message; a type that cannot be
+    rebuilt from a message falls back to ``RuntimeError``) and a message naming each failing
+    rank, prefixed by ``what``.
+    """
+    mine = None
+    if isinstance(problem, BaseException):
+        mine = (type(problem), str(problem))
+    elif problem is not None:
+        mine = (ValueError, str(problem))
+    everyone = comm.allgather_obj(mine)
+    bad = [(r, p) for r, p in enumerate(everyone) if p is not None]
+    if not bad:
+        return
+    # Identical messages from many ranks are said once, with the ranks' ranges.
+    by_text: dict[str, list[int]] = {}
+    for r, (_, text) in bad:
+        by_text.setdefault(text, []).append(r)
+    parts = [f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {text}" for text, rs in by_text.items()]
+    message = (f"{what}: " if what else "") + "; ".join(parts)
+    kind = bad[0][1][0]
+    try:
+        exc = kind(message)
+    except Exception:
+        exc = RuntimeError(message)
+    raise exc

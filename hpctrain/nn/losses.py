@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..backend import xp_of
+from .buffers import Buffers
 
 
 def _per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, float]:
@@ -58,6 +61,7 @@ class CrossEntropyLoss:
 
     def __init__(self) -> None:
         self.cache = None
+        self._buffers = Buffers()
 
     def forward(self, logits: Any, target: Any, weight: Any = None) -> float:
         xp = xp_of(logits)
@@ -68,26 +72,36 @@ class CrossEntropyLoss:
             )
         if target.dtype.kind not in "iu":
             raise TypeError(f"CrossEntropyLoss needs integer targets, got {target.dtype}")
-        shifted = logits - logits.max(axis=-1, keepdims=True)
-        exp = xp.exp(shifted)
-        sumexp = exp.sum(axis=-1, keepdims=True)
-        logp_t = xp.take_along_axis(shifted, target[..., None], axis=-1)[..., 0] - xp.log(
-            sumexp[..., 0]
-        )
+        buf = self._buffers
+        row = (*logits.shape[:-1], 1)
+        # The reference's operations in its order, into reused buffers (bitwise equal).
+        shifted = buf.like("shifted", logits)
+        xp.subtract(logits, xp.max(logits, axis=-1, keepdims=True, out=buf.get("max", row, logits.dtype, xp)),
+                    out=shifted)
+        probs = buf.like("probs", logits)
+        xp.exp(shifted, out=probs)
+        sumexp = xp.sum(probs, axis=-1, keepdims=True, out=buf.get("sumexp", row, logits.dtype, xp))
+        logp_t = xp.take_along_axis(shifted, target[..., None], axis=-1)[..., 0] - xp.log(sumexp[..., 0])
         nll = -logp_t
         w, denom = _per_sample_weight(weight, nll)
         if w is not None:
             nll = nll * w
-        self.cache = (exp / sumexp, target, w, denom)
+        probs /= sumexp
+        self.cache = (probs, target, w, denom)
         return float(nll.sum()) / denom if denom else 0.0
 
     def backward(self, scale: float = 1.0) -> Any:
         probs, target, w, denom = self.cache
         xp = xp_of(probs)
-        g = probs.copy()
+        # A copy: backward may run again (another scale) on the same forward.
+        g = self._buffers.like("g", probs)
+        g[...] = probs
         if not denom:
-            return g * 0
+            g *= 0
+            return g
         onehot_at = xp.take_along_axis(g, target[..., None], axis=-1) - 1
         xp.put_along_axis(g, target[..., None], onehot_at, axis=-1)
         g *= scale / denom
-        return g * w[..., None] if w is not None else g
+        if w is not None:
+            g *= w[..., None]
+        return g

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import get_xp, to_device, xp_of
+from .buffers import Buffers
 
 
 class Parameter:
@@ -71,6 +72,13 @@ class Module:
 
     def __call__(self, x: Any) -> Any:
         return self.forward(x)
+
+    def _scratch(self) -> Buffers:
+        """This module's reusable arrays (created on first use; see ``hpctrain.nn.buffers``)."""
+        pool = self.__dict__.get("_buffers")
+        if pool is None:
+            pool = self.__dict__["_buffers"] = Buffers()
+        return pool
 
     # -- structure ----------------------------------------------------------------------------
 

@@ -14,37 +14,80 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
+from .buffers import Buffers
 from .layers import GELU, Embedding, LayerNorm, Linear
 from .module import Module, Sequential, as_rng
 
 
-def causal_attention(q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+_MASKS: dict[tuple, Any] = {}
+
+
+def _future_mask(t: int, dtype: Any, xp: Any) -> Any:
+    """``(t, t)``: 0 where position i may look at j (j <= i), -inf above the diagonal (cached)."""
+    key = (t, np.dtype(dtype), xp.__name__)
+    mask = _MASKS.get(key)
+    if mask is None:
+        if len(_MASKS) > 16:
+            _MASKS.clear()
+        mask = xp.where(xp.triu(xp.ones((t, t), dtype=bool), k=1), -np.inf, 0.0).astype(dtype)
+        _MASKS[key] = mask
+    return mask
+
+
+def _get(buffers: Buffers | None, tag: str, shape: tuple, dtype: Any, xp: Any) -> Any:
+    return xp.empty(shape, dtype=dtype) if buffers is None else buffers.get(tag, shape, dtype, xp)
+
+
+def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffers | None = None) -> tuple[Any, Any]:
     """Softmax(q k^T / sqrt(hd) + causal mask) v on ``(B, H, T, hd)`` arrays.
 
-    Returns ``(y, att)``; ``att`` (B, H, T, T) is what the backward needs besides q, k, v.
+    Returns ``(y, att)``; ``att`` (B, H, T, T) is what the backward needs besides q, k, v. ``y`` is
+    written into ``out`` when given (any strided ``(B, H, T, hd)`` view, e.g. of a ``(B, T, H*hd)``
+    buffer, so no transpose copy follows); ``buffers`` supplies ``att`` instead of a new array.
     """
     xp = xp_of(q)
-    t, hd = q.shape[-2], q.shape[-1]
-    scores = (q @ xp.swapaxes(k, -1, -2)) * (1.0 / float(np.sqrt(hd)))
-    future = xp.triu(xp.ones((t, t), dtype=bool), k=1)  # position i may not look at j > i
-    scores = xp.where(future, xp.asarray(-xp.inf, dtype=scores.dtype), scores)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    att = xp.exp(scores)
-    att /= att.sum(axis=-1, keepdims=True)
-    return att @ v, att
+    b, h, t, hd = q.shape
+    dtype = np.result_type(q.dtype, k.dtype)
+    att = _get(buffers, "att", (b, h, t, t), dtype, xp)
+    xp.matmul(q, xp.swapaxes(k, -1, -2), out=att)
+    att *= 1.0 / float(np.sqrt(hd))
+    att += _future_mask(t, dtype, xp)  # position i may not look at j > i: -inf there
+    row = (b, h, t, 1)
+    att -= xp.max(att, axis=-1, keepdims=True, out=_get(buffers, "max", row, dtype, xp))
+    xp.exp(att, out=att)
+    att /= xp.sum(att, axis=-1, keepdims=True, out=_get(buffers, "sum", row, dtype, xp))
+    if out is None:
+        out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(dtype, v.dtype))
+    xp.matmul(att, v, out=out)
+    return out, att
 
 
-def causal_attention_backward(dy: Any, q: Any, k: Any, v: Any, att: Any) -> tuple[Any, Any, Any]:
-    """Gradients ``(dq, dk, dv)`` of :func:`causal_attention` given ``dy`` = d loss / d y."""
+def causal_attention_backward(
+    dy: Any, q: Any, k: Any, v: Any, att: Any, *, out: tuple[Any, Any, Any] | None = None,
+    buffers: Buffers | None = None,
+) -> tuple[Any, Any, Any]:
+    """Gradients ``(dq, dk, dv)`` of :func:`causal_attention` given ``dy`` = d loss / d y.
+
+    ``out`` (three ``(B, H, T, hd)`` arrays or strided views) receives them when given.
+    """
     xp = xp_of(dy)
     scale = 1.0 / float(np.sqrt(q.shape[-1]))
-    dv = xp.swapaxes(att, -1, -2) @ dy
-    datt = dy @ xp.swapaxes(v, -1, -2)
-    # Softmax backward; masked positions have att == 0 so their score gradient is 0.
-    dscores = att * (datt - (datt * att).sum(axis=-1, keepdims=True))
-    dscores *= scale
-    dq = dscores @ k
-    dk = xp.swapaxes(dscores, -1, -2) @ q
+    dtype = np.result_type(dy.dtype, att.dtype)
+    if out is None:
+        out = tuple(xp.empty(a.shape, dtype=np.result_type(dtype, a.dtype)) for a in (q, k, v))
+    dq, dk, dv = out
+    xp.matmul(xp.swapaxes(att, -1, -2), dy, out=dv)
+    datt = _get(buffers, "datt", att.shape, dtype, xp)
+    xp.matmul(dy, xp.swapaxes(v, -1, -2), out=datt)
+    # Softmax backward att * (datt - sum(datt * att)); masked positions have att == 0 so their
+    # score gradient is 0.
+    tmp = _get(buffers, "tmp", att.shape, dtype, xp)
+    xp.multiply(datt, att, out=tmp)
+    datt -= xp.sum(tmp, axis=-1, keepdims=True, out=_get(buffers, "rowsum", (*att.shape[:-1], 1), dtype, xp))
+    datt *= att
+    datt *= scale
+    xp.matmul(datt, k, out=dq)
+    xp.matmul(xp.swapaxes(datt, -1, -2), q, out=dk)
     return dq, dk, dv
 
 
@@ -88,20 +131,26 @@ class CausalSelfAttention(Module):
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"CausalSelfAttention({self.d_model}) needs (B, T, {self.d_model}), got {x.shape}")
         b, t, d = x.shape
-        h = self.n_heads
-        # (B, T, 3, H, hd) -> (3, B, H, T, hd): q, k, v with heads as a batch axis
-        qkv = self.qkv.forward(x).reshape(b, t, 3, h, d // h).transpose(2, 0, 3, 1, 4)
+        h, hd = self.n_heads, d // self.n_heads
+        # (B, T, 3, H, hd) -> (3, B, H, T, hd): q, k, v as strided views of the qkv output (no copy)
+        qkv = self.qkv.forward(x).reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
-        y, att = causal_attention(q, k, v)
+        xp, buf = xp_of(x), self._scratch()
+        # The heads' outputs go straight into the (B, T, H*hd) layout the projection reads.
+        y = buf.get("y", (b, t, d), np.result_type(q.dtype, v.dtype), xp)
+        _, att = causal_attention(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
         self.cache = (q, k, v, att)
-        return self.proj.forward(y.transpose(0, 2, 1, 3).reshape(b, t, d))
+        return self.proj.forward(y)
 
     def backward(self, grad_out: Any) -> Any:
         q, k, v, att = self.cache
         b, h, t, hd = q.shape
         dy = self.proj.backward(grad_out).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
-        dq, dk, dv = causal_attention_backward(dy, q, k, v, att)
-        dqkv = xp_of(dq).stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * hd)
+        xp, buf = xp_of(dy), self._scratch()
+        # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
+        dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, att.dtype), xp)
+        parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
+        causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
         return self.qkv.backward(dqkv)
 
     def extra_repr(self) -> str:
@@ -126,12 +175,20 @@ class TransformerBlock(Module):
         self.mlp = MLP(d_model, d_hidden, rng=g, dtype=dtype)
 
     def forward(self, x: Any) -> Any:
-        x = x + self.attn.forward(self.ln1.forward(x))
-        return x + self.mlp.forward(self.ln2.forward(x))
+        # The residual sums go into the sublayers' fresh outputs (nobody caches those), not into
+        # new arrays; x itself is never changed (ln1 caches it).
+        h = self.attn.forward(self.ln1.forward(x))
+        h += x
+        y = self.mlp.forward(self.ln2.forward(h))
+        y += h
+        return y
 
     def backward(self, grad_out: Any) -> Any:
-        g = grad_out + self.ln2.backward(self.mlp.backward(grad_out))
-        return g + self.ln1.backward(self.attn.backward(g))
+        g = self.ln2.backward(self.mlp.backward(grad_out))
+        g += grad_out
+        gx = self.ln1.backward(self.attn.backward(g))
+        gx += g
+        return gx
 
 
 class GPT(Module):
@@ -172,13 +229,21 @@ class GPT(Module):
         idx = to_device(idx, xp)
         if idx.ndim != 2 or idx.shape[1] > self.block_size:
             raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={self.block_size}, got {idx.shape}")
-        x = self.tok_emb.forward(idx) + self.pos_emb.forward(xp.arange(idx.shape[1]))
+        x = self.tok_emb.forward(idx)
+        x += self.pos_emb.forward(self._positions(idx.shape[1], xp))  # into the lookup's fresh output
         return self.head.forward(self.ln_f.forward(self.blocks.forward(x)))
+
+    def _positions(self, t: int, xp: Any) -> Any:
+        pos = self.__dict__.get("_pos")
+        if pos is None or pos.shape[0] != t or xp_of(pos) is not xp:
+            pos = self.__dict__["_pos"] = xp.arange(t)
+        return pos
 
     def backward(self, grad_out: Any) -> None:
         g = self.blocks.backward(self.ln_f.backward(self.head.backward(grad_out)))
         self.tok_emb.backward(g)
-        self.pos_emb.backward(g.sum(axis=0))
+        xp = xp_of(g)
+        self.pos_emb.backward(xp.sum(g, axis=0, out=self._scratch().get("gpos", g.shape[1:], g.dtype, xp)))
         return None
 
     def extra_repr(self) -> str:

@@ -151,23 +151,40 @@ class Adam(Optimizer):
         b1, b2 = self.betas
         t = self.step_count
         g = p.grad
+        xp = xp_of(p.data)
         if self.weight_decay:
             if self.decoupled:
                 p.data *= 1 - lr * self.weight_decay
             else:
                 g = g + self.weight_decay * p.data
         if "exp_avg" not in state:
-            xp = xp_of(p.data)
             state["exp_avg"] = xp.zeros_like(p.data)
             state["exp_avg_sq"] = xp.zeros_like(p.data)
         m, v = state["exp_avg"], state["exp_avg_sq"]
+        # The reference's operations in its order, in place and through one scratch array shared
+        # by all parameters (bitwise equal to the formulas, no temporaries).
+        s = self._scratch_like(p.data, xp)
         m *= b1
-        m += (1 - b1) * g
+        m += xp.multiply(g, 1 - b1, out=s)
         v *= b2
-        v += (1 - b2) * (g * g)
+        xp.multiply(g, g, out=s)
+        s *= 1 - b2
+        v += s
         step_size = lr / (1 - b1**t)
-        denom = xp_of(v).sqrt(v / (1 - b2**t)) + self.eps
-        p.data -= step_size * (m / denom)
+        xp.divide(v, 1 - b2**t, out=s)
+        xp.sqrt(s, out=s)
+        s += self.eps
+        xp.divide(m, s, out=s)
+        s *= step_size
+        p.data -= s
+
+    def _scratch_like(self, a: Any, xp: Any) -> Any:
+        """A scratch view shaped like ``a`` from one flat array sized for the largest parameter."""
+        flat = self.__dict__.get("_scratch")
+        if flat is None or flat.dtype != a.dtype or xp_of(flat) is not xp or flat.size < a.size:
+            size = max(int(q.data.size) for q in self.params if q.data.dtype == a.dtype)
+            flat = self.__dict__["_scratch"] = xp.empty(size, dtype=a.dtype)
+        return flat[: a.size].reshape(a.shape)
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "betas": list(self.betas), "eps": self.eps,

@@ -1,0 +1,328 @@
+"""GPT training step against PyTorch: one process and data parallel, allocations, exposed communication.
+
+    mpiexec -n 2 python benchmarks/gpt_torch.py [--quick] [--markdown FILE] [--no-torch]
+
+The same GPT on both sides (d_model 256, 4 blocks, 4 heads, 128 tokens, a 65-character vocabulary,
+global batch 16, AdamW), one BLAS/OpenMP thread per process:
+
+* one process: rank 0 alone (the other ranks wait without spinning), hpctrain's forward + backward
+  + AdamW step against PyTorch's (eager, ``scaled_dot_product_attention``), interleaved rounds,
+  median step time; target: hpctrain <= 0.9x PyTorch's time;
+* data parallel over all ranks (batch 16 / ranks each): ``DataParallelTrainer`` against PyTorch
+  ``DistributedDataParallel`` (gloo), interleaved rounds, median of the slowest rank; target:
+  hpctrain's samples/s >= 1.1x PyTorch's;
+* exposed communication per step (time inside communication calls) for each gradient-progress
+  choice (``HPCTRAIN_PROGRESS``-like ``progress=`` of the trainer: ``poll``, ``thread``, ``none``);
+* allocations per step: arrays hpctrain's layer buffers create, and bytes allocated above the step's
+  starting memory (tracemalloc peak), after warm-up.
+
+PyTorch runs only when it is importable (this benchmark installs nothing). The machine may be
+shared: each ratio is taken within one run from interleaved rounds, and the spread of the
+per-round ratios is printed as the noise.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One thread per process for every library (before NumPy or torch load).
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import argparse  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import tracemalloc  # noqa: E402
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import hpctrain as ht  # noqa: E402
+from hpctrain.nn import buffers  # noqa: E402
+from hpctrain.parallel import DataParallelTrainer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit  # noqa: E402
+
+VOCAB = 65
+
+
+def config(quick: bool) -> dict:
+    if quick:
+        return {"d": 128, "layers": 2, "heads": 4, "t": 64, "batch": 8, "steps": 2, "rounds": 5}
+    return {"d": 256, "layers": 4, "heads": 4, "t": 128, "batch": 16, "steps": 3, "rounds": 9}
+
+
+# -- hpctrain side ------------------------------------------------------------------------------
+
+
+def ht_model(c: dict) -> ht.nn.GPT:
+    return ht.nn.GPT(VOCAB, c["t"], c["d"], c["heads"], c["layers"], rng=0)
+
+
+class HtSolo:
+    def __init__(self, c: dict, x: np.ndarray, y: np.ndarray) -> None:
+        self.model = ht_model(c)
+        self.loss = ht.nn.CrossEntropyLoss()
+        self.opt = ht.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1)
+        self.x, self.y = x, y
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        self.loss.forward(self.model.forward(self.x), self.y)
+        self.model.backward(self.loss.backward())
+        self.opt.step()
+
+
+class HtDP:
+    def __init__(self, c: dict, comm: ht.Communicator, x: np.ndarray, y: np.ndarray, progress: str | None) -> None:
+        model = ht_model(c)
+        opt = ht.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        kw = {} if progress is None else {"progress": progress}
+        self.tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=opt, comm=comm, **kw)
+        self.x, self.y = x, y
+        self.comm_s: list[float] = []
+
+    def step(self) -> None:
+        self.comm_s.append(self.tr.step(self.x, self.y).comm_seconds)
+
+
+# -- PyTorch side -------------------------------------------------------------------------------
+
+
+def torch_model(c: dict):
+    import torch
+    import torch.nn.functional as F
+
+    d, h = c["d"], c["heads"]
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+            self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+    class GPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = torch.nn.Embedding(VOCAB, d), torch.nn.Embedding(c["t"], d)
+            self.blocks = torch.nn.Sequential(*[Block() for _ in range(c["layers"])])
+            self.ln_f, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, VOCAB, bias=False)
+
+        def forward(self, idx):
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+            return self.head(self.ln_f(self.blocks(x)))
+
+    torch.manual_seed(0)
+    return GPT()
+
+
+class TorchStep:
+    def __init__(self, model, x: np.ndarray, y: np.ndarray) -> None:
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=False)
+        logits = self.model(self.x)
+        self.torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), self.y.view(-1)).backward()
+        self.opt.step()
+
+
+def have_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+
+def run_steps(fn, n: int, comm: MPI.Comm | None = None) -> float:
+    """Seconds per step over ``n`` steps (the slowest rank's when ``comm`` is given)."""
+    if comm is not None:
+        comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t0) / n
+    return dt if comm is None else comm.allreduce(dt, op=MPI.MAX)
+
+
+def interleaved(cases: dict, steps: int, rounds: int, comm: MPI.Comm | None = None) -> dict[str, list[float]]:
+    """Per-round step times of every case, the cases taking turns inside each round."""
+    for fn in cases.values():  # warm-up: buffers, caches, connections, the learned bucket order
+        fn()
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for r in range(rounds):
+        order = list(cases) if r % 2 == 0 else list(reversed(cases))  # neither side always goes first
+        for k in order:
+            times[k].append(run_steps(cases[k], steps, comm))
+    return times
+
+
+def spread(a: list[float], b: list[float]) -> str:
+    """The range of the per-round ratios a/b: how much the machine's noise moved the ratio."""
+    ratios = [x / y for x, y in zip(a, b)]
+    return f"per-round {min(ratios):.2f}-{max(ratios):.2f}"
+
+
+def wait_quietly(comm: MPI.Comm) -> None:
+    """Wait for rank 0 without spinning a core (a blocking MPI barrier busy-polls)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.01)
+
+
+def allocations(step, n: int = 3) -> tuple[float, float]:
+    """(arrays hpctrain's buffers create per step, bytes allocated above the step's start per step)."""
+    for _ in range(3):
+        step()
+    made = buffers.created["arrays"]
+    tracemalloc.start()
+    peaks = []
+    for _ in range(n):
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        step()
+        peaks.append(tracemalloc.get_traced_memory()[1] - start)
+    tracemalloc.stop()
+    return (buffers.created["arrays"] - made) / n, float(statistics.median(peaks))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a smaller GPT and fewer rounds (well under a minute)")
+    ap.add_argument("--markdown", metavar="FILE", help="append the table to FILE")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch side")
+    args = ap.parse_args(argv)
+    c = config(args.quick)
+    world = MPI.COMM_WORLD
+    rank, size = world.rank, world.size
+    use_torch = not args.no_torch and have_torch()
+    if use_torch:
+        import torch
+
+        torch.set_num_threads(1)
+    g = np.random.default_rng(0)
+    x_all = g.integers(0, VOCAB, (c["batch"], c["t"]))
+    y_all = g.integers(0, VOCAB, (c["batch"], c["t"]))
+    tokens = c["batch"] * c["t"]
+    rows: list[tuple] = []
+
+    # One process.
+    if rank == 0:
+        solo = HtSolo(c, x_all, y_all)
+        cases = {"hpctrain": solo.step}
+        if use_torch:
+            cases["torch"] = TorchStep(torch_model(c), x_all, y_all).step
+        t = interleaved(cases, c["steps"], c["rounds"])
+        ours = statistics.median(t["hpctrain"])
+        if use_torch:
+            theirs = statistics.median(t["torch"])
+            rows.append(("1 process: step time", f"{ours * 1e3:.0f} ms ({tokens / ours:,.0f} tokens/s)",
+                         f"{theirs * 1e3:.0f} ms ({tokens / theirs:,.0f} tokens/s)",
+                         f"{ours / theirs:.2f}x time ({spread(t['hpctrain'], t['torch'])})", "<= 0.90x"))
+        else:
+            rows.append(("1 process: step time", f"{ours * 1e3:.0f} ms ({tokens / ours:,.0f} tokens/s)",
+                         "torch not importable", "", ""))
+        per_step, peak = allocations(solo.step)
+        rows.append(("1 process: arrays created per step (after warm-up)", f"{per_step:.0f}", "", "", "0"))
+        rows.append(("1 process: bytes allocated above the step's start", f"{peak / 2**20:.1f} MiB", "", "", ""))
+        world.Ibarrier().Wait()  # matches the others' Ibarrier (a blocking Barrier would not)
+    else:
+        wait_quietly(world)
+
+    # Data parallel over every rank.
+    if size > 1 and c["batch"] % size == 0:
+        comm = ht.Communicator()
+        share = c["batch"] // size
+        x, y = x_all[rank * share:(rank + 1) * share], y_all[rank * share:(rank + 1) * share]
+        progress_choices = _progress_choices()
+        dps = {p: HtDP(c, comm, x, y, p) for p in progress_choices}
+        cases = {f"hpctrain/{p}": dps[p].step for p in progress_choices}
+        pg = None
+        if use_torch:
+            pg = _torch_dist(world)
+            from torch.nn.parallel import DistributedDataParallel
+
+            cases["torch"] = TorchStep(DistributedDataParallel(torch_model(c), bucket_cap_mb=25), x, y).step
+        for dp in dps.values():
+            dp.comm_s.clear()
+        t = interleaved(cases, c["steps"], c["rounds"], world)
+        default = f"hpctrain/{progress_choices[0]}"
+        ours = statistics.median(t[default])
+        label = f"dp={size}: samples/s (batch {share}/rank)"
+        if use_torch:
+            theirs = statistics.median(t["torch"])
+            rows.append((label, f"{c['batch'] / ours:,.1f} ({tokens / ours:,.0f} tokens/s)",
+                         f"{c['batch'] / theirs:,.1f} ({tokens / theirs:,.0f} tokens/s)",
+                         f"{theirs / ours:.2f}x samples/s ({spread(t['torch'], t[default])})", ">= 1.10x"))
+        else:
+            rows.append((label, f"{c['batch'] / ours:,.1f}", "torch not importable", "", ""))
+        for p in progress_choices:
+            dp = dps[p]
+            comm_s = world.allreduce(float(np.median(dp.comm_s[2:])), op=MPI.MAX)
+            step_s = statistics.median(t[f"hpctrain/{p}"])
+            rows.append((f"dp={size}: exposed comm per step, progress={p}", f"{comm_s * 1e3:.1f} ms",
+                         f"step {step_s * 1e3:.0f} ms", f"{comm_s / step_s:.1%} of the step", ""))
+        if pg is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+    if rank == 0:
+        lib = MPI.Get_library_version().splitlines()[0].strip()
+        torch_v = f"torch {__import__('torch').__version__}" if use_torch else "torch absent"
+        title = (f"gpt_torch: GPT d_model {c['d']}, {c['layers']} blocks, {c['heads']} heads, {c['t']} tokens, "
+                 f"batch {c['batch']}; {size} ranks, {lib}, {torch_v}" + (" (--quick)" if args.quick else ""))
+        emit(title, ["measurement", "hpctrain", "PyTorch", "ratio", "target"], rows, args.markdown,
+             notes=[f"Medians of {c['rounds']} interleaved rounds of {c['steps']} steps, one thread per process; "
+                    "dp times are the slowest rank's. Exposed comm: seconds inside communication calls per step."])
+    return 0
+
+
+def _progress_choices() -> list[str]:
+    """The trainer's gradient-progress choices, the default first (none on an older trainer)."""
+    import inspect
+
+    if "progress" not in inspect.signature(DataParallelTrainer).parameters:
+        return [None]  # type: ignore[list-item]
+    from hpctrain.parallel.data import PROGRESS
+
+    default = inspect.signature(DataParallelTrainer).parameters["progress"].default
+    return [default] + [p for p in PROGRESS if p != default]
+
+
+def _torch_dist(world: MPI.Comm):
+    import torch.distributed as dist
+
+    port = None
+    if world.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = world.bcast(port)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size)
+    return dist.group.WORLD
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Reusable arrays for layers: the step allocates nothing once the first step has run.
+
+A layer asks its :class:`Buffers` for an array by a tag and a shape instead of letting NumPy (or
+CuPy) allocate a temporary. An array is handed out again only when nothing outside the pool refers
+to it any more: its reference count says so. An output the caller still holds, a cache of a
+micro-batch a pipeline keeps in flight, a view of either, an MPI request reading it: each is a
+reference, so such an array is never overwritten; the pool then makes another one. Reuse is
+therefore invisible to callers, and a pipeline with k micro-batches in flight simply ends up with
+k arrays per tag.
+
+Counting references is exact in CPython (what hpctrain runs on): a view keeps its base alive
+through ``.base``, an exported buffer through the exporter. On CuPy the same holds for device
+arrays, and a kernel queued on the stream that still reads a reused array runs before the next
+writer on the same stream, so stream order keeps reuse correct there too.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+#: Arrays created by every pool of this process (a benchmark reads it to show allocations per step).
+created = {"arrays": 0, "bytes": 0}
+
+# Arrays kept per (tag, shape, dtype): enough for the micro-batches a pipeline holds in flight;
+# beyond that an array is still made, just not kept for reuse.
+_KEEP_PER_KEY = 16
+# Distinct (tag, shape, dtype) keys per pool: a run that changes batch shapes (the last short
+# batch, an evaluation batch) must not grow the pool without bound; the oldest key goes first.
+_KEYS = 32
+
+# sys.getrefcount of a free array inside ``get``: the pool's list, the loop variable, the argument.
+_FREE_REFS = 3
+
+
+class Buffers:
+    """A per-layer pool of arrays reused across steps (see the module docstring)."""
+
+    __slots__ = ("_arrays",)
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple, list[Any]] = {}
+
+    def get(self, tag: str, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
+        """An uninitialised array of ``shape`` and ``dtype`` (module ``xp``) that nobody else holds."""
+        key = (tag, tuple(shape), np.dtype(dtype), xp.__name__)
+        arrays = self._arrays.get(key)
+        if arrays is None:
+            if len(self._arrays) >= _KEYS:
+                self._arrays.pop(next(iter(self._arrays)))
+            arrays = self._arrays[key] = []
+        for a in arrays:
+            if sys.getrefcount(a) <= _FREE_REFS:
+                return a
+        a = xp.empty(shape, dtype=dtype)
+        created["arrays"] += 1
+        created["bytes"] += int(a.nbytes)
+        if len(arrays) < _KEEP_PER_KEY:
+            arrays.append(a)
+        return a
+
+    def like(self, tag: str, a: Any) -> Any:
+        """``get`` with the shape, dtype and array module of ``a``."""
+        return self.get(tag, a.shape, a.dtype, _module_of(a))
+
+    def clear(self) -> None:
+        """Forget every array (they are freed once nobody else holds them)."""
+        self._arrays.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays the pool keeps."""
+        return sum(int(a.nbytes) for arrays in self._arrays.values() for a in arrays)
+
+    def __deepcopy__(self, memo: dict) -> Buffers:
+        return Buffers()  # a copied layer starts with its own, empty pool
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._arrays = {}
+
+
+def _module_of(a: Any) -> Any:
+    from ..backend import xp_of
+
+    return xp_of(a)

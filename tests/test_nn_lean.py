@@ -1,0 +1,173 @@
+"""The lean layers (issue 20) against their previous versions (tests/reference_nn.py): same outputs
+and gradients (bitwise where the operations are the same, else to rounding), buffers that are
+never reused while someone holds them, and no new arrays once the first step has run."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from hpctrain import nn, optim
+from hpctrain.nn import buffers
+from reference_nn import ReferenceCrossEntropy, as_reference, reference_adam_update
+
+# Exact where the operations and their order are unchanged; matrix products over 2-D instead of
+# 3-D operands may round differently in the last bit.
+TOL = {np.float32: {"rtol": 2e-5, "atol": 1e-6}, np.float64: {"rtol": 1e-12, "atol": 1e-14}}
+
+
+def _models(dtype):
+    kw = {"dtype": dtype}
+    return {
+        "linear": (lambda: nn.Linear(8, 12, rng=0, **kw), "x"),
+        "gelu": (lambda: nn.GELU(), "x"),
+        "layernorm": (lambda: _ln(kw), "x"),
+        "embedding": (lambda: nn.Embedding(7, 8, rng=0, **kw), "idx"),
+        "attention": (lambda: nn.CausalSelfAttention(8, 2, rng=1, **kw), "x"),
+        "block": (lambda: nn.TransformerBlock(8, 2, 12, rng=2, **kw), "x"),
+        "gpt": (lambda: nn.GPT(vocab_size=7, block_size=6, d_model=8, n_heads=2, n_layers=2, rng=3, **kw), "idx"),
+    }
+
+
+def _ln(kw):
+    ln = nn.LayerNorm(8, **kw)
+    g = np.random.default_rng(9)
+    ln.weight.data[...] = g.standard_normal(8)
+    ln.bias.data[...] = g.standard_normal(8)
+    return ln
+
+
+def _run(model, inputs, grads):
+    """Two forward/backward passes (the second reuses every buffer); outputs, input grads, param grads."""
+    outs, gins = [], []
+    model.zero_grad()
+    for x, g in zip(inputs, grads):
+        y = model.forward(x)
+        outs.append(np.array(y, copy=True))
+        gx = model.backward(g.astype(y.dtype))
+        gins.append(None if gx is None else np.array(gx, copy=True))
+    return outs, gins, {n: p.grad.copy() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["linear", "gelu", "layernorm", "embedding", "attention", "block", "gpt"])
+def test_lean_layer_matches_previous_version(name, dtype, rng):
+    make, kind = _models(dtype)[name]
+    if kind == "idx":
+        inputs = [rng.integers(0, 6, (3, 5)) for _ in range(2)]
+    else:
+        inputs = [(rng.standard_normal((3, 5, 8)) * 2).astype(dtype) for _ in range(2)]
+    new = make()
+    old = as_reference(copy.deepcopy(new))
+    probe = new.forward(inputs[0])
+    grads = [rng.standard_normal(probe.shape) for _ in range(2)]
+    got, want = _run(new, inputs, grads), _run(old, inputs, grads)
+    exact = name in ("gelu", "layernorm")  # same operations in the same order
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        if b is None:
+            assert a is None
+        elif exact:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, **TOL[dtype])
+        assert a is None or a.dtype == b.dtype
+    for n in want[2]:
+        if exact:
+            np.testing.assert_array_equal(got[2][n], want[2][n], err_msg=n)
+        else:
+            np.testing.assert_allclose(got[2][n], want[2][n], err_msg=n, **TOL[dtype])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_lean_cross_entropy_is_bitwise_the_previous_one(rng, weighted):
+    logits = rng.standard_normal((4, 3, 9)).astype(np.float32) * 3
+    target = rng.integers(0, 9, (4, 3))
+    w = np.array([1.0, 0.0, 1.0, 1.0]) if weighted else None
+    new, old = nn.CrossEntropyLoss(), ReferenceCrossEntropy()
+    for _ in range(2):
+        assert new.forward(logits, target, w) == old.forward(logits, target, w)
+        for scale in (1.0, 0.25):  # backward twice on one forward: the probabilities must survive
+            np.testing.assert_array_equal(new.backward(scale), old.backward(scale))
+
+
+@pytest.mark.parametrize("cls,wd", [(optim.AdamW, 0.1), (optim.Adam, 0.0), (optim.Adam, 0.05)])
+def test_lean_adam_is_bitwise_the_previous_one(cls, wd, rng):
+    shapes = [(5, 3), (7,), (2, 2, 2)]
+    params = [nn.Parameter(rng.standard_normal(s).astype(np.float32), name=f"p{i}") for i, s in enumerate(shapes)]
+    twins = [nn.Parameter(p.data.copy(), name=p.name) for p in params]
+    opt, ref = cls(params, lr=0.01, weight_decay=wd), cls(twins, lr=0.01, weight_decay=wd)
+    for _ in range(4):
+        for p, q in zip(params, twins):
+            p.grad[...] = q.grad[...] = rng.standard_normal(p.shape)
+        opt.step()
+        ref.step_count += 1
+        for name, q in zip(ref.names, twins):
+            reference_adam_update(ref, q, ref.state[name], ref.lr)
+        for p, q in zip(params, twins):
+            np.testing.assert_array_equal(p.data, q.data)
+            np.testing.assert_array_equal(opt.state[p.name]["exp_avg_sq"], ref.state[q.name]["exp_avg_sq"])
+
+
+def test_embedding_scatter_accumulates_repeats_into_nonzero_gradients(rng):
+    emb = nn.Embedding(6, 4, rng=0, dtype=np.float64)
+    emb.weight.grad[...] = rng.standard_normal((6, 4))
+    want = emb.weight.grad.copy()
+    idx = np.array([[5, 0, 5], [5, 2, 0]])
+    g = rng.standard_normal((2, 3, 4))
+    np.add.at(want, idx.reshape(-1), g.reshape(-1, 4))
+    emb.forward(idx)
+    emb.backward(g)
+    np.testing.assert_allclose(emb.weight.grad, want, rtol=1e-14)
+
+
+def test_outputs_a_caller_holds_are_never_overwritten(rng):
+    gpt = nn.GPT(vocab_size=9, block_size=6, d_model=8, n_heads=2, n_layers=2, rng=0)
+    a, b = rng.integers(0, 9, (2, 6)), rng.integers(0, 9, (2, 6))
+    ya = gpt.forward(a)
+    keep = ya.copy()
+    yb = gpt.forward(b)
+    assert yb is not ya and not np.shares_memory(ya, yb)
+    np.testing.assert_array_equal(ya, keep)  # the second forward did not write into the first's output
+    view = yb[0]  # a view keeps its base out of reuse too
+    yc = gpt.forward(a)
+    assert not np.shares_memory(view, yc)
+    np.testing.assert_array_equal(yc, keep)
+
+
+def test_a_gpt_step_creates_no_arrays_after_the_second(rng):
+    gpt = nn.GPT(vocab_size=11, block_size=8, d_model=16, n_heads=2, n_layers=2, rng=0)
+    loss = nn.CrossEntropyLoss()
+    opt = optim.AdamW(gpt.parameters(), lr=1e-3)
+    x, y = rng.integers(0, 11, (4, 8)), rng.integers(0, 11, (4, 8))
+
+    def step():
+        opt.zero_grad()
+        loss.forward(gpt.forward(x), y)
+        gpt.backward(loss.backward())
+        opt.step()
+
+    # Step 1 fills the pools; in step 2 each layer's cache still holds step 1's input while the
+    # layer before it writes a new output, so that output gets a second array; from then on the
+    # two alternate and nothing is created.
+    step()
+    step()
+    before = dict(buffers.created)
+    for _ in range(3):
+        step()
+    assert buffers.created == before
+    # the pools hold what they made (and the first step made something)
+    assert sum(m._scratch().nbytes for _, m in gpt.named_modules()) > 0
+
+
+def test_buffers_reuse_only_free_arrays():
+    pool = buffers.Buffers()
+    a = pool.get("t", (3,), np.float32)
+    b = pool.get("t", (3,), np.float32)
+    assert a is not b  # a is still held
+    del a
+    c = pool.get("t", (3,), np.float32)
+    assert c is not b and c.shape == (3,)
+    assert pool.get("t", (4,), np.float32).shape == (4,)
+    assert copy.deepcopy(pool).nbytes == 0

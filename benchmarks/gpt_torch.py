@@ -40,7 +40,11 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import hpctrain as ht  # noqa: E402
-from hpctrain.nn import buffers  # noqa: E402
+
+try:
+    from hpctrain.nn import buffers  # noqa: E402
+except ImportError:  # hpctrain before the lean layers (to measure "before")
+    buffers = None
 from hpctrain.parallel import DataParallelTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -77,11 +81,14 @@ class HtSolo:
 
 
 class HtDP:
-    def __init__(self, c: dict, comm: ht.Communicator, x: np.ndarray, y: np.ndarray, progress: str | None) -> None:
+    def __init__(self, c: dict, comm: ht.Communicator, x: np.ndarray, y: np.ndarray, progress: str | None,
+                 bucket_mb: float) -> None:
         model = ht_model(c)
         opt = ht.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
         kw = {} if progress is None else {"progress": progress}
-        self.tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=opt, comm=comm, **kw)
+        self.tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=opt, comm=comm,
+                                      bucket_mb=bucket_mb, **kw)
+        self.tr.progress = getattr(self.tr, "progress", "poll")  # older trainers always polled
         self.x, self.y = x, y
         self.comm_s: list[float] = []
 
@@ -195,7 +202,7 @@ def allocations(step, n: int = 3) -> tuple[float, float]:
     """(arrays hpctrain's buffers create per step, bytes allocated above the step's start per step)."""
     for _ in range(3):
         step()
-    made = buffers.created["arrays"]
+    made = buffers.created["arrays"] if buffers else float("nan")
     tracemalloc.start()
     peaks = []
     for _ in range(n):
@@ -204,7 +211,8 @@ def allocations(step, n: int = 3) -> tuple[float, float]:
         step()
         peaks.append(tracemalloc.get_traced_memory()[1] - start)
     tracemalloc.stop()
-    return (buffers.created["arrays"] - made) / n, float(statistics.median(peaks))
+    made_now = buffers.created["arrays"] if buffers else float("nan")
+    return (made_now - made) / n, float(statistics.median(peaks))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smaller GPT and fewer rounds (well under a minute)")
     ap.add_argument("--markdown", metavar="FILE", help="append the table to FILE")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch side")
+    ap.add_argument("--small-bucket", type=float, default=1.0, help="bucket MB of the progress comparison")
     args = ap.parse_args(argv)
     c = config(args.quick)
     world = MPI.COMM_WORLD
@@ -255,34 +264,30 @@ def main(argv: list[str] | None = None) -> int:
         comm = ht.Communicator()
         share = c["batch"] // size
         x, y = x_all[rank * share:(rank + 1) * share], y_all[rank * share:(rank + 1) * share]
-        progress_choices = _progress_choices()
-        dps = {p: HtDP(c, comm, x, y, p) for p in progress_choices}
-        cases = {f"hpctrain/{p}": dps[p].step for p in progress_choices}
+        # The default trainer (25 MB buckets: this GPT fits one, so nothing overlaps), then small
+        # buckets under each progress choice.
+        configs = [(None, 25.0)] + [(p, args.small_bucket) for p in _progress_choices()]
+        dps = {cfg: HtDP(c, comm, x, y, cfg[0], cfg[1]) for cfg in configs}
+        names = {cfg: f"hpctrain, {cfg[1]:g} MB buckets, progress={dps[cfg].tr.progress}" for cfg in configs}
+        cases = {names[cfg]: dps[cfg].step for cfg in configs}
         pg = None
         if use_torch:
             pg = _torch_dist(world)
             from torch.nn.parallel import DistributedDataParallel
 
             cases["torch"] = TorchStep(DistributedDataParallel(torch_model(c), bucket_cap_mb=25), x, y).step
-        for dp in dps.values():
-            dp.comm_s.clear()
         t = interleaved(cases, c["steps"], c["rounds"], world)
-        default = f"hpctrain/{progress_choices[0]}"
-        ours = statistics.median(t[default])
-        label = f"dp={size}: samples/s (batch {share}/rank)"
-        if use_torch:
-            theirs = statistics.median(t["torch"])
-            rows.append((label, f"{c['batch'] / ours:,.1f} ({tokens / ours:,.0f} tokens/s)",
-                         f"{c['batch'] / theirs:,.1f} ({tokens / theirs:,.0f} tokens/s)",
-                         f"{theirs / ours:.2f}x samples/s ({spread(t['torch'], t[default])})", ">= 1.10x"))
-        else:
-            rows.append((label, f"{c['batch'] / ours:,.1f}", "torch not importable", "", ""))
-        for p in progress_choices:
-            dp = dps[p]
+        theirs = statistics.median(t["torch"]) if use_torch else None
+        for cfg in configs:
+            name, dp = names[cfg], dps[cfg]
+            ours = statistics.median(t[name])
             comm_s = world.allreduce(float(np.median(dp.comm_s[2:])), op=MPI.MAX)
-            step_s = statistics.median(t[f"hpctrain/{p}"])
-            rows.append((f"dp={size}: exposed comm per step, progress={p}", f"{comm_s * 1e3:.1f} ms",
-                         f"step {step_s * 1e3:.0f} ms", f"{comm_s / step_s:.1%} of the step", ""))
+            rows.append((f"dp={size} (batch {share}/rank): {name[10:]}",
+                         f"{c['batch'] / ours:,.1f} samples/s ({tokens / ours:,.0f} tokens/s); "
+                         f"exposed comm {comm_s * 1e3:.1f} ms/step ({comm_s / ours:.1%})",
+                         f"{c['batch'] / theirs:,.1f} samples/s" if theirs else "torch not importable",
+                         f"{theirs / ours:.2f}x samples/s ({spread(t['torch'], t[name])})" if theirs else "",
+                         ">= 1.10x" if cfg == configs[0] else ""))
         if pg is not None:
             import torch.distributed as dist
 
@@ -299,16 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _progress_choices() -> list[str]:
-    """The trainer's gradient-progress choices, the default first (none on an older trainer)."""
-    import inspect
-
-    if "progress" not in inspect.signature(DataParallelTrainer).parameters:
-        return [None]  # type: ignore[list-item]
-    from hpctrain.parallel.data import PROGRESS
-
-    default = inspect.signature(DataParallelTrainer).parameters["progress"].default
-    return [default] + [p for p in PROGRESS if p != default]
+def _progress_choices() -> list[str | None]:
+    """The trainer's gradient-progress choices (``[None]``: an older trainer without the choice)."""
+    try:
+        from hpctrain.comm.progress import PROGRESS
+    except ImportError:
+        return [None]
+    return list(PROGRESS)
 
 
 def _torch_dist(world: MPI.Comm):

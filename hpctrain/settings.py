@@ -52,3 +52,16 @@ def timeout_deadline_seconds(timeout: float | None = None) -> float | None:
     """``resolve_timeout`` for a polling loop: ``None`` when off (wait forever), else seconds."""
     value = resolve_timeout(timeout)
     return None if value == 0 else value
+
+
+def progress() -> str:
+    """How gradient buckets in flight progress during backward: ``HPCTRAIN_PROGRESS`` (``poll``,
+    ``thread`` or ``none``; default ``poll``), see ``hpctrain.comm.progress``."""
+    from .comm.progress import PROGRESS
+
+    raw = os.environ.get("HPCTRAIN_PROGRESS", "").strip().lower()
+    if not raw:
+        return "poll"
+    if raw not in PROGRESS:
+        raise ConfigError(f"HPCTRAIN_PROGRESS={raw!r} must be one of {', '.join(PROGRESS)}")
+    return raw

@@ -8,10 +8,10 @@ import copy
 
 import numpy as np
 import pytest
+from reference_nn import ReferenceCrossEntropy, as_reference, reference_adam_update
 
 from hpctrain import nn, optim
 from hpctrain.nn import buffers
-from reference_nn import ReferenceCrossEntropy, as_reference, reference_adam_update
 
 # Exact where the operations and their order are unchanged; matrix products over 2-D instead of
 # 3-D operands may round differently in the last bit.

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import xp_of
+from . import progress as _progress
 from .communicator import Communicator, Request
 
 COMPRESSIONS = (None, "fp16", "bf16")
@@ -157,7 +158,11 @@ class GradBuckets:
         bucket_mb: float = 25.0,
         compression: str | None = None,
         reducer: Any = None,
+        progress: str = "poll",
     ) -> None:
+        # How buckets in flight make progress while backward computes (hpctrain/comm/progress.py).
+        self.progress = _progress.check(progress)
+        self._poking = False
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         if bucket_mb <= 0:
@@ -246,9 +251,11 @@ class GradBuckets:
                 if b.pending == 0:
                     self._completed.append(b.index)
         self._launch(force=False)
+        if self.progress != "poll":
+            return
         # MPI progresses non-blocking collectives only inside MPI calls: poke the ones in flight
-        # so they advance while backward computes (no progress thread needed). The poke moves
-        # data, so its time counts as communication time.
+        # so they advance while backward computes. The poke moves data, so its time counts as
+        # communication time.
         t0 = time.perf_counter()
         for b in self._order[: self._next]:
             b.request.test()
@@ -270,6 +277,9 @@ class GradBuckets:
                 b.pending = 0
                 self._completed.append(b.index)
         self._launch(force=True)
+        if self._poking:
+            _progress.end()
+            self._poking = False
         t0 = time.perf_counter()
         for b in self._order:
             # The communicator's stall watchdog bounds this wait: a dead or stuck peer ends the
@@ -328,6 +338,9 @@ class GradBuckets:
                 b.request = self.reducer.iallreduce(b.flat, out=b.flat)
             self.comm_seconds += time.perf_counter() - t0
             self._next += 1
+            if self.progress == "thread" and not force and not self._poking:
+                _progress.begin()  # the progress thread moves this bucket while backward goes on
+                self._poking = True
 
     def _iallreduce16(self, wire: Any, kind: str) -> Request:
         """In-place all-reduce of 16-bit floats (as uint16) with a NumPy sum operation."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ..backend import xp_of
 from .buffers import Buffers
 

@@ -18,7 +18,6 @@ from .buffers import Buffers
 from .layers import GELU, Embedding, LayerNorm, Linear
 from .module import Module, Sequential, as_rng
 
-
 _MASKS: dict[tuple, Any] = {}
 
 

@@ -17,9 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..backend import to_host
 from ..comm import Communicator
 from ..comm.buckets import COMPRESSIONS, GradBuckets
+from ..comm.progress import check as check_progress
 from ..comm.validate import agree, describe_model
 from ..errors import MismatchError
 from ..guard import check_finite
@@ -134,8 +136,11 @@ class DataParallelTrainer(Trainer):
         backend: str = "mpi",
         on_nonfinite: str = "raise",
         timeout: float | None = None,
+        progress: str | None = None,
     ) -> None:
         super().__init__(comm=comm, on_nonfinite=on_nonfinite, timeout=timeout)
+        # How gradient buckets in flight progress while backward computes (comm/progress.py).
+        self.progress = check_progress(settings.progress() if progress is None else progress)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "nccl" and compression is not None:
@@ -172,7 +177,7 @@ class DataParallelTrainer(Trainer):
         for p in self.params:
             self.comm.bcast(p.data, root=0)
         self.buckets = GradBuckets(self.params, self.comm, bucket_mb=bucket_mb, compression=compression,
-                                   reducer=self._nccl() if backend == "nccl" else None)
+                                   reducer=self._nccl() if backend == "nccl" else None, progress=self.progress)
         self._hooks = _BackwardHooks(model, self.buckets) if overlap else None
         # Hooks depend on the model's structure: a rank without them would start its buckets in
         # another order, so the ranks must agree (a model with the same parameters but another
@@ -192,6 +197,7 @@ class DataParallelTrainer(Trainer):
             "compression": self.compression,
             "backend": self.backend,
             "on_nonfinite": self.on_nonfinite,
+            "progress": self.progress,
         }
 
     def _nccl(self) -> Any:

@@ -16,7 +16,7 @@ import shutil
 import h5py
 import numpy as np
 import pytest
-from test_dp_checkpoint import loader, trainer
+from test_dp_checkpoint import D_IN, D_OUT, loader, trainer
 
 from hpctrain import checkpoint
 from hpctrain.errors import CheckpointError
@@ -91,12 +91,20 @@ def damage(good: str, d: str) -> dict[str, tuple[str, str]]:
     return cases
 
 
+def _batches(comm):
+    """This rank's share of an endless stream of global batches (any world size)."""
+    g = np.random.default_rng(11)
+    while True:
+        x, y = g.normal(size=(4 * comm.size, D_IN)), g.integers(0, D_OUT, 4 * comm.size)
+        yield x[comm.rank * 4 : (comm.rank + 1) * 4], y[comm.rank * 4 : (comm.rank + 1) * 4]
+
+
 def _moved_on(comm):
     """A trainer 3 steps in (the checkpoint) and then 2 more, with a sampler mid-epoch."""
     tr = trainer(comm)
     ld = loader(comm)
     tr._sampler = ld.sampler  # what fit attaches, so that the sampler position is part of the state
-    batches = iter(ld)
+    batches = _batches(comm)
     for _ in range(3):
         tr.step(*next(batches))
     return tr, batches

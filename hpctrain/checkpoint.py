@@ -21,7 +21,6 @@ import glob
 import json
 import os
 import re
-import sys
 import time
 from typing import Any
 
@@ -31,6 +30,9 @@ import xxhash
 from . import __version__
 from .backend import to_device, to_host, xp_of
 from .errors import CheckpointError
+from .log import get_logger
+
+_log = get_logger("checkpoint")
 
 FORMAT = "hpctrain-checkpoint"
 FORMAT_VERSION = 1
@@ -641,10 +643,10 @@ def load_latest(directory: str, trainer: Any) -> str | None:
         except (CheckpointError, FileNotFoundError) as exc:
             failures.append((path, str(exc)))
             if comm.rank == 0:
-                print(f"hpctrain: skipping checkpoint {path}: {exc}", file=sys.stderr, flush=True)
+                _log.warning("skipping checkpoint %s: %s", path, exc)
             continue
         if failures and comm.rank == 0:
-            print(f"hpctrain: fell back to checkpoint {path} ({len(failures)} newer one(s) failed)", flush=True)
+            _log.warning("fell back to checkpoint %s (%d newer one(s) failed)", path, len(failures))
         return path
     if not failures:
         return None

@@ -116,12 +116,15 @@ LABELS = [
     ("huge", {"x": X, "y": np.r_[Y[:99], 10**9]},
      "key 'y' row 99 holds label 1000000000: that makes 1,000,000,001 classes, more than the 1,048,576"),
     ("float", {"x": X, "y": Y.astype(np.float32)}, r"key 'y' holds float32: y \(the class labels\) must be integers"),
-    ("empty", {"x": np.zeros((0, 4), np.float32), "y": np.zeros(0, np.int64)}, r"key 'x' has no rows \(shape \(0, 4\)\)"),
-    ("2-D y", {"x": X, "y": np.zeros((100, 2), np.int64)}, r"key 'y' has shape \(100, 2\): y .* must have shape \(N,\)"),
+    ("empty", {"x": np.zeros((0, 4), np.float32), "y": np.zeros(0, np.int64)},
+     r"key 'x' has no rows \(shape \(0, 4\)\)"),
+    ("2-D y", {"x": X, "y": np.zeros((100, 2), np.int64)},
+     r"key 'y' has shape \(100, 2\): y .* must have shape \(N,\)"),
     ("3-D x", {"x": np.zeros((100, 2, 2)), "y": Y}, r"key 'x' has shape \(100, 2, 2\): x .* must have shape \(N, D\)"),
     ("strings", {"x": np.array([[b"a"]] * 100), "y": Y}, "key 'x' holds |S1: x .* must be numbers"),
     ("no features", {"x": np.zeros((100, 0)), "y": Y}, "key 'x' has 0 features per row"),
-    ("nan", {"x": np.r_[X[:50], [[1, np.nan, 2, 3]], X[51:]], "y": Y}, "key 'x' row 50 holds nan: features must be finite"),
+    ("nan", {"x": np.r_[X[:50], [[1, np.nan, 2, 3]], X[51:]], "y": Y},
+     "key 'x' row 50 holds nan: features must be finite"),
     ("beyond float32", {"x": np.r_[X[:99], [[1, 1e300, 2, 3]]].astype(np.float64), "y": Y}, "key 'x' row 99 holds 1e"),
     ("giant chunks", {"x": {"shape": (10**9, 4), "dtype": "f4", "chunks": (2**23, 4), "compression": "gzip"},
                       "y": {"shape": (10**9,), "dtype": "i8", "compression": "gzip", "chunks": (4096,)}},
@@ -144,7 +147,8 @@ TOKENS = [
     ("float", np.arange(100) * 1.0, "key 'tokens' holds float64: tokens .* must be integers"),
     ("2-D", np.zeros((100, 3), np.int64), r"key 'tokens' has shape \(100, 3\): tokens .* must have shape \(N,\)"),
     ("huge", np.r_[np.arange(50), 2**40, np.arange(49)], "key 'tokens' row 50 holds token 1099511627776: that makes"),
-    ("negative", np.r_[np.arange(50), -3, np.arange(49)], "key 'tokens' row 50 holds token -3: tokens must be token ids"),
+    ("negative", np.r_[np.arange(50), -3, np.arange(49)],
+     "key 'tokens' row 50 holds token -3: tokens must be token ids"),
     ("empty", np.zeros(0, np.int64), "key 'tokens' has no rows"),
     ("short", np.arange(10), "10 tokens make fewer than 2 windows of --block-size 8"),
 ]  # fmt: skip
@@ -199,7 +203,8 @@ def test_a_tiny_file_declaring_a_billion_rows_needs_little_memory(tmp_path):
     import subprocess
     import sys
 
-    path = _write(tmp_path / "huge.h5", x={"shape": (10**9, 4), "dtype": "f4", "chunks": (4096, 4), "compression": "gzip"},
+    path = _write(tmp_path / "huge.h5",
+                  x={"shape": (10**9, 4), "dtype": "f4", "chunks": (4096, 4), "compression": "gzip"},
                   y={"shape": (10**9,), "dtype": "i8", "chunks": (65536,), "compression": "gzip"})
     assert os.path.getsize(path) < 10_000
     code = ("import resource, sys; from hpctrain.data.checks import open_classification as o; "

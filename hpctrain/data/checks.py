@@ -293,7 +293,8 @@ def _vocab_size(ds: HDF5Dataset) -> int:
     elif isinstance(vocab, (int, np.integer)) and not isinstance(vocab, (bool, np.bool_)) and vocab >= 0:
         size = int(vocab)
     else:
-        raise DatasetError(f"{where} is {str(vocab)[:60]!r}: it must be the vocabulary's characters (a string) or its size")
+        raise DatasetError(f"{where} is {str(vocab)[:60]!r}: it must be the vocabulary's characters (a string) "
+                           "or its size")
     if size > MAX_VOCAB:
         raise DatasetError(f"{where} declares {size:,} tokens, more than the {MAX_VOCAB:,} hpctrain builds a model for")
     return size

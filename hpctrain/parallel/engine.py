@@ -122,7 +122,7 @@ class ParallelTrainer(Trainer):
             for p in self.params:  # dp replicas start identical
                 self.dp.bcast(p.data, root=0)
 
-        nccl = self._nccl() if backend == "nccl" and self.dp.size > 1 else None
+        nccl = self._nccl() if backend == "nccl" else None
         if reducer is None:
             self.reducer = AllReduceReducer(self.params, self.dp, bucket_mb=bucket_mb, compression=compression,
                                             backend=nccl)  # fmt: skip

@@ -85,10 +85,15 @@ class HtDP:
                  bucket_mb: float) -> None:
         model = ht_model(c)
         opt = ht.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-        kw = {} if progress is None else {"progress": progress}
+        kw = {}
+        if progress is not None:
+            from hpctrain.parallel.reducer import AllReduceReducer
+
+            kw["reducer"] = lambda params, dp: AllReduceReducer(params, dp, bucket_mb=bucket_mb, progress=progress)
         self.tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=opt, comm=comm,
                                       bucket_mb=bucket_mb, **kw)
-        self.tr.progress = getattr(self.tr, "progress", "poll")  # older trainers always polled
+        # the choice in effect (older trainers always polled)
+        self.progress = getattr(getattr(self.tr, "reducer", None), "progress", "poll")
         self.x, self.y = x, y
         self.comm_s: list[float] = []
 
@@ -268,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         # buckets under each progress choice.
         configs = [(None, 25.0)] + [(p, args.small_bucket) for p in _progress_choices()]
         dps = {cfg: HtDP(c, comm, x, y, cfg[0], cfg[1]) for cfg in configs}
-        names = {cfg: f"hpctrain, {cfg[1]:g} MB buckets, progress={dps[cfg].tr.progress}" for cfg in configs}
+        names = {cfg: f"hpctrain, {cfg[1]:g} MB buckets, progress={dps[cfg].progress}" for cfg in configs}
         cases = {names[cfg]: dps[cfg].step for cfg in configs}
         pg = None
         if use_torch:

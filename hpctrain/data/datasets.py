@@ -246,9 +246,15 @@ class TokenDataset:
     :class:`HDF5Dataset` with one key. From HDF5 a batch costs one read of the distinct token
     positions its windows cover (never the whole stream). ``stride`` defaults to ``block_size``
     (windows that do not overlap, apart from each target's last token).
+
+    ``random_offset=True`` shifts every window of an epoch by one offset in ``[0, stride)`` drawn
+    from ``seed`` and the epoch (``set_epoch``, which the ``DataLoader`` calls with its sampler's
+    epoch), so over the epochs windows start anywhere in the text, as nanoGPT samples them, while
+    an epoch stays a fixed, resumable set of windows. The length is that of the largest offset.
     """
 
-    def __init__(self, tokens: Any, block_size: int, stride: int | None = None, key: str = "tokens") -> None:
+    def __init__(self, tokens: Any, block_size: int, stride: int | None = None, key: str = "tokens",
+                 random_offset: bool = False, seed: int = 0) -> None:
         if isinstance(tokens, (str, os.PathLike)):
             tokens = HDF5Dataset(tokens, key)
         if isinstance(tokens, HDF5Dataset) and len(tokens.keys) != 1:
@@ -259,9 +265,17 @@ class TokenDataset:
         if self.block_size < 1 or self.stride < 1:
             raise ValueError(f"block_size and stride must be >= 1, got {self.block_size}, {self.stride}")
         n = len(tokens)
-        if n < self.block_size + 1:
-            raise DatasetError(f"token stream of {n} is shorter than one window of {self.block_size} + 1")
-        self._len = (n - self.block_size - 1) // self.stride + 1
+        self.random_offset, self.seed, self.offset = bool(random_offset), int(seed), 0
+        room = self.stride - 1 if self.random_offset else 0  # the largest offset must still fit
+        if n < self.block_size + 1 + room:
+            raise DatasetError(f"token stream of {n} is shorter than one window of {self.block_size} + 1"
+                               + (f" and an offset of up to {room}" if room else ""))
+        self._len = (n - self.block_size - 1 - room) // self.stride + 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """With ``random_offset``: this epoch's offset, from ``seed`` and ``epoch`` (same on every rank)."""
+        if self.random_offset:
+            self.offset = int(np.random.default_rng([self.seed, int(epoch), 7331]).integers(self.stride))
 
     def __len__(self) -> int:
         return self._len
@@ -269,7 +283,7 @@ class TokenDataset:
     def __getitem__(self, idx: Any) -> tuple[np.ndarray, np.ndarray]:
         idx = _as_index(idx)
         _check_range(idx, self._len, "TokenDataset")
-        positions = idx[:, None] * self.stride + np.arange(self.block_size + 1)
+        positions = idx[:, None] * self.stride + (self.offset + np.arange(self.block_size + 1))
         if isinstance(self.tokens, HDF5Dataset):
             flat, inverse = np.unique(positions, return_inverse=True)
             (stream,) = self.tokens[flat]
@@ -280,4 +294,5 @@ class TokenDataset:
         return windows[:, :-1], windows[:, 1:]
 
     def __repr__(self) -> str:
-        return f"TokenDataset({self.tokens!r}, block_size={self.block_size}, stride={self.stride}, len={self._len})"
+        return (f"TokenDataset({self.tokens!r}, block_size={self.block_size}, stride={self.stride}, len={self._len}"
+                + (f", random_offset, offset={self.offset})" if self.random_offset else ")"))

@@ -87,6 +87,8 @@ class DataLoader:
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
         sampler = self.sampler
         start = sampler.begin_pass()
+        if hasattr(self.dataset, "set_epoch"):  # e.g. TokenDataset's random window offsets per epoch
+            self.dataset.set_epoch(sampler.epoch)
         idx = sampler.indices()
         weights = sampler.weights() if sampler.masked else None
         host = self._batches(idx, weights, start)

@@ -28,6 +28,8 @@ HERE = Path(__file__).resolve().parent
 KNOWN = [
     ("allreduce", "All-reduce sweep: Communicator vs raw mpi4py"),
     ("ddp", "Data parallel: scaling, overlap, bucket sizes, many-tensor sync"),
+    ("gpt_torch", "GPT step vs PyTorch: one process, data parallel, allocations, exposed communication"),
+    ("gpt_recipe", "GPT recipe (Shakespeare) vs the same training in PyTorch: validation loss, wall time"),
     ("tensor", "Tensor parallel: memory, step time, communication volume"),
     ("pipeline", "Pipeline parallel: bubble fraction and activation memory"),
     ("param_server", "Parameter server: sync, SSP, async vs all-reduce"),

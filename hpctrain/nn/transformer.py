@@ -28,7 +28,8 @@ def _future_mask(t: int, dtype: Any, xp: Any) -> Any:
     if mask is None:
         if len(_MASKS) > 16:
             _MASKS.clear()
-        mask = xp.where(xp.triu(xp.ones((t, t), dtype=bool), k=1), -np.inf, 0.0).astype(dtype)
+        host = np.where(np.triu(np.ones((t, t), dtype=bool), k=1), -np.inf, 0.0).astype(dtype)
+        mask = host if xp is np else xp.asarray(host)
         _MASKS[key] = mask
     return mask
 

@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", metavar="FILE", help="append the table to FILE")
     ap.add_argument("--recipe", default=str(RECIPE))
     ap.add_argument("--data", default=None, help="token file instead of the recipe's (e.g. a small one)")
+    ap.add_argument("--side", choices=("both", "hpctrain", "torch"), default="both",
+                    help="run one side only (the other's column stays empty), e.g. both sides as two jobs at once")
     args = ap.parse_args(argv)
     from hpctrain import train as ht_train
     from hpctrain.comm import Communicator
@@ -178,26 +180,36 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             cfg["max_samples"] = 40 * c["batch_size"]  # 40 steps over the first windows of the text
             c = ht_train.resolve(dict(cfg), world.size)
-        # hpctrain: the recipe as the command line runs it
-        summary = ht_train.run(dict(cfg), comm)
-        steps, ht_val, ht_wall = summary["steps"], summary["val_loss"], summary["wall_seconds"]
-        # PyTorch: the same model (initial weights), batches, optimizer and steps
         c["run_dir"] = cfg["run_dir"]
         train_set, val_set, meta = ht_train.open_data(c)
         hp_model = ht_train.build_model(c, meta)
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        th_val = th_wall = None
-    else:
-        th_val, th_wall = torch_run(c, hp_model, train_set, val_set, meta["vocab_size"], steps, world)
+        # The recipe's step count: its epochs of its loader (what `hpctrain train` runs).
+        per_epoch = math.ceil(math.ceil(len(train_set) / world.size) / c["local_batch"])
+        steps = per_epoch * c["epochs"]
+        ht_val = ht_wall = None
+        if args.side != "torch":
+            # hpctrain: the recipe as the command line runs it
+            summary = ht_train.run(dict(cfg), comm)
+            steps, ht_val, ht_wall = summary["steps"], summary["val_loss"], summary["wall_seconds"]
+    th_val = th_wall = None
+    if args.side != "hpctrain":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            # PyTorch: the same model (initial weights), batches, optimizer and steps
+            th_val, th_wall = torch_run(c, hp_model, train_set, val_set, meta["vocab_size"], steps, world)
     if world.rank == 0:
-        rows = [("validation loss (all validation windows)", f"{ht_val:.4f}",
-                 f"{th_val:.4f}" if th_val is not None else "torch not importable",
-                 f"{ht_val - th_val:+.4f}" if th_val is not None else "", "hpctrain <= PyTorch"),
-                ("wall time of the training steps", f"{ht_wall:.0f} s",
-                 f"{th_wall:.0f} s" if th_wall is not None else "", f"{ht_wall / th_wall:.2f}x" if th_wall else "", ""),
-                ("perplexity", f"{math.exp(ht_val):.2f}", f"{math.exp(th_val):.2f}" if th_val is not None else "",
+        def f(v, fmt):
+            return "" if v is None else fmt.format(v)
+
+        both = ht_val is not None and th_val is not None
+        rows = [("validation loss (all validation windows)", f(ht_val, "{:.4f}"), f(th_val, "{:.4f}"),
+                 f"{ht_val - th_val:+.4f}" if both else "", "hpctrain <= PyTorch"),
+                ("wall time of the training steps", f(ht_wall, "{:.0f} s"), f(th_wall, "{:.0f} s"),
+                 f"{ht_wall / th_wall:.2f}x" if both else "", ""),
+                ("perplexity", f(ht_val and math.exp(ht_val), "{:.2f}"), f(th_val and math.exp(th_val), "{:.2f}"),
                  "", "")]
         n_params = sum(p.data.size for p in hp_model.parameters())
         title = (f"gpt_recipe: {Path(args.recipe).name}, GPT {n_params / 1e6:.2f} M params, {steps} steps of global "

@@ -60,6 +60,29 @@ def split_rows(n: int, val_fraction: float, max_samples: int | None) -> tuple[in
     return max(n_train, 0), n_val
 
 
+def physical_memory() -> int | None:
+    """Bytes of memory of this node (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_order_fits(n_train: int, path: str) -> None:
+    """Refuse a training set whose shuffled sample order cannot be held by a rank.
+
+    The sampler draws a permutation of all training rows each epoch (8 bytes a row, about twice
+    that at its peak): a small file declaring 10^9 rows would need 16 GB on every rank and end in
+    an allocation failure or the OOM killer. Refused when that exceeds half the node's memory.
+    """
+    memory = physical_memory()
+    need = 16 * n_train
+    if memory and need > memory // 2:
+        raise DatasetError(f"{path}: {n_train:,} training samples need about {need / 2**30:.1f} GiB per rank for "
+                           f"their shuffled order, more than half of this node's {memory / 2**30:.0f} GiB: "
+                           "use --max-samples")
+
+
 class Rows:
     """Rows ``[start, stop)`` of a dataset, itself a dataset; ``dtypes`` (one per array, ``None``
     to keep) casts what is read, so a float64 or int file feeds a float32 model."""
@@ -258,6 +281,7 @@ def open_classification(path: str | os.PathLike, *, val_fraction: float, max_sam
             raise DatasetError(f"{path}: key 'x' has {x.shape[1]:,} features per row: 1 to {MAX_FEATURES:,} "
                                "are supported")
         n_train, n_val = split_rows(len(ds), val_fraction, max_samples)
+        check_order_fits(n_train, path)
         return n_train, n_val, x, y
 
     n_train, n_val, x, y = _agreed(comm, ds, layout)
@@ -315,6 +339,7 @@ def open_tokens(path: str | os.PathLike, *, block_size: int, val_fraction: float
         if windows < 2:
             raise DatasetError(f"{path}: {len(ds)} tokens make fewer than 2 windows of --block-size {block_size}")
         n_train, n_val = split_rows(windows, val_fraction, max_samples)
+        check_order_fits(n_train, path)
         return windows, n_train, n_val, tok, _vocab_size(ds)
 
     windows, n_train, n_val, tok, declared = _agreed(comm, ds, layout)

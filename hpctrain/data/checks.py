@@ -27,8 +27,10 @@ combined collectively, so every rank gets the same verdict and the same class co
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,6 +264,15 @@ def _agreed(comm: Any, ds: HDF5Dataset, fn: Any) -> Any:
     return result
 
 
+@contextlib.contextmanager
+def _closed_on_error(ds: HDF5Dataset) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        ds.close()
+        raise
+
+
 def _open(path: str, keys: tuple[str, ...], comm: Any) -> HDF5Dataset:
     return HDF5Dataset(path, keys, comm=comm)
 
@@ -287,8 +298,9 @@ def open_classification(path: str | os.PathLike, *, val_fraction: float, max_sam
     n_train, n_val, x, y = _agreed(comm, ds, layout)
     n = len(ds)
     spans = [(0, n_train), (n - n_val, n)]
-    labels = scan(y, spans, "labels", f"{path}: key 'y'", MAX_CLASSES, comm)
-    scan(x, spans, "features", f"{path}: key 'x'", comm=comm)
+    with _closed_on_error(ds):
+        labels = scan(y, spans, "labels", f"{path}: key 'y'", MAX_CLASSES, comm)
+        scan(x, spans, "features", f"{path}: key 'x'", comm=comm)
     meta = {"n_in": int(x.shape[1]), "n_classes": labels.hi + 1, "path": path}
     dtypes = (np.float32, np.int64)
     return Rows(ds, 0, n_train, dtypes), Rows(ds, n - n_val, n, dtypes), meta
@@ -344,7 +356,8 @@ def open_tokens(path: str | os.PathLike, *, block_size: int, val_fraction: float
 
     windows, n_train, n_val, tok, declared = _agreed(comm, ds, layout)
     spans = [(0, n_train * block_size + 1), ((windows - n_val) * block_size, windows * block_size + 1)]
-    found = scan(tok, spans, "tokens", f"{path}: key 'tokens'", MAX_VOCAB, comm)
+    with _closed_on_error(ds):
+        found = scan(tok, spans, "tokens", f"{path}: key 'tokens'", MAX_VOCAB, comm)
     meta = {"vocab_size": max(declared, found.hi + 1), "path": path}
     stream = TokenDataset(ds, block_size)
     return Rows(stream, 0, n_train), Rows(stream, windows - n_val, windows), meta

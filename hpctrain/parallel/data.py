@@ -23,6 +23,7 @@ from ..comm.buckets import COMPRESSIONS, GradBuckets
 from ..comm.validate import agree, describe_model
 from ..errors import MismatchError
 from ..guard import check_finite
+from ..nn.recompute import recomputing
 from ..optim import clip_grad_norm
 from ..trainer import StepStats, Trainer
 
@@ -66,7 +67,8 @@ class _BackwardHooks:
         key = id(m)
 
         def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.armed:
+            # A recomputation inside backward is not a new use of the parameters.
+            if self.armed and not recomputing():
                 self.counts[key] = self.counts.get(key, 0) + 1
             return fwd(x, *args, **kwargs)
 

@@ -29,9 +29,9 @@ from .module import Module, Sequential
 # > 0 while a Recompute re-runs a forward inside backward: observers of forward calls (the
 # data-parallel overlap hooks) must not count those as new forwards.
 _depth = 0
-# Called with the wrapper after each recomputed forward, while that segment's caches are full:
-# the memory meter measures the activation peak there.
-observers: list[Callable[[Module], None]] = []
+# Weak references to callables taking the wrapper, called after each recomputed forward while
+# that segment's caches are full: memory meters measure the activation peak there.
+observers: list[Callable[[], Callable[[Module], None] | None]] = []
 
 
 def recomputing() -> bool:
@@ -139,8 +139,12 @@ class Recompute(Module):
                 _depth -= 1
                 for g, s in zip(gens, after):
                     g.bit_generator.state = s  # as if the forward had drawn only once
-            for observe in observers:
-                observe(self)
+            for ref in list(observers):
+                observe = ref()
+                if observe is None:
+                    observers.remove(ref)  # its meter is gone
+                else:
+                    observe(self)
             try:
                 grad_out = run.backward(grad_out)
             finally:

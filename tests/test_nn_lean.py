@@ -171,3 +171,15 @@ def test_buffers_reuse_only_free_arrays():
     assert c is not b and c.shape == (3,)
     assert pool.get("t", (4,), np.float32).shape == (4,)
     assert copy.deepcopy(pool).nbytes == 0
+
+
+def test_recomputed_blocks_keep_no_arrays_in_pools(rng):
+    from hpctrain.nn.recompute import recompute
+
+    gpt = recompute(nn.GPT(vocab_size=9, block_size=6, d_model=8, n_heads=2, n_layers=2, rng=0))
+    x = rng.integers(0, 9, (2, 6))
+    for _ in range(2):
+        gpt.zero_grad()
+        gpt.backward(np.ones_like(gpt.forward(x)))
+    assert all(m._scratch().nbytes == 0 for _, m in gpt.blocks[0].named_modules())
+    assert gpt.head._scratch().nbytes > 0  # outside the recomputed blocks, pools still work

@@ -36,15 +36,25 @@ _FREE_REFS = 3
 
 
 class Buffers:
-    """A per-layer pool of arrays reused across steps (see the module docstring)."""
+    """A per-layer pool of arrays reused across steps (see the module docstring).
 
-    __slots__ = ("_arrays",)
+    ``retain=False`` keeps nothing: every ``get`` makes a new array, freed when its users drop it
+    (what activation recomputation needs: its point is that activations do not stay).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_arrays", "retain")
+
+    def __init__(self, retain: bool = True) -> None:
         self._arrays: dict[tuple, list[Any]] = {}
+        self.retain = retain
 
     def get(self, tag: str, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
         """An uninitialised array of ``shape`` and ``dtype`` (module ``xp``) that nobody else holds."""
+        if not self.retain:
+            a = xp.empty(shape, dtype=dtype)
+            created["arrays"] += 1
+            created["bytes"] += int(a.nbytes)
+            return a
         key = (tag, tuple(shape), np.dtype(dtype), xp.__name__)
         arrays = self._arrays.get(key)
         if arrays is None:
@@ -75,13 +85,21 @@ class Buffers:
         return sum(int(a.nbytes) for arrays in self._arrays.values() for a in arrays)
 
     def __deepcopy__(self, memo: dict) -> Buffers:
-        return Buffers()  # a copied layer starts with its own, empty pool
+        return Buffers(self.retain)  # a copied layer starts with its own, empty pool
 
     def __getstate__(self) -> dict:
-        return {}
+        return {"retain": self.retain}
 
     def __setstate__(self, state: dict) -> None:
         self._arrays = {}
+        self.retain = state.get("retain", True)
+
+
+def transient(module: Any) -> None:
+    """Make ``module`` and its sub-modules keep no arrays between calls (see ``Buffers(retain=False)``):
+    activation recomputation drops a block's activations after forward, which a pool would hold."""
+    for _, m in module.named_modules():
+        m.__dict__["_buffers"] = Buffers(retain=False)
 
 
 def _module_of(a: Any) -> Any:

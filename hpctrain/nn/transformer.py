@@ -15,7 +15,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from .buffers import Buffers
-from .layers import GELU, Embedding, LayerNorm, Linear
+from .layers import GELU, Dropout, Embedding, LayerNorm, Linear
 from .module import Module, Sequential, as_rng
 
 _MASKS: dict[tuple, Any] = {}
@@ -158,7 +158,11 @@ class CausalSelfAttention(Module):
 
 
 class TransformerBlock(Module):
-    """Pre-norm block: ``x = x + attn(ln1(x)); x = x + mlp(ln2(x))``."""
+    """Pre-norm block: ``x = x + attn(ln1(x)); x = x + mlp(ln2(x))``.
+
+    ``dropout > 0`` adds GPT-2's residual dropout on both branches (``drop1``, ``drop2``, each with
+    its own generator seeded from ``rng``); parameter names are the same either way.
+    """
 
     def __init__(
         self,
@@ -167,26 +171,38 @@ class TransformerBlock(Module):
         d_hidden: int,
         rng: int | np.random.Generator | None = None,
         dtype: Any = np.float32,
+        dropout: float = 0.0,
     ) -> None:
         g = as_rng(rng)
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, n_heads, rng=g, dtype=dtype)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
         self.mlp = MLP(d_model, d_hidden, rng=g, dtype=dtype)
+        if dropout:
+            seeds = g.integers(2**63, size=2)
+            self.drop1 = Dropout(dropout, rng=int(seeds[0]))
+            self.drop2 = Dropout(dropout, rng=int(seeds[1]))
+
+    def _drop(self, name: str, x: Any, backward: bool = False) -> Any:
+        d = self.__dict__.get("_modules", {}).get(name)
+        if d is None:
+            return x
+        return d.backward(x) if backward else d.forward(x)
 
     def forward(self, x: Any) -> Any:
-        # The residual sums go into the sublayers' fresh outputs (nobody caches those), not into
-        # new arrays; x itself is never changed (ln1 caches it).
-        h = self.attn.forward(self.ln1.forward(x))
+        # The residual sums go into the sublayers' fresh outputs (nobody caches those; Dropout
+        # returns a new array or, when off, that output), not into new arrays; x itself is never
+        # changed (ln1 caches it).
+        h = self._drop("drop1", self.attn.forward(self.ln1.forward(x)))
         h += x
-        y = self.mlp.forward(self.ln2.forward(h))
+        y = self._drop("drop2", self.mlp.forward(self.ln2.forward(h)))
         y += h
         return y
 
     def backward(self, grad_out: Any) -> Any:
-        g = self.ln2.backward(self.mlp.backward(grad_out))
+        g = self.ln2.backward(self.mlp.backward(self._drop("drop2", grad_out, True)))
         g += grad_out
-        gx = self.ln1.backward(self.attn.backward(g))
+        gx = self.ln1.backward(self.attn.backward(self._drop("drop1", g, True)))
         gx += g
         return gx
 
@@ -197,6 +213,7 @@ class GPT(Module):
     ``forward(idx)`` takes integer tokens ``(B, T)`` with ``T <= block_size`` and returns logits
     ``(B, T, vocab_size)``; ``backward(grad_logits)`` accumulates every gradient and returns
     ``None`` (token ids have no gradient). Embeddings start as N(0, 0.02^2) like GPT-2's.
+    ``dropout`` is the blocks' residual dropout (0: none, the default).
     """
 
     def __init__(
@@ -209,6 +226,7 @@ class GPT(Module):
         d_hidden: int | None = None,
         rng: int | np.random.Generator | None = None,
         dtype: Any = np.float32,
+        dropout: float = 0.0,
     ) -> None:
         if n_layers < 1:
             raise ValueError(f"GPT needs n_layers >= 1, got {n_layers}")
@@ -219,7 +237,7 @@ class GPT(Module):
         self.vocab_size, self.block_size = vocab_size, block_size
         self.tok_emb = Embedding(vocab_size, d_model, std=0.02, rng=g, dtype=dtype)
         self.pos_emb = Embedding(block_size, d_model, std=0.02, rng=g, dtype=dtype)
-        self.blocks = Sequential(*(TransformerBlock(d_model, n_heads, d_hidden, rng=g, dtype=dtype)
+        self.blocks = Sequential(*(TransformerBlock(d_model, n_heads, d_hidden, rng=g, dtype=dtype, dropout=dropout)
                                    for _ in range(n_layers)))
         self.ln_f = LayerNorm(d_model, dtype=dtype)
         self.head = Linear(d_model, vocab_size, bias=False, rng=g, dtype=dtype)

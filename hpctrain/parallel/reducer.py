@@ -26,6 +26,7 @@ from typing import Any
 from .. import settings
 from ..comm.buckets import GradBuckets
 from ..comm.progress import check as check_progress
+from ..nn.recompute import recomputing
 
 
 class GradReducer:
@@ -147,7 +148,8 @@ class BackwardHooks:
         key = id(m)
 
         def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.armed:
+            # A recomputation inside backward (nn.Recompute) is not a new use of the parameters.
+            if self.armed and not recomputing():
                 self.counts[key] = self.counts.get(key, 0) + 1
             return fwd(x, *args, **kwargs)
 

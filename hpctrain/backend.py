@@ -102,7 +102,12 @@ def synchronize(a: Any = None) -> None:
 
 def local_rank_from_env() -> int | None:
     """This process's rank on its node, from the launcher's environment, or ``None``."""
-    for var in LOCAL_RANK_VARS:
+    from . import settings
+
+    own = settings.local_rank()
+    if own is not None:
+        return own
+    for var in LOCAL_RANK_VARS[1:]:
         value = os.environ.get(var)
         if value is not None and value.strip().lstrip("-").isdigit():
             return int(value)
@@ -118,8 +123,10 @@ def select_device(local_rank: int) -> int | None:
     if cp is None:
         return None
     count = cp.cuda.runtime.getDeviceCount()
-    override = os.environ.get("HPCTRAIN_DEVICE")
-    device = int(override) if override not in (None, "") else local_rank % count
+    from . import settings
+
+    override = settings.device()
+    device = override if override is not None else local_rank % count
     if not 0 <= device < count:
         raise ValueError(f"HPCTRAIN_DEVICE={device} but only {count} GPU(s) are visible")
     cp.cuda.Device(device).use()

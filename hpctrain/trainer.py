@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .comm import Communicator
+from .settings import resolve_timeout
 
 
 @dataclass
@@ -54,8 +55,9 @@ class Trainer:
             raise ValueError(f"on_nonfinite must be one of {POLICIES}, got {on_nonfinite!r}")
         self.comm = comm if comm is not None else Communicator()
         self.on_nonfinite = on_nonfinite
-        # Seconds a collective may wait before the watchdog aborts the job (None: HPCTRAIN_TIMEOUT).
-        self.timeout = timeout
+        # Seconds a collective may wait before the watchdog aborts the job (None: HPCTRAIN_TIMEOUT;
+        # 0: no limit). Checked here so a bad value is a ConfigError before any wait.
+        self.timeout = None if timeout is None else resolve_timeout(timeout)
         self.global_step = 0
         self.epoch = 0
         # The stall watchdog reads this trainer's timeout and global_step (for its reports).

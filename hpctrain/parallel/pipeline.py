@@ -28,7 +28,7 @@ import numpy as np
 from ..backend import to_device, to_host, xp_of
 from ..comm import Communicator
 from ..comm.validate import agree, describe_model
-from ..errors import GridError, StallError
+from ..errors import GridError
 from ..guard import check_finite
 from ..nn.module import Module, Sequential
 from ..optim.clip import clip_grad_norm
@@ -156,8 +156,6 @@ class PipelineParallelTrainer(Trainer):
         on_nonfinite: str = "raise",
         timeout: float | None = None,
     ) -> None:
-        if timeout is None and os.environ.get("HPCTRAIN_TIMEOUT"):
-            timeout = float(os.environ["HPCTRAIN_TIMEOUT"])
         super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
         # Argument problems are gathered and raised on every rank (a rank alone raising would
         # leave the others waiting in the first collective).
@@ -259,14 +257,9 @@ class PipelineParallelTrainer(Trainer):
     # -- messages ------------------------------------------------------------------------------
 
     def _wait(self, req: Any, what: str) -> Any:
-        """Complete ``req``; with a timeout, poll and raise ``StallError`` naming the message."""
-        if self.timeout is None:
-            return req.wait()
-        deadline = time.perf_counter() + self.timeout
-        while not req.test():
-            if time.perf_counter() > deadline:
-                raise StallError(f"pipeline stage {self.stage_id}: {what} did not arrive within {self.timeout} s")
-            time.sleep(1e-5)
+        """Complete ``req``: a watched wait, so a peer that never sends ends the job through the
+        watchdog (the trainer's ``timeout``, else ``HPCTRAIN_TIMEOUT``; 0 = no limit) with a
+        report naming it, the same on every layout."""
         return req.wait()
 
     @staticmethod

@@ -249,6 +249,7 @@ class Communicator:
         self._cuda_aware: bool | None = None
         # The hot path's table of (op, dtype) -> MPI op; empty while staging is forced.
         self._fast_ops: dict = _FAST_OPS
+        self._local_rank: int | None = None
         # Collective calls made so far (stall reports and debug fingerprints number them).
         self._seq = 0
         self._timeout: float | None = None
@@ -278,15 +279,32 @@ class Communicator:
 
     @property
     def local_rank(self) -> int:
-        """Rank among the processes of this node (launcher environment, else a shared split)."""
-        env = backend.local_rank_from_env()
-        if env is not None:
-            return env
-        node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        try:
-            return node.Get_rank()
-        finally:
-            node.Free()
+        """Rank among the processes of this node (collective on first use, then cached).
+
+        The launcher's variable (``backend.LOCAL_RANK_VARS``, the launcher's own before
+        ``SLURM_LOCALID``) is checked against a shared-memory split of the world: when the values
+        of the ranks on a node are not 0..n-1 (a variable inherited from an enclosing job step,
+        say), the split's numbering is used and rank 0 of the node says why once.
+        """
+        if self._local_rank is None:
+            found = backend.local_rank_var()
+            node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            try:
+                claimed = node.allgather(None if found is None else found[1])
+                if found is not None and sorted(claimed) == list(range(node.Get_size())):
+                    self._local_rank = found[1]
+                else:
+                    self._local_rank = node.Get_rank()
+                    if found is not None and node.Get_rank() == 0:
+                        from ..log import get_logger
+
+                        get_logger("comm").warning(
+                            "%s does not number the %d ranks on %s 0..%d (they hold %s): using the "
+                            "shared-memory split's numbering instead", found[0], node.Get_size(), self.hostname(),
+                            node.Get_size() - 1, claimed)
+            finally:
+                node.Free()
+        return self._local_rank
 
     def set_timeout(self, seconds: float | None) -> None:
         """Seconds a blocking call on this communicator may wait before the watchdog aborts the job.

@@ -15,7 +15,6 @@ Three pieces, used by the watchdog, the excepthook and ``hpctrain train``:
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -46,15 +45,15 @@ def write_lines(text: str) -> None:
     the job has more than one rank."""
     rank, size = _world()
     prefix = f"[rank {rank}] " if size > 1 else ""
-    try:
-        sys.stderr.flush()  # keep the order with anything written through sys.stderr before
-    except Exception:
-        pass
+    err = sys.stderr
     with _write_lock:  # the watchdog thread and the main thread may both be reporting
         for line in text.rstrip("\n").split("\n"):
             try:
-                os.write(2, (prefix + line + "\n").encode("utf-8", "replace"))
-            except OSError:  # stderr closed: nothing left to tell
+                # A whole line, then flush: one write(2) of the line (sys.stderr stays the target,
+                # so redirections and test captures see it).
+                err.write(prefix + line + "\n")
+                err.flush()
+            except (OSError, ValueError):  # stderr closed: nothing left to tell
                 return
 
 

@@ -117,7 +117,8 @@ def abort_job(exc: BaseException, code: int = EXCEPTION_EXIT, head: str = "") ->
 
 def fail(exc: BaseException, *, code: int = 2, what: str = "hpctrain") -> int:
     """Handle an error that stops this rank; returns ``code`` to exit with when every rank stops
-    with it (the message said once when identical everywhere), else ends the whole job.
+    with it (the message said once when identical everywhere), else ends the whole job
+    (``MPI_Abort`` with ``EXCEPTION_EXIT``).
 
     ``hpctrain train`` calls it for the errors it reports as one line; library code that ends a
     rank on an error can do the same instead of returning while the other ranks wait.
@@ -133,7 +134,7 @@ def fail(exc: BaseException, *, code: int = 2, what: str = "hpctrain") -> int:
     if _all_failed(AGREE_GRACE):
         write_lines(f"{what}: error: {exc}")  # possibly different on each rank: each says its own
         return code
-    abort_job(exc, EXCEPTION_EXIT if code == 0 else code, f"{what}: {type(exc).__name__} on rank {rank} of {size}")
+    abort_job(exc, EXCEPTION_EXIT, f"{what}: {type(exc).__name__} on rank {rank} of {size}")
     return code  # not reached
 
 

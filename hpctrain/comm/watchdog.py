@@ -37,11 +37,12 @@ from typing import Any
 from mpi4py import MPI
 
 from .. import settings
-from .failure import FLUSH_GRACE, write_lines
+from .failure import EXCEPTION_EXIT, FLUSH_GRACE, write_lines
 
 DEFAULT_TIMEOUT = settings.DEFAULT_TIMEOUT
 #: Exit status handed to MPI_Abort when the watchdog ends a stalled job.
 STALL_EXIT = 3
+__all__ = ["EXCEPTION_EXIT", "STALL_EXIT", "attach", "begin", "end", "running", "start", "stop"]
 _QUERY, _ANSWER = 1, 2
 _POLL = 0.2  # seconds between two looks of the watchdog thread
 _ANSWER_WAIT = 5.0  # how long a stalled rank waits for the others to describe themselves

@@ -372,4 +372,4 @@ def test_ssp_zero_timeout_means_no_limit_and_the_clock_wait_is_watched(comm):
         watchdog.begin = real
     t.close()
     if comm.rank == 0:
-        assert seen and seen[0] == comm.size - 1, seen  # waited, watched, on the slow rank
+        assert comm.size - 1 in seen, seen  # waited, watched, naming the slow rank (among others that lag)

@@ -318,9 +318,10 @@ class Communicator:
 
     # -- the bracket around every call ---------------------------------------------------------
 
-    # Every blocking call is  ``token = self._enter(...)`` / ``try: <MPI call> finally: _watch.end(token)``:
-    # the HPCTRAIN_DEBUG fingerprint (an attribute test when off), the sequence number and the
-    # watchdog's record. Argument checks come before it (``_host_reduce`` is the hot path's).
+    # Every blocking call is ``token = self._enter(...)``, then ``try: <MPI call> finally:
+    # _watch.end(token)``: the HPCTRAIN_DEBUG fingerprint (an attribute test when off), the
+    # sequence number and the watchdog's record. Argument checks come before it; ``allreduce``
+    # inlines its own for host arrays (the hot path of tensor-parallel layers).
 
     def _enter(self, op: str, x: Any = None, arg: Any = _NO_ARG) -> int | None:
         """Open the bracket of collective ``op``: debug fingerprint, sequence number, watchdog

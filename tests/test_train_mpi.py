@@ -76,6 +76,7 @@ LAYOUTS = [
     ("hybrid-pp2", {"strategy": "hybrid", "pp": 2}, lambda n: n % 2 == 0),
     ("gpt-tp", {**GPT, "strategy": "tp"}, lambda n: 4 % n == 0),
     ("gpt-pp", {**GPT, "strategy": "pp"}, lambda n: True),
+    ("gpt-tp2pp2", {**GPT, "tp": 2, "pp": 2}, lambda n: n % 4 == 0),  # no --strategy: dp = n / 4 inferred
 ]
 
 

@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     world = MPI.COMM_WORLD
     rank, size = world.rank, world.size
     use_torch = not args.no_torch and have_torch()
+    absent = "not run (--no-torch)" if args.no_torch else "torch not importable"
     if use_torch:
         import torch
 
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{c_ours / c_theirs:.2f}x ({spread(CPU['hpctrain'], CPU['torch'])})", "<= 0.90x"))
         else:
             rows.append(("1 process: step time", f"{ours * 1e3:.0f} ms ({tokens / ours:,.0f} tokens/s)",
-                         "torch not importable", "", ""))
+                         absent, "", ""))
         per_step, peak = allocations(solo.step)
         rows.append(("1 process: arrays created per step (after warm-up)", f"{per_step:.0f}", "", "", "0"))
         rows.append(("1 process: bytes allocated above the step's start", f"{peak / 2**20:.1f} MiB", "", "", ""))
@@ -308,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"dp={size} (batch {share}/rank): {name[10:]}",
                          f"{c['batch'] / ours:,.1f} samples/s ({tokens / ours:,.0f} tokens/s); "
                          f"exposed comm {comm_s * 1e3:.1f} ms/step ({comm_s / ours:.1%})",
-                         f"{c['batch'] / theirs:,.1f} samples/s" if theirs else "torch not importable",
+                         f"{c['batch'] / theirs:,.1f} samples/s" if theirs else absent,
                          f"{theirs / ours:.2f}x samples/s ({spread(t['torch'], t[name])})" if theirs else "",
-                         ">= 1.10x" if cfg == configs[0] else ""))
+                         ">= 1.10x" if cfg == configs[0] and theirs else ""))
         if pg is not None:
             import torch.distributed as dist
 

@@ -467,13 +467,15 @@ class Trainer:
         from . import checkpoint as ckpt
         from . import preempt
         from .errors import Preempted
-        from .resume import load_newest
 
         sampler = getattr(loader, "sampler", None)
         self._sampler = sampler
         resumed_mid_epoch = False
         if checkpoint_dir is not None and resume:
-            path = load_newest(checkpoint_dir, self)
+            path = ckpt.load_latest(checkpoint_dir, self)  # all failing: CheckpointError naming each
+            if path is None and self.comm.rank == 0:
+                what = "is empty" if os.path.isdir(checkpoint_dir) else "does not exist"
+                _log.info("no checkpoint to resume from (%s %s): starting fresh", checkpoint_dir, what)
             if path is not None:
                 pending = getattr(self, "_pending_sampler", None)
                 # Mid-epoch only if the checkpoint's sampler epoch is the one to run now and it was

@@ -130,10 +130,14 @@ class ZeroReducer(GradReducer):
                     self.shard_param[x - self.lo : y - self.lo] = p.data.ravel()[x - a : y - a]
                 p.data = placeholder(p.shape, dtype)
         self.shard_grad = np.zeros(self.hi - self.lo, dtype=dtype)
-        self.flat_grad: np.ndarray | None = None
-        self._alloc_grads()
-        if stage >= 2:
-            self._free_grads()
+        # Local (unreduced) gradients, one buffer per unit. Zero 1 keeps them all; zero 2 and 3
+        # allocate a unit's buffer just before its backward and free it once its reduce-scatter
+        # completed, so only the units in flight exist at once.
+        self.unit_grad: list[np.ndarray | None] = [None] * len(self.units)
+        self.transient = 0  # bytes of unit gradients and gathered parameters alive now
+        self.transient_peak = 0
+        for u in range(len(self.units)):
+            self._alloc_unit(u) if stage == 1 else self._free_unit(u)
 
         # The pieces the optimizer updates: (full parameter, piece parameter, start, stop in it).
         self.pieces: list[tuple[Any, Parameter, int, int]] = []
@@ -157,27 +161,47 @@ class ZeroReducer(GradReducer):
         self._reqs: list[Any] = []
         self._active = False
         self._hooked: list[Any] = []
-        if stage == 3:
+        if stage >= 2:
             self._install(model)
 
     # -- gradients ---------------------------------------------------------------------------
 
-    def _alloc_grads(self) -> None:
-        self.flat_grad = np.zeros(self.n, dtype=self.dtype)
-        for p in self.order:
-            a, b = self.where[id(p)]
-            p.grad = self.flat_grad[a:b].reshape(p.shape)
+    def _track(self, nbytes: int) -> None:
+        self.transient += nbytes
+        self.transient_peak = max(self.transient_peak, self.transient)
 
-    def _free_grads(self) -> None:
-        self.flat_grad = None
-        for p in self.order:
+    def _alloc_unit(self, u: int) -> None:
+        if self.unit_grad[u] is not None:
+            return
+        a, b = self.unit_range[u]
+        buf = self.unit_grad[u] = np.zeros(b - a, dtype=self.dtype)
+        if self.stage > 1:
+            self._track(buf.nbytes)
+        for p in self.units[u]:
+            pa, pb = self.where[id(p)]
+            p.grad = buf[pa - a : pb - a].reshape(p.shape)
+
+    def _free_unit(self, u: int) -> None:
+        buf, self.unit_grad[u] = self.unit_grad[u], None
+        if buf is not None and self.stage > 1:
+            self.transient -= buf.nbytes
+        for p in self.units[u]:
             p.grad = placeholder(p.shape, self.dtype)
 
+    @property
+    def flat_grad(self) -> list[np.ndarray]:
+        """The local gradient buffers alive now."""
+        return [g for g in self.unit_grad if g is not None]
+
     def zero_grad(self) -> None:
-        if self.flat_grad is None:
-            self._alloc_grads()
-        else:
-            self.flat_grad.fill(0)
+        for u, g in enumerate(self.unit_grad):
+            if self.stage == 1:
+                g.fill(0)
+            elif g is not None:
+                self._free_unit(u)
+        if self.stage > 1 and not self._hooked:
+            for u in range(len(self.units)):  # no pre-backward signal: every unit from the start
+                self._alloc_unit(u)
         self.shard_grad.fill(0)
         self._drop_full()
 
@@ -186,6 +210,7 @@ class ZeroReducer(GradReducer):
         self._ready: set[int] = set()
         self._next = 0
         self._reqs = []
+        self._inflight: list[tuple[Any, int]] = []
         self._active = True
         self.comm_seconds = 0.0
 
@@ -201,7 +226,20 @@ class ZeroReducer(GradReducer):
         t0 = time.perf_counter()
         for r in self._reqs:
             r.test()  # MPI progresses non-blocking collectives only inside MPI calls
+        self._release_done()
         self.comm_seconds += time.perf_counter() - t0
+
+    def _release_done(self) -> None:
+        # Zero 2, 3: a unit's local gradient goes as soon as its reduce-scatter completed.
+        if self.stage == 1:
+            return
+        left = []
+        for r, u in self._inflight:
+            if r.test():
+                self._free_unit(u)
+            else:
+                left.append((r, u))
+        self._inflight = left
 
     def _launch(self, force: bool) -> None:
         # Every rank starts units in the same fixed order (the reverse of the flat order, the way
@@ -214,8 +252,12 @@ class ZeroReducer(GradReducer):
             a, b = self.unit_range[u]
             x, y = max(a, self.lo), min(b, self.hi)
             out = self.shard_grad[x - self.lo : y - self.lo] if x < y else self.shard_grad[:0]
+            if self.unit_grad[u] is None:
+                self._alloc_unit(u)  # no backward reached it: zeros
             t0 = time.perf_counter()
-            self._reqs.append(sharded.ireduce_scatter(self.dp, self.flat_grad[a:b], out, self.unit_counts[u]))
+            req = sharded.ireduce_scatter(self.dp, self.unit_grad[u], out, self.unit_counts[u])
+            self._reqs.append(req)
+            self._inflight.append((req, u))
             self.comm_seconds += time.perf_counter() - t0
             self._next += 1
 
@@ -230,7 +272,9 @@ class ZeroReducer(GradReducer):
         self._reqs = []
         self._active = False
         if self.stage >= 2:
-            self._free_grads()  # only this rank's piece of the reduced gradient stays
+            for u in range(len(self.units)):
+                self._free_unit(u)  # only this rank's piece of the reduced gradient stays
+        self._inflight = []
         return self.comm_seconds
 
     def abort(self) -> None:
@@ -266,25 +310,33 @@ class ZeroReducer(GradReducer):
         x, y = max(a, self.lo), min(b, self.hi)
         mine = self.shard_param[x - self.lo : y - self.lo] if x < y else self.shard_param[:0]
         buf = np.empty(b - a, dtype=self.dtype)
+        self._track(buf.nbytes)
         sharded.allgather(self.dp, np.ascontiguousarray(mine), buf, self.unit_counts[u])
         for p in self.units[u]:
             pa, pb = self.where[id(p)]
             p.data = buf[pa - a : pb - a].reshape(p.shape)
 
     def _release(self, u: int) -> None:
+        a, b = self.unit_range[u]
+        self.transient -= (b - a) * self.dtype.itemsize
         for p in self.units[u]:
             p.data = placeholder(p.shape, self.dtype)
 
     def _install(self, model: Any) -> None:
         for u, m in enumerate(_owners(model, self.units)):
             if m is None:
-                raise ValueError("zero=3 needs every parameter owned by a Module of the model")
+                if self.stage == 3:
+                    raise ValueError("zero=3 needs every parameter owned by a Module of the model")
+                self.remove()  # zero 2 without a module tree: every unit's gradient from the start
+                return
             self._wrap(m, u)
 
     def _wrap(self, m: Any, u: int) -> None:
         fwd, bwd = m.forward, m.backward
 
         def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.stage < 3:
+                return fwd(x, *args, **kwargs)
             self._gather(u)
             try:
                 return fwd(x, *args, **kwargs)
@@ -292,6 +344,9 @@ class ZeroReducer(GradReducer):
                 self._release(u)
 
         def backward(g: Any, *args: Any, **kwargs: Any) -> Any:
+            self._alloc_unit(u)
+            if self.stage < 3:
+                return bwd(g, *args, **kwargs)
             self._gather(u)
             try:
                 return bwd(g, *args, **kwargs)
@@ -370,14 +425,16 @@ class ZeroReducer(GradReducer):
         from ..memory import optimizer_arrays
 
         params = [self.flat_param if self.stage < 3 else self.shard_param] + [p.data for p in self.order]
-        local = [self.flat_grad] if self.flat_grad is not None else []
+        local = self.flat_grad
         if self.stage == 1:
             # The gradients are the full local buffer; the reduced piece is a named buffer.
             return {"params": params, "grads": local, "optimizer": optimizer_arrays(self.inner),
                     "buffers": [self.shard_grad]}  # fmt: skip
-        # Zero 2, 3: the reduced piece is the gradient; the local buffer lives only within a step.
+        # Zero 2, 3: the reduced piece is the gradient; local unit gradients and gathered
+        # parameters live only within a step: their peak since the last report is a buffer.
+        peak, self.transient_peak = self.transient_peak, self.transient
         return {"params": params, "grads": [self.shard_grad], "optimizer": optimizer_arrays(self.inner),
-                "buffers": local}  # fmt: skip
+                "buffers": local, "buffers_peak": peak}  # fmt: skip
 
 
 def zero_reducer(model: Any, optimizer: Any, stage: int) -> Any:

@@ -5,14 +5,14 @@
     grid = ht.ProcessGrid(comm, tp=2)
 """
 
-from . import backend, data, errors, nn, optim, parallel
+__version__ = "0.1.0"  # before the imports: checkpoint records it
+
+from . import backend, checkpoint, data, errors, nn, optim, parallel
 from .comm import Communicator, ProcessGrid
 from .errors import HpctrainError
 from .trainer import StepStats, Trainer
 
-__version__ = "0.1.0"
-
 __all__ = [
     "Communicator", "HpctrainError", "ProcessGrid", "StepStats", "Trainer", "__version__",
-    "backend", "data", "errors", "nn", "optim", "parallel",
+    "backend", "checkpoint", "data", "errors", "nn", "optim", "parallel",
 ]  # fmt: skip

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -139,6 +140,7 @@ class Trainer:
         log_every: int = 10,
         metrics_file: str | None = None,
         progress: bool | None = None,
+        callbacks: Sequence[Any] = (),
     ) -> list[StepStats]:
         """Train until ``epochs`` epochs are done over ``loader`` (collective).
 
@@ -150,6 +152,12 @@ class Trainer:
         samples/s, step time and communication share every ``log_every`` steps: a tqdm bar when
         stdout is a terminal (or ``progress=True``), plain lines otherwise. ``metrics_file``
         receives one JSON line per step (rank 0). Returns this call's steps' statistics.
+
+        ``callbacks``: objects with any of ``on_fit_start(trainer)`` (after a resume),
+        ``on_step_end(trainer, stats)``, ``on_epoch_end(trainer)`` and ``on_fit_end(trainer)``
+        (also when training raises, so files get closed: keep it free of collectives). They run
+        in order, then the built-in logger, so a callback may add entries to ``stats.extra``
+        (``val_loss``, say) that the logger writes.
         """
         from . import checkpoint as ckpt
 
@@ -170,10 +178,11 @@ class Trainer:
                 if self.comm.rank == 0:
                     print(f"hpctrain: resumed from {path} at step {self.global_step}, epoch {self.epoch}", flush=True)
         self._pending_sampler = None
-        log = _Logger(self, loader, epochs, log_every, metrics_file, progress)
+        hooks = _Callbacks([*callbacks, _Logger(self, loader, epochs, log_every, metrics_file, progress)])
         history: list[StepStats] = []
         saved_at = self.global_step
         try:
+            hooks.call("on_fit_start", self)
             for epoch in range(self.epoch, epochs):
                 self.epoch = epoch
                 if sampler is not None and hasattr(sampler, "set_epoch"):
@@ -185,15 +194,16 @@ class Trainer:
                 for batch in loader:
                     stats = self.step(*batch)
                     history.append(stats)
-                    log.step(stats)
+                    hooks.call("on_step_end", self, stats)
                     if checkpoint_dir is not None and checkpoint_every and self.global_step % checkpoint_every == 0:
                         ckpt.save_in(checkpoint_dir, self, keep=keep)
                         saved_at = self.global_step
+                hooks.call("on_epoch_end", self)
             self.epoch = max(self.epoch, epochs)
             if checkpoint_dir is not None and checkpoint_every and saved_at != self.global_step:
                 ckpt.save_in(checkpoint_dir, self, keep=keep)
         finally:
-            log.close()
+            hooks.call("on_fit_end", self)
         return history
 
 
@@ -204,8 +214,27 @@ def _length(sampler: Any) -> float:
         return float("inf")
 
 
+class _Callbacks:
+    """The callbacks of one ``fit``: each hook is called on the objects that define it, in order."""
+
+    def __init__(self, objects: Sequence[Any]) -> None:
+        self.objects = list(objects)
+
+    def call(self, hook: str, *args: Any) -> None:
+        for obj in self.objects:
+            fn = getattr(obj, hook, None)
+            if fn is not None:
+                fn(*args)
+
+
 class _Logger:
-    """Rank 0's progress output and JSON-lines metrics; a no-op on other ranks."""
+    """Rank 0's progress output and JSON-lines metrics (a ``fit`` callback); a no-op on other ranks.
+
+    Entries a callback before it put in ``stats.extra`` under a name in ``EXTRA`` (the
+    validation loss of ``--eval-every``) go into the metrics line and the progress line.
+    """
+
+    EXTRA = ("val_loss", "lr")
 
     def __init__(self, trainer: Trainer, loader: Any, epochs: int, every: int, metrics_file: str | None,
                  progress: bool | None) -> None:
@@ -236,7 +265,7 @@ class _Logger:
             except ImportError:
                 self.bar = None
 
-    def step(self, s: StepStats) -> None:
+    def on_step_end(self, trainer: Trainer, s: StepStats) -> None:
         if not self.on:
             return
         t = self.trainer
@@ -246,6 +275,7 @@ class _Logger:
                 "seconds": s.seconds, "samples": s.samples, "comm_seconds": s.comm_seconds,
                 "samples_per_s": s.samples / s.seconds if s.seconds > 0 else None, "skipped": s.skipped,
                 "time": time.time(),
+                **{k: s.extra[k] for k in self.EXTRA if k in s.extra},
             }
             self.metrics.write(json.dumps(rec) + "\n")
             self.metrics.flush()
@@ -265,7 +295,7 @@ class _Logger:
                 print(f"epoch {t.epoch} step {t.global_step} | {text}", flush=True)
             self.window = []
 
-    def close(self) -> None:
+    def on_fit_end(self, trainer: Trainer) -> None:
         if self.metrics is not None:
             self.metrics.close()
         if self.bar is not None:

@@ -13,16 +13,11 @@ from hpctrain import errors
 from hpctrain.cli import main
 from hpctrain.train import merge, run
 
-# A few steps of a small job: 256 samples, global batch 32, one epoch = 8 steps.
-SMALL = {"max_samples": 256, "batch_size": 32, "epochs": 1, "d_model": 32, "log_every": 4}
+# A few steps of a small job: one epoch = 8 steps of a global batch that splits over any world
+# size up to 4 (and into 4 micro-batches); d_model 48 so 4 x d_model splits over tp = 2, 3, 4.
+SMALL = {"max_samples": 8 * 48, "batch_size": 48, "epochs": 1, "d_model": 48, "log_every": 4}
 GPT = {"model": "gpt", "max_samples": 64, "batch_size": 16, "epochs": 1, "d_model": 32, "n_heads": 4,
        "block_size": 16, "log_every": 2}
-
-
-@pytest.fixture
-def shared_dir(comm, tmp_path):
-    """One directory for the whole job (rank 0's tmp_path; the ranks share a file system)."""
-    return comm.bcast_obj(str(tmp_path))
 
 
 def serial(comm, cfg: dict, where: str) -> dict:
@@ -129,7 +124,9 @@ def test_a_file_one_rank_cannot_read_fails_all(comm, shared_dir, tmp_path, capsy
     # The others fail to read it; rank 0 could, yet refuses too instead of waiting for them.
     assert main(["train", "--config", path, "--run-dir", os.path.join(shared_dir, "y")]) == 2
     err = capsys.readouterr().err
-    assert "does not exist" in err and "(on rank 1)" in err
+    # Named: each rank that could not read it (its own path), not rank 0.
+    assert "rank 1: config file " in err and "run.toml does not exist" in err, err
+    assert f"rank {comm.size - 1}: config file " in err and "rank 0" not in err, err
 
 
 @pytest.mark.mpi(min_size=2)

@@ -132,8 +132,6 @@ def test_ssp_staleness_bound_never_exceeded(comm, staleness):
     every = [lag for lg in comm.allgather_obj(lags) for lag in lg]
     assert max(every) <= staleness
     assert max(every) == staleness
-    # The slow rank is behind the others: it is never ahead of all of them.
-    assert min(comm.allgather_obj(lags)[-1]) == 0
 
 
 @mpi

@@ -7,6 +7,8 @@ Each subclasses the builtin a caller would catch anyway (``ValueError`` for bad 
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 
 class HpctrainError(Exception):
     """Base of all hpctrain errors."""
@@ -54,3 +56,36 @@ class CheckpointError(HpctrainError, RuntimeError):
 
 class ConfigError(HpctrainError, ValueError):
     """A configuration (flags, TOML file, layout) is invalid."""
+
+
+class Preempted(HpctrainError, RuntimeError):
+    """The job was asked to stop (SIGTERM, SIGUSR1, SIGINT) and stopped at a step boundary.
+
+    Raised by ``Trainer.fit`` on every rank after the checkpoint of the step it stopped at is on
+    disk (``checkpoint`` is its path, ``None`` when ``fit`` had no ``checkpoint_dir``). The main
+    job exits with ``ExitStatus.PREEMPTED``; resubmitting with ``--resume`` continues exactly.
+    """
+
+    exit_status = 75
+
+    def __init__(self, step: int, checkpoint: str | None, reason: str | None = None) -> None:
+        self.step, self.checkpoint, self.reason = step, checkpoint, reason
+        why = f" on {reason}" if reason else ""
+        where = f"; checkpoint {checkpoint}" if checkpoint else " (no checkpoint directory: nothing saved)"
+        super().__init__(f"preempted{why}: stopped at step {step}{where}")
+
+
+class ExitStatus(IntEnum):
+    """Exit statuses of the ``hpctrain`` command (documented in the README)."""
+
+    OK = 0
+    #: Anything unexpected: an exception escaped on some rank (the whole job is aborted).
+    FAILURE = 1
+    #: The command line is wrong (unknown flag, bad value): argparse's status.
+    USAGE = 2
+    #: The stall watchdog ended a job whose ranks stopped making progress.
+    STALL = 3
+    #: Refused before or instead of training: configuration, data, checkpoints, run directory.
+    CONFIG = 4
+    #: Stopped on a signal with a checkpoint of the step (sysexits' EX_TEMPFAIL: try again).
+    PREEMPTED = 75

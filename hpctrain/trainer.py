@@ -6,6 +6,7 @@ A strategy subclasses ``Trainer`` and implements ``step(x, y, weight=None) -> St
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -17,6 +18,9 @@ from typing import Any
 import numpy as np
 
 from .comm import Communicator
+from .log import get_logger
+
+_log = get_logger("trainer")
 
 
 @dataclass
@@ -34,6 +38,9 @@ class StepStats:
     comm_seconds: float = 0.0
     skipped: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # Whether some rank was asked to stop (``hpctrain.preempt``), agreed by every rank at this step;
+    # ``None`` when the step did not carry the flag (``fit`` then agrees on it itself).
+    stop: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -148,7 +155,12 @@ class Trainer:
         ``set_epoch`` each epoch. With ``checkpoint_dir`` and ``resume`` the newest valid
         checkpoint there is loaded first and training continues where it stopped (mid-epoch
         included: the sampler's position is restored); with ``checkpoint_every=k`` a checkpoint
-        is written every k steps and at the end, keeping the newest ``keep``. Rank 0 logs loss,
+        is written every k steps and at the end, keeping the newest ``keep`` this call wrote (it
+        never deletes checkpoints it did not write). Checkpoints present that all fail to load
+        raise ``CheckpointError`` naming each (a bad newest one falls back to the previous good
+        one, logged). When any rank was asked to stop (``hpctrain.preempt``: SIGTERM, SIGUSR1,
+        SIGINT once ``preempt.install()`` ran) every rank stops after the same step, writes its
+        checkpoint and raises ``hpctrain.errors.Preempted``. Rank 0 logs loss,
         samples/s, step time and communication share every ``log_every`` steps: a tqdm bar when
         stdout is a terminal (or ``progress=True``), plain lines otherwise. ``metrics_file``
         receives one JSON line per step (rank 0). Returns this call's steps' statistics.
@@ -160,12 +172,15 @@ class Trainer:
         (``val_loss``, say) that the logger writes.
         """
         from . import checkpoint as ckpt
+        from . import preempt
+        from .errors import Preempted
+        from .resume import load_newest
 
         sampler = getattr(loader, "sampler", None)
         self._sampler = sampler
         resumed_mid_epoch = False
         if checkpoint_dir is not None and resume:
-            path = ckpt.load_latest(checkpoint_dir, self)
+            path = load_newest(checkpoint_dir, self)
             if path is not None:
                 pending = getattr(self, "_pending_sampler", None)
                 # Mid-epoch only if the checkpoint's sampler epoch is the one to run now and it was
@@ -176,11 +191,26 @@ class Trainer:
                     and 0 < int(pending.get("position", 0)) < _length(sampler)
                 )
                 if self.comm.rank == 0:
-                    print(f"hpctrain: resumed from {path} at step {self.global_step}, epoch {self.epoch}", flush=True)
+                    _log.info("resumed from %s at step %d, epoch %d", path, self.global_step, self.epoch)
         self._pending_sampler = None
         hooks = _Callbacks([*callbacks, _Logger(self, loader, epochs, log_every, metrics_file, progress)])
         history: list[StepStats] = []
         saved_at = self.global_step
+        written: list[str] = []  # this call's checkpoints: the only ones it may delete
+
+        def save() -> str:
+            path = ckpt.save_in(checkpoint_dir, self, keep=0)
+            if path not in written:
+                written.append(path)
+            if keep > 0 and len(written) > keep:
+                stale = written[:-keep]
+                del written[:-keep]
+                if self.comm.rank == 0:
+                    for old in stale:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(old)
+            return path
+
         try:
             hooks.call("on_fit_start", self)
             for epoch in range(self.epoch, epochs):
@@ -193,18 +223,38 @@ class Trainer:
                         sampler.set_epoch(epoch)
                 for batch in loader:
                     stats = self.step(*batch)
+                    if stats.stop is None:
+                        stats.stop = self._agree_stop()
                     history.append(stats)
                     hooks.call("on_step_end", self, stats)
                     if checkpoint_dir is not None and checkpoint_every and self.global_step % checkpoint_every == 0:
-                        ckpt.save_in(checkpoint_dir, self, keep=keep)
+                        save()
                         saved_at = self.global_step
+                    if stats.stop:
+                        path = None
+                        if checkpoint_dir is not None:
+                            path = written[-1] if saved_at == self.global_step and written else save()
+                        raise Preempted(self.global_step, path, preempt.reason())
                 hooks.call("on_epoch_end", self)
             self.epoch = max(self.epoch, epochs)
             if checkpoint_dir is not None and checkpoint_every and saved_at != self.global_step:
-                ckpt.save_in(checkpoint_dir, self, keep=keep)
+                save()
         finally:
             hooks.call("on_fit_end", self)
         return history
+
+
+    def _agree_stop(self) -> bool:
+        """Whether any rank was asked to stop (one small all-reduce over the trainer's ranks).
+
+        Used only for steps that do not carry the flag in a collective they already make
+        (``StepStats.stop is None``).
+        """
+        from . import preempt
+
+        flag = np.array([1.0 if preempt.requested() else 0.0])
+        self.comm.allreduce(flag, op="max", out=flag)
+        return bool(flag[0])
 
 
 def _length(sampler: Any) -> float:

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 import hpctrain as ht
+import hpctrain.log
 from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
 from hpctrain.nn import Linear, ReLU, Sequential
 from hpctrain.parallel import DataParallelTrainer
@@ -54,6 +55,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=None, help="Trainer(timeout=...)")
     args = ap.parse_args()
 
+    hpctrain.log.to_stream()  # rank 0's messages ("resumed from ...") on stdout, as the CLI shows them
     comm = ht.Communicator()
     r = np.random.default_rng(0)
     model = Sequential(Linear(D_IN, 8, rng=r, dtype=np.float64), ReLU(), Linear(8, D_OUT, rng=r, dtype=np.float64))

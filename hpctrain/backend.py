@@ -18,13 +18,17 @@ _cupy_checked = False
 # Host<->device copies made through this module, so a step can report them (GPU issue).
 transfer_counts = {"to_host": 0, "to_device": 0}
 
+# The launcher's own variables first: under `mpirun`/`mpiexec` inside a Slurm allocation the
+# batch step's SLURM_LOCALID (0 in every rank) is inherited and would put every rank on GPU 0;
+# srun sets SLURM_LOCALID and, for the ranks it launches, no other launcher's variable.
 LOCAL_RANK_VARS = (
     "HPCTRAIN_LOCAL_RANK",
-    "SLURM_LOCALID",
     "OMPI_COMM_WORLD_LOCAL_RANK",
     "MPI_LOCALRANKID",
     "PMI_LOCAL_RANK",
+    "PALS_LOCAL_RANKID",
     "MV2_COMM_WORLD_LOCAL_RANK",
+    "SLURM_LOCALID",
 )
 
 
@@ -102,10 +106,16 @@ def synchronize(a: Any = None) -> None:
 
 def local_rank_from_env() -> int | None:
     """This process's rank on its node, from the launcher's environment, or ``None``."""
+    found = local_rank_var()
+    return None if found is None else found[1]
+
+
+def local_rank_var() -> tuple[str, int] | None:
+    """``(variable, value)`` of the first of ``LOCAL_RANK_VARS`` set to an integer, or ``None``."""
     for var in LOCAL_RANK_VARS:
         value = os.environ.get(var)
         if value is not None and value.strip().lstrip("-").isdigit():
-            return int(value)
+            return var, int(value)
     return None
 
 

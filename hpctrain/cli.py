@@ -111,9 +111,14 @@ def run_data(args: argparse.Namespace) -> int:
     import os
 
     from .data import builtin
+    from .errors import HpctrainError
 
     for name, make in (("classification", builtin.classification), ("corpus", builtin.corpus)):
-        path = make(None if args.dir is None else os.path.join(args.dir, f"{name}.h5"))
+        try:
+            path = make(None if args.dir is None else os.path.join(args.dir, f"{name}.h5"))
+        except HpctrainError as exc:  # an unwritable directory, a foreign file in the way
+            print(f"hpctrain data: error: {exc}", file=sys.stderr, flush=True)
+            return 2
         print(f"{name:<15} {path}  {os.path.getsize(path)} bytes")
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -243,3 +244,79 @@ def test_test_sbatch_runs_pytest_under_srun(cluster, tmp_path):
     assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{cluster.logs()}"
     assert out.count(" passed") == 2, out  # both ranks report their run: the tests ran in one world of 2
     assert "world size       : 2" in out, out
+
+
+def _job_state(cluster: Cluster, job: str) -> tuple[str, int]:
+    q = cluster.run("scontrol", "show", "job", job, check=False).stdout
+    fields = dict(w.split("=", 1) for w in q.split() if "=" in w)
+    return fields.get("JobState", ""), int(fields.get("Restarts", "0") or 0)
+
+
+def _steps_logged(run_dir: Path) -> int:
+    try:
+        return len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+# A small GPT on the built-in corpus: ~10 s of training on 2 ranks here, long enough to interrupt.
+_SMALL_GPT = ("--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--block-size", "32",
+              "--batch-size", "16", "--epochs", "4", "--max-samples", "1600", "--checkpoint-every", "25",
+              "--log-every", "50")
+
+
+def test_preempted_job_is_requeued_and_ends_where_an_uninterrupted_run_ends(cluster, tmp_path):
+    """``scancel --batch --signal=USR1`` (what ``--signal=B:USR1@N`` sends at the time limit) mid-run:
+    the script forwards it, the ranks stop with a checkpoint (exit 75), the script requeues the job,
+    and the requeued job resumes and finishes with the loss an uninterrupted run ends with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPIR_", "SLURM_"))}
+    env.update(OMP_NUM_THREADS="1")  # the same BLAS threading in both runs: bitwise comparable
+    ref_dir = tmp_path / "ref"
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    ref = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "hpctrain", "train", "--strategy", "dp",
+                          *_SMALL_GPT, "--run-dir", str(ref_dir)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    want = json.loads((ref_dir / "summary.json").read_text())
+
+    run_dir = tmp_path / "run"
+    cluster.env.update(HPCTRAIN_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1")
+    cluster.env["HPCTRAIN_VENV"] = os.environ.get("HPCTRAIN_VENV", str(Path(sys.executable).parents[1]))
+    out_file = tmp_path / "job.out"
+    sub = cluster.run("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                      f"--chdir={tmp_path}", f"--output={out_file}", "--time=10",
+                      str(REPO / "slurm" / "train.sbatch"), *_SMALL_GPT)
+    job = sub.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 400
+    signalled = False
+    state, restarts = "", 0
+    while time.monotonic() < deadline:
+        state, restarts = _job_state(cluster, job)
+        if not signalled and state == "RUNNING" and _steps_logged(run_dir) >= 30:
+            cluster.run("scancel", "--batch", "--signal=USR1", job)
+            signalled = True
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        time.sleep(0.5)
+    else:
+        cluster.run("scancel", job, check=False)
+        pytest.fail(f"job {job} still {state} after 400 s\n{cluster.logs()}")
+    out = out_file.read_text(errors="replace") if out_file.exists() else "(no output file)"
+    assert signalled, f"the job ended ({state}) before it logged 30 steps\n{out}"
+    assert state == "COMPLETED" and restarts == 1, f"job {job}: {state}, {restarts} restarts\n{out}\n{cluster.logs()}"
+    # --open-mode=append: both runs of the job in one output file.
+    assert "job " + job + " (restart 0)" in out and "job " + job + " (restart 1)" in out, out
+    assert "got SIGUSR1; asking the ranks to stop" in out and "requeueing it to resume" in out, out
+    stopped = re.search(r"preempted on SIGUSR1: stopped at step (\d+); checkpoint (\S+)", out)
+    assert stopped, out
+    step = int(stopped.group(1))
+    assert f"resumed from {stopped.group(2)} at step {step}" in out, out
+    got = json.loads((run_dir / "summary.json").read_text())
+    assert got["steps"] == want["steps"] and 0 < step < want["steps"], (got, want, step)
+    assert got["final_loss"] == want["final_loss"] and got["val_loss"] == want["val_loss"], (got, want)
+    with h5py.File(got["checkpoint"], "r") as a, h5py.File(want["checkpoint"], "r") as b:
+        for name in b["model"]:
+            assert (a["model"][name][()] == b["model"][name][()]).all(), name  # bitwise
+    # The metrics of the whole run: one line per step, none twice after the resume.
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, want["steps"] + 1))

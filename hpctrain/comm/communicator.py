@@ -209,6 +209,7 @@ class Communicator:
         self.size: int = self.mpi.Get_size()
         self._stage = _HostStage()
         self._cuda_aware: bool | None = None
+        self._local_rank: int | None = None
         # Tests set this to send NumPy arrays through the staging path, which is the only way to
         # exercise that logic on machines without a GPU.
         self._force_staging = False
@@ -236,15 +237,32 @@ class Communicator:
 
     @property
     def local_rank(self) -> int:
-        """Rank among the processes of this node (launcher environment, else a shared split)."""
-        env = backend.local_rank_from_env()
-        if env is not None:
-            return env
-        node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        try:
-            return node.Get_rank()
-        finally:
-            node.Free()
+        """Rank among the processes of this node (collective on first use, then cached).
+
+        The launcher's variable (``backend.LOCAL_RANK_VARS``, the launcher's own before
+        ``SLURM_LOCALID``) is checked against a shared-memory split of the world: when the values
+        of the ranks on a node are not 0..n-1 (a variable inherited from an enclosing job step,
+        say), the split's numbering is used and rank 0 of the node says why once.
+        """
+        if self._local_rank is None:
+            found = backend.local_rank_var()
+            node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            try:
+                claimed = node.allgather(None if found is None else found[1])
+                if found is not None and sorted(claimed) == list(range(node.Get_size())):
+                    self._local_rank = found[1]
+                else:
+                    self._local_rank = node.Get_rank()
+                    if found is not None and node.Get_rank() == 0:
+                        from ..log import get_logger
+
+                        get_logger("comm").warning(
+                            "%s does not number the %d ranks on %s 0..%d (they hold %s): using the "
+                            "shared-memory split's numbering instead", found[0], node.Get_size(), self.hostname(),
+                            node.Get_size() - 1, claimed)
+            finally:
+                node.Free()
+        return self._local_rank
 
     def set_timeout(self, seconds: float | None) -> None:
         """Seconds a blocking call on this communicator may wait before the watchdog aborts the job.

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DatasetError
+from ..errors import ConfigError, DatasetError
 
 VERSION = 1
 CLASSIFICATION_SHAPE = (4096, 20)
@@ -57,18 +57,31 @@ def _is_current(path: Path, name: str) -> bool:
 
 
 def _write_atomic(path: Path, fill: Callable[[Any], None]) -> None:
-    """Write an HDF5 file through a process-private temporary name, then rename it into place."""
+    """Write an HDF5 file through a process-private temporary name, then rename it into place.
+
+    A directory that cannot be made or written (read-only, no permission, a file in the way, a
+    full disk) is one ``ConfigError`` naming the path and the cause; no temporary is left behind.
+    """
     import h5py
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with h5py.File(tmp, "w") as f:
             fill(f)
         os.replace(tmp, path)
+    except OSError as exc:
+        # h5py's OSError carries the errno and a long internal message: say the errno's meaning.
+        why = os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0]
+        if isinstance(exc, (FileExistsError, NotADirectoryError)):
+            why = "a file is in the way of the directory" if path.parent.exists() else why
+        raise ConfigError(f"cannot write the built-in data set {path}: {why} (choose a writable directory: "
+                          "--dir, or $HPCTRAIN_DATA)") from None
     finally:
-        if tmp.exists():
+        try:
             tmp.unlink()
+        except OSError:  # never created, or already renamed into place
+            pass
 
 
 def _ensure(path: str | os.PathLike | None, default_name: str, name: str, fill: Callable[[Any], None]) -> Path:

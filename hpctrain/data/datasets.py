@@ -137,16 +137,21 @@ class HDF5Dataset:
         self._len = self._dsets[0].shape[0]
 
     def _open_keys(self) -> None:
-        import h5py
+        from ..h5safe import hard_dataset, hard_object
 
         self._dsets = []
         for key in self.keys:
-            if key not in self._file:
+            # Hard links to data stored in this file only: a soft or external link, external
+            # storage or a virtual dataset would make a --data file read other files.
+            where = f"{self.path}: key {key!r}"
+            try:
+                obj = hard_dataset(self._file, key, where)
+            except KeyError:
                 have = sorted(self._file.keys())
-                raise DatasetError(f"{self.path}: no key {key!r} (the file has {have})")
-            obj = self._file[key]
-            if not isinstance(obj, h5py.Dataset):
-                raise DatasetError(f"{self.path}: key {key!r} is a {type(obj).__name__}, not a dataset")
+                raise DatasetError(f"{self.path}: no key {key!r} (the file has {have})") from None
+            if obj is None:
+                kind = type(hard_object(self._file, key, where)).__name__
+                raise DatasetError(f"{self.path}: key {key!r} is a {kind}, not a dataset")
             if obj.ndim == 0:
                 raise DatasetError(f"{self.path}: key {key!r} is a scalar, it has no rows")
             self._dsets.append(obj)

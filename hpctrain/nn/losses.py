@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..backend import xp_of
+from ..errors import DatasetError
 
 
 def _per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, float]:
@@ -23,6 +24,22 @@ def _per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, float]:
         raise ValueError(f"weight must have shape ({b},), got {tuple(w.shape)}")
     w = w.reshape((b,) + (1,) * (per_sample.ndim - 1))
     return w, float(w.sum()) * (per_sample.size // b)
+
+
+def check_targets(target: Any, n_classes: int, who: str) -> None:
+    """Refuse class indices outside ``[0, n_classes)`` (``DatasetError`` naming the first one).
+
+    Without this a negative target silently picks a class from the end (``take_along_axis``
+    wraps) and a too-large one fails deep in NumPy. One reduction over the targets, tiny next to
+    the logits.
+    """
+    xp = xp_of(target)
+    bad = (target < 0) | (target >= n_classes)
+    if target.size and bool(bad.any()):
+        where = tuple(int(i) for i in xp.argwhere(bad)[0])
+        value = int(target[where])
+        raise DatasetError(f"{who}: target {value} at position {where} is not a class index in "
+                           f"[0, {n_classes}) (the logits have {n_classes} classes)")
 
 
 class MSELoss:
@@ -68,6 +85,7 @@ class CrossEntropyLoss:
             )
         if target.dtype.kind not in "iu":
             raise TypeError(f"CrossEntropyLoss needs integer targets, got {target.dtype}")
+        check_targets(target, logits.shape[-1], "CrossEntropyLoss")
         shifted = logits - logits.max(axis=-1, keepdims=True)
         exp = xp.exp(shifted)
         sumexp = exp.sum(axis=-1, keepdims=True)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..nn.layers import Linear
-from ..nn.losses import _per_sample_weight
+from ..nn.losses import _per_sample_weight, check_targets
 from ..nn.module import Module, Parameter
 from ..nn.transformer import causal_attention, causal_attention_backward
 from .tensor_mappings import copy_to_tp, gather_from_tp, partition, reduce_from_tp, scatter_to_tp
@@ -320,6 +320,7 @@ class VocabParallelCrossEntropy:
             )
         if target.dtype.kind not in "iu":
             raise TypeError(f"cross-entropy needs integer targets, got {target.dtype}")
+        check_targets(target, self.vocab, "VocabParallelCrossEntropy")
         n_local = logits.shape[-1]
         gmax = logits.max(axis=-1)
         if self.comm.size > 1:

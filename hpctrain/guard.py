@@ -39,12 +39,26 @@ def check_finite(comm: Any, loss: float, params: list[Any], policy: str = "raise
         return False
     if policy == "skip":
         return True
-    reports = comm.allgather_obj((loss_bad, bad[:8], len(bad)))
-    parts = []
-    for rank, (lb, names, n) in enumerate(reports):
-        if lb or n:
-            what = (["loss"] if lb else []) + names + ([f"... {n - len(names)} more"] if n > len(names) else [])
-            parts.append(f"rank {rank}: {', '.join(what)}")
-    raise NonFiniteError(
-        "non-finite loss or gradients (on_nonfinite='raise'; use 'skip' to drop such steps): " + "; ".join(parts)
-    )
+    raise_nonfinite(comm, loss, params)
+    return True  # not reached: raise_nonfinite always raises
+
+
+def raise_nonfinite(comm: Any, loss: float, params: list[Any]) -> None:
+    """Raise ``NonFiniteError`` on every rank of ``comm``, naming each rank's non-finite loss or
+    gradients (collective; called by the step once the ranks know something is not finite).
+
+    A rank whose own values are all finite contributes nothing to the message; the error is
+    raised everywhere all the same (``comm.validate.raise_if_any``).
+    """
+    from .comm.validate import raise_if_any
+
+    bad = [p.name for p in params if not _finite(p.grad)]
+    loss_bad = not math.isfinite(float(loss))
+    mine = None
+    if bad or loss_bad:
+        what = (["loss"] if loss_bad else []) + bad[:8] + ([f"... {len(bad) - 8} more"] if len(bad) > 8 else [])
+        mine = NonFiniteError(", ".join(what))
+    raise_if_any(comm, mine, what="non-finite loss or gradients (on_nonfinite='raise'; use 'skip' to drop such steps)")
+    # Every rank saw the flag, but no rank found the culprit any more (e.g. an overflow in the
+    # norm's squares): still an error on every rank.
+    raise NonFiniteError("non-finite gradient norm (on_nonfinite='raise')")

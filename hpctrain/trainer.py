@@ -1,16 +1,37 @@
-"""The loop every strategy shares.
+"""The loop and the step every strategy shares.
 
-A strategy subclasses ``Trainer`` and implements ``step(x, y, weight=None) -> StepStats``,
-``state_dict()`` and ``load_state_dict()``; ``fit`` drives epochs over a loader.
+``Trainer.step`` is one template for every trainer (the parameter server, which has its own
+protocol, overrides it):
+
+1. check the batch on every rank (one small all-reduce; a bad batch raises the same error
+   everywhere, before any other communication);
+2. the strategy's forward/backward (``_forward_backward``: micro-batches with accumulation, or
+   a pipeline schedule);
+3. the gradient reduction over the data-parallel group (``self.reducer``, a
+   ``parallel.reducer.GradReducer``);
+4. one small all-reduce carrying the loss, the squared gradient norm (each shard counted once),
+   the non-finite flag and the preemption flag (``hpctrain.preempt.requested()``);
+5. the skip rule: an all-padding global batch, or a non-finite step with ``on_nonfinite="skip"``,
+   changes nothing on any rank and is reported as skipped;
+6. global-norm clipping and the optimizer step.
+
+Global-step rule (every trainer): ``global_step`` counts completed steps, skipped ones included
+(it counts batches consumed, so checkpoint cadence and data position stay aligned); the
+optimizer's own ``step_count`` counts updates. A step that raises changes neither.
+
+A step that raises leaves the trainer as it was before the step (parameters, optimizer state,
+counters, the reduction) and ready for the next one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,8 +48,10 @@ _log = get_logger("trainer")
 class StepStats:
     """What one training step did, identical on every rank of the job.
 
-    ``loss`` is the mean over the global batch; ``samples`` counts the global batch's real
-    (unpadded) samples; ``comm_seconds`` is the time spent waiting for communication.
+    ``loss`` is the mean over the global batch; ``grad_norm`` the global L2 norm of the gradient
+    before clipping; ``samples`` counts the global batch's real (unpadded) samples;
+    ``comm_seconds`` is the time spent waiting for communication; ``stop`` is True on every rank
+    when any rank was asked to stop (``hpctrain.preempt.request()``) before this step ended.
     """
 
     loss: float
@@ -46,8 +69,56 @@ class StepStats:
         return asdict(self)
 
 
+@dataclass
+class Batch:
+    """One rank's view of a step's batch after the collective check.
+
+    ``weight_total`` is the global batch's total sample weight (1 per sample without a mask);
+    ``parts`` the micro-batch slices of the local batch and ``part_weights`` their weights.
+    """
+
+    x: Any
+    y: Any
+    weight: Any
+    parts: list[slice]
+    part_weights: list[float]
+    weight_total: float = 0.0
+    samples: int = 0
+
+
+def _batch_digest(x: Any, y: Any, weight: Any, wsum: float) -> float:
+    """A float (exact below 2**52) naming the batch's shapes and weight: what a replica shares."""
+    text = repr((tuple(np.shape(x)), tuple(np.shape(y)), None if weight is None else tuple(np.shape(weight)), wsum))
+    return float(zlib.crc32(text.encode()))
+
+
 class Trainer:
-    """Base of the trainers: owns the step/epoch counters and the ``fit`` loop."""
+    """Base of the trainers: the step template, the counters, the ``fit`` loop and the interface
+    checkpoints and the main job use.
+
+    Declared interface (every trainer provides it):
+
+    - ``params``: this rank's parameters (sorted by name); ``parameters()`` returns them;
+    - ``optimizer``: the optimizer updating ``params`` (``None`` when the trainer updates itself);
+    - ``shards()``: ``{serial name: (Parameter, full shape, index)}``, an index being a tuple of
+      slices into the full tensor (or ``("flat", start, stop)`` of the raveled tensor);
+    - ``layout``: ``{"dp": ..., "tp": ..., "pp": ...}``;
+    - ``state_dict()`` / ``load_state_dict()``: counters, sampler position and RNG states;
+    - ``close()``: release what the trainer installed or allocated (idempotent).
+
+    A strategy supplies ``_forward_backward``, sets ``reducer`` and the replica facts below;
+    ``step`` does the rest.
+    """
+
+    #: The parameters this rank holds and the optimizer that updates them.
+    params: list[Any]
+    optimizer: Any = None
+    model: Any = None
+    loss: Any = None
+    #: The dp gradient reduction (``parallel.reducer.GradReducer``).
+    reducer: Any = None
+    clip_norm: float | None = None
+    microbatches: int = 1
 
     def __init__(
         self,
@@ -57,33 +128,201 @@ class Trainer:
         timeout: float | None = None,
     ) -> None:
         from .guard import POLICIES
+        from .settings import resolve_timeout
 
         if on_nonfinite not in POLICIES:
             raise ValueError(f"on_nonfinite must be one of {POLICIES}, got {on_nonfinite!r}")
         self.comm = comm if comm is not None else Communicator()
         self.on_nonfinite = on_nonfinite
-        # Seconds a collective may wait before the watchdog aborts the job (None: HPCTRAIN_TIMEOUT).
-        self.timeout = timeout
+        # Seconds any wait may last (0 = off everywhere: watchdog and pipeline waits alike).
+        self.timeout = resolve_timeout(timeout)
         self.global_step = 0
         self.epoch = 0
+        self.params = []
+        # Defaults for a trainer whose whole world is one dp group (strategies refine them).
+        self.dp = self.comm
+        # This rank counts the replica's batch once (tp rank 0 of pipeline stage 0) ...
+        self._batch_lead = True
+        # ... and the replica's loss once (tp rank 0 of the last pipeline stage).
+        self._loss_lead = True
+        # Parameters replicated over a tensor-parallel group: counted in the norm on tp rank 0 only.
+        self._tp_replicated: set[int] = set()
+        self._tp_rank = 0
+        self._closed = False
         # The stall watchdog reads this trainer's timeout and global_step (for its reports).
         from .comm import watchdog
 
         watchdog.attach(self)
 
-    def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
-        raise NotImplementedError
+    # -- the declared interface ---------------------------------------------------------------
+
+    def parameters(self) -> list[Any]:
+        """This rank's parameters (its shard of the model), sorted by name."""
+        return list(self.params)
+
+    @property
+    def layout(self) -> dict[str, int]:
+        return {"dp": self.comm.size, "tp": 1, "pp": 1}
+
+    def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
+        """Every parameter whole: ``{name: (param, shape, full slices)}`` (strategies refine)."""
+        return {p.name: (p, p.shape, tuple(slice(0, n) for n in p.shape)) for p in self.params}
+
+    def close(self) -> None:
+        """Release what the trainer installed (hooks, windows); calling it twice is a no-op."""
+        self._closed = True
 
     def config(self) -> dict[str, Any]:
         """The trainer's settings, compared across ranks and stored in checkpoints."""
         return {"type": type(self).__name__}
 
+    # -- the step ----------------------------------------------------------------------------------
+
+    def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
+        """One update from this rank's share ``(x, y[, weight])`` of the global batch (collective)."""
+        from . import preempt
+        from .guard import raise_nonfinite
+
+        t_start = time.perf_counter()
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__}.step after close()")
+        t0 = time.perf_counter()
+        batch = self._check_batch(x, y, weight)
+        comm_s = time.perf_counter() - t0
+        try:
+            self.reducer.zero_grad()
+            loss_part, extra, fb_comm = self._forward_backward(batch)
+            comm_s += fb_comm + self.reducer.finish()
+            t0 = time.perf_counter()
+            sumsq, bad = 0.0, False
+            for p, g in self.reducer.counted_grads():
+                if self._tp_rank and id(p) in self._tp_replicated:
+                    continue  # replicated over tp: tp rank 0 counts it
+                g64 = g.astype(np.float64, copy=False).ravel()
+                sq = float(g64 @ g64)
+                bad = bad or not math.isfinite(sq)
+                sumsq += sq
+            loss_part = float(loss_part) if self._loss_lead else 0.0
+            bad = bad or not math.isfinite(loss_part)
+            mine = np.array([loss_part, 0.0 if bad else sumsq, float(bad), float(preempt.requested())]
+                            + list(extra.pop("_reduce", [])))  # fmt: skip
+            totals = self.comm.allreduce(mine, op="sum")
+            comm_s += time.perf_counter() - t0
+            loss, sumsq, n_bad, stop = (float(v) for v in totals[:4])
+            extra = self._finish_extra(extra, totals[4:])
+            if n_bad and self.on_nonfinite == "raise":
+                raise_nonfinite(self.comm, loss_part if self._loss_lead else 0.0, self.params)
+        except BaseException:
+            self._abandon_step()
+            raise
+        skipped = bool(n_bad) or batch.weight_total == 0
+        norm = math.sqrt(sumsq) if not n_bad else float("nan")
+        if not skipped:
+            if self.clip_norm is not None:
+                coef = self.clip_norm / (norm + 1e-6)
+                if coef < 1.0:  # as clip_grad_norm: only ever scaled down
+                    self.reducer.scale_grads(coef)
+            self.reducer.apply(self.optimizer)
+        else:
+            self.reducer.zero_grad()
+        self.global_step += 1
+        return StepStats(loss=loss if not batch.weight_total == 0 else 0.0, grad_norm=norm,
+                         seconds=time.perf_counter() - t_start, samples=batch.samples, comm_seconds=comm_s,
+                         skipped=skipped, extra=extra, stop=bool(stop))  # fmt: skip
+
+    def _abandon_step(self) -> None:
+        """Undo what a raising step did before the update: the reduction and the gradients."""
+        if self.reducer is not None:
+            self.reducer.abort()
+            self.reducer.zero_grad()
+        model = self.model
+        if model is not None and hasattr(model, "set_cache"):
+            model.set_cache({})
+
+    def _check_batch(self, x: Any, y: Any, weight: Any) -> Batch:
+        """Validate the local batch and agree on the global one (collective over the world).
+
+        One all-reduce (max) of a few numbers per dp replica: its total weight, real samples and
+        a digest of its shapes (a replica's ranks must share one batch), plus a problem flag.
+        Any problem on any rank raises the same error on every rank.
+        """
+        from .comm.validate import raise_if_any
+        from .errors import MismatchError
+
+        problem = self._batch_problem(x, y, weight)
+        n = len(y) if problem is None else 0
+        k = self.microbatches
+        bounds = [(i * n) // k for i in range(k + 1)]
+        parts = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+        w_host = None
+        if weight is not None and problem is None:
+            from .backend import to_host
+
+            w_host = np.asarray(to_host(weight), dtype=np.float64)
+        part_w = [float(b.stop - b.start) if w_host is None else float(w_host[b].sum()) for b in parts]
+        wsum = float(sum(part_w))
+        real = float(n if w_host is None else np.count_nonzero(w_host))
+        d, nd = self.dp.rank, self.dp.size
+        v = np.full(4 * nd + 1, -np.inf)  # max over the world: others' slots stay -inf
+        digest = _batch_digest(x, y, weight, wsum)
+        v[4 * d : 4 * d + 4] = (wsum if self._batch_lead else 0.0, real if self._batch_lead else 0.0, digest, -digest)
+        v[-1] = 1.0 if problem is not None else 0.0
+        totals = self.comm.allreduce(v, op="max")
+        if totals[-1]:
+            raise_if_any(self.comm, problem, what=f"{type(self).__name__}.step")
+        per = totals[:-1].reshape(nd, 4)
+        odd = [r for r in range(nd) if per[r, 2] != -per[r, 3]]
+        if odd:
+            raise MismatchError(
+                f"{type(self).__name__}.step: the ranks of data-parallel replica(s) {odd} got different batch "
+                "shapes or weights; every rank of a tensor-parallel group / pipeline takes the same batch"
+            )
+        return Batch(x=x, y=y, weight=w_host, parts=parts, part_weights=part_w,
+                     weight_total=float(per[:, 0].sum()), samples=int(round(per[:, 1].sum())))  # fmt: skip
+
+    def _batch_problem(self, x: Any, y: Any, weight: Any) -> Exception | str | None:
+        """What is wrong with this rank's batch (``None`` when nothing): lengths, micro-batches."""
+        try:
+            n = len(y)
+            if len(x) != n or (weight is not None and len(weight) != n):
+                got = f"{len(x)}, {n}" + (f", {len(weight)}" if weight is not None else "")
+                return f"x, y (and weight) need the same length, got {got}"
+        except TypeError as exc:
+            return f"x, y and weight must be arrays: {exc}"
+        if n < self.microbatches:
+            return f"a batch of {n} samples cannot be cut into microbatches={self.microbatches}"
+        return self._target_problem(y)
+
+    def _target_problem(self, y: Any) -> Exception | None:
+        """Labels the loss cannot take (checked before any forward so every rank refuses alike)."""
+        from .nn.losses import CrossEntropyLoss
+
+        kinds = getattr(type(self.loss), "target_kinds", None)
+        if kinds is None and isinstance(self.loss, CrossEntropyLoss):
+            kinds = "iu"
+        dtype = getattr(y, "dtype", None)
+        if kinds and dtype is not None and np.dtype(dtype).kind not in kinds:
+            from .errors import DtypeError
+
+            return DtypeError(f"{type(self.loss).__name__} needs integer targets, got {np.dtype(dtype)}")
+        return None
+
+    def _forward_backward(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
+        """The strategy's forward and backward over ``batch`` (gradients of the global-batch mean).
+
+        Returns ``(this rank's share of the global loss, extra stats, communication seconds)``.
+        ``extra["_reduce"]`` may list floats to be summed over the world with the step's own
+        all-reduce; ``_finish_extra`` then turns the sums into stats.
+        """
+        raise NotImplementedError
+
+    def _finish_extra(self, extra: dict[str, Any], sums: Any) -> dict[str, Any]:
+        return extra
+
     # -- state ----------------------------------------------------------------------------------
 
     def _modules_with_rng(self) -> list[tuple[str, Any]]:
-        model = getattr(self, "model", None)
-        if model is None:
-            model = getattr(self, "stage", None)
+        model = self.model
         if model is None or not hasattr(model, "named_modules"):
             return []
         return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "rng", None), np.random.Generator)]
@@ -91,15 +330,21 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Counters, the sampler's state (when ``fit`` runs with one) and module RNG states.
 
-        Collective: RNG states are gathered from every rank (replicas may draw differently).
-        Subclasses extend this dict.
+        Collective: RNG states are gathered from every rank, by module name and dp replica, so
+        they load under another layout (a module lives on whichever stage holds it; replicas
+        that draw differently keep doing so when the dp size is unchanged).
         """
-        rngs = {n: m.rng.bit_generator.state for n, m in self._modules_with_rng()}
+        rngs: dict[str, list[Any]] = {}
+        mine = {n: m.rng.bit_generator.state for n, m in self._modules_with_rng()}
+        for d, states in self.comm.allgather_obj((self.dp.rank, mine)):
+            for k, v in states.items():
+                rngs.setdefault(k, [None] * self.dp.size)[d] = v
         state: dict[str, Any] = {
             "global_step": self.global_step,
             "epoch": self.epoch,
-            "rng": self.comm.allgather_obj(rngs),
+            "module_rngs": rngs,
             "world_size": self.comm.size,
+            "dp_size": self.dp.size,
         }
         sampler = getattr(self, "_sampler", None)
         if sampler is not None and hasattr(sampler, "state_dict"):
@@ -107,25 +352,33 @@ class Trainer:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` saved. RNG states go back to the same rank when the world
-        size is unchanged; otherwise every rank takes rank 0's."""
+        """Restore what ``state_dict`` saved, under this trainer's layout.
+
+        The sampler's position counts this dp replica's share of the epoch, so it is rescaled by
+        the saved and the current **dp** size (tp and pp ranks of a replica read the same data).
+        """
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
-        rngs = state.get("rng") or []
-        if rngs:
-            mine = rngs[self.comm.rank] if len(rngs) == self.comm.size else rngs[0]
-            for name, m in self._modules_with_rng():
-                if name in mine:
-                    m.rng.bit_generator.state = mine[name]
+        saved_rngs = state.get("module_rngs") or {}
+        old = state.get("rng") or []  # the per-rank list of earlier checkpoints
+        for name, m in self._modules_with_rng():
+            if name in saved_rngs:
+                per = saved_rngs[name]
+                pick = per[self.dp.rank] if len(per) == self.dp.size else per[0]
+                if pick is not None:
+                    m.rng.bit_generator.state = pick
+            elif old:
+                own = old[self.comm.rank] if len(old) == self.comm.size else old[0]
+                if name in own:
+                    m.rng.bit_generator.state = own[name]
         # Kept until fit() sees the loader's sampler (or applied now if it already has one).
         sampler_state = state.get("sampler")
-        saved_size = int(state.get("world_size", self.comm.size))
+        saved_dp = int(state.get("dp_size", state.get("world_size", self.dp.size)))
         if sampler_state is not None:
             sampler_state = dict(sampler_state)
-        if sampler_state is not None and saved_size != self.comm.size:
-            # Positions count this rank's share of the interleaved epoch order: the samples
-            # consumed by all ranks (position x old size) are spread over the new size.
-            sampler_state["position"] = int(sampler_state["position"]) * saved_size // self.comm.size
+        if sampler_state is not None and saved_dp != self.dp.size:
+            # Samples consumed by all replicas (position x old dp) spread over the new dp size.
+            sampler_state["position"] = int(sampler_state["position"]) * saved_dp // self.dp.size
         self._pending_sampler = sampler_state
         sampler = getattr(self, "_sampler", None)
         if sampler is not None and sampler_state is not None:

@@ -173,12 +173,13 @@ def test_nonfinite_skip_and_raise_on_every_rank(comm):
     tr = _trainer(comm, "mlp", comm.size, "1f1b", 4, on_nonfinite="skip")
     before = {p.name: p.data.copy() for p in tr.stage.parameters()}
     st = tr.step(bad, y)
-    assert st.skipped and not np.isfinite(st.loss) and tr.global_step == 0
+    # A skipped step still counts as a step (the one global-step rule), not as an update.
+    assert st.skipped and not np.isfinite(st.loss) and tr.global_step == 1 and tr.optimizer.step_count == 0
     assert all(np.array_equal(p.data, before[p.name]) for p in tr.stage.parameters())
-    assert not tr.step(x, y).skipped and tr.global_step == 1  # gradients were cleared after the skip
+    assert not tr.step(x, y).skipped and tr.optimizer.step_count == 1  # gradients were cleared after the skip
     # A batch of padding only (all weights 0) is no data: no update on any rank.
     st = tr.step(x, y, np.zeros(8))
-    assert st.skipped and st.samples == 0 and st.loss == 0.0 and tr.global_step == 1
+    assert st.skipped and st.samples == 0 and st.loss == 0.0 and tr.optimizer.step_count == 1
     tr = _trainer(comm, "mlp", comm.size, "gpipe", 4)
     with pytest.raises(NonFiniteError):
         tr.step(bad, y)

@@ -228,6 +228,21 @@ class GradBuckets:
         self.overlapped = 0
         self._active = True
 
+    def abort(self) -> None:
+        """Forget the reduction in progress after the step raised, so the next ``begin`` works.
+
+        Buckets already started are waited for (their peers started them too: every rank starts
+        buckets in the same order) so no request still writes into a buffer; the others are
+        dropped. The gradients' values are then meaningless: zero them before the next step.
+        """
+        if not self._active:
+            return
+        self._active = False
+        for b in self._order[: self._next]:
+            if b.request is not None:
+                b.request.wait()
+            b.request = None
+
     def mark_ready(self, params: Iterable[Any]) -> None:
         """Declare these parameters' gradients final; starts every bucket that can start.
 

@@ -2,6 +2,7 @@
 
 from . import schedules
 from .data import DataParallelTrainer
+from .engine import ParallelTrainer
 from .param_server import ParameterServerTrainer
 from .pipeline import PipelineParallelTrainer, pipeline_stage
 from .tensor import (
@@ -13,7 +14,7 @@ from .tensor import (
     tensor_parallel,
 )
 
-__all__: list[str] = ["DataParallelTrainer"]
+__all__: list[str] = ["DataParallelTrainer", "ParallelTrainer"]
 __all__ += ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear",
             "TensorParallelTrainer", "tensor_parallel"]  # fmt: skip
 __all__ += ["PipelineParallelTrainer", "pipeline_stage", "schedules"]

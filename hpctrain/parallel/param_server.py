@@ -289,9 +289,17 @@ class ParameterServerTrainer(Trainer):
     # -- the step --------------------------------------------------------------------------------
 
     def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
-        """One worker step on this rank's batch; see the module docstring for each mode."""
+        """One worker step on this rank's batch; see the module docstring for each mode.
+
+        A batch the loss cannot take (lengths, label dtype) is refused before any communication,
+        leaving the trainer as it was. ``grad_norm`` is the norm of the gradient this step applied
+        (sync: the global-batch gradient; async/SSP: this worker's own).
+        """
         if self.closed:
             raise WindowError("ParameterServerTrainer.step after close()")
+        problem = self._batch_problem(x, y, weight)
+        if problem is not None:
+            raise problem if isinstance(problem, Exception) else ValueError(f"ParameterServerTrainer.step: {problem}")
         t0 = time.perf_counter()
         self.model.zero_grad()
         pred = self._forward(x)
@@ -309,11 +317,14 @@ class ParameterServerTrainer(Trainer):
     def _step_sync(self, loss: float, n_local: float, t0: float) -> StepStats:
         tc = time.perf_counter()
         # This all-reduce also separates the previous step's pulls from this step's pushes.
-        tot = self.comm.allreduce(np.array([loss * n_local, n_local]))
+        from ..preempt import requested
+
+        tot = self.comm.allreduce(np.array([loss * n_local, n_local, float(requested())]))
         n_total = float(tot[1])
         gloss = float(tot[0]) / n_total if n_total else 0.0
-        skip = check_finite(self.comm, gloss, self.params, policy=self.on_nonfinite)
-        if not skip and n_total:
+        skip = check_finite(self.comm, gloss, self.params, policy=self.on_nonfinite) or n_total == 0
+        norm = float("nan")
+        if not skip:
             g = self._gflat
             g *= n_local / n_total  # this worker's share of the global-batch mean gradient
             if self._velocity is not None:
@@ -323,16 +334,21 @@ class ParameterServerTrainer(Trainer):
             g *= -self.lr
             self._push()
             self.comm.barrier()  # every push has completed at its server
+            before = self._flat.copy()
             self._pull()
             self._unpack_params()
+            norm = self._applied_norm(before)
         self.clock += 1
         now = time.perf_counter()
         return StepStats(
-            loss=gloss, grad_norm=None, seconds=now - t0, samples=int(round(n_total)),
+            loss=gloss, grad_norm=norm, seconds=now - t0, samples=int(round(n_total)),
             comm_seconds=now - tc, skipped=skip, extra={"lag": 0, "clock": self.clock, "mode": "sync"},
+            stop=bool(tot[2]),
         )  # fmt: skip
 
     def _step_async(self, loss: float, n_local: float, t0: float) -> StepStats:
+        from ..preempt import requested
+
         tc = time.perf_counter()
         finite = math.isfinite(loss) and bool(np.isfinite(self._gflat).all())
         if not finite:
@@ -345,7 +361,9 @@ class ParameterServerTrainer(Trainer):
                     "on_nonfinite='raise' (other workers stop at their next step)"
                 )
             self._gflat.fill(0)  # skip: push nothing, still advance the clock
+            norm = float("nan")
         else:
+            norm = float(np.sqrt(self._gflat.astype(np.float64) @ self._gflat.astype(np.float64)))
             self._gflat *= -self.lr
         new_clock = self.clock + 1
         waited = 0.0
@@ -371,9 +389,22 @@ class ParameterServerTrainer(Trainer):
         self.clock = new_clock
         now = time.perf_counter()
         return StepStats(
-            loss=loss, grad_norm=None, seconds=now - t0, samples=int(round(n_local)), comm_seconds=now - tc,
+            loss=loss, grad_norm=norm, seconds=now - t0, samples=int(round(n_local)), comm_seconds=now - tc,
             skipped=not finite, extra={"lag": int(lag), "clock": new_clock, "waited_s": waited, "mode": self.mode},
+            stop=requested(),  # async workers do not step together: each sees its own request
         )  # fmt: skip
+
+    def _applied_norm(self, before: np.ndarray) -> float:
+        """Norm of the global gradient the servers just applied, from the parameters' change
+        (every worker pulled the same values): the update is ``-lr * v`` with the momentum buffer
+        ``v = momentum * v_prev + g``."""
+        if not self.lr:
+            return float("nan")
+        v = (before - self._flat).astype(np.float64) / self.lr
+        g = v - self.momentum * self._gvel if self.momentum and getattr(self, "_gvel", None) is not None else v
+        if self.momentum:
+            self._gvel = v
+        return float(np.sqrt(g @ g))
 
     # -- shutdown -----------------------------------------------------------------------------
 

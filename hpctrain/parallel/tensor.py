@@ -15,22 +15,17 @@ for them (their inputs and output gradients are replicated by the mappings).
 from __future__ import annotations
 
 import copy
-import math
-import time
 import zlib
 from typing import Any
 
 import numpy as np
 
-from ..backend import to_host, xp_of
-from ..comm.validate import agree, describe_model
+from ..backend import to_host
+from ..comm.validate import agree, describe_model, raise_if_any
 from ..errors import GridError, MismatchError
-from ..guard import check_finite
-from ..nn.losses import CrossEntropyLoss
 from ..nn.module import Module
 from ..nn.transformer import GPT, MLP, CausalSelfAttention
-from ..optim.clip import clip_grad_norm
-from ..trainer import StepStats, Trainer
+from .engine import ParallelTrainer, shard_map
 from .tensor_layers import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -101,19 +96,6 @@ def tensor_parallel(model: Module, tp_comm: Any) -> Module:
     return out
 
 
-def shard_map(model: Module) -> dict[str, tuple[Any, tuple, tuple]]:
-    """``{serial name: (Parameter, full shape, index)}``; replicated parameters get full slices."""
-    info: dict[str, tuple[tuple, tuple]] = {}
-    for mod_name, m in model.named_modules():
-        for pname, (full, index) in getattr(m, "shard_index", {}).items():
-            info[f"{mod_name}.{pname}" if mod_name else pname] = (tuple(full), tuple(index))
-    out = {}
-    for name, p in model.named_parameters():
-        full, index = info.get(name, (p.shape, tuple(slice(0, n) for n in p.shape)))
-        out[name] = (p, full, index)
-    return out
-
-
 def full_state_dict(model: Module, tp_comm: Any) -> dict[str, np.ndarray]:
     """The full (unsharded) weights of a tensor-parallel model on every rank of ``tp_comm``.
 
@@ -132,8 +114,9 @@ def full_state_dict(model: Module, tp_comm: Any) -> dict[str, np.ndarray]:
     return out
 
 
-class TensorParallelTrainer(Trainer):
-    """Train a ``tensor_parallel`` model on a ``ProcessGrid`` of tp x dp ranks (``grid.pp`` must be 1).
+class TensorParallelTrainer(ParallelTrainer):
+    """Train a ``tensor_parallel`` model on a ``ProcessGrid`` of tp x dp ranks (``grid.pp`` must be 1):
+    a preset of ``ParallelTrainer``.
 
     ``step(x, y, weight=None)`` takes the same batch on every rank of a tp group and this dp
     replica's share of the global batch across dp groups; the update equals one process training
@@ -143,144 +126,23 @@ class TensorParallelTrainer(Trainer):
     """
 
     def __init__(self, *, model: Module, loss: Any, optimizer: Any, grid: Any, clip_norm: float | None = None,
-                 on_nonfinite: str = "raise", timeout: float | None = None) -> None:
-        super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
-        self.grid, self.model, self.optimizer, self.clip_norm = grid, model, optimizer, clip_norm
-        problem = self._check_args(grid, model, loss, clip_norm)
-        problems = self.comm.allgather_obj(None if problem is None else (type(problem).__name__, str(problem)))
-        bad = [r for r, q in enumerate(problems) if q]
-        if bad:  # one rank's bad argument is refused on every rank, before any array collective
-            kind, msg = problems[bad[0]]
-            raise {"GridError": GridError, "ValueError": ValueError}[kind](f"{msg} (ranks {bad})")
-        vocab = getattr(model, "vocab_parallel", None)
-        if vocab is not None:
-            loss = VocabParallelCrossEntropy(grid.tp, vocab[0], vocab[1])
-        self.loss = loss
-        self._shards = shard_map(model)
-        self.params = [self._shards[n][0] for n in sorted(self._shards)]
+                 on_nonfinite: str = "raise", timeout: float | None = None, **kw: Any) -> None:
+        problem = None
+        if grid.pp_size != 1:
+            problem = GridError(f"TensorParallelTrainer needs a grid with pp=1, got {grid.sizes}")
+        raise_if_any(grid.world, problem)
+        super().__init__(model=model, loss=loss, optimizer=optimizer, grid=grid, clip_norm=clip_norm,
+                         on_nonfinite=on_nonfinite, timeout=timeout, **kw)  # fmt: skip
         self._sharded = [p for n, (p, full, _) in sorted(self._shards.items()) if tuple(full) != p.shape]
         self._replicated = [p for n, (p, full, _) in sorted(self._shards.items()) if tuple(full) == p.shape]
-
-        full = sorted([n, list(f), str(p.dtype)] for n, (p, f, _) in self._shards.items())
-        agree(self.comm, "the model's full parameters (name, shape, dtype)", full)
-        agree(self.comm, "the optimizer configuration", optimizer.config())
-        agree(self.comm, "the TensorParallelTrainer configuration", self.config())
-        problem = None
-        if {id(p) for p in self.params} != {id(p) for p in optimizer.params}:
-            problem = "the optimizer does not hold exactly the tensor-parallel model's parameters"
-        problems = self.comm.allgather_obj(problem)
-        if any(problems):
-            bad = [r for r, p in enumerate(problems) if p]
-            raise MismatchError(f"{problems[bad[0]]} (ranks {bad})")
-        if grid.dp_size > 1:
-            for p in self.params:  # dp replicas start identical
-                grid.dp.bcast(p.data, root=0)
-
-    @staticmethod
-    def _check_args(grid: Any, model: Any, loss: Any, clip_norm: float | None) -> Exception | None:
-        if grid.pp_size != 1:
-            return GridError(f"TensorParallelTrainer needs a grid with pp=1, got {grid.sizes}")
-        if clip_norm is not None and not clip_norm > 0:
-            return ValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
-        model_tp = getattr(model, "tp_comm", None)
-        if model_tp is None or model_tp.size != grid.tp_size:
-            got = "a serial model" if model_tp is None else f"a model split {model_tp.size} ways"
-            return GridError(f"TensorParallelTrainer on a grid with tp={grid.tp_size} got {got}; "
-                             "build it with tensor_parallel(model, grid.tp)")
-        if getattr(model, "vocab_parallel", None) is not None and not isinstance(
-            loss, CrossEntropyLoss | VocabParallelCrossEntropy
-        ):
-            return ValueError("a vocab-parallel GPT's logits are split over the vocabulary; "
-                              f"train it with CrossEntropyLoss, got {type(loss).__name__}")
-        return None
-
-    # -- description ---------------------------------------------------------------------------
 
     def config(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "tp": self.grid.tp_size, "dp": self.grid.dp_size,
                 "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "loss": type(self.loss).__name__}
 
-    @property
-    def layout(self) -> dict[str, int]:
-        return dict(self.grid.sizes)
-
-    def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
-        """``{serial name: (Parameter, full shape, index of the local array in the full tensor)}``."""
-        return dict(self._shards)
-
     def full_state_dict(self) -> dict[str, np.ndarray]:
         """Full weights gathered over the tp group (for evaluation with the serial model)."""
         return full_state_dict(self.model, self.grid.tp)
-
-    # -- training ------------------------------------------------------------------------------
-
-    def _allreduce_dp(self) -> None:
-        """Sum gradients over the dp group: one flat buffer per dtype, parameters sorted by name."""
-        by_dtype: dict[Any, list[Any]] = {}
-        for p in self.params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for _, ps in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-            xp = xp_of(ps[0].grad)
-            flat = xp.concatenate([p.grad.ravel() for p in ps])
-            self.grid.dp.allreduce(flat, op="sum", out=flat)
-            at = 0
-            for p in ps:
-                p.grad[...] = flat[at : at + p.grad.size].reshape(p.grad.shape)
-                at += p.grad.size
-
-    def _grad_norm(self) -> float:
-        """Global L2 norm counting each shard once: sharded squares summed over tp, replicated once."""
-        def sq(ps: list[Any]) -> float:
-            total = 0.0
-            for p in ps:
-                g = p.grad.astype(np.float64, copy=False).ravel()
-                total += float(xp_of(g).dot(g, g))
-            return total
-
-        sharded = np.array([sq(self._sharded)])
-        if self.grid.tp_size > 1:
-            sharded = self.grid.tp.allreduce(sharded, op="sum")
-        return math.sqrt(float(sharded[0]) + sq(self._replicated))
-
-    def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
-        """One update (collective over the whole grid). Same batch on every rank of a tp group."""
-        t_start = time.perf_counter()
-        comm0 = traffic.seconds
-        shapes = [list(np.shape(x)), list(np.shape(y)), None if weight is None else list(np.shape(weight))]
-        agree(self.comm, "the batch shapes (x, y, weight) of this step", shapes)
-        n = len(y)
-        if len(x) != n or (weight is not None and len(weight) != n):
-            raise ValueError(f"step: x, y (and weight) need the same length, got {len(x)}, {n}")
-        per_sample = int(np.prod(np.shape(y)[1:], dtype=np.int64))
-        if weight is None:
-            count, real = float(n * per_sample), float(n)
-        else:
-            w = to_host(weight)
-            count, real = float(w.sum()) * per_sample, float(np.count_nonzero(w))
-        self.optimizer.zero_grad()
-        out = self.model.forward(x)
-        value = self.loss.forward(out, y, weight)
-        t0 = time.perf_counter()
-        tot = np.array([value * count, count, real])
-        if self.grid.dp_size > 1:
-            tot = self.grid.dp.allreduce(tot, op="sum")
-        comm_s = time.perf_counter() - t0
-        loss = float(tot[0] / tot[1]) if tot[1] else 0.0
-        self.model.backward(self.loss.backward(count / tot[1] if tot[1] else 0.0))
-        t0 = time.perf_counter()
-        if self.grid.dp_size > 1:
-            self._allreduce_dp()
-        norm = self._grad_norm()
-        skip = check_finite(self.comm, loss, self.params, policy=self.on_nonfinite)
-        comm_s += time.perf_counter() - t0
-        if not skip:
-            if self.clip_norm is not None:
-                clip_grad_norm(self.params, self.clip_norm, norm=norm)
-            self.optimizer.step()
-        self.global_step += 1
-        return StepStats(loss=loss, grad_norm=norm, seconds=time.perf_counter() - t_start,
-                         samples=int(round(float(tot[2]))), comm_seconds=comm_s + traffic.seconds - comm0,
-                         skipped=bool(skip))
 
     # -- replicas ------------------------------------------------------------------------------
 
@@ -301,13 +163,3 @@ class TensorParallelTrainer(Trainer):
         problems = [q for q in self.comm.allgather_obj(problem) if q]
         if problems:
             raise MismatchError("replicas drifted apart: " + "; ".join(problems[:4]))
-
-    # -- state ---------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The base state (step, epoch, sampler, RNG states); parameters and optimizer state are
-        saved whole by ``hpctrain.checkpoint`` through ``shards()``."""
-        return super().state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)

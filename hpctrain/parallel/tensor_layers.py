@@ -307,6 +307,9 @@ class VocabParallelCrossEntropy:
     arrays (max, sum of exp, target logit) replace a gather of (B, T, vocab).
     """
 
+    #: Target dtypes kinds it accepts (the step refuses others before any forward, on every rank).
+    target_kinds = "iu"
+
     def __init__(self, comm: Any, start: int, vocab: int) -> None:
         self.comm, self.start, self.vocab = comm, start, vocab
         self.cache = None

@@ -1,0 +1,309 @@
+"""``ParallelTrainer``: one trainer for any dp x tp x pp ``ProcessGrid``.
+
+The model it trains is this rank's part of a serial model (``parallelize(model, grid)``, or the
+older ``tensor_parallel`` / ``pipeline_stage``): a pipeline stage (``grid.pp > 1``) whose layers
+may be split over ``grid.tp``. The step is ``Trainer.step``'s template; this class supplies the
+forward/backward (micro-batches with gradient accumulation when ``pp == 1``, a pipeline
+schedule otherwise) and the facts the template needs (who counts a replica's batch and loss
+once, which parameters are replicated over tp). Gradients reduce over ``grid.dp`` through a
+pluggable ``GradReducer`` (``reducer=``; fused bucket all-reduces by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..backend import to_device, xp_of
+from ..comm.buckets import COMPRESSIONS
+from ..comm.validate import agree, raise_if_any
+from ..errors import ConfigError, GridError, MismatchError
+from ..nn.losses import CrossEntropyLoss
+from ..trainer import Batch, Trainer
+from .reducer import AllReduceReducer, BackwardHooks, GradReducer
+from .schedules import get_schedule
+
+BACKENDS = ("mpi", "nccl")  # what reduces the gradients: MPI, or NCCL for CuPy models
+
+
+def shard_map(model: Any) -> dict[str, tuple[Any, tuple, tuple]]:
+    """``{serial name: (Parameter, full shape, index)}``; parameters without a ``shard_index``
+    entry in their module are whole (full slices)."""
+    info: dict[str, tuple[tuple, tuple]] = {}
+    for mod_name, m in model.named_modules():
+        for pname, (full, index) in getattr(m, "shard_index", {}).items():
+            info[f"{mod_name}.{pname}" if mod_name else pname] = (tuple(full), tuple(index))
+    out = {}
+    for name, p in model.named_parameters():
+        full, index = info.get(name, (p.shape, tuple(slice(0, n) for n in p.shape)))
+        out[name] = (p, full, index)
+    return out
+
+
+class ParallelTrainer(Trainer):
+    """Train this rank's part of a model on a ``ProcessGrid(comm, tp=T, pp=P)`` (dp = the rest).
+
+    ``step(x, y, weight=None)`` takes the same batch on every rank of a dp replica (its tp and pp
+    ranks) and this replica's share of the global batch; the update equals one process training
+    on the global batch. The batch is cut into ``microbatches`` parts: accumulated locally when
+    ``grid.pp == 1``, streamed through the pipeline ``schedule`` ("1f1b", "gpipe", or
+    "interleaved" with ``virtual_stages`` chunks per rank) otherwise. ``clip_norm`` clips the
+    global gradient norm (each shard counted once). ``reducer`` is a callable
+    ``(params, dp_comm) -> GradReducer`` (default: bucket all-reduces with ``bucket_mb``,
+    ``overlap``, ``compression`` and ``backend``). ``timeout`` (default ``HPCTRAIN_TIMEOUT``;
+    0 = off) bounds every wait.
+
+    Construction is collective: ranks agree on their parts, the optimizer's and this trainer's
+    settings (the same error on every rank otherwise), then each dp replica takes dp rank 0's
+    parameters.
+    """
+
+    #: Run the pipeline schedule even on one stage (the pipeline preset: its stats and timeline).
+    _always_schedule = False
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        loss: Any,
+        optimizer: Any,
+        grid: Any,
+        microbatches: int = 1,
+        schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        clip_norm: float | None = None,
+        reducer: Callable[[list[Any], Any], GradReducer] | None = None,
+        bucket_mb: float = 25.0,
+        overlap: bool = True,
+        compression: str | None = None,
+        backend: str = "mpi",
+        on_nonfinite: str = "raise",
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
+        self.grid, self.optimizer, self.clip_norm = grid, optimizer, clip_norm
+        self.microbatches, self.schedule, self.virtual_stages = microbatches, schedule, virtual_stages
+        self.bucket_mb, self.overlap, self.compression, self.backend = bucket_mb, overlap, compression, backend
+        self.dp = grid.dp
+        self.chunks = list(getattr(model, "chunks", None) or [model])
+        raise_if_any(self.comm, self._check_args(grid, model, loss), what=f"{type(self).__name__}")
+        self.model = model
+        vocab = getattr(model, "vocab_parallel", None)
+        if vocab is not None:
+            from .tensor_layers import VocabParallelCrossEntropy
+
+            loss = VocabParallelCrossEntropy(grid.tp, vocab[0], vocab[1])
+        self.loss = loss
+        self._shards = shard_map(model)
+        self.params = [self._shards[n][0] for n in sorted(self._shards)]
+        tp, pp = grid.tp, grid.pp
+        self._tp_rank = tp.rank
+        self._tp_replicated = {id(p) for p, full, _ in self._shards.values() if tuple(full) == p.shape}
+        self._batch_lead = tp.rank == 0 and pp.rank == 0
+        self._loss_lead = tp.rank == 0 and pp.rank == pp.size - 1
+
+        # Everything that must match, before the first array collective.
+        agree(self.comm, f"the {type(self).__name__} configuration", self.config())
+        agree(self.comm, "the optimizer configuration", optimizer.config())
+        full = sorted([n, list(f), str(p.dtype)] for n, (p, f, _) in self._shards.items())
+        agree(tp, "the full parameters of a tensor-parallel group (name, shape, dtype)", full)
+        local = sorted([n, list(p.shape), str(p.dtype)] for n, (p, _, _) in self._shards.items())
+        agree(self.dp, "the model's parameters (name, shape, dtype) on the data-parallel replicas", local)
+        info = getattr(model, "pipeline", None)
+        if pp.size > 1:
+            agree(self.comm, "the pipeline partition", {k: info[k] for k in ("stages", "counts", "layers")})
+        mismatch = None
+        if {id(p) for p in self.params} != {id(p) for p in optimizer.params}:
+            mismatch = "the optimizer does not hold exactly this rank's part of the model"
+        raise_if_any(self.comm, MismatchError(mismatch) if mismatch else None)
+        if self.dp.size > 1:
+            for p in self.params:  # dp replicas start identical
+                self.dp.bcast(p.data, root=0)
+
+        nccl = self._nccl() if backend == "nccl" else None
+        if reducer is None:
+            self.reducer = AllReduceReducer(self.params, self.dp, bucket_mb=bucket_mb, compression=compression,
+                                            backend=nccl)  # fmt: skip
+        else:
+            self.reducer = reducer(self.params, self.dp)
+        agree(self.comm, "the gradient reducer", self.reducer.describe())
+        self._hooks = None
+        if overlap and pp.size == 1 and self.dp.size > 1:
+            self._hooks = BackwardHooks(model, self.reducer)
+            # Hooks depend on the model's structure: a rank without them would start its buckets
+            # in another order, so the ranks must agree.
+            agree(self.comm, "the overlap hooks (module tree)", self._hooks.active)
+        self._order_learned = False
+        self._runner = None
+        if pp.size > 1 or self._always_schedule:
+            from .pipeline import PipelineRunner
+
+            self._runner = PipelineRunner(self.chunks, pp, self.timeout)
+
+    def _check_args(self, grid: Any, model: Any, loss: Any) -> Exception | None:
+        """This rank's argument problem (raised on every rank by the caller), else ``None``."""
+        m, v = self.microbatches, self.virtual_stages
+        if self.backend not in BACKENDS:
+            return ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "nccl" and self.compression is not None:
+            return ValueError("compression is for the MPI backend; NCCL reduces the gradients' own dtype")
+        if self.compression not in COMPRESSIONS:
+            return ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if not self.bucket_mb > 0:
+            return ValueError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            return ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            return ValueError(f"microbatches must be a positive integer, got {m!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            return ValueError(f"virtual_stages must be a positive integer, got {v!r}")
+        try:
+            fn = get_schedule(self.schedule, v)
+            if grid.pp.size > 1:
+                next(iter(fn(grid.pp.size, grid.pp.rank, m)), None)
+        except ValueError as exc:
+            return ConfigError(str(exc))
+        if grid.pp.size > 1:
+            from .pipeline import max_microbatches
+
+            if m > max_microbatches(v, grid.pp.size):
+                return ValueError(f"microbatches={m} is too many for MPI tags "
+                                  f"(<= {max_microbatches(v, grid.pp.size)})")  # fmt: skip
+            info = getattr(model, "pipeline", None)
+            if info is None:
+                return GridError("the model has no .pipeline attribute: build this rank's part with "
+                                 "parallelize(model, grid) (or pipeline_stage(model, grid.pp))")  # fmt: skip
+            if (info["stage"], info["stages"]) != (grid.pp.rank, grid.pp.size):
+                return GridError(f"the model was cut as stage {info['stage']} of {info['stages']} but this rank is "
+                                 f"stage {grid.pp.rank} of grid.pp size {grid.pp.size}")  # fmt: skip
+            if len(self.chunks) != v:
+                return GridError(f"virtual_stages={v} but the model part holds {len(self.chunks)} chunk(s): cut it "
+                                 f"with parallelize(model, grid, virtual_stages={v})")  # fmt: skip
+        elif v != 1:
+            return ConfigError("virtual_stages needs a pipeline (grid.pp > 1)")
+        model_tp = getattr(model, "tp_comm", None)
+        if (model_tp.size if model_tp is not None else 1) != grid.tp.size:
+            got = "a serial model" if model_tp is None else f"a model split {model_tp.size} ways"
+            return GridError(f"a grid with tp={grid.tp.size} got {got}; build it with parallelize(model, grid) "
+                             "(or tensor_parallel(model, grid.tp))")
+        if getattr(model, "vocab_parallel", None) is not None and not isinstance(loss, CrossEntropyLoss):
+            from .tensor_layers import VocabParallelCrossEntropy
+
+            if not isinstance(loss, VocabParallelCrossEntropy):
+                return ValueError("a vocab-parallel GPT's logits are split over the vocabulary; "
+                                  f"train it with CrossEntropyLoss, got {type(loss).__name__}")  # fmt: skip
+        return None
+
+    def _nccl(self) -> Any:
+        """The NCCL communicator for the gradient buckets, once every rank is known to have one."""
+        from ..backend import cupy
+        from ..comm.nccl import NcclCommunicator
+
+        ok = cupy() is not None and all(xp_of(p.data) is not np for p in self.params)
+        why = "backend='nccl' needs CuPy and the model on the GPU on every rank"
+        raise_if_any(self.comm, None if ok else RuntimeError(why))
+        return NcclCommunicator(self.dp)
+
+    # -- the declared interface -----------------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "type": type(self).__name__, "tp": self.grid.tp.size, "pp": self.grid.pp.size,
+            "microbatches": self.microbatches, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "overlap": self.overlap,
+        }  # fmt: skip
+
+    @property
+    def layout(self) -> dict[str, int]:
+        return dict(self.grid.sizes)
+
+    def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
+        """``{serial name: (Parameter, full shape, index of the local array in the full tensor)}``."""
+        return dict(self._shards)
+
+    def close(self) -> None:
+        """Remove the backward hooks from the model (the trainer can no longer overlap)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+        super().close()
+
+    # -- forward and backward -------------------------------------------------------------------
+
+    def _forward_backward(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
+        if self._runner is not None:
+            return self._pipeline(batch)
+        return self._accumulate(batch)
+
+    def _scales(self, batch: Batch) -> list[float]:
+        w = batch.weight_total
+        return [pw / w if w else 0.0 for pw in batch.part_weights]
+
+    def _accumulate(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
+        """Micro-batches one after the other, gradients summed locally; the reduction is armed for
+        the last one (its backward hooks start buckets while backward runs)."""
+        x, y, w = batch.x, batch.y, batch.weight
+        scales = self._scales(batch)
+        hooks = self._hooks if self._hooks is not None and self._hooks.active else None
+        xp = xp_of(self.params[0].data) if self.params else np
+        loss_sum = 0.0
+        k = len(batch.parts)
+        for i, part in enumerate(batch.parts):
+            last = i == k - 1
+            if last:
+                self.reducer.begin()
+                if hooks:
+                    hooks.arm()
+            try:
+                out = self.model.forward(x[part])
+                if w is None:
+                    value = self.loss.forward(out, y[part])
+                else:
+                    value = self.loss.forward(out, y[part], to_device(w[part], xp))
+                loss_sum += float(value) * scales[i]
+                self.model.backward(self.loss.backward(scales[i]))
+            finally:
+                if last and hooks:
+                    hooks.disarm()
+        if hooks and not self._order_learned:
+            self._learn_order = True
+        return loss_sum, {}, 0.0
+
+    def step(self, x: Any, y: Any, weight: Any = None) -> Any:
+        stats = super().step(x, y, weight)
+        if getattr(self, "_learn_order", False) and not self._order_learned:
+            # After the first step: start buckets in the order backward really fills them.
+            buckets = getattr(self.reducer, "buckets", None)
+            if buckets is not None:
+                buckets.adopt_order()
+            self._order_learned = True
+        return stats
+
+    def _pipeline(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
+        pp = self.grid.pp
+        xp = xp_of(self.params[0].data) if self.params else np
+        actions = list(get_schedule(self.schedule, self.virtual_stages)(pp.size, pp.rank, self.microbatches))
+        self.reducer.begin()
+        r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, self._scales(batch), self.loss, xp)
+        # Per-stage schedule figures, counted once per stage (dp and tp rank 0), summed over the
+        # world in the step's own all-reduce.
+        slots = np.zeros(4 * pp.size)
+        if self.dp.rank == 0 and self.grid.tp.rank == 0:
+            slots[4 * pp.rank : 4 * pp.rank + 4] = (r["busy"], r["elapsed"], r["peak"], r["peak_bytes"])
+        return r["loss"], {"_reduce": list(slots)}, r["comm"]
+
+    def _finish_extra(self, extra: dict[str, Any], sums: Any) -> dict[str, Any]:
+        if self._runner is None:
+            return extra
+        per = np.asarray(sums, dtype=np.float64).reshape(-1, 4)
+        return {
+            "bubble": float(1.0 - per[:, 0].mean() / per[:, 1].max()) if per[:, 1].max() > 0 else 0.0,
+            "schedule_seconds": float(per[:, 1].max()),
+            "peak_activations": int(per[:, 2].max()),
+            "peak_activation_bytes": int(per[:, 3].max()),
+            "peak_activations_per_stage": [int(v) for v in per[:, 2]],
+            "peak_activation_bytes_per_stage": [int(v) for v in per[:, 3]],
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+        }

@@ -1,0 +1,177 @@
+"""The data-parallel gradient reduction: one pluggable object per trainer.
+
+The step template of ``Trainer`` talks to the dp reduction only through the small
+``GradReducer`` interface below, so another scheme (ZeRO's reduce-scatter plus a sharded
+optimizer step) plugs in by passing ``reducer=`` to ``ParallelTrainer`` without touching the step.
+
+Per step the template calls, in order::
+
+    reducer.zero_grad()                # before forward/backward
+    reducer.begin()                    # before the backward that produces the final gradients
+    reducer.mark_ready(params)         # (optional) from backward hooks: overlap communication
+    reducer.finish()                   # gradients summed over dp; returns communication seconds
+    reducer.counted_grads()            # the reduced gradient pieces this rank counts in the norm
+    reducer.scale_grads(c)             # clipping (only when the norm exceeds clip_norm)
+    reducer.apply(optimizer)           # the update (skipped on a skipped step)
+
+and ``reducer.abort()`` when anything in between raised, which must leave the reducer ready for
+the next ``begin`` (no reduction left "in flight"). Gradients are *sums* over dp of each rank's
+share-weighted gradient, so after ``finish`` they are the global-batch mean gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..comm.buckets import GradBuckets
+
+
+class GradReducer:
+    """Interface of the dp gradient reduction (see the module docstring for the call order).
+
+    ``params`` are this rank's parameters (sorted by name, identical names on every dp rank);
+    ``dp`` is the data-parallel communicator. The default methods implement "nothing to reduce"
+    (dp of size 1): subclasses override what they do differently.
+    """
+
+    def __init__(self, params: list[Any], dp: Any) -> None:
+        self.params = list(params)
+        self.dp = dp
+
+    def zero_grad(self) -> None:
+        """Zero every gradient this rank accumulates into."""
+        for p in self.params:
+            p.grad.fill(0)
+
+    def begin(self) -> None:
+        """Arm the reduction for one step (before the final backward)."""
+
+    def mark_ready(self, params: Any) -> None:
+        """These parameters' gradients are final (from backward hooks; may start communication)."""
+
+    def finish(self) -> float:
+        """Complete the reduction; returns the seconds spent in communication."""
+        return 0.0
+
+    def abort(self) -> None:
+        """The step raised: forget any reduction in progress (the next ``begin`` must work)."""
+
+    def counted_grads(self) -> list[tuple[Any, Any]]:
+        """``[(parameter, reduced gradient array)]`` this dp rank counts in the global norm and the
+        finite check; every piece of every gradient must be counted by exactly one dp rank."""
+        return [(p, p.grad) for p in self.params] if self.dp.rank == 0 else []
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the reduced gradients (what ``apply`` will use) by ``factor``."""
+        for p in self.params:
+            p.grad *= factor
+
+    def apply(self, optimizer: Any) -> None:
+        """The optimizer update with the reduced gradients (identical on every dp replica)."""
+        optimizer.step()
+
+    def describe(self) -> dict[str, Any]:
+        """Settings every rank must share (compared across ranks)."""
+        return {"type": type(self).__name__}
+
+
+class AllReduceReducer(GradReducer):
+    """The default: fused, overlapped ``GradBuckets`` all-reduces (sum) over the dp group."""
+
+    def __init__(self, params: list[Any], dp: Any, *, bucket_mb: float = 25.0, compression: str | None = None,
+                 backend: Any = None) -> None:
+        super().__init__(params, dp)
+        self.bucket_mb, self.compression = float(bucket_mb), compression
+        self.buckets = GradBuckets(self.params, dp, bucket_mb=bucket_mb, compression=compression,
+                                   reducer=backend) if dp.size > 1 else None  # fmt: skip
+
+    def begin(self) -> None:
+        if self.buckets is not None:
+            self.buckets.comm_seconds = 0.0
+            self.buckets.begin()
+
+    def mark_ready(self, params: Any) -> None:
+        if self.buckets is not None:
+            self.buckets.mark_ready(params)
+
+    def finish(self) -> float:
+        return self.buckets.finish() if self.buckets is not None else 0.0
+
+    def abort(self) -> None:
+        if self.buckets is not None:
+            self.buckets.abort()
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, "bucket_mb": self.bucket_mb, "compression": self.compression}
+
+
+class BackwardHooks:
+    """Tells the reducer when a parameter's gradient is final, while backward runs.
+
+    Every sub-module that owns parameters directly gets its ``forward`` and ``backward`` wrapped
+    (instance attributes, removed by ``remove``): a module's own parameters are final once its
+    backward has run as often as its forward in this step (a module applied twice finishes on
+    its second backward). Models that are not ``Module`` trees, or share one parameter between
+    modules, get no hooks: their reduction starts after backward (no overlap, same result).
+    """
+
+    def __init__(self, model: Any, reducer: GradReducer) -> None:
+        self.reducer = reducer
+        self.armed = False
+        self.installed: list[Any] = []
+        self.counts: dict[int, int] = {}
+        if not hasattr(model, "named_modules"):
+            return
+        owners: list[tuple[Any, list[Any]]] = []
+        seen: set[int] = set()
+        for _, m in model.named_modules():
+            own = [p for p in m.__dict__.get("_parameters", {}).values() if p is not None]
+            if not own:
+                continue
+            if any(id(p) in seen for p in own):
+                return  # shared parameters: gradients not final per module; no overlap
+            seen.update(id(p) for p in own)
+            owners.append((m, own))
+        if len(seen) != len({id(p) for p in reducer.params}):
+            return  # parameters outside the module tree: no reliable signal
+        for m, own in owners:
+            self._wrap(m, own)
+
+    def _wrap(self, m: Any, own: list[Any]) -> None:
+        fwd, bwd = m.forward, m.backward
+        key = id(m)
+
+        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.armed:
+                self.counts[key] = self.counts.get(key, 0) + 1
+            return fwd(x, *args, **kwargs)
+
+        def backward(g: Any, *args: Any, **kwargs: Any) -> Any:
+            out = bwd(g, *args, **kwargs)
+            if self.armed:
+                left = self.counts.get(key, 0) - 1
+                self.counts[key] = left
+                if left <= 0:
+                    self.reducer.mark_ready(own)
+            return out
+
+        m.forward, m.backward = forward, backward
+        self.installed.append(m)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.installed)
+
+    def arm(self) -> None:
+        """Count forwards and signal from backwards from now on (the final micro-step)."""
+        self.counts.clear()
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def remove(self) -> None:
+        for m in self.installed:
+            m.__dict__.pop("forward", None)
+            m.__dict__.pop("backward", None)
+        self.installed = []

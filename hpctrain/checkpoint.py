@@ -30,6 +30,9 @@ import xxhash
 from . import __version__
 from .backend import to_device, to_host, xp_of
 from .errors import CheckpointError
+from .log import get_logger
+
+_log = get_logger("checkpoint")
 
 FORMAT = "hpctrain-checkpoint"
 FORMAT_VERSION = 1
@@ -331,6 +334,7 @@ def _verify_open(f: Any, path: str, skip: Any) -> dict[str, Any]:
     except (KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {path} has a damaged header ({type(exc).__name__}: {exc})") from None
     names = _all_datasets(f)
+    refuse_foreign_storage(f, path)
     bad = [problem for n in names if n not in skip for problem in [_check_digest(f[n], f[n][()])] if problem]
     if bad:
         raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(bad[:5])}")
@@ -347,6 +351,34 @@ def _check_digest(dset: Any, data: np.ndarray) -> str | None:
         return f"checksum mismatch in {dset.name.lstrip('/')}"
     except Exception as exc:  # truncated data, missing attribute
         return f"checksum mismatch in {dset.name.lstrip('/')} ({exc})"
+
+
+def refuse_foreign_storage(f: Any, path: str) -> None:
+    """Raise ``CheckpointError`` if the open HDF5 file ``f`` holds a soft or external link, a
+    dataset with external raw storage or a virtual dataset: each could make a reader open or
+    read another file than the one it was given. The error names the object."""
+    import h5py
+
+    def walk(group: Any, prefix: str) -> None:
+        for name in group:
+            where = f"{prefix}{name}"
+            link = group.get(name, getlink=True)
+            if isinstance(link, h5py.SoftLink):
+                raise CheckpointError(f"{path}: {where} is a soft link (to {link.path}); links are refused")
+            if isinstance(link, h5py.ExternalLink):
+                raise CheckpointError(
+                    f"{path}: {where} is an external link (to {link.filename}:{link.path}); links are refused"
+                )
+            obj = group[name]
+            if isinstance(obj, h5py.Group):
+                walk(obj, where + "/")
+            elif isinstance(obj, h5py.Dataset):
+                if obj.is_virtual:
+                    raise CheckpointError(f"{path}: {where} is a virtual dataset; refused")
+                if obj.external:
+                    raise CheckpointError(f"{path}: {where} keeps its data in external files; refused")
+
+    walk(f, "")
 
 
 class _Everything:
@@ -371,12 +403,41 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
     """Restore ``trainer`` from ``path`` (collective). Returns the checkpoint's header.
 
     The saved layout may differ from the trainer's: every rank reads the slices it holds now.
-    A missing file raises ``FileNotFoundError`` and a corrupt, truncated or foreign one a
-    ``CheckpointError``, on every rank.
+    Loading is a transaction: every rank reads and verifies all it needs into temporaries, the
+    ranks agree, and only then is the trainer changed. A missing file raises
+    ``FileNotFoundError`` and a corrupt, truncated, foreign or ill-fitting one a
+    ``CheckpointError``, on every rank, with the trainer (parameters, optimizer state, counters,
+    RNG states, sampler position) exactly as it was.
     """
-    import h5py
-
     comm = trainer.comm
+    header = _agreed_header(path, comm)
+    staged, state, problems, wanted, checked = _stage(path, trainer, header)
+    everyone = comm.allgather_obj((problems, sorted(wanted), sorted(checked)))
+    # Rank 0 checks whatever no rank read whole, so the file is read about once however it is
+    # sharded; nothing has been changed yet.
+    rest = None
+    if comm.rank == 0:
+        try:
+            _verify(path, skip=set().union(*(set(c) for _, _, c in everyone)))
+        except Exception as exc:
+            rest = str(exc)
+    rest = comm.bcast_obj(rest)
+    if rest is not None:
+        raise CheckpointError(rest)
+    all_problems = [p for ps, _, _ in everyone for p in ps]
+    if any("checksum mismatch" in p for p in all_problems):
+        raise CheckpointError(f"checkpoint {path} is corrupt: " + "; ".join(all_problems[:5]))
+    stored = {n for n in header["datasets"] if n.startswith("model/")}
+    all_wanted = set().union(*(set(w) for _, w, _ in everyone))
+    all_problems += [f"{k[6:]} is in the checkpoint but not in the model" for k in sorted(stored - all_wanted)]
+    if all_problems:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(all_problems[:6]))
+    _commit(trainer, staged, state, header, path)
+    return header
+
+
+def _agreed_header(path: str, comm: Any) -> dict[str, Any]:
+    """Rank 0 checks the file's header; every rank gets it or raises the same error."""
     verdict: Any
     if comm.rank == 0:
         try:
@@ -392,79 +453,154 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
         raise FileNotFoundError(verdict[1])
     if verdict[0] == "bad":
         raise CheckpointError(verdict[1])
-    header = verdict[1]
+    return verdict[1]
 
-    # Each rank reads only its slices and checks the checksum of every tensor it reads whole (all of
-    # them under data parallelism); rank 0 then checks whatever no rank read whole, so the file
-    # is read about once however it is sharded.
+
+def _stage(path: str, trainer: Any, header: dict[str, Any]) -> tuple[dict, Any, list, set, set]:
+    """Read and verify everything this rank needs into temporaries; changes nothing.
+
+    Returns ``(staged {dataset: array on the parameter's device}, trainer state, problems,
+    wanted model datasets, datasets read whole and verified)``.
+    """
+    import h5py
+
+    staged: dict[str, Any] = {}
     problems: list[str] = []
     wanted: set[str] = set()
-    stored: set[str] = set()
     checked: set[str] = set()
+    state = None
     try:
         pieces = _local_pieces_for_load(trainer)
         wanted = {k for k in pieces if k.startswith("model/")}
         with h5py.File(path, "r") as f:
-            stored = {f"model/{k}" for k in f["model"]} if "model" in f else set()
-            for key, (assign, target, full_shape, index) in pieces.items():
+            for key, (param, full_shape, index) in pieces.items():
                 if key not in f:
                     if key.startswith("model/"):
                         problems.append(f"{key[6:]} is not in the checkpoint")
                     continue
                 dset = f[key]
+                if not isinstance(dset, h5py.Dataset):
+                    problems.append(f"{key} is not a dataset")
+                    continue
                 if tuple(dset.shape) != tuple(full_shape):
                     problems.append(f"{key}: checkpoint has shape {dset.shape}, model needs {full_shape}")
                     continue
-                direct = _can_read_into(target, dset, index)
-                if direct:  # straight into the parameter: no temporary, no second copy
-                    dset.read_direct(target, source_sel=index)
-                    data = target
-                else:
-                    data = dset[index]
+                if np.dtype(dset.dtype).kind != np.dtype(param.dtype).kind:
+                    problems.append(f"{key}: checkpoint has dtype {dset.dtype}, model needs {param.dtype}")
+                    continue
+                data = dset[index]
                 if data.shape == dset.shape:
                     bad = _check_digest(dset, data)
                     if bad:
                         problems.append(bad)
                         continue
                     checked.add(key)
-                if not direct:
-                    assign(data)
-    except Exception as exc:  # reported on every rank below instead of leaving the others waiting
-        problems.append(f"rank {comm.rank}: {type(exc).__name__}: {exc}")
-    everyone = comm.allgather_obj((problems, sorted(wanted), sorted(checked)))
-    rest = None
-    if comm.rank == 0:
-        try:
-            _verify(path, skip=set().union(*(set(c) for _, _, c in everyone)))
-        except Exception as exc:
-            rest = str(exc)
-    rest = comm.bcast_obj(rest)
-    if rest is not None:
-        raise CheckpointError(rest)
-    all_problems = [p for ps, _, _ in everyone for p in ps]
-    if any("checksum mismatch" in p for p in all_problems):
-        raise CheckpointError(f"checkpoint {path} is corrupt: " + "; ".join(all_problems[:5]))
-    all_wanted = set().union(*(set(w) for _, w, _ in everyone))
-    all_problems += [f"{k[6:]} is in the checkpoint but not in the model" for k in sorted(stored - all_wanted)]
-    if all_problems:
-        raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(all_problems[:6]))
-
-    opt = _optimizer(trainer)
-    if opt is not None and header["optimizer"]:
-        opt.step_count = int(header["optimizer"]["step"])
-    arrays: dict[str, np.ndarray] = {}
-    try:
-        with h5py.File(path, "r") as f:
+                staged[key] = to_device(data, xp_of(param.data)).astype(param.dtype, copy=False)
+            arrays: dict[str, np.ndarray] = {}
             if "state" in f:
                 f["state"].visititems(
                     lambda n, o: arrays.__setitem__("/" + n, o[()]) if isinstance(o, h5py.Dataset) else None
                 )
         state = _from_json(header["trainer_state"], arrays)
-    except Exception as exc:  # every rank reads the same file, so every rank raises alike
-        why = f"{type(exc).__name__}: {exc}"
-        raise CheckpointError(f"checkpoint {path}: cannot read the trainer state ({why})") from None
-    trainer.load_state_dict(state)
-    return header
+    except Exception as exc:  # reported on every rank by the caller instead of leaving others waiting
+        problems.append(f"rank {trainer.comm.rank}: {type(exc).__name__}: {exc}")
+    return staged, state, problems, wanted, checked
+
+
+def _commit(trainer: Any, staged: dict[str, Any], state: Any, header: dict[str, Any], path: str) -> None:
+    """Put verified temporaries into ``trainer``; if its ``load_state_dict`` fails on any rank,
+    every rank puts everything back as it was and raises."""
+    opt = _optimizer(trainer)
+    shards = trainer.shards()
+    backup_small = _small_state(trainer)
+    backup_params: dict[str, Any] = {}
+    backup_opt: dict[str, Any] = {}
+    old_step = getattr(opt, "step_count", None)
+    # Parameters are copied in place (their arrays may be views into flat buffers); the optimizer
+    # state of a parameter is replaced as a whole dict, so the old one is its own backup.
+    new_opt: dict[str, dict[str, Any]] = {}
+    for key, data in staged.items():
+        kind, name = key.split("/", 1)
+        if kind == "model":
+            param = shards[name][0]
+            backup_params[name] = param.data.copy()
+            param.data[...] = data
+        else:
+            pname, skey = name.rsplit("/", 1)
+            new_opt.setdefault(shards[pname][0].name, {})[skey] = data
+    if opt is not None:
+        for pname, entries in new_opt.items():
+            backup_opt[pname] = opt.state.get(pname)
+            opt.state[pname] = {**(opt.state.get(pname) or {}), **entries}
+        if header["optimizer"]:
+            opt.step_count = int(header["optimizer"]["step"])
+    problem = None
+    try:
+        trainer.load_state_dict(state)
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    problems = trainer.comm.allgather_obj(problem)
+    if not any(problems):
+        return
+    for name, old in backup_params.items():
+        shards[name][0].data[...] = old
+    if opt is not None:
+        for pname, old in backup_opt.items():
+            if old is None:
+                opt.state.pop(pname, None)
+            else:
+                opt.state[pname] = old
+        opt.step_count = old_step
+    backup_small()
+    why = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+    raise CheckpointError(f"checkpoint {path}: cannot restore the trainer state ({why}); nothing was changed")
+
+
+def _small_state(trainer: Any) -> Any:
+    """A closure that puts back what ``load_state_dict`` may change besides the arrays: counters,
+    module RNG states, the sampler's position and the state a strategy keeps of its own."""
+    import copy
+
+    names = ("global_step", "epoch", "_pending_sampler", "clock", "_seen")
+    attrs = {k: copy.deepcopy(getattr(trainer, k)) for k in names if hasattr(trainer, k)}
+    velocity = getattr(trainer, "_velocity", None)
+    velocity = None if velocity is None else velocity.copy()
+    modules = []
+    for attr in ("model", "stage"):
+        m = getattr(trainer, attr, None)
+        if m is not None and hasattr(m, "named_modules"):
+            modules += [mod for _, mod in m.named_modules()]
+    rngs = [(m, copy.deepcopy(m.rng.bit_generator.state)) for m in modules
+            if isinstance(getattr(m, "rng", None), np.random.Generator)]
+    sampler = getattr(trainer, "_sampler", None)
+    sampler_state = copy.deepcopy(sampler.state_dict()) if hasattr(sampler, "state_dict") else None
+
+    def restore() -> None:
+        for k, v in attrs.items():
+            setattr(trainer, k, v)
+        if velocity is not None:
+            trainer._velocity[...] = velocity
+        for m, st in rngs:
+            m.rng.bit_generator.state = st
+        if sampler_state is not None:
+            sampler.load_state_dict(sampler_state)
+
+    return restore
+
+
+def _local_pieces_for_load(trainer: Any) -> dict[str, tuple[Any, tuple, tuple]]:
+    """{dataset path: (parameter, full shape, index)} for what this rank holds: its parameters
+    and their optimizer state."""
+    opt = _optimizer(trainer)
+    out: dict[str, tuple[Any, tuple, tuple]] = {}
+    keys = getattr(opt, "state_keys", ()) if opt is not None else ()
+    for name, (param, full_shape, index) in trainer.shards().items():
+        full_shape = tuple(int(n) for n in full_shape)
+        index = _norm_index(tuple(index), full_shape)
+        out[f"model/{name}"] = (param, full_shape, index)
+        for key in keys:
+            out[f"optim/{name}/{key}"] = (param, full_shape, index)
+    return out
 
 
 class _AllBut:
@@ -513,40 +649,6 @@ def load_weights(path: str, model: Any) -> dict[str, Any]:
     return header
 
 
-def _can_read_into(target: Any, dset: Any, index: tuple) -> bool:
-    """Whether HDF5 can read ``dset[index]`` straight into ``target`` (a host parameter array)."""
-    return (
-        isinstance(target, np.ndarray)
-        and target.flags.c_contiguous
-        and target.dtype == dset.dtype
-        and all(isinstance(s, slice) for s in index)
-        and target.shape == tuple(s.stop - s.start for s in index)
-    )
-
-
-def _local_pieces_for_load(trainer: Any) -> dict[str, tuple[Any, Any, tuple, tuple]]:
-    """{dataset path: (assign(array), target array or None, full shape, index)} for what this rank
-    holds; ``target`` is the parameter array itself, which HDF5 may fill directly."""
-    opt = _optimizer(trainer)
-    out: dict[str, tuple[Any, Any, tuple, tuple]] = {}
-    keys = getattr(opt, "state_keys", ()) if opt is not None else ()
-    for name, (param, full_shape, index) in trainer.shards().items():
-        full_shape = tuple(int(n) for n in full_shape)
-        index = _norm_index(tuple(index), full_shape)
-
-        def set_param(a: np.ndarray, p: Any = param) -> None:
-            p.data[...] = to_device(a, xp_of(p.data)).astype(p.dtype, copy=False)
-
-        out[f"model/{name}"] = (set_param, param.data, full_shape, index)
-        for key in keys:
-
-            def set_state(a: np.ndarray, p: Any = param, k: str = key) -> None:
-                opt.state.setdefault(p.name, {})[k] = to_device(a, xp_of(p.data)).astype(p.dtype, copy=True)
-
-            out[f"optim/{name}/{key}"] = (set_state, None, full_shape, index)
-    return out
-
-
 # -- directories of checkpoints --------------------------------------------------------------
 
 
@@ -571,21 +673,34 @@ def save_in(directory: str, trainer: Any, keep: int = 3) -> str:
 
 
 def load_latest(directory: str, trainer: Any) -> str | None:
-    """Load the newest checkpoint in ``directory`` that verifies; ``None`` if there is none.
+    """Load the newest checkpoint in ``directory`` that loads; ``None`` if there is none at all.
 
-    A newest file that is corrupt (say, the job died while the disk was failing) is skipped with
-    a warning on rank 0 and the one before it is used.
+    A newest file that fails (say, the job died while the disk was failing) is skipped, announced
+    on rank 0 with the reason, and the one before it is tried; the trainer is unchanged by every
+    failed attempt. When checkpoints exist and none loads, a ``CheckpointError`` names each file
+    and why; its ``failures`` attribute holds ``[(path, reason), ...]``, newest first.
     """
     comm = trainer.comm
     candidates = comm.bcast_obj(list_checkpoints(directory) if comm.rank == 0 else None)
+    failures: list[tuple[str, str]] = []
     for path in reversed(candidates):
         try:
             load(path, trainer)
-            return path
-        except CheckpointError as exc:
+        except (CheckpointError, FileNotFoundError) as exc:
+            failures.append((path, str(exc)))
             if comm.rank == 0:
-                print(f"hpctrain: skipping checkpoint {path}: {exc}", flush=True)
-    return None
+                _log.warning("skipping checkpoint %s: %s", path, exc)
+            continue
+        if failures and comm.rank == 0:
+            _log.warning("fell back to checkpoint %s (%d newer one(s) failed)", path, len(failures))
+        return path
+    if not failures:
+        return None
+    err = CheckpointError(
+        f"no checkpoint in {directory} loads: " + "; ".join(f"{os.path.basename(p)}: {why}" for p, why in failures)
+    )
+    err.failures = failures  # type: ignore[attr-defined]
+    raise err
 
 
 def inspect(path: str) -> str:

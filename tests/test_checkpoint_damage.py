@@ -1,0 +1,169 @@
+"""Loading is a transaction: every damaged checkpoint leaves the trainer bitwise as it was.
+
+Each case damages a copy of a good checkpoint the way disks, crashes and hostile users do (a
+flipped value in a weight, in an optimizer moment, in the header; a truncated file; a link to
+another file), loads it into a trainer that has moved on since, and checks the refusal (a
+``CheckpointError`` on every rank, naming the file and what is wrong) and that parameters,
+optimizer state, counters, RNG states and the sampler position are unchanged, bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+from test_dp_checkpoint import D_IN, D_OUT, loader, trainer
+
+from hpctrain import checkpoint
+from hpctrain.errors import CheckpointError
+
+
+def state_of(tr) -> dict:
+    """Everything a load may change, copied."""
+    out = {f"model/{p.name}": p.data.copy() for p in tr.params}
+    for name, st in tr.optimizer.state.items():
+        out.update({f"optim/{name}/{k}": np.array(v) for k, v in st.items()})
+    out["counters"] = (tr.global_step, tr.epoch, tr.optimizer.step_count)
+    out["rng"] = copy.deepcopy(tr.model[2].rng.bit_generator.state)
+    out["sampler"] = copy.deepcopy(tr._sampler.state_dict())
+    out["pending"] = copy.deepcopy(getattr(tr, "_pending_sampler", None))
+    return out
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        if isinstance(a[k], np.ndarray):
+            assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), k
+        else:
+            assert a[k] == b[k], k
+
+
+def _flip(path: str, dataset: str) -> None:
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 5)
+        b = fh.read(1)
+        fh.seek(offset + 5)
+        fh.write(bytes([b[0] ^ 0x40]))
+
+
+def damage(good: str, d: str) -> dict[str, tuple[str, str]]:
+    """{case: (path, pattern the error must match)}; rank 0 writes them."""
+    cases: dict[str, tuple[str, str]] = {}
+    with h5py.File(good, "r") as f:
+        weight = sorted(n for n in f["model"] if n.endswith("weight"))[0]
+        moment = f"optim/{weight}/exp_avg_sq"
+        assert moment in f
+    for case, target in (("weight", f"model/{weight}"), ("moment", moment)):
+        p = os.path.join(d, f"{case}.h5")
+        shutil.copy(good, p)
+        _flip(p, target)
+        cases[case] = (p, f"checksum mismatch in {target}")
+    p = os.path.join(d, "header.h5")
+    shutil.copy(good, p)
+    with h5py.File(p, "r+") as f:  # one digit of the saved step changed, checksum left as it was
+        f.attrs["trainer_state"] = f.attrs["trainer_state"].replace('"global_step": 3', '"global_step": 4')
+    cases["header"] = (p, "checksum mismatch in its header")
+    p = os.path.join(d, "truncated.h5")
+    with open(good, "rb") as src, open(p, "wb") as dst:
+        dst.write(src.read(os.path.getsize(good) * 2 // 3))
+    cases["truncated"] = (p, "truncated|not a readable|unreadable|corrupt|checksum")
+    other = os.path.join(d, "elsewhere.h5")
+    shutil.copy(good, other)
+    p = os.path.join(d, "link.h5")
+    shutil.copy(good, p)
+    with h5py.File(p, "r+") as f:
+        del f[f"model/{weight}"]
+        f[f"model/{weight}"] = h5py.ExternalLink(os.path.basename(other), f"model/{weight}")
+    cases["external link"] = (p, f"model/{weight} is an external link")
+    p = os.path.join(d, "softlink.h5")
+    shutil.copy(good, p)
+    with h5py.File(p, "r+") as f:
+        del f[f"optim/{weight}/exp_avg"]
+        f[f"optim/{weight}/exp_avg"] = h5py.SoftLink(f"/optim/{weight}/exp_avg_sq")
+    cases["soft link"] = (p, "is a soft link")
+    return cases
+
+
+def _batches(comm):
+    """This rank's share of an endless stream of global batches (any world size)."""
+    g = np.random.default_rng(11)
+    while True:
+        x, y = g.normal(size=(4 * comm.size, D_IN)), g.integers(0, D_OUT, 4 * comm.size)
+        yield x[comm.rank * 4 : (comm.rank + 1) * 4], y[comm.rank * 4 : (comm.rank + 1) * 4]
+
+
+def _moved_on(comm):
+    """A trainer 3 steps in (the checkpoint) and then 2 more, with a sampler mid-epoch."""
+    tr = trainer(comm)
+    ld = loader(comm)
+    tr._sampler = ld.sampler  # what fit attaches, so that the sampler position is part of the state
+    batches = _batches(comm)
+    for _ in range(3):
+        tr.step(*next(batches))
+    return tr, batches
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_each_damaged_checkpoint_leaves_trainer_bitwise_unchanged(comm, tmp_path):
+    d = comm.bcast_obj(str(tmp_path) if comm.rank == 0 else None)
+    tr, batches = _moved_on(comm)
+    good = checkpoint.save(os.path.join(d, "good.h5"), tr)
+    for _ in range(2):
+        tr.step(*next(batches))
+    ld = loader(comm)
+    ld.sampler.load_state_dict({**ld.sampler.state_dict(), "position": 2})
+    tr._sampler = ld.sampler
+    cases = comm.bcast_obj(damage(good, d) if comm.rank == 0 else None)
+    before = state_of(tr)
+    for case, (path, pattern) in cases.items():
+        with pytest.raises(CheckpointError, match=pattern) as info:
+            checkpoint.load(path, tr)
+        assert path in str(info.value), case
+        assert "KeyError" not in str(info.value), case
+        assert_bitwise(state_of(tr), before)
+    # The trainer still trains after all that, and the good file still loads.
+    checkpoint.load(good, tr)
+    assert tr.global_step == 3
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_load_latest_falls_back_and_names_every_failure(comm, tmp_path, caplog):
+    d = comm.bcast_obj(str(tmp_path) if comm.rank == 0 else None)
+    tr, batches = _moved_on(comm)
+    good = checkpoint.save(checkpoint.checkpoint_path(d, 3), tr)
+    tr.step(*next(batches))
+    newest = checkpoint.save(checkpoint.checkpoint_path(d, 4), tr)
+    comm.barrier()
+    if comm.rank == 0:
+        _flip(newest, "optim/" + sorted(h5py.File(newest, "r")["optim"])[0] + "/exp_avg_sq")
+    comm.barrier()
+    with caplog.at_level("WARNING", logger="hpctrain"):
+        assert checkpoint.load_latest(d, tr) == good
+    assert tr.global_step == 3
+    if comm.rank == 0:
+        assert f"skipping checkpoint {newest}" in caplog.text and "checksum mismatch" in caplog.text
+        assert f"fell back to checkpoint {good}" in caplog.text
+
+    # Nothing loads: an error naming each file and why; the trainer unchanged.
+    comm.barrier()
+    if comm.rank == 0:
+        with open(good, "r+b") as fh:
+            fh.truncate(3000)
+    comm.barrier()
+    tr.step(*next(batches))
+    before = state_of(tr)
+    with pytest.raises(CheckpointError, match="no checkpoint in .* loads") as info:
+        checkpoint.load_latest(d, tr)
+    assert [p for p, _ in info.value.failures] == [newest, good]
+    assert "ckpt-00000004.h5: " in str(info.value) and "ckpt-00000003.h5: " in str(info.value)
+    assert_bitwise(state_of(tr), before)
+    assert checkpoint.load_latest(os.path.join(d, "empty"), tr) is None

@@ -17,7 +17,6 @@ the read) that is checked on load.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -36,7 +35,7 @@ _log = get_logger("checkpoint")
 
 FORMAT = "hpctrain-checkpoint"
 FORMAT_VERSION = 1
-_NAME = re.compile(r"ckpt-(\d{8,})\.h5$")
+_NAME = re.compile(r"ckpt-(\d{8,})\.h5")
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -188,13 +187,17 @@ def save(path: str, trainer: Any) -> str:
             raise CheckpointError(f"the ranks' shards of {key} do not cover its full shape {shapes[key][0]}")
 
     opt = _optimizer(trainer)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    from .rundir import temporary_name
+
+    tmp = temporary_name(path)  # this host and process: recognized and cleaned if the job dies
     error = None
     f = None
     if comm.rank == 0:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            f = h5py.File(tmp, "w")
+            if os.path.lexists(tmp):  # our own name: left by a dead process that had our pid
+                os.remove(tmp)
+            f = h5py.File(tmp, "x")  # exclusive: never truncates or follows what is at that name
             f.attrs["format"] = FORMAT
             f.attrs["format_version"] = FORMAT_VERSION
             f.attrs["hpctrain_version"] = __version__
@@ -657,9 +660,17 @@ def checkpoint_path(directory: str, step: int) -> str:
 
 
 def list_checkpoints(directory: str) -> list[str]:
-    """Complete checkpoints in ``directory``, oldest first (temporary files are ignored)."""
-    found = [p for p in glob.glob(os.path.join(directory, "ckpt-*.h5")) if _NAME.search(p)]
-    return sorted(found, key=lambda p: int(_NAME.search(p).group(1)))
+    """Complete checkpoints in ``directory``, oldest first (temporary files are ignored).
+
+    The directory name is used literally (``exp[1]`` is a name, not a pattern); a missing
+    directory holds none.
+    """
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = [os.path.join(directory, n) for n in names if _NAME.fullmatch(n)]
+    return sorted(found, key=lambda p: int(_NAME.fullmatch(os.path.basename(p)).group(1)))
 
 
 def save_in(directory: str, trainer: Any, keep: int = 3) -> str:

@@ -139,6 +139,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
     history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
                           resume=c.resume, log_every=c.log_every, metrics_file=metrics, callbacks=[timeline])
     wall = time.perf_counter() - t0
+    memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
     trace = os.path.join(c.run_dir, "trace.json")
     timeline.write(comm, trace)
     if hasattr(trainer, "save_timeline"):  # the pipeline's executed schedule of its last step
@@ -173,7 +174,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
         "samples_per_s": sum(s.samples for s in history) / seconds if seconds > 0 else None,
         "comm_share": sum(s.comm_seconds for s in history) / seconds if seconds > 0 else None,
         "wall_seconds": wall, "checkpoint": latest[-1] if latest else None,
-        "run_dir": c.run_dir, "metrics": metrics, "trace": trace,
+        "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
     }
     if comm.rank == 0:
         with open(os.path.join(c.run_dir, "summary.json"), "w") as f:
@@ -202,6 +203,10 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({s['val_samples']:,} held-out samples)",
         f"  throughput      {rate}",
         f"  communication   {share}",
+        *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "
+           f"{s['memory']['params'] / 2**20:,.1f}, grads {s['memory']['grads'] / 2**20:,.1f}, optimizer "
+           f"{s['memory']['optimizer'] / 2**20:,.1f}, activations {s['memory']['activations_peak'] / 2**20:,.1f}; "
+           f"peak RSS {s['memory']['rss_peak'] / 2**20:,.0f})"] if s.get("memory") else []),
         f"  checkpoint      {s['checkpoint'] or '-'}",
         f"  metrics         {s['metrics']}  (hpctrain plot {s['run_dir']})",
         f"  trace           {s['trace']}  (open in https://ui.perfetto.dev)",

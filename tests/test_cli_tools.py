@@ -3,7 +3,6 @@ need no MPI do not start it, HDF5 file locking can be turned off, usage errors e
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -21,10 +20,6 @@ _LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "HPCTRAI
 # A tiny MLP job: a few seconds on one process.
 TINY = ("--max-samples", "256", "--batch-size", "32", "--epochs", "2", "--d-model", "16", "--n-layers", "1",
         "--log-every", "1000")
-# A small GPT: ~5-10 s on 2 ranks here, long enough to interrupt.
-SMALL_GPT = ("--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--block-size", "32",
-             "--batch-size", "16", "--epochs", "3", "--max-samples", "1600", "--checkpoint-every", "25",
-             "--log-every", "50")
 
 
 @pytest.fixture
@@ -50,14 +45,6 @@ def hpctrain(*args: str, n: int = 0, cwd: Path | None = None, timeout: float = 1
     if n:
         cmd = [_mpiexec(), "-n", str(n), *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
-
-
-def _files(d: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
-
-
-def _steps(run: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(120)

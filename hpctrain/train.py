@@ -20,7 +20,6 @@ import argparse
 import difflib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -437,16 +436,15 @@ def _all_or_none(comm: Any, fn: Any) -> Any:
     Setting up (reading files, checking shapes) has no collectives, so one rank failing alone
     would leave the others waiting in the first collective of training.
     """
+    from .comm.validate import raise_if_any
+
     try:
-        result, error = fn(), None
-    except (HpctrainError, ValueError, OSError, KeyError) as exc:
-        result, error = None, f"{exc}"
-    errors = comm.allgather_obj(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, msg = failed[0]
-        where = "" if len(failed) == comm.size else f" (on rank {rank})"
-        raise ConfigError(f"{msg}{where}")
+        result, problem = fn(), None
+    except HpctrainError as exc:
+        result, problem = None, exc
+    except (ValueError, OSError, KeyError) as exc:
+        result, problem = None, ConfigError(str(exc))
+    raise_if_any(comm, problem)
     return result
 
 
@@ -608,6 +606,9 @@ def main(args: argparse.Namespace) -> int:
         cfg = _all_or_none(comm, lambda: merge(read_toml(args.config) if args.config else {}, flags))
         run(cfg, comm)
     except HpctrainError as exc:
-        print(f"hpctrain train: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        # Raised on every rank: said once, exit 2. On some ranks only (a rank's own wait timed
+        # out, say): that rank's traceback, and the whole job ends instead of the others waiting.
+        from .comm.failure import fail
+
+        return fail(exc, code=2, what="hpctrain train")
     return 0

@@ -50,22 +50,37 @@ def build_trainer(c: Config, model: Any, comm: Any) -> Any:
     from ..comm import ProcessGrid
 
     loss = build_loss(c)
+    if c.recompute:
+        model = with_recompute(model)
     if c.strategy == "dp":
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=build_optimizer(c, model.parameters()),
-                                            comm=comm)
+                                            comm=comm, zero=c.zero)
     if c.strategy == "ps":
         return parallel.ParameterServerTrainer(model=model, loss=loss, lr=c.lr, comm=comm, mode=c.ps_mode,
                                                staleness=c.staleness, momentum=c.momentum)
     grid = ProcessGrid(comm, tp=c.tp, pp=c.pp)
     part = parallel.parallelize(model, grid)  # this rank's pipeline stage, split over tp
     opt = build_optimizer(c, part.parameters())
+    zero = {"zero": c.zero} if c.zero else {}
     if c.pp > 1 and c.tp > 1:
         return parallel.ParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid,
-                                        microbatches=c.microbatches, schedule=c.schedule)
+                                        microbatches=c.microbatches, schedule=c.schedule, **zero)
     if c.pp > 1:
         return parallel.PipelineParallelTrainer(stage=part, loss=loss, optimizer=opt, grid=grid,
-                                                microbatches=c.microbatches, schedule=c.schedule)
-    return parallel.TensorParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid)
+                                                microbatches=c.microbatches, schedule=c.schedule, **zero)
+    return parallel.TensorParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid, **zero)
+
+
+def with_recompute(model: Any) -> Any:
+    """``model`` with activation recomputation on its blocks, names unchanged (in place): a GPT's
+    transformer blocks, an MLP classifier's MLP blocks (so pipelines still cut it layer by layer)."""
+    if isinstance(model, nn.GPT):
+        return nn.recompute(model)
+    for name in model.layer_names:
+        child = getattr(model, name)
+        if isinstance(child, nn.MLP):
+            setattr(model, name, nn.Recompute(child))
+    return model
 
 
 def data_rank(c: Config, comm: Any) -> tuple[int, int]:

@@ -70,11 +70,15 @@ def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any
     from ..comm import ProcessGrid
 
     loss = build_loss(c)
+    if c.recompute:
+        model = with_recompute(model)
     common = {"on_nonfinite": c.on_nonfinite, "timeout": c.timeout}
     if c.strategy == "ps":
         return parallel.ParameterServerTrainer(model=model, loss=loss, lr=c.lr, comm=comm, mode=c.ps_mode,
                                                staleness=c.staleness, momentum=c.momentum, **common)
     common.update(clip_norm=c.clip_norm, compression=c.compression)
+    if c.zero:
+        common["zero"] = c.zero
     if c.strategy == "dp":
         opt = build_optimizer(c, model.parameters(), total_steps)
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,
@@ -90,6 +94,18 @@ def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any
                    schedule=c.schedule, **common)
     return parallel.TensorParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid,
                                           microbatches=c.accum_steps, **common)
+
+
+def with_recompute(model: Any) -> Any:
+    """``model`` with activation recomputation on its blocks, names unchanged (in place): a GPT's
+    transformer blocks, an MLP classifier's MLP blocks (so pipelines still cut it layer by layer)."""
+    if isinstance(model, nn.GPT):
+        return nn.recompute(model)
+    for name in getattr(model, "layer_names", ()):  # a Sequential (a user's model may be neither)
+        child = getattr(model, name)
+        if isinstance(child, nn.MLP):
+            setattr(model, name, nn.Recompute(child))
+    return model
 
 
 def data_rank(c: Config, comm: Any) -> tuple[int, int]:

@@ -63,6 +63,10 @@ class Config:
     n_heads: int = field(default=4, metadata=_opt("attention heads (gpt)"))
     block_size: int = field(default=32, metadata=_opt("context length in characters (gpt)"))
     microbatches: int = field(default=4, metadata=_opt("micro-batches per step (pp)"))
+    zero: int = field(default=0, metadata=_opt("ZeRO over the dp group: 1 optimizer state, 2 + gradients, "
+                                               "3 + parameters sharded (dp, tp, pp, hybrid)"))
+    recompute: bool = field(default=False, metadata=_opt("recompute activations in backward (each transformer "
+                                                         "block / MLP block keeps only its input)"))
     schedule: str = field(default="1f1b", metadata=_opt("pipeline schedule (pp)", ("1f1b", "gpipe")))
     ps_mode: str = field(default="sync", metadata=_opt("parameter-server mode (ps)", ("sync", "async", "ssp")))
     staleness: int = field(default=2, metadata=_opt("bound on how far a worker may run ahead (ps, ssp)"))
@@ -262,6 +266,12 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         from ..settings import resolve_timeout
 
         resolve_timeout(c.timeout)  # ConfigError for a negative or non-finite value
+    if c.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {c.zero}")
+    if c.zero and c.strategy == "ps":
+        raise ConfigError("--zero shards over data-parallel replicas; the parameter server (--strategy ps) has none")
+    if c.recompute and c.strategy == "ps":
+        raise ConfigError("--recompute is for the synchronous strategies, not --strategy ps")
     if c.staleness < 0:
         raise ConfigError(f"--staleness must be >= 0, got {c.staleness}")
     if not 0.0 < c.val_fraction < 1.0:

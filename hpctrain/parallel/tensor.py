@@ -23,7 +23,8 @@ import numpy as np
 from ..backend import to_host
 from ..comm.validate import agree, describe_model, raise_if_any
 from ..errors import GridError, MismatchError
-from ..nn.module import Module
+from ..nn.module import Module, Sequential
+from ..nn.recompute import Recompute
 from ..nn.transformer import GPT, MLP, CausalSelfAttention
 from .engine import ParallelTrainer, shard_map
 from .tensor_layers import (
@@ -56,6 +57,10 @@ def _swap(parent: Module, comm: Any) -> None:
             setattr(parent, name, ParallelMLP.from_serial(child, comm))
         elif isinstance(child, CausalSelfAttention):
             setattr(parent, name, ParallelSelfAttention.from_serial(child, comm))
+        elif isinstance(child, Recompute) and isinstance(child.block, (MLP, CausalSelfAttention)):
+            one = Sequential(child.block, names=["x"])  # swap the wrapped block, keep the wrapper
+            _swap(one, comm)
+            setattr(parent, name, Recompute(one.x))
         else:
             _swap(child, comm)
 

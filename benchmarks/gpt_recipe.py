@@ -9,7 +9,7 @@ same settings under ``DistributedDataParallel`` (gloo) on the same ranks: the sa
 (hpctrain's sampler and loader, random window offsets included), AdamW with the same learning
 rate, betas, eps and weight decay, the same number of steps; both final models are evaluated on
 the same validation windows (every one). Reported: final validation loss (target: hpctrain's <=
-PyTorch's), wall time of each run, one thread per process. ``--quick`` trains 40 steps.
+PyTorch's), wall time of each run, one thread per process. ``--quick`` trains 40 steps (``max_steps``).
 The corpus is ``hpctrain data make``'s shakespeare.h5 (the shipped act when nothing could be fetched).
 """
 
@@ -156,9 +156,14 @@ def _torch_eval(model, data, batch: int = 256) -> float:
     return total / count
 
 
+def _as_dict(c) -> dict:
+    """The resolved settings as a dict (a ``Config`` on the train package, a dict before it)."""
+    return c.to_dict() if hasattr(c, "to_dict") else dict(c)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="40 steps instead of the recipe's epochs")
+    ap.add_argument("--quick", action="store_true", help="40 steps (max_steps) instead of the recipe's epochs")
     ap.add_argument("--markdown", metavar="FILE", help="append the table to FILE")
     ap.add_argument("--recipe", default=str(RECIPE))
     ap.add_argument("--data", default=None, help="token file instead of the recipe's (e.g. a small one)")
@@ -170,26 +175,27 @@ def main(argv: list[str] | None = None) -> int:
 
     world = MPI.COMM_WORLD
     comm = Communicator()
-    cfg = ht_train.merge(ht_train.read_toml(args.recipe), {})
+    cfg = dict(ht_train.read_toml(args.recipe))
     if args.data:
         cfg["data"] = args.data
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = world.bcast(tmp if world.rank == 0 else None)
         cfg["run_dir"] = os.path.join(run_dir, "run")
-        c = ht_train.resolve(dict(cfg), world.size)
         if args.quick:
-            cfg["max_samples"] = 40 * c["batch_size"]  # 40 steps over the first windows of the text
-            c = ht_train.resolve(dict(cfg), world.size)
-        c["run_dir"] = cfg["run_dir"]
-        train_set, val_set, meta = ht_train.open_data(c)
-        hp_model = ht_train.build_model(c, meta)
+            cfg["max_steps"] = 40
+        c = _as_dict(ht_train.resolve(ht_train.merge(cfg, {}), world.size))
+        resolved = ht_train.resolve(ht_train.merge(cfg, {}), world.size)
+        train_set, val_set, meta = ht_train.open_data(resolved)
+        hp_model = ht_train.build_model(resolved, meta)
         # The recipe's step count: its epochs of its loader (what `hpctrain train` runs).
         per_epoch = math.ceil(math.ceil(len(train_set) / world.size) / c["local_batch"])
         steps = per_epoch * c["epochs"]
+        if c.get("max_steps"):
+            steps = min(steps, c["max_steps"])
         ht_val = ht_wall = None
         if args.side != "torch":
             # hpctrain: the recipe as the command line runs it
-            summary = ht_train.run(dict(cfg), comm)
+            summary = ht_train.run(ht_train.merge(cfg, {}), comm)
             steps, ht_val, ht_wall = summary["steps"], summary["val_loss"], summary["wall_seconds"]
     th_val = th_wall = None
     if args.side != "hpctrain":

@@ -144,3 +144,47 @@ def check_environment() -> None:
     """
     for parse in PARSERS.values():
         parse()
+
+
+#: ``--hdf5-locking`` / ``HPCTRAIN_HDF5_LOCKING`` values -> HDF5's own ``HDF5_USE_FILE_LOCKING``.
+HDF5_LOCKING = {"on": "TRUE", "off": "FALSE", "best-effort": "BEST_EFFORT"}
+
+
+def hdf5_locking_env() -> str | None:
+    """``HPCTRAIN_HDF5_LOCKING`` (on, off, best-effort; ``None`` when unset), checked only:
+    ``hdf5_locking`` applies it."""
+    value = os.environ.get("HPCTRAIN_HDF5_LOCKING", "").strip().lower() or None
+    if value is not None and value not in HDF5_LOCKING:
+        raise ConfigError(f"HPCTRAIN_HDF5_LOCKING={value!r}: must be one of {', '.join(HDF5_LOCKING)}")
+    return value
+
+
+PARSERS["HPCTRAIN_HDF5_LOCKING"] = hdf5_locking_env
+
+
+def hdf5_locking(value: str | None = None) -> str | None:
+    """Set HDF5's file locking for this process: ``"on"``, ``"off"`` (file systems without locks,
+    where opening any HDF5 file fails with "unable to lock file") or ``"best-effort"``.
+
+    ``None`` reads ``HPCTRAIN_HDF5_LOCKING`` (unset: HDF5's default, which honours its own
+    ``HDF5_USE_FILE_LOCKING``). HDF5 reads the setting once, when h5py is first imported, so this
+    must run before that: afterwards a different setting is a ``ConfigError`` instead of being
+    silently ignored. Returns the value applied (``None``: left to HDF5).
+    """
+    import sys
+
+    if value is None:
+        value = hdf5_locking_env()
+        where = "HPCTRAIN_HDF5_LOCKING"
+    else:
+        where = "--hdf5-locking"
+    if value is None:
+        return None
+    if value not in HDF5_LOCKING:
+        raise ConfigError(f"{where}={value!r}: must be one of {', '.join(HDF5_LOCKING)}")
+    want = HDF5_LOCKING[value]
+    if "h5py" in sys.modules and os.environ.get("HDF5_USE_FILE_LOCKING", "").upper() != want:
+        raise ConfigError(f"{where}={value}: HDF5 was already loaded in this process; set it (or "
+                          f"HDF5_USE_FILE_LOCKING={want}) before h5py is imported")
+    os.environ["HDF5_USE_FILE_LOCKING"] = want
+    return value

@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -189,6 +190,9 @@ class Trainer:
         """
         from .memory import optimizer_arrays
 
+        own = getattr(getattr(self, "reducer", None), "memory_arrays", None)
+        if own is not None:  # ZeRO keeps flat pieces and its own optimizer state
+            return own()
         model = self._model()
         params = list(getattr(self, "params", None) or (model.parameters() if model is not None else []))
         return {
@@ -444,6 +448,8 @@ class Trainer:
         log_every: int = 10,
         metrics_file: str | None = None,
         progress: bool | None = None,
+        callbacks: Sequence[Any] = (),
+        max_steps: int | None = None,
     ) -> list[StepStats]:
         """Train until ``epochs`` epochs are done over ``loader`` (collective).
 
@@ -460,6 +466,16 @@ class Trainer:
         samples/s, step time and communication share every ``log_every`` steps: a tqdm bar when
         stdout is a terminal (or ``progress=True``), plain lines otherwise. ``metrics_file``
         receives one JSON line per step (rank 0). Returns this call's steps' statistics.
+
+        ``callbacks``: objects with any of ``on_fit_start(trainer)`` (after a resume),
+        ``on_step_end(trainer, stats)``, ``on_epoch_end(trainer)`` and ``on_fit_end(trainer)``
+        (also when training raises, so files get closed: keep it free of collectives). They run
+        in order, then the built-in logger, so a callback may add entries to ``stats.extra``
+        (``val_loss``, say) that the logger writes.
+
+        ``max_steps``: stop once ``global_step`` reaches it (counted over the whole run, resumes
+        included), even mid-epoch; the epochs stay an upper bound. The checkpoint written then
+        records the position in the epoch, so a later ``fit`` with a larger bound goes on exactly.
         """
         from . import checkpoint as ckpt
         from . import preempt
@@ -486,7 +502,7 @@ class Trainer:
                     _log.info("resumed from %s at step %d, epoch %d", path, self.global_step, self.epoch)
         self._pending_sampler = None
         self.memory_report()  # starts watching activations before the first step
-        log = _Logger(self, loader, epochs, log_every, metrics_file, progress)
+        hooks = _Callbacks([*callbacks, _Logger(self, loader, epochs, log_every, metrics_file, progress)])
         history: list[StepStats] = []
         saved_at = self.global_step
         written: list[str] = []  # this call's checkpoints: the only ones it may delete
@@ -505,8 +521,14 @@ class Trainer:
             return path
 
         try:
+            hooks.call("on_fit_start", self)
+            capped = False  # stopped by max_steps before the epochs were done
             for epoch in range(self.epoch, epochs):
+                if max_steps is not None and self.global_step >= max_steps:
+                    capped = True
+                    break
                 self.epoch = epoch
+                this_epoch = 0
                 if sampler is not None and hasattr(sampler, "set_epoch"):
                     if resumed_mid_epoch:
                         # The checkpoint restored this epoch's order and position: keep them.
@@ -520,7 +542,7 @@ class Trainer:
                     if stats.stop is None:
                         stats.stop = self._agree_stop()
                     history.append(stats)
-                    log.step(stats)
+                    hooks.call("on_step_end", self, stats)
                     if checkpoint_dir is not None and checkpoint_every and self.global_step % checkpoint_every == 0:
                         save()
                         saved_at = self.global_step
@@ -529,11 +551,22 @@ class Trainer:
                         if checkpoint_dir is not None:
                             path = written[-1] if saved_at == self.global_step and written else save()
                         raise Preempted(self.global_step, path, preempt.reason())
-            self.epoch = max(self.epoch, epochs)
+                    this_epoch += 1
+                    if max_steps is not None and self.global_step >= max_steps:
+                        capped = True
+                        break
+                if capped and not _epoch_done(sampler, loader, this_epoch):
+                    break  # mid-epoch: the epoch counter and the sampler position stay where they are
+                hooks.call("on_epoch_end", self)
+                if capped:
+                    self.epoch = epoch + 1
+                    break
+            if not capped:
+                self.epoch = max(self.epoch, epochs)
             if checkpoint_dir is not None and checkpoint_every and saved_at != self.global_step:
                 save()
         finally:
-            log.close()
+            hooks.call("on_fit_end", self)
         return history
 
 
@@ -550,6 +583,14 @@ class Trainer:
         return bool(flag[0])
 
 
+def _epoch_done(sampler: Any, loader: Any, steps: int) -> bool:
+    """Whether the loader's epoch has nothing left after a pass stopped early (``steps`` taken)."""
+    position = getattr(sampler, "position", None)
+    if position is not None and _length(sampler) != float("inf"):
+        return int(position) >= _length(sampler)
+    return steps >= _length(loader)
+
+
 def _length(sampler: Any) -> float:
     try:
         return len(sampler)
@@ -557,8 +598,27 @@ def _length(sampler: Any) -> float:
         return float("inf")
 
 
+class _Callbacks:
+    """The callbacks of one ``fit``: each hook is called on the objects that define it, in order."""
+
+    def __init__(self, objects: Sequence[Any]) -> None:
+        self.objects = list(objects)
+
+    def call(self, hook: str, *args: Any) -> None:
+        for obj in self.objects:
+            fn = getattr(obj, hook, None)
+            if fn is not None:
+                fn(*args)
+
+
 class _Logger:
-    """Rank 0's progress output and JSON-lines metrics; a no-op on other ranks."""
+    """Rank 0's progress output and JSON-lines metrics (a ``fit`` callback); a no-op on other ranks.
+
+    Entries a callback before it put in ``stats.extra`` under a name in ``EXTRA`` (the
+    validation loss of ``--eval-every``) go into the metrics line and the progress line.
+    """
+
+    EXTRA = ("val_loss", "lr")
 
     def __init__(self, trainer: Trainer, loader: Any, epochs: int, every: int, metrics_file: str | None,
                  progress: bool | None) -> None:
@@ -568,11 +628,14 @@ class _Logger:
         self.metrics = None
         self.bar = None
         self.window: list[StepStats] = []
+        self.val_loss: float | None = None  # the newest validation loss a callback reported
         if not self.on:
             return
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
-            self.metrics = open(metrics_file, "a")
+            from .rundir import open_append
+
+            self.metrics = open_append(metrics_file)  # never through a symlink planted at that name
         if progress is None:
             progress = sys.stdout.isatty()
         if progress:
@@ -589,7 +652,7 @@ class _Logger:
             except ImportError:
                 self.bar = None
 
-    def step(self, s: StepStats) -> None:
+    def on_step_end(self, trainer: Trainer, s: StepStats) -> None:
         if not self.on:
             return
         t = self.trainer
@@ -599,10 +662,13 @@ class _Logger:
                 "seconds": s.seconds, "samples": s.samples, "comm_seconds": s.comm_seconds,
                 "samples_per_s": s.samples / s.seconds if s.seconds > 0 else None, "skipped": s.skipped,
                 "memory": s.memory.get("total"), "time": time.time(),
+                **{k: s.extra[k] for k in self.EXTRA if k in s.extra},
             }
             self.metrics.write(json.dumps(rec) + "\n")
             self.metrics.flush()
         self.window.append(s)
+        if "val_loss" in s.extra:
+            self.val_loss = s.extra["val_loss"]
         if self.bar is not None:
             self.bar.update(1)
         if len(self.window) >= self.every:
@@ -613,14 +679,15 @@ class _Logger:
             mem = max(w.memory.get("total", 0) for w in self.window)
             text = (f"loss {loss:.4f} | {samples / secs if secs else 0:,.0f} samples/s | "
                     f"step {1000 * secs / len(self.window):.1f} ms | comm {100 * comm / secs if secs else 0:.0f}%"
-                    + (f" | mem {mem / 2**20:,.1f} MiB" if mem else ""))
+                    + (f" | mem {mem / 2**20:,.1f} MiB" if mem else "")
+                    + (f" | val {self.val_loss:.4f}" if self.val_loss is not None else ""))
             if self.bar is not None:
                 self.bar.set_postfix_str(text)
             else:
                 print(f"epoch {t.epoch} step {t.global_step} | {text}", flush=True)
             self.window = []
 
-    def close(self) -> None:
+    def on_fit_end(self, trainer: Trainer) -> None:
         if self.metrics is not None:
             self.metrics.close()
         if self.bar is not None:

@@ -1,11 +1,12 @@
-"""Opening HDF5 files that came from someone else: nothing outside the file is followed.
+"""Opening objects of an HDF5 file that is not trusted: only what the file itself stores.
 
-An HDF5 file can point elsewhere: soft links (to another object of the file, possibly a cycle),
-external links (to an object in another file), datasets whose raw data lives in external files,
-and virtual datasets (whose data is read from other files). A checkpoint or a ``--data`` file
-handed over by another user must not make hpctrain read files it was not given, so each of these
-is refused with an error naming the object. Checkpoints allow virtual datasets only over their
-own part files (``allow_virtual``).
+HDF5 can make a name in one file read bytes from elsewhere: a soft link points at another
+name, an external link at another file, *external storage* keeps a dataset's raw bytes in
+arbitrary files (``/etc/shadow`` as an int8 column), and a *virtual dataset* maps other
+files' datasets. hpctrain reads ``--data`` files and checkpoints that may come from anyone, so
+it follows none of these: every name must be a chain of hard links to a dataset stored in the
+file. Shared by the dataset loaders and the checkpoint reader; each passes its own error class
+(``DatasetError``, ``CheckpointError``) so the message reaches the user as that kind of error.
 """
 
 from __future__ import annotations
@@ -13,58 +14,91 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .errors import DatasetError
 
-def check_untrusted(
-    f: Any,
-    path: str,
-    *,
-    error: type[Exception] = ValueError,
+
+def _link_text(link: Any) -> str:
+    import h5py
+
+    if isinstance(link, h5py.SoftLink):
+        return f"a soft link to {link.path!r}"
+    if isinstance(link, h5py.ExternalLink):
+        return f"an external link to {link.path!r} in file {link.filename!r}"
+    return f"a link of type {type(link).__name__}"
+
+
+def check_stored_here(dset: Any, where: str, error: type[Exception] = DatasetError) -> None:
+    """Refuse a dataset whose bytes live outside its file (external storage, virtual dataset)."""
+    if getattr(dset, "is_virtual", False):
+        raise error(f"{where} is a virtual dataset (it maps other files' data): refused, store the data in the file")
+    external = getattr(dset, "external", None)
+    if external:
+        files = sorted({str(e[0]) for e in external})
+        raise error(f"{where} keeps its bytes in external file(s) {files}: refused, store the data in the file")
+
+
+def hard_object(group: Any, name: str, where: str, error: type[Exception] = DatasetError) -> Any:
+    """``group[name]`` reached through hard links only (each component of a ``/`` path checked
+    before it is opened, so an external link never opens its target file). ``KeyError`` when a
+    component is missing; ``error`` naming ``where`` and the link for a soft or external link."""
+    obj = group
+    for part in [p for p in name.split("/") if p]:
+        import h5py
+
+        link = obj.get(part, getlink=True)
+        if link is None:
+            raise KeyError(name)
+        if not isinstance(link, h5py.HardLink):
+            raise error(f"{where} is {_link_text(link)}: refused, only data stored in the file is read")
+        obj = obj[part]
+    return obj
+
+
+def hard_dataset(group: Any, name: str, where: str, error: type[Exception] = DatasetError) -> Any:
+    """:func:`hard_object` that must be a dataset stored in the file (:func:`check_stored_here`);
+    ``None`` when it is not a dataset (the caller says what it wanted)."""
+    import h5py
+
+    obj = hard_object(group, name, where, error)
+    if not isinstance(obj, h5py.Dataset):
+        return None
+    check_stored_here(obj, where, error)
+    return obj
+
+
+def check_tree(
+    group: Any,
+    where: str,
+    error: type[Exception] = DatasetError,
+    limit: int = 100_000,
     allow_virtual: Callable[[str, Any], str | None] | None = None,
-) -> None:
-    """Walk the open ``h5py.File`` ``f`` and raise ``error`` on the first soft or external
-    link, dataset with external raw storage, or virtual dataset.
-
-    ``allow_virtual(name, dataset)`` may accept a virtual dataset: it returns ``None`` to accept
-    or a reason to refuse. Messages read ``"<path>: <object> is ..."``.
-    """
+) -> int:
+    """Refuse if anything under ``group`` is a soft/external link, external storage or virtual
+    (for files read whole, like checkpoints). Visits at most ``limit`` names; returns the count.
+    ``allow_virtual(name, dataset)`` may accept a virtual dataset (a checkpoint's index over its
+    own part files): it returns ``None`` to accept, else the reason to refuse."""
     import h5py
 
-    def walk(group: Any, prefix: str) -> None:
-        for name in group:
-            where = f"{prefix}{name}"
-            link = group.get(name, getlink=True)
-            if isinstance(link, h5py.SoftLink):
-                raise error(f"{path}: {where} is a soft link (to {link.path}); links are refused")
-            if isinstance(link, h5py.ExternalLink):
-                raise error(f"{path}: {where} is an external link (to {link.filename}:{link.path}); links are refused")
-            obj = group.get(name)
+    seen = 0
+    stack = [(group, where.rstrip("/"))]
+    while stack:
+        grp, prefix = stack.pop()
+        for name in grp:
+            seen += 1
+            if seen > limit:
+                raise error(f"{where} holds more than {limit} objects: refused as not a file hpctrain wrote")
+            here = f"{prefix}/{name}"
+            link = grp.get(name, getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                raise error(f"{here} is {_link_text(link)}: refused, only data stored in the file is read")
+            obj = grp[name]
             if isinstance(obj, h5py.Group):
-                walk(obj, where + "/")
+                stack.append((obj, here))
             elif isinstance(obj, h5py.Dataset):
-                if obj.is_virtual:
-                    why = "virtual datasets are refused" if allow_virtual is None else allow_virtual(where, obj)
+                if allow_virtual is not None and obj.is_virtual:
+                    why = allow_virtual(here[len(where.rstrip("/")) + 1 :], obj)
                     if why is not None:
-                        raise error(f"{path}: {where} is a virtual dataset ({why})")
-                elif obj.external:
-                    raise error(f"{path}: {where} keeps its data in external files; refused")
-            elif obj is not None and not isinstance(obj, h5py.Datatype):
-                raise error(f"{path}: {where} is an unexpected object ({type(obj).__name__})")
-
-    walk(f, "")
-
-
-def open_untrusted(path: str, *, error: type[Exception] = ValueError) -> Any:
-    """``h5py.File(path, "r")`` after :func:`check_untrusted` (closed again when refused);
-    an unreadable file raises ``error`` naming it."""
-    import h5py
-
-    try:
-        f = h5py.File(path, "r")
-    except Exception as exc:
-        raise error(f"{path} is not a readable HDF5 file ({exc})") from None
-    try:
-        check_untrusted(f, path, error=error)
-    except BaseException:
-        f.close()
-        raise
-    return f
+                        raise error(f"{here} is a virtual dataset ({why}): refused")
+                    continue
+                check_stored_here(obj, here, error)
+    return seen

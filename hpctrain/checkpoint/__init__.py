@@ -17,16 +17,15 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError
-from ..h5safe import check_untrusted, open_untrusted
 from ..log import get_logger
-from .format import FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
+from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
 from .loading import load, read_header
 from .saving import remove, save, wait
 from .summary import inspect, verify
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "check_untrusted", "checkpoint_path", "inspect", "list_checkpoints",
-    "load", "load_latest", "open_untrusted", "read_header", "remove", "save", "save_in", "verify", "wait",
+    "FORMAT", "FORMAT_VERSION", "checkpoint_path", "inspect", "list_checkpoints",
+    "load", "load_latest", "read_header", "remove", "save", "save_in", "verify", "wait",
 ]
 
 _log = get_logger("checkpoint")
@@ -56,7 +55,8 @@ def _remove_orphans(directory: str) -> None:
 
     present = {os.path.basename(p) for p in list_checkpoints(directory)}
     for n in os.listdir(directory):
-        if n.endswith(PARTS_SUFFIX) and n.split(".h5.", 1)[0] + ".h5" not in present:
+        owner = n.split(".h5.", 1)[0] + ".h5"
+        if n.endswith(PARTS_SUFFIX) and _NAME.fullmatch(owner) and owner not in present:
             shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..errors import CheckpointError
-from ..h5safe import check_untrusted
+from ..h5safe import check_tree, hard_dataset
 from . import format as fmt
 from .saving import optimizer_of, wait
 
@@ -82,7 +82,7 @@ def _header(f: Any, path: str, with_state: bool) -> dict[str, Any]:
         if not _PARTS.fullmatch(parts):
             raise CheckpointError(f"checkpoint {path} names part directory {parts!r}; refused (not beside it)")
     header["parts_dir"] = parts
-    check_untrusted(f, path, error=CheckpointError, allow_virtual=lambda name, d: _own_sources(d, parts, name))
+    check_tree(f, path, CheckpointError, allow_virtual=lambda name, d: _own_sources(d, parts, name))
     header["hpctrain_version"] = str(f.attrs.get("hpctrain_version"))
     header["version"] = version
     arrays: dict[str, np.ndarray] = {}
@@ -199,21 +199,16 @@ class Reader:
 
     def slab(self, key: str, entry: dict[str, Any], slab: list) -> np.ndarray:
         """The whole slab, verified against its checksum."""
-        import h5py
 
         writer, name, box, digest = slab
         f = self._file(writer)
         where = part_path(self.path, self.header, writer)
-        obj: Any = f
-        for part in name.split("/"):
-            link = obj.get(part, getlink=True)
-            if link is None:
-                raise CheckpointError(f"checkpoint {self.path}: {name} is missing from {where}")
-            if not isinstance(link, h5py.HardLink):
-                raise CheckpointError(f"checkpoint {self.path}: {name} in {where} is a link; links are refused")
-            obj = obj[part]
-        if not isinstance(obj, h5py.Dataset) or obj.is_virtual or obj.external:
-            raise CheckpointError(f"checkpoint {self.path}: {name} in {where} is not a plain dataset; refused")
+        try:
+            obj = hard_dataset(f, name, f"checkpoint {self.path}: {name} in {where}", CheckpointError)
+        except KeyError:
+            obj = None
+        if obj is None:
+            raise CheckpointError(f"checkpoint {self.path}: {name} is missing from {where} (or not a dataset)")
         shape = tuple(b - a for a, b in box)
         dtype = np.dtype(entry["dtype"])
         if tuple(obj.shape) != shape or obj.dtype != dtype:
@@ -395,7 +390,7 @@ def commit(trainer: Any, staged: dict[str, Any], state: Any, header: dict[str, A
     try:
         trainer.load_state_dict(state)
     except Exception as exc:
-        problem = exc
+        problem = CheckpointError(f"{type(exc).__name__}: {exc}")
     failed = trainer.comm.allgather_obj(problem is not None)
     if not any(failed):
         return None

@@ -20,14 +20,15 @@ def _share(n_batches: int, rank: int, size: int) -> range:
     return range(n_batches * rank // size, n_batches * (rank + 1) // size)
 
 
-def evaluate(model: Any, data: Any, batch: int = 256, comm: Any = None) -> dict[str, float]:
+def evaluate(model: Any, data: Any, loss: Any = None, batch: int = 256, comm: Any = None) -> dict[str, float]:
     """``{"loss", "accuracy", "samples"}`` of ``model`` (a serial model, in eval mode afterwards)
-    on all of ``data`` (``data[idx] -> (x, y)``, integer class targets, cross-entropy); collective
-    with ``comm``. ``loss`` is the mean over every target (every token for a language model)."""
+    on all of ``data`` (``data[idx] -> (x, y, ...)``, integer class targets); collective with
+    ``comm``. ``loss`` (default cross-entropy) gives the mean over every target (every token for
+    a language model)."""
     from .nn import CrossEntropyLoss
 
     model.eval()
-    loss = CrossEntropyLoss()
+    loss = CrossEntropyLoss() if loss is None else loss
     n = len(data)
     n_batches = -(-n // batch)
     mine = _share(n_batches, comm.rank, comm.size) if comm is not None else range(n_batches)
@@ -35,9 +36,9 @@ def evaluate(model: Any, data: Any, batch: int = 256, comm: Any = None) -> dict[
     problem = None
     try:
         for b in mine:
-            x, y = data[np.arange(b * batch, min((b + 1) * batch, n))]
+            x, y = data[np.arange(b * batch, min((b + 1) * batch, n))][:2]
             logits = model.forward(x)
-            sums += (loss.forward(logits, y) * y.size, int((logits.argmax(axis=-1) == y).sum()), y.size)
+            sums += (float(loss.forward(logits, y)) * y.size, int((logits.argmax(axis=-1) == y).sum()), y.size)
     except Exception as exc:  # said on every rank below instead of leaving the others in the reduce
         if comm is None:
             raise

@@ -227,3 +227,69 @@ def clean_stale_temporaries(*directories: str) -> list[str]:
         log.info("removed %d temporary file(s) that earlier jobs left half-written: %s", len(removed),
                  ", ".join(os.path.basename(p) for p in removed[:5]))
     return removed
+
+
+def check_resume_compatible(config_file: str, wanted: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """Refuse (``ConfigError``) to resume the run whose ``config.json`` is ``config_file`` with
+    settings that differ in any of ``keys`` (the model, the data, ...); a missing file passes."""
+    try:
+        with open(config_file) as f:
+            before = json.load(f)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume: cannot read the run's {config_file} ({exc})") from None
+    if not isinstance(before, dict):
+        raise ConfigError(f"--resume: {config_file} does not hold a configuration")
+    diff = [f"{k}={before.get(k)!r}, not {wanted.get(k)!r}" for k in keys if k in before and before[k] != wanted.get(k)]
+    if diff:
+        run_dir = os.path.dirname(config_file) or "."
+        raise ConfigError(f"--resume: the run in {run_dir} was made with " + "; ".join(diff)
+                          + ": its checkpoints cannot continue this configuration (nothing was changed; use "
+                          "another --run-dir, or --restart to start over there)")
+
+
+def set_aside(*paths: str) -> list[tuple[str, str]]:
+    """Rename each existing path to ``<path>.replaced-<date>-<time>`` (nothing is deleted);
+    returns ``(old, new)`` pairs."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for p in paths:
+        if not os.path.lexists(p):
+            continue
+        target, n = f"{p}.replaced-{stamp}", 1
+        while os.path.lexists(target):
+            n += 1
+            target = f"{p}.replaced-{stamp}-{n}"
+        os.rename(p, target)
+        moved.append((p, target))
+    return moved
+
+
+def trim_metrics(path: str, step: int) -> int:
+    """Drop the lines of ``metrics.jsonl`` after ``step`` (steps an interrupted job made after its
+    last checkpoint, which the resumed job makes again), in place; returns how many were dropped.
+
+    Truncates the same file rather than replacing it, so a handle already open for appending
+    keeps writing to it. A torn last line (the job died mid-write) goes too.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 0
+    with os.fdopen(fd, "rb+") as f:
+        keep_bytes, dropped = 0, 0
+        for line in f:
+            try:
+                ok = line.endswith(b"\n") and int(json.loads(line)["step"]) <= step
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if ok and not dropped:
+                keep_bytes += len(line)
+            else:
+                dropped += 1
+        if dropped:
+            f.truncate(keep_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+    return dropped

@@ -28,9 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import nn
-from .backend import xp_of
 from .errors import CheckpointError, ConfigError, DatasetError, HpctrainError
-from .nn import Module, Sequential
 
 # -- configuration ---------------------------------------------------------------------------
 
@@ -47,7 +45,8 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("strategy", str, "dp", "how the job is split across ranks", ("dp", "tp", "pp", "ps", "hybrid")),
+    Option("strategy", str, None, "how the job is split across ranks [dp; hybrid when --tp or --pp is given]",
+           ("dp", "tp", "pp", "ps", "hybrid")),
     Option("tp", int, None, "tensor-parallel group size (tp: all ranks; hybrid: 1)"),
     Option("pp", int, None, "pipeline stages (pp: all ranks; hybrid: 1)"),
     Option("model", str, "mlp", "mlp: classifier on the built-in set; gpt: character-level GPT", ("mlp", "gpt")),
@@ -146,6 +145,8 @@ def resolve(cfg: dict[str, Any], world: int) -> dict[str, Any]:
     Raises ConfigError naming the setting and what would work instead.
     """
     c = dict(cfg)
+    if c["strategy"] is None:  # --tp T --pp P alone: dp is what is left of the world
+        c["strategy"] = "hybrid" if (c["tp"] or 1) > 1 or (c["pp"] or 1) > 1 else "dp"
     strategy = c["strategy"]
     for key in ("epochs", "batch_size", "d_model", "n_layers", "n_heads", "block_size", "microbatches",
                 "log_every"):
@@ -176,9 +177,6 @@ def resolve(cfg: dict[str, Any], world: int) -> dict[str, Any]:
         tp, pp = c["tp"] or 1, c["pp"] or 1
     else:
         tp, pp = 1, 1
-    if tp > 1 and pp > 1:
-        raise ConfigError(f"tp={tp} together with pp={pp} is not supported yet (pipeline stages are not tensor "
-                          f"parallel): use --tp with dp, or --pp with dp")
     if world % (tp * pp):
         raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp} x dp: "
                           f"the world size must be a multiple of {tp * pp}")
@@ -307,8 +305,8 @@ def build_model(c: dict[str, Any], meta: dict[str, Any]) -> Any:
     rng = np.random.default_rng(c["seed"])
     d = c["d_model"]
     if c["model"] == "gpt":
-        gpt = nn.GPT(meta["vocab_size"], c["block_size"], d, c["n_heads"], c["n_layers"], rng=rng)
-        return _as_layers(gpt) if c["pp"] > 1 else gpt
+        # Pipelined as it is (parallelize cuts a GPT between its pieces): one set of names everywhere.
+        return nn.GPT(meta["vocab_size"], c["block_size"], d, c["n_heads"], c["n_layers"], rng=rng)
     # A flat Sequential so a pipeline can cut it anywhere; MLP blocks so tensor parallelism
     # has something to shard (fc1 column-wise, fc2 row-wise).
     layers: list[Any] = [nn.Linear(meta["n_in"], d, rng=rng), nn.GELU()]
@@ -316,33 +314,6 @@ def build_model(c: dict[str, Any], meta: dict[str, Any]) -> Any:
         layers += [nn.MLP(d, 4 * d, rng=rng), nn.GELU()]
     layers.append(nn.Linear(d, meta["n_classes"], rng=rng))
     return nn.Sequential(*layers)
-
-
-class GPTEmbedding(Module):
-    """Token plus position embedding of a GPT as one layer, so a pipeline can cut the GPT."""
-
-    def __init__(self, tok_emb: Any, pos_emb: Any) -> None:
-        self.tok_emb, self.pos_emb = tok_emb, pos_emb
-
-    def forward(self, idx: Any) -> Any:
-        xp = xp_of(self.tok_emb.weight.data)
-        return self.tok_emb.forward(idx) + self.pos_emb.forward(xp.arange(idx.shape[1]))
-
-    def backward(self, grad_out: Any) -> None:
-        self.tok_emb.backward(grad_out)
-        self.pos_emb.backward(grad_out.sum(axis=0))
-        return None
-
-
-def _as_layers(gpt: Any) -> Sequential:
-    """The same GPT (same weights) as a flat Sequential a pipeline can cut between blocks.
-
-    Names follow the GPT's (``blocks.0.attn.qkv.weight``, ``ln_f.weight``, ``head.weight``)
-    except the embeddings, which live in one layer ``emb`` (``emb.tok_emb.weight``).
-    """
-    blocks = list(gpt.blocks)
-    names = ["emb"] + [f"blocks.{i}" for i in range(len(blocks))] + ["ln_f", "head"]
-    return Sequential(GPTEmbedding(gpt.tok_emb, gpt.pos_emb), *blocks, gpt.ln_f, gpt.head, names=names)
 
 
 def _optimizer(c: dict[str, Any], params: list[Any]) -> Any:
@@ -367,13 +338,15 @@ def build_trainer(c: dict[str, Any], model: Any, comm: Any) -> Any:
         return parallel.ParameterServerTrainer(model=model, loss=loss, lr=c["lr"], comm=comm, mode=c["ps_mode"],
                                                staleness=c["staleness"], momentum=c["momentum"])
     grid = ProcessGrid(comm, tp=c["tp"], pp=c["pp"])
+    part = parallel.parallelize(model, grid)  # this rank's pipeline stage, split over tp
+    opt = _optimizer(c, part.parameters())
+    if c["pp"] > 1 and c["tp"] > 1:
+        return parallel.ParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid,
+                                        microbatches=c["microbatches"], schedule=c["schedule"])
     if c["pp"] > 1:
-        stage = parallel.pipeline_stage(model, grid.pp)
-        return parallel.PipelineParallelTrainer(stage=stage, loss=loss, optimizer=_optimizer(c, stage.parameters()),
-                                                grid=grid, microbatches=c["microbatches"], schedule=c["schedule"])
-    tp_model = parallel.tensor_parallel(model, grid.tp)
-    return parallel.TensorParallelTrainer(model=tp_model, loss=loss, optimizer=_optimizer(c, tp_model.parameters()),
-                                          grid=grid)
+        return parallel.PipelineParallelTrainer(stage=part, loss=loss, optimizer=opt, grid=grid,
+                                                microbatches=c["microbatches"], schedule=c["schedule"])
+    return parallel.TensorParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid)
 
 
 def data_rank(c: dict[str, Any], comm: Any) -> tuple[int, int]:
@@ -551,6 +524,7 @@ def run(cfg: dict[str, Any], comm: Any = None) -> dict[str, Any]:
     history = trainer.fit(loader, epochs=c["epochs"], checkpoint_dir=c["checkpoint_dir"], checkpoint_every=every,
                           resume=c["resume"], log_every=c["log_every"], metrics_file=metrics)
     wall = time.perf_counter() - t0
+    memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
     trace = os.path.join(c["run_dir"], "trace.json")
     timeline.write(comm, trace)
     if hasattr(trainer, "save_timeline"):  # the pipeline's executed schedule of its last step
@@ -583,7 +557,7 @@ def run(cfg: dict[str, Any], comm: Any = None) -> dict[str, Any]:
         "samples_per_s": sum(s.samples for s in history) / seconds if seconds > 0 else None,
         "comm_share": sum(s.comm_seconds for s in history) / seconds if seconds > 0 else None,
         "wall_seconds": wall, "checkpoint": latest[-1] if latest else None,
-        "run_dir": c["run_dir"], "metrics": metrics, "trace": trace,
+        "run_dir": c["run_dir"], "metrics": metrics, "trace": trace, "memory": memory,
     }
     if comm.rank == 0:
         with open(os.path.join(c["run_dir"], "summary.json"), "w") as f:
@@ -612,6 +586,10 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({s['val_samples']:,} held-out samples)",
         f"  throughput      {rate}",
         f"  communication   {share}",
+        *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "
+           f"{s['memory']['params'] / 2**20:,.1f}, grads {s['memory']['grads'] / 2**20:,.1f}, optimizer "
+           f"{s['memory']['optimizer'] / 2**20:,.1f}, activations {s['memory']['activations_peak'] / 2**20:,.1f}; "
+           f"peak RSS {s['memory']['rss_peak'] / 2**20:,.0f})"] if s.get("memory") else []),
         f"  checkpoint      {s['checkpoint'] or '-'}",
         f"  metrics         {s['metrics']}  (hpctrain plot {s['run_dir']})",
         f"  trace           {s['trace']}  (open in https://ui.perfetto.dev)",

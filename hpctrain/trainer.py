@@ -60,6 +60,7 @@ class StepStats:
     comm_seconds: float = 0.0
     skipped: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)
     # Whether some rank was asked to stop (``hpctrain.preempt``), agreed by every rank at this step;
     # ``None`` when the step did not carry the flag (``fit`` then agrees on it itself).
     stop: bool | None = None
@@ -175,6 +176,50 @@ class Trainer:
         """The trainer's settings, compared across ranks and stored in checkpoints."""
         return {"type": type(self).__name__}
 
+    # -- memory -----------------------------------------------------------------------------------
+
+    def _model(self) -> Any:
+        model = getattr(self, "model", None)
+        return model if model is not None else getattr(self, "stage", None)
+
+    def memory_arrays(self) -> dict[str, list[Any]]:
+        """The arrays this rank holds, by category (``hpctrain.memory.KEYS``).
+
+        Strategies that keep more (ZeRO's flat shards, communication buffers) extend this.
+        """
+        from .memory import optimizer_arrays
+
+        model = self._model()
+        params = list(getattr(self, "params", None) or (model.parameters() if model is not None else []))
+        return {
+            "params": [p.data for p in params],
+            "grads": [p.grad for p in params],
+            "optimizer": optimizer_arrays(getattr(self, "optimizer", None)),
+        }
+
+    def memory_report(self) -> dict[str, int]:
+        """This rank's memory now (bytes), with the activation peak since the last report.
+
+        The activation peak is watched from the first report (or ``fit``) on: call it once
+        before training to measure the first step too.
+        """
+        from .memory import MemoryMeter
+
+        meter = getattr(self, "_meter", None)
+        if meter is None:
+            meter = self._meter = MemoryMeter(self._model(), getattr(self, "loss", None)).install()
+        report = meter.report(self.memory_arrays())
+        most = getattr(self, "_memory_most", None) or {}
+        self._memory_most = {k: max(v, most.get(k, 0)) for k, v in report.items()}
+        return report
+
+    def memory_summary(self) -> dict[str, int]:
+        """Each category's largest value over the steps reported so far, on the rank that holds
+        most (collective over the trainer's communicator)."""
+        from .memory import max_over_ranks
+
+        most = getattr(self, "_memory_most", None) or self.memory_report()
+        return max_over_ranks(self.comm, most)
     # -- the step ----------------------------------------------------------------------------------
 
     def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
@@ -419,13 +464,15 @@ class Trainer:
         from . import checkpoint as ckpt
         from . import preempt
         from .errors import Preempted
-        from .resume import load_newest
 
         sampler = getattr(loader, "sampler", None)
         self._sampler = sampler
         resumed_mid_epoch = False
         if checkpoint_dir is not None and resume:
-            path = load_newest(checkpoint_dir, self)
+            path = ckpt.load_latest(checkpoint_dir, self)  # all failing: CheckpointError naming each
+            if path is None and self.comm.rank == 0:
+                what = "is empty" if os.path.isdir(checkpoint_dir) else "does not exist"
+                _log.info("no checkpoint to resume from (%s %s): starting fresh", checkpoint_dir, what)
             if path is not None:
                 pending = getattr(self, "_pending_sampler", None)
                 # Mid-epoch only if the checkpoint's sampler epoch is the one to run now and it was
@@ -438,6 +485,7 @@ class Trainer:
                 if self.comm.rank == 0:
                     _log.info("resumed from %s at step %d, epoch %d", path, self.global_step, self.epoch)
         self._pending_sampler = None
+        self.memory_report()  # starts watching activations before the first step
         log = _Logger(self, loader, epochs, log_every, metrics_file, progress)
         history: list[StepStats] = []
         saved_at = self.global_step
@@ -467,6 +515,8 @@ class Trainer:
                         sampler.set_epoch(epoch)
                 for batch in loader:
                     stats = self.step(*batch)
+                    if not stats.memory:
+                        stats.memory = self.memory_report()
                     if stats.stop is None:
                         stats.stop = self._agree_stop()
                     history.append(stats)
@@ -548,7 +598,7 @@ class _Logger:
                 "step": t.global_step, "epoch": t.epoch, "loss": s.loss, "grad_norm": s.grad_norm,
                 "seconds": s.seconds, "samples": s.samples, "comm_seconds": s.comm_seconds,
                 "samples_per_s": s.samples / s.seconds if s.seconds > 0 else None, "skipped": s.skipped,
-                "time": time.time(),
+                "memory": s.memory.get("total"), "time": time.time(),
             }
             self.metrics.write(json.dumps(rec) + "\n")
             self.metrics.flush()
@@ -560,8 +610,10 @@ class _Logger:
             samples = sum(w.samples for w in self.window)
             comm = sum(w.comm_seconds for w in self.window)
             loss = sum(w.loss for w in self.window) / len(self.window)
+            mem = max(w.memory.get("total", 0) for w in self.window)
             text = (f"loss {loss:.4f} | {samples / secs if secs else 0:,.0f} samples/s | "
-                    f"step {1000 * secs / len(self.window):.1f} ms | comm {100 * comm / secs if secs else 0:.0f}%")
+                    f"step {1000 * secs / len(self.window):.1f} ms | comm {100 * comm / secs if secs else 0:.0f}%"
+                    + (f" | mem {mem / 2**20:,.1f} MiB" if mem else ""))
             if self.bar is not None:
                 self.bar.set_postfix_str(text)
             else:

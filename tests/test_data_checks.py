@@ -198,7 +198,7 @@ def test_only_the_rows_used_are_checked_and_max_samples_caps_both_splits(tmp_pat
 
 
 @pytest.mark.timeout(60)
-def test_a_tiny_file_declaring_a_billion_rows_needs_little_memory(tmp_path):
+def test_a_tiny_file_declaring_a_billion_rows_needs_little_memory(tmp_path, monkeypatch):
     # 1.6 KB of gzip declaring 10^9 rows: reading the label column whole needed 7.5 GiB per rank.
     import subprocess
     import sys
@@ -216,6 +216,14 @@ def test_a_tiny_file_declaring_a_billion_rows_needs_little_memory(tmp_path):
     n_train, n_val, classes, maxrss_kib = map(int, out.stdout.split())
     assert (n_train, n_val, classes) == (1000, 1000, 1)
     assert maxrss_kib < 400 * 1024, f"peak memory {maxrss_kib / 1024:.0f} MiB"
+    # Without --max-samples the shuffled order of 9 x 10^8 rows (16 bytes each at its peak) is
+    # refused up front on a node of 8 GiB, instead of an allocation failure or the OOM killer.
+    from hpctrain.data import checks
+
+    monkeypatch.setattr(checks, "physical_memory", lambda: 8 << 30)
+    with pytest.raises(DatasetError, match="900,000,000 training samples need about 13.4 GiB per rank .* "
+                                           "use --max-samples"):
+        checks.open_classification(path, val_fraction=0.1)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -121,3 +121,33 @@ def test_clean_stale_temporaries(tmp_path):
     removed = rundir.clean_stale_temporaries(str(tmp_path), str(ck), str(tmp_path / "missing"))
     assert sorted(removed) == sorted(str(p) for p in stale)
     assert (ck / "ckpt-00000002.h5").exists() and (tmp_path / "link.tmp.1").is_symlink()
+
+
+def test_resume_with_another_model_is_refused_naming_the_difference(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model": "mlp", "d_model": 64, "epochs": 3}))
+    rundir.check_resume_compatible(str(cfg), {"model": "mlp", "d_model": 64, "epochs": 6}, ("model", "d_model"))
+    with pytest.raises(ConfigError, match=r"made with d_model=64, not 32.*nothing was changed"):
+        rundir.check_resume_compatible(str(cfg), {"model": "mlp", "d_model": 32}, ("model", "d_model"))
+    rundir.check_resume_compatible(str(tmp_path / "none.json"), {}, ("model",))  # a fresh directory
+
+
+def test_set_aside_renames_and_never_overwrites(tmp_path, monkeypatch):
+    monkeypatch.setattr(rundir.time, "strftime", lambda fmt, *a: "T")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("1")
+    moved = rundir.set_aside(str(tmp_path / "checkpoints"), str(tmp_path / "metrics.jsonl"), str(tmp_path / "x"))
+    assert [os.path.basename(b) for _, b in moved] == ["checkpoints.replaced-T", "metrics.jsonl.replaced-T"]
+    (tmp_path / "metrics.jsonl").write_text("2")
+    assert os.path.basename(rundir.set_aside(str(tmp_path / "metrics.jsonl"))[0][1]) == "metrics.jsonl.replaced-T-2"
+    assert (tmp_path / "metrics.jsonl.replaced-T").read_text() == "1"
+
+
+def test_trim_metrics_drops_steps_after_the_checkpoint_in_place(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 9)) + '{"step": 9, "lo')
+    with rundir.open_append(str(path)) as appending:  # the logger's handle, opened before the trim
+        assert rundir.trim_metrics(str(path), 5) == 4
+        appending.write(json.dumps({"step": 6}) + "\n")
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert rundir.trim_metrics(str(tmp_path / "missing.jsonl"), 1) == 0

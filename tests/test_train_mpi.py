@@ -15,6 +15,15 @@ from hpctrain.train import merge, run
 
 # A few steps of a small job: 256 samples, global batch 32, one epoch = 8 steps.
 SMALL = {"max_samples": 256, "batch_size": 32, "epochs": 1, "d_model": 32, "log_every": 4}
+
+
+def small(comm) -> dict:
+    """SMALL with a global batch that splits over the world (8 per rank when 32 does not), still
+    8 steps an epoch."""
+    if 32 % comm.size == 0:
+        return dict(SMALL)
+    return {**SMALL, "batch_size": 8 * comm.size, "max_samples": 64 * comm.size}
+
 GPT = {"model": "gpt", "max_samples": 64, "batch_size": 16, "epochs": 1, "d_model": 32, "n_heads": 4,
        "block_size": 16, "log_every": 2}
 
@@ -49,8 +58,8 @@ def _check_run_dir(comm, s: dict) -> None:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(300)
 def test_dp_default_job_matches_one_process(comm, shared_dir):
-    s = run(merge({}, {**SMALL, "run_dir": os.path.join(shared_dir, "dp")}), comm)
-    ref = serial(comm, SMALL, shared_dir)
+    s = run(merge({}, {**small(comm), "run_dir": os.path.join(shared_dir, "dp")}), comm)
+    ref = serial(comm, small(comm), shared_dir)
     assert s["layout"] == {"dp": comm.size, "tp": 1, "pp": 1}
     assert s["steps"] == 8 and s["steps_this_run"] == 8
     assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4)
@@ -60,13 +69,14 @@ def test_dp_default_job_matches_one_process(comm, shared_dir):
 
 
 LAYOUTS = [
-    ("tp", {"strategy": "tp"}, lambda n: True),
+    ("tp", {"strategy": "tp"}, lambda n: 128 % n == 0),  # the MLP's hidden width 4 x 32 splits over tp
     ("pp", {"strategy": "pp"}, lambda n: True),
     ("ps", {"strategy": "ps"}, lambda n: True),
     ("hybrid-tp2", {"strategy": "hybrid", "tp": 2}, lambda n: n % 2 == 0),
     ("hybrid-pp2", {"strategy": "hybrid", "pp": 2}, lambda n: n % 2 == 0),
     ("gpt-tp", {**GPT, "strategy": "tp"}, lambda n: 4 % n == 0),
     ("gpt-pp", {**GPT, "strategy": "pp"}, lambda n: True),
+    ("gpt-tp2pp2", {**GPT, "tp": 2, "pp": 2}, lambda n: n % 4 == 0),  # no --strategy: dp = n / 4 inferred
 ]
 
 
@@ -76,7 +86,7 @@ LAYOUTS = [
 def test_strategy_matches_one_process(comm, shared_dir, name, extra, fits):
     if not fits(comm.size):
         pytest.skip(f"{name} does not fit {comm.size} ranks")
-    cfg = {**SMALL, **extra}
+    cfg = {**small(comm), **extra}
     s = run(merge({}, {**cfg, "run_dir": os.path.join(shared_dir, name)}), comm)
     # The reference is plain serial training: the parameter server's sync mode is SGD.
     ref_cfg = {k: v for k, v in cfg.items() if k not in ("strategy", "tp", "pp")}
@@ -93,13 +103,13 @@ def test_strategy_matches_one_process(comm, shared_dir, name, extra, fits):
 @pytest.mark.timeout(300)
 def test_resume_continues_the_run(comm, shared_dir):
     where = os.path.join(shared_dir, "resumed")
-    first = run(merge({}, {**SMALL, "run_dir": where}), comm)
+    first = run(merge({}, {**small(comm), "run_dir": where}), comm)
     # Starting over in a directory that holds checkpoints is refused, on every rank.
     with pytest.raises(errors.ConfigError, match="already holds checkpoints: pass --resume"):
-        run(merge({}, {**SMALL, "run_dir": where}), comm)
-    second = run(merge({}, {**SMALL, "epochs": 2, "resume": True, "run_dir": where}), comm)
+        run(merge({}, {**small(comm), "run_dir": where}), comm)
+    second = run(merge({}, {**small(comm), "epochs": 2, "resume": True, "run_dir": where}), comm)
     assert (first["steps"], second["steps"], second["steps_this_run"]) == (8, 16, 8)
-    straight = run(merge({}, {**SMALL, "epochs": 2, "run_dir": os.path.join(shared_dir, "straight")}), comm)
+    straight = run(merge({}, {**small(comm), "epochs": 2, "run_dir": os.path.join(shared_dir, "straight")}), comm)
     assert second["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-6)
     assert second["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-6)
 
@@ -112,7 +122,7 @@ def test_refusals_reach_every_rank(comm, shared_dir, capsys):
         run(merge({}, {"batch_size": odd}), comm)
     missing = os.path.join(shared_dir, "nope.h5")
     with pytest.raises(errors.HpctrainError, match="nope.h5"):
-        run(merge({}, {**SMALL, "data": missing, "run_dir": os.path.join(shared_dir, "x")}), comm)
+        run(merge({}, {**small(comm), "data": missing, "run_dir": os.path.join(shared_dir, "x")}), comm)
     # Through the command line: exit code 2 and the message on every rank's stderr.
     assert main(["train", "--strategy", "hybrid", "--tp", str(comm.size + 1)]) == 2
     assert f"{comm.size} ranks do not factor into tp={comm.size + 1}" in capsys.readouterr().err
@@ -139,7 +149,7 @@ def test_ps_stale_modes_train(comm, shared_dir, mode):
     # No serial twin: updates land in whatever order the workers push, and how far a run gets
     # depends on timing (oversubscribed ranks run far apart). Convergence of these modes is the
     # parameter-server tests' job; here: the CLI runs them through to a checkpoint, finite.
-    s = run(merge({}, {**SMALL, "epochs": 2, "strategy": "ps", "ps_mode": mode,
+    s = run(merge({}, {**small(comm), "epochs": 2, "strategy": "ps", "ps_mode": mode,
                        "run_dir": os.path.join(shared_dir, mode)}), comm)
     assert s["steps"] == 16 and math.isfinite(s["final_loss"]) and math.isfinite(s["val_loss"]), s
     _check_run_dir(comm, s)

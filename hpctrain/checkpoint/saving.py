@@ -138,7 +138,7 @@ def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]
     import h5py
 
     digests: dict[str, str] = {}
-    with h5py.File(path, "w-") as f:
+    with h5py.File(path, "x") as f:
         for name, arr in items:
             arr = np.ascontiguousarray(arr)
             digests[name] = fmt.digest(arr)
@@ -205,9 +205,13 @@ class Job:
             for slab in entry["slabs"]:
                 slab[3] = everyone[slab[0]][slab[1]]
         self.attrs["index"] = fmt.dumps(self.index)
-        tmp = f"{self.path}.tmp.{self.token}"
+        from ..rundir import temporary_name
+
+        tmp = temporary_name(self.path)  # this host and process: recognized and cleaned if the job dies
+        if os.path.lexists(tmp):  # our own name: left by a dead process that had our pid
+            os.remove(tmp)
         try:
-            with h5py.File(tmp, "w-") as f:
+            with h5py.File(tmp, "x") as f:  # exclusive: never truncates or follows what is at that name
                 for k, v in self.attrs.items():
                     f.attrs[k] = v
                 f.attrs["header_" + fmt.CHECKSUM] = fmt.header_digest(f.attrs)

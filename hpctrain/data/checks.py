@@ -27,8 +27,10 @@ combined collectively, so every rank gets the same verdict and the same class co
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,29 @@ def split_rows(n: int, val_fraction: float, max_samples: int | None) -> tuple[in
     if max_samples is not None:
         n_train, n_val = min(n_train, max_samples), min(n_val, max_samples)
     return max(n_train, 0), n_val
+
+
+def physical_memory() -> int | None:
+    """Bytes of memory of this node (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_order_fits(n_train: int, path: str) -> None:
+    """Refuse a training set whose shuffled sample order cannot be held by a rank.
+
+    The sampler draws a permutation of all training rows each epoch (8 bytes a row, about twice
+    that at its peak): a small file declaring 10^9 rows would need 16 GB on every rank and end in
+    an allocation failure or the OOM killer. Refused when that exceeds half the node's memory.
+    """
+    memory = physical_memory()
+    need = 16 * n_train
+    if memory and need > memory // 2:
+        raise DatasetError(f"{path}: {n_train:,} training samples need about {need / 2**30:.1f} GiB per rank for "
+                           f"their shuffled order, more than half of this node's {memory / 2**30:.0f} GiB: "
+                           "use --max-samples")
 
 
 class Rows:
@@ -239,6 +264,15 @@ def _agreed(comm: Any, ds: HDF5Dataset, fn: Any) -> Any:
     return result
 
 
+@contextlib.contextmanager
+def _closed_on_error(ds: HDF5Dataset) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        ds.close()
+        raise
+
+
 def _open(path: str, keys: tuple[str, ...], comm: Any) -> HDF5Dataset:
     return HDF5Dataset(path, keys, comm=comm)
 
@@ -258,13 +292,15 @@ def open_classification(path: str | os.PathLike, *, val_fraction: float, max_sam
             raise DatasetError(f"{path}: key 'x' has {x.shape[1]:,} features per row: 1 to {MAX_FEATURES:,} "
                                "are supported")
         n_train, n_val = split_rows(len(ds), val_fraction, max_samples)
+        check_order_fits(n_train, path)
         return n_train, n_val, x, y
 
     n_train, n_val, x, y = _agreed(comm, ds, layout)
     n = len(ds)
     spans = [(0, n_train), (n - n_val, n)]
-    labels = scan(y, spans, "labels", f"{path}: key 'y'", MAX_CLASSES, comm)
-    scan(x, spans, "features", f"{path}: key 'x'", comm=comm)
+    with _closed_on_error(ds):
+        labels = scan(y, spans, "labels", f"{path}: key 'y'", MAX_CLASSES, comm)
+        scan(x, spans, "features", f"{path}: key 'x'", comm=comm)
     meta = {"n_in": int(x.shape[1]), "n_classes": labels.hi + 1, "path": path}
     dtypes = (np.float32, np.int64)
     return Rows(ds, 0, n_train, dtypes), Rows(ds, n - n_val, n, dtypes), meta
@@ -315,11 +351,13 @@ def open_tokens(path: str | os.PathLike, *, block_size: int, val_fraction: float
         if windows < 2:
             raise DatasetError(f"{path}: {len(ds)} tokens make fewer than 2 windows of --block-size {block_size}")
         n_train, n_val = split_rows(windows, val_fraction, max_samples)
+        check_order_fits(n_train, path)
         return windows, n_train, n_val, tok, _vocab_size(ds)
 
     windows, n_train, n_val, tok, declared = _agreed(comm, ds, layout)
     spans = [(0, n_train * block_size + 1), ((windows - n_val) * block_size, windows * block_size + 1)]
-    found = scan(tok, spans, "tokens", f"{path}: key 'tokens'", MAX_VOCAB, comm)
+    with _closed_on_error(ds):
+        found = scan(tok, spans, "tokens", f"{path}: key 'tokens'", MAX_VOCAB, comm)
     meta = {"vocab_size": max(declared, found.hi + 1), "path": path}
     stream = TokenDataset(ds, block_size)
     return Rows(stream, 0, n_train), Rows(stream, windows - n_val, windows), meta

@@ -3,6 +3,7 @@
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Tanh
 from .losses import CrossEntropyLoss, MSELoss
 from .module import Module, Parameter, Sequential
+from .recompute import Recompute, recompute
 from .transformer import (
     GPT,
     MLP,
@@ -14,6 +15,7 @@ from .transformer import (
 
 __all__ = [
     "GELU", "GPT", "MLP", "CausalSelfAttention", "CrossEntropyLoss", "Dropout", "Embedding", "LayerNorm",
-    "Linear", "MSELoss", "Module", "Parameter", "ReLU", "Sequential", "Tanh", "TransformerBlock",
+    "Linear", "MSELoss", "Module", "Parameter", "Recompute", "ReLU", "Sequential", "Tanh", "TransformerBlock",
+    "recompute",
     "causal_attention", "causal_attention_backward",
 ]  # fmt: skip

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
-from .layers import GELU, Embedding, LayerNorm, Linear
+from .layers import GELU, Dropout, Embedding, LayerNorm, Linear
 from .module import Module, Sequential, as_rng
 
 
@@ -109,7 +109,11 @@ class CausalSelfAttention(Module):
 
 
 class TransformerBlock(Module):
-    """Pre-norm block: ``x = x + attn(ln1(x)); x = x + mlp(ln2(x))``."""
+    """Pre-norm block: ``x = x + attn(ln1(x)); x = x + mlp(ln2(x))``.
+
+    ``dropout > 0`` adds GPT-2's residual dropout on both branches (``drop1``, ``drop2``, each with
+    its own generator seeded from ``rng``); parameter names are the same either way.
+    """
 
     def __init__(
         self,
@@ -118,20 +122,31 @@ class TransformerBlock(Module):
         d_hidden: int,
         rng: int | np.random.Generator | None = None,
         dtype: Any = np.float32,
+        dropout: float = 0.0,
     ) -> None:
         g = as_rng(rng)
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, n_heads, rng=g, dtype=dtype)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
         self.mlp = MLP(d_model, d_hidden, rng=g, dtype=dtype)
+        if dropout:
+            seeds = g.integers(2**63, size=2)
+            self.drop1 = Dropout(dropout, rng=int(seeds[0]))
+            self.drop2 = Dropout(dropout, rng=int(seeds[1]))
+
+    def _drop(self, name: str, x: Any, backward: bool = False) -> Any:
+        d = self.__dict__.get("_modules", {}).get(name)
+        if d is None:
+            return x
+        return d.backward(x) if backward else d.forward(x)
 
     def forward(self, x: Any) -> Any:
-        x = x + self.attn.forward(self.ln1.forward(x))
-        return x + self.mlp.forward(self.ln2.forward(x))
+        x = x + self._drop("drop1", self.attn.forward(self.ln1.forward(x)))
+        return x + self._drop("drop2", self.mlp.forward(self.ln2.forward(x)))
 
     def backward(self, grad_out: Any) -> Any:
-        g = grad_out + self.ln2.backward(self.mlp.backward(grad_out))
-        return g + self.ln1.backward(self.attn.backward(g))
+        g = grad_out + self.ln2.backward(self.mlp.backward(self._drop("drop2", grad_out, True)))
+        return g + self.ln1.backward(self.attn.backward(self._drop("drop1", g, True)))
 
 
 class GPT(Module):
@@ -140,6 +155,7 @@ class GPT(Module):
     ``forward(idx)`` takes integer tokens ``(B, T)`` with ``T <= block_size`` and returns logits
     ``(B, T, vocab_size)``; ``backward(grad_logits)`` accumulates every gradient and returns
     ``None`` (token ids have no gradient). Embeddings start as N(0, 0.02^2) like GPT-2's.
+    ``dropout`` is the blocks' residual dropout (0: none, the default).
     """
 
     def __init__(
@@ -152,6 +168,7 @@ class GPT(Module):
         d_hidden: int | None = None,
         rng: int | np.random.Generator | None = None,
         dtype: Any = np.float32,
+        dropout: float = 0.0,
     ) -> None:
         if n_layers < 1:
             raise ValueError(f"GPT needs n_layers >= 1, got {n_layers}")
@@ -162,7 +179,7 @@ class GPT(Module):
         self.vocab_size, self.block_size = vocab_size, block_size
         self.tok_emb = Embedding(vocab_size, d_model, std=0.02, rng=g, dtype=dtype)
         self.pos_emb = Embedding(block_size, d_model, std=0.02, rng=g, dtype=dtype)
-        self.blocks = Sequential(*(TransformerBlock(d_model, n_heads, d_hidden, rng=g, dtype=dtype)
+        self.blocks = Sequential(*(TransformerBlock(d_model, n_heads, d_hidden, rng=g, dtype=dtype, dropout=dropout)
                                    for _ in range(n_layers)))
         self.ln_f = LayerNorm(d_model, dtype=dtype)
         self.head = Linear(d_model, vocab_size, bias=False, rng=g, dtype=dtype)

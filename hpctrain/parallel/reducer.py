@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm.buckets import GradBuckets
+from ..nn.recompute import recomputing
 
 
 class GradReducer:
@@ -142,7 +143,8 @@ class BackwardHooks:
         key = id(m)
 
         def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.armed:
+            # A recomputation inside backward (nn.Recompute) is not a new use of the parameters.
+            if self.armed and not recomputing():
                 self.counts[key] = self.counts.get(key, 0) + 1
             return fwd(x, *args, **kwargs)
 

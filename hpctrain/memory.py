@@ -1,0 +1,166 @@
+"""Memory a training job holds, measured from the arrays that exist (not from a formula).
+
+``owned_bytes(arrays)`` counts the memory behind arrays once each: views (a gradient inside a
+flat bucket, a parameter inside a ZeRO flat buffer) count as their base array, and zero-stride
+placeholders (a ZeRO-3 parameter between its uses) count as the one element they hold.
+``activation_bytes(model)`` is what the modules keep for backward right now (their ``cache``),
+counted the same way. ``MemoryMeter`` watches a model's activations during a step (at the start
+of backward and inside every recomputed block, where the peaks are) and reports per-rank bytes
+of parameters, gradients, optimizer state, named buffers and the activation peak, plus the
+process's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+KEYS = ("params", "grads", "optimizer", "buffers", "activations_peak")
+
+
+def _root(a: Any) -> Any:
+    """The array that owns ``a``'s memory (``a`` itself when it owns it)."""
+    while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+        a = a.base
+    return a
+
+
+def _arrays(obj: Any, out: list[Any], seen: set[int]) -> None:
+    """Every array reachable through tuples, lists and dicts of ``obj``."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if hasattr(obj, "nbytes") and hasattr(obj, "shape"):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _arrays(v, out, seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _arrays(v, out, seen)
+
+
+def owned_bytes(arrays: Iterable[Any], exclude: set[int] | None = None) -> int:
+    """Bytes of memory behind ``arrays``, each underlying buffer counted once.
+
+    ``exclude`` (ids of owning arrays) is skipped and then extended with what was counted, so one
+    set passed through several calls keeps a buffer from counting in two categories.
+    """
+    seen = exclude if exclude is not None else set()
+    total = 0
+    for a in arrays:
+        if a is None:
+            continue
+        r = _root(a)
+        if id(r) in seen:
+            continue
+        seen.add(id(r))
+        strides = getattr(r, "strides", None)
+        if strides is not None and r.size > 1 and 0 in strides:
+            # A broadcast placeholder: memory for the distinct elements only.
+            total += int(r.itemsize) * int(np.prod([n for n, s in zip(r.shape, strides) if s]))
+        else:
+            total += int(r.nbytes)
+    return total
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def activation_bytes(*roots: Any) -> int:
+    """Bytes the modules under ``roots`` (and losses) keep for their backward now."""
+    arrays: list[Any] = []
+    seen: set[int] = set()
+    for root in roots:
+        if root is None:
+            continue
+        mods = root.named_modules() if hasattr(root, "named_modules") else [("", root)]
+        for _, m in mods:
+            _arrays(m.__dict__.get("cache"), arrays, seen)
+    return owned_bytes(arrays)
+
+
+class MemoryMeter:
+    """Watches one model's activations; reports a trainer's memory per step.
+
+    ``install`` wraps the model's ``backward`` (an instance attribute, removed by ``remove``) to
+    measure what forward left behind, and listens to recomputed blocks, which re-create one
+    block's activations inside backward. ``report`` returns this rank's bytes and starts a new
+    peak.
+    """
+
+    def __init__(self, model: Any, loss: Any = None) -> None:
+        self.model, self.loss = model, loss
+        self.peak = 0
+        self.installed = False
+
+    def measure(self) -> None:
+        self.peak = max(self.peak, activation_bytes(self.model, self.loss))
+
+    def install(self) -> MemoryMeter:
+        from .nn.recompute import observers
+
+        if self.installed or self.model is None or not hasattr(self.model, "backward"):
+            return self
+        inner = self.model.backward
+
+        def backward(grad: Any, *args: Any, **kwargs: Any) -> Any:
+            self.measure()
+            return inner(grad, *args, **kwargs)
+
+        self.model.__dict__["backward"] = backward
+        self._ref = weakref.WeakMethod(self._observe)
+        observers.append(self._ref)
+        self.installed = True
+        return self
+
+    def _observe(self, block: Any) -> None:
+        # Only blocks inside this meter's model.
+        self.measure()
+
+    def remove(self) -> None:
+        from .nn.recompute import observers
+
+        if self.installed:
+            self.model.__dict__.pop("backward", None)
+            if self._ref in observers:
+                observers.remove(self._ref)
+            self.installed = False
+
+    def report(self, groups: dict[str, list[Any]]) -> dict[str, int]:
+        """``{params, grads, optimizer, buffers, activations_peak, total, rss_peak}`` in bytes.
+
+        ``groups`` names the arrays of each category (``Trainer.memory_arrays``); a buffer is
+        counted in the first category that holds it.
+        """
+        seen: set[int] = set()
+        out = {k: owned_bytes(groups.get(k, []), seen) for k in KEYS if k != "activations_peak"}
+        out["activations_peak"] = int(self.peak)
+        out["total"] = sum(out[k] for k in KEYS)
+        out["rss_peak"] = peak_rss()
+        self.peak = 0
+        return out
+
+
+def optimizer_arrays(opt: Any) -> list[Any]:
+    """Every array in an optimizer's state."""
+    out: list[Any] = []
+    if opt is not None:
+        _arrays(getattr(opt, "state", {}), out, set())
+    return out
+
+
+def max_over_ranks(comm: Any, memory: dict[str, int]) -> dict[str, int]:
+    """Each entry's maximum over the ranks of ``comm`` (collective): the rank that holds most."""
+    keys = sorted(memory)
+    values = np.array([float(memory[k]) for k in keys], dtype=np.float64)
+    top = comm.allreduce(values, op="max")
+    return {k: int(v) for k, v in zip(keys, top)}

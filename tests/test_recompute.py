@@ -1,0 +1,154 @@
+"""Activation recomputation: bitwise the same losses and gradients as without it (dropout on),
+only the inputs kept between forward and backward, names unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hpctrain as ht
+from hpctrain.nn import GPT, CrossEntropyLoss, Dropout, Linear, MSELoss, Recompute, ReLU, Sequential, recompute
+
+
+def mlp(seed: int = 0) -> Sequential:
+    g = np.random.default_rng(seed)
+    return Sequential(Linear(8, 16, rng=g, dtype=np.float64), ReLU(), Dropout(0.3, rng=1),
+                      Linear(16, 16, rng=g, dtype=np.float64), ReLU(), Dropout(0.2, rng=2),
+                      Linear(16, 3, rng=g, dtype=np.float64))
+
+
+def gpt(seed: int = 0) -> GPT:
+    return GPT(vocab_size=11, block_size=6, d_model=8, n_heads=2, n_layers=3, rng=seed, dtype=np.float64,
+               dropout=0.25)
+
+
+def _train(model, loss, batches, steps=3):
+    opt = ht.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for s in range(steps):
+        x, y = batches(s)
+        opt.zero_grad()
+        losses.append(loss.forward(model.forward(x), y))
+        model.backward(loss.backward())
+        grads = {p.name: p.grad.copy() for p in model.parameters()}
+        opt.step()
+    return losses, grads, {n: p.data.copy() for n, p in model.named_parameters()}
+
+
+def _mlp_batches(s):
+    g = np.random.default_rng(100 + s)
+    return g.standard_normal((10, 8)), g.standard_normal((10, 3))
+
+
+def _gpt_batches(s):
+    g = np.random.default_rng(200 + s)
+    return g.integers(0, 11, (4, 6)), g.integers(0, 11, (4, 6))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_bitwise_equal_with_dropout(kind):
+    make, loss, batches = (mlp, MSELoss, _mlp_batches) if kind == "mlp" else (gpt, CrossEntropyLoss, _gpt_batches)
+    plain = make()
+    names = [n for n, _ in plain.named_parameters()]
+    rec = recompute(make())
+    assert [n for n, _ in rec.named_parameters()] == names
+    a = _train(plain, loss(), batches)
+    b = _train(rec, loss(), batches)
+    assert a[0] == b[0]
+    for n in names:
+        np.testing.assert_array_equal(a[1][n], b[1][n])
+        np.testing.assert_array_equal(a[2][n], b[2][n])
+    # The dropout generators end where they would without recomputation.
+    r1 = [m.rng.bit_generator.state for _, m in plain.named_modules() if isinstance(m, Dropout)]
+    r2 = [m.rng.bit_generator.state for _, m in rec.named_modules() if isinstance(m, Dropout)]
+    assert r1 == r2 and r1
+
+
+def test_dropout_really_on():
+    """The equality above means something only if dropout changes the result."""
+    x, y = _gpt_batches(0)
+    on, off = gpt(), gpt()
+    off.eval()
+    assert CrossEntropyLoss().forward(on.forward(x), y) != CrossEntropyLoss().forward(off.forward(x), y)
+
+
+def test_keeps_only_inputs_between_forward_and_backward():
+    model = recompute(gpt())
+    x, _ = _gpt_batches(0)
+    model.forward(x)
+    for i in range(3):
+        block = model.blocks[i]
+        assert isinstance(block, Recompute)
+        held = [n for n, m in block.block.named_modules() if m.__dict__.get("cache") is not None]
+        assert held == []
+        assert len(block.cache) == 1 and block.cache[0][0].shape == (4, 6, 8)
+
+
+def test_segments_and_errors():
+    seq = mlp()
+    wrapped = Recompute(seq, segments=[3, 4])
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in mlp().named_parameters()]
+    with pytest.raises(ValueError):
+        Recompute(mlp(), segments=[3, 3])
+    with pytest.raises(ValueError):
+        Recompute(mlp(), segments=0)
+    with pytest.raises(TypeError):
+        Recompute(gpt(), segments=2)
+    with pytest.raises(TypeError):
+        Recompute(object())
+    with pytest.raises(RuntimeError):
+        Recompute(Linear(2, 2)).backward(np.ones((1, 2)))
+
+
+def test_swapping_a_child_reaches_the_block():
+    """Strategies swap children (tensor parallelism): the wrapped block must compute with the new one."""
+    model = recompute(gpt())
+    block = model.blocks[0]
+    new = ht.nn.MLP(8, 32, rng=5, dtype=np.float64)
+    block.mlp = new
+    assert block.block.mlp is new and dict(block.named_modules())["mlp"] is new
+
+
+def test_pipeline_caches_travel():
+    """get_cache/set_cache carry the kept inputs (pipelines keep several micro-batches in flight)."""
+    a, b = recompute(gpt()), recompute(gpt())
+    x1, y1 = _gpt_batches(1)
+    x2, _ = _gpt_batches(2)
+    loss = CrossEntropyLoss()
+    v1 = loss.forward(a.forward(x1), y1)
+    g1 = loss.backward()
+    stash = a.get_cache()
+    a.forward(x2)  # another micro-batch in between
+    a.set_cache(stash)
+    a.backward(g1)
+    assert loss.forward(b.forward(x1), y1) == v1
+    b.backward(loss.backward())
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        if "drop" not in n:
+            assert np.array_equal(p.grad, q.grad), n
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_data_parallel_with_recompute_bitwise():
+    """Under data parallelism (overlap hooks armed), recomputation changes nothing."""
+    comm = ht.Communicator()
+    out = []
+    for wrap in (False, True):
+        model = gpt()
+        if wrap:
+            model = recompute(model)
+        opt = ht.optim.AdamW(model.parameters(), lr=1e-2)
+        tr = ht.parallel.DataParallelTrainer(model=model, loss=CrossEntropyLoss(), optimizer=opt, comm=comm,
+                                             bucket_mb=0.001)
+        losses = []
+        for s in range(3):
+            x, y = _gpt_batches(s)
+            losses.append(tr.step(x[comm.rank::comm.size], y[comm.rank::comm.size]).loss)
+        if wrap:
+            assert tr.buckets.overlapped > 0  # hooks still fire per layer
+        out.append((losses, {n: p.data.copy() for n, p in model.named_parameters()}))
+        tr.close()
+    assert out[0][0] == out[1][0]
+    for n in out[0][1]:
+        np.testing.assert_array_equal(out[0][1][n], out[1][1][n])

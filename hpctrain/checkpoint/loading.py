@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -197,8 +198,9 @@ class Reader:
                 raise CheckpointError(f"checkpoint {self.path}: part file {p} is unreadable ({exc})") from None
         return self.files[writer]
 
-    def slab(self, key: str, entry: dict[str, Any], slab: list) -> np.ndarray:
-        """The whole slab, verified against its checksum."""
+    def slab(self, key: str, entry: dict[str, Any], slab: list, out: np.ndarray | None = None) -> np.ndarray:
+        """The whole slab, verified against its checksum (read into ``out`` when given: a
+        C-contiguous array of the slab's shape and dtype)."""
 
         writer, name, box, digest = slab
         f = self._file(writer)
@@ -214,7 +216,8 @@ class Reader:
         if tuple(obj.shape) != shape or obj.dtype != dtype:
             raise CheckpointError(f"checkpoint {self.path}: {name} in {where} has shape {obj.shape} {obj.dtype}, "
                                   f"the index declares {shape} {dtype}")
-        out = np.empty(shape, dtype)
+        if out is None:
+            out = np.empty(shape, dtype)
         try:
             if out.size:
                 obj.read_direct(out)
@@ -240,10 +243,13 @@ class Reader:
                 common = fmt.intersect(box, sbox)
                 if common is None:
                     continue
+                covered += fmt.volume(common)
+                if common == sbox == box and dest.flags.c_contiguous and dest.dtype == np.dtype(entry["dtype"]):
+                    self.slab(key, entry, slab, out=dest)  # straight into place: no second copy
+                    continue
                 if i not in cache:
                     cache[i] = self.slab(key, entry, slab)
                 dest[fmt.rel(common, box)] = cache[i][fmt.rel(common, sbox)]
-                covered += fmt.volume(common)
         if covered != out.size:
             raise CheckpointError(f"checkpoint {self.path}: {key} is not fully covered by its slabs")
 
@@ -375,8 +381,12 @@ def commit(trainer: Any, staged: dict[str, Any], state: Any, header: dict[str, A
         kind, name = key.split("/", 1)
         if kind == "model":
             param = shards[name][0]
-            backup_params[name] = param.data.copy()
-            param.data[...] = data
+            if _swappable(param.data, data):
+                backup_params[name] = param.data  # the old array is the backup: no copy at all
+                param.data = data
+            else:
+                backup_params[name] = param.data.copy()
+                param.data[...] = data
         else:
             pname, skey = name.rsplit("/", 1)
             new_opt.setdefault(shards[pname][0].name, {})[skey] = data
@@ -395,7 +405,11 @@ def commit(trainer: Any, staged: dict[str, Any], state: Any, header: dict[str, A
     if not any(failed):
         return None
     for name, old in backup_params.items():
-        shards[name][0].data[...] = old
+        param = shards[name][0]
+        if param.data is staged[f"model/{name}"]:
+            param.data = old
+        else:
+            param.data[...] = old
     if opt is not None:
         for pname, old in backup_opt.items():
             if old is None:
@@ -405,6 +419,40 @@ def commit(trainer: Any, staged: dict[str, Any], state: Any, header: dict[str, A
         opt.step_count = old_step
     restore_small()
     return problem if problem is not None else CheckpointError("another rank failed")
+
+
+def _swappable(current: Any, new: Any) -> bool:
+    """Whether a parameter's array may be replaced by ``new`` instead of copied into: a NumPy
+    array that owns its memory and nothing else refers to (no view of it, no flat buffer it lives
+    in, no other holder), of the same shape, dtype and layout."""
+    return (
+        type(current) is np.ndarray
+        and type(new) is np.ndarray
+        and current.base is None
+        and new.base is None
+        and sys.getrefcount(current) <= _SOLE_OWNER_REFS
+        and current.shape == new.shape
+        and current.dtype == new.dtype
+        and current.flags.c_contiguous
+        and new.flags.c_contiguous
+        and new.flags.writeable
+    )
+
+
+def _refs(current: Any) -> int:
+    return sys.getrefcount(current)
+
+
+class _Probe:
+    data: Any = None
+
+
+_probe = _Probe()
+_probe.data = np.zeros(1)
+#: What ``sys.getrefcount`` says inside ``_swappable`` for an array only its parameter holds
+#: (measured, not assumed: it differs between Python versions).
+_SOLE_OWNER_REFS = _refs(_probe.data)
+del _probe
 
 
 def _small_state(trainer: Any) -> Any:

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import h5py
+
+from hpctrain import checkpoint
 
 
 def copy_checkpoint(src: str, dst_dir: str, name: str | None = None) -> str:
     """Copy the checkpoint ``src`` (index file and part directory) into ``dst_dir``."""
     os.makedirs(dst_dir, exist_ok=True)
-    dst = os.path.join(dst_dir, name or os.path.basename(src))
-    shutil.copy(src, dst)
-    with h5py.File(src, "r") as f:
-        parts = f.attrs.get("parts")
-    if parts:
-        shutil.copytree(os.path.join(os.path.dirname(src), parts), os.path.join(dst_dir, parts))
-    return dst
+    return checkpoint.copy(src, os.path.join(dst_dir, name or os.path.basename(src)))
 
 
 def slab_of(path: str, key: str) -> tuple[str, str]:

@@ -24,7 +24,7 @@ from .saving import remove, save, wait
 from .summary import inspect, verify
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "checkpoint_path", "inspect", "list_checkpoints",
+    "FORMAT", "FORMAT_VERSION", "checkpoint_path", "copy", "inspect", "list_checkpoints",
     "load", "load_latest", "read_header", "remove", "save", "save_in", "verify", "wait",
 ]
 
@@ -46,18 +46,44 @@ def save_in(directory: str, trainer: Any, keep: int = 3, *, asynchronous: bool =
 
 
 def _remove_orphans(directory: str) -> None:
-    """Part directories whose index file is gone (a save killed before its commit, or a file
-    deleted by hand). Called right after this job committed a save, when none of its own is in
-    flight."""
+    """Part directories no index file in ``directory`` refers to (a save killed before its
+    commit, or a checkpoint deleted by hand). Called right after this job committed a save, when
+    none of its own is in flight."""
     import shutil
+
+    import h5py
 
     from .format import PARTS_SUFFIX
 
-    present = {os.path.basename(p) for p in list_checkpoints(directory)}
+    used = set()
+    for p in list_checkpoints(directory):
+        try:
+            with h5py.File(p, "r") as f:
+                used.add(str(f.attrs.get("parts", "")))
+        except Exception:  # unreadable: keep whatever it might refer to
+            return
     for n in os.listdir(directory):
-        owner = n.split(".h5.", 1)[0] + ".h5"
-        if n.endswith(PARTS_SUFFIX) and _NAME.fullmatch(owner) and owner not in present:
+        if n.endswith(PARTS_SUFFIX) and _NAME.fullmatch(n.split(".h5.", 1)[0] + ".h5") and n not in used:
             shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
+
+
+def copy(src: str, dst: str) -> str:
+    """Copy the checkpoint ``src`` (its index file and part files) to ``dst``, a directory or a
+    file name; returns the new index file's path. Not collective."""
+    import shutil
+
+    import h5py
+
+    if os.path.isdir(dst):
+        dst = os.path.join(dst, os.path.basename(src))
+    with h5py.File(src, "r") as f:
+        parts = f.attrs.get("parts")
+    if parts:
+        target = os.path.join(os.path.dirname(os.path.abspath(dst)), str(parts))
+        if os.path.abspath(target) != os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(src)), parts)):
+            shutil.copytree(os.path.join(os.path.dirname(os.path.abspath(src)), str(parts)), target)
+    shutil.copy(src, dst)
+    return dst
 
 
 def load_latest(directory: str, trainer: Any) -> str | None:

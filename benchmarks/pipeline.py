@@ -1,6 +1,6 @@
 """Pipeline bubble and activation memory: GPipe vs 1F1B, hpctrain against a raw mpi4py pipeline.
 
-    mpiexec -n 4 python benchmarks/pipeline.py [--quick] [--markdown FILE]
+    mpiexec -n 4 python benchmarks/pipeline.py [--quick] [--markdown FILE] [--only interleaved gpt ...]
 
 Bubble: every stage is a fixed-cost layer that sleeps t_f in forward and t_b = 2 t_f in backward
 (sleeping, not spinning, so the timing means something on an oversubscribed machine). The
@@ -17,21 +17,28 @@ each stage holds, at the most micro-batches it held at once.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import sys
-import time
-from typing import Any
+import os
 
-import numpy as np
-from common import publish
-from mpi4py import MPI
+# One BLAS thread per rank (before NumPy loads): ranks share the cores, and threaded BLAS in
+# every rank oversubscribes them (the tp x pp GPT steps took 15x longer without this).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
-from hpctrain import Communicator, ProcessGrid
-from hpctrain.nn import Linear, Module, MSELoss, Parameter, ReLU, Sequential
-from hpctrain.optim import SGD
-from hpctrain.parallel import ParallelTrainer, PipelineParallelTrainer, parallelize, pipeline_stage
-from hpctrain.parallel.schedules import Action, get_schedule, ideal_bubble, simulate
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+from common import publish  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from hpctrain import Communicator, ProcessGrid  # noqa: E402
+from hpctrain.nn import Linear, Module, MSELoss, Parameter, ReLU, Sequential  # noqa: E402
+from hpctrain.optim import SGD  # noqa: E402
+from hpctrain.parallel import ParallelTrainer, PipelineParallelTrainer, parallelize, pipeline_stage  # noqa: E402
+from hpctrain.parallel.schedules import Action, get_schedule, ideal_bubble, simulate  # noqa: E402
 
 
 class Sleep(Module):
@@ -218,64 +225,79 @@ def table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+PARTS = ("bubble", "interleaved", "memory", "gpt")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="m in 2,4,8,16, 2 steps, 10 ms stages (< 60 s)")
     ap.add_argument("--markdown", metavar="FILE", help="append the tables to FILE")
     # Long stage times keep the fixed per-message wake-up latency of a loaded machine small against them.
     ap.add_argument("--tf", type=float, default=None, help="forward seconds per stage (backward is 2x; default 0.02)")
+    ap.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="run only these tables")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps per row (after one warm-up)")
     args = ap.parse_args(argv)
     comm = Communicator()
     if comm.size < 2:
         print("run under mpiexec with at least 2 ranks (one pipeline stage per rank)", file=sys.stderr)
         return 2
     ms = [2, 4, 8, 16] if args.quick else [2, 3, 4, 6, 8, 12, 16]
-    steps = 2 if args.quick else 3
+    steps = args.steps or (2 if args.quick else 3)
     tf = args.tf if args.tf is not None else (0.01 if args.quick else 0.02)
     t0 = time.perf_counter()
-    bub = bubble_rows(comm, ms, steps, tf)
-    inter = interleaved_rows(comm, [4, 6, 8, 12, 16] if not args.quick else [4, 8, 16], steps, tf)
-    mem = memory_rows(comm, 8, 256 if args.quick else 512, 128 if args.quick else 256)
-    tpp = tp_pp_rows(comm, steps, args.quick)
+    on = set(args.only)
+    bub = bubble_rows(comm, ms, steps, tf) if "bubble" in on else []
+    inter = interleaved_rows(comm, [4, 6, 8, 12, 16] if not args.quick else [4, 8, 16], steps, tf) \
+        if "interleaved" in on else []  # fmt: skip
+    mem = memory_rows(comm, 8, 256 if args.quick else 512, 128 if args.quick else 256) if "memory" in on else []
+    tpp = tp_pp_rows(comm, steps, args.quick) if "gpt" in on else []
     if comm.rank != 0:
         return 0
     lib = MPI.Get_library_version().splitlines()[0].strip()
-    out = [
-        f"## pipeline: bubble and activation memory ({comm.size} stages, {lib})",
-        "",
-        f"Bubble: stages sleep t_f = {tf * 1e3:g} ms forward, {2 * tf * 1e3:g} ms backward per micro-batch; median of "
-        f"{steps} steps after one warm-up. measured = 1 - mean(busy)/max(elapsed) over ranks; ideal = (p-1)/(m+p-1); "
-        "replay ideal = the schedule simulated with this run's measured forward/backward times and free messages "
-        "(what is left of the gap is communication and scheduling latency, not uneven compute); "
-        "raw mpi4py ms / hpctrain ms = the schedule's time (barrier to last send, slowest rank) in plain mpi4py "
-        "and in hpctrain; ratio = hpctrain / raw; hpctrain step ms adds the gradient checks, stats and optimizer.",
-        "",
-        table(["schedule", "p", "m", "measured bubble", "ideal (p-1)/(m+p-1)", "diff (points)", "replay ideal",
-               "diff vs replay", "raw mpi4py ms", "hpctrain ms", "ratio", "hpctrain step ms"], bub),  # fmt: skip
-        "",
-        f"Interleaved 1F1B (Megatron's virtual stages, v=2 chunks per rank) against 1F1B on the same work per rank "
-        f"(layers sleeping t_f = {tf * 1e3:g} ms forward / {2 * tf * 1e3:g} ms backward per micro-batch and rank, "
-        "cut into v chunks); ideal = (p-1)/(v m + p-1); replay = the schedule simulated with the measured times.",
-        "",
-        table(["schedule", "p", "v", "m", "measured bubble", "ideal (p-1)/(vm+p-1)", "diff (points)", "replay ideal",
-               "schedule ms"], inter),  # fmt: skip
-        "",
-        *([
+    out = [f"## pipeline: bubble and activation memory ({comm.size} stages, {lib})", ""]
+    if bub:
+        out += [
+            f"Bubble: stages sleep t_f = {tf * 1e3:g} ms forward, {2 * tf * 1e3:g} ms backward per micro-batch; median "
+            f"of {steps} steps after one warm-up. measured = 1 - mean(busy)/max(elapsed) over ranks; ideal = "
+            "(p-1)/(m+p-1); replay ideal = the schedule simulated with this run's measured forward/backward times "
+            "and free messages (what is left of the gap is communication and scheduling latency, not uneven "
+            "compute); raw mpi4py ms / hpctrain ms = the schedule's time (barrier to last send, slowest rank) in "
+            "plain mpi4py and in hpctrain; ratio = hpctrain / raw; hpctrain step ms adds the gradient checks, "
+            "stats and optimizer.",
+            "",
+            table(["schedule", "p", "m", "measured bubble", "ideal (p-1)/(m+p-1)", "diff (points)", "replay ideal",
+                   "diff vs replay", "raw mpi4py ms", "hpctrain ms", "ratio", "hpctrain step ms"], bub),
+            "",
+        ]  # fmt: skip
+    if inter:
+        out += [
+            "Interleaved 1F1B (Megatron's virtual stages, v=2 chunks per rank) against 1F1B on the same work per "
+            f"rank (layers sleeping t_f = {tf * 1e3:g} ms forward / {2 * tf * 1e3:g} ms backward per micro-batch and "
+            f"rank, cut into v chunks); median of {steps} steps; ideal = (p-1)/(v m + p-1); replay = the schedule "
+            "simulated with the measured times.",
+            "",
+            table(["schedule", "p", "v", "m", "measured bubble", "ideal (p-1)/(vm+p-1)", "diff (points)",
+                   "replay ideal", "schedule ms"], inter),
+            "",
+        ]  # fmt: skip
+    if tpp:
+        out += [
             "GPT step (vocab 512, T 64, 4 layers, 4 heads, batch 16, 4 micro-batches, AdamW, float32) on 4 ranks: "
             "tensor parallelism inside pipeline stages against tp or pp alone; median of interleaved rounds; "
             "bytes = the largest per-rank parameter bytes.",
             "",
             table(["layout", "step ms", "vs tp=4", "max MiB of parameters per rank"], tpp),
             "",
-        ] if tpp else []),
-        "Activation memory: 8 x (Linear + ReLU), float32, the bytes of layer caches a stage holds at its peak "
-        "(first stage first).",
-        "",
-        table(["schedule", "p", "m", "peak micro-batches held per stage", "peak MiB per stage", "max MiB"], mem),
-        "",
-        f"(benchmark took {time.perf_counter() - t0:.1f} s)",
-        "",
-    ]
+        ]
+    if mem:
+        out += [
+            "Activation memory: 8 x (Linear + ReLU), float32, the bytes of layer caches a stage holds at its peak "
+            "(first stage first).",
+            "",
+            table(["schedule", "p", "m", "peak micro-batches held per stage", "peak MiB per stage", "max MiB"], mem),
+            "",
+        ]
+    out += [f"(benchmark took {time.perf_counter() - t0:.1f} s)", ""]
     publish("\n".join(out), args.markdown)
     return 0
 

@@ -111,3 +111,52 @@ def test_pipeline_stage_cuts_a_gpt_with_its_own_names():
     names = [n for n, _ in stage.named_parameters()]
     assert names[-1] == "head.weight" and all(not n.startswith(("emb.", "tok_emb")) for n in names)
     assert stage.pipeline["layers"][0] == "embed"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_bad_pipeline_settings_refused_on_every_rank(comm):
+    from hpctrain.errors import ConfigError, GridError
+
+    if comm.size % 2:
+        pytest.skip(f"pp=2 needs an even world, have {comm.size}")
+    grid = ProcessGrid(comm, pp=2)
+    part = parallelize(make("gpt"), grid, virtual_stages=2)
+
+    def trainer(**kw):
+        return ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters()), grid=grid,
+                               **kw)  # fmt: skip
+
+    with pytest.raises(ConfigError, match="multiple of the pipeline stages"):
+        trainer(microbatches=3, schedule="interleaved")
+    with pytest.raises(GridError, match="virtual_stages=3 but the model part holds 2"):
+        trainer(microbatches=2, schedule="interleaved", virtual_stages=3)
+    with pytest.raises(ConfigError, match="needs schedule='interleaved'"):
+        trainer(microbatches=2, schedule="1f1b")  # two chunks need the interleaved schedule
+    with pytest.raises(ValueError, match="virtual_stages needs a pipeline"):
+        parallelize(make("gpt"), ProcessGrid(comm), virtual_stages=2)
+    with pytest.raises(GridError, match="no .pipeline attribute"):
+        ParallelTrainer(model=make("mlp"), loss=CrossEntropyLoss(), optimizer=AdamW(make("mlp").parameters()),
+                        grid=grid)  # fmt: skip
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_timeout_zero_is_off_for_pipeline_waits_too(comm, monkeypatch):
+    from hpctrain.errors import ConfigError
+
+    if comm.size % 2:
+        pytest.skip(f"pp=2 needs an even world, have {comm.size}")
+    grid = ProcessGrid(comm, pp=2)
+    monkeypatch.setenv("HPCTRAIN_TIMEOUT", "0")
+    for timeout in (None, 0):  # the environment's 0, then the argument's
+        part = parallelize(make("mlp"), grid)
+        tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters()), grid=grid,
+                             microbatches=2, timeout=timeout)  # fmt: skip
+        assert tr.timeout == 0 and tr._runner.timeout == 0  # waits block, nothing "expires now"
+        x, y = data("mlp", grid.dp_size, 0)
+        sl = slice(grid.dp.rank * PER_REPLICA, (grid.dp.rank + 1) * PER_REPLICA)
+        assert np.isfinite(tr.step(x[sl], y[sl]).loss)
+    with pytest.raises(ConfigError, match="timeout"):
+        ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters()), grid=grid,
+                        microbatches=2, timeout=-1)  # fmt: skip

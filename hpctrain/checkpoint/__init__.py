@@ -19,13 +19,13 @@ from typing import Any
 from ..errors import CheckpointError
 from ..log import get_logger
 from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
-from .loading import load, read_header
+from .loading import load, load_weights, read_header
 from .saving import remove, save, wait
 from .summary import inspect, verify
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "checkpoint_path", "copy", "inspect", "list_checkpoints",
-    "load", "load_latest", "read_header", "remove", "save", "save_in", "verify", "wait",
+    "load", "load_latest", "load_weights", "read_header", "remove", "save", "save_in", "verify", "wait",
 ]
 
 _log = get_logger("checkpoint")

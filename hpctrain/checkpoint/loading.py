@@ -483,3 +483,37 @@ def _small_state(trainer: Any) -> Any:
             sampler.load_state_dict(sampler_state)
 
     return restore
+
+
+def load_weights(path: str, model: Any) -> dict[str, Any]:
+    """Read the parameters of a checkpoint into a whole (serial) ``model``; no MPI, no trainer.
+
+    For evaluation and sampling: the header and every slab read are checked against their
+    checksums, and the names and shapes must match the model's exactly (a ``CheckpointError``
+    lists what differs; the model is unchanged then). Returns the header.
+    """
+    header = read_header(path, with_state=False)
+    params = dict(model.named_parameters())
+    stored = {k[len("model/"):] for k in header["index"] if k.startswith("model/")}
+    problems = [f"{n} is not in the checkpoint" for n in sorted(set(params) - stored)]
+    problems += [f"{n} is in the checkpoint but not in the model" for n in sorted(stored - set(params))]
+    for name in sorted(set(params) & stored):
+        shape = tuple(header["index"][f"model/{name}"]["shape"])
+        if shape != tuple(params[name].data.shape):
+            problems.append(f"{name}: checkpoint has shape {shape}, model needs {tuple(params[name].data.shape)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(problems[:6]))
+    arrays: dict[str, np.ndarray] = {}
+    reader = Reader(path, header)
+    try:
+        for name in sorted(params):
+            entry = header["index"][f"model/{name}"]
+            out = np.empty(tuple(entry["shape"]), np.dtype(entry["dtype"]))
+            reader.fill(f"model/{name}", out, tuple(slice(0, n) for n in out.shape))
+            arrays[name] = out
+    finally:
+        reader.close()
+    for name, data in arrays.items():
+        p = params[name]
+        p.data[...] = to_device(data.astype(p.data.dtype, copy=False), xp_of(p.data))
+    return header

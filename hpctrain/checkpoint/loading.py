@@ -151,11 +151,13 @@ def _check_index(index: Any, path: str) -> None:
 
 def _own_sources(dset: Any, parts: str | None, name: str) -> str | None:
     """``None`` if the virtual dataset ``name`` reads only the checkpoint's own part files."""
-    for src in dset.virtual_sources():
-        d, _, file = src.file_name.partition("/")
+    plist = dset.id.get_create_plist()  # the mappings' file names, without building selections
+    for i in range(plist.get_virtual_count()):
+        file_name = plist.get_virtual_filename(i)
+        d, _, file = file_name.partition("/")
         own = parts is not None and d == parts and re.fullmatch(r"w\d{5}\.h5", file)
         if not own or not name.startswith(("model/", "optim/")):
-            return f"it reads {src.file_name}, outside the checkpoint's own part files"
+            return f"it reads {file_name}, outside the checkpoint's own part files"
     return None
 
 

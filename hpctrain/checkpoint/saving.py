@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from .. import __version__
 from ..backend import to_host
@@ -36,6 +37,8 @@ from . import format as fmt
 
 #: Pieces held by several ranks are split among them when at least this large.
 SPLIT_BYTES = 1 << 20
+#: Slabs larger than this are written (and checksummed) in blocks of rows.
+WRITE_BLOCK = 4 << 20
 
 
 # -- what this rank holds --------------------------------------------------------------------
@@ -141,10 +144,21 @@ def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]
     with h5py.File(path, "x") as f:
         for name, arr in items:
             arr = np.ascontiguousarray(arr)
-            digests[name] = fmt.digest(arr)
             d = f.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
-            if arr.size:
-                d.write_direct(arr)
+            if arr.ndim and arr.nbytes > WRITE_BLOCK:
+                # In blocks of rows: h5py holds the GIL for a whole write, and a background save
+                # must leave the training thread room to run. XXH3 streams to the same digest.
+                h = xxhash.xxh3_64()
+                step = max(1, WRITE_BLOCK // max(1, arr[0].nbytes))
+                for lo in range(0, arr.shape[0], step):
+                    block = arr[lo : lo + step]
+                    d.write_direct(block, dest_sel=np.s_[lo : lo + len(block)])
+                    h.update(fmt.as_bytes(block))
+                digests[name] = h.hexdigest()
+            else:
+                digests[name] = fmt.digest(arr)
+                if arr.size:
+                    d.write_direct(arr)
             d.attrs[fmt.CHECKSUM] = digests[name]
     fsync_file(path)
     return digests

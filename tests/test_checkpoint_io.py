@@ -183,16 +183,17 @@ def test_async_save_snapshots_at_the_call(comm, tmp_path):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_slow_writer_is_not_a_stall(comm, tmp_path, monkeypatch):
-    """Rank 0 writes slowly while the others finished: the 1 s watchdog must not end the job."""
+    """Rank 0 writes slowly (1 s per slab, >= 3 slabs: its share of 0.weight and both moments)
+    while the others finished: a 2 s watchdog must not end the job."""
     d = shared_dir(comm, tmp_path)
     t = ShardTrainer(comm, steps=1)
-    comm.set_timeout(1.0)
+    comm.set_timeout(2.0)
     try:
         if comm.rank == 0:
             import time
 
             real = fmt.digest
-            monkeypatch.setattr(fmt, "digest", lambda a: (time.sleep(0.3), real(a))[1])
+            monkeypatch.setattr(fmt, "digest", lambda a: (time.sleep(1.0), real(a))[1])
         checkpoint.save(os.path.join(d, "slow.h5"), t)
     finally:
         comm.set_timeout(None)

@@ -165,6 +165,4 @@ class TensorParallelTrainer(ParallelTrainer):
             for i, p in enumerate(ps):
                 if len({c[i] for c in everyone}) > 1 and problem is None:
                     problem = f"{p.name} differs across the {group} group of world rank {self.comm.rank}"
-        problems = [q for q in self.comm.allgather_obj(problem) if q]
-        if problems:
-            raise MismatchError("replicas drifted apart: " + "; ".join(problems[:4]))
+        raise_if_any(self.comm, MismatchError(problem) if problem else None, what="replicas drifted apart")

@@ -66,16 +66,26 @@ def limit_blas_threads(comm: Any) -> int | None:
 
 
 def evaluate(model: Any, data: Any, loss: Any, batch: int = 256) -> dict[str, float]:
-    """Mean loss and accuracy of ``model`` on all of ``data`` (one process)."""
+    """Mean loss and accuracy of ``model`` on all of ``data`` (one process).
+
+    The loss is the mean over samples (batches weighted by their rows); the accuracy is ``None``
+    unless ``loss`` is a cross-entropy (class targets).
+    """
+    from ..nn import CrossEntropyLoss
+
+    classes = isinstance(loss, CrossEntropyLoss)
     model.eval()
     total_loss, correct, count = 0.0, 0, 0
     for start in range(0, len(data), batch):
         x, y = data[np.arange(start, min(start + batch, len(data)))][:2]
         logits = model.forward(x)
-        total_loss += float(loss.forward(logits, y)) * y.size
-        correct += int((logits.argmax(axis=-1) == y).sum())
-        count += y.size
-    return {"loss": total_loss / count, "accuracy": correct / count, "samples": len(data)}
+        rows = len(y)
+        total_loss += float(loss.forward(logits, y)) * rows
+        if classes:
+            correct += int((logits.argmax(axis=-1) == y).sum())
+        count += rows
+    accuracy = correct / count if classes and count else None
+    return {"loss": total_loss / count, "accuracy": accuracy, "samples": len(data)}
 
 
 class LearningRate:
@@ -98,6 +108,7 @@ class Validation:
     def __init__(self, c: Config, meta: dict[str, Any], data: Any, comm: Any, every: int) -> None:
         self.model = build_model(c, meta)
         self.data, self.comm, self.every = data, comm, every
+        self.loss = None if c.loss == "ce" else build_loss(c)
 
     def on_step_end(self, trainer: Any, stats: Any) -> None:
         if trainer.global_step % self.every:
@@ -105,7 +116,10 @@ class Validation:
         from ..evaluation import evaluate as evaluate_everywhere
 
         load_full_weights(trainer, self.model)
-        stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=self.comm)["loss"]
+        if self.loss is None:  # cross-entropy: every rank its share of the batches
+            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=self.comm)["loss"]
+        else:  # another loss: each rank evaluates the whole set alike (same weights, same data)
+            stats.extra["val_loss"] = evaluate(self.model, self.data, self.loss)["loss"]
         self.model.train()
 
 
@@ -164,6 +178,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
         return train, val, meta, build_model(c, meta)
 
     train_set, val_set, meta, model = everywhere(comm, prepare)
+    c.info = meta
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
 
     from ..data import DataLoader, ShardedSampler
@@ -180,7 +195,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     if comm.rank == 0:
         os.makedirs(c.run_dir, exist_ok=True)
         with open(os.path.join(c.run_dir, "config.json"), "w") as f:
-            json.dump({**given, "dp": c.dp, "local_batch": c.local_batch}, f, indent=1)
+            json.dump({**given, "dp": c.dp, "local_batch": c.local_batch, "info": meta}, f, indent=1)
         print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
               f"{len(train_set):,} training samples, {_layout_text(c)}, "
               f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
@@ -256,8 +271,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
         f"{s['strategy']} dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}",
         f"  final loss      {final} (training, mean of the last epoch)",
-        f"  validation      loss {s['val_loss']:.4f}, accuracy {100 * s['val_accuracy']:.1f}% "
-        f"({s['val_samples']:,} held-out samples)",
+        f"  validation      loss {s['val_loss']:.4f}"
+        + ("" if s["val_accuracy"] is None else f", accuracy {100 * s['val_accuracy']:.1f}%")
+        + f" ({s['val_samples']:,} held-out samples)",
         f"  throughput      {rate}",
         f"  communication   {share}",
         *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "

@@ -13,8 +13,56 @@ from .. import nn
 from .config import Config
 
 
+def load_factory(spec: str) -> Any:
+    """The callable named by ``package.module:factory`` or ``path/to/file.py:factory``."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    from ..errors import ConfigError
+
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise ConfigError(f"--model {spec}: {where} does not exist")
+            mod_name = "hpctrain_user_" + os.path.splitext(os.path.basename(where))[0]
+            module = sys.modules.get(mod_name)
+            if module is None or getattr(module, "__file__", None) != os.path.abspath(where):
+                spec_ = importlib.util.spec_from_file_location(mod_name, os.path.abspath(where))
+                module = importlib.util.module_from_spec(spec_)
+                sys.modules[mod_name] = module
+                spec_.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except ImportError as exc:
+        raise ConfigError(f"--model {spec}: cannot import {where} ({exc})") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ConfigError(f"--model {spec}: {where} has no callable {name!r}")
+    return factory
+
+
 def build_model(c: Config, meta: dict[str, Any]) -> Any:
-    """The serial model, identical on every rank (same seed): strategies shard it from here."""
+    """The serial model, identical on every rank (same seed): strategies shard it from here.
+
+    A user's ``--model module:factory`` is called with the Config, its ``info`` filled with
+    ``meta`` (the data's facts), and must return a Module (``forward``, ``backward``,
+    ``parameters``, ``named_parameters``, ...; see the README).
+    """
+    if c.model not in ("mlp", "gpt"):
+        from ..errors import ConfigError
+
+        model = load_factory(c.model)(c.replace(info=dict(meta)))
+        missing = [m for m in ("forward", "backward", "parameters", "named_parameters", "zero_grad")
+                   if not callable(getattr(model, m, None))]
+        if missing:
+            raise ConfigError(f"--model {c.model} returned a {type(model).__name__} without "
+                              f"{', '.join(missing)}: a factory must return an hpctrain Module")
+        return model
     rng = np.random.default_rng(c.seed)
     d = c.d_model
     if c.model == "gpt":
@@ -35,8 +83,8 @@ def build_model(c: Config, meta: dict[str, Any]) -> Any:
 
 
 def build_loss(c: Config) -> Any:
-    """The training loss (mean over the global batch)."""
-    return nn.CrossEntropyLoss()
+    """The training loss of ``--loss`` (mean over the global batch)."""
+    return nn.MSELoss() if c.loss == "mse" else nn.CrossEntropyLoss()
 
 
 def build_schedule(c: Config, total_steps: int) -> Any:
@@ -77,6 +125,8 @@ def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any
         return parallel.ParameterServerTrainer(model=model, loss=loss, lr=c.lr, comm=comm, mode=c.ps_mode,
                                                staleness=c.staleness, momentum=c.momentum, **common)
     common.update(clip_norm=c.clip_norm, compression=c.compression)
+    if c.backend != "mpi":
+        common["backend"] = c.backend
     if c.zero:
         common["zero"] = c.zero
     if c.strategy == "dp":

@@ -38,10 +38,19 @@ class Config:
     tp: int | None = field(default=None, metadata=_opt("tensor-parallel group size (tp: all ranks; hybrid: 1)"))
     pp: int | None = field(default=None, metadata=_opt("pipeline stages (pp: all ranks; hybrid: 1)"))
     model: str = field(default="mlp", metadata=_opt("mlp: classifier on the built-in set; gpt: character-level "
-                                                     "GPT", ("mlp", "gpt")))
-    data: str | None = field(default=None, metadata=_opt("HDF5 file (mlp: keys x, y; gpt: key tokens, optional "
-                                                         "val_tokens) or 'shakespeare' (gpt: the corpus of "
-                                                         "`hpctrain data make`); default: the built-in set"))
+                                                     "GPT; or your own, package.module:factory or "
+                                                     "path/to/file.py:factory (a callable taking this Config "
+                                                     "and returning a Module)"))
+    data: str | None = field(default=None, metadata=_opt("HDF5 file (keys --x-key/--y-key, or --tokens-key for "
+                                                         "token windows; a token file may add val_tokens) or "
+                                                         "'shakespeare' (gpt: the corpus of `hpctrain data make`); "
+                                                         "default: the built-in set"))
+    x_key: str = field(default="x", metadata=_opt("the --data file's inputs (N, ...)"))
+    y_key: str = field(default="y", metadata=_opt("the --data file's targets (N,) or (N, ...)"))
+    tokens_key: str | None = field(default=None, metadata=_opt("the --data file's 1-d token stream: windows of "
+                                                               "--block-size (default for --model gpt: tokens)"))
+    loss: str = field(default="ce", metadata=_opt("ce: cross-entropy on class indices; mse: mean squared error "
+                                                  "on float targets", ("ce", "mse")))
     epochs: int = field(default=3, metadata=_opt("passes over the training data"))
     batch_size: int = field(default=64, metadata=_opt("global batch: samples per optimizer step over the whole job"))
     lr: float | None = field(default=None, metadata=_opt("learning rate (default: 3e-3 adam/adamw; sgd: 0.1, "
@@ -96,10 +105,18 @@ class Config:
     on_nonfinite: str = field(default="raise", metadata=_opt("a step with a non-finite loss or gradient: raise, "
                                                              "or skip it (nothing changes)", ("raise", "skip")))
     dropout: float = field(default=0.0, metadata=_opt("dropout probability in the model (training only)"))
+    device: str = field(default="auto", metadata=_opt("where the model, batches and optimizer state live: cuda "
+                                                      "(each rank the GPU of its local rank), cpu, or auto (cuda "
+                                                      "when every rank sees a GPU)", ("auto", "cpu", "cuda")))
+    backend: str = field(default="mpi", metadata=_opt("gradient all-reduce: MPI (CUDA-aware or staged) or NCCL "
+                                                      "(needs --device cuda)", ("mpi", "nccl")))
 
     # Derived by resolve(): never read from flags or files.
     dp: int | None = field(default=None, metadata=_derived("data-parallel replicas: world / (tp x pp)"))
     local_batch: int | None = field(default=None, metadata=_derived("samples per step on one replica"))
+    #: Facts of the opened data a model factory may need (``n_in``, ``x_shape``, ``n_classes`` or
+    #: ``n_out``, ``vocab_size``, ``path``): filled by the job before it calls the factory.
+    info: dict | None = field(default=None, metadata=_derived("facts of the opened data"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``config.json`` holds and ranks compare)."""
@@ -314,14 +331,19 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
                                                                  if c.accum_steps > 1 else ""))
 
     # Model shapes the layout must divide.
+    if c.model not in ("mlp", "gpt") and ":" not in c.model:
+        raise ConfigError(f"--model {c.model!r} is neither mlp, gpt nor package.module:factory "
+                          f"(or path/to/file.py:factory)")
+    if c.model == "gpt" and c.loss != "ce":
+        raise ConfigError("--model gpt predicts the next token: it trains with --loss ce")
     if c.model == "gpt" and c.d_model % c.n_heads:
         raise ConfigError(f"--n-heads {c.n_heads} must divide --d-model {c.d_model}")
     if tp > 1:
         if c.model == "gpt" and c.n_heads % tp:
             raise ConfigError(f"tp={tp} must divide --n-heads {c.n_heads} (heads are split across ranks)")
-        if (4 * c.d_model) % tp:
+        if c.model in ("mlp", "gpt") and (4 * c.d_model) % tp:
             raise ConfigError(f"tp={tp} must divide the hidden width 4 x d_model = {4 * c.d_model}")
-    if pp > 1 and pp > _n_stages_possible(c):
+    if pp > 1 and c.model in ("mlp", "gpt") and pp > _n_stages_possible(c):
         raise ConfigError(f"pp={pp} stages but the {c.model} model has only {_n_stages_possible(c)} layers "
                           f"to cut: use fewer stages or more --n-layers")
 
@@ -355,6 +377,10 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         raise ConfigError(f"--compression {c.compression} compresses the data-parallel all-reduce, but dp=1")
     if c.lr_schedule == "cosine" and c.min_lr > c.lr:
         raise ConfigError(f"--min-lr {c.min_lr:g} must not exceed --lr {c.lr:g}")
+    if c.backend == "nccl" and c.device == "cpu":
+        raise ConfigError("--backend nccl reduces on GPUs: it needs --device cuda (or auto on GPU nodes)")
+    if c.backend == "nccl" and strategy == "ps":
+        raise ConfigError("--backend nccl is for the gradient all-reduce; --strategy ps talks through MPI windows")
     if c.resume and c.run_dir is None and c.checkpoint_dir is None:
         raise ConfigError("--resume needs the --run-dir (or --checkpoint-dir) of the run to continue")
     return c

@@ -66,16 +66,26 @@ def limit_blas_threads(comm: Any) -> int | None:
 
 
 def evaluate(model: Any, data: Any, loss: Any, batch: int = 256) -> dict[str, float]:
-    """Mean loss and accuracy of ``model`` on all of ``data`` (one process)."""
+    """Mean loss and accuracy of ``model`` on all of ``data`` (one process).
+
+    The loss is the mean over samples (batches weighted by their rows); the accuracy is ``None``
+    unless ``loss`` is a cross-entropy (class targets).
+    """
+    from ..nn import CrossEntropyLoss
+
+    classes = isinstance(loss, CrossEntropyLoss)
     model.eval()
     total_loss, correct, count = 0.0, 0, 0
     for start in range(0, len(data), batch):
         x, y = data[np.arange(start, min(start + batch, len(data)))][:2]
         logits = model.forward(x)
-        total_loss += float(loss.forward(logits, y)) * y.size
-        correct += int((logits.argmax(axis=-1) == y).sum())
-        count += y.size
-    return {"loss": total_loss / count, "accuracy": correct / count, "samples": len(data)}
+        rows = len(y)
+        total_loss += float(loss.forward(logits, y)) * rows
+        if classes:
+            correct += int((logits.argmax(axis=-1) == y).sum())
+        count += rows
+    accuracy = correct / count if classes and count else None
+    return {"loss": total_loss / count, "accuracy": accuracy, "samples": len(data)}
 
 
 class LearningRate:
@@ -98,6 +108,7 @@ class Validation:
     def __init__(self, c: Config, meta: dict[str, Any], data: Any, comm: Any, every: int) -> None:
         self.model = build_model(c, meta)
         self.data, self.comm, self.every = data, comm, every
+        self.loss = None if c.loss == "ce" else build_loss(c)
 
     def on_step_end(self, trainer: Any, stats: Any) -> None:
         if trainer.global_step % self.every:
@@ -105,7 +116,10 @@ class Validation:
         from ..evaluation import evaluate as evaluate_everywhere
 
         load_full_weights(trainer, self.model)
-        stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=self.comm)["loss"]
+        if self.loss is None:  # cross-entropy: every rank its share of the batches
+            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=self.comm)["loss"]
+        else:  # another loss: each rank evaluates the whole set alike (same weights, same data)
+            stats.extra["val_loss"] = evaluate(self.model, self.data, self.loss)["loss"]
         self.model.train()
 
 
@@ -130,6 +144,34 @@ def load_full_weights(trainer: Any, model: Any) -> None:
                 target[index] = data
 
 
+def pick_device(c: Config, comm: Any) -> str:
+    """``"cuda"`` or ``"cpu"`` for ``--device`` (collective: the same answer on every rank).
+
+    ``cuda`` makes the GPU of this rank's local rank current; it is refused on every rank, naming
+    the ranks that see no GPU, when any rank has none. ``auto`` is cuda only when every rank has one.
+    """
+    from .. import backend
+
+    has_gpu = backend.gpu_available()
+    if c.device == "auto":
+        if not all(comm.allgather_obj(has_gpu)):
+            if c.backend == "nccl":
+                raise ConfigError("--backend nccl needs a GPU on every rank; --device auto found ranks without")
+            return "cpu"
+    elif c.device == "cpu":
+        return "cpu"
+    problem = None if has_gpu else ConfigError(
+        "--device cuda: no usable GPU here (CuPy is not installed or sees no NVIDIA GPU); "
+        "run on a GPU node, or use --device cpu")
+    def check() -> None:
+        if problem is not None:
+            raise problem
+
+    everywhere(comm, check)  # every rank raises, naming the ranks without a GPU
+    backend.select_device(comm.local_rank)
+    return "cuda"
+
+
 def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says (a Config, or a dict of options over the defaults).
 
@@ -143,6 +185,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     comm = comm if comm is not None else Communicator()
     c = everywhere(comm, lambda: resolve(cfg, comm.size))
     agree(comm, "hpctrain train configuration", c.to_dict())
+    device = pick_device(c, comm)
     limit_blas_threads(comm)
     if c.run_dir is None:
         c.run_dir = comm.bcast_obj(os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
@@ -164,13 +207,17 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
         return train, val, meta, build_model(c, meta)
 
     train_set, val_set, meta, model = everywhere(comm, prepare)
+    c.info = meta
+    if device == "cuda":
+        model.to("gpu")  # parameters and gradients in CuPy; the optimizer state follows them
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
 
     from ..data import DataLoader, ShardedSampler
 
     rank, size = data_rank(c, comm)
     sampler = ShardedSampler(len(train_set), rank, size, shuffle=True, seed=c.seed, pad="mask")
-    loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler)
+    loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler,
+                        device="gpu" if device == "cuda" else "cpu")
     total_steps = c.epochs * len(loader) if c.max_steps is None else min(c.max_steps, c.epochs * len(loader))
     try:
         trainer = build_trainer(c, model, comm, total_steps)
@@ -180,9 +227,9 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     if comm.rank == 0:
         os.makedirs(c.run_dir, exist_ok=True)
         with open(os.path.join(c.run_dir, "config.json"), "w") as f:
-            json.dump({**given, "dp": c.dp, "local_batch": c.local_batch}, f, indent=1)
+            json.dump({**given, "dp": c.dp, "local_batch": c.local_batch, "info": meta}, f, indent=1)
         print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
-              f"{len(train_set):,} training samples, {_layout_text(c)}, "
+              f"{len(train_set):,} training samples, {_layout_text(c)} on {device}, "
               f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
               f"{len(loader)} steps each; run dir {c.run_dir}", flush=True)
 
@@ -223,7 +270,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     seconds = sum(s.seconds for s in history)
     tail = history[-len(loader):] if history else []
     summary = {
-        "model": c.model, "parameters": n_params, "strategy": c.strategy,
+        "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
         "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
         "steps_this_run": len(history), "epochs": c.epochs,
         "final_loss": (sum(s.loss for s in tail) / len(tail)) if tail else None,
@@ -256,8 +303,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
         f"{s['strategy']} dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}",
         f"  final loss      {final} (training, mean of the last epoch)",
-        f"  validation      loss {s['val_loss']:.4f}, accuracy {100 * s['val_accuracy']:.1f}% "
-        f"({s['val_samples']:,} held-out samples)",
+        f"  validation      loss {s['val_loss']:.4f}"
+        + ("" if s["val_accuracy"] is None else f", accuracy {100 * s['val_accuracy']:.1f}%")
+        + f" ({s['val_samples']:,} held-out samples)",
         f"  throughput      {rate}",
         f"  communication   {share}",
         *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "

@@ -306,12 +306,12 @@ def open_classification(path: str | os.PathLike, *, val_fraction: float, max_sam
     return Rows(ds, 0, n_train, dtypes), Rows(ds, n - n_val, n, dtypes), meta
 
 
-def _vocab_size(ds: HDF5Dataset) -> int:
-    """Size the file's ``vocab`` root attribute declares (0 when absent): the vocabulary's
-    characters (a string) or its size (an int); anything else is refused."""
+def _vocab(ds: HDF5Dataset) -> tuple[int, str | None]:
+    """Size the file's ``vocab`` root attribute declares (0 when absent) and its text: the
+    vocabulary's characters (a string) or its size (an int); anything else is refused."""
     attrs = ds._file.attrs
     if "vocab" not in attrs:
-        return 0
+        return 0, None
     where = f"{ds.path}: attribute 'vocab'"
     try:
         aid = attrs.get_id("vocab")
@@ -322,8 +322,13 @@ def _vocab_size(ds: HDF5Dataset) -> int:
         raise
     except Exception as exc:
         raise DatasetError(f"{where} cannot be read ({type(exc).__name__}: {exc})") from None
+    text = None
     if isinstance(vocab, (str, bytes)):
-        size = len(vocab)
+        try:
+            text = vocab.decode() if isinstance(vocab, bytes) else vocab
+        except UnicodeDecodeError:
+            raise DatasetError(f"{where} is not UTF-8 text") from None
+        size = len(text)
     elif isinstance(vocab, np.ndarray) and vocab.ndim == 1 and vocab.dtype.kind in "SUO":
         size = len(vocab)
     elif isinstance(vocab, (int, np.integer)) and not isinstance(vocab, (bool, np.bool_)) and vocab >= 0:
@@ -333,14 +338,15 @@ def _vocab_size(ds: HDF5Dataset) -> int:
                            "or its size")
     if size > MAX_VOCAB:
         raise DatasetError(f"{where} declares {size:,} tokens, more than the {MAX_VOCAB:,} hpctrain builds a model for")
-    return size
+    return size, text
 
 
 def open_tokens(path: str | os.PathLike, *, block_size: int, val_fraction: float, max_samples: int | None = None,
                 comm: Any = None) -> tuple[Rows, Rows, dict[str, Any]]:
     """Train and validation windows of a token file (key ``tokens`` (N,), optional root attribute
     ``vocab``): sample i is ``tokens[i*B : (i+1)*B]`` with the next tokens as its targets
-    (``B = block_size``, windows that do not overlap); ``meta = {"vocab_size", "path"}``.
+    (``B = block_size``, windows that do not overlap); ``meta = {"vocab_size", "path"}`` and
+    ``"vocab"`` (the text of the vocabulary) when the file's ``vocab`` attribute is a string.
     Collective with ``comm``. Only the windows the run uses are checked; they are read per batch."""
     path = os.fspath(path)
     ds = _open(path, ("tokens",), comm)
@@ -352,12 +358,14 @@ def open_tokens(path: str | os.PathLike, *, block_size: int, val_fraction: float
             raise DatasetError(f"{path}: {len(ds)} tokens make fewer than 2 windows of --block-size {block_size}")
         n_train, n_val = split_rows(windows, val_fraction, max_samples)
         check_order_fits(n_train, path)
-        return windows, n_train, n_val, tok, _vocab_size(ds)
+        return windows, n_train, n_val, tok, _vocab(ds)
 
-    windows, n_train, n_val, tok, declared = _agreed(comm, ds, layout)
+    windows, n_train, n_val, tok, (declared, text) = _agreed(comm, ds, layout)
     spans = [(0, n_train * block_size + 1), ((windows - n_val) * block_size, windows * block_size + 1)]
     with _closed_on_error(ds):
         found = scan(tok, spans, "tokens", f"{path}: key 'tokens'", MAX_VOCAB, comm)
     meta = {"vocab_size": max(declared, found.hi + 1), "path": path}
+    if text is not None:
+        meta["vocab"] = text  # the characters of the token ids, for generating text
     stream = TokenDataset(ds, block_size)
     return Rows(stream, 0, n_train), Rows(stream, windows - n_val, windows), meta

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -18,7 +19,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..comm.validate import raise_if_any
 from ..errors import CheckpointError, ConfigError, HpctrainError
+from ..evaluation import evaluate
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .config import _BY_NAME, Config, merge, read_config, resolve
 from .data import builtin_name, builtin_path, open_data
@@ -33,7 +36,6 @@ def everywhere(comm: Any, fn: Callable[[], T], what: str = "") -> T:
     Setting up (reading files, checking shapes) has no collectives, so one rank failing alone
     would leave the others waiting in the first collective of training.
     """
-    from ..comm.validate import raise_if_any
 
     result: Any = None
     problem: BaseException | None = None
@@ -66,17 +68,15 @@ def limit_blas_threads(comm: Any) -> int | None:
     return n
 
 
-def evaluate(model: Any, data: Any, loss: Any, batch: int = 256) -> dict[str, float]:
-    """Mean loss and accuracy of ``model`` on all of ``data`` (one process)."""
-    model.eval()
-    total_loss, correct, count = 0.0, 0, 0
-    for start in range(0, len(data), batch):
-        x, y = data[np.arange(start, min(start + batch, len(data)))][:2]
-        logits = model.forward(x)
-        total_loss += float(loss.forward(logits, y)) * y.size
-        correct += int((logits.argmax(axis=-1) == y).sum())
-        count += y.size
-    return {"loss": total_loss / count, "accuracy": correct / count, "samples": len(data)}
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``None`` (JSON has no NaN or inf)."""
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
@@ -104,14 +104,15 @@ def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
         # disks, write their own identical copy) instead of all writing at once.
         everywhere(comm, lambda: builtin_path(builtin_name(c)) if comm.rank == 0 else None)
 
-    def prepare() -> tuple:
+    def prepare() -> str:
         if not c.resume and checkpoint.list_checkpoints(c.checkpoint_dir):
             raise ConfigError(f"{c.checkpoint_dir} already holds checkpoints: pass --resume to continue "
                               f"that run, or choose another --run-dir")
-        train, val, meta = open_data(c)
-        return train, val, meta, build_model(c, meta)
+        return c.data or builtin_path(builtin_name(c))
 
-    train_set, val_set, meta, model = everywhere(comm, prepare)
+    # Collective from here: every rank checks its share of the data and all get one verdict.
+    train_set, val_set, meta = open_data(c, comm, everywhere(comm, prepare))
+    model = everywhere(comm, lambda: build_model(c, meta))
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
     try:
         trainer = build_trainer(c, model, comm)
@@ -124,10 +125,19 @@ def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
     sampler = ShardedSampler(len(train_set), rank, size, shuffle=True, seed=c.seed, pad="mask")
     loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler)
     every = c.checkpoint_every or len(loader)
+    def write_config() -> None:
+        if comm.rank != 0:
+            return
+        try:
+            os.makedirs(c.run_dir, exist_ok=True)
+            with open(os.path.join(c.run_dir, "config.json"), "w") as f:
+                json.dump({**given, "dp": c.dp, "local_batch": c.local_batch}, f, indent=1)
+        except OSError as exc:  # read-only, no permission, a file in the way, a full disk
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise ConfigError(f"cannot write to the run directory {c.run_dir}: {why}") from None
+
+    everywhere(comm, write_config)  # refused on every rank before any training
     if comm.rank == 0:
-        os.makedirs(c.run_dir, exist_ok=True)
-        with open(os.path.join(c.run_dir, "config.json"), "w") as f:
-            json.dump({**given, "dp": c.dp, "local_batch": c.local_batch}, f, indent=1)
         print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
               f"{len(train_set):,} training samples, {_layout_text(c)}, "
               f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
@@ -147,21 +157,20 @@ def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
     if hasattr(trainer, "close"):  # the parameter server: final pull, windows freed on every rank
         trainer.close()
 
-    # Evaluate what the run leaves behind: rank 0 loads the final checkpoint (full tensors,
-    # whatever the layout, checksums verified) into a fresh serial model. The strategies' own
-    # models may be sharded or rebuilt in place into parallel layers that need the other ranks.
+    # Evaluate what the run leaves behind: every rank loads the final checkpoint (full tensors,
+    # whatever the layout, checksums verified) into a fresh serial model and evaluates its share
+    # of the held-out rows; one all-reduce combines them (no rank evaluates while others wait).
+    # The strategies' own models may be sharded or rebuilt into layers that need the other ranks.
     latest = comm.bcast_obj(checkpoint.list_checkpoints(c.checkpoint_dir) if comm.rank == 0 else None)
-    result = error = None
-    if comm.rank == 0:
-        try:
-            fresh = build_model(c, meta)
-            checkpoint.load_weights(latest[-1], fresh)
-            result = evaluate(fresh, val_set, build_loss(c))
-        except (OSError, KeyError, ValueError, IndexError) as exc:  # shared below: no rank waits for a dead one
-            error = f"cannot evaluate the final checkpoint {latest[-1] if latest else '(none)'}: {exc}"
-    result, error = comm.bcast_obj((result, error))
-    if error:
-        raise CheckpointError(error)
+    fresh = problem = None
+    try:
+        fresh = build_model(c, meta)
+        checkpoint.load_weights(latest[-1], fresh)
+    except (HpctrainError, OSError, KeyError, ValueError, IndexError) as exc:
+        problem = CheckpointError(f"cannot evaluate the final checkpoint {latest[-1] if latest else '(none)'}: "
+                                  f"{exc}")
+    raise_if_any(comm, problem)
+    result = evaluate(fresh, val_set, build_loss(c), comm=comm)
 
     seconds = sum(s.seconds for s in history)
     tail = history[-len(loader):] if history else []
@@ -178,7 +187,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
     }
     if comm.rank == 0:
         with open(os.path.join(c.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+            json.dump(finite_or_none(summary), f, indent=1, allow_nan=False)  # valid JSON: null, not NaN
         print(format_summary(summary), flush=True)
     return summary
 

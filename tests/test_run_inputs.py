@@ -65,8 +65,9 @@ def test_summary_json_is_valid_json_when_the_validation_loss_is_not_finite(comm,
         with h5py.File(path, "w") as f:
             f["x"], f["y"] = x, g.integers(0, 3, 200)
     comm.barrier()
-    s = run(merge({}, {**SMALL, "data": path, "val_fraction": 0.1, "run_dir": os.path.join(shared_dir, "r")}), comm)
+    s = run(merge({}, {**SMALL, "data": path, "val_fraction": 0.5, "run_dir": os.path.join(shared_dir, "r")}), comm)
     assert math.isnan(s["val_loss"]), s["val_loss"]
+    assert s["val_samples"] == 64  # half the file is held out; --max-samples 64 caps the evaluation too
     if comm.rank == 0:
         text = open(os.path.join(s["run_dir"], "summary.json")).read()
         assert "NaN" not in text

@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_MPI := -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider
 MPIFLAGS ?=
 
-.PHONY: venv test test-serial test-mpi2 test-mpi4 test-slurm demo bench lint clean
+.PHONY: venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-slurm demo bench lint clean
 
 venv: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[mpich,test]'
 	touch $(STAMP)
 
-test: test-serial test-mpi2 test-mpi4
+test: test-serial test-mpi2 test-mpi4 test-mpi8
 
 test-serial: venv
 	$(PY) -m pytest -q -p no:cacheprovider
@@ -30,6 +30,10 @@ test-mpi2: venv
 
 test-mpi4: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI)
+
+# dp=2 x tp=2 x pp=2: only the composition's equivalence tests (8 ranks oversubscribe small machines).
+test-mpi8: venv
+	$(MPIEXEC) $(MPIFLAGS) -n 8 $(PY) $(PYTEST_MPI) tests/test_parallelize.py
 
 # A real single-node Slurm on this machine (tests/test_slurm.py): Debian's slurmctld, slurmd and
 # munge are installed when missing (needs root and apt-get; otherwise the test skips and says why).

@@ -128,8 +128,10 @@ def select_device(local_rank: int) -> int | None:
     if cp is None:
         return None
     count = cp.cuda.runtime.getDeviceCount()
-    override = os.environ.get("HPCTRAIN_DEVICE")
-    device = int(override) if override not in (None, "") else local_rank % count
+    from . import settings
+
+    override = settings.device()
+    device = override if override is not None else local_rank % count
     if not 0 <= device < count:
         raise ValueError(f"HPCTRAIN_DEVICE={device} but only {count} GPU(s) are visible")
     cp.cuda.Device(device).use()

@@ -6,6 +6,7 @@ Subcommands register themselves in ``COMMANDS``: each is ``(help, add_arguments,
 from __future__ import annotations
 
 import argparse
+import logging
 import platform
 import sys
 from collections import Counter
@@ -111,14 +112,14 @@ def run_data(args: argparse.Namespace) -> int:
     import os
 
     from .data import builtin
-    from .errors import HpctrainError
+    from .errors import ExitStatus, HpctrainError
 
     for name, make in (("classification", builtin.classification), ("corpus", builtin.corpus)):
         try:
             path = make(None if args.dir is None else os.path.join(args.dir, f"{name}.h5"))
         except HpctrainError as exc:  # an unwritable directory, a foreign file in the way
             print(f"hpctrain data: error: {exc}", file=sys.stderr, flush=True)
-            return 2
+            return ExitStatus.CONFIG
         print(f"{name:<15} {path}  {os.path.getsize(path)} bytes")
     return 0
 
@@ -135,8 +136,15 @@ COMMANDS: dict[str, Command] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hpctrain", description="MPI training for HPC clusters")
+    parser = argparse.ArgumentParser(prog="hpctrain", description="MPI training for HPC clusters",
+                                     epilog="exit statuses: 0 done, 1 failure, 2 usage, 3 stall (watchdog), "
+                                            "4 refused (configuration, data, checkpoints, run directory), "
+                                            "75 preempted (checkpoint written; resubmit with --resume)")
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
+    parser.add_argument("--hdf5-locking", choices=("on", "off", "best-effort"), default=None,
+                        help="HDF5 file locking (default: $HPCTRAIN_HDF5_LOCKING, else HDF5's own default); "
+                             "'off' on file systems without locks, where opening a file fails with "
+                             "'unable to lock file'")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_, add_args, _) in COMMANDS.items():
         add_args(sub.add_parser(name, help=help_, description=help_))
@@ -144,8 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry of the ``hpctrain`` command; returns its exit status (``hpctrain.errors.ExitStatus``)."""
+    from . import log, settings
+    from .errors import ConfigError, ExitStatus
+
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command][2](args)
+    try:
+        settings.hdf5_locking(args.hdf5_locking)  # before anything opens an HDF5 file
+    except ConfigError as exc:
+        print(f"hpctrain: error: {exc}", file=sys.stderr)
+        return ExitStatus.CONFIG
+    handler = log.to_stream()  # the library's messages, rank 0's, as "hpctrain: ..." lines on stdout
+    try:
+        return COMMANDS[args.command][2](args)
+    finally:
+        logging.getLogger(log.ROOT).removeHandler(handler)
 
 
 if __name__ == "__main__":

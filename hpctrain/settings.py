@@ -52,3 +52,113 @@ def timeout_deadline_seconds(timeout: float | None = None) -> float | None:
     """``resolve_timeout`` for a polling loop: ``None`` when off (wait forever), else seconds."""
     value = resolve_timeout(timeout)
     return None if value == 0 else value
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_bool(name: str, default: bool | None = False) -> bool | None:
+    """A switch: 1/true/yes/on or 0/false/no/off (any case); ``default`` when unset or blank."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} must be 0 or 1 (or true/false, yes/no, on/off)")
+
+
+def env_int(name: str, *, minimum: int = 0) -> int | None:
+    """A whole number >= ``minimum``, ``None`` when unset or blank."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a whole number") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r} must be >= {minimum}")
+    return value
+
+
+def debug() -> bool:
+    """``HPCTRAIN_DEBUG``: fingerprint every communication call and compare it across ranks."""
+    return bool(env_bool("HPCTRAIN_DEBUG", False))
+
+
+def cuda_aware() -> bool | None:
+    """``HPCTRAIN_CUDA_AWARE``: force (1) or forbid (0) handing device buffers to MPI; ``None``
+    lets hpctrain find out."""
+    return env_bool("HPCTRAIN_CUDA_AWARE", None)
+
+
+def device() -> int | None:
+    """``HPCTRAIN_DEVICE``: the GPU this process uses (``None``: local rank modulo the GPUs)."""
+    return env_int("HPCTRAIN_DEVICE")
+
+
+def local_rank() -> int | None:
+    """``HPCTRAIN_LOCAL_RANK``: this process's rank on its node, overriding the launcher's."""
+    return env_int("HPCTRAIN_LOCAL_RANK")
+
+
+def data_dir() -> str | None:
+    """``HPCTRAIN_DATA``: where the built-in data sets are written (``None``: the default)."""
+    raw = os.environ.get("HPCTRAIN_DATA", "")
+    return raw if raw.strip() else None
+
+
+#: Every HPCTRAIN_* variable the library reads, with its parser (``check_environment`` runs them).
+PARSERS = {
+    "HPCTRAIN_TIMEOUT": resolve_timeout,
+    "HPCTRAIN_DEBUG": debug,
+    "HPCTRAIN_CUDA_AWARE": cuda_aware,
+    "HPCTRAIN_DEVICE": device,
+    "HPCTRAIN_LOCAL_RANK": local_rank,
+    "HPCTRAIN_DATA": data_dir,
+}
+
+
+def check_environment() -> None:
+    """Parse every ``HPCTRAIN_*`` variable hpctrain reads; the first bad one raises ``ConfigError``.
+
+    Called when the world ``Communicator`` is created (and by ``hpctrain train`` before anything
+    else), so a malformed setting stops the job at startup, on every rank alike, not mid-training.
+    """
+    for parse in PARSERS.values():
+        parse()
+
+
+#: ``--hdf5-locking`` / ``HPCTRAIN_HDF5_LOCKING`` values -> HDF5's own ``HDF5_USE_FILE_LOCKING``.
+HDF5_LOCKING = {"on": "TRUE", "off": "FALSE", "best-effort": "BEST_EFFORT"}
+
+
+def hdf5_locking(value: str | None = None) -> str | None:
+    """Set HDF5's file locking for this process: ``"on"``, ``"off"`` (file systems without locks,
+    where opening any HDF5 file fails with "unable to lock file") or ``"best-effort"``.
+
+    ``None`` reads ``HPCTRAIN_HDF5_LOCKING`` (unset: HDF5's default, which honours its own
+    ``HDF5_USE_FILE_LOCKING``). HDF5 reads the setting once, when h5py is first imported, so this
+    must run before that: afterwards a different setting is a ``ConfigError`` instead of being
+    silently ignored. Returns the value applied (``None``: left to HDF5).
+    """
+    import sys
+
+    if value is None:
+        value = os.environ.get("HPCTRAIN_HDF5_LOCKING", "").strip().lower() or None
+        where = "HPCTRAIN_HDF5_LOCKING"
+    else:
+        where = "--hdf5-locking"
+    if value is None:
+        return None
+    if value not in HDF5_LOCKING:
+        raise ConfigError(f"{where}={value!r}: must be one of {', '.join(HDF5_LOCKING)}")
+    want = HDF5_LOCKING[value]
+    if "h5py" in sys.modules and os.environ.get("HDF5_USE_FILE_LOCKING", "").upper() != want:
+        raise ConfigError(f"{where}={value}: HDF5 was already loaded in this process; set it (or "
+                          f"HDF5_USE_FILE_LOCKING={want}) before h5py is imported")
+    os.environ["HDF5_USE_FILE_LOCKING"] = want
+    return value

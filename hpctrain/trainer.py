@@ -601,7 +601,9 @@ class _Logger:
             return
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
-            self.metrics = open(metrics_file, "a")
+            from .rundir import open_append
+
+            self.metrics = open_append(metrics_file)  # never through a symlink planted at that name
         if progress is None:
             progress = sys.stdout.isatty()
         if progress:

@@ -220,3 +220,25 @@ def test_cuda_aware_verdict_honours_override(monkeypatch):
     # This MPICH answers its build-time query; without CuPy the verdict is "stage".
     assert cuda_aware.library_says() in (True, False, None)
     assert cuda_aware.verdict() is False or cuda_aware.library_says()
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_16bit_sums_are_public_calls(comm, kind):
+    """The gradient buckets' 16-bit wire path: ``op="sum_fp16"``/``"sum_bf16"`` on uint16 bits, through
+    the same bracket as every call (so the watchdog and HPCTRAIN_DEBUG see it)."""
+    from hpctrain.comm.half import from_bf16, to_bf16
+
+    vals = [np.linspace(-2, 2, 9, dtype=np.float32) * (r + 1) for r in range(comm.size)]
+    ref = np.sum(vals, axis=0)
+    if kind == "fp16":
+        wire = vals[comm.rank].astype(np.float16).view(np.uint16)
+        got = comm.iallreduce(wire, op="sum_fp16", out=wire).wait().view(np.float16).astype(np.float32)
+    else:
+        wire = to_bf16(vals[comm.rank], np.empty(9, np.uint16))
+        got = from_bf16(comm.allreduce(wire, op="sum_bf16"), np.empty(9, np.float32))
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=1e-2)
+    seq = comm._seq
+    comm.allreduce(wire.copy(), op=f"sum_{kind}")
+    assert comm._seq == seq + 1  # numbered (and watched) like any collective
+    with pytest.raises(DtypeError, match="uint16"):
+        comm.allreduce(np.ones(3, np.float32), op=f"sum_{kind}")

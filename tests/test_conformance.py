@@ -29,7 +29,7 @@ from hpctrain.parallel import (
 )
 
 D_IN, D, C, LR, PER_REPLICA = 6, 8, 3, 0.1, 4
-KINDS = ["dp", "tp", "pp", "ps"]
+KINDS = ["dp", "tp", "pp", "tp_pp", "ps"]
 
 
 def serial_model() -> Sequential:

@@ -316,7 +316,7 @@ def test_data_make_on_a_bad_directory_is_one_clear_line(tmp_path, readonly_dir, 
                        (readonly_dir, "Read-only file system|Permission denied"),
                        (blocker, "a file is in the way of the directory"),
                        (blocker / "sub", "Not a directory")):
-        assert main(["data", "make", "--dir", str(where)]) == 2
+        assert main(["data", "make", "--dir", str(where)]) == 4  # ExitStatus.CONFIG
         err = capsys.readouterr().err
         target = re.escape(f"{where}/classification.h5")
         hint = re.escape(" (choose a writable directory: --dir, or $HPCTRAIN_DATA)")

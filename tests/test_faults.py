@@ -107,8 +107,94 @@ def test_unhandled_exception_on_one_rank_ends_the_job(launch):
     # No `-m mpi4py`, watchdog at 300 s: only the excepthook can end this job quickly.
     p, took = launch("misc.py", "crash", env={"HPCTRAIN_TIMEOUT": "300"})
     assert p.returncode != 0 and took < 30, (p.returncode, took)
-    assert "unhandled exception on rank 1 of 2" in p.stderr
-    assert "RuntimeError: injected failure on the last rank" in p.stderr
+    assert "[rank 1] hpctrain: unhandled RuntimeError on rank 1 of 2 and not on every rank" in p.stderr
+    assert "[rank 1] RuntimeError: injected failure on the last rank" in p.stderr
+    assert "[rank 1] Traceback (most recent call last):" in p.stderr
+    _whole_rank_lines(p.stderr)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+def test_same_unhandled_error_on_every_rank_ends_normally_traceback_once(launch):
+    p, took = launch("misc.py", "crash-all", env={"HPCTRAIN_TIMEOUT": "300"})
+    assert p.returncode == 1 and took < 30, (p.returncode, took, p.stderr)
+    assert p.stderr.count("Traceback (most recent call last)") == 1 and "[rank 0] Traceback" in p.stderr
+    assert "[rank 1] ValueError: checking: rank 1: injected on the last rank  (raised on every rank" in p.stderr
+    assert "MPI_Abort" not in p.stderr and "aborting" not in p.stderr
+    _whole_rank_lines(p.stderr)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+def test_error_lines_of_ranks_never_run_together(launch):
+    p, _ = launch("misc.py", "lines")
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 2 * 2 * 300, len(lines)
+    bad = [line for line in lines if not re.fullmatch(r"\[rank [01]\] line \d+ (x{300}|second part)", line)]
+    assert not bad, bad[:3]
+
+
+# -- hpctrain train with a fault on one rank (issue 21) ----------------------------------------------
+
+
+def _whole_rank_lines(err: str) -> None:
+    """Every line hpctrain wrote (reports, tracebacks) is whole and starts with its rank."""
+    ours = [line for line in err.splitlines() if "hpctrain" in line or "Traceback" in line or "File " in line]
+    assert ours, err
+    odd = [line for line in ours if not re.match(r"\[rank \d+\] ", line)]
+    assert not odd, odd
+
+
+def _train_fault(launch, tmp_path, mode: str, ps_mode: str, timeout: str) -> tuple:
+    return launch("train_fault.py", mode, "1", "3", "--", "--strategy", "ps", "--ps-mode", ps_mode,
+                  "--epochs", "1", "--run-dir", str(tmp_path / "run"),
+                  env={"HPCTRAIN_TIMEOUT": timeout, "HPCTRAIN_DATA": str(tmp_path / "data")}, timeout=100)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ps_mode", ["ssp", "async"])
+def test_parameter_server_with_a_stopped_rank_ends_naming_it(launch, tmp_path, ps_mode):
+    # Rank 1 SIGSTOPs itself at step 3: rank 0 then waits in a one-sided window epoch (or the SSP
+    # clock wait) that the watchdog must see, or it would spin there forever.
+    p, took = _train_fault(launch, tmp_path, "stop", ps_mode, "5")
+    assert "rank 1: injected stop at step 3" in p.stdout, p.stdout
+    assert p.returncode != 0 and took < 60, (p.returncode, took, p.stderr)
+    err = p.stderr
+    assert re.search(r"\[rank 0\] hpctrain watchdog: StallError on rank 0: (window|ssp clock wait)", err), err
+    assert re.search(r"NOT arrived: ranks \[1\]|peer rank 1:", err), err
+    assert "rank 1: did not answer within" in err, err
+    _whole_rank_lines(err)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_error_on_one_rank_ends_the_whole_train_job_with_its_traceback(launch, tmp_path):
+    # The watchdog is at 300 s: only the one-rank error handling can end this job quickly.
+    p, took = _train_fault(launch, tmp_path, "raise", "ssp", "300")
+    assert "rank 1: injected raise at step 3" in p.stdout, p.stdout
+    assert p.returncode != 0 and took < 60, (p.returncode, took, p.stderr)
+    err = p.stderr
+    assert "[rank 1] hpctrain train: StallError on rank 1 of 2 and not on every rank; aborting the whole job" in err
+    assert "[rank 1] Traceback (most recent call last):" in err
+    assert "[rank 1] hpctrain.errors.StallError: injected on rank 1 at step 3" in err
+    assert "[rank 0]" not in err  # rank 0 was waiting, it has nothing to say
+    _whole_rank_lines(err)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("var", "value", "says"), [
+    ("HPCTRAIN_TIMEOUT", "abc", "HPCTRAIN_TIMEOUT='abc' is not a number"),
+    ("HPCTRAIN_DEBUG", "maybe", "HPCTRAIN_DEBUG='maybe' must be 0 or 1 (or true/false, yes/no, on/off)"),
+])
+def test_bad_environment_refused_at_startup_once(launch, tmp_path, var, value, says):
+    p, took = launch("train_fault.py", "none", "0", "0", "--", "--run-dir", str(tmp_path / "run"), env={var: value})
+    assert p.returncode == 2 and took < 30, (p.returncode, took, p.stderr)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert lines == [f"[rank 0] hpctrain train: error: hpctrain environment: ranks 0-1: {says}"], p.stderr
+    assert not os.path.exists(tmp_path / "run")  # refused before anything started
 
 
 @pytest.mark.fault

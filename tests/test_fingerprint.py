@@ -7,7 +7,7 @@ import pytest
 
 from hpctrain import Communicator
 from hpctrain.comm.fingerprint import FingerprintTracer
-from hpctrain.errors import CollectiveMismatchError
+from hpctrain.errors import CollectiveMismatchError, ConfigError
 
 
 @pytest.fixture
@@ -25,7 +25,10 @@ def test_debug_env_selects_fingerprint_tracer(monkeypatch, comm):
     monkeypatch.setenv("HPCTRAIN_DEBUG", "1")
     assert isinstance(Tracer.from_env(comm), FingerprintTracer)
     monkeypatch.setenv("HPCTRAIN_DEBUG", "0")
-    assert not Tracer.from_env(comm).enabled
+    assert Tracer.from_env(comm) is None  # off: no tracer at all on the hot path
+    monkeypatch.setenv("HPCTRAIN_DEBUG", "maybe")
+    with pytest.raises(ConfigError, match="HPCTRAIN_DEBUG='maybe' must be 0 or 1"):
+        Tracer.from_env(comm)
 
 
 def test_matching_calls_pass(dcomm):

@@ -323,3 +323,35 @@ def test_sync_fit_stop_and_resume_equals_uninterrupted(comm, tmp_path):
     last = stop - stop % 2
     np.testing.assert_allclose([s.loss for s in rest], [s.loss for s in history[last:]], rtol=1e-12)
     np.testing.assert_allclose(flat(second.model), flat(full.model), rtol=0, atol=1e-12)
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_ssp_zero_timeout_means_no_limit_and_the_clock_wait_is_watched(comm):
+    """timeout=0 is "off" (as everywhere), not "expire now": a worker held back by a slow one
+    waits for it; while it waits, the watchdog sees the wait and names the slow worker."""
+    from hpctrain.comm import watchdog
+
+    t = ParameterServerTrainer(model=mlp(), loss=MSELoss(), lr=0.01, comm=comm, mode="ssp", staleness=0, timeout=0)
+    assert t.timeout == 0
+    x, y = batches(1, 4)[0]
+    seen, real = [], watchdog.begin
+    if comm.rank == comm.size - 1:
+        time.sleep(1.0)  # everyone else reaches the clock wait and waits for this rank
+    elif comm.rank == 0:
+
+        def spy(c, op, peer=None, seq=None):
+            if op.startswith("ssp clock wait"):
+                seen.append(peer)
+            return real(c, op, peer, seq)
+
+        watchdog.begin = spy
+    try:
+        for _ in range(3):
+            stats = t.step(x, y)
+            assert np.isfinite(stats.loss)
+    finally:
+        watchdog.begin = real
+    t.close()
+    if comm.rank == 0:
+        assert comm.size - 1 in seen, seen  # waited, watched, naming the slow rank (among others that lag)

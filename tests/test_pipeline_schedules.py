@@ -137,3 +137,31 @@ def test_one_stage_trainer_matches_serial(schedule):
     assert stats[-1].extra["peak_activations"] == (1 if schedule == "1f1b" else 3)
     # One stage has no schedule bubble: what is measured is only the loop's own overhead.
     assert 0.0 <= stats[-1].extra["bubble"] < 0.5
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_interleaved_is_deadlock_free_with_the_ideal_bubble(p, v, k):
+    """Megatron's interleaved 1F1B: every chunk's F and B once, no deadlock, bubble (p-1)/(vm+p-1)."""
+    from hpctrain.parallel.schedules import ideal_bubble, interleaved
+
+    m = k * p
+    for s in range(p):
+        acts = list(interleaved(p, s, m, v))
+        assert sorted(acts) == sorted(Action(kind, i, c) for kind in "FB" for i in range(m) for c in range(v))
+        # Warm-up chunk-forwards plus one (m == p: Megatron runs every forward first).
+        bound = m * v if m == p else 2 * (p - s - 1) + (v - 1) * p + 1
+        assert peak_activations(acts) <= bound
+    result = simulate("interleaved", p, m, virtual_stages=v)
+    assert result["bubble"] == pytest.approx(ideal_bubble(p, m, v))
+    assert result["bubble"] < simulate("1f1b", p, m)["bubble"]  # what the interleaving buys
+
+
+def test_interleaved_refusals():
+    from hpctrain.parallel.schedules import interleaved
+
+    with pytest.raises(ValueError, match="multiple of the pipeline stages"):
+        list(interleaved(4, 0, 6, 2))
+    with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved'"):
+        get_schedule("1f1b", 2)

@@ -41,3 +41,28 @@ def test_raise_if_any_reaches_every_rank(comm):
     # Plain messages become ValueError; the same text from every rank is said once.
     with pytest.raises(ValueError, match=rf"ranks 0-{last}: same"):
         raise_if_any(comm, "same")
+
+
+def test_every_variable_is_parsed_and_refused_with_its_name(monkeypatch):
+    from hpctrain import settings
+
+    for name in settings.PARSERS:
+        monkeypatch.delenv(name, raising=False)
+    settings.check_environment()  # nothing set: every default is valid
+    defaults = (settings.debug(), settings.cuda_aware(), settings.device(), settings.local_rank())
+    assert defaults == (False, None, None, None)
+    monkeypatch.setenv("HPCTRAIN_DEBUG", "Yes")
+    monkeypatch.setenv("HPCTRAIN_CUDA_AWARE", "0")
+    monkeypatch.setenv("HPCTRAIN_DEVICE", " 3 ")
+    assert (settings.debug(), settings.cuda_aware(), settings.device()) == (True, False, 3)
+    for name, bad, says in [
+        ("HPCTRAIN_DEBUG", "2", "must be 0 or 1"),
+        ("HPCTRAIN_CUDA_AWARE", "auto", "must be 0 or 1"),
+        ("HPCTRAIN_DEVICE", "-1", "must be >= 0"),
+        ("HPCTRAIN_LOCAL_RANK", "one", "is not a whole number"),
+        ("HPCTRAIN_TIMEOUT", "5s", "is not a number"),
+    ]:
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ConfigError, match=f"{name}='{bad}' {says}"):
+            settings.check_environment()
+        monkeypatch.delenv(name)

@@ -78,7 +78,7 @@ def test_bad_flag_value_exits_with_usage(capsys):
     [
         (["--strategy", "hybrid", "--tp", "2"], 3, "3 ranks do not factor into tp=2 x pp=1"),
         (["--strategy", "hybrid", "--pp", "4"], 6, "must be a multiple of 4"),
-        (["--tp", "2"], 4, "--strategy dp does not use --tp 2: use --strategy hybrid"),
+        (["--strategy", "dp", "--tp", "2"], 4, "--strategy dp does not use --tp 2: use --strategy hybrid"),
         (["--strategy", "tp", "--pp", "2"], 4, "--strategy tp does not use --pp"),
         (["--strategy", "pp", "--tp", "2"], 4, "--strategy pp does not use --tp"),
         (["--strategy", "ps", "--optimizer", "adam"], 2, "applies SGD on the servers"),
@@ -88,7 +88,6 @@ def test_bad_flag_value_exits_with_usage(capsys):
          "tp=2 must divide --n-heads 3"),
         (["--model", "gpt", "--d-model", "30", "--n-heads", "4"], 1, "--n-heads 4 must divide --d-model 30"),
         (["--model", "gpt", "--strategy", "pp", "--n-layers", "1"], 8, "pp=8 stages but the gpt model has only 4"),
-        (["--strategy", "hybrid", "--tp", "2", "--pp", "2"], 8, "tp=2 together with pp=2 is not supported"),
         (["--strategy", "ps", "--weight-decay", "0.1"], 2, "--weight-decay is not possible"),
         (["--epochs", "0"], 2, "--epochs must be >= 1"),
         (["--lr", "-1"], 2, "--lr must be > 0"),
@@ -111,6 +110,10 @@ def test_impossible_settings_refused(argv, world, message):
         (["--strategy", "hybrid", "--tp", "2"], 4, (2, 2, 1)),
         (["--strategy", "hybrid", "--pp", "2"], 4, (2, 1, 2)),
         (["--strategy", "ps"], 3, (3, 1, 1)),
+        (["--strategy", "hybrid", "--tp", "2", "--pp", "2"], 8, (2, 2, 2)),
+        (["--tp", "2", "--pp", "2"], 8, (2, 2, 2)),  # no --strategy: dp inferred
+        (["--tp", "2"], 4, (2, 2, 1)),
+        ([], 4, (4, 1, 1)),
     ],
 )
 def test_layouts(argv, world, layout):

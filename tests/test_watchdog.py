@@ -9,6 +9,7 @@ import pytest
 
 from hpctrain import Trainer
 from hpctrain.comm import watchdog
+from hpctrain.errors import ConfigError
 
 
 def test_set_timeout_validates(comm):
@@ -26,8 +27,9 @@ def test_env_timeout(monkeypatch):
     assert watchdog.env_timeout() == watchdog.DEFAULT_TIMEOUT == 300
     monkeypatch.setenv("HPCTRAIN_TIMEOUT", "12.5")
     assert watchdog.env_timeout() == 12.5
-    monkeypatch.setenv("HPCTRAIN_TIMEOUT", "soon")
-    assert watchdog.env_timeout() == 300
+    monkeypatch.setenv("HPCTRAIN_TIMEOUT", "soon")  # refused, not silently replaced by the default
+    with pytest.raises(ConfigError, match="HPCTRAIN_TIMEOUT='soon' is not a number"):
+        watchdog.env_timeout()
 
 
 @pytest.mark.mpi(min_size=2)

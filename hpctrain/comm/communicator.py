@@ -14,16 +14,19 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from threading import get_ident
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import backend
-from ..errors import BufferError, DtypeError
+from .. import backend, settings
+from ..errors import BufferError, ConfigError, DtypeError
 from . import cuda_aware as _cuda_aware
 from . import debug as _debug
+from . import failure as _failure
 from . import watchdog as _watch
+from .validate import raise_if_any
 
 _OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -38,16 +41,51 @@ _DTYPES = frozenset(
 )  # fmt: skip
 
 
+# The 16-bit float sums: values travel as their uint16 bits and a NumPy user operation adds them
+# (bfloat16 has no MPI type; MPI's own float16 sum crawls on subnormal values).
+_OPS16 = ("sum_fp16", "sum_bf16")
+_OP_NAMES = (*_OPS, *_OPS16)
+
+
 def _op(op: str, dtype: np.dtype) -> MPI.Op:
+    if op in _OPS16:
+        if dtype != np.uint16:
+            raise DtypeError(f"op={op!r} sums 16-bit floats carried as uint16 bits; got dtype {dtype}")
+        from .half import sum16_op
+
+        return sum16_op(op[4:])
     try:
         mpi_op = _OPS[op]
-    except KeyError:
-        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"op must be one of {list(_OP_NAMES)}, got {op!r}") from None
     if op == "mean" and dtype.kind not in "fc":
         raise DtypeError(f"op='mean' needs a floating dtype, got {dtype}; reduce with 'sum'")
     if op in ("max", "min") and dtype.kind == "c":
         raise DtypeError(f"op={op!r} is not defined for complex dtype {dtype}")
     return mpi_op
+
+
+# op -> dtype -> MPI.Op for every valid pair of the built-in ops: the hot path checks op and
+# dtype with this one lookup (plus the buffer tests in ``allreduce``).
+_FAST_OPS: dict[str, dict[np.dtype, MPI.Op]] = {}
+for _name in _OPS:
+    for _dt in _DTYPES:
+        try:
+            _FAST_OPS.setdefault(_name, {})[_dt] = _op(_name, _dt)
+        except DtypeError:
+            pass
+
+
+_NO_ARG = object()  # _enter's "no argument" (None is a value a fingerprint may show)
+_world_ready = False  # the first world Communicator has done its one-time collective setup
+
+
+def _environment_problem() -> ConfigError | None:
+    try:
+        settings.check_environment()
+    except ConfigError as exc:
+        return exc
+    return None
 
 
 def _as_array(x: Any) -> Any:
@@ -209,18 +247,22 @@ class Communicator:
         self.size: int = self.mpi.Get_size()
         self._stage = _HostStage()
         self._cuda_aware: bool | None = None
+        # The hot path's table of (op, dtype) -> MPI op; empty while staging is forced.
+        self._fast_ops: dict = _FAST_OPS
         self._local_rank: int | None = None
-        # Tests set this to send NumPy arrays through the staging path, which is the only way to
-        # exercise that logic on machines without a GPU.
-        self._force_staging = False
         # Collective calls made so far (stall reports and debug fingerprints number them).
         self._seq = 0
         self._timeout: float | None = None
-        if comm is None or comm == MPI.COMM_WORLD:
-            # The first world Communicator starts the stall watchdog (collective) and makes an
-            # unhandled exception on one rank abort the whole job.
+        self._debug: Any = None  # HPCTRAIN_DEBUG's tracer, None when off (set below)
+        global _world_ready
+        if not _world_ready and (comm is None or comm == MPI.COMM_WORLD):
+            # The first world Communicator (collective) checks every HPCTRAIN_* setting (a bad one
+            # refused on every rank alike), starts the stall watchdog and makes an exception
+            # raised on some ranks only end the whole job.
+            raise_if_any(self, _environment_problem(), what="hpctrain environment")
             _watch.start()
-            _watch.install_excepthook()
+            _failure.setup()
+            _world_ready = True
         self._debug = _debug.Tracer.from_env(self)
 
     def __repr__(self) -> str:
@@ -270,23 +312,53 @@ class Communicator:
         ``None`` falls back to the trainer's ``timeout``, then ``HPCTRAIN_TIMEOUT`` (default 300);
         ``0`` disables stall detection for this communicator.
         """
-        if seconds is not None and (not isinstance(seconds, (int, float)) or seconds < 0):
-            raise ValueError(f"timeout must be None or seconds >= 0, got {seconds!r}")
-        self._timeout = None if seconds is None else float(seconds)
+        if seconds is not None and not isinstance(seconds, (int, float)):
+            raise ConfigError(f"timeout must be None or a number of seconds >= 0 (0 = off), got {seconds!r}")
+        self._timeout = None if seconds is None else settings.resolve_timeout(seconds)
 
-    def _begin(self, op: str, peer: int | None = None) -> int | None:
-        """Tell the watchdog a blocking call starts (collectives get the next sequence number)."""
-        if peer is None:
-            self._seq += 1
-            return _watch.begin(self, op, None, self._seq)
+    # -- the bracket around every call ---------------------------------------------------------
+
+    # Every blocking call is ``token = self._enter(...)``, then ``try: <MPI call> finally:
+    # _watch.end(token)``: the HPCTRAIN_DEBUG fingerprint (an attribute test when off), the
+    # sequence number and the watchdog's record. Argument checks come before it; ``allreduce``
+    # inlines its own for host arrays (the hot path of tensor-parallel layers).
+
+    def _enter(self, op: str, x: Any = None, arg: Any = _NO_ARG) -> int | None:
+        """Open the bracket of collective ``op``: debug fingerprint, sequence number, watchdog
+        record (``watchdog.begin`` inlined: this runs on every call)."""
+        if self._debug is not None:
+            self._debug.enter(op, x, *(() if arg is _NO_ARG else (arg,)))
+        self._seq += 1
+        dog = _watch._dog
+        if dog is None:
+            return None
+        ident = get_ident()
+        dog.active[ident] = (op, self, None, self._seq)
+        return ident
+
+    def _enter_p2p(self, op: str, peer: int) -> int | None:
+        """Open the bracket of a blocking point-to-point ``op`` with ``peer`` (fingerprints are
+        exchanged by the callers: a send and a receive check differently)."""
         return _watch.begin(self, op, peer)
 
-    # -- staging ----------------------------------------------------------------------------
+    @property
+    def _force_staging(self) -> bool:
+        # Tests set this to send NumPy arrays through the staging path, which is the only way to
+        # exercise that logic on machines without a GPU; it also turns the hot path off.
+        return self._fast_ops is not _FAST_OPS
 
-    def _staged(self, *arrays: Any) -> bool:
+    @_force_staging.setter
+    def _force_staging(self, value: bool) -> None:
+        self._fast_ops = {} if value else _FAST_OPS
+
+    def _staged(self, x: Any, out: Any = None, op: str | None = None) -> bool:
+        """Whether this call goes through pinned host buffers: device arrays without CUDA-aware
+        MPI, and device arrays under a 16-bit sum (its NumPy operation runs on the host)."""
         if self._force_staging:
             return True
-        if any(backend.is_device_array(a) for a in arrays if a is not None):
+        if backend.is_device_array(x) or (out is not None and backend.is_device_array(out)):
+            if op in _OPS16:
+                return True
             if self.cuda_aware:
                 backend.synchronize()
                 return False
@@ -303,24 +375,41 @@ class Communicator:
     def allreduce(self, x: Any, op: str = "sum", out: Any = None) -> Any:
         """Reduce ``x`` over all ranks; every rank gets the result.
 
-        ``op`` is "sum", "mean", "max" or "min". ``out=x`` reduces in place; another ``out``
-        receives the result; without ``out`` a new array is returned.
+        ``op`` is "sum", "mean", "max" or "min" ("sum_fp16"/"sum_bf16": 16-bit floats carried as
+        uint16 bits). ``out=x`` reduces in place; another ``out`` receives the result; without
+        ``out`` a new array is returned.
         """
-        x = _as_array(x)
-        _check_dtype(x)
-        mpi_op = _op(op, np.dtype(x.dtype))
-        inplace = out is x
-        if inplace:
-            _check_out(out, x.shape, x.dtype, "allreduce")
-        else:
-            x = _send_ready(x)
-            if out is None:
-                out = backend.xp_of(x).empty_like(x)
-            _check_out(out, x.shape, x.dtype, "allreduce")
-        self._debug.enter("allreduce", x, op)
-        token = self._begin("allreduce")
+        # The hot path's checks, inline: a C-contiguous host array whose (op, dtype) pair is in
+        # the table, and an ``out`` that is None, ``x`` itself, or a matching host array. Anything
+        # else takes the general path, which converts, copies, stages or raises the precise error.
         try:
-            if self._staged(x, out):
+            mpi_op = self._fast_ops[op][x.dtype] if type(x) is np.ndarray and x.flags.c_contiguous else None
+        except (KeyError, TypeError):
+            mpi_op = None
+        if mpi_op is None:
+            return self._allreduce_general(x, op, out)
+        if out is None:
+            send, out = x, np.empty_like(x)
+        elif out is x:
+            send = MPI.IN_PLACE
+        elif type(out) is np.ndarray and out.dtype == x.dtype and out.shape == x.shape and out.flags.c_contiguous:
+            send = x
+        else:
+            return self._allreduce_general(x, op, out)
+        token = self._enter("allreduce", x, op)
+        try:
+            self.mpi.Allreduce(send, out, mpi_op)
+        finally:
+            _watch.end(token)
+        if op == "mean":
+            out /= self.size
+        return out
+
+    def _allreduce_general(self, x: Any, op: str, out: Any) -> Any:
+        x, out, mpi_op, inplace = self._reduce_args("allreduce", x, op, out)
+        token = self._enter("allreduce", x, op)
+        try:
+            if self._staged(x, out, op):
                 host = self._in(x)
                 self.mpi.Allreduce(MPI.IN_PLACE, host, mpi_op)
                 _copy_from_host(host, out)
@@ -333,11 +422,8 @@ class Communicator:
             out /= self.size
         return out
 
-    def iallreduce(self, x: Any, op: str = "sum", out: Any = None) -> Request:
-        """Start an all-reduce; ``req.wait()`` returns the result (``out`` if given).
-
-        ``x`` (and ``out``) must not be touched until the request has completed.
-        """
+    def _reduce_args(self, what: str, x: Any, op: str, out: Any) -> tuple:
+        """Checked ``(x, out, mpi_op, inplace)`` for an element-wise reduction of any array."""
         x = _as_array(x)
         _check_dtype(x)
         mpi_op = _op(op, np.dtype(x.dtype))
@@ -346,12 +432,22 @@ class Communicator:
             x = _send_ready(x)
             if out is None:
                 out = backend.xp_of(x).empty_like(x)
-        _check_out(out, x.shape, x.dtype, "iallreduce")
-        self._debug.enter("iallreduce", x, op)
+        _check_out(out, x.shape, x.dtype, what)
+        return x, out, mpi_op, inplace
+
+    def iallreduce(self, x: Any, op: str = "sum", out: Any = None) -> Request:
+        """Start an all-reduce; ``req.wait()`` returns the result (``out`` if given).
+
+        ``x`` (and ``out``) must not be touched until the request has completed. ``op`` as for
+        ``allreduce``.
+        """
+        x, out, mpi_op, inplace = self._reduce_args("iallreduce", x, op, out)
+        if self._debug is not None:
+            self._debug.enter("iallreduce", x, op)
         scale = self.size if op == "mean" else None
         self._seq += 1
         watch = (self, "iallreduce", None, self._seq)
-        if self._staged(x, out):
+        if self._staged(x, out, op):
             host = self._in(x)
             req = self.mpi.Iallreduce(MPI.IN_PLACE, host, mpi_op)
 
@@ -382,8 +478,7 @@ class Communicator:
         if out is None:
             out = backend.xp_of(x).empty(shape, dtype=x.dtype)
         _check_out(out, shape, x.dtype, "reduce_scatter")
-        self._debug.enter("reduce_scatter", x, op)
-        token = self._begin("reduce_scatter")
+        token = self._enter("reduce_scatter", x, op)
         try:
             if self._staged(x, out):
                 host_in, host_out = self._in(x), self._stage.take(shape, x.dtype)
@@ -406,8 +501,7 @@ class Communicator:
         self._check_peer(root, "root")
         _check_dtype(x)
         _check_out(x, x.shape, x.dtype, "bcast")
-        self._debug.enter("bcast", x, root)
-        token = self._begin("bcast")
+        token = self._enter("bcast", x, root)
         try:
             if self._staged(x):
                 host = self._in(x)
@@ -427,8 +521,7 @@ class Communicator:
         if out is None:
             out = backend.xp_of(x).empty(shape, dtype=x.dtype)
         _check_out(out, shape, x.dtype, "allgather")
-        self._debug.enter("allgather", x)
-        token = self._begin("allgather")
+        token = self._enter("allgather", x)
         try:
             if self._staged(x, out):
                 host_in, host_out = self._in(x), self._stage.take(shape, x.dtype)
@@ -448,8 +541,9 @@ class Communicator:
         """Blocking send of ``x`` to ``dest``."""
         self._check_peer(dest, "dest")
         x = _send_ready(x)
-        self._debug.enter_p2p("send", x, dest, tag)
-        token = self._begin("send", dest)
+        if self._debug is not None:
+            self._debug.enter_p2p("send", x, dest, tag)
+        token = self._enter_p2p("send", dest)
         try:
             if self._staged(x):
                 host = self._in(x)
@@ -466,10 +560,11 @@ class Communicator:
         _check_dtype(out)
         _check_out(out, out.shape, out.dtype, "recv")
         status = MPI.Status()
-        check = self._debug.enter_recv("recv", out, source, tag)
-        if check is not None:
-            check()
-        token = self._begin("recv", source)
+        if self._debug is not None:
+            check = self._debug.enter_recv("recv", out, source, tag)
+            if check is not None:
+                check()
+        token = self._enter_p2p("recv", source)
         try:
             if self._staged(out):
                 host = self._stage.take(out.shape, out.dtype)
@@ -487,7 +582,8 @@ class Communicator:
         """Start sending ``x``; keep ``x`` unchanged until the request completes."""
         self._check_peer(dest, "dest")
         x = _send_ready(x)
-        self._debug.enter_p2p("isend", x, dest, tag)
+        if self._debug is not None:
+            self._debug.enter_p2p("isend", x, dest, tag)
         watch = (self, "isend.wait", dest, None)
         if self._staged(x):
             host = self._in(x)
@@ -500,7 +596,7 @@ class Communicator:
         _check_dtype(out)
         _check_out(out, out.shape, out.dtype, "irecv")
         watch = (self, "irecv.wait", source, None)
-        check = self._debug.enter_recv("irecv", out, source, tag)
+        check = None if self._debug is None else self._debug.enter_recv("irecv", out, source, tag)
         if self._staged(out):
             host = self._stage.take(out.shape, out.dtype)
             req = self.mpi.Irecv(host, source, tag)
@@ -517,8 +613,7 @@ class Communicator:
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
         """Broadcast a picklable object from ``root``; returns it on every rank."""
         self._check_peer(root, "root")
-        self._debug.enter("bcast_obj", None, root)
-        token = self._begin("bcast_obj")
+        token = self._enter("bcast_obj", None, root)
         try:
             return self.mpi.bcast(obj, root)
         finally:
@@ -526,8 +621,7 @@ class Communicator:
 
     def allgather_obj(self, obj: Any) -> list:
         """A list of every rank's (picklable) ``obj``, in rank order."""
-        self._debug.enter("allgather_obj", None)
-        token = self._begin("allgather_obj")
+        token = self._enter("allgather_obj", None)
         try:
             return self.mpi.allgather(obj)
         finally:
@@ -536,8 +630,7 @@ class Communicator:
     def gather_obj(self, obj: Any, root: int = 0) -> list | None:
         """Every rank's ``obj`` as a list on ``root``, ``None`` elsewhere."""
         self._check_peer(root, "root")
-        self._debug.enter("gather_obj", None, root)
-        token = self._begin("gather_obj")
+        token = self._enter("gather_obj", None, root)
         try:
             return self.mpi.gather(obj, root)
         finally:
@@ -547,7 +640,7 @@ class Communicator:
 
     def split(self, color: int, key: int | None = None) -> Communicator:
         """Sub-communicators of the ranks sharing ``color``, ordered by ``key`` (default rank)."""
-        token = self._begin("split")
+        token = self._enter("split")
         try:
             sub = self.mpi.Split(color, self.rank if key is None else key)
         finally:
@@ -556,8 +649,7 @@ class Communicator:
 
     def barrier(self) -> None:
         """Wait until every rank has called ``barrier``."""
-        self._debug.enter("barrier", None)
-        token = self._begin("barrier")
+        token = self._enter("barrier", None)
         try:
             self.mpi.Barrier()
         finally:

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from .. import backend
+from .. import backend, settings
 
 _verdict: bool | None = None
 ENV = "HPCTRAIN_CUDA_AWARE"
@@ -75,11 +75,9 @@ def verdict() -> bool:
     """Whether to hand device buffers to MPI directly (cached for the process)."""
     global _verdict
     if _verdict is None:
-        forced = os.environ.get(ENV, "").strip()
-        if forced in ("0", "1"):
-            _verdict = forced == "1"
-        elif forced:
-            raise ValueError(f"{ENV} must be 0 or 1, got {forced!r}")
+        forced = settings.cuda_aware()
+        if forced is not None:
+            _verdict = forced
         elif backend.cupy() is None or not library_says():
             _verdict = False
         else:

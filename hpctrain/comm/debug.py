@@ -1,26 +1,29 @@
 """Hooks every communication call passes through (HPCTRAIN_DEBUG fingerprinting lives here).
 
-With ``HPCTRAIN_DEBUG`` unset the tracer is a no-op object whose methods return at once.
+With ``HPCTRAIN_DEBUG`` unset there is no tracer at all (``from_env`` returns ``None``): the
+communicator's hot path then pays one attribute test for debugging, nothing else.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from .. import settings
 
 
 class Tracer:
-    """No-op tracer: the default when ``HPCTRAIN_DEBUG`` is not set."""
+    """Base of the tracers (what a communicator calls around each call when debugging)."""
 
     enabled = False
 
     @staticmethod
-    def from_env(comm: Any) -> Tracer:
-        if os.environ.get("HPCTRAIN_DEBUG", "0") not in ("", "0"):
+    def from_env(comm: Any) -> Tracer | None:
+        """The fingerprint tracer when ``HPCTRAIN_DEBUG`` is on, else ``None``."""
+        if settings.debug():
             from .fingerprint import FingerprintTracer
 
             return FingerprintTracer(comm)
-        return _NULL
+        return None
 
     def enter(self, op: str, x: Any, *args: Any) -> None:
         """Called before a collective starts."""
@@ -32,5 +35,3 @@ class Tracer:
         """Called before a receive is posted; may return a check to run once it completes."""
         return None
 
-
-_NULL = Tracer()

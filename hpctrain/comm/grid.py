@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import GridError
+from ..errors import GridError, MismatchError
 from .communicator import Communicator
+from .failure import mark_everywhere
+from .validate import agree, raise_if_any
 
 
 @dataclass(frozen=True)
@@ -77,18 +79,16 @@ class ProcessGrid:
         self.world = comm if isinstance(comm, Communicator) else Communicator(comm)
         size, rank = self.world.size, self.world.rank
         # Agree before splitting: a rank with other numbers would otherwise wait in Split.
+        problem: GridError | None = None
         try:
             factor(size, tp, pp)
-            mine = ("ok", tp, pp)
         except GridError as err:
-            mine = ("error", str(err))
-        everyone = self.world.allgather_obj(mine)
-        for r, theirs in enumerate(everyone):
-            if theirs[0] == "error":
-                raise GridError(f"rank {r}: {theirs[1]}")
-        if len(set(everyone)) > 1:
-            seen = ", ".join(f"rank {r}: tp={t[1]} pp={t[2]}" for r, t in enumerate(everyone))
-            raise GridError(f"ranks asked for different process grids ({seen})")
+            problem = err
+        raise_if_any(self.world, problem, what="process grid")
+        try:
+            agree(self.world, "the process grid", {"tp": tp, "pp": pp})
+        except MismatchError as exc:
+            raise mark_everywhere(GridError(f"ranks asked for different process grids: {exc}"), self.world) from None
         self.tp_size, self.pp_size = tp, pp
         self.dp_size = factor(size, tp, pp)
         self.coords = coords(rank, size, tp, pp)

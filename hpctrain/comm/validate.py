@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from ..errors import MismatchError
+from .failure import mark_everywhere
 
 
 def _canonical(value: Any) -> str:
@@ -62,11 +63,11 @@ def agree(comm: Any, what: str, value: Any) -> None:
     odd = next(r for r, d in enumerate(digests) if d != ref)
     ranks_ref, ranks_odd = groups[ref], groups[digests[odd]]
     diff = _first_difference(values[0], values[odd])
-    raise MismatchError(
+    raise mark_everywhere(MismatchError(
         f"ranks disagree on {what}: ranks {_ranges(ranks_ref)} differ from ranks "
         f"{_ranges(ranks_odd)}{' (and others)' if len(groups) > 2 else ''}; first difference "
         f"(rank {ranks_ref[0]} vs rank {odd}): {diff}"
-    )
+    ), comm)
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -116,4 +117,4 @@ def raise_if_any(comm: Any, problem: BaseException | str | None, *, what: str = 
         exc = kind(message)
     except Exception:
         exc = RuntimeError(message)
-    raise exc
+    raise mark_everywhere(exc, comm)

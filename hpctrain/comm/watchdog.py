@@ -1,9 +1,12 @@
 """Stall watchdog and whole-job abort: an MPI job never hangs silently.
 
-Every blocking wait of a ``Communicator`` (collectives, ``recv``, ``send``, ``Request.wait``) is
-bracketed by ``begin``/``end``: two dictionary writes and a clock read, nothing else on the fast
-path. A daemon thread per process (started with the first world ``Communicator`` when the world
-has more than one rank) looks at those records a few times a second. When one has waited longer
+Every blocking wait hpctrain makes is bracketed by ``begin``/``end`` (one dictionary write each,
+nothing else on the fast path): the ``Communicator``'s collectives, ``recv``, ``send`` and
+``Request.wait``, a ``Window``'s lock epochs (``Lock``, ``Lock_all`` and the ``Unlock`` that
+completes the operations), its collective creation and freeing, and polling waits such as the
+parameter server's stale-synchronous clock wait. A daemon thread per process (started with the
+first world ``Communicator`` when the world has more than one rank) looks at those records a few
+times a second and times them. When one has waited longer
 than its timeout it asks the other ranks, over a side channel, what they are doing, prints a
 report naming the operation, the step and which ranks have and have not arrived, and calls
 ``MPI_Abort`` so that ``mpiexec`` ends every rank with a non-zero exit.
@@ -15,8 +18,8 @@ completed operation and the training step. A rank that does not answer within a 
 reported as dead or stuck without releasing the GIL.
 
 Timeouts: ``Communicator.set_timeout(s)`` for one communicator, else the ``timeout`` of the live
-``Trainer`` (``Trainer(timeout=s)``), else ``HPCTRAIN_TIMEOUT`` (seconds, default 300; ``0``
-turns the watchdog off entirely).
+``Trainer`` (``Trainer(timeout=s)``), else ``HPCTRAIN_TIMEOUT`` (seconds, default 300), all read
+through ``hpctrain.settings.resolve_timeout``; ``0`` means off (that wait is not bounded).
 """
 
 from __future__ import annotations
@@ -28,33 +31,28 @@ import threading
 import time
 import traceback
 import weakref
+from threading import get_ident
 from typing import Any
 
 from mpi4py import MPI
 
-DEFAULT_TIMEOUT = 300.0
+from .. import settings
+from .failure import EXCEPTION_EXIT, FLUSH_GRACE, write_lines
+
+DEFAULT_TIMEOUT = settings.DEFAULT_TIMEOUT
 #: Exit status handed to MPI_Abort when the watchdog ends a stalled job.
 STALL_EXIT = 3
-#: Exit status handed to MPI_Abort after an unhandled exception on one rank.
-EXCEPTION_EXIT = 1
+__all__ = ["EXCEPTION_EXIT", "STALL_EXIT", "attach", "begin", "end", "running", "start", "stop"]
 _QUERY, _ANSWER = 1, 2
 _POLL = 0.2  # seconds between two looks of the watchdog thread
 _ANSWER_WAIT = 5.0  # how long a stalled rank waits for the others to describe themselves
-# MPI_Abort makes the launcher kill every process at once; output still in its forwarding pipes can
-# be lost (seen with MPICH's hydra on a loaded machine). Pause this long after the report first.
-_FLUSH_GRACE = 1.0
+_FLUSH_GRACE = FLUSH_GRACE  # pause between the report and MPI_Abort (see failure.py)
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def env_timeout() -> float:
-    """``HPCTRAIN_TIMEOUT`` in seconds (default 300); 0 or negative means no watchdog."""
-    raw = os.environ.get("HPCTRAIN_TIMEOUT", "")
-    try:
-        return float(raw) if raw.strip() else DEFAULT_TIMEOUT
-    except ValueError:
-        print(f"hpctrain: ignoring HPCTRAIN_TIMEOUT={raw!r} (not a number); using {DEFAULT_TIMEOUT:g} s",
-              file=sys.stderr)  # fmt: skip
-        return DEFAULT_TIMEOUT
+    """``HPCTRAIN_TIMEOUT`` in seconds (default 300, 0 = off); a bad value raises ``ConfigError``."""
+    return settings.resolve_timeout()
 
 
 class _Dog:
@@ -62,8 +60,14 @@ class _Dog:
 
     def __init__(self, default: float) -> None:
         self.default = default
-        self.active: dict[int, tuple] = {}  # thread id -> (op, comm, peer, seq, t0)
-        self.last: tuple | None = None  # (op, comm, peer, seq, t_end)
+        # The hot path only stores and pops records; this thread times them. A record is new when
+        # it is not the object seen before (each begin makes a new tuple), so an age is exact to
+        # within one look (_POLL), which a timeout of seconds does not notice.
+        self.active: dict[int, tuple] = {}  # thread id -> (op, comm, peer, seq)
+        self.last: tuple | None = None  # (op, comm, peer, seq) of the last completed wait
+        self._since: dict[int, tuple] = {}  # thread id -> (record, monotonic time first seen)
+        self._last_seen: tuple | None = None
+        self.last_end = time.monotonic()  # about when ``last`` completed
         self.trainer: Any = None  # weakref to the live Trainer (step, timeout)
         self.main_ident = threading.main_thread().ident
         self.world_rank = MPI.COMM_WORLD.Get_rank()
@@ -86,7 +90,7 @@ class _Dog:
             return own
         trainer = self.trainer() if self.trainer is not None else None
         if trainer is not None and getattr(trainer, "timeout", None) is not None:
-            return float(trainer.timeout)
+            return settings.resolve_timeout(trainer.timeout)
         return self.default
 
     def step(self) -> int | None:
@@ -99,14 +103,28 @@ class _Dog:
         while not self.stop.wait(_POLL):
             try:
                 self._serve()
-                now = time.monotonic()
-                for rec in list(self.active.values()):
+                for rec, age in self._look():
                     limit = self.timeout_of(rec[1])
-                    if limit > 0 and now - rec[4] > limit:
-                        self._fire(rec, limit)
+                    if limit > 0 and age > limit:
+                        self._fire(rec, age, limit)
             except Exception as exc:  # the watchdog must never take a healthy job down itself
-                print(f"hpctrain watchdog (rank {self.world_rank}): internal error {exc!r}", file=sys.stderr)
+                _err(f"hpctrain watchdog (rank {self.world_rank}): internal error {exc!r}")
                 time.sleep(1.0)
+
+    def _look(self) -> list[tuple[tuple, float]]:
+        """The active waits with their ages (and note when ``last`` changed)."""
+        now = time.monotonic()
+        if self.last is not self._last_seen:
+            self._last_seen, self.last_end = self.last, now
+        since, out = {}, []
+        for ident, rec in list(self.active.items()):
+            seen = self._since.get(ident)
+            if seen is None or seen[0] is not rec:
+                seen = (rec, now)
+            since[ident] = seen
+            out.append((rec, now - seen[1]))
+        self._since = since
+        return out
 
     def _serve(self) -> None:
         """Answer every pending query from another rank's watchdog."""
@@ -122,12 +140,12 @@ class _Dog:
     def describe(self) -> dict[str, Any]:
         """This rank's state as another rank's report shows it."""
         now = time.monotonic()
-        active = [(op, _members(c), peer, seq, now - t0) for op, c, peer, seq, t0 in list(self.active.values())]
+        active = [(op, _members(c), peer, seq, age) for (op, c, peer, seq), age in self._look()]
         last = self.last
         return {
             "rank": self.world_rank,
             "active": active,
-            "last": None if last is None else (last[0], _members(last[1]), last[2], last[3], now - last[4]),
+            "last": None if last is None else (last[0], _members(last[1]), last[2], last[3], now - self.last_end),
             "where": _where(self.main_ident),
             "step": self.step(),
         }
@@ -152,21 +170,22 @@ class _Dog:
         self.pending.extend(sends)
         return answers
 
-    def _fire(self, rec: tuple, limit: float) -> None:
+    def _fire(self, rec: tuple, age: float, limit: float) -> None:
         if self.fired:
             return
         self.fired = True
         try:
-            self._report(rec, limit)
+            self._report(rec, age, limit)
         except BaseException as exc:  # whatever happens while reporting, the job must end
             _err(f"hpctrain watchdog (rank {self.world_rank}): stall report failed ({exc!r})")
         finally:
             time.sleep(_FLUSH_GRACE)
             MPI.COMM_WORLD.Abort(STALL_EXIT)
 
-    def _report(self, rec: tuple, limit: float) -> None:
+    def _report(self, rec: tuple, age: float, limit: float) -> None:
         """Ask the peers what they do and print the stall report (the lead rank prints it all)."""
-        op, comm, peer, seq, t0 = rec
+        op, comm, peer, seq = rec
+        t0 = time.monotonic() - age
         members = _members(comm)
         involved = [members[peer]] if peer is not None and members is not None else list(members or [])
         others = [r for r in involved if r != self.world_rank]
@@ -211,8 +230,7 @@ class _Dog:
 
 
 def _err(text: str) -> None:
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+    write_lines(text)
 
 
 def _members(comm: Any) -> tuple[int, ...] | None:
@@ -285,10 +303,9 @@ def start() -> None:
     with _lock:
         if _dog is not None or MPI.COMM_WORLD.Get_size() < 2:
             return
-        default = env_timeout()
-        if default <= 0:
-            return
-        _dog = _Dog(default)
+        # Started even when HPCTRAIN_TIMEOUT=0 (a default of "off"): a Trainer(timeout=) or
+        # comm.set_timeout() given later still bounds its waits. An idle look costs microseconds.
+        _dog = _Dog(env_timeout())
         atexit.register(_dog.shutdown)  # before mpi4py finalizes MPI
 
 
@@ -312,53 +329,22 @@ def attach(trainer: Any) -> None:
 
 
 def begin(comm: Any, op: str, peer: int | None = None, seq: int | None = None) -> int | None:
-    """Record that this thread starts a blocking wait; returns a token for ``end``."""
+    """Record that this thread starts a blocking wait; returns a token for ``end``.
+
+    ``peer`` is the rank (in ``comm``) waited for, ``None`` for a collective (``seq`` numbers it).
+    """
     dog = _dog
     if dog is None:
         return None
-    ident = threading.get_ident()
-    dog.active[ident] = (op, comm, peer, seq, time.monotonic())
+    ident = get_ident()
+    dog.active[ident] = (op, comm, peer, seq)
     return ident
 
 
 def end(token: int | None) -> None:
     """Record that the wait started by ``begin`` is over."""
-    if token is None:
-        return
     dog = _dog
-    if dog is not None:
+    if token is not None and dog is not None:
         rec = dog.active.pop(token, None)
         if rec is not None:
-            dog.last = (*rec[:4], time.monotonic())
-
-
-# -- unhandled exceptions end the whole job ------------------------------------------------------
-
-_hook_installed = False
-
-
-def _abort_hook(exc_type: type, exc: BaseException, tb: Any) -> None:
-    world = MPI.COMM_WORLD
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
-    _err(
-        f"hpctrain: unhandled exception on rank {world.Get_rank()} of {world.Get_size()}; aborting the whole "
-        f"job so the other ranks do not wait forever:\n" + text.rstrip()
-    )
-    stop()
-    time.sleep(_FLUSH_GRACE)
-    world.Abort(EXCEPTION_EXIT)
-
-
-def install_excepthook() -> None:
-    """Abort every rank (MPI_Abort) when an exception escapes on one rank of a multi-rank job.
-
-    Without it the failing rank exits while the others wait in their next collective forever
-    (unless the user launched with ``python -m mpi4py``). Pytest is unaffected: it catches the
-    exceptions of tests itself, so they never reach ``sys.excepthook``.
-    """
-    global _hook_installed
-    if _hook_installed or MPI.COMM_WORLD.Get_size() < 2:
-        return
-    _hook_installed = True
-    if sys.excepthook is sys.__excepthook__:
-        sys.excepthook = _abort_hook
+            dog.last = rec

@@ -19,6 +19,11 @@ owners call it between layers so updates aimed at them land promptly.
 
 A ``Window`` is freed with ``free()`` (collective) or by leaving a ``with`` block; any use after
 that raises ``WindowError``.
+
+Every wait is watched by the stall watchdog like the communicator's calls: the collective
+allocation and freeing, and each access epoch from its ``Lock``/``Lock_all`` to the ``Unlock`` that
+completes its operations (a target that stopped answering leaves the origin blocked there, so a
+stopped rank ends the job with a report naming it instead of a silent spin).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..errors import BufferError, WindowError
+from . import watchdog as _watch
 from .communicator import Communicator, _check_dtype
 
 _ACC_OPS = {"sum": MPI.SUM, "replace": MPI.REPLACE, "max": MPI.MAX, "min": MPI.MIN}
@@ -57,9 +63,11 @@ class Window:
         if shm is not None:
             info = MPI.Info.Create()
             info.Set("alloc_shm", "true" if shm else "false")
+        token = comm._enter("window allocate")
         try:
             self._win: MPI.Win | None = MPI.Win.Allocate(self.count * dtype.itemsize, dtype.itemsize, info, comm.mpi)
         finally:
+            _watch.end(token)
             if info != MPI.INFO_NULL:
                 info.Free()
         mem = self._win.tomemory()
@@ -90,7 +98,11 @@ class Window:
             self._poke_req.Cancel()
             self._poke_req.Wait()
             self._poke_comm.Free()
-            win.Free()
+            token = self.comm._enter("window free")
+            try:
+                win.Free()
+            finally:
+                _watch.end(token)
 
     def __enter__(self) -> Window:
         self._live()
@@ -128,7 +140,7 @@ class Window:
         return a
 
     def _epoch(self, target: int) -> _Epoch:
-        return _Epoch(self._live(), target)
+        return _Epoch(self._live(), target, self.comm)
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -186,13 +198,17 @@ class Window:
         """Issue ``issue(win, target, lo, hi)`` for every part inside one ``Lock_all`` epoch: the
         operations to different targets overlap instead of paying one round trip each."""
         win = self._live()
-        win.Lock_all()
+        token = _watch.begin(self.comm, "window lock_all epoch (one-sided, every target)")
         try:
-            for target, lo, hi in parts:
-                if hi > lo:
-                    issue(win, target, lo, hi)
+            win.Lock_all()
+            try:
+                for target, lo, hi in parts:
+                    if hi > lo:
+                        issue(win, target, lo, hi)
+            finally:
+                win.Unlock_all()
         finally:
-            win.Unlock_all()
+            _watch.end(token)
 
     def accumulate_parts(self, x: np.ndarray, parts: list[tuple[int, int, int]]) -> None:
         """Add ``x[lo:hi]`` into the start of ``target``'s piece for each ``(target, lo, hi)``,
@@ -238,7 +254,7 @@ class Window:
     def locked(self, exclusive: bool = True) -> _Epoch:
         """``with win.locked(): win.local()[...] = ...`` — an epoch on this rank's own piece
         (exclusive by default, so no accumulate interleaves with a local read-modify-write)."""
-        return _Epoch(self._live(), self.comm.rank, exclusive=exclusive)
+        return _Epoch(self._live(), self.comm.rank, self.comm, exclusive=exclusive)
 
     def progress(self) -> None:
         """Poke this process's MPI progress engine so pending operations aimed at it complete.
@@ -250,17 +266,27 @@ class Window:
 
 
 class _Epoch:
-    """A passive-target access epoch on one target: ``Lock`` on enter, ``Unlock`` on exit."""
+    """A passive-target access epoch on one target: ``Lock`` on enter, ``Unlock`` on exit, the
+    whole epoch a watched wait on that target."""
 
-    __slots__ = ("_win", "_target", "_exclusive")
+    __slots__ = ("_win", "_target", "_comm", "_exclusive", "_token")
 
-    def __init__(self, win: MPI.Win, target: int, exclusive: bool = False) -> None:
-        self._win, self._target, self._exclusive = win, target, exclusive
+    def __init__(self, win: MPI.Win, target: int, comm: Communicator, exclusive: bool = False) -> None:
+        self._win, self._target, self._comm, self._exclusive = win, target, comm, exclusive
+        self._token: int | None = None
 
     def __enter__(self) -> MPI.Win:
         lock = MPI.LOCK_EXCLUSIVE if self._exclusive else MPI.LOCK_SHARED
-        self._win.Lock(self._target, lock)
+        self._token = _watch.begin(self._comm, "window lock epoch (one-sided)", self._target)
+        try:
+            self._win.Lock(self._target, lock)
+        except BaseException:
+            _watch.end(self._token)
+            raise
         return self._win
 
     def __exit__(self, *exc: Any) -> None:
-        self._win.Unlock(self._target)
+        try:
+            self._win.Unlock(self._target)
+        finally:
+            _watch.end(self._token)

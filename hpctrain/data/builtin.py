@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..errors import ConfigError, DatasetError
 
 VERSION = 1
@@ -35,7 +36,7 @@ CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 
 def cache_dir() -> Path:
     """Where built-in sets are written: ``$HPCTRAIN_DATA`` or ``~/.cache/hpctrain``."""
-    env = os.environ.get("HPCTRAIN_DATA")
+    env = settings.data_dir()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "hpctrain"
 
 

@@ -99,18 +99,19 @@ class HDF5Dataset:
             return
         # Collective: a file that only some ranks cannot open (a node-local path, a stale mount)
         # must fail on every rank, not leave the others waiting in the trainer's first collective.
+        from ..comm.validate import agree, raise_if_any
+
         try:
             self._open()
             problem = None
         except DatasetError as exc:
-            problem = str(exc)
-        problems = comm.allgather_obj(problem)
-        bad = [r for r, p in enumerate(problems) if p is not None]
-        if bad:
+            problem = exc
+        try:
+            raise_if_any(comm, problem, what="cannot use the dataset")
+        except DatasetError:
             if problem is None:
                 self.close()
-            raise DatasetError(f"rank(s) {bad} cannot use the dataset: {problems[bad[0]]}")
-        from ..comm.validate import agree
+            raise
 
         agree(comm, f"the shapes of {self.path}", {k: list(v) for k, v in self.shapes.items()})
 

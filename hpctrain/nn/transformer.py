@@ -201,30 +201,3 @@ class GPT(Module):
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, block_size={self.block_size}"
 
-
-class GPTEmbedding(Module):
-    """Token plus position embedding of a GPT as one layer, so a pipeline can cut the GPT."""
-
-    def __init__(self, tok_emb: Embedding, pos_emb: Embedding) -> None:
-        self.tok_emb, self.pos_emb = tok_emb, pos_emb
-
-    def forward(self, idx: Any) -> Any:
-        xp = xp_of(self.tok_emb.weight.data)
-        idx = to_device(idx, xp)
-        return self.tok_emb.forward(idx) + self.pos_emb.forward(xp.arange(idx.shape[1]))
-
-    def backward(self, grad_out: Any) -> None:
-        self.tok_emb.backward(grad_out)
-        self.pos_emb.backward(grad_out.sum(axis=0))
-        return None
-
-
-def gpt_layers(gpt: GPT) -> Sequential:
-    """The same GPT (same weights, shared) as a flat Sequential a pipeline can cut between blocks.
-
-    Names follow the GPT's (``blocks.0.attn.qkv.weight``, ``ln_f.weight``, ``head.weight``)
-    except the embeddings, which live in one layer ``emb`` (``emb.tok_emb.weight``).
-    """
-    blocks = list(gpt.blocks)
-    names = ["emb"] + [f"blocks.{i}" for i in range(len(blocks))] + ["ln_f", "head"]
-    return Sequential(GPTEmbedding(gpt.tok_emb, gpt.pos_emb), *blocks, gpt.ln_f, gpt.head, names=names)

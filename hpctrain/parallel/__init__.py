@@ -3,6 +3,7 @@
 from . import schedules
 from .data import DataParallelTrainer
 from .engine import ParallelTrainer
+from .parallelize import parallelize
 from .param_server import ParameterServerTrainer
 from .pipeline import PipelineParallelTrainer, pipeline_stage
 from .tensor import (
@@ -14,7 +15,7 @@ from .tensor import (
     tensor_parallel,
 )
 
-__all__: list[str] = ["DataParallelTrainer", "ParallelTrainer"]
+__all__: list[str] = ["DataParallelTrainer", "ParallelTrainer", "parallelize"]
 __all__ += ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear",
             "TensorParallelTrainer", "tensor_parallel"]  # fmt: skip
 __all__ += ["PipelineParallelTrainer", "pipeline_stage", "schedules"]

@@ -49,7 +49,8 @@ class ParallelTrainer(Trainer):
     ranks) and this replica's share of the global batch; the update equals one process training
     on the global batch. The batch is cut into ``microbatches`` parts: accumulated locally when
     ``grid.pp == 1``, streamed through the pipeline ``schedule`` ("1f1b", "gpipe", or
-    "interleaved" with ``virtual_stages`` chunks per rank) otherwise. ``clip_norm`` clips the
+    "interleaved" with ``virtual_stages`` chunks per rank, default: as many as the part was cut
+    into) otherwise. ``clip_norm`` clips the
     global gradient norm (each shard counted once). ``reducer`` is a callable
     ``(params, dp_comm) -> GradReducer`` (default: bucket all-reduces with ``bucket_mb``,
     ``overlap``, ``compression`` and ``backend``). ``timeout`` (default ``HPCTRAIN_TIMEOUT``;
@@ -72,7 +73,7 @@ class ParallelTrainer(Trainer):
         grid: Any,
         microbatches: int = 1,
         schedule: str = "1f1b",
-        virtual_stages: int = 1,
+        virtual_stages: int | None = None,
         clip_norm: float | None = None,
         reducer: Callable[[list[Any], Any], GradReducer] | None = None,
         bucket_mb: float = 25.0,
@@ -88,6 +89,8 @@ class ParallelTrainer(Trainer):
         self.bucket_mb, self.overlap, self.compression, self.backend = bucket_mb, overlap, compression, backend
         self.dp = grid.dp
         self.chunks = list(getattr(model, "chunks", None) or [model])
+        if virtual_stages is None:  # as the part was cut (parallelize(..., virtual_stages=v))
+            virtual_stages = self.virtual_stages = len(self.chunks)
         raise_if_any(self.comm, self._check_args(grid, model, loss), what=f"{type(self).__name__}")
         self.model = model
         vocab = getattr(model, "vocab_parallel", None)

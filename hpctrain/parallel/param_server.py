@@ -18,8 +18,9 @@ Modes:
   worker's own batch, applied to whatever the servers hold at that moment.
 - ``"ssp"``: stale-synchronous parallel. Each worker's clock (steps pushed) lives in a window on
   rank 0; a worker at clock ``c`` proceeds only once the slowest worker has reached
-  ``c - staleness``, so it never computes on parameters missing an update older than that. A
-  wait longer than ``timeout`` raises ``StallError`` on the waiting rank.
+  ``c - staleness``, so it never computes on parameters missing an update older than that. The
+  wait is watched: if the slowest worker does not move for ``timeout`` seconds the stall
+  watchdog ends the job with a report naming it (as for every other wait).
 
 Every step records the observed lag (own clock minus the slowest clock) in ``StepStats.extra``.
 In async and ssp modes ``StepStats`` describes this worker's own batch (there is no global
@@ -38,7 +39,6 @@ servers' state) and free the windows. Workers may have run different numbers of 
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -46,14 +46,14 @@ import numpy as np
 
 from ..backend import to_device, to_host, xp_of
 from ..comm import Communicator, Window
-from ..comm.validate import agree, describe_model
-from ..errors import MismatchError, NonFiniteError, StallError, WindowError
+from ..comm import watchdog as _watch
+from ..comm.validate import agree, describe_model, raise_if_any
+from ..errors import MismatchError, NonFiniteError, WindowError
 from ..guard import check_finite
 from ..trainer import StepStats, Trainer
 
 MODES = ("sync", "async", "ssp")
 _DONE = 1 << 60  # clock of a worker that has closed: larger than any real clock
-_DEFAULT_TIMEOUT = 300.0
 
 
 class ParameterServerTrainer(Trainer):
@@ -72,8 +72,8 @@ class ParameterServerTrainer(Trainer):
         progress_layers: poke MPI progress between the layers of a ``Sequential`` model.
         shm: window allocation in shared memory between ranks of a node (``None``: MPI's default,
             ``False``: the network path, as between nodes).
-        timeout: seconds an SSP worker may wait for the slowest one (default ``HPCTRAIN_TIMEOUT``
-            or 300).
+        timeout: seconds any wait may last, the SSP clock wait and the window epochs included,
+            before the watchdog ends the job (default ``HPCTRAIN_TIMEOUT`` or 300; 0 = no limit).
         on_nonfinite: ``"raise"`` or ``"skip"``. In sync mode the decision is collective; in
             async/ssp modes a worker skips its own push, or raises and flags the error in the
             clock window so every other worker raises ``NonFiniteError`` at its next step.
@@ -105,11 +105,7 @@ class ParameterServerTrainer(Trainer):
         self.named = sorted(model.named_parameters(), key=lambda kv: kv[0])
         self.params = [p for _, p in self.named]
 
-        problem = self._validate()
-        problems = comm.allgather_obj(problem)
-        bad = [(r, p) for r, p in enumerate(problems) if p]
-        if bad:
-            raise ValueError("ParameterServerTrainer: " + "; ".join(f"rank {r}: {p}" for r, p in bad))
+        raise_if_any(comm, self._validate(), what="ParameterServerTrainer")
         agree(comm, "model (names, shapes, dtypes)", describe_model(model))
         agree(comm, "parameter-server configuration", self.config())
 
@@ -266,25 +262,30 @@ class ParameterServerTrainer(Trainer):
         return max(0, clock - int(others.min())) if others.size else 0
 
     def _wait_for(self, clock: int) -> tuple[int, float]:
-        """Block until the slowest worker has reached ``clock - staleness``; (lag, seconds waited)."""
-        limit = self.timeout
-        if limit is None:
-            limit = float(os.environ.get("HPCTRAIN_TIMEOUT", _DEFAULT_TIMEOUT))
+        """Block until the slowest worker has reached ``clock - staleness``; (lag, seconds waited).
+
+        A watched wait: if the slowest worker does not move for the timeout (``timeout``, else
+        ``HPCTRAIN_TIMEOUT``; 0 = wait without limit) the watchdog ends the job with a report
+        naming that worker and what it is doing."""
         t0 = time.perf_counter()
         pause = 20e-6
-        while True:
-            slowest = int(min(self._read_clocks()))
-            if clock - slowest <= self.staleness:
-                return clock - slowest, time.perf_counter() - t0
-            if time.perf_counter() - t0 > limit:
-                slow = [r for r, c in enumerate(self._clock_buf[:-1]) if c == slowest]
-                raise StallError(
-                    f"rank {self.comm.rank} (ssp, clock {clock}, staleness {self.staleness}) waited "
-                    f"{limit:.0f} s for rank(s) {slow} stuck at clock {slowest}"
-                )
-            self.progress()
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-4)  # short: this rank serves window traffic while it waits
+        waiting_for, token = None, None
+        try:
+            while True:
+                clocks = self._read_clocks()
+                slowest = int(min(clocks))
+                if clock - slowest <= self.staleness:
+                    return clock - slowest, time.perf_counter() - t0
+                slow = int(np.argmin(clocks))
+                if slow != waiting_for:  # progress: the wait restarts on the new slowest worker
+                    _watch.end(token)
+                    waiting_for = slow
+                    token = _watch.begin(self.comm, f"ssp clock wait (clock {clock}, staleness {self.staleness})", slow)
+                self.progress()
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-4)  # short: this rank serves window traffic while it waits
+        finally:
+            _watch.end(token)
 
     # -- the step --------------------------------------------------------------------------------
 

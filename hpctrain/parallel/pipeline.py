@@ -44,11 +44,6 @@ _MIN_TAG_UB = 32767  # the MPI standard's guaranteed minimum
 # -- cutting the model -----------------------------------------------------------------------
 
 
-def _layer_cost(layer: Module) -> int:
-    # Parameter count, plus one so parameter-free layers (activations) still weigh something.
-    return 1 + sum(int(np.prod(p.shape)) for p in layer.parameters())
-
-
 def balance_by_cost(costs: list[int], stages: int) -> list[int]:
     """Layer counts per stage for ``stages`` contiguous parts minimising the largest part's cost.
 
@@ -81,28 +76,29 @@ def balance_by_cost(costs: list[int], stages: int) -> list[int]:
     return counts[::-1]
 
 
-def pipeline_stage(model: Sequential, pp_comm: Communicator, balance: list[int] | None = None) -> Sequential:
+def pipeline_stage(model: Any, pp_comm: Communicator, balance: list[int] | None = None) -> Module:
     """This rank's contiguous slice of ``model`` for a pipeline over ``pp_comm``.
 
-    Stages are balanced by parameter count unless ``balance`` gives the number of layers of each
-    stage. The slice keeps the full model's parameter names (``3.weight`` stays ``3.weight``) and
-    carries ``stage.pipeline = {"stage", "stages", "counts", "layers"}``. Every rank computes the
-    same cut, so a bad request raises the same ``ValueError`` everywhere.
+    ``model`` is a ``Sequential`` (the slice is a ``Sequential`` keeping the full model's layer
+    names: ``3.weight`` stays ``3.weight``), a ``GPT`` (cut between its embeddings, blocks, final
+    LayerNorm and head; names stay ``tok_emb.weight``, ``blocks.1.attn.qkv.weight``...) or a
+    model with ``pipeline_pieces()``. Stages are balanced by parameter count unless ``balance``
+    gives the number of layers (pieces) of each stage. The slice carries
+    ``stage.pipeline = {"stage", "stages", "counts", "layers"}``. Every rank computes the same cut,
+    so a bad request raises the same ``ValueError`` everywhere. (``parallelize`` does this and
+    tensor parallelism in one call.)
     """
-    if not isinstance(model, Sequential):
-        raise TypeError(f"pipeline_stage cuts a Sequential, got {type(model).__name__}")
-    p, n = pp_comm.size, len(model)
-    if balance is None:
-        counts = balance_by_cost([_layer_cost(m) for m in model], p)
-    else:
-        counts = [int(c) for c in balance]
-        if len(counts) != p or any(c < 1 for c in counts) or sum(counts) != n:
-            raise ValueError(
-                f"balance={list(balance)} must give {p} positive layer counts (one per stage) summing to {n} layers"
-            )
+    from .parallelize import Stage, cut
+
+    p = pp_comm.size
+    pieces, counts = cut(model, p, balance)
     start = sum(counts[: pp_comm.rank])
-    stage = model[start : start + counts[pp_comm.rank]]
-    stage.pipeline = {"stage": pp_comm.rank, "stages": p, "counts": counts, "layers": list(model.layer_names)}
+    if isinstance(model, Sequential):
+        stage: Module = model[start : start + counts[pp_comm.rank]]
+    else:
+        stage = Stage(pieces[start : start + counts[pp_comm.rank]])
+    stage.pipeline = {"stage": pp_comm.rank, "stages": p, "counts": counts, "layers": [q.name for q in pieces]}
+    list(stage.named_parameters())  # refresh Parameter.name to the serial dotted names
     return stage
 
 

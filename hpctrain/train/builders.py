@@ -18,8 +18,8 @@ def build_model(c: Config, meta: dict[str, Any]) -> Any:
     rng = np.random.default_rng(c.seed)
     d = c.d_model
     if c.model == "gpt":
-        gpt = nn.GPT(meta["vocab_size"], c.block_size, d, c.n_heads, c.n_layers, rng=rng)
-        return nn.transformer.gpt_layers(gpt) if c.pp and c.pp > 1 else gpt
+        # Pipelined as it is (parallelize cuts a GPT between its pieces): one set of names everywhere.
+        return nn.GPT(meta["vocab_size"], c.block_size, d, c.n_heads, c.n_layers, rng=rng)
     # A flat Sequential so a pipeline can cut it anywhere; MLP blocks so tensor parallelism
     # has something to shard (fc1 column-wise, fc2 row-wise).
     layers: list[Any] = [nn.Linear(meta["n_in"], d, rng=rng), nn.GELU()]
@@ -57,14 +57,15 @@ def build_trainer(c: Config, model: Any, comm: Any) -> Any:
         return parallel.ParameterServerTrainer(model=model, loss=loss, lr=c.lr, comm=comm, mode=c.ps_mode,
                                                staleness=c.staleness, momentum=c.momentum)
     grid = ProcessGrid(comm, tp=c.tp, pp=c.pp)
+    part = parallel.parallelize(model, grid)  # this rank's pipeline stage, split over tp
+    opt = build_optimizer(c, part.parameters())
+    if c.pp > 1 and c.tp > 1:
+        return parallel.ParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid,
+                                        microbatches=c.microbatches, schedule=c.schedule)
     if c.pp > 1:
-        stage = parallel.pipeline_stage(model, grid.pp)
-        return parallel.PipelineParallelTrainer(stage=stage, loss=loss,
-                                                optimizer=build_optimizer(c, stage.parameters()), grid=grid,
+        return parallel.PipelineParallelTrainer(stage=part, loss=loss, optimizer=opt, grid=grid,
                                                 microbatches=c.microbatches, schedule=c.schedule)
-    tp_model = parallel.tensor_parallel(model, grid.tp)
-    return parallel.TensorParallelTrainer(model=tp_model, loss=loss,
-                                          optimizer=build_optimizer(c, tp_model.parameters()), grid=grid)
+    return parallel.TensorParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid)
 
 
 def data_rank(c: Config, comm: Any) -> tuple[int, int]:

@@ -33,8 +33,9 @@ def _derived(help: str) -> dict[str, Any]:
 class Config:
     """Settings of one training job. ``resolve`` fills the derived fields and refuses bad values."""
 
-    strategy: str = field(default="dp", metadata=_opt("how the job is split across ranks",
-                                                      ("dp", "tp", "pp", "ps", "hybrid")))
+    strategy: str | None = field(default=None, metadata=_opt("how the job is split across ranks [dp; hybrid when "
+                                                             "--tp or --pp is given]",
+                                                             ("dp", "tp", "pp", "ps", "hybrid")))
     tp: int | None = field(default=None, metadata=_opt("tensor-parallel group size (tp: all ranks; hybrid: 1)"))
     pp: int | None = field(default=None, metadata=_opt("pipeline stages (pp: all ranks; hybrid: 1)"))
     model: str = field(default="mlp", metadata=_opt("mlp: classifier on the built-in set; gpt: character-level "
@@ -217,6 +218,8 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
     Raises ConfigError naming the setting and what would work instead.
     """
     c = as_config(cfg).replace()  # a copy: the caller's config stays as given
+    if c.strategy is None:  # --tp T --pp P alone: dp is what is left of the world
+        c.strategy = "hybrid" if (c.tp or 1) > 1 or (c.pp or 1) > 1 else "dp"
     strategy = c.strategy
     for key in ("epochs", "batch_size", "d_model", "n_layers", "n_heads", "block_size", "microbatches",
                 "log_every"):
@@ -255,9 +258,6 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         tp, pp = c.tp or 1, c.pp or 1
     else:
         tp, pp = 1, 1
-    if tp > 1 and pp > 1:
-        raise ConfigError(f"tp={tp} together with pp={pp} is not supported yet (pipeline stages are not tensor "
-                          f"parallel): use --tp with dp, or --pp with dp")
     if world % (tp * pp):
         raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp} x dp: "
                           f"the world size must be a multiple of {tp * pp}")

@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -234,6 +233,9 @@ def main(args: argparse.Namespace) -> int:
         cfg = everywhere(comm, lambda: merge(read_config(args.config) if args.config else {}, flags))
         run(cfg, comm)
     except HpctrainError as exc:
-        print(f"hpctrain train: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        # Raised on every rank: said once, exit 2. On some ranks only (a rank's own wait timed
+        # out, say): that rank's traceback, and the whole job ends instead of the others waiting.
+        from ..comm.failure import fail
+
+        return fail(exc, code=2, what="hpctrain train")
     return 0

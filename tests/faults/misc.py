@@ -4,6 +4,8 @@
     mpiexec -n 2 python tests/faults/misc.py recv-stall   # rank 0 waits in recv from a rank that sleeps
     mpiexec -n 2 python tests/faults/misc.py model        # last rank builds another model -> refused
     mpiexec -n 2 python tests/faults/misc.py debug-shape  # HPCTRAIN_DEBUG=1: allreduce of different shapes
+    mpiexec -n 2 python tests/faults/misc.py crash-all    # every rank raises the same error, unhandled
+    mpiexec -n 2 python tests/faults/misc.py lines        # every rank writes many error lines at once
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ def main(mode: str) -> int:
         except HpctrainError as exc:
             print(f"rank {comm.rank} refused: {type(exc).__name__}: {exc}", flush=True)
             return 2
+    elif mode == "crash-all":
+        from hpctrain.comm.validate import raise_if_any
+
+        raise_if_any(comm, "injected on the last rank" if comm.rank == last else None, what="checking")
+    elif mode == "lines":
+        from hpctrain.comm.failure import write_lines
+
+        comm.barrier()
+        for i in range(300):
+            write_lines(f"line {i} " + "x" * 300 + f"\nline {i} second part")
     elif mode == "debug-shape":
         try:
             comm.allreduce(np.ones(5 if comm.rank == last else 4))

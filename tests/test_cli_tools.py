@@ -1,0 +1,104 @@
+"""The ``hpctrain`` command as users run it (``python -m hpctrain`` in subprocesses): the tools that
+need no MPI do not start it, HDF5 file locking can be turned off, usage errors exit 2."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+
+from hpctrain import checkpoint
+from hpctrain.errors import ExitStatus
+
+REPO = Path(__file__).resolve().parents[1]
+_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "HPCTRAIN_", "SLURM_", "MPI_LOCAL")
+# A tiny MLP job: a few seconds on one process.
+TINY = ("--max-samples", "256", "--batch-size", "32", "--epochs", "2", "--d-model", "16", "--n-layers", "1",
+        "--log-every", "1000")
+
+
+@pytest.fixture
+def serial(comm):
+    if comm.size > 1:
+        pytest.skip("starts its own processes: runs in the serial pass")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
+    env.update(OMP_NUM_THREADS="1", HPCTRAIN_TIMEOUT="120", **extra)
+    return env
+
+
+def _mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def hpctrain(*args: str, n: int = 0, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -m hpctrain ARGS`` (under ``mpiexec -n n`` when n > 0)."""
+    cmd = [sys.executable, "-m", "hpctrain", *args]
+    if n:
+        cmd = [_mpiexec(), "-n", str(n), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
+
+
+@pytest.mark.timeout(120)
+def test_python_dash_m_hpctrain_and_usage_status(serial):
+    p = hpctrain("--version")
+    assert p.returncode == 0 and p.stdout.startswith("hpctrain "), p.stderr
+    p = hpctrain("train", "--no-such-flag")
+    assert p.returncode == ExitStatus.USAGE and "unrecognized arguments" in p.stderr
+
+
+_NO_MPI = """
+import sys
+from hpctrain.cli import main
+try:
+    rc = main(sys.argv[1:])
+except SystemExit as exc:
+    rc = exc.code
+print("MPI imported:", "mpi4py.MPI" in sys.modules)
+sys.exit(rc)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_tools_that_need_no_mpi_do_not_start_it(serial, tmp_path):
+    run = tmp_path / "run"
+    assert hpctrain("train", *TINY, "--run-dir", str(run)).returncode == 0
+    ckpt = checkpoint.list_checkpoints(str(run / "checkpoints"))[-1]
+    cases = [["--help"], ["train", "--help"], ["ckpt", "inspect", ckpt], ["ckpt", "inspect", str(run / "checkpoints")],
+             ["data", "make", "--dir", str(tmp_path / "data")]]
+    if __import__("importlib").util.find_spec("matplotlib") is not None:
+        cases.append(["plot", str(run)])
+    for args in cases:
+        p = subprocess.run([sys.executable, "-c", _NO_MPI, *args], capture_output=True, text=True, timeout=120,
+                           env=_env(), cwd=tmp_path)
+        assert p.returncode == 0, (args, p.stdout, p.stderr)
+        assert "MPI imported: False" in p.stdout, (args, p.stdout)
+
+
+@pytest.mark.timeout(120)
+def test_hdf5_locking_off_opens_a_file_another_process_holds(serial, tmp_path):
+    from hpctrain.data import builtin
+
+    path = builtin.classification(str(tmp_path / "classification.h5"))
+    with h5py.File(path, "a"):  # held open for writing: HDF5 locks it
+        held = hpctrain("data", "make", "--dir", str(tmp_path))
+        assert held.returncode != 0 and "unable to lock file" in held.stderr, held.stdout + held.stderr
+        p = hpctrain("--hdf5-locking", "off", "data", "make", "--dir", str(tmp_path))
+        assert p.returncode == 0, p.stderr
+        env = _env(HPCTRAIN_HDF5_LOCKING="off")
+        p = subprocess.run([sys.executable, "-m", "hpctrain", "data", "make", "--dir", str(tmp_path)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+    p = hpctrain("--hdf5-locking", "maybe", "data", "make")
+    assert p.returncode == ExitStatus.USAGE
+    p = subprocess.run([sys.executable, "-m", "hpctrain", "data", "make", "--dir", str(tmp_path)],
+                       env=_env(HPCTRAIN_HDF5_LOCKING="maybe"), capture_output=True, text=True, timeout=120)
+    assert p.returncode == ExitStatus.CONFIG and "HPCTRAIN_HDF5_LOCKING='maybe'" in p.stderr

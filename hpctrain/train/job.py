@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..comm.validate import raise_if_any
 from ..errors import CheckpointError, ConfigError, HpctrainError
 from ..evaluation import evaluate
 from .builders import build_loss, build_model, build_trainer, data_rank
@@ -35,6 +34,7 @@ def everywhere(comm: Any, fn: Callable[[], T], what: str = "") -> T:
     Setting up (reading files, checking shapes) has no collectives, so one rank failing alone
     would leave the others waiting in the first collective of training.
     """
+    from ..comm.validate import raise_if_any
 
     result: Any = None
     problem: BaseException | None = None
@@ -160,6 +160,8 @@ def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
     # whatever the layout, checksums verified) into a fresh serial model and evaluates its share
     # of the held-out rows; one all-reduce combines them (no rank evaluates while others wait).
     # The strategies' own models may be sharded or rebuilt into layers that need the other ranks.
+    from ..comm.validate import raise_if_any
+
     latest = comm.bcast_obj(checkpoint.list_checkpoints(c.checkpoint_dir) if comm.rank == 0 else None)
     fresh = problem = None
     try:

@@ -13,7 +13,7 @@ __all__ = ["Rows", "builtin_name", "builtin_path", "open_data"]
 
 def builtin_name(c: Config) -> str:
     """The built-in set a model trains on when no ``--data`` is given."""
-    return "classification" if c.model == "mlp" else "corpus"
+    return "corpus" if c.model == "gpt" or c.tokens_key else "classification"
 
 
 def builtin_path(name: str) -> str:
@@ -26,21 +26,24 @@ def builtin_path(name: str) -> str:
 def open_data(c: Config, comm: Any = None, path: str | None = None) -> tuple[Rows, Rows, dict[str, Any]]:
     """(train set, validation set, facts the model needs) from the HDF5 file of the run.
 
-    The facts: ``path``, and ``n_in``/``n_classes`` (mlp) or ``vocab_size`` (gpt). Collective with
-    ``comm``: the file is checked before any training (:mod:`hpctrain.data.checks`: only the rows
-    the run uses, in bounded chunks, each rank its share) and a bad file is one ``DatasetError``
-    naming the file, key and value on every rank. ``path`` overrides ``c.data`` (the built-in
-    set's path, resolved on every rank beforehand, so no rank can fail alone before the collective).
+    Token windows (``--tokens-key``, the default of ``--model gpt``) or rows of ``--x-key`` and
+    ``--y-key``. The facts: ``path``; ``n_in`` and ``x_shape`` (rows), ``n_classes`` (``--loss
+    ce``) or ``n_out`` (``--loss mse``), ``vocab_size`` (tokens). Collective with ``comm``: the
+    file is checked before any training (:mod:`hpctrain.data.checks`: only the rows the run uses,
+    in bounded chunks, each rank its share) and a bad file is one ``DatasetError`` naming the file,
+    key and value on every rank. ``path`` overrides ``c.data`` (the built-in set's path, resolved
+    on every rank beforehand, so no rank can fail alone before the collective).
     """
     from ..data.checks import open_classification, open_tokens
 
     path = path or c.data or builtin_path(builtin_name(c))
-    if c.model == "mlp":
-        train, val, meta = open_classification(path, val_fraction=c.val_fraction, max_samples=c.max_samples,
-                                               comm=comm)
-    else:
+    tokens_key = c.tokens_key or ("tokens" if c.model == "gpt" else None)
+    if tokens_key is not None:
         train, val, meta = open_tokens(path, block_size=c.block_size, val_fraction=c.val_fraction,
-                                       max_samples=c.max_samples, comm=comm)
+                                       max_samples=c.max_samples, comm=comm, key=tokens_key)
+    else:
+        train, val, meta = open_classification(path, val_fraction=c.val_fraction, max_samples=c.max_samples,
+                                               comm=comm, x_key=c.x_key, y_key=c.y_key, loss=c.loss)
     if len(train) < c.batch_size:  # the same lengths on every rank: the same verdict
         raise DatasetError(f"{path}: {len(train)} training samples are fewer than one --batch-size {c.batch_size}")
     return train, val, meta

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -78,10 +78,67 @@ def finite_or_none(value: Any) -> Any:
     return value
 
 
-def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
+class LearningRate:
+    """``fit`` callback: the learning rate the step just took (after the schedule) as ``stats.extra["lr"]``."""
+
+    def on_step_end(self, trainer: Any, stats: Any) -> None:
+        opt = getattr(trainer, "optimizer", None)
+        if opt is not None and opt.step_count > 0:
+            stats.extra["lr"] = opt.lr * (opt.schedule(opt.step_count - 1) if opt.schedule else 1.0)
+
+
+class Validation:
+    """``fit`` callback: the validation loss every ``every`` steps, as ``stats.extra["val_loss"]``.
+
+    Collective. The full weights come from the trainer's shards under any layout (one allgather
+    of this rank's pieces), go into a serial model, and every rank evaluates its share of the
+    validation set (``hpctrain.evaluation.evaluate``), so the value is the same everywhere.
+    """
+
+    def __init__(self, c: Config, meta: dict[str, Any], data: Any, comm: Any, every: int) -> None:
+        self.model = build_model(c, meta)
+        self.data, self.comm, self.every = data, comm, every
+        self.loss = None if c.loss == "ce" else build_loss(c)
+
+    def on_step_end(self, trainer: Any, stats: Any) -> None:
+        if trainer.global_step % self.every:
+            return
+        from ..evaluation import evaluate as evaluate_everywhere
+
+        load_full_weights(trainer, self.model)
+        if self.loss is None:  # cross-entropy: every rank its share of the batches
+            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=self.comm)["loss"]
+        else:  # another loss: each rank evaluates the whole set alike (same weights, same data)
+            stats.extra["val_loss"] = evaluate(self.model, self.data, self.loss)["loss"]
+        self.model.train()
+
+
+def load_full_weights(trainer: Any, model: Any) -> None:
+    """Copy the trainer's parameters, whatever the layout, into the whole serial ``model`` (collective).
+
+    Each rank contributes the pieces it holds (``trainer.shards()``); every rank assembles them.
+    Meant for models that fit one process (the evaluation during training).
+    """
+    from ..backend import to_host
+
+    mine = []
+    for name, (p, full, index) in trainer.shards().items():
+        mine.append((name, tuple(full), index, to_host(p.data)))
+    params = dict(model.named_parameters())
+    for pieces in trainer.comm.allgather_obj(mine):
+        for name, _full, index, data in pieces:
+            target = params[name].data
+            if isinstance(index, tuple) and index and index[0] == "flat":
+                target.reshape(-1)[index[1]:index[2]] = data.reshape(-1)
+            else:
+                target[index] = data
+
+
+def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says (a Config, or a dict of options over the defaults).
 
-    Collective. Returns the summary, the same on every rank.
+    Collective. ``callbacks`` are extra ``fit`` callbacks (called before the job's own).
+    Returns the summary, the same on every rank.
     """
     from .. import checkpoint
     from ..comm import Communicator
@@ -112,25 +169,28 @@ def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
     # Collective from here: every rank checks its share of the data and all get one verdict.
     train_set, val_set, meta = open_data(c, comm, everywhere(comm, prepare))
     model = everywhere(comm, lambda: build_model(c, meta))
+    c.info = meta
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
-    try:
-        trainer = build_trainer(c, model, comm)
-    except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
-        raise ConfigError(f"the {c.strategy} trainer refuses this setup: {exc}") from exc
 
     from ..data import DataLoader, ShardedSampler
 
     rank, size = data_rank(c, comm)
     sampler = ShardedSampler(len(train_set), rank, size, shuffle=True, seed=c.seed, pad="mask")
     loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler)
+    total_steps = c.epochs * len(loader) if c.max_steps is None else min(c.max_steps, c.epochs * len(loader))
+    try:
+        trainer = build_trainer(c, model, comm, total_steps)
+    except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
+        raise ConfigError(f"the {c.strategy} trainer refuses this setup: {exc}") from exc
     every = c.checkpoint_every or len(loader)
+
     def write_config() -> None:
         if comm.rank != 0:
             return
         try:
             os.makedirs(c.run_dir, exist_ok=True)
             with open(os.path.join(c.run_dir, "config.json"), "w") as f:
-                json.dump({**given, "dp": c.dp, "local_batch": c.local_batch}, f, indent=1)
+                json.dump({**given, "dp": c.dp, "local_batch": c.local_batch, "info": meta}, f, indent=1)
         except OSError as exc:  # read-only, no permission, a file in the way, a full disk
             why = os.strerror(exc.errno) if exc.errno else str(exc)
             raise ConfigError(f"cannot write to the run directory {c.run_dir}: {why}") from None
@@ -143,10 +203,14 @@ def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
               f"{len(loader)} steps each; run dir {c.run_dir}", flush=True)
 
     timeline = Timeline(comm.rank)
+    hooks: list[Any] = [*callbacks, LearningRate(), timeline]
+    if c.eval_every:
+        hooks.insert(len(callbacks), Validation(c, meta, val_set, comm, c.eval_every))
     metrics = os.path.join(c.run_dir, "metrics.jsonl")
     t0 = time.perf_counter()
     history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
-                          resume=c.resume, log_every=c.log_every, metrics_file=metrics, callbacks=[timeline])
+                          keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
+                          callbacks=hooks, max_steps=c.max_steps)
     wall = time.perf_counter() - t0
     memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
     trace = os.path.join(c.run_dir, "trace.json")
@@ -209,8 +273,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
         f"{s['strategy']} dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}",
         f"  final loss      {final} (training, mean of the last epoch)",
-        f"  validation      loss {s['val_loss']:.4f}, accuracy {100 * s['val_accuracy']:.1f}% "
-        f"({s['val_samples']:,} held-out samples)",
+        f"  validation      loss {s['val_loss']:.4f}"
+        + ("" if s["val_accuracy"] is None else f", accuracy {100 * s['val_accuracy']:.1f}%")
+        + f" ({s['val_samples']:,} held-out samples)",
         f"  throughput      {rate}",
         f"  communication   {share}",
         *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "

@@ -517,7 +517,7 @@ class Trainer:
                 if self.comm.rank == 0:
                     for old in stale:
                         with contextlib.suppress(FileNotFoundError):
-                            os.remove(old)
+                            ckpt.remove(old)  # the index file, then its part files
             return path
 
         try:

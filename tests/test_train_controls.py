@@ -132,8 +132,10 @@ def test_eval_every_logs_validation_loss_during_training(solo, tmp_path, capsys)
 
 def test_keep_bounds_the_checkpoints(solo, tmp_path):
     s = job(solo, tmp_path, "keep", keep=2, checkpoint_every=1)
-    names = sorted(os.listdir(os.path.dirname(s["checkpoint"])))
+    names = sorted(os.path.basename(p) for p in ht.checkpoint.list_checkpoints(os.path.dirname(s["checkpoint"])))
     assert names == ["ckpt-00000007.h5", "ckpt-00000008.h5"]
+    parts = sorted(n.split(".h5.")[0] for n in os.listdir(os.path.dirname(s["checkpoint"])) if n.endswith(".parts"))
+    assert parts == ["ckpt-00000007", "ckpt-00000008"]  # the deleted checkpoints' part files went with them
 
 
 def test_timeout_reaches_the_trainer(solo, tmp_path):

@@ -292,7 +292,7 @@ def open_classification(path: str | os.PathLike, *, val_fraction: float, max_sam
     def layout() -> tuple[int, int, Any, Any]:
         x = _check_key(ds, x_key, 2, "fiu", f"{x_key} (the features)")
         if loss == "ce":
-            y = _check_key(ds, y_key, 1, "iu", f"{y_key} (the class labels)")
+            y = _check_key(ds, y_key, 1, "iu", f"{y_key} (the class indices)")
         else:
             y = _check_key(ds, y_key, None, "fiu", f"{y_key} (the targets)")
         if x.shape[1] < 1 or x.shape[1] > MAX_FEATURES:

@@ -606,6 +606,52 @@ def _local_pieces_for_load(trainer: Any) -> dict[str, tuple[Any, tuple, tuple]]:
     return out
 
 
+class _AllBut:
+    """A ``skip`` set holding every name outside ``prefix``: verify only that group."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def __contains__(self, name: object) -> bool:
+        return not str(name).startswith(self.prefix)
+
+
+def load_weights(path: str, model: Any) -> dict[str, Any]:
+    """Read the parameters of a checkpoint into a whole (serial) ``model``; no MPI, no trainer.
+
+    For evaluation and sampling: the file's header and every ``model/`` tensor are checked
+    against their checksums, and the names and shapes must match the model's exactly (a
+    ``CheckpointError`` lists what differs; the model is unchanged then). Returns the header.
+    """
+    import h5py
+
+    header = _verify(path, skip=_AllBut("model/"))
+    params = dict(model.named_parameters())
+    stored = {n[len("model/"):] for n in header["datasets"] if n.startswith("model/")}
+    problems = [f"{n} is not in the checkpoint" for n in sorted(set(params) - stored)]
+    problems += [f"{n} is in the checkpoint but not in the model" for n in sorted(stored - set(params))]
+    arrays = {}
+    try:
+        with h5py.File(path, "r") as f:
+            for name in sorted(set(params) & stored):
+                dset, p = f["model"][name], params[name]
+                if tuple(dset.shape) != tuple(p.data.shape):
+                    problems.append(f"{name}: checkpoint has shape {dset.shape}, model needs {p.data.shape}")
+                    continue
+                arrays[name] = dset[()]
+                bad = _check_digest(dset, arrays[name])  # the file may change between verify and read
+                if bad:
+                    problems.append(bad)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({exc})") from None
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(problems[:6]))
+    for name, data in arrays.items():
+        p = params[name]
+        p.data[...] = to_device(data.astype(p.data.dtype, copy=False), xp_of(p.data))
+    return header
+
+
 # -- directories of checkpoints --------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -444,6 +445,7 @@ class Trainer:
         log_every: int = 10,
         metrics_file: str | None = None,
         progress: bool | None = None,
+        callbacks: Sequence[Any] = (),
     ) -> list[StepStats]:
         """Train until ``epochs`` epochs are done over ``loader`` (collective).
 
@@ -460,6 +462,12 @@ class Trainer:
         samples/s, step time and communication share every ``log_every`` steps: a tqdm bar when
         stdout is a terminal (or ``progress=True``), plain lines otherwise. ``metrics_file``
         receives one JSON line per step (rank 0). Returns this call's steps' statistics.
+
+        ``callbacks``: objects with any of ``on_fit_start(trainer)`` (after a resume),
+        ``on_step_end(trainer, stats)``, ``on_epoch_end(trainer)`` and ``on_fit_end(trainer)``
+        (also when training raises, so files get closed: keep it free of collectives). They run
+        in order, then the built-in logger, so a callback may add entries to ``stats.extra``
+        (``val_loss``, say) that the logger writes.
         """
         from . import checkpoint as ckpt
         from . import preempt
@@ -486,7 +494,7 @@ class Trainer:
                     _log.info("resumed from %s at step %d, epoch %d", path, self.global_step, self.epoch)
         self._pending_sampler = None
         self.memory_report()  # starts watching activations before the first step
-        log = _Logger(self, loader, epochs, log_every, metrics_file, progress)
+        hooks = _Callbacks([*callbacks, _Logger(self, loader, epochs, log_every, metrics_file, progress)])
         history: list[StepStats] = []
         saved_at = self.global_step
         written: list[str] = []  # this call's checkpoints: the only ones it may delete
@@ -505,6 +513,7 @@ class Trainer:
             return path
 
         try:
+            hooks.call("on_fit_start", self)
             for epoch in range(self.epoch, epochs):
                 self.epoch = epoch
                 if sampler is not None and hasattr(sampler, "set_epoch"):
@@ -520,7 +529,7 @@ class Trainer:
                     if stats.stop is None:
                         stats.stop = self._agree_stop()
                     history.append(stats)
-                    log.step(stats)
+                    hooks.call("on_step_end", self, stats)
                     if checkpoint_dir is not None and checkpoint_every and self.global_step % checkpoint_every == 0:
                         save()
                         saved_at = self.global_step
@@ -529,11 +538,12 @@ class Trainer:
                         if checkpoint_dir is not None:
                             path = written[-1] if saved_at == self.global_step and written else save()
                         raise Preempted(self.global_step, path, preempt.reason())
+                hooks.call("on_epoch_end", self)
             self.epoch = max(self.epoch, epochs)
             if checkpoint_dir is not None and checkpoint_every and saved_at != self.global_step:
                 save()
         finally:
-            log.close()
+            hooks.call("on_fit_end", self)
         return history
 
 
@@ -557,8 +567,27 @@ def _length(sampler: Any) -> float:
         return float("inf")
 
 
+class _Callbacks:
+    """The callbacks of one ``fit``: each hook is called on the objects that define it, in order."""
+
+    def __init__(self, objects: Sequence[Any]) -> None:
+        self.objects = list(objects)
+
+    def call(self, hook: str, *args: Any) -> None:
+        for obj in self.objects:
+            fn = getattr(obj, hook, None)
+            if fn is not None:
+                fn(*args)
+
+
 class _Logger:
-    """Rank 0's progress output and JSON-lines metrics; a no-op on other ranks."""
+    """Rank 0's progress output and JSON-lines metrics (a ``fit`` callback); a no-op on other ranks.
+
+    Entries a callback before it put in ``stats.extra`` under a name in ``EXTRA`` (the
+    validation loss of ``--eval-every``) go into the metrics line and the progress line.
+    """
+
+    EXTRA = ("val_loss", "lr")
 
     def __init__(self, trainer: Trainer, loader: Any, epochs: int, every: int, metrics_file: str | None,
                  progress: bool | None) -> None:
@@ -591,7 +620,7 @@ class _Logger:
             except ImportError:
                 self.bar = None
 
-    def step(self, s: StepStats) -> None:
+    def on_step_end(self, trainer: Trainer, s: StepStats) -> None:
         if not self.on:
             return
         t = self.trainer
@@ -601,6 +630,7 @@ class _Logger:
                 "seconds": s.seconds, "samples": s.samples, "comm_seconds": s.comm_seconds,
                 "samples_per_s": s.samples / s.seconds if s.seconds > 0 else None, "skipped": s.skipped,
                 "memory": s.memory.get("total"), "time": time.time(),
+                **{k: s.extra[k] for k in self.EXTRA if k in s.extra},
             }
             self.metrics.write(json.dumps(rec) + "\n")
             self.metrics.flush()
@@ -622,7 +652,7 @@ class _Logger:
                 print(f"epoch {t.epoch} step {t.global_step} | {text}", flush=True)
             self.window = []
 
-    def close(self) -> None:
+    def on_fit_end(self, trainer: Trainer) -> None:
         if self.metrics is not None:
             self.metrics.close()
         if self.bar is not None:

@@ -1,5 +1,8 @@
-"""Shared fixtures. MPI tests are marked ``@pytest.mark.mpi(min_size=2)`` (pytest-mpi) and run
-under ``mpiexec -n N python -m mpi4py -m pytest --with-mpi``; serially they are skipped."""
+"""Shared fixtures and helpers. MPI tests are marked ``@pytest.mark.mpi(min_size=2)`` (pytest-mpi)
+and run under ``mpiexec -n N python -m mpi4py -m pytest --with-mpi``; serially they are skipped.
+
+Helpers used by several test files live here once: the ``shared_dir`` fixture (one directory
+for the whole job) and ``make_mlp`` (``from conftest import make_mlp``)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,34 @@ def comm():
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def shared_dir(comm, tmp_path) -> str:
+    """One directory for the whole job: rank 0's ``tmp_path`` (the ranks share a file system).
+
+    Serially (one rank) it is simply ``tmp_path``. Each test gets its own.
+    """
+    return comm.bcast_obj(str(tmp_path) if comm.rank == 0 else None)
+
+
+def make_mlp(d_in: int, d_out: int, *, width: int, depth: int = 2, seed: int = 0, dtype=np.float64,
+             insert: dict | None = None):
+    """``Linear(d_in, width), ReLU, (Linear(width, width), ReLU) x (depth - 2), Linear(width, d_out)``.
+
+    ``depth`` counts the Linear layers; all draw from one generator seeded ``seed``. ``insert``
+    maps a position in the layer list to an extra module put there (a noise layer, say).
+    """
+    from hpctrain.nn import Linear, ReLU, Sequential
+
+    r = np.random.default_rng(seed)
+    layers = [Linear(d_in, width, rng=r, dtype=dtype), ReLU()]
+    for _ in range(depth - 2):
+        layers += [Linear(width, width, rng=r, dtype=dtype), ReLU()]
+    layers.append(Linear(width, d_out, rng=r, dtype=dtype))
+    for pos, module in sorted((insert or {}).items(), reverse=True):
+        layers.insert(pos, module)
+    return Sequential(*layers)
 
 
 def pytest_configure(config):

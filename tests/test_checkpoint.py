@@ -111,11 +111,6 @@ def scramble(t: ShardTrainer) -> None:
     t.note = np.zeros(4)
 
 
-def shared_dir(comm: Communicator, tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None
-    return comm.bcast_obj(d)
-
-
 @pytest.fixture
 def solo(comm):
     """A communicator of this rank alone: per-rank files in per-rank temporary directories."""
@@ -141,8 +136,8 @@ def test_round_trip_serial(solo, tmp_path):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_round_trip_sharded_and_resharded(comm, tmp_path_factory):
-    d = shared_dir(comm, tmp_path_factory)
+def test_round_trip_sharded_and_resharded(comm, shared_dir):
+    d = shared_dir
     t = ShardTrainer(comm, steps=4)
     want = t.gathered()
     path = checkpoint.save(os.path.join(d, "sharded.h5"), t)
@@ -192,8 +187,8 @@ def _corrupt_copies(path: str, d: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(120)
-def test_bad_files_refused_clearly(comm, tmp_path_factory):
-    d = shared_dir(comm, tmp_path_factory)
+def test_bad_files_refused_clearly(comm, shared_dir):
+    d = shared_dir
     t = ShardTrainer(comm)
     good = checkpoint.save(os.path.join(d, "good.h5"), t)
     paths = _corrupt_copies(good, d) if comm.rank == 0 else None
@@ -223,8 +218,8 @@ def test_model_that_does_not_fit_is_refused(solo, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_save_in_keeps_last_k_and_load_latest_skips_corrupt(comm, tmp_path_factory):
-    d = shared_dir(comm, tmp_path_factory)
+def test_save_in_keeps_last_k_and_load_latest_skips_corrupt(comm, shared_dir):
+    d = shared_dir
     t = ShardTrainer(comm, steps=0)
     for _ in range(5):
         t.fake_step(t.global_step)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import make_mlp
 
 import hpctrain as ht
 from hpctrain.comm.buckets import GradBuckets, from_bf16, natural_key, to_bf16
 from hpctrain.errors import MismatchError
-from hpctrain.nn import Linear, Module, ReLU, Sequential
+from hpctrain.nn import Linear, Module, Sequential
 from hpctrain.parallel import DataParallelTrainer
 
 D_IN, D_OUT = 6, 3
@@ -16,12 +17,7 @@ D_IN, D_OUT = 6, 3
 
 def make_model(seed: int, dtype=np.float64, depth: int = 11, width: int = 12) -> Sequential:
     """An MLP deep enough (> 10 Linear layers) that natural name order matters for buckets."""
-    r = np.random.default_rng(seed)
-    layers: list[Module] = [Linear(D_IN, width, rng=r, dtype=dtype), ReLU()]
-    for _ in range(depth - 2):
-        layers += [Linear(width, width, rng=r, dtype=dtype), ReLU()]
-    layers.append(Linear(width, D_OUT, rng=r, dtype=dtype))
-    return Sequential(*layers)
+    return make_mlp(D_IN, D_OUT, width=width, depth=depth, seed=seed, dtype=dtype)
 
 
 def make_opt(kind: str, params):

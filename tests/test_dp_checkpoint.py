@@ -7,12 +7,13 @@ import os
 
 import numpy as np
 import pytest
+from conftest import make_mlp
 from interrupt import Interrupted, Stop
 
 import hpctrain as ht
 from hpctrain import checkpoint as ckpt
 from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
-from hpctrain.nn import Linear, Module, ReLU, Sequential
+from hpctrain.nn import Module, Sequential
 from hpctrain.parallel import DataParallelTrainer
 
 N, D_IN, D_OUT, BATCH = 37, 5, 3, 3
@@ -34,9 +35,7 @@ class Noise(Module):
 
 
 def make_model(seed: int, rank: int = 0) -> Sequential:
-    r = np.random.default_rng(seed)
-    return Sequential(Linear(D_IN, 8, rng=r, dtype=np.float64), ReLU(), Noise(1000 + rank),
-                      Linear(8, D_OUT, rng=r, dtype=np.float64))
+    return make_mlp(D_IN, D_OUT, width=8, seed=seed, insert={2: Noise(1000 + rank)})
 
 
 def dataset() -> ArrayDataset:
@@ -54,10 +53,6 @@ def trainer(comm, seed: int = 0, **kw) -> DataParallelTrainer:
 def loader(comm) -> DataLoader:
     sampler = ShardedSampler(N, comm.rank, comm.size, shuffle=True, seed=3, pad="mask")
     return DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
-
-
-def shared_dir(comm, tmp_path) -> str:
-    return comm.bcast_obj(str(tmp_path) if comm.rank == 0 else None)
 
 
 def snapshot(tr) -> dict[str, np.ndarray]:
@@ -78,8 +73,8 @@ def assert_same(a: dict, b: dict, exact: bool = True) -> None:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(180)
-def test_stop_and_resume_equals_uninterrupted_run(comm, tmp_path):
-    root = shared_dir(comm, tmp_path)
+def test_stop_and_resume_equals_uninterrupted_run(comm, shared_dir):
+    root = shared_dir
     epochs = 3
     full = trainer(comm)
     history = full.fit(loader(comm), epochs=epochs, progress=False, log_every=1000)
@@ -112,10 +107,10 @@ def test_stop_and_resume_equals_uninterrupted_run(comm, tmp_path):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(180)
-def test_extending_a_finished_run_equals_one_longer_run(comm, tmp_path):
+def test_extending_a_finished_run_equals_one_longer_run(comm, shared_dir):
     """Checkpoints at epoch ends (and the one fit writes when it finishes) resume into the next
     epoch: fit(epochs=2) then fit(epochs=3) from its directory equals fit(epochs=3)."""
-    d = os.path.join(shared_dir(comm, tmp_path), "ends")
+    d = os.path.join(shared_dir, "ends")
     per_epoch = len(loader(comm))
     full = trainer(comm)
     history = full.fit(loader(comm), epochs=3, progress=False)
@@ -143,8 +138,8 @@ def _train_world(comm, steps: int = 3) -> DataParallelTrainer:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_reshard_dp_to_one_process(comm, tmp_path):
-    path = os.path.join(shared_dir(comm, tmp_path), "world.h5")
+def test_reshard_dp_to_one_process(comm, shared_dir):
+    path = os.path.join(shared_dir, "world.h5")
     world = _train_world(comm)
     ckpt.save(path, world)
     # Every rank loads it alone (a 1-process job each) and must hold the full state.
@@ -169,8 +164,8 @@ def test_reshard_dp_to_one_process(comm, tmp_path):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_reshard_one_process_to_dp(comm, tmp_path):
-    path = os.path.join(shared_dir(comm, tmp_path), "one.h5")
+def test_reshard_one_process_to_dp(comm, shared_dir):
+    path = os.path.join(shared_dir, "one.h5")
     part = comm.split(0 if comm.rank == 0 else 1)
     saved = None
     if comm.rank == 0:
@@ -188,8 +183,8 @@ def test_reshard_one_process_to_dp(comm, tmp_path):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_fit_logs_and_metrics_on_rank0_only(comm, tmp_path, capsys):
-    metrics = os.path.join(shared_dir(comm, tmp_path), "metrics.jsonl")
+def test_fit_logs_and_metrics_on_rank0_only(comm, shared_dir, capsys):
+    metrics = os.path.join(shared_dir, "metrics.jsonl")
     tr = trainer(comm)
     history = tr.fit(loader(comm), epochs=2, log_every=2, metrics_file=metrics, progress=False)
     out = capsys.readouterr().out

@@ -5,8 +5,6 @@ resume exactly. Run at n=2, 3 and 4 (nothing here assumes a world size)."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 
 import numpy as np
@@ -134,7 +132,6 @@ def test_ssp_staleness_bound_never_exceeded(comm, staleness):
     every = [lag for lg in comm.allgather_obj(lags) for lag in lg]
     assert max(every) <= staleness
     assert max(every) == staleness
-    assert min(every) >= 0
 
 
 @mpi
@@ -231,15 +228,10 @@ def test_nonfinite_skip_keeps_parameters(comm):
 # -- checkpoints --------------------------------------------------------------------------------
 
 
-def shared_tmpdir(comm) -> str:
-    path = tempfile.mkdtemp(prefix="ps-ckpt-") if comm.rank == 0 else None
-    return comm.bcast_obj(path)
-
-
 @mpi
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_sync_stop_and_resume_equals_uninterrupted(comm, momentum):
+def test_sync_stop_and_resume_equals_uninterrupted(comm, shared_dir, momentum):
     rows = 3 * comm.size
     data = batches(8, rows, seed=11)
     idx = my_rows(rows, comm)
@@ -250,67 +242,57 @@ def test_sync_stop_and_resume_equals_uninterrupted(comm, momentum):
             full.step(x[idx], y[idx])
     want = flat(full.model)
 
-    directory = shared_tmpdir(comm)
-    try:
-        path = os.path.join(directory, "ps.h5")
-        with ParameterServerTrainer(model=mlp(), **kw) as first:
-            for x, y in data[:5]:
-                first.step(x[idx], y[idx])
-            checkpoint.save(path, first)
-        # A fresh trainer with other initial values picks up where the first one stopped.
-        with ParameterServerTrainer(model=mlp(seed=42), **kw) as resumed:
-            checkpoint.load(path, resumed)
-            assert resumed.global_step == 5
-            for x, y in data[5:]:
-                resumed.step(x[idx], y[idx])
-        np.testing.assert_allclose(flat(resumed.model), want, rtol=0, atol=1e-12)
+    directory = shared_dir
+    path = os.path.join(directory, "ps.h5")
+    with ParameterServerTrainer(model=mlp(), **kw) as first:
+        for x, y in data[:5]:
+            first.step(x[idx], y[idx])
+        checkpoint.save(path, first)
+    # A fresh trainer with other initial values picks up where the first one stopped.
+    with ParameterServerTrainer(model=mlp(seed=42), **kw) as resumed:
+        checkpoint.load(path, resumed)
+        assert resumed.global_step == 5
+        for x, y in data[5:]:
+            resumed.step(x[idx], y[idx])
+    np.testing.assert_allclose(flat(resumed.model), want, rtol=0, atol=1e-12)
 
-        # Saved from n ranks, loaded into one process: continues like the serial reference.
-        ref, _ = serial_sgd([(x, y) for x, y in data], lr=0.05, momentum=momentum)
-        if comm.rank == 0:
-            solo = ParameterServerTrainer(model=mlp(seed=5), **{**kw, "comm": Communicator(MPI.COMM_SELF)})
-            checkpoint.load(path, solo)
-            for x, y in data[5:]:
-                solo.step(x, y)
-            solo.close()
-            np.testing.assert_allclose(flat(solo.model), ref[-1], rtol=0, atol=1e-12)
-        comm.barrier()
-    finally:
-        comm.barrier()
-        if comm.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
+    # Saved from n ranks, loaded into one process: continues like the serial reference.
+    ref, _ = serial_sgd([(x, y) for x, y in data], lr=0.05, momentum=momentum)
+    if comm.rank == 0:
+        solo = ParameterServerTrainer(model=mlp(seed=5), **{**kw, "comm": Communicator(MPI.COMM_SELF)})
+        checkpoint.load(path, solo)
+        for x, y in data[5:]:
+            solo.step(x, y)
+        solo.close()
+        np.testing.assert_allclose(flat(solo.model), ref[-1], rtol=0, atol=1e-12)
+    comm.barrier()
 
 
 @mpi
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_async_checkpoint_restores_the_servers_state(comm, mode):
+def test_async_checkpoint_restores_the_servers_state(comm, shared_dir, mode):
     x, y = regression()
     kw = dict(loss=MSELoss(), lr=0.02, comm=comm, mode=mode, staleness=1, timeout=60)
-    directory = shared_tmpdir(comm)
-    try:
-        path = os.path.join(directory, "ps-async.h5")
-        t = ParameterServerTrainer(model=Sequential(Linear(8, 2, rng=0, dtype=np.float64)), **kw)
-        for i in range(6):
-            t.step(x[i * 8 + comm.rank :: 64][:8], y[i * 8 + comm.rank :: 64][:8])
-        checkpoint.save(path, t)  # collective: the servers' state at this point, whole
-        saved = flat(t.model)
-        t.close()
-        fresh = ParameterServerTrainer(model=Sequential(Linear(8, 2, rng=9, dtype=np.float64)), **kw)
-        checkpoint.load(path, fresh)
-        assert fresh.global_step == 6 and fresh.clock == 6
-        np.testing.assert_array_equal(flat(fresh.model), saved)
-        fresh.shards()  # pulls from the servers: they hold the checkpoint's values too
-        np.testing.assert_array_equal(flat(fresh.model), saved)
-        everyone = comm.allgather(saved)  # the snapshot is the same on every rank
-        for other in everyone[1:]:
-            np.testing.assert_array_equal(other, everyone[0])
-        fresh.step(x[:8], y[:8])  # and training goes on from there
-        fresh.close()
-    finally:
-        comm.barrier()
-        if comm.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
+    directory = shared_dir
+    path = os.path.join(directory, "ps-async.h5")
+    t = ParameterServerTrainer(model=Sequential(Linear(8, 2, rng=0, dtype=np.float64)), **kw)
+    for i in range(6):
+        t.step(x[i * 8 + comm.rank :: 64][:8], y[i * 8 + comm.rank :: 64][:8])
+    checkpoint.save(path, t)  # collective: the servers' state at this point, whole
+    saved = flat(t.model)
+    t.close()
+    fresh = ParameterServerTrainer(model=Sequential(Linear(8, 2, rng=9, dtype=np.float64)), **kw)
+    checkpoint.load(path, fresh)
+    assert fresh.global_step == 6 and fresh.clock == 6
+    np.testing.assert_array_equal(flat(fresh.model), saved)
+    fresh.shards()  # pulls from the servers: they hold the checkpoint's values too
+    np.testing.assert_array_equal(flat(fresh.model), saved)
+    everyone = comm.allgather(saved)  # the snapshot is the same on every rank
+    for other in everyone[1:]:
+        np.testing.assert_array_equal(other, everyone[0])
+    fresh.step(x[:8], y[:8])  # and training goes on from there
+    fresh.close()
 
 
 def _loader(comm) -> DataLoader:

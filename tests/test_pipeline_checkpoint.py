@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -27,18 +26,6 @@ def _step(tr, batch):
     x, y, w = batch
     dp, d = tr.dp.size, tr.dp.rank
     return tr.step(share(x, d, dp), share(y, d, dp), share(w, d, dp))
-
-
-@pytest.fixture
-def shared_dir(comm):
-    path = comm.bcast_obj(os.path.abspath(f"pp-ckpt-test-{os.getpid()}") if comm.rank == 0 else None)
-    if comm.rank == 0:
-        os.makedirs(path, exist_ok=True)
-    comm.barrier()
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _full_state(tr):

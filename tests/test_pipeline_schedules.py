@@ -135,7 +135,8 @@ def test_one_stage_trainer_matches_serial(schedule):
     for p in stage.parameters():
         np.testing.assert_allclose(p.data, ref_params[p.name], rtol=1e-9, atol=1e-11)
     assert stats[-1].extra["peak_activations"] == (1 if schedule == "1f1b" else 3)
-    assert stats[-1].extra["bubble"] >= 0.0
+    # One stage has no schedule bubble: what is measured is only the loop's own overhead.
+    assert 0.0 <= stats[-1].extra["bubble"] < 0.5
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

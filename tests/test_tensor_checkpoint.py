@@ -72,16 +72,12 @@ def step(tr, x, y):
     return tr.step(x[r * b : (r + 1) * b], y[r * b : (r + 1) * b]).loss
 
 
-def shared_dir(comm, tmp_path) -> str:
-    return comm.bcast_obj(str(tmp_path) if comm.rank == 0 else None)
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_reshard_tp2_to_tp1_and_back(comm, tmp_path):
+def test_reshard_tp2_to_tp1_and_back(comm, shared_dir):
     if comm.size % 2:
         pytest.skip("tp=2 needs an even number of ranks")
-    root = shared_dir(comm, tmp_path)
+    root = shared_dir
     two = make_trainer(comm, tp=2)
     for s in range(3):
         step(two, *global_batch(s, comm.size))
@@ -125,9 +121,9 @@ def loader(tr) -> DataLoader:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(180)
-def test_stop_and_resume_equals_uninterrupted(comm, tmp_path):
+def test_stop_and_resume_equals_uninterrupted(comm, shared_dir):
     tp = 2 if comm.size % 2 == 0 else 1  # the GPT's 2 heads split over tp=2 only (odd worlds: dp alone)
-    d = os.path.join(shared_dir(comm, tmp_path), "ckpts")
+    d = os.path.join(shared_dir, "ckpts")
     epochs = 2
     full = make_trainer(comm, tp, clip=1.0)
     history = full.fit(loader(full), epochs=epochs, progress=False, log_every=1000)

@@ -19,10 +19,10 @@ def cfg(*argv: str, file: dict | None = None) -> dict:
 
 def test_defaults_are_data_parallel_mlp_adamw():
     c = resolve(cfg(), world=2)
-    assert (c["strategy"], c["model"], c["optimizer"]) == ("dp", "mlp", "adamw")
-    assert (c["dp"], c["tp"], c["pp"]) == (2, 1, 1)
-    assert c["local_batch"] * c["dp"] == c["batch_size"]
-    assert c["lr"] == 3e-3
+    assert (c.strategy, c.model, c.optimizer) == ("dp", "mlp", "adamw")
+    assert (c.dp, c.tp, c.pp) == (2, 1, 1)
+    assert c.local_batch * c.dp == c.batch_size
+    assert c.lr == 3e-3
 
 
 def test_only_given_flags_override(tmp_path):
@@ -31,9 +31,9 @@ def test_only_given_flags_override(tmp_path):
     file_values = read_toml(str(path))
     assert file_values == {"epochs": 7, "lr": 0.01, "model": "gpt", "batch_size": 32}
     c = cfg("--lr", "0.5", file=file_values)
-    assert c["lr"] == 0.5  # flag beats file
-    assert c["epochs"] == 7 and c["model"] == "gpt" and c["batch_size"] == 32  # file beats defaults
-    assert c["seed"] == 0  # default where neither says
+    assert c.lr == 0.5  # flag beats file
+    assert c.epochs == 7 and c.model == "gpt" and c.batch_size == 32  # file beats defaults
+    assert c.seed == 0  # default where neither says
 
 
 def test_config_flag_is_parsed_and_bool_flags():
@@ -118,11 +118,11 @@ def test_impossible_settings_refused(argv, world, message):
 )
 def test_layouts(argv, world, layout):
     c = resolve(cfg(*argv, "--batch-size", "48"), world=world)
-    assert (c["dp"], c["tp"], c["pp"]) == layout
+    assert (c.dp, c.tp, c.pp) == layout
 
 
 def test_ps_defaults_to_sgd():
     c = resolve(cfg("--strategy", "ps"), world=2)
-    assert c["optimizer"] == "sgd" and c["lr"] == 0.1 and c["momentum"] == 0.9
+    assert c.optimizer == "sgd" and c.lr == 0.1 and c.momentum == 0.9
     c = resolve(cfg("--strategy", "ps", "--ps-mode", "async"), world=2)
-    assert c["optimizer"] == "sgd" and c["lr"] == 0.3 and c["momentum"] == 0.0
+    assert c.optimizer == "sgd" and c.lr == 0.3 and c.momentum == 0.0

@@ -29,12 +29,6 @@ GPT = {"model": "gpt", "max_samples": 64, "batch_size": 16, "epochs": 1, "d_mode
        "block_size": 16, "log_every": 2}
 
 
-@pytest.fixture
-def shared_dir(comm, tmp_path):
-    """One directory for the whole job (rank 0's tmp_path; the ranks share a file system)."""
-    return comm.bcast_obj(str(tmp_path))
-
-
 def serial(comm, cfg: dict, where: str) -> dict:
     """The same job on one process (every rank runs its own copy on a split communicator)."""
     alone = comm.split(comm.rank)

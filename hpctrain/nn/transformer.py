@@ -200,3 +200,4 @@ class GPT(Module):
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, block_size={self.block_size}"
+

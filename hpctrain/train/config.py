@@ -1,0 +1,309 @@
+"""The configuration of ``hpctrain train``: one typed dataclass, read from defaults < file < flags.
+
+Every field of :class:`Config` that is not derived is a TOML key and a flag (``batch_size`` is
+``batch_size`` or ``batch-size`` in the file and ``--batch-size`` on the command line). A run
+writes its resolved configuration to ``RUN_DIR/config.json``; ``--config config.json`` reads it
+back (the derived fields are recomputed, not trusted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+
+
+def _opt(help: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+    return {"help": help, "choices": choices}
+
+
+def _derived(help: str) -> dict[str, Any]:
+    return {"help": help, "derived": True}
+
+
+@dataclass
+class Config:
+    """Settings of one training job. ``resolve`` fills the derived fields and refuses bad values."""
+
+    strategy: str | None = field(default=None, metadata=_opt("how the job is split across ranks [dp; hybrid when "
+                                                             "--tp or --pp is given]",
+                                                             ("dp", "tp", "pp", "ps", "hybrid")))
+    tp: int | None = field(default=None, metadata=_opt("tensor-parallel group size (tp: all ranks; hybrid: 1)"))
+    pp: int | None = field(default=None, metadata=_opt("pipeline stages (pp: all ranks; hybrid: 1)"))
+    model: str = field(default="mlp", metadata=_opt("mlp: classifier on the built-in set; gpt: character-level "
+                                                     "GPT", ("mlp", "gpt")))
+    data: str | None = field(default=None, metadata=_opt("HDF5 file (mlp: keys x, y; gpt: key tokens); "
+                                                         "default: the built-in set"))
+    epochs: int = field(default=3, metadata=_opt("passes over the training data"))
+    batch_size: int = field(default=64, metadata=_opt("global batch: samples per optimizer step over the whole job"))
+    lr: float | None = field(default=None, metadata=_opt("learning rate (default: 3e-3 adam/adamw; sgd: 0.1, "
+                                                         "0.3 without momentum)"))
+    optimizer: str | None = field(default=None, metadata=_opt("default: adamw (sgd for --strategy ps)",
+                                                              ("sgd", "adam", "adamw")))
+    momentum: float | None = field(default=None, metadata=_opt("SGD momentum (default: 0.9; 0 for ps async/ssp, "
+                                                               "which take none)"))
+    weight_decay: float = field(default=0.0, metadata=_opt("weight decay (decoupled for adamw)"))
+    seed: int = field(default=0, metadata=_opt("seed of the model's initial weights and of the data order"))
+    run_dir: str | None = field(default=None, metadata=_opt("where metrics, trace, checkpoints go "
+                                                            "(default: runs/<date-time>)"))
+    checkpoint_dir: str | None = field(default=None, metadata=_opt("default: RUN_DIR/checkpoints"))
+    checkpoint_every: int | None = field(default=None, metadata=_opt("steps between checkpoints "
+                                                                     "(default: once per epoch)"))
+    resume: bool = field(default=False, metadata=_opt("continue from the newest checkpoint in the checkpoint "
+                                                      "directory"))
+    d_model: int = field(default=64, metadata=_opt("model width"))
+    n_layers: int = field(default=2, metadata=_opt("hidden blocks (mlp) or transformer blocks (gpt)"))
+    n_heads: int = field(default=4, metadata=_opt("attention heads (gpt)"))
+    block_size: int = field(default=32, metadata=_opt("context length in characters (gpt)"))
+    microbatches: int = field(default=4, metadata=_opt("micro-batches per step (pp)"))
+    schedule: str = field(default="1f1b", metadata=_opt("pipeline schedule (pp)", ("1f1b", "gpipe")))
+    ps_mode: str = field(default="sync", metadata=_opt("parameter-server mode (ps)", ("sync", "async", "ssp")))
+    staleness: int = field(default=2, metadata=_opt("bound on how far a worker may run ahead (ps, ssp)"))
+    max_samples: int | None = field(default=None, metadata=_opt("train on only the first N samples "
+                                                                "(quick runs, tests)"))
+    val_fraction: float = field(default=0.1, metadata=_opt("share of the data held out for the final evaluation"))
+    log_every: int = field(default=20, metadata=_opt("steps between progress lines"))
+
+    # Derived by resolve(): never read from flags or files.
+    dp: int | None = field(default=None, metadata=_derived("data-parallel replicas: world / (tp x pp)"))
+    local_batch: int | None = field(default=None, metadata=_derived("samples per step on one replica"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (what ``config.json`` holds and ranks compare)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: a TOML key ``name`` and the flag ``--name`` (underscores as dashes)."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+
+def _base_type(hint: Any) -> type:
+    """``int`` for ``int | None`` and ``int``."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _options() -> tuple[Option, ...]:
+    hints = typing.get_type_hints(Config)
+    return tuple(
+        Option(f.name, _base_type(hints[f.name]), f.default, f.metadata["help"], f.metadata.get("choices"))
+        for f in dataclasses.fields(Config) if not f.metadata.get("derived")
+    )
+
+
+OPTIONS: tuple[Option, ...] = _options()
+_BY_NAME = {o.name: o for o in OPTIONS}
+DERIVED = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata.get("derived"))
+
+
+def flag(name: str) -> str:
+    """``--batch-size`` for ``batch_size``."""
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``hpctrain train``: ``--config FILE`` plus one per option (unset unless given)."""
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML file with the same keys as the flags, or the config.json a run wrote")
+    for o in OPTIONS:
+        default = "" if o.default is None else f" [{o.default}]"
+        if o.type is bool:
+            p.add_argument(flag(o.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=o.help + default)
+        else:
+            p.add_argument(flag(o.name), type=o.type, choices=o.choices, default=argparse.SUPPRESS,
+                           metavar=o.name.upper() if o.choices is None else None, help=o.help + default)
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The settings of a TOML file (top level or ``[train]``) or of a run's ``config.json``.
+
+    Keys are checked against the options (a misspelt key is refused with the closest name);
+    a JSON file may also hold the derived fields a run wrote, which are dropped.
+    """
+    is_json = path.endswith(".json")
+    try:
+        if is_json:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+            if not isinstance(raw, dict):
+                raise ConfigError(f"config file {path} must hold a JSON object, got {type(raw).__name__}")
+            raw = {k: v for k, v in raw.items() if k not in DERIVED}
+        else:
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # TOMLDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(f"config file {path} is not valid {'JSON' if is_json else 'TOML'}: {exc}") from None
+    except OSError as exc:  # a directory, no permission
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
+    if isinstance(raw.get("train"), dict):
+        raw = {**{k: v for k, v in raw.items() if k != "train"}, **raw["train"]}
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in _BY_NAME:
+            close = difflib.get_close_matches(name, _BY_NAME, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{path}: unknown key {key!r}{hint}")
+        out[name] = _coerce(_BY_NAME[name], value, f"{path}: {key}", allow_none=is_json)
+    return out
+
+
+read_toml = read_config  # the name of the first round
+
+
+def _coerce(o: Option, value: Any, where: str, allow_none: bool = False) -> Any:
+    if value is None and allow_none and o.default is None:  # JSON null: "not set"
+        return None
+    ok = (isinstance(value, bool) if o.type is bool
+          else isinstance(value, (int, float)) and not isinstance(value, bool) if o.type is float
+          else isinstance(value, o.type) and not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{where} must be {o.type.__name__}, got {value!r}")
+    if o.choices and value not in o.choices:
+        raise ConfigError(f"{where} must be one of {', '.join(o.choices)}, got {value!r}")
+    return o.type(value)
+
+
+def merge(file_values: dict[str, Any], flags: dict[str, Any]) -> Config:
+    """Defaults, overridden by the file, overridden by the flags given on the command line.
+
+    Keys that are not options (argparse's ``command``, ``config``) are ignored; values are
+    checked like a file's.
+    """
+    values = dict(file_values)
+    for k, v in flags.items():
+        if k in _BY_NAME:
+            values[k] = _coerce(_BY_NAME[k], v, flag(k), allow_none=True)
+    return Config(**values)
+
+
+def as_config(cfg: Config | dict[str, Any]) -> Config:
+    """``cfg`` itself, or a dict of options (refused if it names no option) over the defaults."""
+    if isinstance(cfg, Config):
+        return cfg
+    unknown = sorted(set(cfg) - set(_BY_NAME) - DERIVED)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")
+    return merge({}, {k: v for k, v in cfg.items() if k not in DERIVED})
+def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
+    """Fill the derived settings (layout, per-rank batch, optimizer, lr) and refuse bad ones.
+
+    Pure function of its arguments, so every rank reaches the same verdict without talking.
+    Raises ConfigError naming the setting and what would work instead.
+    """
+    c = as_config(cfg).replace()  # a copy: the caller's config stays as given
+    if c.strategy is None:  # --tp T --pp P alone: dp is what is left of the world
+        c.strategy = "hybrid" if (c.tp or 1) > 1 or (c.pp or 1) > 1 else "dp"
+    strategy = c.strategy
+    for key in ("epochs", "batch_size", "d_model", "n_layers", "n_heads", "block_size", "microbatches",
+                "log_every"):
+        if getattr(c, key) < 1:
+            raise ConfigError(f"{flag(key)} must be >= 1, got {getattr(c, key)}")
+    for key in ("tp", "pp", "checkpoint_every", "max_samples"):
+        if getattr(c, key) is not None and getattr(c, key) < 1:
+            raise ConfigError(f"{flag(key)} must be >= 1, got {getattr(c, key)}")
+    if c.staleness < 0:
+        raise ConfigError(f"--staleness must be >= 0, got {c.staleness}")
+    if not 0.0 < c.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be between 0 and 1, got {c.val_fraction}")
+
+    # Layout: world = dp x tp x pp. Each strategy fixes the sizes it does not use to 1.
+    given = {k: getattr(c, k) for k in ("tp", "pp") if getattr(c, k) is not None}
+    if strategy in ("dp", "ps") and any(v > 1 for v in given.values()):
+        flags = " ".join(f"--{k} {v}" for k, v in given.items())
+        raise ConfigError(f"--strategy {strategy} does not use {flags}: use --strategy hybrid for tp x pp x dp")
+    if strategy == "tp":
+        if c.pp not in (None, 1):
+            raise ConfigError("--strategy tp does not use --pp: use --strategy hybrid for tp x pp x dp")
+        tp, pp = c.tp or world, 1
+    elif strategy == "pp":
+        if c.tp not in (None, 1):
+            raise ConfigError("--strategy pp does not use --tp: use --strategy hybrid for tp x pp x dp")
+        tp, pp = 1, c.pp or world
+    elif strategy == "hybrid":
+        tp, pp = c.tp or 1, c.pp or 1
+    else:
+        tp, pp = 1, 1
+    if world % (tp * pp):
+        raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp} x dp: "
+                          f"the world size must be a multiple of {tp * pp}")
+    dp = world // (tp * pp)
+    c = c.replace(tp=tp, pp=pp, dp=dp)
+
+    # The global batch is split over the data-parallel replicas (the ps workers are all ranks).
+    if c.batch_size % dp:
+        raise ConfigError(f"--batch-size {c.batch_size} does not split over dp={dp} replicas: "
+                          f"use a multiple of {dp}")
+    c = c.replace(local_batch=c.batch_size // dp)
+    if pp > 1 and c.local_batch % c.microbatches:
+        raise ConfigError(f"the per-replica batch {c.local_batch} does not split into "
+                          f"--microbatches {c.microbatches}")
+
+    # Model shapes the layout must divide.
+    if c.model == "gpt" and c.d_model % c.n_heads:
+        raise ConfigError(f"--n-heads {c.n_heads} must divide --d-model {c.d_model}")
+    if tp > 1:
+        if c.model == "gpt" and c.n_heads % tp:
+            raise ConfigError(f"tp={tp} must divide --n-heads {c.n_heads} (heads are split across ranks)")
+        if (4 * c.d_model) % tp:
+            raise ConfigError(f"tp={tp} must divide the hidden width 4 x d_model = {4 * c.d_model}")
+    if pp > 1 and pp > _n_stages_possible(c):
+        raise ConfigError(f"pp={pp} stages but the {c.model} model has only {_n_stages_possible(c)} layers "
+                          f"to cut: use fewer stages or more --n-layers")
+
+    # Optimizer: the parameter server applies plain SGD on its shards.
+    if c.optimizer is None:
+        c.optimizer = "sgd" if strategy == "ps" else "adamw"
+    if strategy == "ps" and c.optimizer != "sgd":
+        raise ConfigError(f"--strategy ps applies SGD on the servers: --optimizer {c.optimizer} is not possible")
+    if strategy == "ps" and c.weight_decay:
+        raise ConfigError("--strategy ps applies plain SGD (with --momentum): --weight-decay is not possible")
+    # Server-side momentum needs every worker's gradient of a step: only the sync mode has that.
+    plain = strategy == "ps" and c.ps_mode != "sync"
+    if plain and c.momentum:
+        raise ConfigError(f"--ps-mode {c.ps_mode} applies plain SGD: --momentum {c.momentum} "
+                          "needs --ps-mode sync")
+    if c.momentum is None:
+        c.momentum = 0.0 if plain else 0.9
+    if c.momentum < 0:
+        raise ConfigError(f"--momentum must be >= 0, got {c.momentum}")
+    if c.lr is None:
+        # Plain SGD on this data wants a larger step than SGD with momentum 0.9.
+        c.lr = 3e-3 if c.optimizer != "sgd" else 0.3 if c.momentum == 0 else 0.1
+    if c.lr <= 0:
+        raise ConfigError(f"--lr must be > 0, got {c.lr}")
+    if c.resume and c.run_dir is None and c.checkpoint_dir is None:
+        raise ConfigError("--resume needs the --run-dir (or --checkpoint-dir) of the run to continue")
+    return c
+
+
+def _n_stages_possible(c: Config) -> int:
+    """Layers a pipeline can be cut between (see build_model)."""
+    return 3 + 2 * c.n_layers if c.model == "mlp" else c.n_layers + 3
+
+

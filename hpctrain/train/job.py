@@ -1,0 +1,232 @@
+"""The run of ``hpctrain train``: configuration in, a trained checkpoint and a summary out.
+
+Steps: resolve the configuration (refused on every rank before any training), open the data,
+build the serial model with the same seed on every rank, hand it to the strategy's trainer, ``fit``
+with a timeline callback, checkpoints and metrics in the run directory, evaluate the final
+checkpoint on held-out data, and write ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..errors import CheckpointError, ConfigError, HpctrainError
+from .builders import build_loss, build_model, build_trainer, data_rank
+from .config import _BY_NAME, Config, merge, read_config, resolve
+from .data import builtin_name, builtin_path, open_data
+from .timeline import Timeline
+
+T = TypeVar("T")
+
+
+def everywhere(comm: Any, fn: Callable[[], T], what: str = "") -> T:
+    """Run ``fn()`` on every rank; if it fails on any rank, raise a ``ConfigError`` on every rank.
+
+    Setting up (reading files, checking shapes) has no collectives, so one rank failing alone
+    would leave the others waiting in the first collective of training.
+    """
+    from ..comm.validate import raise_if_any
+
+    result: Any = None
+    problem: BaseException | None = None
+    try:
+        result = fn()
+    except HpctrainError as exc:
+        problem = exc
+    except (ValueError, OSError, KeyError) as exc:  # said as a configuration problem: exit status 2
+        problem = ConfigError(str(exc))
+    raise_if_any(comm, problem, what=what)
+    return result
+
+
+def limit_blas_threads(comm: Any) -> int | None:
+    """Size each rank's BLAS thread pool to its share of the node's cores; return the size.
+
+    NumPy's OpenBLAS starts one thread per core in every process, so N ranks on a node run N
+    times too many threads and the small matrix products of a step slow down many-fold. Left
+    alone when the user set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS.
+    """
+    if any(v in os.environ for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")):
+        return None
+    hosts = comm.allgather_obj(comm.hostname())
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # Bound to fewer cores than the node has (srun --cpu-bind, taskset): those cores are ours.
+    n = mine if mine < (os.cpu_count() or mine) else max(1, mine // hosts.count(hosts[comm.rank]))
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=n, user_api="blas")
+    return n
+
+
+def evaluate(model: Any, data: Any, loss: Any, batch: int = 256) -> dict[str, float]:
+    """Mean loss and accuracy of ``model`` on all of ``data`` (one process)."""
+    model.eval()
+    total_loss, correct, count = 0.0, 0, 0
+    for start in range(0, len(data), batch):
+        x, y = data[np.arange(start, min(start + batch, len(data)))][:2]
+        logits = model.forward(x)
+        total_loss += float(loss.forward(logits, y)) * y.size
+        correct += int((logits.argmax(axis=-1) == y).sum())
+        count += y.size
+    return {"loss": total_loss / count, "accuracy": correct / count, "samples": len(data)}
+
+
+def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
+    """Train as ``cfg`` says (a Config, or a dict of options over the defaults).
+
+    Collective. Returns the summary, the same on every rank.
+    """
+    from .. import checkpoint
+    from ..comm import Communicator
+    from ..comm.validate import agree
+
+    comm = comm if comm is not None else Communicator()
+    c = everywhere(comm, lambda: resolve(cfg, comm.size))
+    agree(comm, "hpctrain train configuration", c.to_dict())
+    limit_blas_threads(comm)
+    if c.run_dir is None:
+        c.run_dir = comm.bcast_obj(os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+    # config.json keeps the setting as given, so a run started from it with another --run-dir
+    # writes its checkpoints there, not into this run's.
+    given = c.to_dict()
+    c.checkpoint_dir = c.checkpoint_dir or os.path.join(c.run_dir, "checkpoints")
+
+    if c.data is None:
+        # Rank 0 writes the built-in set first; the others then find it (or, on node-local
+        # disks, write their own identical copy) instead of all writing at once.
+        everywhere(comm, lambda: builtin_path(builtin_name(c)) if comm.rank == 0 else None)
+
+    def prepare() -> tuple:
+        if not c.resume and checkpoint.list_checkpoints(c.checkpoint_dir):
+            raise ConfigError(f"{c.checkpoint_dir} already holds checkpoints: pass --resume to continue "
+                              f"that run, or choose another --run-dir")
+        train, val, meta = open_data(c)
+        return train, val, meta, build_model(c, meta)
+
+    train_set, val_set, meta, model = everywhere(comm, prepare)
+    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
+    try:
+        trainer = build_trainer(c, model, comm)
+    except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
+        raise ConfigError(f"the {c.strategy} trainer refuses this setup: {exc}") from exc
+
+    from ..data import DataLoader, ShardedSampler
+
+    rank, size = data_rank(c, comm)
+    sampler = ShardedSampler(len(train_set), rank, size, shuffle=True, seed=c.seed, pad="mask")
+    loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler)
+    every = c.checkpoint_every or len(loader)
+    if comm.rank == 0:
+        os.makedirs(c.run_dir, exist_ok=True)
+        with open(os.path.join(c.run_dir, "config.json"), "w") as f:
+            json.dump({**given, "dp": c.dp, "local_batch": c.local_batch}, f, indent=1)
+        print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
+              f"{len(train_set):,} training samples, {_layout_text(c)}, "
+              f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
+              f"{len(loader)} steps each; run dir {c.run_dir}", flush=True)
+
+    timeline = Timeline(comm.rank)
+    metrics = os.path.join(c.run_dir, "metrics.jsonl")
+    t0 = time.perf_counter()
+    history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
+                          resume=c.resume, log_every=c.log_every, metrics_file=metrics, callbacks=[timeline])
+    wall = time.perf_counter() - t0
+    memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
+    trace = os.path.join(c.run_dir, "trace.json")
+    timeline.write(comm, trace)
+    if hasattr(trainer, "save_timeline"):  # the pipeline's executed schedule of its last step
+        trainer.save_timeline(c.run_dir, png=False)
+    if hasattr(trainer, "close"):  # the parameter server: final pull, windows freed on every rank
+        trainer.close()
+
+    # Evaluate what the run leaves behind: rank 0 loads the final checkpoint (full tensors,
+    # whatever the layout, checksums verified) into a fresh serial model. The strategies' own
+    # models may be sharded or rebuilt in place into parallel layers that need the other ranks.
+    latest = comm.bcast_obj(checkpoint.list_checkpoints(c.checkpoint_dir) if comm.rank == 0 else None)
+    result = error = None
+    if comm.rank == 0:
+        try:
+            fresh = build_model(c, meta)
+            checkpoint.load_weights(latest[-1], fresh)
+            result = evaluate(fresh, val_set, build_loss(c))
+        except (OSError, KeyError, ValueError, IndexError) as exc:  # shared below: no rank waits for a dead one
+            error = f"cannot evaluate the final checkpoint {latest[-1] if latest else '(none)'}: {exc}"
+    result, error = comm.bcast_obj((result, error))
+    if error:
+        raise CheckpointError(error)
+
+    seconds = sum(s.seconds for s in history)
+    tail = history[-len(loader):] if history else []
+    summary = {
+        "model": c.model, "parameters": n_params, "strategy": c.strategy,
+        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
+        "steps_this_run": len(history), "epochs": c.epochs,
+        "final_loss": (sum(s.loss for s in tail) / len(tail)) if tail else None,
+        "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
+        "samples_per_s": sum(s.samples for s in history) / seconds if seconds > 0 else None,
+        "comm_share": sum(s.comm_seconds for s in history) / seconds if seconds > 0 else None,
+        "wall_seconds": wall, "checkpoint": latest[-1] if latest else None,
+        "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
+    }
+    if comm.rank == 0:
+        with open(os.path.join(c.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+def _layout_text(c: Config) -> str:
+    if c.strategy == "ps":
+        return f"parameter server ({c.ps_mode}) with {c.dp} workers"
+    return f"{c.strategy} with dp={c.dp} tp={c.tp} pp={c.pp}"
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The closing report of a run, a few aligned lines."""
+    lay = s["layout"]
+    final = "-" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
+    rate = "-" if s["samples_per_s"] is None else f"{s['samples_per_s']:,.0f} samples/s"
+    share = "-" if s["comm_share"] is None else f"{100 * s['comm_share']:.0f}% of step time"
+    lines = [
+        f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
+        f"{s['strategy']} dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}",
+        f"  final loss      {final} (training, mean of the last epoch)",
+        f"  validation      loss {s['val_loss']:.4f}, accuracy {100 * s['val_accuracy']:.1f}% "
+        f"({s['val_samples']:,} held-out samples)",
+        f"  throughput      {rate}",
+        f"  communication   {share}",
+        *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "
+           f"{s['memory']['params'] / 2**20:,.1f}, grads {s['memory']['grads'] / 2**20:,.1f}, optimizer "
+           f"{s['memory']['optimizer'] / 2**20:,.1f}, activations {s['memory']['activations_peak'] / 2**20:,.1f}; "
+           f"peak RSS {s['memory']['rss_peak'] / 2**20:,.0f})"] if s.get("memory") else []),
+        f"  checkpoint      {s['checkpoint'] or '-'}",
+        f"  metrics         {s['metrics']}  (hpctrain plot {s['run_dir']})",
+        f"  trace           {s['trace']}  (open in https://ui.perfetto.dev)",
+    ]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry of ``hpctrain train``: merge file and flags, then run; errors end with exit code 2."""
+    from ..comm import Communicator
+
+    flags = {k: v for k, v in vars(args).items() if k in _BY_NAME}
+    try:
+        comm = Communicator()
+        # Read on every rank, verdict shared: a file missing on one node fails the whole job.
+        cfg = everywhere(comm, lambda: merge(read_config(args.config) if args.config else {}, flags))
+        run(cfg, comm)
+    except HpctrainError as exc:
+        # Raised on every rank: said once, exit 2. On some ranks only (a rank's own wait timed
+        # out, say): that rank's traceback, and the whole job ends instead of the others waiting.
+        from ..comm.failure import fail
+
+        return fail(exc, code=2, what="hpctrain train")
+    return 0

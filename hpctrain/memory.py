@@ -143,6 +143,9 @@ class MemoryMeter:
         """
         seen: set[int] = set()
         out = {k: owned_bytes(groups.get(k, []), seen) for k in KEYS if k != "activations_peak"}
+        # Buffers that live only inside a step (ZeRO's unit gradients, gathered parameters) report
+        # their peak since the last report.
+        out["buffers"] = max(out["buffers"], int(groups.get("buffers_peak", 0)))
         out["activations_peak"] = int(self.peak)
         out["total"] = sum(out[k] for k in KEYS)
         out["rss_peak"] = peak_rss()

@@ -136,6 +136,18 @@ def check_environment() -> None:
 HDF5_LOCKING = {"on": "TRUE", "off": "FALSE", "best-effort": "BEST_EFFORT"}
 
 
+def hdf5_locking_env() -> str | None:
+    """``HPCTRAIN_HDF5_LOCKING`` (on, off, best-effort; ``None`` when unset), checked only:
+    ``hdf5_locking`` applies it."""
+    value = os.environ.get("HPCTRAIN_HDF5_LOCKING", "").strip().lower() or None
+    if value is not None and value not in HDF5_LOCKING:
+        raise ConfigError(f"HPCTRAIN_HDF5_LOCKING={value!r}: must be one of {', '.join(HDF5_LOCKING)}")
+    return value
+
+
+PARSERS["HPCTRAIN_HDF5_LOCKING"] = hdf5_locking_env
+
+
 def hdf5_locking(value: str | None = None) -> str | None:
     """Set HDF5's file locking for this process: ``"on"``, ``"off"`` (file systems without locks,
     where opening any HDF5 file fails with "unable to lock file") or ``"best-effort"``.
@@ -148,7 +160,7 @@ def hdf5_locking(value: str | None = None) -> str | None:
     import sys
 
     if value is None:
-        value = os.environ.get("HPCTRAIN_HDF5_LOCKING", "").strip().lower() or None
+        value = hdf5_locking_env()
         where = "HPCTRAIN_HDF5_LOCKING"
     else:
         where = "--hdf5-locking"

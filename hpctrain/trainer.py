@@ -190,6 +190,9 @@ class Trainer:
         """
         from .memory import optimizer_arrays
 
+        own = getattr(getattr(self, "reducer", None), "memory_arrays", None)
+        if own is not None:  # ZeRO keeps flat pieces and its own optimizer state
+            return own()
         model = self._model()
         params = list(getattr(self, "params", None) or (model.parameters() if model is not None else []))
         return {

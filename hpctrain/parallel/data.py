@@ -59,13 +59,15 @@ class DataParallelTrainer(ParallelTrainer):
         on_nonfinite: str = "raise",
         timeout: float | None = None,
         reducer: Any = None,
+        zero: int = 0,
     ) -> None:
         if isinstance(accum_steps, float) and accum_steps == int(accum_steps):
             accum_steps = int(accum_steps)
         grid = ProcessGrid(comm if comm is not None else Communicator())
         super().__init__(model=model, loss=loss, optimizer=optimizer, grid=grid, microbatches=accum_steps,
                          clip_norm=clip_norm, reducer=reducer, bucket_mb=bucket_mb, overlap=overlap,
-                         compression=compression, backend=backend, on_nonfinite=on_nonfinite, timeout=timeout)
+                         compression=compression, backend=backend, on_nonfinite=on_nonfinite, timeout=timeout,
+                         zero=zero)
 
     @property
     def accum_steps(self) -> int:
@@ -86,6 +88,7 @@ class DataParallelTrainer(ParallelTrainer):
             "compression": self.compression,
             "backend": self.backend,
             "on_nonfinite": self.on_nonfinite,
+            **({"zero": self.zero} if self.zero else {}),
         }
 
     @property

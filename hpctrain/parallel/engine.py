@@ -82,8 +82,11 @@ class ParallelTrainer(Trainer):
         backend: str = "mpi",
         on_nonfinite: str = "raise",
         timeout: float | None = None,
+        zero: int = 0,
     ) -> None:
         super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
+        self.zero = zero
+        self._custom_reducer = reducer is not None
         self.grid, self.optimizer, self.clip_norm = grid, optimizer, clip_norm
         self.microbatches, self.schedule, self.virtual_stages = microbatches, schedule, virtual_stages
         self.bucket_mb, self.overlap, self.compression, self.backend = bucket_mb, overlap, compression, backend
@@ -126,6 +129,10 @@ class ParallelTrainer(Trainer):
                 self.dp.bcast(p.data, root=0)
 
         nccl = self._nccl() if backend == "nccl" else None
+        if zero:
+            from .zero import zero_reducer
+
+            reducer = zero_reducer(model, optimizer, zero)
         if reducer is None:
             self.reducer = AllReduceReducer(self.params, self.dp, bucket_mb=bucket_mb, compression=compression,
                                             backend=nccl)  # fmt: skip
@@ -148,6 +155,10 @@ class ParallelTrainer(Trainer):
     def _check_args(self, grid: Any, model: Any, loss: Any) -> Exception | None:
         """This rank's argument problem (raised on every rank by the caller), else ``None``."""
         m, v = self.microbatches, self.virtual_stages
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            return ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.zero and (self.compression is not None or self.backend != "mpi" or self._custom_reducer):
+            return ValueError("zero=1|2|3 is its own reducer: it takes no compression, nccl backend or reducer=")
         if self.backend not in BACKENDS:
             return ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.backend == "nccl" and self.compression is not None:
@@ -216,6 +227,7 @@ class ParallelTrainer(Trainer):
             "type": type(self).__name__, "tp": self.grid.tp.size, "pp": self.grid.pp.size,
             "microbatches": self.microbatches, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "overlap": self.overlap,
+            **({"zero": self.zero} if self.zero else {}),
         }  # fmt: skip
 
     @property
@@ -223,13 +235,26 @@ class ParallelTrainer(Trainer):
         return dict(self.grid.sizes)
 
     def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
-        """``{serial name: (Parameter, full shape, index of the local array in the full tensor)}``."""
-        return dict(self._shards)
+        """``{serial name: (Parameter, full shape, index of the local array in the full tensor)}``.
+
+        Under ZeRO this is collective over dp: the full parameters and optimizer state are
+        gathered for the checkpoint (``ZeroReducer.full_shards``)."""
+        full = getattr(self.reducer, "full_shards", None)
+        return full(dict(self._shards)) if full is not None else dict(self._shards)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        after = getattr(self.reducer, "after_load", None)
+        if after is not None:  # ZeRO: a checkpoint wrote full tensors; keep this rank's pieces
+            after()
 
     def close(self) -> None:
         """Remove the backward hooks from the model (the trainer can no longer overlap)."""
         if self._hooks is not None:
             self._hooks.remove()
+        remove = getattr(self.reducer, "remove", None)
+        if remove is not None:
+            remove()
         super().close()
 
     # -- forward and backward -------------------------------------------------------------------

@@ -51,11 +51,17 @@ def _gpt_pieces(gpt: GPT) -> list[Piece]:
     pieces = [Piece("embed", {"tok_emb": tok, "pos_emb": pos}, embed, embed_backward)]
     for name in gpt.blocks.layer_names:
         b = getattr(gpt.blocks, name)
-        pieces.append(Piece(f"blocks.{name}", {f"blocks.{name}": b}, b.forward, b.backward))
+        pieces.append(Piece(f"blocks.{name}", {f"blocks.{name}": b}, *_late(b)))
     for name in ("ln_f", "head"):
         m = getattr(gpt, name)
-        pieces.append(Piece(name, {name: m}, m.forward, m.backward))
+        pieces.append(Piece(name, {name: m}, *_late(m)))
     return pieces
+
+
+def _late(m: Any) -> tuple[Any, Any]:
+    """``m``'s forward and backward looked up at each call, so wrappers installed on the module
+    later (ZeRO-3 gathers, overlap hooks) are the ones that run."""
+    return (lambda x: m.forward(x)), (lambda g: m.backward(g))
 
 
 def pipeline_pieces(model: Any) -> list[Piece]:
@@ -65,7 +71,7 @@ def pipeline_pieces(model: Any) -> list[Piece]:
     if isinstance(model, GPT):
         return _gpt_pieces(model)
     if isinstance(model, Sequential):
-        return [Piece(n, {n: m}, m.forward, m.backward) for n, m in zip(model.layer_names, model)]
+        return [Piece(n, {n: m}, *_late(m)) for n, m in zip(model.layer_names, model)]
     raise TypeError(f"a pipeline cuts a Sequential, a GPT or a model with pipeline_pieces(); "
                     f"got {type(model).__name__}")
 

@@ -1,0 +1,446 @@
+"""ZeRO over the data-parallel group: optimizer state (1), gradients (2), parameters (3) sharded.
+
+``ZeroReducer`` plugs into ``ParallelTrainer``'s step template as its dp ``GradReducer``
+(``ParallelTrainer(..., zero=N)``). This rank's parameters (its tp/pp part of the model) are laid
+end to end in one flat order, module by module (a module's own parameters are contiguous: a
+"unit"). The flat range ``[0, n)`` is cut into ``dp.size`` contiguous pieces; dp rank r owns
+piece r: the reduced gradient, the optimizer state and (zero 3) the parameters of that piece.
+
+- zero 1: gradients accumulate in a full local buffer; each unit's gradient is reduce-scattered
+  into the owners' pieces as backward finishes it (overlap, through the trainer's backward
+  hooks); the optimizer updates this rank's piece; the parameters are all-gathered back.
+- zero 2: the same, but the full local gradient buffer exists only from the step's start to the
+  end of its reduction (then freed): between steps a rank holds only its piece of the reduced
+  gradient, and no rank ever holds a fully reduced gradient.
+- zero 3: a rank keeps only its piece of the parameters; a unit's parameters are all-gathered
+  just before the unit's forward and its backward (and a recomputation's forward) and freed
+  right after; outside those calls ``p.data`` is a zero-stride placeholder of the right shape
+  (no memory). The update writes the piece; nothing is gathered after it.
+
+The update is the user's optimizer applied to per-parameter pieces (1-D slices of the flat
+piece, named like the parameter): SGD, Adam and AdamW are elementwise, so a piece's update is
+exactly that piece of the full update. The trainer's ``optimizer`` stays the user's object (its
+``step_count`` kept current) and holds full-shape state only while a checkpoint is written or
+read: ``full_shards`` gathers full tensors for ``shards()`` and ``after_load`` scatters what a
+checkpoint put back. Clipping and the non-finite check count each rank's reduced piece
+(``counted_grads``), so the global norm counts every element once.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import numpy as np
+
+from ..comm import sharded
+from ..nn.module import Parameter
+from .reducer import GradReducer
+
+STAGES = (0, 1, 2, 3)
+
+
+def placeholder(shape: tuple, dtype: Any) -> np.ndarray:
+    """A read-only array of ``shape`` that holds one element: a parameter between its uses."""
+    return np.broadcast_to(np.zeros(1, dtype=dtype), shape)
+
+
+def _units(model: Any, params: list[Any]) -> list[list[Any]]:
+    """``params`` grouped by the module that owns them directly, in module order; parameters no
+    module owns (a model that is not a ``Module`` tree) form one unit each."""
+    wanted = {id(p): p for p in params}
+    units: list[list[Any]] = []
+    seen: set[int] = set()
+    if hasattr(model, "named_modules"):
+        for _, m in model.named_modules():
+            own = [p for p in m.__dict__.get("_parameters", {}).values()
+                   if p is not None and id(p) in wanted and id(p) not in seen]  # fmt: skip
+            if own:
+                seen.update(id(p) for p in own)
+                units.append(own)
+    units += [[p] for p in params if id(p) not in seen]
+    return units
+
+
+def _owners(model: Any, units: list[list[Any]]) -> list[Any]:
+    """The module owning each unit (``None`` where none does)."""
+    by_param: dict[int, Any] = {}
+    if hasattr(model, "named_modules"):
+        for _, m in model.named_modules():
+            for p in m.__dict__.get("_parameters", {}).values():
+                if p is not None:
+                    by_param.setdefault(id(p), m)
+    return [by_param.get(id(u[0])) for u in units]
+
+
+class ZeroReducer(GradReducer):
+    """Reduce-scatter of gradients over dp into owned pieces, sharded update (see module doc)."""
+
+    def __init__(self, params: list[Any], dp: Any, *, model: Any, optimizer: Any, stage: int) -> None:
+        super().__init__(params, dp)
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeroReducer stage must be 1, 2 or 3, got {stage!r}")
+        dtypes = {str(p.dtype) for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"zero={stage} needs parameters of one dtype, got {sorted(dtypes)}")
+        if any(type(p.data) is not np.ndarray for p in self.params):
+            raise ValueError(f"zero={stage} supports host (NumPy) parameters only")
+        self.stage = stage
+        self.units = _units(model, self.params)
+        self.order = [p for u in self.units for p in u]
+        dtype = np.dtype(self.order[0].dtype) if self.order else np.dtype(np.float32)
+        self.dtype = dtype
+        self.where: dict[int, tuple[int, int]] = {}
+        off = 0
+        self.unit_range: list[tuple[int, int]] = []
+        self.unit_of: dict[int, int] = {}
+        for u, ps in enumerate(self.units):
+            start = off
+            for p in ps:
+                self.where[id(p)] = (off, off + int(np.prod(p.shape)))
+                self.unit_of[id(p)] = u
+                off += int(np.prod(p.shape))
+            self.unit_range.append((start, off))
+        n = self.n = off
+        size, r = dp.size, dp.rank
+        per = -(-n // size) if n else 0
+        bounds = [min(i * per, n) for i in range(size + 1)]
+        self.lo, self.hi = bounds[r], bounds[r + 1]
+        self.counts = [bounds[i + 1] - bounds[i] for i in range(size)]
+        self.unit_counts = [
+            [max(0, min(b, bounds[i + 1]) - max(a, bounds[i])) for i in range(size)] for a, b in self.unit_range
+        ]
+
+        # Parameter storage: the full flat buffer (zero 1, 2) or only this rank's piece (zero 3).
+        if stage < 3:
+            self.flat_param = np.empty(n, dtype=dtype)
+            for p in self.order:
+                a, b = self.where[id(p)]
+                self.flat_param[a:b] = p.data.ravel()
+                p.data = self.flat_param[a:b].reshape(p.shape)
+            self.shard_param = self.flat_param[self.lo : self.hi]
+        else:
+            self.flat_param = None
+            self.shard_param = np.empty(self.hi - self.lo, dtype=dtype)
+            for p in self.order:
+                a, b = self.where[id(p)]
+                x, y = max(a, self.lo), min(b, self.hi)
+                if x < y:
+                    self.shard_param[x - self.lo : y - self.lo] = p.data.ravel()[x - a : y - a]
+                p.data = placeholder(p.shape, dtype)
+        self.shard_grad = np.zeros(self.hi - self.lo, dtype=dtype)
+        # Local (unreduced) gradients, one buffer per unit. Zero 1 keeps them all; zero 2 and 3
+        # allocate a unit's buffer just before its backward and free it once its reduce-scatter
+        # completed, so only the units in flight exist at once.
+        self.unit_grad: list[np.ndarray | None] = [None] * len(self.units)
+        self.transient = 0  # bytes of unit gradients and gathered parameters alive now
+        self.transient_peak = 0
+        for u in range(len(self.units)):
+            self._alloc_unit(u) if stage == 1 else self._free_unit(u)
+
+        # The pieces the optimizer updates: (full parameter, piece parameter, start, stop in it).
+        self.pieces: list[tuple[Any, Parameter, int, int]] = []
+        for p in self.order:
+            a, b = self.where[id(p)]
+            x, y = max(a, self.lo), min(b, self.hi)
+            if x < y:
+                sp = Parameter(self.shard_param[x - self.lo : y - self.lo], name=p.name)
+                sp.grad = self.shard_grad[x - self.lo : y - self.lo]
+                self.pieces.append((p, sp, x - a, y - a))
+        self.facade = optimizer
+        self.inner = copy.copy(optimizer)
+        self.inner.params = [sp for _, sp, _, _ in self.pieces]
+        self.inner.names = [p.name for p, _, _, _ in self.pieces]
+        self.inner.state = {}
+        for p, _, x, y in self.pieces:
+            full = optimizer.state.get(p.name) or {}
+            self.inner.state[p.name] = {k: np.array(np.asarray(v).ravel()[x:y]) for k, v in full.items()}
+        optimizer.state = {name: {} for name in optimizer.names}
+        self._full: dict[str, Any] | None = None
+        self._reqs: list[Any] = []
+        self._active = False
+        self._hooked: list[Any] = []
+        if stage >= 2:
+            self._install(model)
+
+    # -- gradients ---------------------------------------------------------------------------
+
+    def _track(self, nbytes: int) -> None:
+        self.transient += nbytes
+        self.transient_peak = max(self.transient_peak, self.transient)
+
+    def _alloc_unit(self, u: int) -> None:
+        if self.unit_grad[u] is not None:
+            return
+        a, b = self.unit_range[u]
+        buf = self.unit_grad[u] = np.zeros(b - a, dtype=self.dtype)
+        if self.stage > 1:
+            self._track(buf.nbytes)
+        for p in self.units[u]:
+            pa, pb = self.where[id(p)]
+            p.grad = buf[pa - a : pb - a].reshape(p.shape)
+
+    def _free_unit(self, u: int) -> None:
+        buf, self.unit_grad[u] = self.unit_grad[u], None
+        if buf is not None and self.stage > 1:
+            self.transient -= buf.nbytes
+        for p in self.units[u]:
+            p.grad = placeholder(p.shape, self.dtype)
+
+    @property
+    def flat_grad(self) -> list[np.ndarray]:
+        """The local gradient buffers alive now."""
+        return [g for g in self.unit_grad if g is not None]
+
+    def zero_grad(self) -> None:
+        for u, g in enumerate(self.unit_grad):
+            if self.stage == 1:
+                g.fill(0)
+            elif g is not None:
+                self._free_unit(u)
+        if self.stage > 1 and not self._hooked:
+            for u in range(len(self.units)):  # no pre-backward signal: every unit from the start
+                self._alloc_unit(u)
+        self.shard_grad.fill(0)
+        self._drop_full()
+
+    def begin(self) -> None:
+        self._pending = [len(u) for u in self.units]
+        self._ready: set[int] = set()
+        self._next = 0
+        self._reqs = []
+        self._inflight: list[tuple[Any, int]] = []
+        self._active = True
+        self.comm_seconds = 0.0
+
+    def mark_ready(self, params: Any) -> None:
+        if not self._active:
+            return
+        for p in params:
+            u = self.unit_of.get(id(p))
+            if u is not None and id(p) not in self._ready:
+                self._ready.add(id(p))
+                self._pending[u] -= 1
+        self._launch(force=False)
+        t0 = time.perf_counter()
+        for r in self._reqs:
+            r.test()  # MPI progresses non-blocking collectives only inside MPI calls
+        self._release_done()
+        self.comm_seconds += time.perf_counter() - t0
+
+    def _release_done(self) -> None:
+        # Zero 2, 3: a unit's local gradient goes as soon as its reduce-scatter completed.
+        if self.stage == 1:
+            return
+        left = []
+        for r, u in self._inflight:
+            if r.test():
+                self._free_unit(u)
+            else:
+                left.append((r, u))
+        self._inflight = left
+
+    def _launch(self, force: bool) -> None:
+        # Every rank starts units in the same fixed order (the reverse of the flat order, the way
+        # backward produces them); a unit never starts before those ahead of it.
+        total = len(self.units)
+        while self._next < total:
+            u = total - 1 - self._next
+            if self._pending[u] > 0 and not force:
+                return
+            a, b = self.unit_range[u]
+            x, y = max(a, self.lo), min(b, self.hi)
+            out = self.shard_grad[x - self.lo : y - self.lo] if x < y else self.shard_grad[:0]
+            if self.unit_grad[u] is None:
+                self._alloc_unit(u)  # no backward reached it: zeros
+            t0 = time.perf_counter()
+            req = sharded.ireduce_scatter(self.dp, self.unit_grad[u], out, self.unit_counts[u])
+            self._reqs.append(req)
+            self._inflight.append((req, u))
+            self.comm_seconds += time.perf_counter() - t0
+            self._next += 1
+
+    def finish(self) -> float:
+        if not self._active:
+            self.begin()
+        self._launch(force=True)
+        t0 = time.perf_counter()
+        for r in self._reqs:
+            r.wait()
+        self.comm_seconds += time.perf_counter() - t0
+        self._reqs = []
+        self._active = False
+        if self.stage >= 2:
+            for u in range(len(self.units)):
+                self._free_unit(u)  # only this rank's piece of the reduced gradient stays
+        self._inflight = []
+        return self.comm_seconds
+
+    def abort(self) -> None:
+        # Started reductions were started by every rank (same order): wait so none still writes.
+        for r in self._reqs:
+            r.wait()
+        self._reqs = []
+        self._active = False
+
+    def counted_grads(self) -> list[tuple[Any, Any]]:
+        return [(p, sp.grad) for p, sp, _, _ in self.pieces]
+
+    def scale_grads(self, factor: float) -> None:
+        self.shard_grad *= factor
+
+    def apply(self, optimizer: Any) -> None:
+        inner = self.inner
+        # The user may change lr or the schedule on the object they hold.
+        inner.lr, inner.schedule, inner.step_count = optimizer.lr, optimizer.schedule, optimizer.step_count
+        inner.step()
+        optimizer.step_count = inner.step_count
+        if self.stage < 3:
+            piece = self.shard_param.copy()  # MPI buffers must not overlap
+            sharded.allgather(self.dp, piece, self.flat_param, self.counts)
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, "stage": self.stage}
+
+    # -- zero 3: gather around each use ------------------------------------------------------
+
+    def _gather(self, u: int) -> None:
+        a, b = self.unit_range[u]
+        x, y = max(a, self.lo), min(b, self.hi)
+        mine = self.shard_param[x - self.lo : y - self.lo] if x < y else self.shard_param[:0]
+        buf = np.empty(b - a, dtype=self.dtype)
+        self._track(buf.nbytes)
+        sharded.allgather(self.dp, np.ascontiguousarray(mine), buf, self.unit_counts[u])
+        for p in self.units[u]:
+            pa, pb = self.where[id(p)]
+            p.data = buf[pa - a : pb - a].reshape(p.shape)
+
+    def _release(self, u: int) -> None:
+        a, b = self.unit_range[u]
+        self.transient -= (b - a) * self.dtype.itemsize
+        for p in self.units[u]:
+            p.data = placeholder(p.shape, self.dtype)
+
+    def _install(self, model: Any) -> None:
+        for u, m in enumerate(_owners(model, self.units)):
+            if m is None:
+                if self.stage == 3:
+                    raise ValueError("zero=3 needs every parameter owned by a Module of the model")
+                self.remove()  # zero 2 without a module tree: every unit's gradient from the start
+                return
+            self._wrap(m, u)
+
+    def _wrap(self, m: Any, u: int) -> None:
+        fwd, bwd = m.forward, m.backward
+
+        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.stage < 3:
+                return fwd(x, *args, **kwargs)
+            self._gather(u)
+            try:
+                return fwd(x, *args, **kwargs)
+            finally:
+                self._release(u)
+
+        def backward(g: Any, *args: Any, **kwargs: Any) -> Any:
+            self._alloc_unit(u)
+            if self.stage < 3:
+                return bwd(g, *args, **kwargs)
+            self._gather(u)
+            try:
+                return bwd(g, *args, **kwargs)
+            finally:
+                self._release(u)
+
+        m.__dict__["forward"], m.__dict__["backward"] = forward, backward
+        self._hooked.append(m)
+
+    def remove(self) -> None:
+        """Take the zero-3 gathers off the model (it can no longer compute)."""
+        for m in self._hooked:
+            m.__dict__.pop("forward", None)
+            m.__dict__.pop("backward", None)
+        self._hooked = []
+
+    # -- checkpoints and memory --------------------------------------------------------------
+
+    def _gather_flat(self, piece: np.ndarray) -> np.ndarray:
+        full = np.empty(self.n, dtype=piece.dtype)
+        sharded.allgather(self.dp, np.ascontiguousarray(piece), full, self.counts)
+        return full
+
+    def full_shards(self, shards: dict[str, tuple[Any, tuple, tuple]]) -> dict[str, tuple[Any, tuple, tuple]]:
+        """``shards`` with full parameters and full optimizer state on the user's optimizer
+        (collective over dp): what a checkpoint reads and writes. ``after_load`` puts back."""
+        full_params = self._gather_flat(self.shard_param) if self.stage == 3 else None
+        keys = sorted({k for st in self.inner.state.values() for k in st})
+        keys = sorted(set().union(*map(set, self.dp.allgather_obj(keys))))
+        states = {}
+        for key in keys:
+            piece = np.zeros(self.hi - self.lo, dtype=self.dtype)
+            for p, _, x, y in self.pieces:
+                v = self.inner.state.get(p.name, {}).get(key)
+                if v is not None:
+                    a = self.where[id(p)][0] + x - self.lo
+                    piece[a : a + (y - x)] = v
+            states[key] = self._gather_flat(piece)
+        out: dict[str, tuple[Any, tuple, tuple]] = {}
+        self._full = {}
+        for name, (p, shape, index) in shards.items():
+            a, b = self.where[id(p)]
+            if full_params is not None:
+                q = Parameter(full_params[a:b].reshape(p.shape), name=p.name)
+                self._full[p.name] = q
+                out[name] = (q, shape, index)
+            else:
+                out[name] = (p, shape, index)
+            self.facade.state[p.name] = {k: full[a:b].reshape(p.shape) for k, full in states.items()}
+        return out
+
+    def after_load(self) -> None:
+        """Take what a checkpoint load wrote (full parameters, full optimizer state on the user's
+        optimizer) into this rank's pieces."""
+        if self.stage == 3 and self._full:
+            for p in self.order:
+                q = self._full.get(p.name)
+                a, b = self.where[id(p)]
+                x, y = max(a, self.lo), min(b, self.hi)
+                if q is not None and x < y:
+                    self.shard_param[x - self.lo : y - self.lo] = np.asarray(q.data).ravel()[x - a : y - a]
+        for p, _, x, y in self.pieces:
+            full = self.facade.state.get(p.name) or {}
+            self.inner.state[p.name] = {k: np.array(np.asarray(v).ravel()[x:y], dtype=self.dtype)
+                                        for k, v in full.items()}  # fmt: skip
+        self.inner.step_count = self.facade.step_count
+        self._drop_full()
+
+    def _drop_full(self) -> None:
+        if self._full is not None or any(self.facade.state.values()):
+            self.facade.state = {name: {} for name in self.facade.names}
+            self._full = None
+
+    def memory_arrays(self) -> dict[str, list[Any]]:
+        """The arrays this reducer keeps, by ``hpctrain.memory`` category."""
+        from ..memory import optimizer_arrays
+
+        params = [self.flat_param if self.stage < 3 else self.shard_param] + [p.data for p in self.order]
+        local = self.flat_grad
+        if self.stage == 1:
+            # The gradients are the full local buffer; the reduced piece is a named buffer.
+            return {"params": params, "grads": local, "optimizer": optimizer_arrays(self.inner),
+                    "buffers": [self.shard_grad]}  # fmt: skip
+        # Zero 2, 3: the reduced piece is the gradient; local unit gradients and gathered
+        # parameters live only within a step: their peak since the last report is a buffer.
+        peak, self.transient_peak = self.transient_peak, self.transient
+        return {"params": params, "grads": [self.shard_grad], "optimizer": optimizer_arrays(self.inner),
+                "buffers": local, "buffers_peak": peak}  # fmt: skip
+
+
+def zero_reducer(model: Any, optimizer: Any, stage: int) -> Any:
+    """A ``reducer=`` factory for ``ParallelTrainer``: ``(params, dp) -> ZeroReducer``."""
+
+    def make(params: list[Any], dp: Any) -> ZeroReducer:
+        return ZeroReducer(params, dp, model=model, optimizer=optimizer, stage=stage)
+
+    return make

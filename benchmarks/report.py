@@ -34,6 +34,7 @@ KNOWN = [
     ("hdf5_dataset", "HDF5 dataset reads vs plain h5py"),
     ("checkpoint", "Checkpoint save/load vs plain h5py and numpy"),
     ("guard", "Watchdog and debug fingerprints: per-call cost vs raw mpi4py"),
+    ("memory", "Memory: ZeRO 1/2/3 bytes per rank vs the paper's formulas, recomputation, largest GPT in a budget"),
 ]
 
 

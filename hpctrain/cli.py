@@ -15,6 +15,7 @@ from collections.abc import Callable
 from . import __version__, backend
 from . import plot as _plot
 from . import train as _train
+from .train import generate as _generate
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
@@ -130,6 +131,8 @@ COMMANDS: dict[str, Command] = {
     "ckpt": ("inspect checkpoints", _ckpt_args, run_ckpt),
     "train": ("train a model with a parallel strategy (the main job; flags or --config FILE.toml)",
               _train.add_arguments, _train.main),
+    "generate": ("sample text from a GPT checkpoint (a run directory or a checkpoint file; no MPI)",
+                 _generate.add_arguments, _generate.main),
     "plot": ("draw loss and throughput curves of a run to PNG (needs matplotlib)", _plot.add_arguments, _plot.main),
     "data": ("built-in data sets: `hpctrain data make [--dir D]` writes them as HDF5", _data_args, run_data),
 }

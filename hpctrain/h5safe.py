@@ -11,6 +11,7 @@ file. Shared by the dataset loaders and the checkpoint reader; each passes its o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .errors import DatasetError
@@ -65,9 +66,17 @@ def hard_dataset(group: Any, name: str, where: str, error: type[Exception] = Dat
     return obj
 
 
-def check_tree(group: Any, where: str, error: type[Exception] = DatasetError, limit: int = 100_000) -> int:
+def check_tree(
+    group: Any,
+    where: str,
+    error: type[Exception] = DatasetError,
+    limit: int = 100_000,
+    allow_virtual: Callable[[str, Any], str | None] | None = None,
+) -> int:
     """Refuse if anything under ``group`` is a soft/external link, external storage or virtual
-    (for files read whole, like checkpoints). Visits at most ``limit`` names; returns the count."""
+    (for files read whole, like checkpoints). Visits at most ``limit`` names; returns the count.
+    ``allow_virtual(name, dataset)`` may accept a virtual dataset (a checkpoint's index over its
+    own part files): it returns ``None`` to accept, else the reason to refuse."""
     import h5py
 
     seen = 0
@@ -86,5 +95,10 @@ def check_tree(group: Any, where: str, error: type[Exception] = DatasetError, li
             if isinstance(obj, h5py.Group):
                 stack.append((obj, here))
             elif isinstance(obj, h5py.Dataset):
+                if allow_virtual is not None and obj.is_virtual:
+                    why = allow_virtual(here[len(where.rstrip("/")) + 1 :], obj)
+                    if why is not None:
+                        raise error(f"{here} is a virtual dataset ({why}): refused")
+                    continue
                 check_stored_here(obj, here, error)
     return seen

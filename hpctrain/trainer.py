@@ -449,6 +449,7 @@ class Trainer:
         metrics_file: str | None = None,
         progress: bool | None = None,
         callbacks: Sequence[Any] = (),
+        max_steps: int | None = None,
     ) -> list[StepStats]:
         """Train until ``epochs`` epochs are done over ``loader`` (collective).
 
@@ -471,6 +472,10 @@ class Trainer:
         (also when training raises, so files get closed: keep it free of collectives). They run
         in order, then the built-in logger, so a callback may add entries to ``stats.extra``
         (``val_loss``, say) that the logger writes.
+
+        ``max_steps``: stop once ``global_step`` reaches it (counted over the whole run, resumes
+        included), even mid-epoch; the epochs stay an upper bound. The checkpoint written then
+        records the position in the epoch, so a later ``fit`` with a larger bound goes on exactly.
         """
         from . import checkpoint as ckpt
         from . import preempt
@@ -512,13 +517,18 @@ class Trainer:
                 if self.comm.rank == 0:
                     for old in stale:
                         with contextlib.suppress(FileNotFoundError):
-                            os.remove(old)
+                            ckpt.remove(old)  # the index file, then its part files
             return path
 
         try:
             hooks.call("on_fit_start", self)
+            capped = False  # stopped by max_steps before the epochs were done
             for epoch in range(self.epoch, epochs):
+                if max_steps is not None and self.global_step >= max_steps:
+                    capped = True
+                    break
                 self.epoch = epoch
+                this_epoch = 0
                 if sampler is not None and hasattr(sampler, "set_epoch"):
                     if resumed_mid_epoch:
                         # The checkpoint restored this epoch's order and position: keep them.
@@ -541,8 +551,18 @@ class Trainer:
                         if checkpoint_dir is not None:
                             path = written[-1] if saved_at == self.global_step and written else save()
                         raise Preempted(self.global_step, path, preempt.reason())
+                    this_epoch += 1
+                    if max_steps is not None and self.global_step >= max_steps:
+                        capped = True
+                        break
+                if capped and not _epoch_done(sampler, loader, this_epoch):
+                    break  # mid-epoch: the epoch counter and the sampler position stay where they are
                 hooks.call("on_epoch_end", self)
-            self.epoch = max(self.epoch, epochs)
+                if capped:
+                    self.epoch = epoch + 1
+                    break
+            if not capped:
+                self.epoch = max(self.epoch, epochs)
             if checkpoint_dir is not None and checkpoint_every and saved_at != self.global_step:
                 save()
         finally:
@@ -561,6 +581,14 @@ class Trainer:
         flag = np.array([1.0 if preempt.requested() else 0.0])
         self.comm.allreduce(flag, op="max", out=flag)
         return bool(flag[0])
+
+
+def _epoch_done(sampler: Any, loader: Any, steps: int) -> bool:
+    """Whether the loader's epoch has nothing left after a pass stopped early (``steps`` taken)."""
+    position = getattr(sampler, "position", None)
+    if position is not None and _length(sampler) != float("inf"):
+        return int(position) >= _length(sampler)
+    return steps >= _length(loader)
 
 
 def _length(sampler: Any) -> float:
@@ -600,6 +628,7 @@ class _Logger:
         self.metrics = None
         self.bar = None
         self.window: list[StepStats] = []
+        self.val_loss: float | None = None  # the newest validation loss a callback reported
         if not self.on:
             return
         if metrics_file:
@@ -638,6 +667,8 @@ class _Logger:
             self.metrics.write(json.dumps(rec) + "\n")
             self.metrics.flush()
         self.window.append(s)
+        if "val_loss" in s.extra:
+            self.val_loss = s.extra["val_loss"]
         if self.bar is not None:
             self.bar.update(1)
         if len(self.window) >= self.every:
@@ -648,7 +679,8 @@ class _Logger:
             mem = max(w.memory.get("total", 0) for w in self.window)
             text = (f"loss {loss:.4f} | {samples / secs if secs else 0:,.0f} samples/s | "
                     f"step {1000 * secs / len(self.window):.1f} ms | comm {100 * comm / secs if secs else 0:.0f}%"
-                    + (f" | mem {mem / 2**20:,.1f} MiB" if mem else ""))
+                    + (f" | mem {mem / 2**20:,.1f} MiB" if mem else "")
+                    + (f" | val {self.val_loss:.4f}" if self.val_loss is not None else ""))
             if self.bar is not None:
                 self.bar.set_postfix_str(text)
             else:

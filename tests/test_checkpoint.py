@@ -17,6 +17,7 @@ import time
 import h5py
 import numpy as np
 import pytest
+from ckpt_tools import copy_checkpoint, flip
 
 from hpctrain import Communicator, checkpoint
 from hpctrain.errors import CheckpointError
@@ -168,18 +169,15 @@ def test_round_trip_sharded_and_resharded(comm, shared_dir):
 
 def _corrupt_copies(path: str, d: str) -> dict[str, str]:
     """Damaged variants of a good checkpoint: flipped data byte, truncation, foreign, junk."""
-    with open(path, "rb") as fh:
-        raw = bytearray(fh.read())
-    with h5py.File(path, "r") as f:
-        offset = f["model/1.weight"].id.get_offset()
-    flipped = bytearray(raw)
-    flipped[offset + 3] ^= 0xFF
-    out = {"flipped": flipped, "truncated": raw[: len(raw) // 2], "junk": os.urandom(4096)}
     paths = {}
-    for name, data in out.items():
-        paths[name] = os.path.join(d, f"{name}.h5")
-        with open(paths[name], "wb") as fh:
-            fh.write(bytes(data))
+    paths["flipped"] = copy_checkpoint(path, os.path.join(d, "flipped"))
+    flip(paths["flipped"], "model/1.weight")
+    paths["truncated"] = copy_checkpoint(path, os.path.join(d, "truncated"))
+    with open(paths["truncated"], "r+b") as fh:
+        fh.truncate(os.path.getsize(paths["truncated"]) // 2)
+    paths["junk"] = os.path.join(d, "junk.h5")
+    with open(paths["junk"], "wb") as fh:
+        fh.write(os.urandom(4096))
     paths["foreign"] = os.path.join(d, "foreign.h5")
     with h5py.File(paths["foreign"], "w") as f:
         f["x"] = np.arange(3)
@@ -248,11 +246,12 @@ CHILD = textwrap.dedent(
     t = ShardTrainer(Communicator(), steps=1)
     checkpoint.save({path!r}, t)
     print("first saved", flush=True)
-    real = checkpoint.to_host
+    from hpctrain.checkpoint import format as fmt
+    real = fmt.digest
     def slow(a):
         time.sleep(0.2)
         return real(a)
-    checkpoint.to_host = slow
+    fmt.digest = slow  # each slab's checksum is taken as it is written: slow writes
     t.fake_step(1)
     print("saving", flush=True)
     checkpoint.save({path!r}, t)
@@ -278,7 +277,7 @@ def test_kill_mid_save_leaves_previous_checkpoint(comm, tmp_path):
         proc.wait(30)
     finally:
         proc.kill()
-    leftovers = [n for n in os.listdir(tmp_path) if ".tmp." in n]
+    leftovers = [n for n in os.listdir(tmp_path) if ".tmp." in n or n.endswith(".parts")]
     assert leftovers, "the kill should have hit the save mid-write"
     t = ShardTrainer(comm, steps=0)
     checkpoint.load(path, t)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 
 import h5py
 import numpy as np
 import pytest
+from ckpt_tools import copy_checkpoint, flip
 from test_dp_checkpoint import D_IN, D_OUT, loader, trainer
 
 from hpctrain import checkpoint
@@ -43,47 +43,42 @@ def assert_bitwise(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
-def _flip(path: str, dataset: str) -> None:
-    with h5py.File(path, "r") as f:
-        offset = f[dataset].id.get_offset()
-    with open(path, "r+b") as fh:
-        fh.seek(offset + 5)
-        b = fh.read(1)
-        fh.seek(offset + 5)
-        fh.write(bytes([b[0] ^ 0x40]))
-
-
 def damage(good: str, d: str) -> dict[str, tuple[str, str]]:
-    """{case: (path, pattern the error must match)}; rank 0 writes them."""
+    """{case: (path, pattern the error must match)}; rank 0 writes them, each in its own directory."""
     cases: dict[str, tuple[str, str]] = {}
     with h5py.File(good, "r") as f:
         weight = sorted(n for n in f["model"] if n.endswith("weight"))[0]
         moment = f"optim/{weight}/exp_avg_sq"
         assert moment in f
+
+    def copy(case: str) -> str:
+        return copy_checkpoint(good, os.path.join(d, case.replace(" ", "_")))
+
     for case, target in (("weight", f"model/{weight}"), ("moment", moment)):
-        p = os.path.join(d, f"{case}.h5")
-        shutil.copy(good, p)
-        _flip(p, target)
+        p = copy(case)
+        flip(p, target)
         cases[case] = (p, f"checksum mismatch in {target}")
-    p = os.path.join(d, "header.h5")
-    shutil.copy(good, p)
+    p = copy("header")
     with h5py.File(p, "r+") as f:  # one digit of the saved step changed, checksum left as it was
-        f.attrs["trainer_state"] = f.attrs["trainer_state"].replace('"global_step": 3', '"global_step": 4')
+        f.attrs["trainer_state"] = f.attrs["trainer_state"].replace('"global_step":3', '"global_step":4')
     cases["header"] = (p, "checksum mismatch in its header")
-    p = os.path.join(d, "truncated.h5")
-    with open(good, "rb") as src, open(p, "wb") as dst:
-        dst.write(src.read(os.path.getsize(good) * 2 // 3))
-    cases["truncated"] = (p, "truncated|not a readable|unreadable|corrupt|checksum")
-    other = os.path.join(d, "elsewhere.h5")
-    shutil.copy(good, other)
-    p = os.path.join(d, "link.h5")
-    shutil.copy(good, p)
+    p = copy("truncated index")
+    with open(p, "r+b") as fh:
+        fh.truncate(os.path.getsize(p) * 2 // 3)
+    cases["truncated index"] = (p, "truncated|not a readable|unreadable|corrupt|checksum")
+    p = copy("truncated part")
+    with h5py.File(p, "r") as f:
+        part = os.path.join(os.path.dirname(p), f.attrs["parts"], "w00000.h5")
+    with open(part, "r+b") as fh:
+        fh.truncate(os.path.getsize(part) * 2 // 3)
+    cases["truncated part"] = (p, "w00000.h5")
+    p = copy("external link")
+    other = copy_checkpoint(good, os.path.join(d, "elsewhere"))
     with h5py.File(p, "r+") as f:
         del f[f"model/{weight}"]
-        f[f"model/{weight}"] = h5py.ExternalLink(os.path.basename(other), f"model/{weight}")
+        f[f"model/{weight}"] = h5py.ExternalLink(other, f"model/{weight}")
     cases["external link"] = (p, f"model/{weight} is an external link")
-    p = os.path.join(d, "softlink.h5")
-    shutil.copy(good, p)
+    p = copy("soft link")
     with h5py.File(p, "r+") as f:
         del f[f"optim/{weight}/exp_avg"]
         f[f"optim/{weight}/exp_avg"] = h5py.SoftLink(f"/optim/{weight}/exp_avg_sq")
@@ -144,7 +139,9 @@ def test_load_latest_falls_back_and_names_every_failure(comm, tmp_path, caplog):
     newest = checkpoint.save(checkpoint.checkpoint_path(d, 4), tr)
     comm.barrier()
     if comm.rank == 0:
-        _flip(newest, "optim/" + sorted(h5py.File(newest, "r")["optim"])[0] + "/exp_avg_sq")
+        with h5py.File(newest, "r") as f:
+            first = sorted(f["optim"])[0]
+        flip(newest, f"optim/{first}/exp_avg_sq")
     comm.barrier()
     with caplog.at_level("WARNING", logger="hpctrain"):
         assert checkpoint.load_latest(d, tr) == good

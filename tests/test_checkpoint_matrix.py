@@ -10,7 +10,6 @@ is left out: the matrix needs 4 ranks (tp=2 x pp=2), so it runs in the 4-rank pa
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -91,7 +90,7 @@ def test_gpt_checkpoint_written_under_one_layout_continues_under_every_other(com
                 rdir = os.path.join(root, f"{writer}-to-{reader}-{where}")
                 if comm.rank == 0:
                     os.makedirs(rdir)
-                    shutil.copy(ckpt.checkpoint_path(wdir, step), rdir)
+                    ckpt.copy(ckpt.checkpoint_path(wdir, step), rdir)
                 comm.barrier()
                 sub = group(comm, reader)
                 if sub is not None:

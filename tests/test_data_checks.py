@@ -283,27 +283,6 @@ def test_mpi_distributed_evaluation_equals_serial_on_the_same_rows(comm, tmp_pat
     assert par["accuracy"] == pytest.approx(float((logits.argmax(axis=1) == y).mean()), abs=1e-15)
 
 
-@pytest.fixture
-def readonly_dir(tmp_path):
-    """A directory nobody may write: chmod for a user; for root (who ignores modes) a read-only tmpfs."""
-    import subprocess
-
-    path = tmp_path / "ro"
-    path.mkdir()
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-        yield path
-        path.chmod(0o755)
-        return
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True)
-    if p.returncode != 0:
-        pytest.skip(f"root cannot mount a read-only tmpfs here: {p.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], capture_output=True)
-
-
 @pytest.mark.timeout(60)
 def test_data_make_on_a_bad_directory_is_one_clear_line(tmp_path, readonly_dir, capsys, comm):
     from hpctrain.cli import main

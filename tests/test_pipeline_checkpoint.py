@@ -129,9 +129,9 @@ def test_fit_resumes_mid_epoch_exactly(comm, shared_dir):
     _trainer(comm, comm.size).fit(loader(), epochs=3, checkpoint_dir=shared_dir, checkpoint_every=3, **quiet)
     comm.barrier()
     if comm.rank == 0:  # keep only the checkpoint taken in the middle of epoch 1 (step 9 of 15)
-        for name in os.listdir(shared_dir):
-            if name != "ckpt-00000009.h5":
-                os.remove(os.path.join(shared_dir, name))
+        for path in checkpoint.list_checkpoints(shared_dir):
+            if not path.endswith("ckpt-00000009.h5"):
+                checkpoint.remove(path)
     comm.barrier()
     resumed = _trainer(comm, comm.size, seed=5)
     rest = resumed.fit(loader(), epochs=3, checkpoint_dir=shared_dir, checkpoint_every=100, **quiet)

@@ -152,3 +152,33 @@ def test_data_parallel_with_recompute_bitwise():
     assert out[0][0] == out[1][0]
     for n in out[0][1]:
         np.testing.assert_array_equal(out[0][1][n], out[1][1][n])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_tensor_parallel_swaps_inside_recompute():
+    """tensor_parallel replaces the attention and MLP inside recomputed blocks; results unchanged."""
+    from hpctrain import ProcessGrid
+    from hpctrain.parallel import ParallelTrainer, tensor_parallel
+
+    comm = ht.Communicator()
+    if comm.size % 2:
+        pytest.skip(f"tp=2 needs an even world size, got {comm.size}")
+    grid = ProcessGrid(comm, tp=2)
+    out = []
+    for wrap in (False, True):
+        model = gpt()
+        if wrap:
+            model = recompute(model)
+        part = tensor_parallel(model, grid.tp)
+        if wrap:
+            assert type(part.blocks[0].block.attn).__name__ == "ParallelSelfAttention"
+        tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=ht.optim.AdamW(part.parameters()),
+                             grid=grid)  # fmt: skip
+        d, n = grid.dp.rank, grid.dp.size
+        losses = [tr.step(*(a[d::n] for a in _gpt_batches(s))).loss for s in range(2)]
+        out.append((losses, {k: p.data.copy() for k, p in part.named_parameters()}))
+        tr.close()
+    assert out[0][0] == out[1][0]
+    for k in out[0][1]:
+        np.testing.assert_array_equal(out[0][1][k], out[1][1][k])

@@ -249,3 +249,30 @@ def test_checkpoint_at_zero3_resumes_at_zero0_one_process_and_zero1_tp2(tmp_path
             np.testing.assert_allclose(p.data, ref[name], rtol=0, atol=TOL_W, err_msg=name)
         one.close()
     comm.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+def test_train_job_zero3_recompute_matches_one_process(comm, shared_dir):
+    """`hpctrain train --zero 3 --recompute` ends where one plain process ends, and its summary
+    reports memory (bytes on the rank holding most)."""
+    import os
+
+    from hpctrain.errors import ConfigError
+    from hpctrain.train import merge, resolve
+    from hpctrain.train import run as job
+
+    cfg = {"model": "gpt", "max_samples": 64, "batch_size": 8 * comm.size, "epochs": 1, "d_model": 32,
+           "n_heads": 4, "block_size": 16, "log_every": 2}  # fmt: skip
+    s = job(merge({}, {**cfg, "zero": 3, "recompute": True, "run_dir": os.path.join(shared_dir, "z3")}), comm)
+    alone = comm.split(comm.rank)
+    try:
+        ref = job(merge({}, {**cfg, "run_dir": os.path.join(shared_dir, f"solo-{comm.rank}")}), alone)
+    finally:
+        alone.free()
+    assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5)
+    assert s["memory"]["params"] < ref["memory"]["params"] and s["memory"]["optimizer"] < ref["memory"]["optimizer"]
+    assert set(s["memory"]) >= {"params", "grads", "optimizer", "activations_peak", "total", "rss_peak"}
+    for bad, message in (({"zero": 4}, "--zero"), ({"zero": 1, "strategy": "ps"}, "--zero")):
+        with pytest.raises(ConfigError, match=message):
+            resolve(merge({}, {**cfg, **bad}), comm.size)

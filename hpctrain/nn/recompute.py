@@ -92,9 +92,10 @@ class Recompute(Module):
 
     def __getattr__(self, key: str) -> Any:
         # Only called for attributes the wrapper lacks: the block's own (n_heads, layer_names...).
-        if key == "block":
+        block = self.__dict__.get("block")
+        if block is None or key.startswith("__"):  # copies and pickles look up protocol names
             raise AttributeError(key)
-        return getattr(self.__dict__["block"], key)
+        return getattr(block, key)
 
     # -- computation ---------------------------------------------------------------------------
 

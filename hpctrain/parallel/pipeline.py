@@ -27,6 +27,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..comm import Communicator
+from ..comm.validate import raise_if_any
 from ..errors import StallError
 from ..nn.module import Module, Sequential
 from . import timeline as _timeline
@@ -381,18 +382,20 @@ class PipelineParallelTrainer(_preset()):  # type: ignore[misc]
         events = {r: ev for r, (_, _, ev) in enumerate(everyone)}
         labels = {r: f"rank {r}: stage {st}, replica {d}" for r, (st, d, _) in enumerate(everyone)}
         r = self.comm.rank
-        _timeline.write_json(os.path.join(directory, f"timeline-rank{r}.json"), {r: events[r]}, {r: labels[r]})
         paths = [os.path.join(directory, f"timeline-rank{k}.json") for k in range(self.comm.size)]
         error = None
-        if r == 0:
+        try:  # a rank that cannot write must not leave the others waiting below
+            _timeline.write_json(paths[r], {r: events[r]}, {r: labels[r]})
+        except OSError as exc:
+            error = OSError(f"cannot write the timeline in {directory}: {exc}")
+        if r == 0 and error is None:
             try:
                 paths.append(_timeline.write_json(os.path.join(directory, "timeline.json"), events, labels))
                 if png and _timeline.have_matplotlib():
                     paths.append(_timeline.write_png(os.path.join(directory, "timeline.png"), events, labels))
             except OSError as exc:
-                error = f"cannot write the timeline in {directory}: {exc}"
-        paths, error = self.comm.bcast_obj((paths, error))
-        if error:
-            raise OSError(error)
+                error = OSError(f"cannot write the timeline in {directory}: {exc}")
+        raise_if_any(self.comm, error)
+        paths = self.comm.bcast_obj(paths)
         self.comm.barrier()
         return paths

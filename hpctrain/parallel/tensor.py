@@ -23,7 +23,8 @@ import numpy as np
 from ..backend import to_host
 from ..comm.validate import agree, describe_model, raise_if_any
 from ..errors import GridError, MismatchError
-from ..nn.module import Module
+from ..nn.module import Module, Sequential
+from ..nn.recompute import Recompute
 from ..nn.transformer import GPT, MLP, CausalSelfAttention
 from .engine import ParallelTrainer, shard_map
 from .tensor_layers import (
@@ -56,6 +57,10 @@ def _swap(parent: Module, comm: Any) -> None:
             setattr(parent, name, ParallelMLP.from_serial(child, comm))
         elif isinstance(child, CausalSelfAttention):
             setattr(parent, name, ParallelSelfAttention.from_serial(child, comm))
+        elif isinstance(child, Recompute) and isinstance(child.block, (MLP, CausalSelfAttention)):
+            one = Sequential(child.block, names=["x"])  # swap the wrapped block, keep the wrapper
+            _swap(one, comm)
+            setattr(parent, name, Recompute(one.x))
         else:
             _swap(child, comm)
 
@@ -160,6 +165,4 @@ class TensorParallelTrainer(ParallelTrainer):
             for i, p in enumerate(ps):
                 if len({c[i] for c in everyone}) > 1 and problem is None:
                     problem = f"{p.name} differs across the {group} group of world rank {self.comm.rank}"
-        problems = [q for q in self.comm.allgather_obj(problem) if q]
-        if problems:
-            raise MismatchError("replicas drifted apart: " + "; ".join(problems[:4]))
+        raise_if_any(self.comm, MismatchError(problem) if problem else None, what="replicas drifted apart")

@@ -38,9 +38,17 @@ class Config:
     tp: int | None = field(default=None, metadata=_opt("tensor-parallel group size (tp: all ranks; hybrid: 1)"))
     pp: int | None = field(default=None, metadata=_opt("pipeline stages (pp: all ranks; hybrid: 1)"))
     model: str = field(default="mlp", metadata=_opt("mlp: classifier on the built-in set; gpt: character-level "
-                                                     "GPT", ("mlp", "gpt")))
-    data: str | None = field(default=None, metadata=_opt("HDF5 file (mlp: keys x, y; gpt: key tokens); "
-                                                         "default: the built-in set"))
+                                                     "GPT; or your own, package.module:factory or "
+                                                     "path/to/file.py:factory (a callable taking this Config "
+                                                     "and returning a Module)"))
+    data: str | None = field(default=None, metadata=_opt("HDF5 file (keys --x-key/--y-key, or --tokens-key for "
+                                                         "token windows); default: the built-in set"))
+    x_key: str = field(default="x", metadata=_opt("the --data file's inputs (N, ...)"))
+    y_key: str = field(default="y", metadata=_opt("the --data file's targets (N,) or (N, ...)"))
+    tokens_key: str | None = field(default=None, metadata=_opt("the --data file's 1-d token stream: windows of "
+                                                               "--block-size (default for --model gpt: tokens)"))
+    loss: str = field(default="ce", metadata=_opt("ce: cross-entropy on class indices; mse: mean squared error "
+                                                  "on float targets", ("ce", "mse")))
     epochs: int = field(default=3, metadata=_opt("passes over the training data"))
     batch_size: int = field(default=64, metadata=_opt("global batch: samples per optimizer step over the whole job"))
     lr: float | None = field(default=None, metadata=_opt("learning rate (default: 3e-3 adam/adamw; sgd: 0.1, "
@@ -65,6 +73,10 @@ class Config:
     n_heads: int = field(default=4, metadata=_opt("attention heads (gpt)"))
     block_size: int = field(default=32, metadata=_opt("context length in characters (gpt)"))
     microbatches: int = field(default=4, metadata=_opt("micro-batches per step (pp)"))
+    zero: int = field(default=0, metadata=_opt("ZeRO over the dp group: 1 optimizer state, 2 + gradients, "
+                                               "3 + parameters sharded (dp, tp, pp, hybrid)"))
+    recompute: bool = field(default=False, metadata=_opt("recompute activations in backward (each transformer "
+                                                         "block / MLP block keeps only its input)"))
     schedule: str = field(default="1f1b", metadata=_opt("pipeline schedule (pp)", ("1f1b", "gpipe")))
     ps_mode: str = field(default="sync", metadata=_opt("parameter-server mode (ps)", ("sync", "async", "ssp")))
     staleness: int = field(default=2, metadata=_opt("bound on how far a worker may run ahead (ps, ssp)"))
@@ -72,10 +84,34 @@ class Config:
                                                                 "(quick runs, tests)"))
     val_fraction: float = field(default=0.1, metadata=_opt("share of the data held out for the final evaluation"))
     log_every: int = field(default=20, metadata=_opt("steps between progress lines"))
+    # Training controls.
+    max_steps: int | None = field(default=None, metadata=_opt("stop after this many steps in all (the epochs "
+                                                              "stay an upper bound)"))
+    lr_schedule: str = field(default="constant", metadata=_opt("learning-rate schedule after the warm-up "
+                                                               "(cosine: down to --min-lr at the last step)",
+                                                               ("constant", "cosine")))
+    warmup: int = field(default=0, metadata=_opt("steps of linear learning-rate warm-up"))
+    min_lr: float = field(default=0.0, metadata=_opt("learning rate the cosine schedule ends at"))
+    clip_norm: float | None = field(default=None, metadata=_opt("clip the global gradient norm to this value"))
+    accum_steps: int = field(default=1, metadata=_opt("split each replica's batch into this many micro-batches "
+                                                      "whose gradients accumulate (same update, less memory)"))
+    eval_every: int | None = field(default=None, metadata=_opt("steps between validation losses during "
+                                                               "training (metrics.jsonl, progress line)"))
+    keep: int = field(default=3, metadata=_opt("checkpoints to keep (the newest)"))
+    compression: str | None = field(default=None, metadata=_opt("16-bit gradient all-reduce (dp)",
+                                                                ("fp16", "bf16")))
+    timeout: float | None = field(default=None, metadata=_opt("seconds a wait may last before the job ends "
+                                                              "(0 = off; default $HPCTRAIN_TIMEOUT or 300)"))
+    on_nonfinite: str = field(default="raise", metadata=_opt("a step with a non-finite loss or gradient: raise, "
+                                                             "or skip it (nothing changes)", ("raise", "skip")))
+    dropout: float = field(default=0.0, metadata=_opt("dropout probability in the model (training only)"))
 
     # Derived by resolve(): never read from flags or files.
     dp: int | None = field(default=None, metadata=_derived("data-parallel replicas: world / (tp x pp)"))
     local_batch: int | None = field(default=None, metadata=_derived("samples per step on one replica"))
+    #: Facts of the opened data a model factory may need (``n_in``, ``x_shape``, ``n_classes`` or
+    #: ``n_out``, ``vocab_size``, ``path``): filled by the job before it calls the factory.
+    info: dict | None = field(default=None, metadata=_derived("facts of the opened data"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``config.json`` holds and ranks compare)."""
@@ -226,9 +262,29 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
                 "log_every"):
         if getattr(c, key) < 1:
             raise ConfigError(f"{flag(key)} must be >= 1, got {getattr(c, key)}")
-    for key in ("tp", "pp", "checkpoint_every", "max_samples"):
+    for key in ("tp", "pp", "checkpoint_every", "max_samples", "max_steps", "eval_every"):
         if getattr(c, key) is not None and getattr(c, key) < 1:
             raise ConfigError(f"{flag(key)} must be >= 1, got {getattr(c, key)}")
+    for key in ("accum_steps",):
+        if getattr(c, key) < 1:
+            raise ConfigError(f"{flag(key)} must be >= 1, got {getattr(c, key)}")
+    for key in ("warmup", "keep", "min_lr"):
+        if getattr(c, key) < 0:
+            raise ConfigError(f"{flag(key)} must be >= 0, got {getattr(c, key)}")
+    if c.clip_norm is not None and not c.clip_norm > 0:
+        raise ConfigError(f"--clip-norm must be > 0, got {c.clip_norm}")
+    if not 0.0 <= c.dropout < 1.0:
+        raise ConfigError(f"--dropout must be in [0, 1), got {c.dropout}")
+    if c.timeout is not None:
+        from ..settings import resolve_timeout
+
+        resolve_timeout(c.timeout)  # ConfigError for a negative or non-finite value
+    if c.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {c.zero}")
+    if c.zero and c.strategy == "ps":
+        raise ConfigError("--zero shards over data-parallel replicas; the parameter server (--strategy ps) has none")
+    if c.recompute and c.strategy == "ps":
+        raise ConfigError("--recompute is for the synchronous strategies, not --strategy ps")
     if c.staleness < 0:
         raise ConfigError(f"--staleness must be >= 0, got {c.staleness}")
     if not 0.0 < c.val_fraction < 1.0:
@@ -262,19 +318,27 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         raise ConfigError(f"--batch-size {c.batch_size} does not split over dp={dp} replicas: "
                           f"use a multiple of {dp}")
     c = c.replace(local_batch=c.batch_size // dp)
-    if pp > 1 and c.local_batch % c.microbatches:
+    if c.local_batch % c.accum_steps:
+        raise ConfigError(f"the per-replica batch {c.local_batch} does not split into --accum-steps {c.accum_steps}")
+    if pp > 1 and c.local_batch % (c.microbatches * c.accum_steps):
         raise ConfigError(f"the per-replica batch {c.local_batch} does not split into "
-                          f"--microbatches {c.microbatches}")
+                          f"--microbatches {c.microbatches}" + (f" x --accum-steps {c.accum_steps}"
+                                                                 if c.accum_steps > 1 else ""))
 
     # Model shapes the layout must divide.
+    if c.model not in ("mlp", "gpt") and ":" not in c.model:
+        raise ConfigError(f"--model {c.model!r} is neither mlp, gpt nor package.module:factory "
+                          f"(or path/to/file.py:factory)")
+    if c.model == "gpt" and c.loss != "ce":
+        raise ConfigError("--model gpt predicts the next token: it trains with --loss ce")
     if c.model == "gpt" and c.d_model % c.n_heads:
         raise ConfigError(f"--n-heads {c.n_heads} must divide --d-model {c.d_model}")
     if tp > 1:
         if c.model == "gpt" and c.n_heads % tp:
             raise ConfigError(f"tp={tp} must divide --n-heads {c.n_heads} (heads are split across ranks)")
-        if (4 * c.d_model) % tp:
+        if c.model in ("mlp", "gpt") and (4 * c.d_model) % tp:
             raise ConfigError(f"tp={tp} must divide the hidden width 4 x d_model = {4 * c.d_model}")
-    if pp > 1 and pp > _n_stages_possible(c):
+    if pp > 1 and c.model in ("mlp", "gpt") and pp > _n_stages_possible(c):
         raise ConfigError(f"pp={pp} stages but the {c.model} model has only {_n_stages_possible(c)} layers "
                           f"to cut: use fewer stages or more --n-layers")
 
@@ -301,6 +365,15 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         raise ConfigError(f"--lr must be > 0, got {c.lr}")
     if c.resume and c.restart:
         raise ConfigError("--resume continues the run and --restart starts it over: give one of them")
+    if strategy == "ps":
+        for key, default in (("clip_norm", None), ("accum_steps", 1), ("compression", None),
+                             ("lr_schedule", "constant"), ("warmup", 0)):
+            if getattr(c, key) != default:
+                raise ConfigError(f"--strategy ps applies plain SGD steps on the servers: {flag(key)} is not possible")
+    if c.compression is not None and dp == 1:
+        raise ConfigError(f"--compression {c.compression} compresses the data-parallel all-reduce, but dp=1")
+    if c.lr_schedule == "cosine" and c.min_lr > c.lr:
+        raise ConfigError(f"--min-lr {c.min_lr:g} must not exceed --lr {c.lr:g}")
     if c.resume and c.run_dir is None and c.checkpoint_dir is None:
         raise ConfigError("--resume needs the --run-dir (or --checkpoint-dir) of the run to continue")
     return c

@@ -25,7 +25,7 @@ class Rows:
 
 def builtin_name(c: Config) -> str:
     """The built-in set a model trains on when no ``--data`` is given."""
-    return "classification" if c.model == "mlp" else "corpus"
+    return "corpus" if c.model == "gpt" or c.tokens_key else "classification"
 
 
 def builtin_path(name: str) -> str:
@@ -38,24 +38,34 @@ def builtin_path(name: str) -> str:
 def open_data(c: Config) -> tuple[Rows, Rows, dict[str, Any]]:
     """(train set, validation set, facts the model needs) from the HDF5 file of the run.
 
-    The facts: ``path``, and ``n_in``/``n_classes`` (mlp) or ``vocab_size`` (gpt).
+    Token windows (``--tokens-key``, the default of ``--model gpt``) or rows of ``--x-key`` and
+    ``--y-key``. The facts: ``path``; ``n_in`` and ``x_shape`` (rows), ``n_classes`` (``--loss
+    ce``) or ``n_out`` (``--loss mse``), ``vocab_size`` (tokens).
     """
     from ..data import ArrayDataset, HDF5Dataset
 
     path = c.data or builtin_path(builtin_name(c))
+    tokens_key = c.tokens_key or ("tokens" if c.model == "gpt" else None)
     meta: dict[str, Any]
-    if c.model == "mlp":
-        ds = HDF5Dataset(path, ("x", "y"))
+    if tokens_key is None:
+        ds = HDF5Dataset(path, (c.x_key, c.y_key))
         shapes = ds.shapes
-        if len(shapes["x"]) != 2 or len(shapes["y"]) != 1:
-            raise DatasetError(f"{path}: mlp needs x of shape (N, D) and y of shape (N,), got {shapes}")
-        with HDF5Dataset(path, ("y",)) as labels:  # the class count: read the labels, not x
-            y_all = labels[np.arange(len(labels))][0]
-        if y_all.dtype.kind not in "iu" or y_all.min() < 0:
-            raise DatasetError(f"{path}: y must hold class indices >= 0, got dtype {y_all.dtype}")
-        meta = {"n_in": int(shapes["x"][1]), "n_classes": int(y_all.max()) + 1}
+        x_shape, y_shape = tuple(shapes[c.x_key][1:]), tuple(shapes[c.y_key][1:])
+        if c.model == "mlp" and (len(x_shape) != 1 or (c.loss == "ce" and y_shape)):
+            raise DatasetError(f"{path}: mlp needs {c.x_key} of shape (N, D) and {c.y_key} of shape (N,), "
+                               f"got {shapes}")
+        meta = {"n_in": int(np.prod(x_shape)), "x_shape": list(x_shape)}
+        if c.loss == "ce":
+            with HDF5Dataset(path, (c.y_key,)) as labels:  # the class count: read the labels, not x
+                y_all = labels[np.arange(len(labels))][0]
+            if y_all.dtype.kind not in "iu" or y_all.min() < 0:
+                raise DatasetError(f"{path}: {c.y_key} must hold class indices >= 0 for --loss ce, "
+                                   f"got dtype {y_all.dtype}")
+            meta["n_classes"] = int(y_all.max()) + 1
+        else:
+            meta["n_out"] = int(np.prod(y_shape)) if y_shape else 1
     else:
-        with HDF5Dataset(path, ("tokens",)) as tok:
+        with HDF5Dataset(path, (tokens_key,)) as tok:
             tokens = tok[np.arange(len(tok))][0].astype(np.int64)
             vocab = tok.attrs.get("vocab")
         t = c.block_size

@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -69,22 +69,89 @@ def limit_blas_threads(comm: Any) -> int | None:
 
 
 def evaluate(model: Any, data: Any, loss: Any, batch: int = 256) -> dict[str, float]:
-    """Mean loss and accuracy of ``model`` on all of ``data`` (one process)."""
+    """Mean loss and accuracy of ``model`` on all of ``data`` (one process).
+
+    The loss is the mean over samples (batches weighted by their rows); the accuracy is ``None``
+    unless ``loss`` is a cross-entropy (class targets).
+    """
+    from ..nn import CrossEntropyLoss
+
+    classes = isinstance(loss, CrossEntropyLoss)
     model.eval()
     total_loss, correct, count = 0.0, 0, 0
     for start in range(0, len(data), batch):
         x, y = data[np.arange(start, min(start + batch, len(data)))][:2]
         logits = model.forward(x)
-        total_loss += float(loss.forward(logits, y)) * y.size
-        correct += int((logits.argmax(axis=-1) == y).sum())
-        count += y.size
-    return {"loss": total_loss / count, "accuracy": correct / count, "samples": len(data)}
+        rows = len(y)
+        total_loss += float(loss.forward(logits, y)) * rows
+        if classes:
+            correct += int((logits.argmax(axis=-1) == y).sum())
+        count += rows
+    accuracy = correct / count if classes and count else None
+    return {"loss": total_loss / count, "accuracy": accuracy, "samples": len(data)}
 
 
-def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
+class LearningRate:
+    """``fit`` callback: the learning rate the step just took (after the schedule) as ``stats.extra["lr"]``."""
+
+    def on_step_end(self, trainer: Any, stats: Any) -> None:
+        opt = getattr(trainer, "optimizer", None)
+        if opt is not None and opt.step_count > 0:
+            stats.extra["lr"] = opt.lr * (opt.schedule(opt.step_count - 1) if opt.schedule else 1.0)
+
+
+class Validation:
+    """``fit`` callback: the validation loss every ``every`` steps, as ``stats.extra["val_loss"]``.
+
+    Collective. The full weights come from the trainer's shards under any layout (one allgather
+    of this rank's pieces), go into a serial model, and every rank evaluates its share of the
+    validation set (``hpctrain.evaluation.evaluate``), so the value is the same everywhere.
+    """
+
+    def __init__(self, c: Config, meta: dict[str, Any], data: Any, comm: Any, every: int) -> None:
+        self.model = build_model(c, meta)
+        self.data, self.comm, self.every = data, comm, every
+        self.loss = None if c.loss == "ce" else build_loss(c)
+
+    def on_step_end(self, trainer: Any, stats: Any) -> None:
+        if trainer.global_step % self.every:
+            return
+        from ..evaluation import evaluate as evaluate_everywhere
+
+        load_full_weights(trainer, self.model)
+        if self.loss is None:  # cross-entropy: every rank its share of the batches
+            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=self.comm)["loss"]
+        else:  # another loss: each rank evaluates the whole set alike (same weights, same data)
+            stats.extra["val_loss"] = evaluate(self.model, self.data, self.loss)["loss"]
+        self.model.train()
+
+
+def load_full_weights(trainer: Any, model: Any) -> None:
+    """Copy the trainer's parameters, whatever the layout, into the whole serial ``model`` (collective).
+
+    Each rank contributes the pieces it holds (``trainer.shards()``); every rank assembles them.
+    Meant for models that fit one process (the evaluation during training).
+    """
+    from ..backend import to_host
+
+    mine = []
+    for name, (p, full, index) in trainer.shards().items():
+        mine.append((name, tuple(full), index, to_host(p.data)))
+    params = dict(model.named_parameters())
+    for pieces in trainer.comm.allgather_obj(mine):
+        for name, _full, index, data in pieces:
+            target = params[name].data
+            if isinstance(index, tuple) and index and index[0] == "flat":
+                target.reshape(-1)[index[1]:index[2]] = data.reshape(-1)
+            else:
+                target[index] = data
+
+
+def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says (a Config, or a dict of options over the defaults).
 
-    Collective. Returns the summary, the same on every rank.
+    Collective. ``callbacks`` are extra ``fit`` callbacks (called before the job's own).
+    Returns the summary, the same on every rank.
     """
     from ..comm import Communicator
     from ..comm.validate import agree
@@ -103,7 +170,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None) -> dict[str, Any]:
     lock = rundir.RunLock(c.run_dir)
     everywhere(comm, lambda: lock.acquire() if comm.rank == 0 else None)
     try:
-        return _run_locked(c, given, comm)
+        return _run_locked(c, given, comm, callbacks)
     finally:
         if comm.rank == 0:
             lock.release()
@@ -147,18 +214,21 @@ class _AfterResume:
             rundir.trim_metrics(self.metrics, trainer.global_step)
 
 
-def _final_loss(path: str, epoch: int) -> float | None:
-    """Mean training loss of ``epoch`` over the whole run (this job and the ones it resumed)."""
-    losses = []
+def _final_loss(path: str) -> float | None:
+    """Mean training loss of the last epoch in ``metrics.jsonl``: over the whole run (this job and
+    the ones it resumed), where a resumed job made only part of that epoch itself."""
+    by_epoch: dict[Any, list[float]] = {}
+    last = None
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
-            if rec.get("epoch") == epoch:
-                losses.append(rec["loss"])
+            last = rec.get("epoch")
+            by_epoch.setdefault(last, []).append(rec["loss"])
+    losses = by_epoch.get(last, [])
     return sum(losses) / len(losses) if losses else None
 
 
-def _run_locked(c: Config, given: dict[str, Any], comm: Any) -> dict[str, Any]:
+def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any]) -> dict[str, Any]:
     from .. import checkpoint
 
     metrics = os.path.join(c.run_dir, "metrics.jsonl")
@@ -174,17 +244,19 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any) -> dict[str, Any]:
         return train, val, meta, build_model(c, meta)
 
     train_set, val_set, meta, model = everywhere(comm, prepare)
+    c.info = meta
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
-    try:
-        trainer = build_trainer(c, model, comm)
-    except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
-        raise ConfigError(f"the {c.strategy} trainer refuses this setup: {exc}") from exc
 
     from ..data import DataLoader, ShardedSampler
 
     rank, size = data_rank(c, comm)
     sampler = ShardedSampler(len(train_set), rank, size, shuffle=True, seed=c.seed, pad="mask")
     loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler)
+    total_steps = c.epochs * len(loader) if c.max_steps is None else min(c.max_steps, c.epochs * len(loader))
+    try:
+        trainer = build_trainer(c, model, comm, total_steps)
+    except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
+        raise ConfigError(f"the {c.strategy} trainer refuses this setup: {exc}") from exc
     every = c.checkpoint_every or len(loader)
     if comm.rank == 0:
         print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
@@ -193,12 +265,17 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any) -> dict[str, Any]:
               f"{len(loader)} steps each; run dir {c.run_dir}", flush=True)
 
     timeline = Timeline(comm.rank)
+    hooks: list[Any] = [
+        _AfterResume(comm.rank, os.path.join(c.run_dir, "config.json"),
+                     {**given, "dp": c.dp, "local_batch": c.local_batch, "info": meta}, metrics),
+        *callbacks, LearningRate(), timeline,
+    ]
+    if c.eval_every:
+        hooks.insert(1 + len(callbacks), Validation(c, meta, val_set, comm, c.eval_every))
     t0 = time.perf_counter()
     history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
-                          resume=c.resume, log_every=c.log_every, metrics_file=metrics,
-                          callbacks=[_AfterResume(comm.rank, os.path.join(c.run_dir, "config.json"),
-                                                   {**given, "dp": c.dp, "local_batch": c.local_batch}, metrics),
-                                     timeline])
+                          keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
+                          callbacks=hooks, max_steps=c.max_steps)
     wall = time.perf_counter() - t0
     memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
     trace = os.path.join(c.run_dir, "trace.json")
@@ -227,7 +304,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any) -> dict[str, Any]:
     seconds = sum(s.seconds for s in history)
     # The last epoch's mean loss from the metrics of the whole run: a resumed job made only part
     # of that epoch itself. One reader, one value for every rank.
-    final_loss = comm.bcast_obj(_final_loss(metrics, c.epochs - 1) if comm.rank == 0 else None)
+    final_loss = comm.bcast_obj(_final_loss(metrics) if comm.rank == 0 else None)
     summary = {
         "model": c.model, "parameters": n_params, "strategy": c.strategy,
         "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
@@ -261,8 +338,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
         f"{s['strategy']} dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}",
         f"  final loss      {final} (training, mean of the last epoch)",
-        f"  validation      loss {s['val_loss']:.4f}, accuracy {100 * s['val_accuracy']:.1f}% "
-        f"({s['val_samples']:,} held-out samples)",
+        f"  validation      loss {s['val_loss']:.4f}"
+        + ("" if s["val_accuracy"] is None else f", accuracy {100 * s['val_accuracy']:.1f}%")
+        + f" ({s['val_samples']:,} held-out samples)",
         f"  throughput      {rate}",
         f"  communication   {share}",
         *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "

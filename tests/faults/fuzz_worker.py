@@ -60,7 +60,7 @@ def checkpoint_setup(tmp: str):
     ckpt.save(good, tr)
 
     def check(path: str) -> dict:
-        ckpt._verify(path)
+        ckpt.verify(path)
         ckpt.inspect(path)
         t = trainer()
         ckpt.load(path, t)

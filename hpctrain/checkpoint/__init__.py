@@ -1,0 +1,117 @@
+"""HDF5 checkpoints of a whole training state: parallel, optionally asynchronous writes,
+transactional loads, loadable under another layout, verified before use.
+
+``save(path, trainer)`` writes parameters and optimizer state as full tensors under their serial
+names (every rank writes the pieces it owns to its own part file; see :mod:`.format`), with the
+trainer's own state (counters, RNG states, sampler position), configuration and layout.
+``load(path, trainer)`` restores it under any layout (dp, tp, pp, tp x pp, flat ZeRO ranges) or
+changes nothing. ``save_in``/``load_latest`` manage a directory of ``ckpt-<step>.h5`` files.
+
+Modules: :mod:`.format` (names, index, checksums), :mod:`.saving` (parallel, async),
+:mod:`.loading` (the transaction), :mod:`.summary` (``inspect``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import CheckpointError
+from ..log import get_logger
+from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
+from .loading import load, load_weights, read_header
+from .saving import remove, save, wait
+from .summary import inspect, verify
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "checkpoint_path", "copy", "inspect", "list_checkpoints",
+    "load", "load_latest", "load_weights", "read_header", "remove", "save", "save_in", "verify", "wait",
+]
+
+_log = get_logger("checkpoint")
+_norm_index = norm_index  # the name tests and older callers use
+
+
+def save_in(directory: str, trainer: Any, keep: int = 3, *, asynchronous: bool = False) -> str:
+    """Save as ``ckpt-<step>.h5`` in ``directory``; once it is committed, delete all but the
+    newest ``keep`` (0: none) and part files of interrupted saves. Collective."""
+    def clean() -> None:
+        found = list_checkpoints(directory)
+        if keep > 0:
+            for old in found[:-keep]:
+                remove(old)
+        _remove_orphans(directory)
+
+    return save(checkpoint_path(directory, trainer.global_step), trainer, asynchronous=asynchronous, after=clean)
+
+
+def _remove_orphans(directory: str) -> None:
+    """Part directories no index file in ``directory`` refers to (a save killed before its
+    commit, or a checkpoint deleted by hand). Called right after this job committed a save, when
+    none of its own is in flight."""
+    import shutil
+
+    import h5py
+
+    from .format import PARTS_SUFFIX
+
+    used = set()
+    for p in list_checkpoints(directory):
+        try:
+            with h5py.File(p, "r") as f:
+                used.add(str(f.attrs.get("parts", "")))
+        except Exception:  # unreadable: keep whatever it might refer to
+            return
+    for n in os.listdir(directory):
+        if n.endswith(PARTS_SUFFIX) and _NAME.fullmatch(n.split(".h5.", 1)[0] + ".h5") and n not in used:
+            shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
+
+
+def copy(src: str, dst: str) -> str:
+    """Copy the checkpoint ``src`` (its index file and part files) to ``dst``, a directory or a
+    file name; returns the new index file's path. Not collective."""
+    import shutil
+
+    import h5py
+
+    if os.path.isdir(dst):
+        dst = os.path.join(dst, os.path.basename(src))
+    with h5py.File(src, "r") as f:
+        parts = f.attrs.get("parts")
+    if parts:
+        target = os.path.join(os.path.dirname(os.path.abspath(dst)), str(parts))
+        if os.path.abspath(target) != os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(src)), parts)):
+            shutil.copytree(os.path.join(os.path.dirname(os.path.abspath(src)), str(parts)), target)
+    shutil.copy(src, dst)
+    return dst
+
+
+def load_latest(directory: str, trainer: Any) -> str | None:
+    """Load the newest checkpoint in ``directory`` that loads; ``None`` if there is none at all.
+
+    A newest file that fails (say, the job died while the disk was failing) is skipped, logged on
+    rank 0 with the reason, and the one before it is tried; the trainer is unchanged by every
+    failed attempt. When checkpoints exist and none loads, a ``CheckpointError`` names each file
+    and why; its ``failures`` attribute holds ``[(path, reason), ...]``, newest first.
+    """
+    comm = trainer.comm
+    candidates = comm.bcast_obj(list_checkpoints(directory) if comm.rank == 0 else None)
+    failures: list[tuple[str, str]] = []
+    for path in reversed(candidates):
+        try:
+            load(path, trainer)
+        except (CheckpointError, FileNotFoundError) as exc:
+            failures.append((path, str(exc)))
+            if comm.rank == 0:
+                _log.warning("skipping checkpoint %s: %s", path, exc)
+            continue
+        if failures and comm.rank == 0:
+            _log.warning("fell back to checkpoint %s (%d newer one(s) failed)", path, len(failures))
+        return path
+    if not failures:
+        return None
+    err = CheckpointError(
+        f"no checkpoint in {directory} loads: " + "; ".join(f"{os.path.basename(p)}: {why}" for p, why in failures)
+    )
+    err.failures = failures  # type: ignore[attr-defined]
+    raise err

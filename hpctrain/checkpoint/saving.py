@@ -1,0 +1,389 @@
+"""Saving: every rank writes the slabs it owns to its own part file, in parallel, optionally in
+the background.
+
+The plan is computed identically on every rank from one ``allgather`` of what each holds: each
+distinct piece of a tensor is written once; a piece held by several ranks (data-parallel
+replicas) is split along its first axis among them, so every rank writes a share and save
+bandwidth grows with the job. Rank 0 then writes the index file (header, piece table with one
+checksum per slab, small state arrays, virtual datasets) under a temporary name and renames it
+into place: that rename is the commit. A failure anywhere removes the part files and the
+temporary and raises the same ``CheckpointError`` on every rank; earlier checkpoints are untouched.
+
+``asynchronous=True`` takes a host snapshot of this rank's slabs at the call (the only stall) and
+writes in a background thread while training goes on. The next save, load or ``wait`` waits for it
+first (a local join, not a collective: no rank waits in a watched collective while others write).
+The background thread talks to the other ranks on a private duplicate communicator, outside the
+stall watchdog: a slow disk is not a stalled job.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .. import __version__
+from ..backend import to_host
+from ..errors import CheckpointError
+from . import format as fmt
+
+#: Pieces held by several ranks are split among them when at least this large.
+SPLIT_BYTES = 1 << 20
+#: Slabs larger than this are written (and checksummed) in blocks of rows.
+WRITE_BLOCK = 4 << 20
+
+
+# -- what this rank holds --------------------------------------------------------------------
+
+
+def optimizer_of(trainer: Any) -> Any:
+    return getattr(trainer, "optimizer", None)
+
+
+def local_pieces(trainer: Any) -> dict[str, tuple[Any, tuple, tuple]]:
+    """{tensor key: (local array, full shape, normalized index)} for parameters and optimizer state."""
+    opt = optimizer_of(trainer)
+    pieces: dict[str, tuple[Any, tuple, tuple]] = {}
+    for name, (param, full_shape, index) in trainer.shards().items():
+        full_shape = tuple(int(n) for n in full_shape)
+        index = fmt.norm_index(index, full_shape)
+        if tuple(param.data.shape) != fmt.local_shape(index, full_shape):
+            raise CheckpointError(f"shards(): {name} holds shape {tuple(param.data.shape)}, its index "
+                                  f"describes {fmt.local_shape(index, full_shape)}")
+        pieces[f"model/{name}"] = (param.data, full_shape, index)
+        state = opt.state.get(param.name, {}) if opt is not None else {}
+        for key, value in sorted(state.items()):
+            if hasattr(value, "shape") and tuple(value.shape) == tuple(param.data.shape):
+                pieces[f"optim/{name}/{key}"] = (value, full_shape, index)
+    return pieces
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+
+def make_plan(everyone: list[dict[str, tuple]]) -> tuple[dict[str, tuple], dict[str, list]]:
+    """From every rank's ``{key: (full shape, dtype, [boxes])}``: ``shapes {key: (full, dtype)}``
+    and ``slabs {key: [(box, writer rank), ...]}`` (the same on every rank)."""
+    shapes: dict[str, tuple] = {}
+    holders: dict[str, dict[tuple, list[int]]] = {}
+    for rank, mine in enumerate(everyone):
+        for key, (full, dtype, bxs) in mine.items():
+            have = shapes.setdefault(key, (tuple(full), dtype))
+            if have != (tuple(full), dtype):
+                raise CheckpointError(f"ranks disagree on {key}: {have} vs {(tuple(full), dtype)}")
+            for box in bxs:
+                holders.setdefault(key, {}).setdefault(tuple(map(tuple, box)), []).append(rank)
+    load = [0] * len(everyone)
+    slabs: dict[str, list] = {}
+    for key in sorted(holders):
+        full, dtype = shapes[key]
+        item = np.dtype(dtype).itemsize
+        covered = sum(fmt.volume(b) for b in holders[key])
+        if covered != int(np.prod(full, dtype=np.int64)):
+            raise CheckpointError(f"the ranks' shards of {key} do not cover its full shape {full} exactly")
+        out = slabs.setdefault(key, [])
+        for box, ranks in sorted(holders[key].items()):
+            nbytes = fmt.volume(box) * item
+            rows = box[0][1] - box[0][0] if box else 0
+            if len(ranks) > 1 and rows >= len(ranks) and nbytes >= SPLIT_BYTES:
+                # Replicas share the writing: a run of rows each, least-loaded rank first.
+                order = sorted(ranks, key=lambda r: (load[r], r))
+                edges = np.linspace(box[0][0], box[0][1], len(ranks) + 1).astype(int)
+                for r, lo, hi in zip(order, edges[:-1], edges[1:]):
+                    sub = ((int(lo), int(hi)), *box[1:])
+                    out.append((sub, r))
+                    load[r] += fmt.volume(sub) * item
+            else:
+                r = min(ranks, key=lambda r: (load[r], r))
+                out.append((box, r))
+                load[r] += nbytes
+    return shapes, slabs
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def why(exc: BaseException) -> str:
+    """A one-line cause for a file-system error, e.g. 'No space left on device'."""
+    if isinstance(exc, OSError) and exc.errno:
+        name = f" ({exc.filename})" if exc.filename else ""
+        return f"{os.strerror(exc.errno)}{name}"
+    text = str(exc)
+    for code in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM, errno.EIO, errno.ENOENT):
+        if os.strerror(code) in text or os.strerror(code).lower() in text.lower():
+            return os.strerror(code)
+    return f"{type(exc).__name__}: {text}"
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fsync_file(os.path.dirname(os.path.abspath(path)) or ".")
+
+
+def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]:
+    """Write ``items`` as datasets of a new file ``path`` (never overwrites), fsync it; returns
+    ``{dataset: checksum}``."""
+    import h5py
+
+    digests: dict[str, str] = {}
+    with h5py.File(path, "x") as f:
+        for name, arr in items:
+            arr = np.ascontiguousarray(arr)
+            d = f.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
+            if arr.ndim and arr.nbytes > WRITE_BLOCK:
+                # In blocks of rows: h5py holds the GIL for a whole write, and a background save
+                # must leave the training thread room to run. XXH3 streams to the same digest.
+                h = xxhash.xxh3_64()
+                step = max(1, WRITE_BLOCK // max(1, arr[0].nbytes))
+                for lo in range(0, arr.shape[0], step):
+                    block = arr[lo : lo + step]
+                    d.write_direct(block, dest_sel=np.s_[lo : lo + len(block)])
+                    h.update(fmt.as_bytes(block))
+                digests[name] = h.hexdigest()
+            else:
+                digests[name] = fmt.digest(arr)
+                if arr.size:
+                    d.write_direct(arr)
+            d.attrs[fmt.CHECKSUM] = digests[name]
+    fsync_file(path)
+    return digests
+
+
+class Job:
+    """One save: what this rank writes and what rank 0 needs to finish it."""
+
+    def __init__(self, path: str, comm: Any, raw: Any, token: str) -> None:
+        self.path, self.comm, self.raw, self.token = path, comm, raw, token
+        self.parts = fmt.parts_dir_name(path, token)
+        self.parts_path = os.path.join(os.path.dirname(os.path.abspath(path)), self.parts)
+        self.items: list[tuple[str, np.ndarray]] = []
+        self.index: dict[str, Any] = {}
+        self.attrs: dict[str, str] = {}
+        self.state_arrays: dict[str, np.ndarray] = {}
+        self.after: Callable[[], None] | None = None  # run on rank 0 after the commit (keep=)
+        self.error: str | None = None
+        self.result: str | None = None
+        self.thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        """Write this rank's part, agree, and (rank 0) commit the index. Every rank takes part in
+        both exchanges whatever fails, so no rank is left waiting."""
+        mine: Any = None
+        try:
+            if self.items:
+                os.makedirs(self.parts_path, exist_ok=True)
+                mine = write_part(os.path.join(self.parts_path, fmt.part_file(self.comm.rank)), self.items)
+        except BaseException as exc:
+            mine = ("error", f"rank {self.comm.rank}: {why(exc)}")
+        self.items = []  # the snapshot is on disk (or lost): free it now
+        everyone = self.raw.gather(mine, root=0)
+        error = None
+        if self.raw.Get_rank() == 0:
+            errors = [m[1] for m in everyone if isinstance(m, tuple)]
+            if errors:
+                error = f"cannot write checkpoint {self.path}: " + "; ".join(errors[:4])
+            else:
+                try:
+                    self._commit(everyone)
+                except BaseException as exc:
+                    error = f"cannot write checkpoint {self.path}: {why(exc)}"
+            if error is not None:
+                shutil.rmtree(self.parts_path, ignore_errors=True)
+            elif self.after is not None:
+                try:
+                    self.after()
+                except Exception as exc:  # the checkpoint is safe; cleaning older ones failed
+                    error = f"checkpoint {self.path} written, but removing older ones failed: {why(exc)}"
+        self.error = self.raw.bcast(error, root=0)
+        self.result = self.path
+
+    def _commit(self, everyone: list[Any]) -> None:
+        import h5py
+
+        for entry in self.index.values():
+            for slab in entry["slabs"]:
+                slab[3] = everyone[slab[0]][slab[1]]
+        self.attrs["index"] = fmt.dumps(self.index)
+        from ..rundir import temporary_name
+
+        tmp = temporary_name(self.path)  # this host and process: recognized and cleaned if the job dies
+        if os.path.lexists(tmp):  # our own name: left by a dead process that had our pid
+            os.remove(tmp)
+        try:
+            with h5py.File(tmp, "x") as f:  # exclusive: never truncates or follows what is at that name
+                for k, v in self.attrs.items():
+                    f.attrs[k] = v
+                f.attrs["header_" + fmt.CHECKSUM] = fmt.header_digest(f.attrs)
+                for key, arr in self.state_arrays.items():
+                    d = f.create_dataset(f"state{key}", data=arr)
+                    d.attrs[fmt.CHECKSUM] = fmt.digest(arr)
+                for key, entry in self.index.items():
+                    _virtual(f, key, entry, self.parts)
+            fsync_file(tmp)
+            if os.path.isdir(self.parts_path):
+                fsync_file(self.parts_path)
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+        fsync_dir(self.path)
+        remove_parts(self.path, keep=self.parts)
+
+
+def _virtual(f: Any, key: str, entry: dict[str, Any], parts: str) -> None:
+    """``key`` as a virtual dataset over its slabs, so plain h5py reads the full tensor."""
+    import h5py
+
+    shape = tuple(entry["shape"])
+    if not shape or not all(shape):
+        return
+    layout = h5py.VirtualLayout(shape=shape, dtype=np.dtype(entry["dtype"]))
+    for writer, name, box, _ in entry["slabs"]:
+        sub = tuple(b - a for a, b in box)
+        layout[tuple(slice(a, b) for a, b in box)] = h5py.VirtualSource(
+            f"{parts}/{fmt.part_file(writer)}", name, shape=sub, dtype=np.dtype(entry["dtype"])
+        )
+    f.create_virtual_dataset(key, layout)
+
+
+def remove_parts(path: str, keep: str | None = None) -> None:
+    """Remove the part directories of the checkpoint ``path`` (all but ``keep``)."""
+    d = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path) + "."
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith(base) and n.endswith(fmt.PARTS_SUFFIX) and n != keep:
+            shutil.rmtree(os.path.join(d, n), ignore_errors=True)
+
+
+def remove(path: str) -> None:
+    """Delete the checkpoint ``path``: its index file first (then it no longer counts), then its
+    part files. Not collective."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    remove_parts(path)
+
+
+def ckpt_comm(comm: Any) -> Any:
+    """A private duplicate of ``comm``'s MPI communicator for the write phase (collective the
+    first time): unwatched, and separate from the training's own traffic."""
+    raw = getattr(comm, "_checkpoint_mpi", None)
+    if raw is None:
+        raw = comm.mpi.Dup()
+        comm._checkpoint_mpi = raw
+    return raw
+
+
+def wait(trainer: Any) -> str | None:
+    """Wait for ``trainer``'s background save, if any; return its path, or raise its
+    ``CheckpointError`` (on every rank). Not a watched collective."""
+    job: Job | None = getattr(trainer, "_checkpoint_job", None)
+    if job is None:
+        return None
+    trainer._checkpoint_job = None
+    if job.thread is not None:
+        job.thread.join()
+    if job.error:
+        raise CheckpointError(job.error)
+    return job.result
+
+
+def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable[[], None] | None = None) -> str:
+    """Write ``trainer``'s whole state to ``path`` (collective: every rank of the job calls it).
+
+    Returns the path. The previous file at ``path`` (if any) is replaced only once the new one is
+    complete on disk. With ``asynchronous=True`` the call returns after a host snapshot and the
+    files are written in the background; :func:`wait` (or the next save or load) waits for them
+    and raises a failure there. ``after`` runs on rank 0 once the checkpoint is committed.
+    """
+    wait(trainer)
+    comm = trainer.comm
+    raw = ckpt_comm(comm)
+    from ..comm.validate import raise_if_any
+
+    pieces: dict[str, tuple[Any, tuple, tuple]] = {}
+    meta: dict[str, tuple] = {}
+    extra: dict[str, np.ndarray] = {}
+    attrs: dict[str, str] = {}
+    problem: BaseException | None = None
+    try:
+        pieces = local_pieces(trainer)
+        meta = {k: (full, str(np.dtype(a.dtype)), [b for b, _ in fmt.boxes(idx, full)])
+                for k, (a, full, idx) in pieces.items()}
+        opt = optimizer_of(trainer)
+        attrs = {
+            "format": fmt.FORMAT,
+            "format_version": str(fmt.FORMAT_VERSION),
+            "hpctrain_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "layout": fmt.dumps(getattr(trainer, "layout", {"dp": comm.size})),
+            "config": fmt.dumps(trainer.config()),
+            "trainer_state": "",
+            "optimizer": fmt.dumps({} if opt is None else {"step": opt.step_count, "config": opt.config()}),
+        }
+    except Exception as exc:
+        problem = CheckpointError(f"{type(exc).__name__}: {exc}") if not isinstance(exc, CheckpointError) else exc
+    # state_dict is collective (RNG states are gathered): every rank calls it, even after a problem.
+    try:
+        state_json = fmt.dumps(fmt.to_json(trainer.state_dict(), extra))
+    except Exception as exc:
+        state_json, problem = "", problem or CheckpointError(f"state_dict(): {type(exc).__name__}: {exc}")
+    raise_if_any(comm, problem, what=f"cannot save checkpoint {path}")
+    attrs["trainer_state"] = state_json
+    everyone = comm.allgather_obj(meta)
+    shapes, slabs = make_plan(everyone)
+    token = comm.bcast_obj(f"{time.time_ns():x}{uuid.uuid4().hex[:6]}" if comm.rank == 0 else None)
+
+    job = Job(path, comm, raw, token)
+    job.attrs, job.state_arrays, job.after = attrs, extra, after
+    job.attrs["parts"] = job.parts
+    views = {k: fmt.boxes(idx, full) for k, (_, full, idx) in pieces.items()}
+    try:
+        for key in sorted(slabs):
+            full, dtype = shapes[key]
+            entry = job.index[key] = {"shape": list(full), "dtype": dtype, "slabs": []}
+            for i, (box, writer) in enumerate(slabs[key]):
+                name = f"{key}/{i}"
+                entry["slabs"].append([writer, name, [list(b) for b in box], None])
+                if writer != comm.rank:
+                    continue
+                src_box, view = next((b, v) for b, v in views[key] if fmt.intersect(b, box) == box)
+                data = to_host(view(pieces[key][0]))[fmt.rel(box, src_box)]
+                # A background save must not see the next step's updates: copy now.
+                job.items.append((name, np.array(data, copy=True) if asynchronous else data))
+    except Exception as exc:
+        job.items = []
+        job.error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+    raise_if_any(comm, job.error, what=f"cannot save checkpoint {path}")
+    if asynchronous:
+        job.thread = threading.Thread(target=job.run, name="hpctrain-checkpoint", daemon=False)
+        trainer._checkpoint_job = job
+        job.thread.start()
+        return path
+    job.run()
+    if job.error:
+        raise CheckpointError(job.error)
+    return path

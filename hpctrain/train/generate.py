@@ -1,0 +1,119 @@
+"""``hpctrain generate RUN_OR_CHECKPOINT``: text from a character-level GPT checkpoint.
+
+    hpctrain generate runs/gpt --prompt "ROMEO:" --tokens 200 --temperature 0.8 --top-k 20 --seed 1
+
+RUN_OR_CHECKPOINT is a run directory of ``hpctrain train --model gpt`` (its newest checkpoint is
+used) or one of its checkpoint files. The model's shape and vocabulary come from the run's
+``config.json``; the weights are loaded through ``hpctrain.checkpoint.load_weights`` (checksums
+verified), whatever layout wrote them. One process, no MPI: sampling is sequential.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, ConfigError, HpctrainError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="run directory of a GPT run, or a checkpoint file in it")
+    p.add_argument("--prompt", default="\n", help="text to continue (characters of the run's vocabulary) [newline]")
+    p.add_argument("--tokens", type=int, default=200, help="characters to generate [200]")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0) [1.0]")
+    p.add_argument("--top-k", type=int, default=None, help="sample only among the k likeliest characters")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling [0]")
+
+
+def locate(run: str) -> tuple[str, str]:
+    """(checkpoint file, config.json) of a run directory or of a checkpoint file in one."""
+    from .. import checkpoint
+
+    if os.path.isdir(run):
+        ckpt_dir = os.path.join(run, "checkpoints") if os.path.isdir(os.path.join(run, "checkpoints")) else run
+        found = checkpoint.list_checkpoints(ckpt_dir)
+        if not found:
+            raise CheckpointError(f"no checkpoints in {ckpt_dir}")
+        path = found[-1]
+    elif os.path.isfile(run):
+        path = run
+    else:
+        raise ConfigError(f"{run} is neither a run directory nor a checkpoint file")
+    here = os.path.dirname(os.path.abspath(path))
+    for d in (here, os.path.dirname(here)):  # RUN/checkpoints/ckpt-*.h5 or RUN/ckpt-*.h5
+        if os.path.isfile(os.path.join(d, "config.json")):
+            return path, os.path.join(d, "config.json")
+    raise ConfigError(f"no config.json next to {path} or in its run directory: generate needs the run's "
+                      f"model shape and vocabulary")
+
+
+def load_gpt(run: str) -> tuple[Any, str]:
+    """(the GPT with the checkpoint's weights, its vocabulary) for ``run``; refuses other models."""
+    from .. import checkpoint, nn
+    from .config import merge, read_config
+
+    path, cfg_path = locate(run)
+    with open(cfg_path, encoding="utf-8") as f:
+        info = (json.load(f) or {}).get("info") or {}
+    c = merge(read_config(cfg_path), {})
+    if c.model != "gpt":
+        raise ConfigError(f"{path} holds a {c.model!r} model, not a GPT: generate samples text from "
+                          f"checkpoints of hpctrain train --model gpt")
+    vocab = info.get("vocab")
+    if not vocab:
+        from .data import open_data
+
+        vocab = open_data(c.replace(max_samples=None, batch_size=1))[2].get("vocab")
+    if not vocab:
+        raise ConfigError(f"{cfg_path}: the run's data has no character vocabulary to decode tokens with")
+    model = nn.GPT(int(info.get("vocab_size") or len(vocab)), c.block_size, c.d_model, c.n_heads, c.n_layers,
+                   rng=0)
+    checkpoint.load_weights(path, model)
+    model.eval()
+    return model, vocab
+
+
+def sample(model: Any, prompt: list[int], tokens: int, temperature: float = 1.0, top_k: int | None = None,
+           seed: int = 0) -> list[int]:
+    """``prompt`` continued by ``tokens`` sampled tokens (deterministic for a ``seed``)."""
+    if temperature <= 0:
+        raise ConfigError(f"--temperature must be > 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"--top-k must be >= 1, got {top_k}")
+    rng = np.random.default_rng(seed)
+    out = list(prompt)
+    for _ in range(tokens):
+        window = np.asarray(out[-model.block_size:], dtype=np.int64)[None, :]
+        logits = np.asarray(model.forward(window)[0, -1], dtype=np.float64) / temperature
+        if top_k is not None and top_k < logits.size:
+            cut = np.partition(logits, -top_k)[-top_k]
+            logits = np.where(logits < cut, -np.inf, logits)
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        out.append(int(rng.choice(p.size, p=p)))
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry of ``hpctrain generate``: the prompt and its continuation on stdout; errors exit 2."""
+    try:
+        if args.tokens < 0:
+            raise ConfigError(f"--tokens must be >= 0, got {args.tokens}")
+        model, vocab = load_gpt(args.run)
+        table = {ch: i for i, ch in enumerate(vocab)}
+        unknown = sorted({ch for ch in args.prompt if ch not in table})
+        if unknown:
+            raise ConfigError(f"the prompt has characters outside the run's vocabulary: {''.join(unknown)!r}")
+        if not args.prompt:
+            raise ConfigError("--prompt must hold at least one character")
+        ids = sample(model, [table[ch] for ch in args.prompt], args.tokens, args.temperature, args.top_k, args.seed)
+    except (HpctrainError, FileNotFoundError) as exc:
+        print(f"hpctrain generate: error: {exc}", file=sys.stderr)
+        return 2
+    print("".join(vocab[i] for i in ids))
+    return 0

@@ -199,7 +199,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     lock = rundir.RunLock(c.run_dir)
     everywhere(comm, lambda: lock.acquire() if comm.rank == 0 else None)
     try:
-        return _run_locked(c, given, comm, callbacks)
+        return _run_locked(c, given, comm, callbacks, device)
     finally:
         if comm.rank == 0:
             lock.release()
@@ -257,7 +257,7 @@ def _final_loss(path: str) -> float | None:
     return sum(losses) / len(losses) if losses else None
 
 
-def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any]) -> dict[str, Any]:
+def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str) -> dict[str, Any]:
     from .. import checkpoint
 
     metrics = os.path.join(c.run_dir, "metrics.jsonl")

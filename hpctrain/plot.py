@@ -1,4 +1,5 @@
-"""``hpctrain plot RUN``: loss and throughput curves of a run as PNG files.
+"""``hpctrain plot RUN``: loss (training and validation), throughput and, for a pipeline, its
+schedule timeline, as PNG files.
 
 RUN is a run directory of ``hpctrain train`` (or its ``metrics.jsonl``); without RUN the newest
 directory under ``runs/`` is used. matplotlib is optional (``pip install 'hpctrain[plot]'``).
@@ -47,7 +48,9 @@ def _smooth(values: list[float], width: int) -> list[float]:
 
 
 def plot(run: str, out: str | None = None) -> list[str]:
-    """Write ``loss.png`` and ``throughput.png`` for ``run``; return their paths."""
+    """Write ``loss.png`` (training loss, and the validation loss of ``--eval-every``),
+    ``throughput.png`` and, when the run has a ``timeline.json`` (pipelines), ``timeline.png``
+    for ``run``; return their paths."""
     metrics = run if os.path.isfile(run) else os.path.join(run, "metrics.jsonl")
     if not os.path.exists(metrics):
         raise FileNotFoundError(f"no metrics file at {metrics}: is {run} a run directory of hpctrain train?")
@@ -68,8 +71,11 @@ def plot(run: str, out: str | None = None) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4))
     loss = [r["loss"] for r in rows]
     ax.plot(steps, loss, color="0.75", lw=0.8, label="per step")
-    ax.plot(steps, _smooth(loss, width), color="C0", lw=1.8, label=f"mean of {width} steps")
-    ax.set(xlabel="step", ylabel="training loss (global batch)", title=f"loss: {os.path.basename(out)}")
+    ax.plot(steps, _smooth(loss, width), color="C0", lw=1.8, label=f"training, mean of {width} steps")
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if val:  # --eval-every: the held-out loss on the same axes
+        ax.plot([v[0] for v in val], [v[1] for v in val], color="C3", lw=1.8, marker="o", ms=3, label="validation")
+    ax.set(xlabel="step", ylabel="loss", title=f"loss: {os.path.basename(out)}")
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
@@ -90,7 +96,33 @@ def plot(run: str, out: str | None = None) -> list[str]:
     paths.append(os.path.join(out, "throughput.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+
+    trace = os.path.join(os.path.dirname(os.path.abspath(metrics)), "timeline.json")
+    if os.path.exists(trace):  # a pipeline run: its last step's executed schedule
+        paths.append(plot_timeline(trace, os.path.join(out, "timeline.png")))
     return paths
+
+
+def plot_timeline(trace: str, png: str) -> str:
+    """Draw a pipeline's ``timeline.json`` (Chrome trace of forward/backward/wait per rank) to ``png``."""
+    from .parallel import timeline
+
+    try:
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{trace} is not a schedule timeline: {exc}") from None
+    by_rank: dict[int, list] = {}
+    labels: dict[int, str] = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            labels[int(e["pid"])] = str(e["args"]["name"])
+        elif e.get("ph") == "X":
+            t0 = float(e["ts"]) / 1e6
+            by_rank.setdefault(int(e["pid"]), []).append((e["name"], e.get("cat", ""), t0, t0 + float(e["dur"]) / 1e6))
+    if not by_rank:
+        raise ValueError(f"{trace} holds no schedule events")
+    return timeline.write_png(png, by_rank, labels)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -125,6 +125,8 @@ def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any
         return parallel.ParameterServerTrainer(model=model, loss=loss, lr=c.lr, comm=comm, mode=c.ps_mode,
                                                staleness=c.staleness, momentum=c.momentum, **common)
     common.update(clip_norm=c.clip_norm, compression=c.compression)
+    if c.backend != "mpi":
+        common["backend"] = c.backend
     if c.zero:
         common["zero"] = c.zero
     if c.strategy == "dp":

@@ -103,6 +103,11 @@ class Config:
     on_nonfinite: str = field(default="raise", metadata=_opt("a step with a non-finite loss or gradient: raise, "
                                                              "or skip it (nothing changes)", ("raise", "skip")))
     dropout: float = field(default=0.0, metadata=_opt("dropout probability in the model (training only)"))
+    device: str = field(default="auto", metadata=_opt("where the model, batches and optimizer state live: cuda "
+                                                      "(each rank the GPU of its local rank), cpu, or auto (cuda "
+                                                      "when every rank sees a GPU)", ("auto", "cpu", "cuda")))
+    backend: str = field(default="mpi", metadata=_opt("gradient all-reduce: MPI (CUDA-aware or staged) or NCCL "
+                                                      "(needs --device cuda)", ("mpi", "nccl")))
 
     # Derived by resolve(): never read from flags or files.
     dp: int | None = field(default=None, metadata=_derived("data-parallel replicas: world / (tp x pp)"))
@@ -370,6 +375,10 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         raise ConfigError(f"--compression {c.compression} compresses the data-parallel all-reduce, but dp=1")
     if c.lr_schedule == "cosine" and c.min_lr > c.lr:
         raise ConfigError(f"--min-lr {c.min_lr:g} must not exceed --lr {c.lr:g}")
+    if c.backend == "nccl" and c.device == "cpu":
+        raise ConfigError("--backend nccl reduces on GPUs: it needs --device cuda (or auto on GPU nodes)")
+    if c.backend == "nccl" and strategy == "ps":
+        raise ConfigError("--backend nccl is for the gradient all-reduce; --strategy ps talks through MPI windows")
     if c.resume and c.run_dir is None and c.checkpoint_dir is None:
         raise ConfigError("--resume needs the --run-dir (or --checkpoint-dir) of the run to continue")
     return c

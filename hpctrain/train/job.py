@@ -144,6 +144,34 @@ def load_full_weights(trainer: Any, model: Any) -> None:
                 target[index] = data
 
 
+def pick_device(c: Config, comm: Any) -> str:
+    """``"cuda"`` or ``"cpu"`` for ``--device`` (collective: the same answer on every rank).
+
+    ``cuda`` makes the GPU of this rank's local rank current; it is refused on every rank, naming
+    the ranks that see no GPU, when any rank has none. ``auto`` is cuda only when every rank has one.
+    """
+    from .. import backend
+
+    has_gpu = backend.gpu_available()
+    if c.device == "auto":
+        if not all(comm.allgather_obj(has_gpu)):
+            if c.backend == "nccl":
+                raise ConfigError("--backend nccl needs a GPU on every rank; --device auto found ranks without")
+            return "cpu"
+    elif c.device == "cpu":
+        return "cpu"
+    problem = None if has_gpu else ConfigError(
+        "--device cuda: no usable GPU here (CuPy is not installed or sees no NVIDIA GPU); "
+        "run on a GPU node, or use --device cpu")
+    def check() -> None:
+        if problem is not None:
+            raise problem
+
+    everywhere(comm, check)  # every rank raises, naming the ranks without a GPU
+    backend.select_device(comm.local_rank)
+    return "cuda"
+
+
 def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says (a Config, or a dict of options over the defaults).
 
@@ -157,6 +185,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     comm = comm if comm is not None else Communicator()
     c = everywhere(comm, lambda: resolve(cfg, comm.size))
     agree(comm, "hpctrain train configuration", c.to_dict())
+    device = pick_device(c, comm)
     limit_blas_threads(comm)
     if c.run_dir is None:
         c.run_dir = comm.bcast_obj(os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
@@ -179,13 +208,16 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
 
     train_set, val_set, meta, model = everywhere(comm, prepare)
     c.info = meta
+    if device == "cuda":
+        model.to("gpu")  # parameters and gradients in CuPy; the optimizer state follows them
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
 
     from ..data import DataLoader, ShardedSampler
 
     rank, size = data_rank(c, comm)
     sampler = ShardedSampler(len(train_set), rank, size, shuffle=True, seed=c.seed, pad="mask")
-    loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler)
+    loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler,
+                        device="gpu" if device == "cuda" else "cpu")
     total_steps = c.epochs * len(loader) if c.max_steps is None else min(c.max_steps, c.epochs * len(loader))
     try:
         trainer = build_trainer(c, model, comm, total_steps)
@@ -197,7 +229,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
         with open(os.path.join(c.run_dir, "config.json"), "w") as f:
             json.dump({**given, "dp": c.dp, "local_batch": c.local_batch, "info": meta}, f, indent=1)
         print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
-              f"{len(train_set):,} training samples, {_layout_text(c)}, "
+              f"{len(train_set):,} training samples, {_layout_text(c)} on {device}, "
               f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
               f"{len(loader)} steps each; run dir {c.run_dir}", flush=True)
 
@@ -238,7 +270,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     seconds = sum(s.seconds for s in history)
     tail = history[-len(loader):] if history else []
     summary = {
-        "model": c.model, "parameters": n_params, "strategy": c.strategy,
+        "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
         "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
         "steps_this_run": len(history), "epochs": c.epochs,
         "final_loss": (sum(s.loss for s in tail) / len(tail)) if tail else None,

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -67,7 +68,9 @@ class Config:
     checkpoint_every: int | None = field(default=None, metadata=_opt("steps between checkpoints "
                                                                      "(default: once per epoch)"))
     resume: bool = field(default=False, metadata=_opt("continue from the newest checkpoint in the checkpoint "
-                                                      "directory"))
+                                                      "directory (a missing or empty one: start fresh)"))
+    restart: bool = field(default=False, metadata=_opt("start over in a run directory that holds checkpoints "
+                                                       "(they and metrics.jsonl are moved aside, not deleted)"))
     d_model: int = field(default=64, metadata=_opt("model width"))
     n_layers: int = field(default=2, metadata=_opt("hidden blocks (mlp) or transformer blocks (gpt)"))
     n_heads: int = field(default=4, metadata=_opt("attention heads (gpt)"))
@@ -292,6 +295,14 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         raise ConfigError("--recompute is for the synchronous strategies, not --strategy ps")
     if c.staleness < 0:
         raise ConfigError(f"--staleness must be >= 0, got {c.staleness}")
+    # float("nan") and float("inf") parse as numbers: an lr of nan would surface steps later as a
+    # NonFiniteError blaming the gradients.
+    for key in ("lr", "momentum", "weight_decay", "val_fraction"):
+        value = getattr(c, key)
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{flag(key)} {value} is not a finite number")
+    if c.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be >= 0, got {c.weight_decay}")
     if not 0.0 < c.val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be between 0 and 1, got {c.val_fraction}")
 
@@ -368,6 +379,8 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         c.lr = 3e-3 if c.optimizer != "sgd" else 0.3 if c.momentum == 0 else 0.1
     if c.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {c.lr}")
+    if c.resume and c.restart:
+        raise ConfigError("--resume continues the run and --restart starts it over: give one of them")
     if strategy == "ps":
         for key, default in (("clip_norm", None), ("accum_steps", 1), ("compression", None),
                              ("lr_schedule", "constant"), ("warmup", 0)):

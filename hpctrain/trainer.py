@@ -201,11 +201,12 @@ class Trainer:
             "optimizer": optimizer_arrays(getattr(self, "optimizer", None)),
         }
 
-    def memory_report(self) -> dict[str, int]:
+    def memory_report(self, stats: StepStats | None = None) -> dict[str, int]:
         """This rank's memory now (bytes), with the activation peak since the last report.
 
         The activation peak is watched from the first report (or ``fit``) on: call it once
-        before training to measure the first step too.
+        before training to measure the first step too. A pipeline's stashed micro-batch caches
+        (``stats.extra["peak_activation_bytes"]``, its busiest stage) count when they are more.
         """
         from .memory import MemoryMeter
 
@@ -213,6 +214,10 @@ class Trainer:
         if meter is None:
             meter = self._meter = MemoryMeter(self._model(), getattr(self, "loss", None)).install()
         report = meter.report(self.memory_arrays())
+        staged = int((stats.extra or {}).get("peak_activation_bytes", 0)) if stats is not None else 0
+        if staged > report["activations_peak"]:
+            report["total"] += staged - report["activations_peak"]
+            report["activations_peak"] = staged
         most = getattr(self, "_memory_most", None) or {}
         self._memory_most = {k: max(v, most.get(k, 0)) for k, v in report.items()}
         return report
@@ -538,7 +543,7 @@ class Trainer:
                 for batch in loader:
                     stats = self.step(*batch)
                     if not stats.memory:
-                        stats.memory = self.memory_report()
+                        stats.memory = self.memory_report(stats)
                     if stats.stop is None:
                         stats.stop = self._agree_stop()
                     history.append(stats)

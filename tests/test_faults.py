@@ -191,7 +191,7 @@ def test_error_on_one_rank_ends_the_whole_train_job_with_its_traceback(launch, t
 ])
 def test_bad_environment_refused_at_startup_once(launch, tmp_path, var, value, says):
     p, took = launch("train_fault.py", "none", "0", "0", "--", "--run-dir", str(tmp_path / "run"), env={var: value})
-    assert p.returncode == 2 and took < 30, (p.returncode, took, p.stderr)
+    assert p.returncode == 4 and took < 30, (p.returncode, took, p.stderr)
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert lines == [f"[rank 0] hpctrain train: error: hpctrain environment: ranks 0-1: {says}"], p.stderr
     assert not os.path.exists(tmp_path / "run")  # refused before anything started

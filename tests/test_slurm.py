@@ -307,7 +307,7 @@ def test_preempted_job_is_requeued_and_ends_where_an_uninterrupted_run_ends(clus
     # --open-mode=append: both runs of the job in one output file.
     assert "job " + job + " (restart 0)" in out and "job " + job + " (restart 1)" in out, out
     assert "got SIGUSR1; asking the ranks to stop" in out and "requeueing it to resume" in out, out
-    stopped = re.search(r"preempted on SIGUSR1: stopped at step (\d+); checkpoint (\S+)", out)
+    stopped = re.search(r"preempted on SIGUSR1: stopped at step (\d+); checkpoint (\S+?);", out)
     assert stopped, out
     step = int(stopped.group(1))
     assert f"resumed from {stopped.group(2)} at step {step}" in out, out

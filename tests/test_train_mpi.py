@@ -119,7 +119,7 @@ def test_refusals_reach_every_rank(comm, shared_dir, capsys):
     with pytest.raises(errors.HpctrainError, match="nope.h5"):
         run(merge({}, {**small(comm), "data": missing, "run_dir": os.path.join(shared_dir, "x")}), comm)
     # Through the command line: exit code 2 on every rank, the message said once (by rank 0).
-    assert main(["train", "--strategy", "hybrid", "--tp", str(comm.size + 1)]) == 2
+    assert main(["train", "--strategy", "hybrid", "--tp", str(comm.size + 1)]) == 4  # ExitStatus.CONFIG
     said = f"{comm.size} ranks do not factor into tp={comm.size + 1}" in capsys.readouterr().err
     assert said == (comm.rank == 0)
 
@@ -133,7 +133,7 @@ def test_a_file_one_rank_cannot_read_fails_all(comm, shared_dir, tmp_path, capsy
         with open(path, "w") as f:
             f.write("epochs = 1\n")
     # The others fail to read it; rank 0 could, yet refuses too instead of waiting for them.
-    assert main(["train", "--config", path, "--run-dir", os.path.join(shared_dir, "y")]) == 2
+    assert main(["train", "--config", path, "--run-dir", os.path.join(shared_dir, "y")]) == 4  # ExitStatus.CONFIG
     err = capsys.readouterr().err
     if comm.rank == 0:  # the one message names the ranks that could not read it
         assert "does not exist" in err and re.search(r"\[rank 0\] hpctrain train: error: ranks? 1(-\d+)?: ", err), err

@@ -10,10 +10,11 @@ into place: that rename is the commit. A failure anywhere removes the part files
 temporary and raises the same ``CheckpointError`` on every rank; earlier checkpoints are untouched.
 
 ``asynchronous=True`` takes a host snapshot of this rank's slabs at the call (the only stall) and
-writes in a background thread while training goes on. The next save, load or ``wait`` waits for it
-first (a local join, not a collective: no rank waits in a watched collective while others write).
-The background thread talks to the other ranks on a private duplicate communicator, outside the
-stall watchdog: a slow disk is not a stalled job.
+writes this rank's part file in a background thread while training goes on; the thread makes no
+MPI call (MPI's lock would hold up the training's collectives). The next save, load or ``wait``
+(collective) joins the thread and commits: the ranks agree on a private duplicate communicator,
+outside the stall watchdog (a slow disk is not a stalled job), and rank 0 writes the index. So
+an asynchronous checkpoint appears on disk at that next call.
 """
 
 from __future__ import annotations
@@ -179,10 +180,11 @@ class Job:
         self.error: str | None = None
         self.result: str | None = None
         self.thread: threading.Thread | None = None
+        self.written: Any = None
 
-    def run(self) -> None:
-        """Write this rank's part, agree, and (rank 0) commit the index. Every rank takes part in
-        both exchanges whatever fails, so no rank is left waiting."""
+    def write(self) -> None:
+        """Write this rank's part file (no communication: safe in a background thread, where an
+        MPI call would hold MPI's lock against the training thread's collectives)."""
         mine: Any = None
         try:
             if self.items:
@@ -191,7 +193,12 @@ class Job:
         except BaseException as exc:
             mine = ("error", f"rank {self.comm.rank}: {why(exc)}")
         self.items = []  # the snapshot is on disk (or lost): free it now
-        everyone = self.raw.gather(mine, root=0)
+        self.written = mine
+
+    def finish(self) -> None:
+        """Agree on the parts and (rank 0) commit the index (collective, on the private
+        communicator). Every rank takes part in both exchanges whatever failed."""
+        everyone = self.raw.gather(self.written, root=0)
         error = None
         if self.raw.Get_rank() == 0:
             errors = [m[1] for m in everyone if isinstance(m, tuple)]
@@ -298,14 +305,16 @@ def ckpt_comm(comm: Any) -> Any:
 
 
 def wait(trainer: Any) -> str | None:
-    """Wait for ``trainer``'s background save, if any; return its path, or raise its
-    ``CheckpointError`` (on every rank). Not a watched collective."""
+    """Finish ``trainer``'s background save, if any (collective: joins the writer thread, then
+    the ranks agree and rank 0 commits the index); returns its path, or raises its
+    ``CheckpointError`` on every rank. The waits are not watched by the stall watchdog."""
     job: Job | None = getattr(trainer, "_checkpoint_job", None)
     if job is None:
         return None
     trainer._checkpoint_job = None
     if job.thread is not None:
         job.thread.join()
+    job.finish()
     if job.error:
         raise CheckpointError(job.error)
     return job.result
@@ -379,11 +388,12 @@ def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable
         job.error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
     raise_if_any(comm, job.error, what=f"cannot save checkpoint {path}")
     if asynchronous:
-        job.thread = threading.Thread(target=job.run, name="hpctrain-checkpoint", daemon=False)
+        job.thread = threading.Thread(target=job.write, name="hpctrain-checkpoint", daemon=False)
         trainer._checkpoint_job = job
         job.thread.start()
         return path
-    job.run()
+    job.write()
+    job.finish()
     if job.error:
         raise CheckpointError(job.error)
     return path

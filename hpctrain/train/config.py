@@ -65,7 +65,9 @@ class Config:
     checkpoint_every: int | None = field(default=None, metadata=_opt("steps between checkpoints "
                                                                      "(default: once per epoch)"))
     resume: bool = field(default=False, metadata=_opt("continue from the newest checkpoint in the checkpoint "
-                                                      "directory"))
+                                                      "directory (a missing or empty one: start fresh)"))
+    restart: bool = field(default=False, metadata=_opt("start over in a run directory that holds checkpoints "
+                                                       "(they and metrics.jsonl are moved aside, not deleted)"))
     d_model: int = field(default=64, metadata=_opt("model width"))
     n_layers: int = field(default=2, metadata=_opt("hidden blocks (mlp) or transformer blocks (gpt)"))
     n_heads: int = field(default=4, metadata=_opt("attention heads (gpt)"))
@@ -366,6 +368,8 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         c.lr = 3e-3 if c.optimizer != "sgd" else 0.3 if c.momentum == 0 else 0.1
     if c.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {c.lr}")
+    if c.resume and c.restart:
+        raise ConfigError("--resume continues the run and --restart starts it over: give one of them")
     if strategy == "ps":
         for key, default in (("clip_norm", None), ("accum_steps", 1), ("compression", None),
                              ("lr_schedule", "constant"), ("warmup", 0)):

@@ -17,13 +17,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigError, HpctrainError
+from .. import rundir
+from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError
+from ..log import get_logger
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .config import _BY_NAME, Config, merge, read_config, resolve
 from .data import builtin_name, builtin_path, open_data
 from .timeline import Timeline
 
 T = TypeVar("T")
+_log = get_logger("train")
 
 
 def everywhere(comm: Any, fn: Callable[[], T], what: str = "") -> T:
@@ -178,7 +181,6 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     Collective. ``callbacks`` are extra ``fit`` callbacks (called before the job's own).
     Returns the summary, the same on every rank.
     """
-    from .. import checkpoint
     from ..comm import Communicator
     from ..comm.validate import agree
 
@@ -187,12 +189,79 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     agree(comm, "hpctrain train configuration", c.to_dict())
     device = pick_device(c, comm)
     limit_blas_threads(comm)
-    if c.run_dir is None:
-        c.run_dir = comm.bcast_obj(os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+    if c.run_dir is None:  # a new directory nobody else can get, even starting in the same second
+        c.run_dir = comm.bcast_obj(everywhere(comm, lambda: rundir.new_run_dir("runs") if comm.rank == 0 else None))
     # config.json keeps the setting as given, so a run started from it with another --run-dir
     # writes its checkpoints there, not into this run's.
     given = c.to_dict()
     c.checkpoint_dir = c.checkpoint_dir or os.path.join(c.run_dir, "checkpoints")
+    # One job per run directory: rank 0 holds its lock until the job ends (or is refused).
+    lock = rundir.RunLock(c.run_dir)
+    everywhere(comm, lambda: lock.acquire() if comm.rank == 0 else None)
+    try:
+        return _run_locked(c, given, comm, callbacks, device)
+    finally:
+        if comm.rank == 0:
+            lock.release()
+
+
+#: Settings a resumed run must share with the run it continues (the model, its data, its optimizer
+#: state, the data order): anything else (epochs, layout, cadence) may change across a resume.
+RESUME_KEYS = ("model", "data", "d_model", "n_layers", "n_heads", "block_size", "optimizer", "seed",
+               "max_samples", "val_fraction")
+
+
+def _claim(c: Config, given: dict[str, Any], metrics: str) -> None:
+    """Rank 0, holding the lock: clean up after dead jobs and decide what may happen to the files
+    already in the run directory, before anything is written there."""
+    from .. import checkpoint
+
+    rundir.clean_stale_temporaries(c.run_dir, c.checkpoint_dir)
+    if c.restart:
+        moved = rundir.set_aside(c.checkpoint_dir, metrics)
+        if moved:
+            _log.info("started over (--restart): moved %s", ", ".join(f"{a} to {b}" for a, b in moved))
+    elif c.resume:
+        rundir.check_resume_compatible(os.path.join(c.run_dir, "config.json"), given, RESUME_KEYS)
+    elif checkpoint.list_checkpoints(c.checkpoint_dir):
+        raise ConfigError(f"{c.checkpoint_dir} already holds checkpoints: pass --resume to continue that run, "
+                          f"--restart to start it over (its files are moved aside), or choose another --run-dir")
+
+
+class _AfterResume:
+    """A ``fit`` callback for the moment the run's state is settled (resumed, or fresh): rank 0
+    writes ``config.json`` (a refused resume leaves the earlier one as it was) and drops the
+    metrics lines an interrupted job wrote after its last checkpoint (the resumed job makes those
+    steps again)."""
+
+    def __init__(self, rank: int, config_file: str, config: dict[str, Any], metrics: str) -> None:
+        self.rank, self.config_file, self.config, self.metrics = rank, config_file, config, metrics
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if self.rank == 0:
+            rundir.write_exclusive(self.config_file, json.dumps(self.config, indent=1))
+            rundir.trim_metrics(self.metrics, trainer.global_step)
+
+
+def _final_loss(path: str) -> float | None:
+    """Mean training loss of the last epoch in ``metrics.jsonl``: over the whole run (this job and
+    the ones it resumed), where a resumed job made only part of that epoch itself."""
+    by_epoch: dict[Any, list[float]] = {}
+    last = None
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            last = rec.get("epoch")
+            by_epoch.setdefault(last, []).append(rec["loss"])
+    losses = by_epoch.get(last, [])
+    return sum(losses) / len(losses) if losses else None
+
+
+def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str) -> dict[str, Any]:
+    from .. import checkpoint
+
+    metrics = os.path.join(c.run_dir, "metrics.jsonl")
+    everywhere(comm, lambda: _claim(c, given, metrics) if comm.rank == 0 else None)
 
     if c.data is None:
         # Rank 0 writes the built-in set first; the others then find it (or, on node-local
@@ -200,9 +269,6 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
         everywhere(comm, lambda: builtin_path(builtin_name(c)) if comm.rank == 0 else None)
 
     def prepare() -> tuple:
-        if not c.resume and checkpoint.list_checkpoints(c.checkpoint_dir):
-            raise ConfigError(f"{c.checkpoint_dir} already holds checkpoints: pass --resume to continue "
-                              f"that run, or choose another --run-dir")
         train, val, meta = open_data(c)
         return train, val, meta, build_model(c, meta)
 
@@ -225,19 +291,19 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
         raise ConfigError(f"the {c.strategy} trainer refuses this setup: {exc}") from exc
     every = c.checkpoint_every or len(loader)
     if comm.rank == 0:
-        os.makedirs(c.run_dir, exist_ok=True)
-        with open(os.path.join(c.run_dir, "config.json"), "w") as f:
-            json.dump({**given, "dp": c.dp, "local_batch": c.local_batch, "info": meta}, f, indent=1)
         print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
               f"{len(train_set):,} training samples, {_layout_text(c)} on {device}, "
               f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
               f"{len(loader)} steps each; run dir {c.run_dir}", flush=True)
 
     timeline = Timeline(comm.rank)
-    hooks: list[Any] = [*callbacks, LearningRate(), timeline]
+    hooks: list[Any] = [
+        _AfterResume(comm.rank, os.path.join(c.run_dir, "config.json"),
+                     {**given, "dp": c.dp, "local_batch": c.local_batch, "info": meta}, metrics),
+        *callbacks, LearningRate(), timeline,
+    ]
     if c.eval_every:
-        hooks.insert(len(callbacks), Validation(c, meta, val_set, comm, c.eval_every))
-    metrics = os.path.join(c.run_dir, "metrics.jsonl")
+        hooks.insert(1 + len(callbacks), Validation(c, meta, val_set, comm, c.eval_every))
     t0 = time.perf_counter()
     history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
                           keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
@@ -268,12 +334,14 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
         raise CheckpointError(error)
 
     seconds = sum(s.seconds for s in history)
-    tail = history[-len(loader):] if history else []
+    # The last epoch's mean loss from the metrics of the whole run: a resumed job made only part
+    # of that epoch itself. One reader, one value for every rank.
+    final_loss = comm.bcast_obj(_final_loss(metrics) if comm.rank == 0 else None)
     summary = {
         "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
         "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
         "steps_this_run": len(history), "epochs": c.epochs,
-        "final_loss": (sum(s.loss for s in tail) / len(tail)) if tail else None,
+        "final_loss": final_loss,
         "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
         "samples_per_s": sum(s.samples for s in history) / seconds if seconds > 0 else None,
         "comm_share": sum(s.comm_seconds for s in history) / seconds if seconds > 0 else None,
@@ -281,8 +349,7 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
         "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
     }
     if comm.rank == 0:
-        with open(os.path.join(c.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        rundir.write_exclusive(os.path.join(c.run_dir, "summary.json"), json.dumps(summary, indent=1))
         print(format_summary(summary), flush=True)
     return summary
 
@@ -320,19 +387,41 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Entry of ``hpctrain train``: merge file and flags, then run; errors end with exit code 2."""
+    """Entry of ``hpctrain train``: merge file and flags, then run; returns an ``ExitStatus``.
+
+    SIGTERM, SIGUSR1 and SIGINT stop the job at the next step with a checkpoint (75, preempted);
+    refusals (configuration, data, checkpoints, run directory) are 4; any other hpctrain error 1.
+    """
+    from .. import preempt
     from ..comm import Communicator
+    from ..errors import ExitStatus, GridError, MismatchError, Preempted
+    from ..log import world_rank
 
     flags = {k: v for k, v in vars(args).items() if k in _BY_NAME}
+    try:
+        preempt.install()  # before the first collective: a signal from now on ends at a step boundary
+    except ValueError:  # not the main thread (an embedding program): its own handlers stay
+        _log.warning("not in the main thread: SIGTERM/SIGUSR1/SIGINT are not turned into a stop at a step")
     try:
         comm = Communicator()
         # Read on every rank, verdict shared: a file missing on one node fails the whole job.
         cfg = everywhere(comm, lambda: merge(read_config(args.config) if args.config else {}, flags))
         run(cfg, comm)
+    except Preempted as stop:
+        if world_rank() == 0:
+            print(f"hpctrain train: {stop}; resubmit with --resume to continue", flush=True)
+        return ExitStatus.PREEMPTED
     except HpctrainError as exc:
-        # Raised on every rank: said once, exit 2. On some ranks only (a rank's own wait timed
-        # out, say): that rank's traceback, and the whole job ends instead of the others waiting.
+        # Raised on every rank: said once. On some ranks only (a rank's own wait timed out, say):
+        # that rank's traceback, and the whole job ends instead of the others waiting.
         from ..comm.failure import fail
 
-        return fail(exc, code=2, what="hpctrain train")
-    return 0
+        refused = isinstance(exc, (ConfigError, DatasetError, CheckpointError, MismatchError, GridError))
+        if getattr(exc, "failures", None):  # --resume found checkpoints and none loads
+            exc.args = (f"{exc}\n(nothing was changed or deleted; --restart starts over in this run directory, "
+                        "moving its checkpoints aside)",)
+        return fail(exc, code=ExitStatus.CONFIG if refused else ExitStatus.FAILURE, what="hpctrain train")
+    finally:
+        preempt.uninstall()
+        preempt.clear()
+    return ExitStatus.OK

@@ -38,5 +38,6 @@ class Timeline:
         for rank, evs in enumerate(lanes):
             events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
             events += evs
-        with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        from ..rundir import write_exclusive
+
+        write_exclusive(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

@@ -1,0 +1,282 @@
+"""The main job as users run it: resume refusals and fallbacks, the run-directory lock, SIGTERM under
+``mpiexec -n 2`` with an exact resume, exit statuses, glob characters in run directory names.
+
+The subprocess tests start their own jobs and run in the serial pass; the in-process ones run at
+every world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpctrain import checkpoint
+from hpctrain.errors import ExitStatus
+
+REPO = Path(__file__).resolve().parents[1]
+_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "HPCTRAIN_", "SLURM_", "MPI_LOCAL")
+# A tiny MLP job: a few seconds; the global batch 48 splits over 1, 2, 3 and 4 ranks.
+TINY = ("--max-samples", "288", "--batch-size", "48", "--epochs", "2", "--d-model", "16", "--n-layers", "1",
+        "--log-every", "1000")
+# A small GPT: ~5-10 s on 2 ranks here, long enough to interrupt.
+SMALL_GPT = ("--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--block-size", "32",
+             "--batch-size", "16", "--epochs", "3", "--max-samples", "1600", "--checkpoint-every", "25",
+             "--log-every", "50")
+
+
+@pytest.fixture
+def serial(comm):
+    if comm.size > 1:
+        pytest.skip("starts its own processes: runs in the serial pass")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
+    env.update(OMP_NUM_THREADS="1", HPCTRAIN_TIMEOUT="120", **extra)
+    return env
+
+
+def _mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def hpctrain(*args: str, n: int = 0, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -m hpctrain ARGS`` (under ``mpiexec -n n`` when n > 0)."""
+    cmd = [sys.executable, "-m", "hpctrain", *args]
+    if n:
+        cmd = [_mpiexec(), "-n", str(n), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_job_checkpoints_its_step_and_resume_ends_bitwise(serial, tmp_path):
+    """SIGTERM to mpiexec's process group mid-run (what a scheduler sends): exit 75, a checkpoint of the
+    step it stopped at; a second job on the locked run directory is refused meanwhile; ``--resume``
+    ends bitwise where an uninterrupted run ends, with one metrics line per step."""
+    ref = hpctrain("train", *SMALL_GPT, "--run-dir", str(tmp_path / "ref"), n=2)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    want = json.loads((tmp_path / "ref" / "summary.json").read_text())
+
+    run = tmp_path / "run"
+    job = subprocess.Popen([_mpiexec(), "-n", "2", sys.executable, "-m", "hpctrain", "train", *SMALL_GPT,
+                            "--run-dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.poll() is None and not (
+                (run / "metrics.jsonl").exists() and len(_steps(run)) >= 3):
+            time.sleep(0.1)
+        # The run directory is locked while the job uses it: a second job is refused, naming the first.
+        second = hpctrain("train", *TINY, "--run-dir", str(run), "--resume")
+        assert second.returncode == ExitStatus.CONFIG, second.stdout + second.stderr
+        assert f"run directory {run} is in use by another job" in second.stderr, second.stderr
+        while time.monotonic() < deadline and job.poll() is None and len(_steps(run)) < 20:
+            time.sleep(0.05)
+        assert job.poll() is None, "the job ended before it could be interrupted"
+        os.killpg(job.pid, signal.SIGTERM)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == ExitStatus.PREEMPTED, out + err
+    m = re.search(r"preempted on SIGTERM: stopped at step (\d+); checkpoint (\S+?);", out)
+    assert m, out + err
+    step, path = int(m.group(1)), m.group(2)
+    assert 20 <= step < want["steps"] and path == checkpoint.checkpoint_path(str(run / "checkpoints"), step)
+    assert Path(path).exists() and "all checksums verified" in checkpoint.inspect(path)
+    assert not (run / ".hpctrain.lock").exists()  # released on the way out
+
+    resumed = hpctrain("train", *SMALL_GPT, "--run-dir", str(run), "--resume", n=2)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed from {path} at step {step}" in resumed.stdout
+    got = json.loads((run / "summary.json").read_text())
+    assert (got["steps"], got["final_loss"], got["val_loss"]) == (want["steps"], want["final_loss"], want["val_loss"])
+    with h5py.File(got["checkpoint"], "r") as a, h5py.File(want["checkpoint"], "r") as b:
+        for name in b["model"]:
+            assert np.array_equal(a["model"][name][()], b["model"][name][()]), name  # bitwise
+    assert _steps(run) == list(range(1, want["steps"] + 1))  # no step twice after the resume
+
+
+# -- in process, every world size -------------------------------------------------------------------
+
+
+def _shared(comm, path: Path) -> Path:
+    return Path(comm.bcast_obj(str(path) if comm.rank == 0 else None))
+
+
+def _train(capsys, *args: str) -> tuple[int, str, str]:
+    """``hpctrain train TINY ARGS`` in this process: (status, rank 0's stdout, rank 0's stderr) on every
+    rank (messages said once are said by rank 0)."""
+    from hpctrain import Communicator
+    from hpctrain.cli import main
+
+    rc = main(["train", *TINY, *args])
+    cap = capsys.readouterr()
+    out, err = Communicator().bcast_obj((cap.out, cap.err))
+    return rc, out, err
+
+
+@pytest.mark.timeout(120)
+def test_resume_into_a_missing_or_empty_directory_says_it_starts_fresh(comm, tmp_path, capsys):
+    run = _shared(comm, tmp_path / "new")
+    rc, out, _ = _train(capsys, "--run-dir", str(run), "--resume")
+    assert rc == 0
+    if comm.rank == 0:
+        assert f"no checkpoint to resume from ({run / 'checkpoints'} does not exist): starting fresh" in out
+
+
+@pytest.mark.timeout(120)
+def test_incompatible_resume_is_refused_and_leaves_the_run_untouched(comm, tmp_path, capsys):
+    run = _shared(comm, tmp_path / "run")
+    assert _train(capsys, "--run-dir", str(run))[0] == 0
+    before = _files(run) if comm.rank == 0 else None
+    rc, _, err = _train(capsys, "--run-dir", str(run), "--resume", "--d-model", "32")
+    assert rc == ExitStatus.CONFIG
+    assert "the run in" in err and "d_model=16, not 32" in err and "nothing was changed" in err, err
+    if comm.rank == 0:
+        assert _files(run) == before  # config.json, checkpoints, metrics: byte for byte
+    # Without --resume the same directory is refused too (it holds checkpoints).
+    rc, _, err = _train(capsys, "--run-dir", str(run), "--d-model", "32")
+    assert rc == ExitStatus.CONFIG and "already holds checkpoints" in err and "--restart" in err
+    if comm.rank == 0:
+        assert _files(run) == before
+
+
+@pytest.mark.timeout(120)
+def test_resume_refuses_when_no_checkpoint_loads_and_restart_starts_over(comm, tmp_path, capsys):
+    run = _shared(comm, tmp_path / "run")
+    assert _train(capsys, "--run-dir", str(run), "--checkpoint-every", "3")[0] == 0
+    found = checkpoint.list_checkpoints(str(run / "checkpoints"))
+    assert len(found) >= 2
+    comm.barrier()
+    if comm.rank == 0:
+        for p in found:  # every checkpoint truncated: nothing can load
+            with open(p, "r+b") as f:
+                f.truncate(os.path.getsize(p) // 2)
+    comm.barrier()
+    before = _files(run) if comm.rank == 0 else None
+    rc, out, err = _train(capsys, "--run-dir", str(run), "--resume", "--checkpoint-every", "3")
+    assert rc == ExitStatus.CONFIG, out + err
+    for p in found:
+        assert os.path.basename(p) in err, err  # each file named, with why
+    assert "--restart" in err
+    if comm.rank == 0:
+        assert _files(run) == before
+    rc, out, err = _train(capsys, "--run-dir", str(run), "--restart", "--checkpoint-every", "3")
+    assert rc == 0, err
+    if comm.rank == 0:
+        aside = [p for p in run.iterdir() if p.name.startswith("checkpoints.replaced-")]
+        assert len(aside) == 1 and [os.path.basename(p) for p in checkpoint.list_checkpoints(str(aside[0]))] == [
+            os.path.basename(p) for p in found]
+        assert "started over" in out and str(aside[0]) in out
+
+
+@pytest.mark.timeout(120)
+def test_bad_newest_checkpoint_falls_back_to_the_previous_one_announced(comm, tmp_path, capsys):
+    run = _shared(comm, tmp_path / "exp[1]")  # glob characters: a name, not a pattern
+    assert _train(capsys, "--run-dir", str(run), "--checkpoint-every", "3", "--epochs", "1")[0] == 0
+    found = checkpoint.list_checkpoints(str(run / "checkpoints"))
+    comm.barrier()
+    if comm.rank == 0:
+        with open(found[-1], "r+b") as f:
+            f.truncate(100)
+    comm.barrier()
+    rc, out, err = _train(capsys, "--run-dir", str(run), "--checkpoint-every", "3", "--resume")
+    assert rc == 0, err
+    if comm.rank == 0:
+        assert f"skipping checkpoint {found[-1]}" in out and f"fell back to checkpoint {found[-2]}" in out, out
+        assert f"resumed from {found[-2]}" in out
+        steps = _steps(run)
+        assert steps == sorted(set(steps)) and steps[-1] == json.loads((run / "summary.json").read_text())["steps"]
+
+
+@pytest.mark.timeout(120)
+def test_config_json_is_accepted_back_by_config(comm, tmp_path, capsys):
+    run = _shared(comm, tmp_path / "a")
+    assert _train(capsys, "--run-dir", str(run), "--seed", "3")[0] == 0
+    from hpctrain.cli import main
+
+    assert main(["train", "--config", str(run / "config.json"), "--run-dir", str(run.parent / "b")]) == 0
+    capsys.readouterr()
+    comm.barrier()
+    if comm.rank == 0:  # rank 0 writes the summaries
+        a, b = (json.loads((run.parent / d / "summary.json").read_text()) for d in ("a", "b"))
+        assert a["final_loss"] == b["final_loss"] and a["steps"] == b["steps"]
+
+
+@pytest.mark.timeout(120)
+def test_a_live_lock_refuses_the_job_and_a_dead_ones_is_taken_over(comm, tmp_path, capsys):
+    run = _shared(comm, tmp_path / "run")
+    sleeper = None
+    if comm.rank == 0:
+        run.mkdir()
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        from hpctrain import rundir
+
+        (run / ".hpctrain.lock").write_text(json.dumps({**rundir.owner_record(), "pid": sleeper.pid, "job": None,
+                                                         "started": rundir._start_time(sleeper.pid)}))
+    comm.barrier()
+    try:
+        rc, _, err = _train(capsys, "--run-dir", str(run))
+        assert rc == ExitStatus.CONFIG and "is in use by another job" in err and "pid" in err, err
+    finally:
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
+    comm.barrier()
+    rc, out, err = _train(capsys, "--run-dir", str(run))
+    assert rc == 0, err
+    if comm.rank == 0:
+        assert "taking over the lock" in out and not (run / ".hpctrain.lock").exists()
+
+
+def test_default_run_directories_of_one_second_differ(comm, tmp_path, capsys, monkeypatch):
+    if comm.size > 1:
+        pytest.skip("chdir per process: serial pass")
+    monkeypatch.chdir(tmp_path)
+    import hpctrain.rundir as rundir
+
+    monkeypatch.setattr(rundir.time, "strftime", lambda fmt, *a: "20260101-000000")
+    assert _train(capsys)[0] == 0 and _train(capsys)[0] == 0
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["20260101-000000", "20260101-000000-2"]
+
+
+# -- exit statuses, python -m hpctrain, tools without MPI ------------------------------------------
+
+
+def test_exit_statuses_are_documented_in_the_readme():
+    text = (REPO / "README.md").read_text()
+    table = dict(re.findall(r"^\| (\d+) \| (\w+)", text, flags=re.M))
+    assert {int(k): v for k, v in table.items()} == {
+        0: "done", 1: "failure", 2: "usage", 3: "stall", 4: "refused", 75: "preempted"}
+    assert sorted(int(s) for s in ExitStatus) == sorted(int(k) for k in table)
+
+
+@pytest.mark.timeout(120)
+def test_config_problems_exit_4(serial, tmp_path):
+    p = hpctrain("train", "--config", str(tmp_path / "missing.toml"))
+    assert p.returncode == ExitStatus.CONFIG and "does not exist" in p.stderr
+    p = hpctrain("train", "--resume", "--restart", "--run-dir", str(tmp_path))
+    assert p.returncode == ExitStatus.CONFIG and "give one of them" in p.stderr

@@ -36,7 +36,7 @@ def test_cuda_refused_on_every_rank_without_a_gpu(comm, shared_dir, capsys):
         run({**small(comm), "device": "cuda", "run_dir": os.path.join(shared_dir, "c")}, comm)
     assert f"ranks 0-{comm.size - 1}" in str(exc.value)  # every rank said why, none is left waiting
     argv = ["train", "--device", "cuda", "--batch-size", str(8 * comm.size), "--run-dir", os.path.join(shared_dir, "d")]
-    assert main(argv) == 2
+    assert main(argv) == errors.ExitStatus.CONFIG
     err = capsys.readouterr().err
     assert comm.rank != 0 or "--device cuda: no usable GPU here" in err  # said once, by rank 0
     assert not os.path.exists(os.path.join(shared_dir, "c", "checkpoints"))  # refused before training

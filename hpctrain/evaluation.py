@@ -29,16 +29,19 @@ def evaluate(model: Any, data: Any, loss: Any = None, batch: int = 256, comm: An
 
     model.eval()
     loss = CrossEntropyLoss() if loss is None else loss
+    classes = isinstance(loss, CrossEntropyLoss)  # accuracy only for class targets
     n = len(data)
     n_batches = -(-n // batch)
     mine = _share(n_batches, comm.rank, comm.size) if comm is not None else range(n_batches)
-    sums = np.zeros(3, dtype=np.float64)  # loss * count, correct, count
+    sums = np.zeros(4, dtype=np.float64)  # loss * rows, correct, rows, target positions
     problem = None
     try:
         for b in mine:
             x, y = data[np.arange(b * batch, min((b + 1) * batch, n))][:2]
             logits = model.forward(x)
-            sums += (float(loss.forward(logits, y)) * y.size, int((logits.argmax(axis=-1) == y).sum()), y.size)
+            rows = len(y)  # the mean over samples: each batch weighted by its rows
+            right = int((logits.argmax(axis=-1) == y).sum()) if classes else 0
+            sums += (float(loss.forward(logits, y)) * rows, right, rows, y.size)
     except Exception as exc:  # said on every rank below instead of leaving the others in the reduce
         if comm is None:
             raise
@@ -48,7 +51,8 @@ def evaluate(model: Any, data: Any, loss: Any = None, batch: int = 256, comm: An
 
         raise_if_any(comm, problem, what="evaluation")
         sums = comm.allreduce(sums)
-    total_loss, correct, count = (float(v) for v in sums)
+    total_loss, correct, count, positions = (float(v) for v in sums)
     if not count:
-        return {"loss": math.nan, "accuracy": math.nan, "samples": n}
-    return {"loss": total_loss / count, "accuracy": correct / count, "samples": n}
+        return {"loss": math.nan, "accuracy": math.nan if classes else None, "samples": n}
+    # The accuracy is over every target position (every token of a language model).
+    return {"loss": total_loss / count, "accuracy": correct / positions if classes else None, "samples": n}

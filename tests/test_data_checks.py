@@ -115,7 +115,7 @@ LABELS = [
     ("negative", {"x": X, "y": np.r_[Y[:99], -1]}, "key 'y' row 99 holds label -1: labels must be class indices >= 0"),
     ("huge", {"x": X, "y": np.r_[Y[:99], 10**9]},
      "key 'y' row 99 holds label 1000000000: that makes 1,000,000,001 classes, more than the 1,048,576"),
-    ("float", {"x": X, "y": Y.astype(np.float32)}, r"key 'y' holds float32: y \(the class labels\) must be integers"),
+    ("float", {"x": X, "y": Y.astype(np.float32)}, r"key 'y' holds float32: y \(the class indices\) must be integers"),
     ("empty", {"x": np.zeros((0, 4), np.float32), "y": np.zeros(0, np.int64)},
      r"key 'x' has no rows \(shape \(0, 4\)\)"),
     ("2-D y", {"x": X, "y": np.zeros((100, 2), np.int64)},

@@ -221,12 +221,14 @@ def scan(dset: Any, spans: list[tuple[int, int]], kind: str, where: str, limit: 
 # -- opening a run's data --------------------------------------------------------------------
 
 
-def _check_key(ds: HDF5Dataset, key: str, ndim: int, kinds: str, what: str) -> Any:
+def _check_key(ds: HDF5Dataset, key: str, ndim: int | None, kinds: str, what: str) -> Any:
     """The h5py dataset of ``key``, refused unless it has ``ndim`` dimensions, rows, a dtype of
     ``kinds`` and HDF5 chunks of a bounded size."""
     dset = ds._dsets[ds.keys.index(key)]
     where = f"{ds.path}: key {key!r}"
-    if len(dset.shape) != ndim:
+    if ndim is None and len(dset.shape) == 0:
+        raise DatasetError(f"{where} is a scalar: {what} must have shape (N,) or (N, ...)")
+    if ndim is not None and len(dset.shape) != ndim:
         want = "(N,)" if ndim == 1 else "(N, " + ", ".join("D" * (ndim - 1)) + ")"
         raise DatasetError(f"{where} has shape {tuple(dset.shape)}: {what} must have shape {want}")
     if dset.shape[0] == 0:
@@ -278,19 +280,27 @@ def _open(path: str, keys: tuple[str, ...], comm: Any) -> HDF5Dataset:
 
 
 def open_classification(path: str | os.PathLike, *, val_fraction: float, max_samples: int | None = None,
-                        comm: Any = None) -> tuple[Rows, Rows, dict[str, Any]]:
-    """Train and validation rows of a classification file (keys ``x`` (N, D), ``y`` (N,)) and
-    ``meta = {"n_in", "n_classes", "path"}``; collective with ``comm``. ``n_classes`` is the
-    largest label of the rows used, plus one."""
+                        comm: Any = None, x_key: str = "x", y_key: str = "y",
+                        loss: str = "ce") -> tuple[Rows, Rows, dict[str, Any]]:
+    """Train and validation rows of a file of inputs ``x_key`` (N, D) and targets ``y_key``, and
+    ``meta = {"n_in", "x_shape", "path"}`` plus ``n_classes`` (``loss="ce"``: integer labels (N,),
+    the largest label of the rows used plus one) or ``n_out`` (``loss="mse"``: finite numbers
+    (N,) or (N, ...)). Collective with ``comm``."""
     path = os.fspath(path)
-    ds = _open(path, ("x", "y"), comm)
+    ds = _open(path, (x_key, y_key), comm)
 
     def layout() -> tuple[int, int, Any, Any]:
-        x = _check_key(ds, "x", 2, "fiu", "x (the features)")
-        y = _check_key(ds, "y", 1, "iu", "y (the class labels)")
+        x = _check_key(ds, x_key, 2, "fiu", f"{x_key} (the features)")
+        if loss == "ce":
+            y = _check_key(ds, y_key, 1, "iu", f"{y_key} (the class indices)")
+        else:
+            y = _check_key(ds, y_key, None, "fiu", f"{y_key} (the targets)")
         if x.shape[1] < 1 or x.shape[1] > MAX_FEATURES:
-            raise DatasetError(f"{path}: key 'x' has {x.shape[1]:,} features per row: 1 to {MAX_FEATURES:,} "
+            raise DatasetError(f"{path}: key {x_key!r} has {x.shape[1]:,} features per row: 1 to {MAX_FEATURES:,} "
                                "are supported")
+        if loss != "ce" and not 1 <= math.prod(y.shape[1:]) <= MAX_FEATURES:
+            raise DatasetError(f"{path}: key {y_key!r} has {math.prod(y.shape[1:]):,} values per row: 1 to "
+                               f"{MAX_FEATURES:,} are supported")
         n_train, n_val = split_rows(len(ds), val_fraction, max_samples)
         check_order_fits(n_train, path)
         return n_train, n_val, x, y
@@ -299,19 +309,27 @@ def open_classification(path: str | os.PathLike, *, val_fraction: float, max_sam
     n = len(ds)
     spans = [(0, n_train), (n - n_val, n)]
     with _closed_on_error(ds):
-        labels = scan(y, spans, "labels", f"{path}: key 'y'", MAX_CLASSES, comm)
-        scan(x, spans, "features", f"{path}: key 'x'", comm=comm)
-    meta = {"n_in": int(x.shape[1]), "n_classes": labels.hi + 1, "path": path}
-    dtypes = (np.float32, np.int64)
+        if loss == "ce":
+            labels = scan(y, spans, "labels", f"{path}: key {y_key!r}", MAX_CLASSES, comm)
+        else:
+            scan(y, spans, "features", f"{path}: key {y_key!r}", comm=comm)
+        scan(x, spans, "features", f"{path}: key {x_key!r}", comm=comm)
+    meta: dict[str, Any] = {"n_in": int(x.shape[1]), "x_shape": [int(x.shape[1])], "path": path}
+    if loss == "ce":
+        meta["n_classes"] = labels.hi + 1
+        dtypes: tuple[Any, ...] = (np.float32, np.int64)
+    else:
+        meta["n_out"] = int(math.prod(y.shape[1:])) if y.ndim > 1 else 1
+        dtypes = (np.float32, np.float32)
     return Rows(ds, 0, n_train, dtypes), Rows(ds, n - n_val, n, dtypes), meta
 
 
-def _vocab_size(ds: HDF5Dataset) -> int:
-    """Size the file's ``vocab`` root attribute declares (0 when absent): the vocabulary's
-    characters (a string) or its size (an int); anything else is refused."""
+def _vocab(ds: HDF5Dataset) -> tuple[int, str | None]:
+    """Size the file's ``vocab`` root attribute declares (0 when absent) and its text: the
+    vocabulary's characters (a string) or its size (an int); anything else is refused."""
     attrs = ds._file.attrs
     if "vocab" not in attrs:
-        return 0
+        return 0, None
     where = f"{ds.path}: attribute 'vocab'"
     try:
         aid = attrs.get_id("vocab")
@@ -322,8 +340,13 @@ def _vocab_size(ds: HDF5Dataset) -> int:
         raise
     except Exception as exc:
         raise DatasetError(f"{where} cannot be read ({type(exc).__name__}: {exc})") from None
+    text = None
     if isinstance(vocab, (str, bytes)):
-        size = len(vocab)
+        try:
+            text = vocab.decode() if isinstance(vocab, bytes) else vocab
+        except UnicodeDecodeError:
+            raise DatasetError(f"{where} is not UTF-8 text") from None
+        size = len(text)
     elif isinstance(vocab, np.ndarray) and vocab.ndim == 1 and vocab.dtype.kind in "SUO":
         size = len(vocab)
     elif isinstance(vocab, (int, np.integer)) and not isinstance(vocab, (bool, np.bool_)) and vocab >= 0:
@@ -333,31 +356,34 @@ def _vocab_size(ds: HDF5Dataset) -> int:
                            "or its size")
     if size > MAX_VOCAB:
         raise DatasetError(f"{where} declares {size:,} tokens, more than the {MAX_VOCAB:,} hpctrain builds a model for")
-    return size
+    return size, text
 
 
 def open_tokens(path: str | os.PathLike, *, block_size: int, val_fraction: float, max_samples: int | None = None,
-                comm: Any = None) -> tuple[Rows, Rows, dict[str, Any]]:
+                comm: Any = None, key: str = "tokens") -> tuple[Rows, Rows, dict[str, Any]]:
     """Train and validation windows of a token file (key ``tokens`` (N,), optional root attribute
     ``vocab``): sample i is ``tokens[i*B : (i+1)*B]`` with the next tokens as its targets
-    (``B = block_size``, windows that do not overlap); ``meta = {"vocab_size", "path"}``.
+    (``B = block_size``, windows that do not overlap); ``meta = {"vocab_size", "path"}`` and
+    ``"vocab"`` (the text of the vocabulary) when the file's ``vocab`` attribute is a string.
     Collective with ``comm``. Only the windows the run uses are checked; they are read per batch."""
     path = os.fspath(path)
-    ds = _open(path, ("tokens",), comm)
+    ds = _open(path, (key,), comm)
 
     def layout() -> tuple[int, int, int, Any, int]:
-        tok = _check_key(ds, "tokens", 1, "iu", "tokens (the token ids)")
+        tok = _check_key(ds, key, 1, "iu", f"{key} (the token ids)")
         windows = (len(ds) - 1) // block_size
         if windows < 2:
             raise DatasetError(f"{path}: {len(ds)} tokens make fewer than 2 windows of --block-size {block_size}")
         n_train, n_val = split_rows(windows, val_fraction, max_samples)
         check_order_fits(n_train, path)
-        return windows, n_train, n_val, tok, _vocab_size(ds)
+        return windows, n_train, n_val, tok, _vocab(ds)
 
-    windows, n_train, n_val, tok, declared = _agreed(comm, ds, layout)
+    windows, n_train, n_val, tok, (declared, text) = _agreed(comm, ds, layout)
     spans = [(0, n_train * block_size + 1), ((windows - n_val) * block_size, windows * block_size + 1)]
     with _closed_on_error(ds):
-        found = scan(tok, spans, "tokens", f"{path}: key 'tokens'", MAX_VOCAB, comm)
+        found = scan(tok, spans, "tokens", f"{path}: key {key!r}", MAX_VOCAB, comm)
     meta = {"vocab_size": max(declared, found.hi + 1), "path": path}
+    if text is not None:
+        meta["vocab"] = text  # the characters of the token ids, for generating text
     stream = TokenDataset(ds, block_size)
     return Rows(stream, 0, n_train), Rows(stream, windows - n_val, windows), meta

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -292,6 +293,14 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         raise ConfigError("--recompute is for the synchronous strategies, not --strategy ps")
     if c.staleness < 0:
         raise ConfigError(f"--staleness must be >= 0, got {c.staleness}")
+    # float("nan") and float("inf") parse as numbers: an lr of nan would surface steps later as a
+    # NonFiniteError blaming the gradients.
+    for key in ("lr", "momentum", "weight_decay", "val_fraction"):
+        value = getattr(c, key)
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{flag(key)} {value} is not a finite number")
+    if c.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be >= 0, got {c.weight_decay}")
     if not 0.0 < c.val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be between 0 and 1, got {c.val_fraction}")
 

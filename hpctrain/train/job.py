@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ import numpy as np
 
 from .. import rundir
 from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError
+from ..evaluation import evaluate
 from ..log import get_logger
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .config import _BY_NAME, Config, merge, read_config, resolve
@@ -68,27 +70,15 @@ def limit_blas_threads(comm: Any) -> int | None:
     return n
 
 
-def evaluate(model: Any, data: Any, loss: Any, batch: int = 256) -> dict[str, float]:
-    """Mean loss and accuracy of ``model`` on all of ``data`` (one process).
-
-    The loss is the mean over samples (batches weighted by their rows); the accuracy is ``None``
-    unless ``loss`` is a cross-entropy (class targets).
-    """
-    from ..nn import CrossEntropyLoss
-
-    classes = isinstance(loss, CrossEntropyLoss)
-    model.eval()
-    total_loss, correct, count = 0.0, 0, 0
-    for start in range(0, len(data), batch):
-        x, y = data[np.arange(start, min(start + batch, len(data)))][:2]
-        logits = model.forward(x)
-        rows = len(y)
-        total_loss += float(loss.forward(logits, y)) * rows
-        if classes:
-            correct += int((logits.argmax(axis=-1) == y).sum())
-        count += rows
-    accuracy = correct / count if classes and count else None
-    return {"loss": total_loss / count, "accuracy": accuracy, "samples": len(data)}
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``None`` (JSON has no NaN or inf)."""
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 class LearningRate:
@@ -268,11 +258,12 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
         # disks, write their own identical copy) instead of all writing at once.
         everywhere(comm, lambda: builtin_path(builtin_name(c)) if comm.rank == 0 else None)
 
-    def prepare() -> tuple:
-        train, val, meta = open_data(c)
-        return train, val, meta, build_model(c, meta)
+    def prepare() -> str:
+        return c.data or builtin_path(builtin_name(c))
 
-    train_set, val_set, meta, model = everywhere(comm, prepare)
+    # Collective from here: every rank checks its share of the data and all get one verdict.
+    train_set, val_set, meta = open_data(c, comm, everywhere(comm, prepare))
+    model = everywhere(comm, lambda: build_model(c, meta))
     c.info = meta
     if device == "cuda":
         model.to("gpu")  # parameters and gradients in CuPy; the optimizer state follows them
@@ -290,6 +281,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
         raise ConfigError(f"the {c.strategy} trainer refuses this setup: {exc}") from exc
     every = c.checkpoint_every or len(loader)
+
     if comm.rank == 0:
         print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
               f"{len(train_set):,} training samples, {_layout_text(c)} on {device}, "
@@ -317,21 +309,22 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     if hasattr(trainer, "close"):  # the parameter server: final pull, windows freed on every rank
         trainer.close()
 
-    # Evaluate what the run leaves behind: rank 0 loads the final checkpoint (full tensors,
-    # whatever the layout, checksums verified) into a fresh serial model. The strategies' own
-    # models may be sharded or rebuilt in place into parallel layers that need the other ranks.
+    # Evaluate what the run leaves behind: every rank loads the final checkpoint (full tensors,
+    # whatever the layout, checksums verified) into a fresh serial model and evaluates its share
+    # of the held-out rows; one all-reduce combines them (no rank evaluates while others wait).
+    # The strategies' own models may be sharded or rebuilt into layers that need the other ranks.
+    from ..comm.validate import raise_if_any
+
     latest = comm.bcast_obj(checkpoint.list_checkpoints(c.checkpoint_dir) if comm.rank == 0 else None)
-    result = error = None
-    if comm.rank == 0:
-        try:
-            fresh = build_model(c, meta)
-            checkpoint.load_weights(latest[-1], fresh)
-            result = evaluate(fresh, val_set, build_loss(c))
-        except (OSError, KeyError, ValueError, IndexError) as exc:  # shared below: no rank waits for a dead one
-            error = f"cannot evaluate the final checkpoint {latest[-1] if latest else '(none)'}: {exc}"
-    result, error = comm.bcast_obj((result, error))
-    if error:
-        raise CheckpointError(error)
+    fresh = problem = None
+    try:
+        fresh = build_model(c, meta)
+        checkpoint.load_weights(latest[-1], fresh)
+    except (HpctrainError, OSError, KeyError, ValueError, IndexError) as exc:
+        problem = CheckpointError(f"cannot evaluate the final checkpoint {latest[-1] if latest else '(none)'}: "
+                                  f"{exc}")
+    raise_if_any(comm, problem)
+    result = evaluate(fresh, val_set, build_loss(c), comm=comm)
 
     seconds = sum(s.seconds for s in history)
     # The last epoch's mean loss from the metrics of the whole run: a resumed job made only part
@@ -349,7 +342,9 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
         "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
     }
     if comm.rank == 0:
-        rundir.write_exclusive(os.path.join(c.run_dir, "summary.json"), json.dumps(summary, indent=1))
+        # Valid JSON: null for a non-finite value (a NaN validation loss), never a bare NaN.
+        rundir.write_exclusive(os.path.join(c.run_dir, "summary.json"),
+                               json.dumps(finite_or_none(summary), indent=1, allow_nan=False))
         print(format_summary(summary), flush=True)
     return summary
 

@@ -135,8 +135,10 @@ def test_one_stage_trainer_matches_serial(schedule):
     for p in stage.parameters():
         np.testing.assert_allclose(p.data, ref_params[p.name], rtol=1e-9, atol=1e-11)
     assert stats[-1].extra["peak_activations"] == (1 if schedule == "1f1b" else 3)
-    # One stage has no schedule bubble: what is measured is only the loop's own overhead.
-    assert 0.0 <= stats[-1].extra["bubble"] < 0.5
+    # One stage has no schedule bubble (simulate says 0); the measured value is only the loop's
+    # own overhead, which depends on the machine's load, so only its range is checked here.
+    assert simulate(schedule, 1, 3)["bubble"] == 0.0
+    assert 0.0 <= stats[-1].extra["bubble"] < 1.0
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

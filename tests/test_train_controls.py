@@ -176,7 +176,10 @@ def test_compression_rounds_the_gradient_all_reduce(comm, shared_dir):
     cfg = {**BASE, "batch_size": 8 * comm.size, "max_samples": 32 * comm.size, "max_steps": 3}
     exact = run({**cfg, "run_dir": os.path.join(shared_dir, "fp64")}, comm)
     bf16 = run({**cfg, "compression": "bf16", "run_dir": os.path.join(shared_dir, "bf16")}, comm)
-    assert bf16["val_loss"] != exact["val_loss"]  # the gradients went through 16 bits
+    # The gradients went through 16 bits: the training loss moves (the float32 validation loss
+    # after 3 steps can round to the same value, so it is only checked to stay close).
+    assert bf16["final_loss"] != exact["final_loss"]
+    assert bf16["final_loss"] == pytest.approx(exact["final_loss"], rel=1e-2)
     assert bf16["val_loss"] == pytest.approx(exact["val_loss"], rel=1e-2)
 
 

@@ -105,3 +105,10 @@ def small_disk(tmp_path):
         yield path
     finally:
         subprocess.run(["umount", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def serial(comm):
+    """For tests that start their own processes: they run once, in the serial pass."""
+    if comm.size > 1:
+        pytest.skip("starts its own processes: runs in the serial pass")

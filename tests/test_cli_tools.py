@@ -3,48 +3,20 @@ need no MPI do not start it, HDF5 file locking can be turned off, usage errors e
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import h5py
 import pytest
 
 from hpctrain import checkpoint
 from hpctrain.errors import ExitStatus
+from jobs import clean_env as _env
+from jobs import hpctrain
 
-REPO = Path(__file__).resolve().parents[1]
-_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "HPCTRAIN_", "SLURM_", "MPI_LOCAL")
 # A tiny MLP job: a few seconds on one process.
 TINY = ("--max-samples", "256", "--batch-size", "32", "--epochs", "2", "--d-model", "16", "--n-layers", "1",
         "--log-every", "1000")
-
-
-@pytest.fixture
-def serial(comm):
-    if comm.size > 1:
-        pytest.skip("starts its own processes: runs in the serial pass")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
-    env.update(OMP_NUM_THREADS="1", HPCTRAIN_TIMEOUT="120", **extra)
-    return env
-
-
-def _mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
-
-
-def hpctrain(*args: str, n: int = 0, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``python -m hpctrain ARGS`` (under ``mpiexec -n n`` when n > 0)."""
-    cmd = [sys.executable, "-m", "hpctrain", *args]
-    if n:
-        cmd = [_mpiexec(), "-n", str(n), *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
 
 
 @pytest.mark.timeout(120)

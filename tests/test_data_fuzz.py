@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from hpctrain.errors import HpctrainError
+from jobs import LAUNCHER_ENV, mpiexec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults"))
 from fuzz_worker import mutate  # noqa: E402  (the damage the file fuzzers share)
@@ -172,14 +173,10 @@ def test_fuzz_data_files_long(comm, tmp_path, monkeypatch):
 
 # -- through the command line: one line per rank, exit status 2, no traceback ----------------------
 
-_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "HPCTRAIN_")
-
-
 def _hpctrain_job(args: list[str], cwd: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
     env["HPCTRAIN_TIMEOUT"] = "30"
-    return subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "hpctrain", "train", *args],
+    return subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "hpctrain", "train", *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 

@@ -11,7 +11,6 @@ import copy
 import glob
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -24,16 +23,10 @@ from hpctrain import checkpoint as ckpt
 from hpctrain.errors import MismatchError, NonFiniteError
 from hpctrain.nn import Linear, ReLU, Sequential
 from hpctrain.parallel import DataParallelTrainer
+from jobs import LAUNCHER_ENV, mpiexec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAULTS = os.path.join(HERE, "faults")
-# Launcher variables of an enclosing MPI job must not leak into the jobs we start.
-_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "HPCTRAIN_")
-
-
-def _mpiexec() -> str:
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return local if os.path.exists(local) else (shutil.which("mpiexec") or "mpiexec")
 
 
 @pytest.fixture
@@ -42,10 +35,10 @@ def launch(comm):
         pytest.skip("fault tests start their own mpiexec; they run in the serial pass")
 
     def run(script: str, *args: str, env: dict | None = None, timeout: float = 60) -> tuple:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
         clean.update(env or {})
         t0 = time.monotonic()
-        p = subprocess.run([_mpiexec(), "-n", "2", sys.executable, os.path.join(FAULTS, script), *args],
+        p = subprocess.run([mpiexec(), "-n", "2", sys.executable, os.path.join(FAULTS, script), *args],
                            capture_output=True, text=True, timeout=timeout, env=clean)
         return p, time.monotonic() - t0
 

@@ -23,12 +23,6 @@ from hpctrain.errors import CheckpointError, ConfigError, DatasetError
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults", "fuzz_worker.py")
 
 
-@pytest.fixture
-def serial(comm):
-    if comm.size > 1:
-        pytest.skip("file fuzzing is per process; it runs in the serial pass")
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("what, error, cases", [
     ("checkpoint", "CheckpointError", 120), ("hdf5", "DatasetError", 200), ("config", "ConfigError", 300),

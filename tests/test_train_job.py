@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,9 +22,10 @@ import pytest
 
 from hpctrain import checkpoint
 from hpctrain.errors import ExitStatus
+from jobs import REPO, hpctrain
+from jobs import clean_env as _env
+from jobs import mpiexec as _mpiexec
 
-REPO = Path(__file__).resolve().parents[1]
-_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_", "HPCTRAIN_", "SLURM_", "MPI_LOCAL")
 # A tiny MLP job: a few seconds; the global batch 48 splits over 1, 2, 3 and 4 ranks.
 TINY = ("--max-samples", "288", "--batch-size", "48", "--epochs", "2", "--d-model", "16", "--n-layers", "1",
         "--log-every", "1000")
@@ -33,31 +33,6 @@ TINY = ("--max-samples", "288", "--batch-size", "48", "--epochs", "2", "--d-mode
 SMALL_GPT = ("--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--block-size", "32",
              "--batch-size", "16", "--epochs", "3", "--max-samples", "1600", "--checkpoint-every", "25",
              "--log-every", "50")
-
-
-@pytest.fixture
-def serial(comm):
-    if comm.size > 1:
-        pytest.skip("starts its own processes: runs in the serial pass")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
-    env.update(OMP_NUM_THREADS="1", HPCTRAIN_TIMEOUT="120", **extra)
-    return env
-
-
-def _mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
-
-
-def hpctrain(*args: str, n: int = 0, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``python -m hpctrain ARGS`` (under ``mpiexec -n n`` when n > 0)."""
-    cmd = [sys.executable, "-m", "hpctrain", *args]
-    if n:
-        cmd = [_mpiexec(), "-n", str(n), *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
 
 
 def _files(d: Path) -> dict[str, bytes]:

@@ -45,3 +45,38 @@ def publish(text: str, markdown: str | None = None) -> None:
     if markdown:
         with open(markdown, "a") as fh:
             fh.write(text + "\n\n")
+
+
+def torch_gpt(vocab: int, d: int, heads: int, layers: int, block_size: int):
+    """Our GPT's architecture in PyTorch (pre-LN blocks, fused qkv, tanh GELU, untied bias-free head),
+    for the benchmarks that compare against PyTorch. Needs torch; names match ``load_state_dict``
+    copies from hpctrain's GPT (``blocks.{i}.qkv`` etc.)."""
+    import torch
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+            self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+    class GPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(block_size, d)
+            self.blocks = torch.nn.Sequential(*[Block() for _ in range(layers)])
+            self.ln_f, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
+
+        def forward(self, idx):
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+            return self.head(self.ln_f(self.blocks(x)))
+
+    return GPT()

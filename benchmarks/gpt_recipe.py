@@ -33,6 +33,7 @@ from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit  # noqa: E402
+from common import torch_gpt as torch_architecture  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "gpt_shakespeare.toml"
 
@@ -40,38 +41,8 @@ RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "gpt_shakespeare.t
 def torch_gpt(hp_model, c: dict, vocab: int):
     """The recipe's GPT in PyTorch, initialised with ``hp_model``'s weights."""
     import torch
-    import torch.nn.functional as F
 
-    d, h = c["d_model"], c["n_heads"]
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-            self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-            self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
-
-    class GPT(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(c["block_size"], d)
-            self.blocks = torch.nn.ModuleList([Block() for _ in range(c["n_layers"])])
-            self.ln_f, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
-
-        def forward(self, idx):
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-            for blk in self.blocks:
-                x = blk(x)
-            return self.head(self.ln_f(x))
-
-    m = GPT()
+    m = torch_architecture(vocab, c["d_model"], c["n_heads"], c["n_layers"], c["block_size"])
     sd = {n: p.data for n, p in hp_model.named_parameters()}
     # hpctrain Linear weights are (d_in, d_out); torch's are (d_out, d_in).
     copies = {"tok.weight": sd["tok_emb.weight"], "pos.weight": sd["pos_emb.weight"],

@@ -48,7 +48,7 @@ except ImportError:  # hpctrain before the lean layers (to measure "before")
 from hpctrain.parallel import DataParallelTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit  # noqa: E402
+from common import emit, torch_gpt  # noqa: E402
 
 VOCAB = 65
 
@@ -106,37 +106,9 @@ class HtDP:
 
 def torch_model(c: dict):
     import torch
-    import torch.nn.functional as F
-
-    d, h = c["d"], c["heads"]
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-            self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-            self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
-
-    class GPT(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok, self.pos = torch.nn.Embedding(VOCAB, d), torch.nn.Embedding(c["t"], d)
-            self.blocks = torch.nn.Sequential(*[Block() for _ in range(c["layers"])])
-            self.ln_f, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, VOCAB, bias=False)
-
-        def forward(self, idx):
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-            return self.head(self.ln_f(self.blocks(x)))
 
     torch.manual_seed(0)
-    return GPT()
+    return torch_gpt(VOCAB, c["d"], c["heads"], c["layers"], c["t"])
 
 
 class TorchStep:

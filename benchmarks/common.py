@@ -80,3 +80,20 @@ def torch_gpt(vocab: int, d: int, heads: int, layers: int, block_size: int):
             return self.head(self.ln_f(self.blocks(x)))
 
     return GPT()
+
+
+def torch_dist(world):
+    """Start PyTorch's gloo process group over the ranks of the mpi4py communicator ``world``
+    (rank 0 picks a free loopback port and broadcasts it); returns the world group."""
+    import socket
+
+    import torch.distributed as dist
+
+    port = None
+    if world.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = world.bcast(port)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size)
+    return dist.group.WORLD

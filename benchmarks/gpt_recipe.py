@@ -22,7 +22,6 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import math  # noqa: E402
-import socket  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -32,7 +31,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit  # noqa: E402
+from common import emit, torch_dist  # noqa: E402
 from common import torch_gpt as torch_architecture  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "gpt_shakespeare.toml"
@@ -68,13 +67,7 @@ def torch_run(c: dict, hp_model, train_set, val_set, vocab: int, steps: int, wor
     from hpctrain.data import DataLoader, ShardedSampler
 
     torch.set_num_threads(1)
-    port = None
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.bcast(port)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size)
+    torch_dist(world)
     try:
         model = DistributedDataParallel(torch_gpt(hp_model, c, vocab))
         opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], betas=(0.9, 0.999), eps=1e-8,

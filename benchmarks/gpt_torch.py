@@ -30,7 +30,6 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 import argparse  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -48,7 +47,7 @@ except ImportError:  # hpctrain before the lean layers (to measure "before")
 from hpctrain.parallel import DataParallelTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, torch_gpt  # noqa: E402
+from common import emit, torch_dist, torch_gpt  # noqa: E402
 
 VOCAB = 65
 
@@ -268,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = {names[cfg]: dps[cfg].step for cfg in configs}
         pg = None
         if use_torch:
-            pg = _torch_dist(world)
+            pg = torch_dist(world)
             from torch.nn.parallel import DistributedDataParallel
 
             cases["torch"] = TorchStep(DistributedDataParallel(torch_model(c), bucket_cap_mb=25), x, y).step
@@ -307,19 +306,6 @@ def _progress_choices() -> list[str | None]:
     except ImportError:
         return [None]
     return list(PROGRESS)
-
-
-def _torch_dist(world: MPI.Comm):
-    import torch.distributed as dist
-
-    port = None
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.bcast(port)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size)
-    return dist.group.WORLD
 
 
 if __name__ == "__main__":

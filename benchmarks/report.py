@@ -2,6 +2,10 @@
 
     python benchmarks/report.py [--out benchmarks/REPORT.md] [--np 2] [--quick] [--only ddp pipeline]
 
+With ``--only`` the named sections are regenerated inside the existing report (each says when and
+at which commit it was made) and every other section is kept as it was: one benchmark can be
+re-measured without re-running all of them.
+
 The header names the machine (CPU, cores, memory), the software (Python, NumPy, mpi4py, h5py,
 the MPI library) and the date and commit. Each benchmark in benchmarks/ runs under
 ``mpiexec -n NP`` with ``--markdown FILE`` (it appends its table to FILE) and within a time limit;
@@ -159,6 +163,29 @@ def run_one(stem: str, mpiexec: str, python: str, np_: int, quick: bool, timeout
         return "\n".join(body), ok
 
 
+def split_sections(text: str, titles: list[str]) -> tuple[str, dict[str, str]]:
+    """``(header, {title: section text})`` of a report: a section runs from its ``## title`` line
+    to the next known title's (a benchmark's own ``##`` lines inside a section stay in it)."""
+    marks = {f"## {t}": t for t in titles}
+    head: list[str] = []
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line in marks:
+            current = marks[line]
+            sections[current] = []
+        (head if current is None else sections[current]).append(line)
+    return "\n".join(head), {t: "\n".join(body) for t, body in sections.items()}
+
+
+def merge(old: str, new: dict[str, str], order: list[str]) -> str:
+    """The report ``old`` with the sections in ``new`` replaced (or added, in report ``order``)."""
+    titles = list(dict.fromkeys(order + list(new)))
+    head, sections = split_sections(old, titles + [t for t, _ in KNOWN])
+    sections.update(new)
+    return "\n".join([head.rstrip("\n"), ""] + [sections[t].rstrip("\n") + "\n" for t in titles if t in sections])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "REPORT.md"))
@@ -171,20 +198,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="benchmark names (file stems) to run")
     args = ap.parse_args(argv)
 
-    parts = [header(args.python, args.np, args.quick)]
+    out = Path(args.out)
+    partial = bool(args.only) and out.exists()
+    parts = [] if partial else [header(args.python, args.np, args.quick)]
+    new: dict[str, str] = {}
     failed = []
     for stem, title in benchmarks(args.only):
         np_ = args.np or ranks_of(stem)
         print(f"bench: {stem} on {np_} ranks ...", flush=True)
         body, ok = run_one(stem, args.mpiexec, args.python, np_, args.quick, args.timeout)
         print(body, flush=True)
-        parts += [f"## {title}", "", body]
+        if partial:  # the header's date and commit are the other sections': say this one's own
+            now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            body = f"Regenerated alone (`--only`) on {now} at commit {_commit()}.\n\n" + body
+        new[title] = "\n".join([f"## {title}", "", body])
+        parts.append(new[title])
         if not ok:
             failed.append(stem)
-    missing = [s for s, _ in KNOWN if not (HERE / f"{s}.py").exists()]
-    if missing:
-        parts += ["## Not present", "", "Benchmarks not in this checkout: " + ", ".join(missing) + ".", ""]
-    Path(args.out).write_text("\n".join(parts))
+    if partial:
+        out.write_text(merge(out.read_text(), new, [t for _, t in benchmarks(None)]))
+    else:
+        missing = [s for s, _ in KNOWN if not (HERE / f"{s}.py").exists()]
+        if missing:
+            parts += ["## Not present", "", "Benchmarks not in this checkout: " + ", ".join(missing) + ".", ""]
+        out.write_text("\n".join(parts))
     print(f"wrote {args.out}" + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0
 

@@ -396,3 +396,16 @@ def test_a_part_rewritten_chunked_is_read_through_h5py(alone, tmp_path):
         f["model/0.weight/0"][0, 0] += 1.0
     with pytest.raises(CheckpointError, match="checksum mismatch in model/0.weight"):
         checkpoint.load(path, other)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_ranks_naming_different_files_are_refused_everywhere(comm, tmp_path):
+    """Asynchronous parameter-server workers stop at different steps: a save whose ranks name
+    different files is refused on every rank, nothing written."""
+    d = shared_dir(comm, tmp_path)
+    t = ShardTrainer(comm, steps=1)
+    with pytest.raises(CheckpointError, match="the ranks name different files"):
+        checkpoint.save(os.path.join(d, f"r{comm.rank}.h5"), t)
+    comm.barrier()
+    assert os.listdir(d) == []

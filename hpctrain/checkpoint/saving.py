@@ -430,8 +430,11 @@ def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable
         state_json, problem = "", problem or CheckpointError(f"state_dict(): {type(exc).__name__}: {exc}")
     raise_if_any(comm, problem, what=f"cannot save checkpoint {path}")
     attrs["trainer_state"] = state_json
-    everyone = comm.allgather_obj(meta)
-    shapes, slabs = make_plan(everyone)
+    everyone = comm.allgather_obj((os.path.abspath(path), meta))
+    paths = sorted({p for p, _ in everyone})
+    if len(paths) > 1:  # e.g. asynchronous workers stopping at different steps: never half a checkpoint
+        raise CheckpointError(f"cannot save checkpoint: the ranks name different files ({', '.join(paths[:4])})")
+    shapes, slabs = make_plan([m for _, m in everyone])
     token = comm.bcast_obj(f"{time.time_ns():x}{uuid.uuid4().hex[:6]}" if comm.rank == 0 else None)
 
     job = Job(path, comm, raw, token)

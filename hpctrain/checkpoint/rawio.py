@@ -18,6 +18,7 @@ both paths verify the same checksum.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,8 +33,10 @@ from ..errors import CheckpointError
 CHUNK = 1 << 20
 #: Bytes HDF5 sets aside for a part file's metadata at its start.
 META_BLOCK = 1 << 20
-#: Threads reading one load's chunks (reads from the page cache are memory copies).
+#: Threads reading one slab (reads from the page cache are memory copies, which scale with cores).
 READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: A slab is split among the threads only in regions of at least this many bytes.
+REGION = 4 << 20
 
 _pool: ThreadPoolExecutor | None = None
 
@@ -132,40 +135,62 @@ def raw_extent(dset: Any, shape: tuple, dtype: np.dtype) -> int | None:
 
 
 class RawFile:
-    """One part file opened for raw reads (no symlink followed; the size known up front)."""
+    """One part file opened for raw reads (no symlink followed; the size known up front). Each
+    reading thread gets its own descriptor of the same file, so each keeps its own sequential
+    read-ahead from disk."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        self.size = os.fstat(self.fd).st_size
+        st = os.fstat(self.fd)
+        self.size, self._id = st.st_size, (st.st_dev, st.st_ino)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in [self.fd, *self._fds.values()]:
+            if fd >= 0:
+                os.close(fd)
+        self.fd = -1
+        self._fds.clear()
+
+    def _thread_fd(self) -> int:
+        me = threading.get_ident()
+        with self._lock:
+            fd = self._fds.get(me)
+        if fd is None:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._id:  # replaced under us: read nothing of it
+                os.close(fd)
+                raise CheckpointError(f"{self.path} was replaced while it was being read")
+            with self._lock:
+                self._fds[me] = fd
+        return fd
 
     def read_hashed(self, offset: int, out: np.ndarray, what: str) -> str:
-        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (C-contiguous) with the reader
-        threads; returns the XXH3-64 digest of what was read (hashed in order, per chunk, as
-        each arrives)."""
+        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (C-contiguous); returns the
+        XXH3-64 digest of what was read.
+
+        A large slab is cut into one contiguous region per reader thread: this thread reads the
+        first, hashing each chunk while it is in the CPU cache, the pool threads read the others
+        meanwhile, and this thread hashes them in order once they are in."""
         dst = byte_view(out)
         n = len(dst)
         if offset < 0 or offset + n > self.size:
             raise CheckpointError(f"{what}: its bytes [{offset}, {offset + n}) lie beyond the end of "
                                   f"{self.path} ({self.size} bytes): the file is truncated")
         h = xxhash.xxh3_64()
-        spans = list(_chunks(n))
-        if len(spans) <= 1:
-            for lo, hi in spans:
-                self._read(dst[lo:hi], offset + lo, what)
-                h.update(dst[lo:hi])
-            return h.hexdigest()
-        ex = pool()
-        futures = [ex.submit(self._read, dst[lo:hi], offset + lo, what) for lo, hi in spans]
+        k = max(1, min(READ_THREADS, n // REGION))
+        edges = [offset + (n * i // k) for i in range(k + 1)]
+        ex = pool() if k > 1 else None
+        futures = [ex.submit(self._read, dst, offset, lo, hi, what, None) for lo, hi in zip(edges[1:-1], edges[2:])] \
+            if ex is not None else []
         try:
-            for (lo, hi), fut in zip(spans, futures):
+            self._read(dst, offset, edges[0], edges[1], what, h, self.fd)
+            for (lo, hi), fut in zip(zip(edges[1:-1], edges[2:]), futures):
                 fut.result()
-                h.update(dst[lo:hi])
+                h.update(dst[lo - offset : hi - offset])
         except BaseException:
             for fut in futures:
                 fut.cancel()
@@ -178,9 +203,16 @@ class RawFile:
             raise
         return h.hexdigest()
 
-    def _read(self, buf: memoryview, offset: int, what: str) -> None:
-        while len(buf):
-            n = os.preadv(self.fd, [buf], offset)
-            if n <= 0:
-                raise CheckpointError(f"{what}: {self.path} ends early (truncated)")
-            buf, offset = buf[n:], offset + n
+    def _read(self, dst: memoryview, base: int, lo: int, hi: int, what: str, h: Any, fd: int | None = None) -> None:
+        """Bytes [lo, hi) of the file into ``dst`` (which starts at file offset ``base``), in
+        chunks; each chunk hashed into ``h`` right after it is read, when given."""
+        fd = self._thread_fd() if fd is None else fd
+        for a, b in _chunks(hi - lo):
+            buf, at = dst[lo - base + a : lo - base + b], lo + a
+            while len(buf):
+                got = os.preadv(fd, [buf], at)
+                if got <= 0:
+                    raise CheckpointError(f"{what}: {self.path} ends early (truncated)")
+                buf, at = buf[got:], at + got
+            if h is not None:
+                h.update(dst[lo - base + a : lo - base + b])

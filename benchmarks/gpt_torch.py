@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(1)
+    load_start = os.getloadavg()
     g = np.random.default_rng(0)
     x_all = g.integers(0, VOCAB, (c["batch"], c["t"]))
     y_all = g.integers(0, VOCAB, (c["batch"], c["t"]))
@@ -295,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"batch {c['batch']}; {size} ranks, {lib}, {torch_v}" + (" (--quick)" if args.quick else ""))
         emit(title, ["measurement", "hpctrain", "PyTorch", "ratio", "target"], rows, args.markdown,
              notes=[f"Medians of {c['rounds']} interleaved rounds of {c['steps']} steps, one thread per process; "
-                    "dp times are the slowest rank's. Exposed comm: seconds inside communication calls per step."])
+                    "dp times are the slowest rank's. Exposed comm: seconds inside communication calls per step. "
+                    f"Machine load average (1 min) {load_start[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
+                    f"end, on {os.cpu_count()} cores (above the rank count: other work shared the cores)."])
     return 0
 
 

@@ -54,7 +54,8 @@ class Traffic:
 
     def __init__(self) -> None:
         self.bytes = 0.0
-        self._rs, self._ag = sharded.ireduce_scatter, sharded.allgather
+        # Every sharded call goes through these two (allgather and PairTree's rounds call them).
+        self._rs, self._ag = sharded.ireduce_scatter, sharded.iallgather
 
     def __enter__(self) -> Traffic:
         def rs(comm, x, out, counts):
@@ -65,11 +66,11 @@ class Traffic:
             self.bytes += (out.nbytes - piece.nbytes)
             return self._ag(comm, piece, out, counts)
 
-        sharded.ireduce_scatter, sharded.allgather = rs, ag
+        sharded.ireduce_scatter, sharded.iallgather = rs, ag
         return self
 
     def __exit__(self, *exc) -> None:
-        sharded.ireduce_scatter, sharded.allgather = self._rs, self._ag
+        sharded.ireduce_scatter, sharded.iallgather = self._rs, self._ag
 
 
 def run(comm, layers, d, vocab, block, batch, zero, rec, steps):

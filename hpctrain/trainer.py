@@ -467,6 +467,7 @@ class Trainer:
         progress: bool | None = None,
         callbacks: Sequence[Any] = (),
         max_steps: int | None = None,
+        async_checkpoint: bool = False,
     ) -> list[StepStats]:
         """Train until ``epochs`` epochs are done over ``loader`` (collective).
 
@@ -493,6 +494,12 @@ class Trainer:
         ``max_steps``: stop once ``global_step`` reaches it (counted over the whole run, resumes
         included), even mid-epoch; the epochs stay an upper bound. The checkpoint written then
         records the position in the epoch, so a later ``fit`` with a larger bound goes on exactly.
+
+        ``async_checkpoint``: checkpoints are written in a background thread while training goes
+        on (``hpctrain.checkpoint.save(..., asynchronous=True)``); each save waits for the one
+        before it. The last checkpoint (end, ``max_steps``, preemption) is finished before ``fit``
+        returns or raises ``Preempted``, and a failed background write raises its
+        ``CheckpointError`` at the next save or there.
         """
         from . import checkpoint as ckpt
         from . import preempt
@@ -524,8 +531,8 @@ class Trainer:
         saved_at = self.global_step
         written: list[str] = []  # this call's checkpoints: the only ones it may delete
 
-        def save() -> str:
-            path = ckpt.save_in(checkpoint_dir, self, keep=0)
+        def save(last: bool = False) -> str:
+            path = ckpt.save_in(checkpoint_dir, self, keep=0, asynchronous=async_checkpoint and not last)
             if path not in written:
                 written.append(path)
             if keep > 0 and len(written) > keep:
@@ -566,7 +573,8 @@ class Trainer:
                     if stats.stop:
                         path = None
                         if checkpoint_dir is not None:
-                            path = written[-1] if saved_at == self.global_step and written else save()
+                            path = written[-1] if saved_at == self.global_step and written else save(last=True)
+                            ckpt.wait(self)  # a background save of this very step is on disk before we stop
                         raise Preempted(self.global_step, path, preempt.reason())
                     this_epoch += 1
                     if max_steps is not None and self.global_step >= max_steps:
@@ -581,7 +589,8 @@ class Trainer:
             if not capped:
                 self.epoch = max(self.epoch, epochs)
             if checkpoint_dir is not None and checkpoint_every and saved_at != self.global_step:
-                save()
+                save(last=True)
+            ckpt.wait(self)  # the last background save is committed before fit returns
         finally:
             hooks.call("on_fit_end", self)
         return history

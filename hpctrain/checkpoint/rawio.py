@@ -1,0 +1,218 @@
+"""Part files' bulk bytes moved with ``pwrite``/``preadv`` at known offsets, hashed on the way.
+
+A part file is an ordinary HDF5 file (plain h5py reads it) whose datasets are *contiguous*,
+unfiltered and allocated when created. h5py creates that skeleton (metadata only, a few
+milliseconds); the data bytes then go straight between the arrays and the file at each dataset's
+offset, in chunks, with XXH3 updated per chunk while the chunk is still in the CPU cache. These
+calls release the GIL (h5py holds it, and its own lock, for a whole read or write), so a
+background save leaves the training thread free, and loads read with several threads (reads from
+the page cache are memory copies that scale with cores; h5py reads with one).
+
+Reading goes through the raw path only for a dataset whose storage the reader has checked: a
+hard-linked dataset of the file itself, contiguous, no filters, no external storage, the declared
+shape and a native-byte-order dtype equal to the index's, and storage of exactly its size. Anything
+else (format 1 files, a part file someone rewrote with h5py options) is read by h5py as before;
+both paths verify the same checksum.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..errors import CheckpointError
+
+#: Bytes per ``pwrite``/``preadv`` call and per hash update (fits a core's L2 with room to spare
+#: for the page cache's copy; large enough that the per-call cost is noise).
+CHUNK = 1 << 20
+#: Bytes HDF5 sets aside for a part file's metadata at its start.
+META_BLOCK = 1 << 20
+#: Threads reading one slab (reads from the page cache are memory copies, which scale with cores).
+READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: A slab is split among the threads only in regions of at least this many bytes.
+REGION = 4 << 20
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def pool() -> ThreadPoolExecutor:
+    """The shared reader threads (made on first use; daemon-like: idle threads cost nothing)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hpctrain-ckpt-read")
+    return _pool
+
+
+def byte_view(a: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, no copy."""
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+
+
+def _chunks(n: int) -> Iterator[tuple[int, int]]:
+    for lo in range(0, n, CHUNK):
+        yield lo, min(n, lo + CHUNK)
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]:
+    """Write ``items`` (C-contiguous arrays) as contiguous datasets of a new file ``path``
+    (created exclusively: never overwrites or follows a link), fsync it; returns
+    ``{dataset: XXH3-64 hex digest}``."""
+    import h5py
+    from h5py import h5d, h5p
+
+    placed: list[tuple[str, np.ndarray, int | None]] = []
+    # All metadata in one block at the start (not between the data blocks: a cold open reads it
+    # in one go), large datasets page-aligned.
+    with h5py.File(path, "x", meta_block_size=META_BLOCK, alignment_threshold=64 << 10,
+                   alignment_interval=4096) as f:
+        for name, arr in items:
+            dcpl = h5p.create(h5p.DATASET_CREATE)
+            dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)  # the offset is known now, no fill written
+            dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
+            d = f.create_dataset(name, shape=arr.shape, dtype=arr.dtype, dcpl=dcpl)
+            offset = d.id.get_offset() if arr.size else None
+            if arr.size and offset is None:  # not contiguous storage (a scalar): tiny, through h5py
+                d.write_direct(arr)
+            placed.append((name, arr, offset))
+    digests: dict[str, str] = {}
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name, arr, offset in placed:
+            h = xxhash.xxh3_64()
+            src = byte_view(arr)
+            for lo, hi in _chunks(len(src)):
+                piece = src[lo:hi]
+                if offset is not None:
+                    _pwrite_all(fd, piece, offset + lo)
+                h.update(piece)
+            digests[name] = h.hexdigest()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return digests
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        if n <= 0:
+            raise OSError(f"short write at offset {offset}")
+        data, offset = data[n:], offset + n
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def raw_extent(dset: Any, shape: tuple, dtype: np.dtype) -> int | None:
+    """The file offset of ``dset``'s bytes if they may be read raw (see the module docstring),
+    else ``None`` (read it through h5py)."""
+    from h5py import h5d
+
+    try:
+        plist = dset.id.get_create_plist()
+        if plist.get_layout() != h5d.CONTIGUOUS or plist.get_nfilters() or plist.get_external_count():
+            return None
+        if tuple(dset.shape) != tuple(shape) or dset.dtype != dtype or not dset.dtype.isnative:
+            return None
+        if dset.dtype.hasobject or dset.dtype.fields is not None:
+            return None
+        offset = dset.id.get_offset()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if offset is None or dset.id.get_storage_size() != nbytes:
+            return None
+        return int(offset)
+    except Exception:  # anything odd about the object: h5py reads it (and says what is wrong)
+        return None
+
+
+class RawFile:
+    """One part file opened for raw reads (no symlink followed; the size known up front). Each
+    reading thread gets its own descriptor of the same file, so each keeps its own sequential
+    read-ahead from disk."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(self.fd)
+        self.size, self._id = st.st_size, (st.st_dev, st.st_ino)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        for fd in [self.fd, *self._fds.values()]:
+            if fd >= 0:
+                os.close(fd)
+        self.fd = -1
+        self._fds.clear()
+
+    def _thread_fd(self) -> int:
+        me = threading.get_ident()
+        with self._lock:
+            fd = self._fds.get(me)
+        if fd is None:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._id:  # replaced under us: read nothing of it
+                os.close(fd)
+                raise CheckpointError(f"{self.path} was replaced while it was being read")
+            with self._lock:
+                self._fds[me] = fd
+        return fd
+
+    def read_hashed(self, offset: int, out: np.ndarray, what: str) -> str:
+        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (C-contiguous); returns the
+        XXH3-64 digest of what was read.
+
+        A large slab is cut into one contiguous region per reader thread: this thread reads the
+        first, hashing each chunk while it is in the CPU cache, the pool threads read the others
+        meanwhile, and this thread hashes them in order once they are in."""
+        dst = byte_view(out)
+        n = len(dst)
+        if offset < 0 or offset + n > self.size:
+            raise CheckpointError(f"{what}: its bytes [{offset}, {offset + n}) lie beyond the end of "
+                                  f"{self.path} ({self.size} bytes): the file is truncated")
+        h = xxhash.xxh3_64()
+        k = max(1, min(READ_THREADS, n // REGION))
+        edges = [offset + (n * i // k) for i in range(k + 1)]
+        ex = pool() if k > 1 else None
+        futures = [ex.submit(self._read, dst, offset, lo, hi, what, None) for lo, hi in zip(edges[1:-1], edges[2:])] \
+            if ex is not None else []
+        try:
+            self._read(dst, offset, edges[0], edges[1], what, h, self.fd)
+            for (lo, hi), fut in zip(zip(edges[1:-1], edges[2:]), futures):
+                fut.result()
+                h.update(dst[lo - offset : hi - offset])
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            for fut in futures:
+                if not fut.cancelled():
+                    try:
+                        fut.result()
+                    except BaseException:
+                        pass
+            raise
+        return h.hexdigest()
+
+    def _read(self, dst: memoryview, base: int, lo: int, hi: int, what: str, h: Any, fd: int | None = None) -> None:
+        """Bytes [lo, hi) of the file into ``dst`` (which starts at file offset ``base``), in
+        chunks; each chunk hashed into ``h`` right after it is read, when given."""
+        fd = self._thread_fd() if fd is None else fd
+        for a, b in _chunks(hi - lo):
+            buf, at = dst[lo - base + a : lo - base + b], lo + a
+            while len(buf):
+                got = os.preadv(fd, [buf], at)
+                if got <= 0:
+                    raise CheckpointError(f"{what}: {self.path} ends early (truncated)")
+                buf, at = buf[got:], at + got
+            if h is not None:
+                h.update(dst[lo - base + a : lo - base + b])

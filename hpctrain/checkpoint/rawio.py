@@ -3,10 +3,13 @@
 A part file is an ordinary HDF5 file (plain h5py reads it) whose datasets are *contiguous*,
 unfiltered and allocated when created. h5py creates that skeleton (metadata only, a few
 milliseconds); the data bytes then go straight between the arrays and the file at each dataset's
-offset, in chunks, with XXH3 updated per chunk while the chunk is still in the CPU cache. These
-calls release the GIL (h5py holds it, and its own lock, for a whole read or write), so a
-background save leaves the training thread free, and loads read with several threads (reads from
-the page cache are memory copies that scale with cores; h5py reads with one).
+offset, and XXH3 (tens of GB/s) hashes each slab in one call. ``pwrite``, ``preadv`` and XXH3
+release the GIL (h5py holds it, and its own lock, for a whole read or write), and they are made
+with whole slabs (or one region per reader thread), not small chunks: every return from a call
+must take the GIL back, and a thread waiting for it waits up to the interpreter's switch
+interval (5 ms) while the training thread runs Python. So a background save leaves the training
+thread free, and loads read with several threads (reads from the page cache are memory copies
+that scale with cores; h5py reads with one).
 
 Reading goes through the raw path only for a dataset whose storage the reader has checked: a
 hard-linked dataset of the file itself, contiguous, no filters, no external storage, the declared
@@ -28,9 +31,8 @@ import xxhash
 
 from ..errors import CheckpointError
 
-#: Bytes per ``pwrite``/``preadv`` call and per hash update (fits a core's L2 with room to spare
-#: for the page cache's copy; large enough that the per-call cost is noise).
-CHUNK = 1 << 20
+#: Most bytes per ``pwrite``/``preadv`` call (Linux moves at most 2 GiB per call).
+CHUNK = 1 << 30
 #: Bytes HDF5 sets aside for a part file's metadata at its start.
 META_BLOCK = 1 << 20
 #: Threads reading one slab (reads from the page cache are memory copies, which scale with cores).
@@ -87,14 +89,11 @@ def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]
     fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         for name, arr, offset in placed:
-            h = xxhash.xxh3_64()
             src = byte_view(arr)
-            for lo, hi in _chunks(len(src)):
-                piece = src[lo:hi]
-                if offset is not None:
-                    _pwrite_all(fd, piece, offset + lo)
-                h.update(piece)
-            digests[name] = h.hexdigest()
+            if offset is not None:
+                for lo, hi in _chunks(len(src)):
+                    _pwrite_all(fd, src[lo:hi], offset + lo)
+            digests[name] = xxhash.xxh3_64_hexdigest(src)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -170,27 +169,21 @@ class RawFile:
 
     def read_hashed(self, offset: int, out: np.ndarray, what: str) -> str:
         """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (C-contiguous); returns the
-        XXH3-64 digest of what was read.
-
-        A large slab is cut into one contiguous region per reader thread: this thread reads the
-        first, hashing each chunk while it is in the CPU cache, the pool threads read the others
-        meanwhile, and this thread hashes them in order once they are in."""
+        XXH3-64 digest of what was read. A large slab is cut into one contiguous region per
+        reader thread (this thread reads the first)."""
         dst = byte_view(out)
         n = len(dst)
         if offset < 0 or offset + n > self.size:
             raise CheckpointError(f"{what}: its bytes [{offset}, {offset + n}) lie beyond the end of "
                                   f"{self.path} ({self.size} bytes): the file is truncated")
-        h = xxhash.xxh3_64()
         k = max(1, min(READ_THREADS, n // REGION))
-        edges = [offset + (n * i // k) for i in range(k + 1)]
-        ex = pool() if k > 1 else None
-        futures = [ex.submit(self._read, dst, offset, lo, hi, what, None) for lo, hi in zip(edges[1:-1], edges[2:])] \
-            if ex is not None else []
+        edges = [n * i // k for i in range(k + 1)]
+        spans = list(zip(edges[:-1], edges[1:]))
+        futures = [pool().submit(self._read, dst, offset, lo, hi, what) for lo, hi in spans[1:]]
         try:
-            self._read(dst, offset, edges[0], edges[1], what, h, self.fd)
-            for (lo, hi), fut in zip(zip(edges[1:-1], edges[2:]), futures):
+            self._read(dst, offset, *spans[0], what, self.fd)
+            for fut in futures:
                 fut.result()
-                h.update(dst[lo - offset : hi - offset])
         except BaseException:
             for fut in futures:
                 fut.cancel()
@@ -201,18 +194,15 @@ class RawFile:
                     except BaseException:
                         pass
             raise
-        return h.hexdigest()
+        return xxhash.xxh3_64_hexdigest(dst)
 
-    def _read(self, dst: memoryview, base: int, lo: int, hi: int, what: str, h: Any, fd: int | None = None) -> None:
-        """Bytes [lo, hi) of the file into ``dst`` (which starts at file offset ``base``), in
-        chunks; each chunk hashed into ``h`` right after it is read, when given."""
+    def _read(self, dst: memoryview, offset: int, lo: int, hi: int, what: str, fd: int | None = None) -> None:
+        """Bytes [lo, hi) of ``dst``, which holds the file's bytes from ``offset`` on."""
         fd = self._thread_fd() if fd is None else fd
         for a, b in _chunks(hi - lo):
-            buf, at = dst[lo - base + a : lo - base + b], lo + a
+            buf, at = dst[lo + a : lo + b], offset + lo + a
             while len(buf):
                 got = os.preadv(fd, [buf], at)
                 if got <= 0:
                     raise CheckpointError(f"{what}: {self.path} ends early (truncated)")
                 buf, at = buf[got:], at + got
-            if h is not None:
-                h.update(dst[lo - base + a : lo - base + b])

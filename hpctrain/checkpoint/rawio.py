@@ -5,11 +5,10 @@ unfiltered and allocated when created. h5py creates that skeleton (metadata only
 milliseconds); the data bytes then go straight between the arrays and the file at each dataset's
 offset, and XXH3 (tens of GB/s) hashes each slab in one call. ``pwrite``, ``preadv`` and XXH3
 release the GIL (h5py holds it, and its own lock, for a whole read or write), and they are made
-with whole slabs (or one region per reader thread), not small chunks: every return from a call
-must take the GIL back, and a thread waiting for it waits up to the interpreter's switch
-interval (5 ms) while the training thread runs Python. So a background save leaves the training
-thread free, and loads read with several threads (reads from the page cache are memory copies
-that scale with cores; h5py reads with one).
+with whole slabs, not small chunks: every return from a call must take the GIL back, and a
+thread waiting for it waits up to the interpreter's switch interval (5 ms) while the training
+thread runs Python. Whole pages are written by direct I/O (no copy into the page cache). So a
+background save leaves the training thread its GIL and most of its CPU.
 
 Reading goes through the raw path only for a dataset whose storage the reader has checked: a
 hard-linked dataset of the file itself, contiguous, no filters, no external storage, the declared
@@ -22,9 +21,7 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -36,22 +33,6 @@ from ..errors import CheckpointError
 CHUNK = 1 << 30
 #: Bytes HDF5 sets aside for a part file's metadata at its start.
 META_BLOCK = 1 << 20
-#: Threads reading one slab (reads from the page cache are memory copies, which scale with cores).
-READ_THREADS = max(1, min(4, os.cpu_count() or 1))
-#: A slab is split among the threads only in regions of at least this many bytes.
-REGION = 4 << 20
-
-_pool: ThreadPoolExecutor | None = None
-
-
-def pool() -> ThreadPoolExecutor:
-    """The shared reader threads (made on first use; daemon-like: idle threads cost nothing)."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hpctrain-ckpt-read")
-    return _pool
-
-
 def byte_view(a: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array, no copy."""
     return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
@@ -202,75 +183,34 @@ def raw_extent(dset: Any, shape: tuple, dtype: np.dtype) -> int | None:
 
 
 class RawFile:
-    """One part file opened for raw reads (no symlink followed; the size known up front). Each
-    reading thread gets its own descriptor of the same file, so each keeps its own sequential
-    read-ahead from disk."""
+    """One part file opened for raw reads (no symlink followed; the size known up front)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        st = os.fstat(self.fd)
-        self.size, self._id = st.st_size, (st.st_dev, st.st_ino)
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self.size = os.fstat(self.fd).st_size
 
     def close(self) -> None:
-        for fd in [self.fd, *self._fds.values()]:
-            if fd >= 0:
-                os.close(fd)
-        self.fd = -1
-        self._fds.clear()
-
-    def _thread_fd(self) -> int:
-        me = threading.get_ident()
-        with self._lock:
-            fd = self._fds.get(me)
-        if fd is None:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != self._id:  # replaced under us: read nothing of it
-                os.close(fd)
-                raise CheckpointError(f"{self.path} was replaced while it was being read")
-            with self._lock:
-                self._fds[me] = fd
-        return fd
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def read_hashed(self, offset: int, out: np.ndarray, what: str) -> str:
-        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (C-contiguous); returns the
-        XXH3-64 digest of what was read. A large slab is cut into one contiguous region per
-        reader thread (this thread reads the first)."""
+        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (C-contiguous) with one call;
+        returns the XXH3-64 digest of what was read. (One sequential read per slab, in file
+        order, keeps the kernel's read-ahead going from a cold cache; splitting a slab among
+        threads measured no faster warm, where the new arrays' page faults dominate, and
+        slower cold.)"""
         dst = byte_view(out)
         n = len(dst)
         if offset < 0 or offset + n > self.size:
             raise CheckpointError(f"{what}: its bytes [{offset}, {offset + n}) lie beyond the end of "
                                   f"{self.path} ({self.size} bytes): the file is truncated")
-        k = max(1, min(READ_THREADS, n // REGION))
-        edges = [n * i // k for i in range(k + 1)]
-        spans = list(zip(edges[:-1], edges[1:]))
-        futures = [pool().submit(self._read, dst, offset, lo, hi, what) for lo, hi in spans[1:]]
-        try:
-            self._read(dst, offset, *spans[0], what, self.fd)
-            for fut in futures:
-                fut.result()
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            for fut in futures:
-                if not fut.cancelled():
-                    try:
-                        fut.result()
-                    except BaseException:
-                        pass
-            raise
-        return xxhash.xxh3_64_hexdigest(dst)
-
-    def _read(self, dst: memoryview, offset: int, lo: int, hi: int, what: str, fd: int | None = None) -> None:
-        """Bytes [lo, hi) of ``dst``, which holds the file's bytes from ``offset`` on."""
-        fd = self._thread_fd() if fd is None else fd
-        for a, b in _chunks(hi - lo):
-            buf, at = dst[lo + a : lo + b], offset + lo + a
+        for lo, hi in _chunks(n):
+            buf, at = dst[lo:hi], offset + lo
             while len(buf):
-                got = os.preadv(fd, [buf], at)
+                got = os.preadv(self.fd, [buf], at)
                 if got <= 0:
                     raise CheckpointError(f"{what}: {self.path} ends early (truncated)")
                 buf, at = buf[got:], at + got
+        return xxhash.xxh3_64_hexdigest(dst)

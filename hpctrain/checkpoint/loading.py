@@ -400,6 +400,7 @@ def stage(path: str, trainer: Any, header: dict[str, Any]) -> tuple[dict[str, An
         for key in sorted(k for k in pieces if k in index):
             param, full_shape, idx = pieces[key]
             out = np.empty(fmt.local_shape(idx, full_shape), np.dtype(index[key]["dtype"]))
+            rawio.prefault(out)  # while the reader thread reads the previous slab
             reader.fill(key, out, idx, defer=True)
             outs.append((key, param, out))
         reader.finish()

@@ -214,3 +214,31 @@ class RawFile:
                     raise CheckpointError(f"{what}: {self.path} ends early (truncated)")
                 buf, at = buf[got:], at + got
         return xxhash.xxh3_64_hexdigest(dst)
+
+
+_madvise: Any = None
+
+
+def prefault(a: np.ndarray) -> None:
+    """Fault in a new array's pages now (``MADV_POPULATE_WRITE``, Linux 5.14+; the GIL is
+    released), so a read into it that a reader thread is about to do copies instead of faulting.
+    The loading thread does this for the next slab while the reader thread reads the previous
+    one: the kernel's zeroing of new pages, the main cost of reading into new arrays from a warm
+    page cache, runs on a second core. Advice only: nothing happens where it is not supported."""
+    global _madvise
+    if a.nbytes < (1 << 20):
+        return
+    if _madvise is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _madvise = fn
+        except (OSError, AttributeError):
+            _madvise = False
+    if not _madvise:
+        return
+    start = a.ctypes.data // ALIGN * ALIGN
+    if _madvise(start, a.ctypes.data + a.nbytes - start, 23) != 0:  # 23: MADV_POPULATE_WRITE
+        _madvise = False  # an older kernel: do not ask again

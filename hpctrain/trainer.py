@@ -40,6 +40,7 @@ import numpy as np
 
 from .comm import Communicator
 from .log import get_logger
+from .optim.exactsum import digits_value, sumsq_digits
 
 _log = get_logger("trainer")
 
@@ -120,6 +121,9 @@ class Trainer:
     reducer: Any = None
     clip_norm: float | None = None
     microbatches: int = 1
+    #: Clip by the exactly rounded global norm (``optim.exactsum``; identical on every rank):
+    #: strategies set it where all gradients are float64.
+    exact_norm: bool = False
 
     def __init__(
         self,
@@ -247,7 +251,7 @@ class Trainer:
             loss_part, extra, fb_comm = self._forward_backward(batch)
             comm_s += fb_comm + self.reducer.finish()
             t0 = time.perf_counter()
-            sumsq, bad = 0.0, False
+            sumsq, bad, counted = 0.0, False, []
             for p, g in self.reducer.counted_grads():
                 if self._tp_rank and id(p) in self._tp_replicated:
                     continue  # replicated over tp: tp rank 0 counts it
@@ -255,14 +259,22 @@ class Trainer:
                 sq = float(g64 @ g64)
                 bad = bad or not math.isfinite(sq)
                 sumsq += sq
+                counted.append(g)
             loss_part = float(loss_part) if self._loss_lead else 0.0
             bad = bad or not math.isfinite(loss_part)
+            # Clipping float64 gradients: the exactly rounded norm, the same whatever the layout
+            # cuts the gradients into (optim.exactsum), so every layout scales by the same factor.
+            exact = self.clip_norm is not None and self.exact_norm
+            digits = list(sumsq_digits([] if bad else counted)) if exact else []
+            reduce_extra = list(extra.pop("_reduce", []))
             mine = np.array([loss_part, 0.0 if bad else sumsq, float(bad), float(preempt.requested())]
-                            + list(extra.pop("_reduce", [])))  # fmt: skip
+                            + reduce_extra + digits)  # fmt: skip
             totals = self.comm.allreduce(mine, op="sum")
             comm_s += time.perf_counter() - t0
             loss, sumsq, n_bad, stop = (float(v) for v in totals[:4])
-            extra = self._finish_extra(extra, totals[4:])
+            if exact and not n_bad:
+                sumsq = digits_value(totals[4 + len(reduce_extra) :])
+            extra = self._finish_extra(extra, totals[4 : 4 + len(reduce_extra)])
             if n_bad and self.on_nonfinite == "raise":
                 raise_nonfinite(self.comm, loss_part if self._loss_lead else 0.0, self.params)
         except BaseException:
@@ -455,6 +467,7 @@ class Trainer:
         progress: bool | None = None,
         callbacks: Sequence[Any] = (),
         max_steps: int | None = None,
+        async_checkpoint: bool = False,
     ) -> list[StepStats]:
         """Train until ``epochs`` epochs are done over ``loader`` (collective).
 
@@ -481,6 +494,12 @@ class Trainer:
         ``max_steps``: stop once ``global_step`` reaches it (counted over the whole run, resumes
         included), even mid-epoch; the epochs stay an upper bound. The checkpoint written then
         records the position in the epoch, so a later ``fit`` with a larger bound goes on exactly.
+
+        ``async_checkpoint``: checkpoints are written in a background thread while training goes
+        on (``hpctrain.checkpoint.save(..., asynchronous=True)``); each save waits for the one
+        before it. The last checkpoint (end, ``max_steps``, preemption) is finished before ``fit``
+        returns or raises ``Preempted``, and a failed background write raises its
+        ``CheckpointError`` at the next save or there.
         """
         from . import checkpoint as ckpt
         from . import preempt
@@ -512,8 +531,8 @@ class Trainer:
         saved_at = self.global_step
         written: list[str] = []  # this call's checkpoints: the only ones it may delete
 
-        def save() -> str:
-            path = ckpt.save_in(checkpoint_dir, self, keep=0)
+        def save(last: bool = False) -> str:
+            path = ckpt.save_in(checkpoint_dir, self, keep=0, asynchronous=async_checkpoint and not last)
             if path not in written:
                 written.append(path)
             if keep > 0 and len(written) > keep:
@@ -554,7 +573,8 @@ class Trainer:
                     if stats.stop:
                         path = None
                         if checkpoint_dir is not None:
-                            path = written[-1] if saved_at == self.global_step and written else save()
+                            path = written[-1] if saved_at == self.global_step and written else save(last=True)
+                            ckpt.wait(self)  # a background save of this very step is on disk before we stop
                         raise Preempted(self.global_step, path, preempt.reason())
                     this_epoch += 1
                     if max_steps is not None and self.global_step >= max_steps:
@@ -569,7 +589,8 @@ class Trainer:
             if not capped:
                 self.epoch = max(self.epoch, epochs)
             if checkpoint_dir is not None and checkpoint_every and saved_at != self.global_step:
-                save()
+                save(last=True)
+            ckpt.wait(self)  # the last background save is committed before fit returns
         finally:
             hooks.call("on_fit_end", self)
         return history

@@ -246,12 +246,13 @@ CHILD = textwrap.dedent(
     t = ShardTrainer(Communicator(), steps=1)
     checkpoint.save({path!r}, t)
     print("first saved", flush=True)
-    from hpctrain.checkpoint import format as fmt
-    real = fmt.digest
-    def slow(a):
-        time.sleep(0.2)
-        return real(a)
-    fmt.digest = slow  # each slab's checksum is taken as it is written: slow writes
+    from hpctrain.checkpoint import saving
+    real = saving.write_part
+    def slow(path, items):
+        out = real(path, items)
+        time.sleep(10)  # the part file is written, the index not yet: the kill lands here
+        return out
+    saving.write_part = slow
     t.fake_step(1)
     print("saving", flush=True)
     checkpoint.save({path!r}, t)
@@ -272,7 +273,7 @@ def test_kill_mid_save_leaves_previous_checkpoint(comm, tmp_path):
     try:
         assert proc.stdout.readline().strip() == "first saved"
         assert proc.stdout.readline().strip() == "saving"
-        time.sleep(0.5)  # inside the slowed piece loop: the temporary file is half written
+        time.sleep(1.0)  # the part file written, the save not committed
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:

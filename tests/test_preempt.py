@@ -61,8 +61,11 @@ def _dir(comm, tmp_path) -> str:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("every", "at"), [(None, 6), (4, 6), (4, 7), (5, "epoch end")])
-def test_stop_on_one_rank_checkpoints_that_step_everywhere_and_resume_is_exact(comm, tmp_path, every, at):
+@pytest.mark.parametrize(("every", "at", "background"),
+                         [(None, 6, False), (4, 6, False), (4, 7, False), (5, "epoch end", False), (4, 7, True)])
+def test_stop_on_one_rank_checkpoints_that_step_everywhere_and_resume_is_exact(comm, tmp_path, every, at, background):
+    """(4, 7, True): asynchronous checkpoints, the stop step's own periodic save still in the
+    background when the stop is agreed: it is committed before Preempted is raised."""
     d = _dir(comm, tmp_path)
     model, trainer, loader = make(comm)
     trainer.fit(loader, epochs=3, log_every=1000, progress=False)
@@ -73,15 +76,18 @@ def test_stop_on_one_rank_checkpoints_that_step_everywhere_and_resume_is_exact(c
         at = 2 * len(loader) - 1
     asking = AskToStop(loader, trainer, at=at, rank=comm.size - 1)  # the last rank only
     with pytest.raises(Preempted) as stop:
-        trainer.fit(asking, epochs=3, checkpoint_dir=d, checkpoint_every=every, log_every=1000, progress=False)
+        trainer.fit(asking, epochs=3, checkpoint_dir=d, checkpoint_every=every, log_every=1000, progress=False,
+                    async_checkpoint=background)
     # The request came before step at+1 ran: every rank finishes that step and stops there.
     assert trainer.global_step == at + 1 and stop.value.step == at + 1
     assert stop.value.checkpoint == ckpt.checkpoint_path(d, at + 1) and os.path.exists(stop.value.checkpoint)
     assert stop.value.exit_status == ExitStatus.PREEMPTED == 75
     preempt.clear()
 
+    assert ckpt.list_checkpoints(d)[-1] == stop.value.checkpoint
     model, trainer, loader = make(comm)
-    trainer.fit(loader, epochs=3, checkpoint_dir=d, checkpoint_every=every, log_every=1000, progress=False)
+    trainer.fit(loader, epochs=3, checkpoint_dir=d, checkpoint_every=every, log_every=1000, progress=False,
+                async_checkpoint=background)
     for n, p in model.named_parameters():
         assert np.array_equal(p.data, ref[n]), n  # bitwise where the uninterrupted run ends
 

@@ -199,3 +199,32 @@ def test_eval_every_under_any_layout(comm, shared_dir, extra):
         # The full weights gathered from the shards evaluate like the final checkpoint does.
         assert rows[-1]["val_loss"] == pytest.approx(s["val_loss"], rel=1e-5)
     comm.barrier()
+
+
+def test_async_checkpoint_flag_writes_in_the_background(solo, tmp_path, monkeypatch):
+    """--async-checkpoint (TOML async_checkpoint): the periodic saves return after the snapshot
+    and are written by a background thread; the last one is committed before the job ends."""
+    from hpctrain import checkpoint
+
+    toml = tmp_path / "run.toml"
+    toml.write_text("async-checkpoint = true\n")
+    assert merge(read_config(str(toml)), {}).async_checkpoint is True
+    real = checkpoint.save
+    calls: list[tuple[int, bool, bool]] = []  # (step, asynchronous, a writer thread started)
+
+    def spy(path, trainer, *, asynchronous=False, after=None):
+        out = real(path, trainer, asynchronous=asynchronous, after=after)
+        job = getattr(trainer, "_checkpoint_job", None)
+        calls.append((trainer.global_step, asynchronous, job is not None and job.thread is not None))
+        return out
+
+    monkeypatch.setattr(checkpoint, "save", spy)
+    s = job(solo, tmp_path, "async", checkpoint_every=2, async_checkpoint=True)
+    assert calls == [(2, True, True), (4, True, True), (6, True, True), (8, True, True)]
+    # ... and the last one (step 8) was committed before the job ended:
+    ckpts = checkpoint.list_checkpoints(os.path.join(str(tmp_path), "async", "checkpoints"))
+    assert [os.path.basename(p) for p in ckpts] == ["ckpt-00000004.h5", "ckpt-00000006.h5", "ckpt-00000008.h5"]
+    calls.clear()
+    b = job(solo, tmp_path, "blocking", checkpoint_every=2)
+    assert calls and not any(a for _, a, _ in calls)
+    assert [m["loss"] for m in metrics(s)] == [m["loss"] for m in metrics(b)]  # same training either way

@@ -20,7 +20,7 @@ from ..errors import CheckpointError
 from ..log import get_logger
 from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
 from .loading import load, load_weights, read_header
-from .saving import remove, save, wait
+from .saving import busy, remove, save, wait
 from .summary import inspect, verify
 
 __all__ = [
@@ -63,6 +63,8 @@ def _remove_orphans(directory: str) -> None:
         except Exception:  # unreadable: keep whatever it might refer to
             return
     for n in os.listdir(directory):
+        if busy(os.path.join(directory, n)):  # a background save is writing it
+            continue
         if n.endswith(PARTS_SUFFIX) and _NAME.fullmatch(n.split(".h5.", 1)[0] + ".h5") and n not in used:
             shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
 

@@ -29,17 +29,15 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from .. import __version__
 from ..backend import to_host
 from ..errors import CheckpointError
 from . import format as fmt
+from . import rawio
 
 #: Pieces held by several ranks are split among them when at least this large.
 SPLIT_BYTES = 1 << 20
-#: Slabs larger than this are written (and checksummed) in blocks of rows.
-WRITE_BLOCK = 4 << 20
 
 
 # -- what this rank holds --------------------------------------------------------------------
@@ -136,35 +134,6 @@ def fsync_dir(path: str) -> None:
     fsync_file(os.path.dirname(os.path.abspath(path)) or ".")
 
 
-def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]:
-    """Write ``items`` as datasets of a new file ``path`` (never overwrites), fsync it; returns
-    ``{dataset: checksum}``."""
-    import h5py
-
-    digests: dict[str, str] = {}
-    with h5py.File(path, "x") as f:
-        for name, arr in items:
-            arr = np.ascontiguousarray(arr)
-            d = f.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
-            if arr.ndim and arr.nbytes > WRITE_BLOCK:
-                # In blocks of rows: h5py holds the GIL for a whole write, and a background save
-                # must leave the training thread room to run. XXH3 streams to the same digest.
-                h = xxhash.xxh3_64()
-                step = max(1, WRITE_BLOCK // max(1, arr[0].nbytes))
-                for lo in range(0, arr.shape[0], step):
-                    block = arr[lo : lo + step]
-                    d.write_direct(block, dest_sel=np.s_[lo : lo + len(block)])
-                    h.update(fmt.as_bytes(block))
-                digests[name] = h.hexdigest()
-            else:
-                digests[name] = fmt.digest(arr)
-                if arr.size:
-                    d.write_direct(arr)
-            d.attrs[fmt.CHECKSUM] = digests[name]
-    fsync_file(path)
-    return digests
-
-
 class Job:
     """One save: what this rank writes and what rank 0 needs to finish it."""
 
@@ -181,6 +150,16 @@ class Job:
         self.result: str | None = None
         self.thread: threading.Thread | None = None
         self.written: Any = None
+        self.everyone: list[Any] | None = None
+        self.previous: Job | None = None  # rank 0: an earlier job whose commit this job's thread runs
+
+    def run(self) -> None:
+        """The background thread: commit the previous save (rank 0), then write this rank's part."""
+        try:
+            if self.previous is not None:
+                self.previous.commit()
+        finally:
+            self.write()
 
     def write(self) -> None:
         """Write this rank's part file (no communication: safe in a background thread, where an
@@ -192,32 +171,55 @@ class Job:
                 mine = write_part(os.path.join(self.parts_path, fmt.part_file(self.comm.rank)), self.items)
         except BaseException as exc:
             mine = ("error", f"rank {self.comm.rank}: {why(exc)}")
-        self.items = []  # the snapshot is on disk (or lost): free it now
+        self.items = []  # the snapshot is on disk (or lost); its buffers stay with the trainer
         self.written = mine
 
-    def finish(self) -> None:
-        """Agree on the parts and (rank 0) commit the index (collective, on the private
-        communicator). Every rank takes part in both exchanges whatever failed."""
-        everyone = self.raw.gather(self.written, root=0)
-        error = None
+    def gather(self) -> None:
+        """Collect every rank's written digests (or errors) on rank 0 (collective, on the
+        private communicator; every rank takes part whatever failed)."""
+        self._collected(self.raw.gather(self.written, root=0))
+
+    def exchange(self, older: str | None) -> str | None:
+        """:meth:`gather` that also shares rank 0's ``older`` (the outcome of the commit its
+        writer thread ran) with every rank: one allgather for both."""
+        everyone = self.raw.allgather((self.written, older))
+        self._collected([w for w, _ in everyone])
+        if self.raw.Get_rank() != 0:
+            _IN_FLIGHT.discard(self.parts_path)  # rank 0 commits (and cleans) it
+        return everyone[0][1]
+
+    def _collected(self, everyone: list[Any] | None) -> None:
         if self.raw.Get_rank() == 0:
             errors = [m[1] for m in everyone if isinstance(m, tuple)]
             if errors:
-                error = f"cannot write checkpoint {self.path}: " + "; ".join(errors[:4])
-            else:
-                try:
-                    self._commit(everyone)
-                except BaseException as exc:
-                    error = f"cannot write checkpoint {self.path}: {why(exc)}"
-            if error is not None:
-                shutil.rmtree(self.parts_path, ignore_errors=True)
-            elif self.after is not None:
-                try:
-                    self.after()
-                except Exception as exc:  # the checkpoint is safe; cleaning older ones failed
-                    error = f"checkpoint {self.path} written, but removing older ones failed: {why(exc)}"
-        self.error = self.raw.bcast(error, root=0)
+                self.error = f"cannot write checkpoint {self.path}: " + "; ".join(errors[:4])
+            self.everyone = everyone
         self.result = self.path
+
+    def commit(self) -> None:
+        """Rank 0: write the index (the commit) and run ``after``; on failure remove the parts.
+        No communication: may run in rank 0's background thread. Sets ``error``."""
+        if self.error is None:
+            try:
+                self._commit(self.everyone)
+            except BaseException as exc:
+                self.error = f"cannot write checkpoint {self.path}: {why(exc)}"
+        if self.error is not None:
+            shutil.rmtree(self.parts_path, ignore_errors=True)
+        elif self.after is not None:
+            try:
+                self.after()
+            except Exception as exc:  # the checkpoint is safe; cleaning older ones failed
+                self.error = f"checkpoint {self.path} written, but removing older ones failed: {why(exc)}"
+        self.everyone = None
+        _IN_FLIGHT.discard(self.parts_path)
+
+    def finish(self) -> None:
+        """Agree on the parts, commit (rank 0) and share the outcome (collective)."""
+        self.gather()
+        if self.raw.Get_rank() == 0:
+            self.commit()
+        self.error = self.raw.bcast(self.error, root=0)
 
     def _commit(self, everyone: list[Any]) -> None:
         import h5py
@@ -272,7 +274,8 @@ def _virtual(f: Any, key: str, entry: dict[str, Any], parts: str) -> None:
 
 
 def remove_parts(path: str, keep: str | None = None) -> None:
-    """Remove the part directories of the checkpoint ``path`` (all but ``keep``)."""
+    """Remove the part directories of the checkpoint ``path`` (all but ``keep`` and those a
+    background save of this process is writing)."""
     d = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path) + "."
     try:
@@ -280,8 +283,23 @@ def remove_parts(path: str, keep: str | None = None) -> None:
     except OSError:
         return
     for n in names:
-        if n.startswith(base) and n.endswith(fmt.PARTS_SUFFIX) and n != keep:
+        if n.startswith(base) and n.endswith(fmt.PARTS_SUFFIX) and n != keep and not busy(os.path.join(d, n)):
             shutil.rmtree(os.path.join(d, n), ignore_errors=True)
+
+
+#: Part directories (absolute paths) that background saves of this process are writing: cleaning
+#: (``keep=``, orphans) runs in rank 0's writer thread while the next save is written.
+_IN_FLIGHT: set[str] = set()
+
+
+def busy(parts_path: str) -> bool:
+    """Whether a background save of this process is writing ``parts_path``."""
+    return os.path.abspath(parts_path) in _IN_FLIGHT
+
+
+def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]:
+    """Write this rank's part file (see :func:`.rawio.write_part`); ``{dataset: checksum}``."""
+    return rawio.write_part(path, items)
 
 
 def remove(path: str) -> None:
@@ -304,31 +322,81 @@ def ckpt_comm(comm: Any) -> Any:
     return raw
 
 
+def _join(job: Job) -> str | None:
+    """Join ``job``'s writer thread and exchange what every rank wrote (collective). Returns the
+    agreed failure of the save whose commit that thread ran (rank 0's), if any."""
+    if job.thread is not None:
+        job.thread.join()
+        job.thread = None
+    older = job.previous.error if job.previous is not None else None
+    job.previous = None
+    return job.exchange(older)
+
+
 def wait(trainer: Any) -> str | None:
-    """Finish ``trainer``'s background save, if any (collective: joins the writer thread, then
-    the ranks agree and rank 0 commits the index); returns its path, or raises its
-    ``CheckpointError`` on every rank. The waits are not watched by the stall watchdog."""
+    """Finish ``trainer``'s background saves, if any (collective: joins the writer thread, the
+    ranks agree, rank 0 commits the index); returns the path, or raises the ``CheckpointError``
+    of a failed one on every rank. The waits are not watched by the stall watchdog."""
     job: Job | None = getattr(trainer, "_checkpoint_job", None)
     if job is None:
         return None
     trainer._checkpoint_job = None
-    if job.thread is not None:
-        job.thread.join()
-    job.finish()
+    older = _join(job)
+    if job.raw.Get_rank() == 0:
+        job.commit()
+    job.error = job.raw.bcast(job.error, root=0)
+    if older:
+        raise CheckpointError(older)
     if job.error:
         raise CheckpointError(job.error)
     return job.result
+
+
+def _handover(trainer: Any) -> Job | None:
+    """For an asynchronous save: finish the previous one's writing (join, agree) and return it
+    on rank 0, whose next writer thread commits it; ``None`` elsewhere or when there is none."""
+    prev: Job | None = getattr(trainer, "_checkpoint_job", None)
+    if prev is None:
+        return None
+    trainer._checkpoint_job = None
+    older = _join(prev)
+    if older:  # an earlier commit failed: finish this one now, then report that failure
+        if prev.raw.Get_rank() == 0:
+            prev.commit()
+        prev.raw.bcast(None, root=0)
+        raise CheckpointError(older)
+    return prev if prev.raw.Get_rank() == 0 else None
+
+
+def _snapshot(trainer: Any, name: str, data: Any) -> np.ndarray:
+    """A host copy of ``data`` that the next steps cannot change, in a buffer kept on the
+    trainer across saves (allocated once: first-touch page faults cost more than the copy)."""
+    host = to_host(data)
+    if not (isinstance(data, np.ndarray) and np.may_share_memory(host, data)):
+        return np.ascontiguousarray(host)  # already a fresh copy (from a device)
+    buffers = trainer.__dict__.setdefault("_checkpoint_buffers", {})
+    buf = buffers.get(name)
+    if buf is None or buf.shape != host.shape or buf.dtype != host.dtype:
+        buf = buffers[name] = rawio.aligned_empty(host.shape, host.dtype)  # page-aligned: written by DMA
+    np.copyto(buf, host)
+    return buf
 
 
 def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable[[], None] | None = None) -> str:
     """Write ``trainer``'s whole state to ``path`` (collective: every rank of the job calls it).
 
     Returns the path. The previous file at ``path`` (if any) is replaced only once the new one is
-    complete on disk. With ``asynchronous=True`` the call returns after a host snapshot and the
-    files are written in the background; :func:`wait` (or the next save or load) waits for them
-    and raises a failure there. ``after`` runs on rank 0 once the checkpoint is committed.
+    complete on disk. ``after`` runs on rank 0 once the checkpoint is committed.
+
+    With ``asynchronous=True`` the call returns after a host snapshot of this rank's slabs (into
+    buffers the trainer keeps for the next save) and a background thread writes them. The next
+    save joins that thread and agrees on what was written (one small exchange); rank 0's next
+    writer thread then commits it, so the checkpoint appears on disk during the following save's
+    writing. :func:`wait` (also called by a blocking save and by load) finishes everything now.
+    A failure is raised, on every rank, by the call that agrees on it.
     """
-    wait(trainer)
+    if not asynchronous:
+        wait(trainer)
     comm = trainer.comm
     raw = ckpt_comm(comm)
     from ..comm.validate import raise_if_any
@@ -362,13 +430,18 @@ def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable
         state_json, problem = "", problem or CheckpointError(f"state_dict(): {type(exc).__name__}: {exc}")
     raise_if_any(comm, problem, what=f"cannot save checkpoint {path}")
     attrs["trainer_state"] = state_json
-    everyone = comm.allgather_obj(meta)
-    shapes, slabs = make_plan(everyone)
+    everyone = comm.allgather_obj((os.path.abspath(path), meta))
+    paths = sorted({p for p, _ in everyone})
+    if len(paths) > 1:  # e.g. asynchronous workers stopping at different steps: never half a checkpoint
+        raise CheckpointError(f"cannot save checkpoint: the ranks name different files ({', '.join(paths[:4])})")
+    shapes, slabs = make_plan([m for _, m in everyone])
     token = comm.bcast_obj(f"{time.time_ns():x}{uuid.uuid4().hex[:6]}" if comm.rank == 0 else None)
 
     job = Job(path, comm, raw, token)
     job.attrs, job.state_arrays, job.after = attrs, extra, after
     job.attrs["parts"] = job.parts
+    # The previous background save's snapshot buffers are reused below: its writing must be done.
+    previous = _handover(trainer) if asynchronous else None
     views = {k: fmt.boxes(idx, full) for k, (_, full, idx) in pieces.items()}
     try:
         for key in sorted(slabs):
@@ -380,15 +453,23 @@ def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable
                 if writer != comm.rank:
                     continue
                 src_box, view = next((b, v) for b, v in views[key] if fmt.intersect(b, box) == box)
-                data = to_host(view(pieces[key][0]))[fmt.rel(box, src_box)]
+                data = view(pieces[key][0])[fmt.rel(box, src_box)]
                 # A background save must not see the next step's updates: copy now.
-                job.items.append((name, np.array(data, copy=True) if asynchronous else data))
+                job.items.append((name, _snapshot(trainer, name, data) if asynchronous
+                                  else np.ascontiguousarray(to_host(data))))
     except Exception as exc:
         job.items = []
         job.error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
-    raise_if_any(comm, job.error, what=f"cannot save checkpoint {path}")
+    try:
+        raise_if_any(comm, job.error, what=f"cannot save checkpoint {path}")
+    except BaseException:
+        if previous is not None:  # not lost: committed now (its outcome is logged by commit's caller)
+            previous.commit()
+        raise
     if asynchronous:
-        job.thread = threading.Thread(target=job.write, name="hpctrain-checkpoint", daemon=False)
+        job.previous = previous
+        _IN_FLIGHT.add(job.parts_path)
+        job.thread = threading.Thread(target=job.run, name="hpctrain-checkpoint", daemon=False)
         trainer._checkpoint_job = job
         job.thread.start()
         return path

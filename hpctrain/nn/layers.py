@@ -13,6 +13,42 @@ from .module import Module, Parameter, as_rng
 _GELU_C = float(np.sqrt(2.0 / np.pi))
 
 
+_ONES: dict[tuple, Any] = {}
+
+
+def row_ones(n: int, dtype: Any, xp: Any) -> Any:
+    """A cached vector of ``n`` ones of ``dtype`` (module ``xp``): sums along an axis as a
+    matrix-vector product go through BLAS, several times faster than NumPy's reduction along a
+    short axis."""
+    key = (n, np.dtype(dtype), xp.__name__)
+    ones = _ONES.get(key)
+    if ones is None:
+        if len(_ONES) > 32:
+            _ONES.clear()
+        ones = _ONES[key] = xp.ones(n, dtype=dtype)
+    return ones
+
+
+#: Elements per chunk of the elementwise layers on NumPy: a few arrays of this size stay in a
+#: core's L2 cache while several passes run over them (one pass over arrays in L3 or memory each
+#: time costs up to twice as much).
+CHUNK = 1 << 17
+
+
+def row_chunks(xp: Any, *arrays: Any) -> Any:
+    """Yield tuples of matching row slices of ``arrays`` (same shape; viewed as 2-D over the last
+    axis) of about ``CHUNK`` elements each; on another array module (CuPy) the whole arrays at once,
+    as one kernel per pass is what a GPU wants."""
+    if xp is not np or arrays[0].size <= CHUNK:
+        yield arrays
+        return
+    cols = arrays[0].shape[-1] if arrays[0].ndim else 1
+    flat = [a.reshape(-1, cols) for a in arrays]
+    rows = max(1, CHUNK // max(cols, 1))
+    for s in range(0, flat[0].shape[0], rows):
+        yield tuple(f[s : s + rows] for f in flat)
+
+
 class Linear(Module):
     """``y = x @ weight + bias`` with ``weight`` of shape ``(d_in, d_out)``.
 
@@ -58,8 +94,9 @@ class Linear(Module):
         g2 = grad_out.reshape(-1, self.d_out)
         gw = buf.get("gw", w.shape, np.result_type(x.dtype, grad_out.dtype), xp)
         self.weight.grad += xp.matmul(x2.T, g2, out=gw)  # x2.T is a view: BLAS reads it transposed
-        if self.bias is not None:
-            self.bias.grad += xp.sum(g2, axis=0, out=buf.get("gb", (self.d_out,), gw.dtype, xp))
+        if self.bias is not None:  # the column sums as a vector-matrix product (BLAS)
+            ones = row_ones(g2.shape[0], g2.dtype, xp)
+            self.bias.grad += xp.matmul(ones, g2, out=buf.get("gb", (self.d_out,), gw.dtype, xp))
         gx = buf.get("gx", (*grad_out.shape[:-1], self.d_in), np.result_type(grad_out.dtype, w.dtype), xp)
         xp.matmul(g2, w.T, out=gx.reshape(-1, self.d_in))
         return gx
@@ -96,42 +133,42 @@ class GELU(Module):
     def forward(self, x: Any) -> Any:
         xp = xp_of(x)
         buf = self._scratch()
-        # In place, in the operation order of 0.5 x (1 + tanh(c (x + 0.044715 x^3))): the result is
-        # bitwise the formula's (scaling by 0.5 is exact), without its five temporaries.
         t = buf.like("t", x)
-        xp.multiply(x, x, out=t)
-        t *= x
-        t *= 0.044715
-        t += x
-        t *= _GELU_C
-        xp.tanh(t, out=t)
-        self.cache = (x, t)
         y = buf.like("y", x)
-        xp.add(t, 1.0, out=y)
-        y *= x
-        y *= 0.5
+        # In place and in row chunks that stay in the core's cache while the eight passes run
+        # over them: tanh(x (c + 0.044715 c x^2)), then 0.5 x (1 + t).
+        for xs, ts, ys in row_chunks(xp, x, t, y):
+            xp.multiply(xs, xs, out=ts)
+            ts *= 0.044715 * _GELU_C
+            ts += _GELU_C
+            ts *= xs
+            xp.tanh(ts, out=ts)
+            xp.add(ts, 1.0, out=ys)
+            ys *= xs
+            ys *= 0.5
+        self.cache = (x, t)
         return y
 
     def backward(self, grad_out: Any) -> Any:
         x, t = self.cache
         xp = xp_of(x)
         buf = self._scratch()
-        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2), in two reused buffers.
+        # d/dx = 0.5 ((1 + t) + x (1 - t^2) c (1 + 3 * 0.044715 x^2)), by row chunks as forward.
         a = buf.get("gx", x.shape, np.result_type(x.dtype, grad_out.dtype), xp)
-        b = buf.like("tmp", x)
-        xp.multiply(x, x, out=a)
-        a *= 0.134145
-        a += 1.0
-        a *= _GELU_C
-        xp.multiply(t, t, out=b)
-        xp.subtract(1.0, b, out=b)
-        a *= b  # dt
-        a *= x
-        a *= 0.5
-        xp.add(t, 1.0, out=b)
-        b *= 0.5
-        a += b
-        a *= grad_out
+        for xs, ts, gs, ys in row_chunks(xp, x, t, grad_out, a):
+            b = buf.get("tmp", xs.shape, x.dtype, xp)
+            xp.multiply(xs, xs, out=ys)
+            ys *= 0.134145 * _GELU_C
+            ys += _GELU_C
+            xp.multiply(ts, ts, out=b)
+            xp.subtract(1.0, b, out=b)
+            ys *= b
+            ys *= xs
+            ys += ts
+            ys += 1.0
+            ys *= 0.5
+            ys *= gs
+            del b
         return a
 
 
@@ -179,18 +216,25 @@ class LayerNorm(Module):
             raise ValueError(f"LayerNorm({self.d}) got input of shape {x.shape}")
         xp = xp_of(x)
         buf = self._scratch()
-        row = (*x.shape[:-1], 1)
-        # The reference's operations in its order, each into a reused buffer (bitwise equal).
-        mu = xp.mean(x, axis=-1, keepdims=True, out=buf.get("mu", row, x.dtype, xp))
+        d = self.d
+        x2 = x.reshape(-1, d)
+        n = x2.shape[0]
+        ones = row_ones(d, x.dtype, xp)
+        # Row sums as matrix-vector products (BLAS; a reduction along a short last axis is several
+        # times slower), everything else in place in reused buffers.
+        mu = xp.matmul(x2, ones, out=buf.get("mu", (n,), x.dtype, xp))
+        mu /= d
         xhat = buf.like("xhat", x)
-        xp.subtract(x, mu, out=xhat)
-        sq = buf.like("sq", x)
-        xp.multiply(xhat, xhat, out=sq)
-        var = xp.mean(sq, axis=-1, keepdims=True, out=buf.get("var", row, x.dtype, xp))
+        xh2 = xhat.reshape(-1, d)
+        xp.subtract(x2, mu[:, None], out=xh2)
+        sq = buf.like("sq", x).reshape(-1, d)
+        xp.multiply(xh2, xh2, out=sq)
+        var = xp.matmul(sq, ones, out=buf.get("var", (n,), x.dtype, xp))
+        var /= d
         var += self.eps
         xp.sqrt(var, out=var)
-        rstd = xp.divide(1.0, var, out=buf.get("rstd", row, x.dtype, xp))
-        xhat *= rstd
+        rstd = xp.divide(1.0, var[:, None], out=buf.get("rstd", (n, 1), x.dtype, xp))
+        xh2 *= rstd
         self.cache = (xhat, rstd)
         y = buf.get("y", x.shape, np.result_type(x.dtype, self.weight.data.dtype), xp)
         xp.multiply(xhat, self.weight.data, out=y)
@@ -202,22 +246,32 @@ class LayerNorm(Module):
         xp = xp_of(grad_out)
         buf = self._scratch()
         d = self.d
+        w = self.weight.data
         dtype = np.result_type(grad_out.dtype, xhat.dtype)
-        tmp = buf.get("tmp", grad_out.shape, dtype, xp)
-        xp.multiply(grad_out, xhat, out=tmp)
-        self.weight.grad += xp.sum(tmp.reshape(-1, d), axis=0, out=buf.get("gw", (d,), dtype, xp))
-        self.bias.grad += xp.sum(grad_out.reshape(-1, d), axis=0, out=buf.get("gb", (d,), grad_out.dtype, xp))
-        gx = buf.get("gx", grad_out.shape, np.result_type(grad_out.dtype, self.weight.data.dtype), xp)
-        xp.multiply(grad_out, self.weight.data, out=gx)
+        g2 = grad_out.reshape(-1, d)
+        xh2 = xhat.reshape(-1, d)
+        n = g2.shape[0]
+        ones = row_ones(n, grad_out.dtype, xp)
+        tmp = buf.get("tmp", g2.shape, dtype, xp)
+        xp.multiply(g2, xh2, out=tmp)
+        # Column sums (parameter gradients) and row sums as matrix-vector products. With gx =
+        # grad_out * weight, the rows' mean of gx is (grad_out @ weight) / d and the rows' mean of
+        # gx * xhat is ((grad_out * xhat) @ weight) / d: no pass over gx needed for either.
+        self.weight.grad += xp.matmul(ones, tmp, out=buf.get("gw", (d,), dtype, xp))
+        self.bias.grad += xp.matmul(ones, g2, out=buf.get("gb", (d,), grad_out.dtype, xp))
+        wd = np.result_type(dtype, w.dtype)
+        mean_gx = xp.matmul(tmp, w, out=buf.get("mgx", (n,), wd, xp))
+        mean_gx /= d
+        mean_g = xp.matmul(g2, w, out=buf.get("mg", (n,), wd, xp))
+        mean_g /= d
+        gx = buf.get("gx", grad_out.shape, np.result_type(grad_out.dtype, w.dtype), xp)
+        gx2 = gx.reshape(-1, d)
+        xp.multiply(g2, w, out=gx2)
         # Gradient through the normalisation: remove the mean and the component along xhat.
-        row = (*grad_out.shape[:-1], 1)
-        mean_g = xp.mean(gx, axis=-1, keepdims=True, out=buf.get("mg", row, gx.dtype, xp))
-        xp.multiply(gx, xhat, out=tmp)
-        mean_gx = xp.mean(tmp, axis=-1, keepdims=True, out=buf.get("mgx", row, gx.dtype, xp))
-        xp.multiply(xhat, mean_gx, out=tmp)
-        gx -= mean_g
-        gx -= tmp
-        gx *= rstd
+        xp.multiply(xh2, mean_gx[:, None], out=tmp)
+        gx2 -= mean_g[:, None]
+        gx2 -= tmp
+        gx2 *= rstd
         return gx
 
     def extra_repr(self) -> str:

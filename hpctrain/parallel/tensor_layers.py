@@ -233,20 +233,28 @@ class ParallelSelfAttention(Module):
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"ParallelSelfAttention expects (B, T, {self.d_model}), got {x.shape}")
         b, t, _ = x.shape
-        dl = self.n_local_heads * self.head_dim
-        qkv = self.qkv.forward(x)
-        q, k, v = (self._heads(qkv[..., j * dl : (j + 1) * dl]) for j in range(3))
-        y, att = causal_attention(q, k, v)  # the serial attention core, on this rank's heads
+        hl, hd = self.n_local_heads, self.head_dim
+        dl = hl * hd
+        # q, k, v as strided views of the qkv output, the heads' outputs written straight into the
+        # (B, T, local d) layout the projection reads: the serial core's no-copy path.
+        qkv = self.qkv.forward(x).reshape(b, t, 3, hl, hd).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        xp, buf = xp_of(x), self._scratch()
+        y = buf.get("y", (b, t, dl), np.result_type(q.dtype, v.dtype), xp)
+        _, att = causal_attention(q, k, v, out=self._heads(y), buffers=buf)
         self.cache = (q, k, v, att)
-        return self.proj.forward(y.transpose(0, 2, 1, 3).reshape(b, t, dl))
+        return self.proj.forward(y)
 
     def backward(self, grad_out: Any) -> Any:
         q, k, v, att = self.cache
-        b, _, t, _ = q.shape
+        b, hl, t, hd = q.shape
         dy = self._heads(self.proj.backward(grad_out))
-        grads = causal_attention_backward(dy, q, k, v, att)
-        merged = [g.transpose(0, 2, 1, 3).reshape(b, t, -1) for g in grads]
-        return self.qkv.backward(xp_of(grad_out).concatenate(merged, axis=-1))
+        xp, buf = xp_of(dy), self._scratch()
+        # dq, dk, dv land in the [q | k | v] column layout of this rank's qkv output gradient.
+        dqkv = buf.get("dqkv", (b, t, 3 * hl * hd), np.result_type(dy.dtype, att.dtype), xp)
+        parts = dqkv.reshape(b, t, 3, hl, hd).transpose(2, 0, 3, 1, 4)
+        causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
+        return self.qkv.backward(dqkv)
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads} (local {self.n_local_heads}), tp={self.comm.size}"

@@ -101,6 +101,10 @@ class Config:
     eval_every: int | None = field(default=None, metadata=_opt("steps between validation losses during "
                                                                "training (metrics.jsonl, progress line)"))
     keep: int = field(default=3, metadata=_opt("checkpoints to keep (the newest)"))
+    async_checkpoint: bool = field(default=False, metadata=_opt("write checkpoints in a background thread: "
+                                                                "training waits only for a host copy of each "
+                                                                "rank's share (the last one and a preemption's "
+                                                                "are finished before the job ends)"))
     compression: str | None = field(default=None, metadata=_opt("16-bit gradient all-reduce (dp)",
                                                                 ("fp16", "bf16")))
     timeout: float | None = field(default=None, metadata=_opt("seconds a wait may last before the job ends "

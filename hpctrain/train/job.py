@@ -296,7 +296,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     t0 = time.perf_counter()
     history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
                           keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
-                          callbacks=hooks, max_steps=c.max_steps)
+                          callbacks=hooks, max_steps=c.max_steps, async_checkpoint=c.async_checkpoint)
     wall = time.perf_counter() - t0
     memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
     trace = os.path.join(c.run_dir, "trace.json")

@@ -54,7 +54,8 @@ class Traffic:
 
     def __init__(self) -> None:
         self.bytes = 0.0
-        self._rs, self._ag = sharded.ireduce_scatter, sharded.allgather
+        # Every sharded call goes through these two (allgather and PairTree's rounds call them).
+        self._rs, self._ag = sharded.ireduce_scatter, sharded.iallgather
 
     def __enter__(self) -> Traffic:
         def rs(comm, x, out, counts):
@@ -65,70 +66,207 @@ class Traffic:
             self.bytes += (out.nbytes - piece.nbytes)
             return self._ag(comm, piece, out, counts)
 
-        sharded.ireduce_scatter, sharded.allgather = rs, ag
+        sharded.ireduce_scatter, sharded.iallgather = rs, ag
         return self
 
     def __exit__(self, *exc) -> None:
-        sharded.ireduce_scatter, sharded.allgather = self._rs, self._ag
+        sharded.ireduce_scatter, sharded.iallgather = self._rs, self._ag
+
+
+class Setup:
+    """One trainer (GPT, Adam fp32, zero level, recomputation) on ``comm``, warmed up by one step
+    (the optimizer state appears) with its memory watched from before that step."""
+
+    def __init__(self, comm, layers, d, vocab, block, batch, zero, rec, prefetch=True):
+        model = gpt(layers, d, vocab, block)
+        if rec:
+            model = recompute(model)
+        opt = ht.optim.Adam(model.parameters(), lr=1e-3)
+        self.comm, self.zero, self.model = comm, zero, model
+        self.tr = ParallelTrainer(model=model, loss=CrossEntropyLoss(), optimizer=opt, grid=ht.ProcessGrid(comm),
+                                  zero=zero)  # fmt: skip
+        if zero == 3:
+            self.tr.reducer.prefetch = prefetch
+        g = np.random.default_rng(comm.rank)
+        self.x, self.y = g.integers(0, vocab, (batch, block)), g.integers(0, vocab, (batch, block))
+        self.psi = sum(int(np.prod(p.shape)) for p in model.parameters())
+        self.tr.memory_report()
+        t0 = time.perf_counter()
+        self.tr.step(self.x, self.y)  # warm-up
+        self.warmup = time.perf_counter() - t0
+        self.tr.memory_report()
+        self.times, self.sent = [], []
+
+    def step(self):
+        with Traffic() as t:
+            self.comm.barrier()
+            t0 = time.perf_counter()
+            self.tr.step(self.x, self.y)
+            self.times.append(time.perf_counter() - t0)
+        self.tr.memory_report()
+        sent = t.bytes
+        if self.zero == 0 and self.comm.size > 1:
+            nbytes = sum(p.data.nbytes for p in self.model.parameters())
+            sent = 2 * (self.comm.size - 1) / self.comm.size * nbytes  # one all-reduce of the gradients
+        self.sent.append(sent)
+
+    def close(self):
+        """``(Ψ, memory on the rank holding most, median step seconds, bytes sent per step)``."""
+        mem = self.tr.memory_summary()
+        self.tr.close()
+        if not self.times:  # only the warm-up step ran
+            return self.psi, mem, self.warmup, float("nan")
+        return self.psi, mem, float(np.median(self.times)), float(np.median(self.sent))
 
 
 def run(comm, layers, d, vocab, block, batch, zero, rec, steps):
-    model = gpt(layers, d, vocab, block)
-    if rec:
-        model = recompute(model)
-    opt = ht.optim.Adam(model.parameters(), lr=1e-3)
-    tr = ParallelTrainer(model=model, loss=CrossEntropyLoss(), optimizer=opt, grid=ht.ProcessGrid(comm), zero=zero)
-    g = np.random.default_rng(comm.rank)
-    x, y = g.integers(0, vocab, (batch, block)), g.integers(0, vocab, (batch, block))
-    tr.memory_report()
-    tr.step(x, y)  # warm-up (optimizer state appears)
-    tr.memory_report()
-    times = []
-    with Traffic() as t:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            tr.step(x, y)
-            times.append(time.perf_counter() - t0)
-        sent = t.bytes / steps
-    if zero == 0 and comm.size > 1:
-        nbytes = sum(p.data.nbytes for p in model.parameters())
-        sent = 2 * (comm.size - 1) / comm.size * nbytes  # one all-reduce of the gradients
-    mem = tr.memory_summary()  # the rank that holds most
-    psi = sum(int(np.prod(p.shape)) for p in model.parameters())
-    tr.close()
-    return psi, mem, float(np.median(times)), sent
+    s = Setup(comm, layers, d, vocab, block, batch, zero, rec)
+    for _ in range(steps):
+        s.step()
+    return s.close()
+
+
+def peak_of(m) -> int:
+    """What the budget counts: model states, named buffers (their in-step peak), activations and
+    the layers' reuse pools (workspace)."""
+    return m["params"] + m["grads"] + m["optimizer"] + m["buffers"] + m["activations_peak"] + m["workspace"]
+
+
+def largest(comm, budget, zero, rec, d, vocab, block, batch, log):
+    """The most layers whose measured peak stays within ``budget``. Every part of the peak grows
+    linearly with the layers at a fixed width, so a line through two measured sizes predicts the
+    boundary; the line is refitted through the two largest sizes measured until the prediction
+    holds, and real steps confirm it: the largest size fits, the next one does not."""
+    measured = {}
+
+    def measure(layers):
+        if layers not in measured:
+            psi, m, sec, _ = run(comm, layers, d, vocab, block, batch, zero, rec, 0)
+            measured[layers] = (psi, peak_of(m), sec, m)
+            log(f"  layers={layers} Ψ={psi:,} peak={peak_of(m) / MIB:.1f} MiB step={sec:.2f}s "
+                f"rss={m['rss_peak'] / MIB:.0f} MiB")  # fmt: skip
+        return measured[layers][1]
+
+    measure(4)
+    measure(12)
+    guesses = []
+    for _ in range(4):
+        (l1, p1), (l2, p2) = sorted((k, v[1]) for k, v in measured.items())[-2:]
+        slope = (p2 - p1) / (l2 - l1)
+        guess = max(1, l2 + int((budget - p2) // slope))
+        guesses.append(guess)
+        log(f"  line through {l1} and {l2} layers: {slope / MIB:.3f} MiB per layer -> predicted {guess} layers")
+        if measure(guess) <= budget and measure(guess + 1) > budget:
+            return guess, guesses, measured
+    lay = guesses[-1]  # still off: one layer at a time
+    while lay > 1 and measure(lay) > budget:
+        lay -= 1
+    while measure(lay + 1) <= budget:
+        lay += 1
+    return (lay if measure(lay) <= budget else None), guesses, measured
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--markdown")
-    ap.add_argument("--budget-mib", type=float, default=64.0)
+    ap.add_argument("--parts", default="states,recompute,headline",
+                    help="comma-separated: states (formulas, time, bytes), recompute, headline")
+    ap.add_argument("--budget-mib", type=float, default=1024.0)
+    ap.add_argument("--head-d", type=int, default=256, help="headline GPT width")
+    ap.add_argument("--head-seq", type=int, default=64, help="headline sequence length")
+    ap.add_argument("--head-batch", type=int, default=2, help="headline sequences per rank")
+    ap.add_argument("--head-vocab", type=int, default=256)
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     world = ht.Communicator()
     d, vocab, block, batch = (64, 256, 32, 4) if a.quick else (128, 512, 64, 8)
     layers = 2 if a.quick else 4
-    steps = 2 if a.quick else 3
+    steps = 3 if a.quick else 5
+
+    def log(msg):
+        if world.rank == 0:
+            print(msg, flush=True)
 
     # 1. model states against the formulas
+    if "states" in parts:
+        states(world, a, d, vocab, block, batch, layers, steps)
+
+    # 2. recomputation on one rank per group (all ranks run alike)
+    if "recompute" in parts:
+        solo = world.split(world.rank)
+        rrows = []
+        for rec in (False, True):
+            psi, m, sec, _ = run(solo, 2 * layers, d, vocab, 2 * block, batch, 0, rec, steps)
+            rrows.append([("yes" if rec else "no"), f"{m['activations_peak'] / MIB:.2f}", f"{m['workspace'] / MIB:.2f}",
+                          f"{1000 * sec:.1f}"])  # fmt: skip
+        solo.free()
+        if world.rank == 0:
+            peak0, peak1 = float(rrows[0][1]), float(rrows[1][1])
+            t0, t1 = float(rrows[0][3]), float(rrows[1][3])
+            emit(f"Activation recomputation, GPT d={d} layers={2 * layers} T={2 * block} batch={batch}",
+                 ["recompute", "activation peak MiB", "workspace MiB", "step ms"], rrows, a.markdown,
+                 [f"recompute / none: activation peak {peak1 / peak0:.2f}x, step time {t1 / t0:.2f}x"])
+
+    # 3. the headline: largest GPT under a per-rank budget
+    if "headline" in parts:
+        budget = a.budget_mib * MIB
+        n = world.size
+        hd, hv, ht_, hb = a.head_d, a.head_vocab, a.head_seq, a.head_batch
+        hrows, found = [], {}
+        for label, zero, rec in (("plain dp", 0, False), ("zero 3 + recompute", 3, True)):
+            log(f"{label}, dp={n}, budget {a.budget_mib:g} MiB per rank:")
+            best, guesses, measured = largest(world, budget, zero, rec, hd, hv, ht_, hb, log)
+            found[label] = measured[best] if best else None
+            over = measured.get(best + 1) if best else None
+            hrows.append([label, " -> ".join(map(str, guesses)), best or "-", f"{measured[best][0]:,}" if best else "-",
+                          f"{measured[best][1] / MIB:.1f}" if best else "-",
+                          f"{over[1] / MIB:.1f}" if over else "-",
+                          f"{measured[best][2]:.2f}" if best else "-",
+                          f"{measured[best][3]['rss_peak'] / MIB:.0f}" if best else "-"])  # fmt: skip
+        if world.rank == 0:
+            a0, a3 = found["plain dp"], found["zero 3 + recompute"]
+            ratio = (a3[0] / a0[0]) if a0 and a3 else float("nan")
+            emit(f"Largest GPT (d={hd}, T={ht_}, {hb} sequences per rank, vocab {hv}, Adam fp32) under "
+                 f"{a.budget_mib:g} MiB per rank, {n} ranks (dp={n})",
+                 ["setup", "predicted layers", "largest layers", "parameters", "measured peak MiB",
+                  "next size's peak MiB", "step s", "rss peak MiB"], hrows, a.markdown,
+                 [f"zero 3 + recompute trains {ratio:.2f}x the parameters of plain dp. Peak = params + grads + "
+                  "Adam + buffer peak + activation peak + workspace (the layers' reuse pools), each the largest over "
+                  "ranks, measured over one real step (its time in 'step s'); predicted: a line through the peaks "
+                  "measured at 4 and 12 layers, refitted "
+                  "through the two largest sizes measured; the largest is confirmed by a real step that fits and "
+                  "the next size's that does not. rss peak: "
+                  "the process's resident peak (Python, NumPy, MPI and the whole model that every rank builds "
+                  "before ZeRO shards it)."])  # fmt: skip
+
+
+def states(world, a, d, vocab, block, batch, layers, steps):
+    """Model states per rank against the ZeRO formulas; step time and bytes sent against zero 0."""
     rows, trows = [], []
     for n in (1, 2, 4):
         if world.size % n:
             continue
         comm = world.split(world.rank // n)
-        base = None
-        for zero in (0, 1, 2, 3):
-            psi, m, sec, sent = run(comm, layers, d, vocab, block, batch, zero, False, steps)
-            states = m["params"] + m["grads"] + m["optimizer"]
-            formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[zero]
-            rows.append([n, zero, f"{psi:,}", f"{m['params'] / MIB:.2f}", f"{m['grads'] / MIB:.2f}",
-                         f"{m['optimizer'] / MIB:.2f}", f"{states / MIB:.2f}", f"{formula / MIB:.2f}",
-                         f"{states / formula:.3f}", "yes" if abs(states / formula - 1) <= 0.10 else "NO",
-                         f"{m['buffers'] / MIB:.2f}"])  # fmt: skip
-            if zero == 0:
-                base = (sec, sent)
-            trows.append([n, zero, f"{1000 * sec:.1f}", f"{sec / base[0]:.2f}", f"{sent / MIB:.2f}",
-                          f"{sent / base[1]:.2f}" if base[1] else "-"])  # fmt: skip
+        # zero 0..3 and zero 3 without prefetch side by side, their steps interleaved (median)
+        kinds = [(0, True), (1, True), (2, True), (3, True), (3, False)]
+        setups = [Setup(comm, layers, d, vocab, block, batch, z, False, prefetch=pf) for z, pf in kinds]
+        for _ in range(steps):
+            for st in setups:
+                st.step()
+        res = [st.close() for st in setups]
+        base = res[0]
+        for (zero, pf), (psi, m, sec, sent) in zip(kinds, res):
+            label = f"{zero}" if pf or zero < 3 else "3 (no prefetch)"
+            if pf:
+                states = m["params"] + m["grads"] + m["optimizer"]
+                formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[zero]
+                rows.append([n, zero, f"{psi:,}", f"{m['params'] / MIB:.2f}", f"{m['grads'] / MIB:.2f}",
+                             f"{m['optimizer'] / MIB:.2f}", f"{states / MIB:.2f}", f"{formula / MIB:.2f}",
+                             f"{states / formula:.3f}", "yes" if abs(states / formula - 1) <= 0.10 else "NO",
+                             f"{m['buffers'] / MIB:.2f}"])  # fmt: skip
+            trows.append([n, label, f"{1000 * sec:.1f}", f"{sec / base[2]:.2f}", f"{sent / MIB:.2f}",
+                          f"{sent / base[3]:.2f}" if base[3] else "-"])  # fmt: skip
         comm.free()
     if world.rank == 0:
         emit(f"ZeRO model states per rank, GPT d={d} layers={layers} fp32 Adam (MiB, the rank holding most)",
@@ -137,49 +275,10 @@ def main() -> None:
              ["formula: zero0 16Ψ, zero1 8Ψ+8Ψ/N, zero2 4Ψ+12Ψ/N, zero3 16Ψ/N bytes. buffers: zero 1 the reduced "
               "gradient piece (4Ψ/N); zero 2/3 the peak of unit gradients and gathered parameters alive inside "
               "a step."])  # fmt: skip
-        emit("ZeRO step time and communication per step and rank (median of steps)",
+        emit(f"ZeRO step time and communication per step and rank (median of {steps} interleaved steps)",
              ["N", "zero", "step ms", "vs zero0", "sent MiB", "vs zero0"], trows, a.markdown,
              ["sent: bytes a rank sends under ring algorithms, from the sizes of the calls made "
               "(all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the buffer)."])  # fmt: skip
-
-    # 2. recomputation on one rank per group (all ranks run alike)
-    solo = world.split(world.rank)
-    rrows = []
-    for rec in (False, True):
-        psi, m, sec, _ = run(solo, 2 * layers, d, vocab, 2 * block, batch, 0, rec, steps)
-        rrows.append([("yes" if rec else "no"), f"{m['activations_peak'] / MIB:.2f}", f"{1000 * sec:.1f}"])
-    if world.rank == 0:
-        peak0, peak1 = float(rrows[0][1]), float(rrows[1][1])
-        t0, t1 = float(rrows[0][2]), float(rrows[1][2])
-        emit(f"Activation recomputation, GPT d={d} layers={2 * layers} T={2 * block} batch={batch}",
-             ["recompute", "activation peak MiB", "step ms"], rrows, a.markdown,
-             [f"recompute / none: activation peak {peak1 / peak0:.2f}x, step time {t1 / t0:.2f}x"])
-
-    # 3. the headline: largest GPT under a per-rank budget
-    budget = a.budget_mib * MIB
-    n = world.size
-    hrows = []
-    found = {}
-    for label, comm, zero, rec in (("plain dp", world, 0, False), (f"zero 3 + recompute, dp={n}", world, 3, True)):
-        best = None
-        for lay in LAYERS:
-            psi, m, sec, _ = run(comm, lay, d, vocab, block, batch, zero, rec, 1)
-            peak = m["params"] + m["grads"] + m["optimizer"] + m["buffers"] + m["activations_peak"]
-            if peak > budget:
-                break
-            best = (lay, psi, peak)
-        found[label] = best
-        hrows.append([label, best[0] if best else "-", f"{best[1]:,}" if best else "-",
-                      f"{best[2] / MIB:.1f}" if best else "-"])  # fmt: skip
-    solo.free()
-    if world.rank == 0:
-        a0, a3 = found["plain dp"], found[f"zero 3 + recompute, dp={n}"]
-        ratio = (a3[1] / a0[1]) if a0 and a3 else float("nan")
-        capped = " (at least: the largest size tried fit)" if a3 and a3[0] == LAYERS[-1] else ""
-        emit(f"Largest GPT (d={d}, Adam fp32) under {a.budget_mib:g} MiB per rank, {n} ranks",
-             ["setup", "layers", "parameters", "measured peak MiB"], hrows, a.markdown,
-             [f"zero 3 + recompute trains {ratio:.1f}x{capped} the parameters of plain dp (peak = params + grads + "
-              "Adam + buffer peak + activation peak, measured over a real step)."])  # fmt: skip
 
 
 if __name__ == "__main__":

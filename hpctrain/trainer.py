@@ -40,6 +40,7 @@ import numpy as np
 
 from .comm import Communicator
 from .log import get_logger
+from .optim.exactsum import digits_value, sumsq_digits
 
 _log = get_logger("trainer")
 
@@ -120,6 +121,9 @@ class Trainer:
     reducer: Any = None
     clip_norm: float | None = None
     microbatches: int = 1
+    #: Clip by the exactly rounded global norm (``optim.exactsum``; identical on every rank):
+    #: strategies set it where all gradients are float64.
+    exact_norm: bool = False
 
     def __init__(
         self,
@@ -247,7 +251,7 @@ class Trainer:
             loss_part, extra, fb_comm = self._forward_backward(batch)
             comm_s += fb_comm + self.reducer.finish()
             t0 = time.perf_counter()
-            sumsq, bad = 0.0, False
+            sumsq, bad, counted = 0.0, False, []
             for p, g in self.reducer.counted_grads():
                 if self._tp_rank and id(p) in self._tp_replicated:
                     continue  # replicated over tp: tp rank 0 counts it
@@ -255,14 +259,22 @@ class Trainer:
                 sq = float(g64 @ g64)
                 bad = bad or not math.isfinite(sq)
                 sumsq += sq
+                counted.append(g)
             loss_part = float(loss_part) if self._loss_lead else 0.0
             bad = bad or not math.isfinite(loss_part)
+            # Clipping float64 gradients: the exactly rounded norm, the same whatever the layout
+            # cuts the gradients into (optim.exactsum), so every layout scales by the same factor.
+            exact = self.clip_norm is not None and self.exact_norm
+            digits = list(sumsq_digits([] if bad else counted)) if exact else []
+            reduce_extra = list(extra.pop("_reduce", []))
             mine = np.array([loss_part, 0.0 if bad else sumsq, float(bad), float(preempt.requested())]
-                            + list(extra.pop("_reduce", [])))  # fmt: skip
+                            + reduce_extra + digits)  # fmt: skip
             totals = self.comm.allreduce(mine, op="sum")
             comm_s += time.perf_counter() - t0
             loss, sumsq, n_bad, stop = (float(v) for v in totals[:4])
-            extra = self._finish_extra(extra, totals[4:])
+            if exact and not n_bad:
+                sumsq = digits_value(totals[4 + len(reduce_extra) :])
+            extra = self._finish_extra(extra, totals[4 : 4 + len(reduce_extra)])
             if n_bad and self.on_nonfinite == "raise":
                 raise_nonfinite(self.comm, loss_part if self._loss_lead else 0.0, self.params)
         except BaseException:

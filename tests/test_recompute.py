@@ -182,3 +182,52 @@ def test_tensor_parallel_swaps_inside_recompute():
     assert out[0][0] == out[1][0]
     for k in out[0][1]:
         np.testing.assert_array_equal(out[0][1][k], out[1][1][k])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_parallelize_recompute_bitwise_under_composed_layouts(tp, pp):
+    """``parallelize(model, grid, recompute=True)`` on tp/pp layouts (dropout on), plain and with
+    zero 3 over the rest: losses and final weights bitwise those without recomputation."""
+    from hpctrain import ProcessGrid
+    from hpctrain.parallel import ParallelTrainer, parallelize
+
+    comm = ht.Communicator()
+    if comm.size % (tp * pp):
+        pytest.skip(f"world size {comm.size} does not factor into tp={tp} x pp={pp}")
+    if pp > 1:  # a pipeline of plain layers has no blocks to recompute: the same error everywhere
+        plain = Sequential(Linear(3, 4), ReLU(), Linear(4, 2))
+        with pytest.raises(ValueError, match="no blocks"):
+            parallelize(plain, ProcessGrid(comm, tp=tp, pp=pp), recompute=True)
+    out = []
+    for rec, zero in ((False, 0), (True, 0), (True, 3)):
+        grid = ProcessGrid(comm, tp=tp, pp=pp)
+        part = parallelize(gpt(), grid, recompute=rec)
+        wrapped = [n for n, m in part.named_modules() if isinstance(m, Recompute)]
+        assert bool(wrapped) == rec
+        tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=ht.optim.AdamW(part.parameters(), lr=1e-2),
+                             grid=grid, microbatches=2, zero=zero)  # fmt: skip
+        d, n = grid.dp.rank, grid.dp.size
+        losses = []
+        for s in range(3):
+            g = np.random.default_rng(300 + s)
+            x, y = g.integers(0, 11, (4 * n, 6)), g.integers(0, 11, (4 * n, 6))
+            losses.append(tr.step(x[d::n], y[d::n]).loss)
+        out.append((losses, {k: np.array(p.data) for k, (p, _, _) in tr.shards().items()}))
+        tr.close()
+    for losses, weights in out[1:]:
+        assert losses == out[0][0]
+        for k in out[0][1]:
+            np.testing.assert_array_equal(weights[k], out[0][1][k], err_msg=k)
+
+
+def test_parallelize_recompute_without_blocks():
+    """One stage: a model without blocks is recomputed whole (in segments)."""
+    from mpi4py import MPI
+
+    from hpctrain.parallel.parallelize import parallelize
+
+    grid = ht.ProcessGrid(ht.Communicator(MPI.COMM_SELF))
+    part = parallelize(mlp(), grid, recompute=True)
+    assert isinstance(part, Recompute) and part.segments is not None

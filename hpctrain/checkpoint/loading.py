@@ -16,6 +16,7 @@ import json
 import os
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -181,8 +182,14 @@ class Reader:
         self.files: dict[Any, Any] = {}
         self.raw: dict[Any, rawio.RawFile] = {}
         self.located: dict[tuple[Any, str], tuple[Any, int | None]] = {}
+        self.reads: ThreadPoolExecutor | None = None
+        self.pending: list[tuple[Any, str, str, str, str]] = []
 
     def close(self) -> None:
+        if self.reads is not None:  # no read may still be writing into an array or using a descriptor
+            self.reads.shutdown(wait=True, cancel_futures=True)
+            self.reads = None
+        self.pending = []
         for f in self.files.values():
             f.close()
         for r in self.raw.values():
@@ -240,9 +247,14 @@ class Reader:
         self.located[(writer, name)] = (obj, offset)
         return obj, offset
 
-    def slab(self, key: str, entry: dict[str, Any], slab: list, out: np.ndarray | None = None) -> np.ndarray:
+    def slab(self, key: str, entry: dict[str, Any], slab: list, out: np.ndarray | None = None,
+             defer: bool = False) -> np.ndarray:
         """The whole slab, verified against its checksum (read into ``out`` when given: a
-        C-contiguous array of the slab's shape and dtype)."""
+        C-contiguous array of the slab's shape and dtype).
+
+        ``defer=True`` (with ``out``): a raw read is handed to the reader thread and verified
+        by :meth:`finish`; ``out`` must not be used before that. The calling thread meanwhile
+        opens and checks the next slabs (h5py work that needs the GIL the read does not)."""
 
         writer, name, box, digest = slab
         obj, offset = self.locate(entry, slab)
@@ -252,6 +264,12 @@ class Reader:
         if out is None:
             out = np.empty(shape, dtype)
         what = f"checkpoint {self.path}: {name} in {os.path.basename(where)}"
+        if defer and offset is not None:
+            if self.reads is None:
+                self.reads = ThreadPoolExecutor(1, thread_name_prefix="hpctrain-ckpt-read")
+            raw = self._raw(writer)
+            self.pending.append((self.reads.submit(raw.read_hashed, offset, out, what), digest, key, name, where))
+            return out
         try:
             if offset is not None:
                 got = self._raw(writer).read_hashed(offset, out, what)
@@ -264,14 +282,34 @@ class Reader:
         except Exception as exc:
             raise CheckpointError(f"checkpoint {self.path}: cannot read {name} from {where} "
                                   f"({type(exc).__name__}: {exc})") from None
+        self._verify(got, digest, key, name, where)
+        return out
+
+    def _verify(self, got: str, digest: str, key: str, name: str, where: str) -> None:
         if got != digest:
             raise CheckpointError(f"checkpoint {self.path} is corrupt: checksum mismatch in {key} "
                                   f"(slab {name} of {os.path.basename(where)})")
-        return out
 
-    def fill(self, key: str, out: np.ndarray, index: tuple) -> None:
+    def finish(self) -> None:
+        """Wait for the deferred reads and verify each (the first failure is raised)."""
+        pending, self.pending = self.pending, []
+        problem: BaseException | None = None
+        for fut, digest, key, name, where in pending:
+            try:
+                got = fut.result()
+                if problem is None:
+                    self._verify(got, digest, key, name, where)
+            except CheckpointError as exc:
+                problem = problem or exc
+            except Exception as exc:
+                problem = problem or CheckpointError(f"checkpoint {self.path}: cannot read {name} from {where} "
+                                                     f"({type(exc).__name__}: {exc})")
+        if problem is not None:
+            raise problem
+
+    def fill(self, key: str, out: np.ndarray, index: tuple, defer: bool = False) -> None:
         """Fill ``out`` (the local array of ``index``) from the slabs of ``key``; every slab read is
-        read whole and verified, once."""
+        read whole and verified, once (``defer``: see :meth:`slab`; call :meth:`finish`)."""
         entry = self.header["index"][key]
         full = tuple(entry["shape"])
         covered = 0
@@ -285,7 +323,7 @@ class Reader:
                     continue
                 covered += fmt.volume(common)
                 if common == sbox == box and dest.flags.c_contiguous and dest.dtype == np.dtype(entry["dtype"]):
-                    self.slab(key, entry, slab, out=dest)  # straight into place: no second copy
+                    self.slab(key, entry, slab, out=dest, defer=defer)  # straight into place: no second copy
                     continue
                 if i not in cache:
                     cache[i] = self.slab(key, entry, slab)
@@ -357,11 +395,16 @@ def stage(path: str, trainer: Any, header: dict[str, Any]) -> tuple[dict[str, An
                 problems.append(f"{key}: checkpoint declares dtype {entry['dtype']}, model needs {param.dtype}")
         if problems:
             return staged, problems, wanted
-        for key, (param, full_shape, idx) in pieces.items():
-            if key not in index:
-                continue
+        # In the part files' order (their datasets were written sorted by key): sequential reads.
+        outs = []
+        for key in sorted(k for k in pieces if k in index):
+            param, full_shape, idx = pieces[key]
             out = np.empty(fmt.local_shape(idx, full_shape), np.dtype(index[key]["dtype"]))
-            reader.fill(key, out, idx)
+            rawio.prefault(out)  # while the reader thread reads the previous slab
+            reader.fill(key, out, idx, defer=True)
+            outs.append((key, param, out))
+        reader.finish()
+        for key, param, out in outs:
             staged[key] = to_device(out, xp_of(param.data)).astype(param.dtype, copy=False)
     except CheckpointError as exc:
         problems.append(str(exc))

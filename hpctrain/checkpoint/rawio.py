@@ -3,10 +3,12 @@
 A part file is an ordinary HDF5 file (plain h5py reads it) whose datasets are *contiguous*,
 unfiltered and allocated when created. h5py creates that skeleton (metadata only, a few
 milliseconds); the data bytes then go straight between the arrays and the file at each dataset's
-offset, in chunks, with XXH3 updated per chunk while the chunk is still in the CPU cache. These
-calls release the GIL (h5py holds it, and its own lock, for a whole read or write), so a
-background save leaves the training thread free, and loads read with several threads (reads from
-the page cache are memory copies that scale with cores; h5py reads with one).
+offset, and XXH3 (tens of GB/s) hashes each slab in one call. ``pwrite``, ``preadv`` and XXH3
+release the GIL (h5py holds it, and its own lock, for a whole read or write), and they are made
+with whole slabs, not small chunks: every return from a call must take the GIL back, and a
+thread waiting for it waits up to the interpreter's switch interval (5 ms) while the training
+thread runs Python. Whole pages are written by direct I/O (no copy into the page cache). So a
+background save leaves the training thread its GIL and most of its CPU.
 
 Reading goes through the raw path only for a dataset whose storage the reader has checked: a
 hard-linked dataset of the file itself, contiguous, no filters, no external storage, the declared
@@ -17,10 +19,9 @@ both paths verify the same checksum.
 
 from __future__ import annotations
 
+import errno
 import os
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -28,27 +29,10 @@ import xxhash
 
 from ..errors import CheckpointError
 
-#: Bytes per ``pwrite``/``preadv`` call and per hash update (fits a core's L2 with room to spare
-#: for the page cache's copy; large enough that the per-call cost is noise).
-CHUNK = 1 << 20
+#: Most bytes per ``pwrite``/``preadv`` call (Linux moves at most 2 GiB per call).
+CHUNK = 1 << 30
 #: Bytes HDF5 sets aside for a part file's metadata at its start.
 META_BLOCK = 1 << 20
-#: Threads reading one slab (reads from the page cache are memory copies, which scale with cores).
-READ_THREADS = max(1, min(4, os.cpu_count() or 1))
-#: A slab is split among the threads only in regions of at least this many bytes.
-REGION = 4 << 20
-
-_pool: ThreadPoolExecutor | None = None
-
-
-def pool() -> ThreadPoolExecutor:
-    """The shared reader threads (made on first use; daemon-like: idle threads cost nothing)."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hpctrain-ckpt-read")
-    return _pool
-
-
 def byte_view(a: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array, no copy."""
     return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
@@ -85,20 +69,84 @@ def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]
             placed.append((name, arr, offset))
     digests: dict[str, str] = {}
     fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    direct = _direct_fd(path) if any(_direct_ok(arr, off) for _, arr, off in placed) else None
+    bounce: np.ndarray | None = None
     try:
         for name, arr, offset in placed:
-            h = xxhash.xxh3_64()
             src = byte_view(arr)
-            for lo, hi in _chunks(len(src)):
-                piece = src[lo:hi]
-                if offset is not None:
-                    _pwrite_all(fd, piece, offset + lo)
-                h.update(piece)
-            digests[name] = h.hexdigest()
+            done = 0
+            if direct is not None and _direct_ok(arr, offset):
+                # Straight to the disk by DMA: no copy into the page cache (a CPU the training
+                # needs) and no dirty pages for the fsync to flush. A page-aligned buffer (an
+                # asynchronous snapshot) is written as it is; anything else through a small
+                # aligned bounce buffer. The unaligned tail is buffered.
+                if arr.ctypes.data % ALIGN and bounce is None:
+                    bounce = aligned_empty((BOUNCE,), np.uint8)
+                done = _write_direct(direct, src, offset, None if arr.ctypes.data % ALIGN == 0 else bounce)
+            for lo, hi in _chunks(len(src) - done):
+                _pwrite_all(fd, src[done + lo : done + hi], offset + done + lo)
+            digests[name] = xxhash.xxh3_64_hexdigest(src)
         os.fsync(fd)
     finally:
         os.close(fd)
+        if direct is not None:
+            os.close(direct)
     return digests
+
+
+def _write_direct(fd: int, src: memoryview, offset: int, bounce: np.ndarray | None) -> int:
+    """Write the whole pages of ``src`` at ``offset`` through the direct descriptor; returns how
+    many bytes were written (0 when the file system refuses direct I/O for it)."""
+    bulk = len(src) // ALIGN * ALIGN
+    try:
+        if bounce is None:
+            for lo, hi in _chunks(bulk):
+                _pwrite_all(fd, src[lo:hi], offset + lo)
+            return bulk
+        view = memoryview(bounce)
+        for lo in range(0, bulk, len(bounce)):
+            n = min(len(bounce), bulk - lo)
+            np.copyto(bounce[:n], np.frombuffer(src[lo : lo + n], np.uint8))
+            _pwrite_all(fd, view[:n], offset + lo)
+        return bulk
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return 0  # direct I/O refused here (alignment rules of this file system): buffered instead
+
+
+#: Alignment of buffers, offsets and lengths for direct I/O (a page: what Linux file systems ask).
+ALIGN = 4096
+
+
+#: Bytes of the bounce buffer that takes unaligned arrays to direct I/O.
+BOUNCE = 8 << 20
+
+
+def _direct_ok(arr: np.ndarray, offset: int | None) -> bool:
+    """Whether the slab's whole pages go by direct I/O: its file offset page-aligned, a page or
+    more of it."""
+    return offset is not None and offset % ALIGN == 0 and arr.nbytes >= ALIGN
+
+
+def _direct_fd(path: str) -> int | None:
+    """A second descriptor of ``path`` for direct I/O, or ``None`` where there is none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | flag)
+    except OSError:  # e.g. tmpfs: no direct I/O
+        return None
+
+
+def aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on an :data:`ALIGN` boundary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start : start + n].view(dtype).reshape(shape)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -135,84 +183,62 @@ def raw_extent(dset: Any, shape: tuple, dtype: np.dtype) -> int | None:
 
 
 class RawFile:
-    """One part file opened for raw reads (no symlink followed; the size known up front). Each
-    reading thread gets its own descriptor of the same file, so each keeps its own sequential
-    read-ahead from disk."""
+    """One part file opened for raw reads (no symlink followed; the size known up front)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        st = os.fstat(self.fd)
-        self.size, self._id = st.st_size, (st.st_dev, st.st_ino)
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self.size = os.fstat(self.fd).st_size
 
     def close(self) -> None:
-        for fd in [self.fd, *self._fds.values()]:
-            if fd >= 0:
-                os.close(fd)
-        self.fd = -1
-        self._fds.clear()
-
-    def _thread_fd(self) -> int:
-        me = threading.get_ident()
-        with self._lock:
-            fd = self._fds.get(me)
-        if fd is None:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != self._id:  # replaced under us: read nothing of it
-                os.close(fd)
-                raise CheckpointError(f"{self.path} was replaced while it was being read")
-            with self._lock:
-                self._fds[me] = fd
-        return fd
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def read_hashed(self, offset: int, out: np.ndarray, what: str) -> str:
-        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (C-contiguous); returns the
-        XXH3-64 digest of what was read.
-
-        A large slab is cut into one contiguous region per reader thread: this thread reads the
-        first, hashing each chunk while it is in the CPU cache, the pool threads read the others
-        meanwhile, and this thread hashes them in order once they are in."""
+        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (C-contiguous) with one call;
+        returns the XXH3-64 digest of what was read. (One sequential read per slab, in file
+        order, keeps the kernel's read-ahead going from a cold cache; splitting a slab among
+        threads measured no faster warm, where the new arrays' page faults dominate, and
+        slower cold.)"""
         dst = byte_view(out)
         n = len(dst)
         if offset < 0 or offset + n > self.size:
             raise CheckpointError(f"{what}: its bytes [{offset}, {offset + n}) lie beyond the end of "
                                   f"{self.path} ({self.size} bytes): the file is truncated")
-        h = xxhash.xxh3_64()
-        k = max(1, min(READ_THREADS, n // REGION))
-        edges = [offset + (n * i // k) for i in range(k + 1)]
-        ex = pool() if k > 1 else None
-        futures = [ex.submit(self._read, dst, offset, lo, hi, what, None) for lo, hi in zip(edges[1:-1], edges[2:])] \
-            if ex is not None else []
-        try:
-            self._read(dst, offset, edges[0], edges[1], what, h, self.fd)
-            for (lo, hi), fut in zip(zip(edges[1:-1], edges[2:]), futures):
-                fut.result()
-                h.update(dst[lo - offset : hi - offset])
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            for fut in futures:
-                if not fut.cancelled():
-                    try:
-                        fut.result()
-                    except BaseException:
-                        pass
-            raise
-        return h.hexdigest()
-
-    def _read(self, dst: memoryview, base: int, lo: int, hi: int, what: str, h: Any, fd: int | None = None) -> None:
-        """Bytes [lo, hi) of the file into ``dst`` (which starts at file offset ``base``), in
-        chunks; each chunk hashed into ``h`` right after it is read, when given."""
-        fd = self._thread_fd() if fd is None else fd
-        for a, b in _chunks(hi - lo):
-            buf, at = dst[lo - base + a : lo - base + b], lo + a
+        for lo, hi in _chunks(n):
+            buf, at = dst[lo:hi], offset + lo
             while len(buf):
-                got = os.preadv(fd, [buf], at)
+                got = os.preadv(self.fd, [buf], at)
                 if got <= 0:
                     raise CheckpointError(f"{what}: {self.path} ends early (truncated)")
                 buf, at = buf[got:], at + got
-            if h is not None:
-                h.update(dst[lo - base + a : lo - base + b])
+        return xxhash.xxh3_64_hexdigest(dst)
+
+
+_madvise: Any = None
+
+
+def prefault(a: np.ndarray) -> None:
+    """Fault in a new array's pages now (``MADV_POPULATE_WRITE``, Linux 5.14+; the GIL is
+    released), so a read into it that a reader thread is about to do copies instead of faulting.
+    The loading thread does this for the next slab while the reader thread reads the previous
+    one: the kernel's zeroing of new pages, the main cost of reading into new arrays from a warm
+    page cache, runs on a second core. Advice only: nothing happens where it is not supported."""
+    global _madvise
+    if a.nbytes < (1 << 20):
+        return
+    if _madvise is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _madvise = fn
+        except (OSError, AttributeError):
+            _madvise = False
+    if not _madvise:
+        return
+    start = a.ctypes.data // ALIGN * ALIGN
+    if _madvise(start, a.ctypes.data + a.nbytes - start, 23) != 0:  # 23: MADV_POPULATE_WRITE
+        _madvise = False  # an older kernel: do not ask again

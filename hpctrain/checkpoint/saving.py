@@ -377,7 +377,7 @@ def _snapshot(trainer: Any, name: str, data: Any) -> np.ndarray:
     buffers = trainer.__dict__.setdefault("_checkpoint_buffers", {})
     buf = buffers.get(name)
     if buf is None or buf.shape != host.shape or buf.dtype != host.dtype:
-        buf = buffers[name] = np.empty(host.shape, host.dtype)
+        buf = buffers[name] = rawio.aligned_empty(host.shape, host.dtype)  # page-aligned: written by DMA
     np.copyto(buf, host)
     return buf
 

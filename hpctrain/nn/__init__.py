@@ -3,7 +3,7 @@
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Tanh
 from .losses import CrossEntropyLoss, MSELoss
 from .module import Module, Parameter, Sequential
-from .recompute import Recompute, recompute
+from .recompute import Recompute, recompute, recompute_blocks
 from .transformer import (
     GPT,
     MLP,
@@ -17,5 +17,6 @@ __all__ = [
     "GELU", "GPT", "MLP", "CausalSelfAttention", "CrossEntropyLoss", "Dropout", "Embedding", "LayerNorm",
     "Linear", "MSELoss", "Module", "Parameter", "Recompute", "ReLU", "Sequential", "Tanh", "TransformerBlock",
     "recompute",
+    "recompute_blocks",
     "causal_attention", "causal_attention_backward",
 ]  # fmt: skip

@@ -192,3 +192,24 @@ def recompute(model: Module) -> Module:
                 lengths[-1] += 1
         return Recompute(model, segments=lengths)
     return Recompute(model)
+
+
+def recompute_blocks(model: Module) -> tuple[Module, int]:
+    """Recompute ``model``'s blocks in place, keeping its structure (a pipeline still cuts it
+    layer by layer): a ``GPT``'s (any ``blocks`` ``Sequential``'s) transformer blocks, a
+    ``Sequential``'s ``MLP`` children. Returns the model and the number of wrapped blocks."""
+    from .transformer import MLP
+
+    inner = model.__dict__.get("_modules", {}).get("blocks")
+    if isinstance(inner, Sequential):
+        recompute(model)
+        return model, len(inner.layer_names)
+    wrapped = 0
+    for name in getattr(model, "layer_names", ()) if isinstance(model, Sequential) else ():
+        child = getattr(model, name)
+        if isinstance(child, Recompute):
+            wrapped += 1
+        elif isinstance(child, MLP):
+            setattr(model, name, Recompute(child))
+            wrapped += 1
+    return model, wrapped

@@ -124,6 +124,9 @@ class ParallelTrainer(Trainer):
         if {id(p) for p in self.params} != {id(p) for p in optimizer.params}:
             mismatch = "the optimizer does not hold exactly this rank's part of the model"
         raise_if_any(self.comm, MismatchError(mismatch) if mismatch else None)
+        # Clipping float64 models by the exactly rounded norm (every rank decides alike).
+        not64 = any(np.dtype(p.dtype) != np.float64 for p in self.params)
+        self.exact_norm = clip_norm is not None and not self.comm.allreduce(np.array([float(not64)]), op="max")[0]
         if self.dp.size > 1:
             for p in self.params:  # dp replicas start identical
                 self.dp.bcast(p.data, root=0)

@@ -143,7 +143,8 @@ def cut(model: Any, stages: int, balance: list[int] | None = None,
     return pieces, counts
 
 
-def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list[int] | None = None) -> Module:
+def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list[int] | None = None,
+                recompute: bool = False) -> Module:
     """This rank's part of the serial ``model`` on ``grid`` (collective over ``grid.tp``).
 
     - ``grid.tp > 1``: a copy of the model split over the tp group (``tensor_parallel``: the
@@ -154,8 +155,14 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
       unless ``balance`` lists the pieces per virtual stage. The part carries ``.pipeline`` (its
       place in the cut) and, interleaved, ``.chunks``.
 
-    Build the optimizer on the part's parameters, then train with ``ParallelTrainer``. Every rank
-    computes the same cut, so a bad request raises the same ``ValueError`` everywhere.
+    - ``recompute=True``: activation recomputation on the model's blocks first (in place,
+      ``nn.recompute_blocks``: a GPT's transformer blocks, a ``Sequential``'s ``MLP`` layers; a
+      one-stage model without such blocks is recomputed whole, ``nn.recompute``). Results are
+      bitwise those without it; only each block's input is kept between forward and backward.
+
+    Build the optimizer on the part's parameters, then train with ``ParallelTrainer`` (ZeRO:
+    ``ParallelTrainer(..., zero=N)``). Every rank computes the same cut, so a bad request raises
+    the same ``ValueError`` everywhere.
     """
     from .tensor import tensor_parallel
 
@@ -164,6 +171,17 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
         raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
     if pp.size == 1 and v > 1:
         raise ValueError("virtual_stages needs a pipeline (grid.pp > 1)")
+    if recompute:
+        from ..nn.recompute import recompute as recompute_whole
+        from ..nn.recompute import recompute_blocks
+
+        model, wrapped = recompute_blocks(model)
+        if not wrapped:
+            if pp.size > 1:
+                raise ValueError("recompute=True found no blocks to recompute (a GPT's transformer blocks, a "
+                                 "Sequential's MLP layers) in a model cut into pipeline stages: wrap its layers "
+                                 "in nn.Recompute yourself")  # fmt: skip
+            model = recompute_whole(model)
     costs = [piece_cost(p) for p in pipeline_pieces(model)] if pp.size > 1 else None
     if tp.size > 1:
         model = tensor_parallel(model, tp)

@@ -15,7 +15,20 @@ piece r: the reduced gradient, the optimizer state and (zero 3) the parameters o
 - zero 3: a rank keeps only its piece of the parameters; a unit's parameters are all-gathered
   just before the unit's forward and its backward (and a recomputation's forward) and freed
   right after; outside those calls ``p.data`` is a zero-stride placeholder of the right shape
-  (no memory). The update writes the piece; nothing is gathered after it.
+  (no memory). The update writes the piece; nothing is gathered after it. Prefetch: the order
+  of gathers repeats from step to step (every dp rank runs the same forward, backward and
+  recomputations), so from the second step on, the gather of the next unit in last step's order
+  starts (non-blocking) before the current unit computes and is waited on when that unit is
+  used; a unit used twice in a row (the head: forward, then backward) stays gathered. At most
+  two units are gathered at once. A step that leaves the learned order (another schedule) stops
+  prefetching for its rest; nothing gathered survives an update or a load. ``prefetch = False``
+  (the same on every rank) turns it off; ``gathers`` counts how each gather was served.
+
+Gradients reduce-scatter in the association of the all-reduce zero 0 uses (``sharded.PairTree``:
+pairwise by rank bits on power-of-two groups), and clipping of float64 models uses the exactly
+rounded norm (``optim.exactsum``): the sharded update is bitwise zero 0's. Zero 2 and 3 keep at
+most ``max_inflight`` unit reductions in flight (the oldest is waited on before another starts),
+so the local unit gradients never pile up to a full gradient when MPI progresses slowly.
 
 The update is the user's optimizer applied to per-parameter pieces (1-D slices of the flat
 piece, named like the parameter): SGD, Adam and AdamW are elementwise, so a piece's update is
@@ -130,6 +143,9 @@ class ZeroReducer(GradReducer):
                     self.shard_param[x - self.lo : y - self.lo] = p.data.ravel()[x - a : y - a]
                 p.data = placeholder(p.shape, dtype)
         self.shard_grad = np.zeros(self.hi - self.lo, dtype=dtype)
+        # Gradients reduce-scatter in the association of the all-reduce zero 0 uses (pairwise by
+        # rank bits, see ``sharded.PairTree``): every level ends bitwise where zero 0 ends.
+        self.tree = sharded.PairTree(dp)
         # Local (unreduced) gradients, one buffer per unit. Zero 1 keeps them all; zero 2 and 3
         # allocate a unit's buffer just before its backward and free it once its reduce-scatter
         # completed, so only the units in flight exist at once.
@@ -161,6 +177,18 @@ class ZeroReducer(GradReducer):
         self._reqs: list[Any] = []
         self._active = False
         self._hooked: list[Any] = []
+        # Zero 3: gathered units in use, the order of gathers in the last step (the plan), the
+        # one prefetch in flight (unit, request or None when kept, buffer).
+        self.prefetch = True
+        # Zero 3 gathers so far: started ahead while another unit computed, kept from the use
+        # just before, or started when needed.
+        self.gathers = {"prefetched": 0, "kept": 0, "on_demand": 0}
+        self.max_inflight = 2  # zero 2, 3: unit reductions in flight before the oldest is waited on
+        self._buf: dict[int, np.ndarray] = {}
+        self._trace: list[int] = []
+        self._plan: list[int] | None = None
+        self._pf: tuple[int, Any, np.ndarray] | None = None
+        self._in_step = False
         if stage >= 2:
             self._install(model)
 
@@ -194,6 +222,8 @@ class ZeroReducer(GradReducer):
         return [g for g in self.unit_grad if g is not None]
 
     def zero_grad(self) -> None:
+        if self.stage == 3:
+            self._step_starts()
         for u, g in enumerate(self.unit_grad):
             if self.stage == 1:
                 g.fill(0)
@@ -255,13 +285,21 @@ class ZeroReducer(GradReducer):
             if self.unit_grad[u] is None:
                 self._alloc_unit(u)  # no backward reached it: zeros
             t0 = time.perf_counter()
-            req = sharded.ireduce_scatter(self.dp, self.unit_grad[u], out, self.unit_counts[u])
+            req = self.tree.start(self.unit_grad[u], out, self.unit_counts[u], on_bytes=self._track)
             self._reqs.append(req)
             self._inflight.append((req, u))
+            if self.stage > 1:
+                # MPI may complete a reduction only when waited on: bound the local unit
+                # gradients alive at once instead of letting them pile up to the full gradient.
+                while len(self._inflight) > self.max_inflight:
+                    r, v = self._inflight.pop(0)
+                    r.wait()
+                    self._free_unit(v)
             self.comm_seconds += time.perf_counter() - t0
             self._next += 1
 
     def finish(self) -> float:
+        self._step_ends()
         if not self._active:
             self.begin()
         self._launch(force=True)
@@ -278,6 +316,7 @@ class ZeroReducer(GradReducer):
         return self.comm_seconds
 
     def abort(self) -> None:
+        self._step_ends()
         # Started reductions were started by every rank (same order): wait so none still writes.
         for r in self._reqs:
             r.wait()
@@ -303,24 +342,83 @@ class ZeroReducer(GradReducer):
     def describe(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "stage": self.stage}
 
-    # -- zero 3: gather around each use ------------------------------------------------------
+    # -- zero 3: gather around each use, the next one prefetched -------------------------------
 
-    def _gather(self, u: int) -> None:
+    def _start_gather(self, u: int) -> tuple[Any, np.ndarray]:
         a, b = self.unit_range[u]
         x, y = max(a, self.lo), min(b, self.hi)
-        mine = self.shard_param[x - self.lo : y - self.lo] if x < y else self.shard_param[:0]
+        # A copy: the piece sent must not change while the gather is in flight.
+        mine = self.shard_param[x - self.lo : y - self.lo].copy() if x < y else self.shard_param[:0].copy()
         buf = np.empty(b - a, dtype=self.dtype)
         self._track(buf.nbytes)
-        sharded.allgather(self.dp, np.ascontiguousarray(mine), buf, self.unit_counts[u])
+        return sharded.iallgather(self.dp, mine, buf, self.unit_counts[u]), buf
+
+    def _drop_prefetch(self) -> None:
+        """Complete and free a prefetched unit nobody used (every rank drops the same one)."""
+        pf, self._pf = self._pf, None
+        if pf is not None:
+            if pf[1] is not None:
+                pf[1].wait()
+            if not any(b is pf[2] for b in self._buf.values()):  # a kept unit still in use stays
+                self.transient -= pf[2].nbytes
+
+    def _gather(self, u: int) -> None:
+        # The order of gathers in a step repeats from step to step (every dp rank runs the same
+        # forward, backward and recomputations): the previous step's order names the next unit,
+        # whose gather starts now and completes while this unit computes.
+        k = len(self._trace)
+        if self._in_step:  # calls outside a step (an evaluation) are not part of the order
+            self._trace.append(u)
+        pf = self._pf
+        if pf is not None and pf[0] == u:
+            self._pf = None
+            req, buf = pf[1], pf[2]
+            if req is not None:
+                req.wait()
+            self.gathers["prefetched" if req is not None else "kept"] += 1
+        else:
+            self._drop_prefetch()
+            req, buf = self._start_gather(u)
+            req.wait()
+            self.gathers["on_demand"] += 1
         for p in self.units[u]:
             pa, pb = self.where[id(p)]
+            a = self.unit_range[u][0]
             p.data = buf[pa - a : pb - a].reshape(p.shape)
+        self._buf[u] = buf
+        plan = self._plan
+        if not self._in_step:
+            return
+        if plan is None or k + 1 >= len(plan) or plan[k] != u:
+            self._plan = None  # off the learned order (another schedule): no more prefetches
+            return
+        nxt = plan[k + 1]
+        if nxt == u:
+            self._pf = (u, None, buf)  # used again next: keep it (``_release`` leaves it)
+        elif self.prefetch:
+            self._pf = (nxt, *self._start_gather(nxt))
 
     def _release(self, u: int) -> None:
-        a, b = self.unit_range[u]
-        self.transient -= (b - a) * self.dtype.itemsize
+        buf = self._buf.pop(u, None)
+        pf = self._pf
+        if pf is not None and pf[1] is not None:
+            pf[1].test()  # MPI progresses non-blocking collectives only inside MPI calls
+        if buf is not None and not (pf is not None and pf[2] is buf):
+            self.transient -= buf.nbytes
         for p in self.units[u]:
             p.data = placeholder(p.shape, self.dtype)
+
+    def _step_starts(self) -> None:
+        """Zero 3: the gathers recorded since the last step start become the plan of prefetches."""
+        self._drop_prefetch()
+        if self._trace:
+            self._plan, self._trace = self._trace, []
+        self._in_step = True
+
+    def _step_ends(self) -> None:
+        # Parameters change now (update, load): nothing gathered before may be used after.
+        self._drop_prefetch()
+        self._in_step = False
 
     def _install(self, model: Any) -> None:
         for u, m in enumerate(_owners(model, self.units)):
@@ -357,7 +455,9 @@ class ZeroReducer(GradReducer):
         self._hooked.append(m)
 
     def remove(self) -> None:
-        """Take the zero-3 gathers off the model (it can no longer compute)."""
+        """Take the zero-3 gathers off the model (it can no longer compute); free the reduction's
+        sub-communicators."""
+        self.tree.free()
         for m in self._hooked:
             m.__dict__.pop("forward", None)
             m.__dict__.pop("backward", None)
@@ -373,6 +473,7 @@ class ZeroReducer(GradReducer):
     def full_shards(self, shards: dict[str, tuple[Any, tuple, tuple]]) -> dict[str, tuple[Any, tuple, tuple]]:
         """``shards`` with full parameters and full optimizer state on the user's optimizer
         (collective over dp): what a checkpoint reads and writes. ``after_load`` puts back."""
+        self._step_ends()
         full_params = self._gather_flat(self.shard_param) if self.stage == 3 else None
         keys = sorted({k for st in self.inner.state.values() for k in st})
         keys = sorted(set().union(*map(set, self.dp.allgather_obj(keys))))
@@ -401,6 +502,7 @@ class ZeroReducer(GradReducer):
     def after_load(self) -> None:
         """Take what a checkpoint load wrote (full parameters, full optimizer state on the user's
         optimizer) into this rank's pieces."""
+        self._step_ends()
         if self.stage == 3 and self._full:
             for p in self.order:
                 q = self._full.get(p.name)

@@ -149,13 +149,7 @@ def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any
 def with_recompute(model: Any) -> Any:
     """``model`` with activation recomputation on its blocks, names unchanged (in place): a GPT's
     transformer blocks, an MLP classifier's MLP blocks (so pipelines still cut it layer by layer)."""
-    if isinstance(model, nn.GPT):
-        return nn.recompute(model)
-    for name in getattr(model, "layer_names", ()):  # a Sequential (a user's model may be neither)
-        child = getattr(model, name)
-        if isinstance(child, nn.MLP):
-            setattr(model, name, nn.Recompute(child))
-    return model
+    return nn.recompute_blocks(model)[0]
 
 
 def data_rank(c: Config, comm: Any) -> tuple[int, int]:

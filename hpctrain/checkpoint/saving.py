@@ -428,14 +428,16 @@ def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable
         state_json = fmt.dumps(fmt.to_json(trainer.state_dict(), extra))
     except Exception as exc:
         state_json, problem = "", problem or CheckpointError(f"state_dict(): {type(exc).__name__}: {exc}")
-    raise_if_any(comm, problem, what=f"cannot save checkpoint {path}")
+    # One exchange: every rank's problem, file name and pieces, and rank 0's token for the parts.
+    token = f"{time.time_ns():x}{uuid.uuid4().hex[:6]}" if comm.rank == 0 else None
+    everyone = raise_if_any(comm, problem, what=f"cannot save checkpoint {path}",
+                            payload=(os.path.abspath(path), meta, token))
     attrs["trainer_state"] = state_json
-    everyone = comm.allgather_obj((os.path.abspath(path), meta))
-    paths = sorted({p for p, _ in everyone})
+    paths = sorted({p for p, _, _ in everyone})
     if len(paths) > 1:  # e.g. asynchronous workers stopping at different steps: never half a checkpoint
         raise CheckpointError(f"cannot save checkpoint: the ranks name different files ({', '.join(paths[:4])})")
-    shapes, slabs = make_plan([m for _, m in everyone])
-    token = comm.bcast_obj(f"{time.time_ns():x}{uuid.uuid4().hex[:6]}" if comm.rank == 0 else None)
+    shapes, slabs = make_plan([m for _, m, _ in everyone])
+    token = everyone[0][2]
 
     job = Job(path, comm, raw, token)
     job.attrs, job.state_arrays, job.after = attrs, extra, after

@@ -33,8 +33,11 @@ import numpy as np
 from .. import __version__
 from ..backend import to_host
 from ..errors import CheckpointError
+from ..log import get_logger
 from . import format as fmt
 from . import rawio
+
+_log = get_logger("checkpoint")
 
 #: Pieces held by several ranks are split among them when at least this large.
 SPLIT_BYTES = 1 << 20
@@ -360,10 +363,11 @@ def _handover(trainer: Any) -> Job | None:
         return None
     trainer._checkpoint_job = None
     older = _join(prev)
-    if older:  # an earlier commit failed: finish this one now, then report that failure
+    if older:  # an earlier commit failed: finish this one now (rank 0), then report that failure
         if prev.raw.Get_rank() == 0:
             prev.commit()
-        prev.raw.bcast(None, root=0)
+            if prev.error:
+                _log.warning("%s", prev.error)
         raise CheckpointError(older)
     return prev if prev.raw.Get_rank() == 0 else None
 
@@ -465,8 +469,10 @@ def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable
     try:
         raise_if_any(comm, job.error, what=f"cannot save checkpoint {path}")
     except BaseException:
-        if previous is not None:  # not lost: committed now (its outcome is logged by commit's caller)
+        if previous is not None:  # not lost: committed now, its failure (if any) logged
             previous.commit()
+            if previous.error:
+                _log.warning("%s", previous.error)
         raise
     if asynchronous:
         job.previous = previous

@@ -91,14 +91,16 @@ def test_the_loader_moves_the_windows_with_the_sampler_epoch():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(300)
-def test_the_recipe_toml_trains_a_few_steps(comm, tmp_path):
+def test_the_recipe_toml_trains_a_few_steps(comm, tmp_path, monkeypatch):
+    # The recipe as written (data = "shakespeare": the built-in corpus), found in HPCTRAIN_DATA.
     where = comm.bcast_obj(str(tmp_path))
-    data = os.path.join(where, "corpus.h5")
+    data = os.path.join(where, "shakespeare.h5")
     if comm.rank == 0:
         shakespeare(data, allow_fetch=False)  # the test never downloads: the shipped act
     comm.barrier()
+    monkeypatch.setenv("HPCTRAIN_DATA", where)
     cfg = read_toml(str(RECIPE))
     assert cfg["model"] == "gpt" and cfg["data"] == "shakespeare"
-    s = run(merge(cfg, {"data": data, "max_steps": 3, "run_dir": os.path.join(where, "r")}), comm)
+    s = run(merge(cfg, {"max_steps": 3, "run_dir": os.path.join(where, "r")}), comm)
     assert s["steps"] == 3 and np.isfinite(s["val_loss"])
     assert s["val_samples"] == len(split_windows(data, cfg["block_size"])[1])  # the validation stream

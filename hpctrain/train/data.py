@@ -8,7 +8,7 @@ from ..data.checks import Rows
 from ..errors import DatasetError
 from .config import Config
 
-__all__ = ["Rows", "builtin_name", "builtin_path", "open_data"]
+__all__ = ["Rows", "builtin_name", "builtin_path", "data_path", "open_data"]
 
 
 def builtin_name(c: Config) -> str:
@@ -29,6 +29,12 @@ def builtin_path(name: str) -> str:
     return str(getattr(builtin, name)())
 
 
+def data_path(c: Config) -> str:
+    """The file a run trains on: ``--data FILE``, or the built-in set (written first if absent) for
+    no ``--data`` and for ``--data shakespeare``."""
+    return builtin_path(builtin_name(c)) if c.data in (None, "shakespeare") else c.data
+
+
 def open_data(c: Config, comm: Any = None, path: str | None = None) -> tuple[Rows, Rows, dict[str, Any]]:
     """(train set, validation set, facts the model needs) from the HDF5 file of the run.
 
@@ -43,7 +49,7 @@ def open_data(c: Config, comm: Any = None, path: str | None = None) -> tuple[Row
     from ..data.checks import open_classification, open_tokens
 
     if path is None:
-        path = builtin_path("shakespeare") if c.data == "shakespeare" else c.data or builtin_path(builtin_name(c))
+        path = data_path(c)
     tokens_key = c.tokens_key or ("tokens" if c.model == "gpt" else None)
     windows = None
     if tokens_key == "tokens":

@@ -24,7 +24,7 @@ from ..evaluation import evaluate
 from ..log import get_logger
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .config import _BY_NAME, Config, merge, read_config, resolve
-from .data import builtin_name, builtin_path, open_data
+from .data import data_path, open_data
 from .timeline import Timeline
 
 T = TypeVar("T")
@@ -256,13 +256,10 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     if c.data in (None, "shakespeare"):
         # Rank 0 writes the built-in set first; the others then find it (or, on node-local
         # disks, write their own identical copy) instead of all writing at once.
-        everywhere(comm, lambda: builtin_path(builtin_name(c)) if comm.rank == 0 else None)
-
-    def prepare() -> str:
-        return c.data or builtin_path(builtin_name(c))
+        everywhere(comm, lambda: data_path(c) if comm.rank == 0 else None)
 
     # Collective from here: every rank checks its share of the data and all get one verdict.
-    train_set, val_set, meta = open_data(c, comm, everywhere(comm, prepare))
+    train_set, val_set, meta = open_data(c, comm, everywhere(comm, lambda: data_path(c)))
     model = everywhere(comm, lambda: build_model(c, meta))
     c.info = meta
     if device == "cuda":

@@ -4,7 +4,8 @@
 flat bucket, a parameter inside a ZeRO flat buffer) count as their base array, and zero-stride
 placeholders (a ZeRO-3 parameter between its uses) count as the one element they hold.
 ``activation_bytes(model)`` is what the modules keep for backward right now (their ``cache``),
-counted the same way. ``MemoryMeter`` watches a model's activations during a step (at the start
+counted the same way; ``workspace`` is what the layers' reuse pools (``nn.buffers``) hold beyond
+that (arrays kept between steps for reuse). ``MemoryMeter`` watches a model's activations during a step (at the start
 of backward and inside every recomputed block, where the peaks are) and reports per-rank bytes
 of parameters, gradients, optimizer state, named buffers and the activation peak, plus the
 process's peak resident memory.
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-KEYS = ("params", "grads", "optimizer", "buffers", "activations_peak")
+KEYS = ("params", "grads", "optimizer", "buffers", "activations_peak", "workspace")
 
 
 def _root(a: Any) -> Any:
@@ -100,10 +101,36 @@ class MemoryMeter:
     def __init__(self, model: Any, loss: Any = None) -> None:
         self.model, self.loss = model, loss
         self.peak = 0
+        self.peak_layers = 0  # caches and pooled arrays together (``workspace`` is the excess)
         self.installed = False
 
+    def _pools(self) -> list[Any]:
+        """The arrays the layers' reuse pools (``nn.buffers``) keep now."""
+        arrays: list[Any] = []
+        seen: set[int] = set()
+        for root in (self.model, self.loss):
+            if root is None:
+                continue
+            mods = root.named_modules() if hasattr(root, "named_modules") else [("", root)]
+            for _, m in mods:
+                pool = m.__dict__.get("_buffers")
+                _arrays(getattr(pool, "_arrays", None), arrays, seen)
+        return arrays
+
     def measure(self) -> None:
-        self.peak = max(self.peak, activation_bytes(self.model, self.loss))
+        caches: list[Any] = []
+        seen: set[int] = set()
+        for root in (self.model, self.loss):
+            if root is None:
+                continue
+            mods = root.named_modules() if hasattr(root, "named_modules") else [("", root)]
+            for _, m in mods:
+                _arrays(m.__dict__.get("cache"), caches, seen)
+        counted: set[int] = set()
+        act = owned_bytes(caches, counted)
+        self.peak = max(self.peak, act)
+        # Everything the layers hold at this moment: caches and the pools' other arrays.
+        self.peak_layers = max(self.peak_layers, act + owned_bytes(self._pools(), counted))
 
     def install(self) -> MemoryMeter:
         from .nn.recompute import observers
@@ -136,20 +163,25 @@ class MemoryMeter:
             self.installed = False
 
     def report(self, groups: dict[str, list[Any]]) -> dict[str, int]:
-        """``{params, grads, optimizer, buffers, activations_peak, total, rss_peak}`` in bytes.
+        """``{params, grads, optimizer, buffers, activations_peak, workspace, total, rss_peak}`` in bytes.
 
         ``groups`` names the arrays of each category (``Trainer.memory_arrays``); a buffer is
         counted in the first category that holds it.
         """
         seen: set[int] = set()
-        out = {k: owned_bytes(groups.get(k, []), seen) for k in KEYS if k != "activations_peak"}
+        out = {k: owned_bytes(groups.get(k, []), seen) for k in KEYS if k not in ("activations_peak", "workspace")}
         # Buffers that live only inside a step (ZeRO's unit gradients, gathered parameters) report
         # their peak since the last report.
         out["buffers"] = max(out["buffers"], int(groups.get("buffers_peak", 0)))
         out["activations_peak"] = int(self.peak)
+        # Workspace: what the layers' reuse pools hold beyond the activations (the arrays they keep
+        # between steps, or more at the activation peak), so activations + workspace is all the
+        # layers held at their peak.
+        layers = max(self.peak_layers, owned_bytes(self._pools(), seen))
+        out["workspace"] = max(0, layers - out["activations_peak"])
         out["total"] = sum(out[k] for k in KEYS)
         out["rss_peak"] = peak_rss()
-        self.peak = 0
+        self.peak = self.peak_layers = 0
         return out
 
 

@@ -32,7 +32,7 @@ def test_fit_reports_memory_per_step():
     comm = ht.Communicator()
     g = np.random.default_rng(0)
     x, y = g.integers(0, 13, (32, 16)), g.integers(0, 13, (32, 16))
-    peaks = {}
+    peaks, works = {}, {}
     for wrap in (False, True):
         model = _gpt()
         if wrap:
@@ -47,13 +47,17 @@ def test_fit_reports_memory_per_step():
         assert m["grads"] == nbytes  # the gradient buckets are exactly the gradients
         assert m["optimizer"] == 2 * nbytes  # Adam: exp_avg and exp_avg_sq
         assert m["activations_peak"] > 0
-        assert m["total"] == sum(m[k] for k in ("params", "grads", "optimizer", "buffers", "activations_peak"))
+        assert m["total"] == sum(m[k] for k in ("params", "grads", "optimizer", "buffers", "activations_peak",
+                                                "workspace"))
         assert m["rss_peak"] > m["total"]
         peaks[wrap] = m["activations_peak"]
+        works[wrap] = m["workspace"]
         summary = tr.memory_summary()
         assert summary["params"] == nbytes and summary["activations_peak"] >= m["activations_peak"]
         tr.close()
     assert peaks[True] < peaks[False]
+    # The layers' reuse pools count too; recomputed blocks keep none between steps.
+    assert works[True] < works[False] and works[False] > 0
 
 
 def test_activation_bytes_of_a_forward():

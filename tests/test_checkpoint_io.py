@@ -409,3 +409,33 @@ def test_ranks_naming_different_files_are_refused_everywhere(comm, tmp_path):
         checkpoint.save(os.path.join(d, f"r{comm.rank}.h5"), t)
     comm.barrier()
     assert os.listdir(d) == []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_failed_background_write_is_raised_everywhere_later(comm, tmp_path, monkeypatch):
+    """An asynchronous save whose write fails on one rank: the next save still works, the failure
+    is raised on every rank by the call that agrees on it (here ``wait``), the failed save's
+    files are gone and the next one is committed."""
+    d = shared_dir(comm, tmp_path)
+    t = ShardTrainer(comm, steps=1)
+    real = saving.write_part
+
+    def full(path, items):
+        if comm.rank == comm.size - 1 and "ckpt-00000001.h5" in path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(path, items)
+
+    monkeypatch.setattr(saving, "write_part", full)
+    bad = checkpoint.save_in(d, t, asynchronous=True)
+    t.fake_step(1)
+    good = checkpoint.save_in(d, t, asynchronous=True)
+    with pytest.raises(CheckpointError, match=f"{os.path.basename(bad)}.*rank {comm.size - 1}: No space left"):
+        checkpoint.wait(t)
+    assert checkpoint.wait(t) is None
+    comm.barrier()
+    assert checkpoint.list_checkpoints(d) == [good]
+    assert not [n for n in os.listdir(d) if n.startswith(os.path.basename(bad))]
+    other = ShardTrainer(comm, steps=0)
+    checkpoint.load(good, other)
+    assert other.global_step == 2

@@ -47,3 +47,14 @@ def test_agree_raises_on_every_rank(comm):
         agree(comm, "trainer config", value)
     msg = str(info.value)
     assert "trainer config" in msg and f"rank {comm.size - 1}" in msg and "width: 8 != 9" in msg
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_raise_if_any_carries_a_payload_in_the_same_exchange(comm):
+    from hpctrain.comm.validate import raise_if_any
+
+    got = raise_if_any(comm, None, what="check", payload={"rank": comm.rank})
+    assert got == [{"rank": r} for r in range(comm.size)]
+    with pytest.raises(ValueError, match=f"check: rank {comm.size - 1}: bad"):
+        raise_if_any(comm, "bad" if comm.rank == comm.size - 1 else None, what="check", payload=comm.rank)

@@ -33,8 +33,11 @@ import numpy as np
 from .. import __version__
 from ..backend import to_host
 from ..errors import CheckpointError
+from ..log import get_logger
 from . import format as fmt
 from . import rawio
+
+_log = get_logger("checkpoint")
 
 #: Pieces held by several ranks are split among them when at least this large.
 SPLIT_BYTES = 1 << 20
@@ -360,10 +363,11 @@ def _handover(trainer: Any) -> Job | None:
         return None
     trainer._checkpoint_job = None
     older = _join(prev)
-    if older:  # an earlier commit failed: finish this one now, then report that failure
+    if older:  # an earlier commit failed: finish this one now (rank 0), then report that failure
         if prev.raw.Get_rank() == 0:
             prev.commit()
-        prev.raw.bcast(None, root=0)
+            if prev.error:
+                _log.warning("%s", prev.error)
         raise CheckpointError(older)
     return prev if prev.raw.Get_rank() == 0 else None
 
@@ -428,14 +432,16 @@ def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable
         state_json = fmt.dumps(fmt.to_json(trainer.state_dict(), extra))
     except Exception as exc:
         state_json, problem = "", problem or CheckpointError(f"state_dict(): {type(exc).__name__}: {exc}")
-    raise_if_any(comm, problem, what=f"cannot save checkpoint {path}")
+    # One exchange: every rank's problem, file name and pieces, and rank 0's token for the parts.
+    token = f"{time.time_ns():x}{uuid.uuid4().hex[:6]}" if comm.rank == 0 else None
+    everyone = raise_if_any(comm, problem, what=f"cannot save checkpoint {path}",
+                            payload=(os.path.abspath(path), meta, token))
     attrs["trainer_state"] = state_json
-    everyone = comm.allgather_obj((os.path.abspath(path), meta))
-    paths = sorted({p for p, _ in everyone})
+    paths = sorted({p for p, _, _ in everyone})
     if len(paths) > 1:  # e.g. asynchronous workers stopping at different steps: never half a checkpoint
         raise CheckpointError(f"cannot save checkpoint: the ranks name different files ({', '.join(paths[:4])})")
-    shapes, slabs = make_plan([m for _, m in everyone])
-    token = comm.bcast_obj(f"{time.time_ns():x}{uuid.uuid4().hex[:6]}" if comm.rank == 0 else None)
+    shapes, slabs = make_plan([m for _, m, _ in everyone])
+    token = everyone[0][2]
 
     job = Job(path, comm, raw, token)
     job.attrs, job.state_arrays, job.after = attrs, extra, after
@@ -463,8 +469,10 @@ def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable
     try:
         raise_if_any(comm, job.error, what=f"cannot save checkpoint {path}")
     except BaseException:
-        if previous is not None:  # not lost: committed now (its outcome is logged by commit's caller)
+        if previous is not None:  # not lost: committed now, its failure (if any) logged
             previous.commit()
+            if previous.error:
+                _log.warning("%s", previous.error)
         raise
     if asynchronous:
         job.previous = previous

@@ -87,7 +87,7 @@ def describe_model(model: Any) -> list[list[Any]]:
     )
 
 
-def raise_if_any(comm: Any, problem: BaseException | str | None, *, what: str = "") -> None:
+def raise_if_any(comm: Any, problem: BaseException | str | None, *, what: str = "", payload: Any = None) -> list[Any]:
     """Raise the same error on every rank of ``comm`` if any rank has a ``problem`` (collective).
 
     The one place where "a check failed on some ranks" becomes "every rank raises": each rank
@@ -96,16 +96,20 @@ def raise_if_any(comm: Any, problem: BaseException | str | None, *, what: str = 
     first failing rank's exception (``ValueError`` for a plain message; a type that cannot be
     rebuilt from a message falls back to ``RuntimeError``) and a message naming each failing
     rank, prefixed by ``what``.
+
+    ``payload``: plain data that rides on the same exchange; when nothing is raised, returns
+    every rank's payload (by rank), so a check and the exchange after it cost one collective.
     """
     mine = None
     if isinstance(problem, BaseException):
         mine = (type(problem), str(problem))
     elif problem is not None:
         mine = (ValueError, str(problem))
-    everyone = comm.allgather_obj(mine)
+    gathered = comm.allgather_obj((mine, payload))
+    everyone = [m for m, _ in gathered]
     bad = [(r, p) for r, p in enumerate(everyone) if p is not None]
     if not bad:
-        return
+        return [x for _, x in gathered]
     # Identical messages from many ranks are said once, with the ranks' ranges.
     by_text: dict[str, list[int]] = {}
     for r, (_, text) in bad:

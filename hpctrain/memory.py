@@ -16,7 +16,7 @@ from __future__ import annotations
 import resource
 import sys
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -104,28 +104,29 @@ class MemoryMeter:
         self.peak_layers = 0  # caches and pooled arrays together (``workspace`` is the excess)
         self.installed = False
 
-    def _pools(self) -> list[Any]:
-        """The arrays the layers' reuse pools (``nn.buffers``) keep now."""
-        arrays: list[Any] = []
-        seen: set[int] = set()
+    def _modules(self) -> Iterator[Any]:
+        """Every module of the model and the loss."""
         for root in (self.model, self.loss):
             if root is None:
                 continue
             mods = root.named_modules() if hasattr(root, "named_modules") else [("", root)]
             for _, m in mods:
-                pool = m.__dict__.get("_buffers")
-                _arrays(getattr(pool, "_arrays", None), arrays, seen)
+                yield m
+
+    def _pools(self) -> list[Any]:
+        """The arrays the layers' reuse pools (``nn.buffers``) keep now."""
+        arrays: list[Any] = []
+        seen: set[int] = set()
+        for m in self._modules():
+            pool = m.__dict__.get("_buffers")
+            _arrays(getattr(pool, "_arrays", None), arrays, seen)
         return arrays
 
     def measure(self) -> None:
         caches: list[Any] = []
         seen: set[int] = set()
-        for root in (self.model, self.loss):
-            if root is None:
-                continue
-            mods = root.named_modules() if hasattr(root, "named_modules") else [("", root)]
-            for _, m in mods:
-                _arrays(m.__dict__.get("cache"), caches, seen)
+        for m in self._modules():
+            _arrays(m.__dict__.get("cache"), caches, seen)
         counted: set[int] = set()
         act = owned_bytes(caches, counted)
         self.peak = max(self.peak, act)

@@ -14,7 +14,12 @@ import pytest
 from hpctrain import errors
 from hpctrain.train import merge, resolve, run
 
-SMALL = {"max_samples": 64, "batch_size": 16, "epochs": 1, "d_model": 16, "n_layers": 1, "log_every": 100}
+SMALL = {"max_samples": 64, "epochs": 1, "d_model": 16, "n_layers": 1, "log_every": 100}
+
+
+def small(comm) -> dict:
+    """SMALL with a global batch that splits over every world size (16, or 15 at 3 and 5 ranks)."""
+    return {**SMALL, "batch_size": 16 // comm.size * comm.size}
 
 
 @pytest.mark.timeout(30)
@@ -65,7 +70,8 @@ def test_summary_json_is_valid_json_when_the_validation_loss_is_not_finite(comm,
         with h5py.File(path, "w") as f:
             f["x"], f["y"] = x, g.integers(0, 3, 200)
     comm.barrier()
-    s = run(merge({}, {**SMALL, "data": path, "val_fraction": 0.5, "run_dir": os.path.join(shared_dir, "r")}), comm)
+    given = {**small(comm), "data": path, "val_fraction": 0.5, "run_dir": os.path.join(shared_dir, "r")}
+    s = run(merge({}, given), comm)
     assert math.isnan(s["val_loss"]), s["val_loss"]
     assert s["val_samples"] == 64  # half the file is held out; --max-samples 64 caps the evaluation too
     if comm.rank == 0:
@@ -99,5 +105,5 @@ def test_read_only_run_directory_is_one_clear_error_on_every_rank(comm, tmp_path
         pytest.skip("cannot make a read-only directory here (root without mount)")
     ro = comm.bcast_obj(str(ro) if comm.rank == 0 else None)
     with pytest.raises(errors.ConfigError, match="Read-only file system|Permission denied") as info:
-        run(merge({}, {**SMALL, "run_dir": os.path.join(ro, "run")}), comm)
+        run(merge({}, {**small(comm), "run_dir": os.path.join(ro, "run")}), comm)
     assert f"{ro}/run" in str(info.value) and "\n" not in str(info.value)  # the path and the cause, one line

@@ -6,6 +6,8 @@ for the whole job) and ``make_mlp`` (``from conftest import make_mlp``)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -61,20 +63,24 @@ def pytest_configure(config):
         pass
 
 
-def _mount_tmpfs(path, options: str) -> None:
-    """Mount a tmpfs at ``path`` (root only) or skip the test saying why."""
+@contextlib.contextmanager
+def _tmpfs(path, options: str):
+    """A tmpfs mounted at ``path`` for the block (root only), or skip the test saying why."""
     import subprocess
 
     p = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
     if p.returncode != 0:
         pytest.skip(f"root cannot mount a tmpfs ({options}) here: {p.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
 
 
 @pytest.fixture
 def readonly_dir(tmp_path):
     """A directory nobody may write: chmod for a user; for root (who ignores modes) a read-only tmpfs."""
     import os
-    import subprocess
 
     path = tmp_path / "ro"
     path.mkdir()
@@ -83,28 +89,21 @@ def readonly_dir(tmp_path):
         yield path
         path.chmod(0o755)
         return
-    _mount_tmpfs(path, "ro,size=64k")
-    try:
+    with _tmpfs(path, "ro,size=64k"):
         yield path
-    finally:
-        subprocess.run(["umount", str(path)], capture_output=True)
 
 
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB file system (a tmpfs: needs root; skipped with the reason otherwise) to fill up."""
     import os
-    import subprocess
 
     if os.geteuid() != 0:
         pytest.skip("a full disk is simulated with a small tmpfs, which needs root")
     path = tmp_path / "small"
     path.mkdir()
-    _mount_tmpfs(path, "size=1m")
-    try:
+    with _tmpfs(path, "size=1m"):
         yield path
-    finally:
-        subprocess.run(["umount", str(path)], capture_output=True)
 
 
 @pytest.fixture

@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit  # noqa: E402
 
 from hpctrain import Communicator, checkpoint  # noqa: E402
+from hpctrain.checkpoint.saving import fsync_file  # noqa: E402
 from hpctrain.nn import Parameter  # noqa: E402
 from hpctrain.optim import SGD  # noqa: E402
 from hpctrain.trainer import Trainer  # noqa: E402
@@ -75,14 +76,6 @@ class BlobTrainer(Trainer):
 
     def load_state_dict(self, state):
         self.global_step = state["global_step"]
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def evict(paths: list[str]) -> None:
@@ -185,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             with h5py.File(plain, "w") as f:
                 for n, a in full.items():
                     f.create_dataset(n, data=a)
-            fsync_path(plain)
+            fsync_file(plain)
 
     def ours_save(k: int) -> None:
         if groups[k] is not None:

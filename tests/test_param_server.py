@@ -327,22 +327,32 @@ def test_sync_fit_stop_and_resume_equals_uninterrupted(comm, tmp_path):
 
 @mpi
 @pytest.mark.timeout(60)
-def test_ssp_zero_timeout_means_no_limit_and_the_clock_wait_is_watched(comm):
+def test_ssp_zero_timeout_means_no_limit_and_the_clock_wait_is_watched(comm, shared_dir):
     """timeout=0 is "off" (as everywhere), not "expire now": a worker held back by a slow one
-    waits for it; while it waits, the watchdog sees the wait and names the slow worker."""
+    waits for it; while it waits, the watchdog sees the wait and names the slow worker.
+
+    The slow rank does not step until rank 0's watched wait has named it (a file in the shared
+    directory), so the test does not depend on how fast an oversubscribed machine gets rank 0 to
+    its wait (a fixed sleep did not: CI once saw rank 0 arrive after the slow rank had gone on)."""
     from hpctrain.comm import watchdog
 
     t = ParameterServerTrainer(model=mlp(), loss=MSELoss(), lr=0.01, comm=comm, mode="ssp", staleness=0, timeout=0)
     assert t.timeout == 0
     x, y = batches(1, 4)[0]
+    named = os.path.join(shared_dir, "named")
     seen, real = [], watchdog.begin
     if comm.rank == comm.size - 1:
-        time.sleep(1.0)  # everyone else reaches the clock wait and waits for this rank
+        deadline = time.monotonic() + 60
+        while not os.path.exists(named):  # everyone else reaches the clock wait and waits for this rank
+            assert time.monotonic() < deadline, "rank 0 never named the slow rank in its clock wait"
+            time.sleep(0.01)
     elif comm.rank == 0:
 
         def spy(c, op, peer=None, seq=None):
             if op.startswith("ssp clock wait"):
                 seen.append(peer)
+                if peer == comm.size - 1:
+                    open(named, "w").close()
             return real(c, op, peer, seq)
 
         watchdog.begin = spy

@@ -109,11 +109,14 @@ def make_ps(comm, mode: str, seed: int = 0):
     model = Sequential(Linear(D_IN, 8, rng=r, dtype=np.float64), ReLU(), Linear(8, D_OUT, rng=r, dtype=np.float64))
     trainer = ParameterServerTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), lr=0.05, comm=comm, mode=mode,
                                      staleness=1, timeout=60)
+    return model, trainer, ps_loader(comm)
+
+
+def ps_loader(comm) -> DataLoader:
     n = 6 * BATCH * comm.size  # 6 steps per epoch on every rank, whatever the world size
     g = np.random.default_rng(5)
     data = ArrayDataset(g.normal(size=(n, D_IN)), g.integers(0, D_OUT, n))
-    loader = DataLoader(data, batch_size=BATCH, sampler=ShardedSampler(n, comm.rank, comm.size, seed=3))
-    return model, trainer, loader
+    return DataLoader(data, batch_size=BATCH, sampler=ShardedSampler(n, comm.rank, comm.size, seed=3))
 
 
 class AskToStopAsync(AskToStop):
@@ -155,9 +158,10 @@ def test_parameter_server_workers_stop_at_one_agreed_step_and_resume_from_it(com
     others are ahead of it) or on every rank at different steps (who="all") ends every rank's fit
     with ``Preempted`` at the same step, with one checkpoint of that step (same name everywhere,
     the servers' state); periodic checkpoints (every=2) between the request and the stop still
-    meet. Resumed by fresh trainers (other initial values), training starts from
-    exactly that step and those parameters, bitwise, and runs the remaining steps; what follows is
-    not bitwise reproducible (the workers' pushes interleave as they happen to)."""
+    meet. Resumed (by fresh trainers with other initial values, or with every=2 by the stopped
+    ones themselves), training starts from exactly that step and those parameters, bitwise, and
+    runs the remaining steps; what follows is not bitwise reproducible (the workers' pushes
+    interleave as they happen to)."""
     d = _dir(comm, tmp_path)
     at = 2
     _, trainer, loader = make_ps(comm, mode)
@@ -181,14 +185,17 @@ def test_parameter_server_workers_stop_at_one_agreed_step_and_resume_from_it(com
     everyone = comm.allgather_obj(saved)
     for n in saved:
         assert all(np.array_equal(e[n], saved[n]) for e in everyone), n  # one state on every rank
-    trainer.close()
     preempt.clear()
 
     class Start:
         def on_fit_start(self, t):
             self.step, self.params = t.global_step, {n: p.data.copy() for n, (p, _, _) in t.shards().items()}
 
-    _, resumed, loader = make_ps(comm, mode, seed=9)
+    if every:  # the same trainer goes on: loading the checkpoint clears the agreed stop
+        resumed, loader = trainer, ps_loader(comm)
+    else:  # fresh trainers with other initial values
+        trainer.close()
+        _, resumed, loader = make_ps(comm, mode, seed=9)
     start = Start()
     history = resumed.fit(loader, epochs=2, checkpoint_dir=ckdir, log_every=1000, progress=False, callbacks=[start])
     assert start.step == step and resumed.clock == resumed.global_step == 2 * len(loader)

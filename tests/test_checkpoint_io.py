@@ -439,3 +439,54 @@ def test_failed_background_write_is_raised_everywhere_later(comm, tmp_path, monk
     other = ShardTrainer(comm, steps=0)
     checkpoint.load(good, other)
     assert other.global_step == 2
+
+
+class BigTrainer(Trainer):
+    """One parameter big enough for huge-page staging (float64, 5 MiB), plus a small one."""
+
+    def __init__(self, comm: Communicator, seed: int) -> None:
+        super().__init__(comm=comm)
+        g = np.random.default_rng(seed)
+        self.local = {"big": Parameter(g.standard_normal((640, 1024)), name="big"),
+                      "small": Parameter(g.standard_normal(7), name="small")}
+        self.optimizer = Adam(list(self.local.values()), lr=0.1)
+
+    def shards(self):
+        return {n: (p, p.data.shape, (slice(None),) * p.data.ndim) for n, p in self.local.items()}
+
+    def state_dict(self):
+        return {"global_step": self.global_step, "epoch": self.epoch}
+
+
+def test_a_load_swaps_in_its_arrays_unless_someone_else_sees_them(alone, tmp_path):
+    """A load reads into new (huge-page aligned) arrays and swaps them in when nothing else can
+    see the old ones; a view a user holds (of the old or of an earlier load's array) is never
+    orphaned: then the values are copied into place and the view sees them."""
+    from hpctrain.checkpoint import rawio
+
+    saved = BigTrainer(alone, seed=1)
+    a = checkpoint.save(str(tmp_path / "a.h5"), saved)
+    b = checkpoint.save(str(tmp_path / "b.h5"), BigTrainer(alone, seed=2))
+    t = BigTrainer(alone, seed=3)
+    before = t.local["big"].data.ctypes.data  # addresses only: a reference would block the swap
+    checkpoint.load(a, t)
+    first = t.local["big"].data.ctypes.data
+    assert first != before  # swapped in: no copy
+    assert first % rawio.HUGE == 0
+    np.testing.assert_array_equal(t.local["big"].data, saved.local["big"].data)
+    view = t.local["big"].data[:4]  # a user's view of the swapped-in array
+    checkpoint.load(b, t)
+    assert t.local["big"].data.ctypes.data == first  # copied into place: the view still sees the parameter
+    np.testing.assert_array_equal(view, BigTrainer(alone, seed=2).local["big"].data[:4])
+    del view
+    checkpoint.load(a, t)
+    assert t.local["big"].data.ctypes.data != first  # nothing else sees it now: swapped again
+    kept = t.local["big"].data.copy()
+    small = t.local["small"].data.copy()
+    from ckpt_tools import flip
+
+    flip(b, "model/big")
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        checkpoint.load(b, t)
+    np.testing.assert_array_equal(t.local["big"].data, kept)
+    np.testing.assert_array_equal(t.local["small"].data, small)

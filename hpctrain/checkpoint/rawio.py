@@ -195,12 +195,10 @@ class RawFile:
             os.close(self.fd)
             self.fd = -1
 
-    def read_hashed(self, offset: int, out: np.ndarray, what: str) -> str:
-        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (C-contiguous) with one call;
-        returns the XXH3-64 digest of what was read. (One sequential read per slab, in file
-        order, keeps the kernel's read-ahead going from a cold cache; splitting a slab among
-        threads measured no faster warm, where the new arrays' page faults dominate, and
-        slower cold.)"""
+    def read(self, offset: int, out: np.ndarray, what: str) -> None:
+        """Read ``out.nbytes`` bytes at ``offset`` into ``out`` (C-contiguous) with one call.
+        (One sequential read per slab, in file order, keeps the kernel's read-ahead going from a
+        cold cache; splitting a slab among threads measured no faster warm and slower cold.)"""
         dst = byte_view(out)
         n = len(dst)
         if offset < 0 or offset + n > self.size:
@@ -213,21 +211,43 @@ class RawFile:
                 if got <= 0:
                     raise CheckpointError(f"{what}: {self.path} ends early (truncated)")
                 buf, at = buf[got:], at + got
-        return xxhash.xxh3_64_hexdigest(dst)
+
+
+#: Huge page size (x86-64 and most Linux): staging arrays this large or larger are aligned to it.
+HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23
+
+
+def staging_empty(shape: tuple, dtype: Any) -> np.ndarray:
+    """A new uninitialized C-contiguous array for a load to read into (it becomes the parameter
+    when the load commits, swapped in without a copy).
+
+    An array of :data:`HUGE` bytes or more starts on a huge-page boundary and its range is advised
+    ``MADV_HUGEPAGE``: the kernel then maps it with 2 MiB pages, one fault per 2 MiB instead of
+    one per 4 KiB. Measured on a warm page cache (256 MiB, Linux 6.18, THP in ``madvise`` mode):
+    reading into new 4 KiB-paged memory ran at 0.76x the speed of reading into preallocated
+    memory, into new huge pages at 1.10x (fewer TLB misses than the preallocated 4 KiB pages).
+    The unaligned head and tail of the allocation are never touched, so they take no memory.
+    Where huge pages are off the advice does nothing."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if n < HUGE:
+        return np.empty(shape, dtype)
+    span = -(-n // HUGE) * HUGE
+    raw = np.empty(span + HUGE, np.uint8)
+    start = (-raw.ctypes.data) % HUGE
+    _advise(raw.ctypes.data + start, span, _MADV_HUGEPAGE)
+    return raw[start : start + n].view(dtype).reshape(shape)
 
 
 _madvise: Any = None
 
 
-def prefault(a: np.ndarray) -> None:
-    """Fault in a new array's pages now (``MADV_POPULATE_WRITE``, Linux 5.14+; the GIL is
-    released), so a read into it that a reader thread is about to do copies instead of faulting.
-    The loading thread does this for the next slab while the reader thread reads the previous
-    one: the kernel's zeroing of new pages, the main cost of reading into new arrays from a warm
-    page cache, runs on a second core. Advice only: nothing happens where it is not supported."""
+def _advise(addr: int, length: int, advice: int) -> bool:
+    """``madvise(addr, length, advice)`` (``addr`` page-aligned; the GIL is released); False where
+    it is not available or refused."""
     global _madvise
-    if a.nbytes < (1 << 20):
-        return
     if _madvise is None:
         try:
             import ctypes
@@ -237,8 +257,22 @@ def prefault(a: np.ndarray) -> None:
             _madvise = fn
         except (OSError, AttributeError):
             _madvise = False
-    if not _madvise:
+    return bool(_madvise) and _madvise(addr, length, advice) == 0
+
+
+_populate = True
+#: Arrays smaller than this are not worth a prefault (the reader's own faults are few).
+PREFAULT_MIN = 1 << 20
+
+
+def prefault(a: np.ndarray) -> None:
+    """Fault in a new array's pages now (``MADV_POPULATE_WRITE``, Linux 5.14+; the GIL is
+    released), so a read into it copies instead of faulting: the kernel's zeroing of new pages
+    then runs on another thread than the read (see ``loading.Reader``). Advice only: nothing
+    happens where it is not supported."""
+    global _populate
+    if a.nbytes < PREFAULT_MIN or not _populate:
         return
     start = a.ctypes.data // ALIGN * ALIGN
-    if _madvise(start, a.ctypes.data + a.nbytes - start, 23) != 0:  # 23: MADV_POPULATE_WRITE
-        _madvise = False  # an older kernel: do not ask again
+    if not _advise(start, a.ctypes.data + a.nbytes - start, _MADV_POPULATE_WRITE):
+        _populate = False  # an older kernel: do not ask again

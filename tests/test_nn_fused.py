@@ -1,5 +1,6 @@
 """The fused CPU kernels (hpctrain.nn.fused, Numba) against the NumPy code they replace, which stays
-the fallback: GELU and Adam bitwise, LayerNorm to rounding; and the HPCTRAIN_FUSED switch."""
+the fallback: GELU and Adam bitwise, LayerNorm and the attention softmax to rounding; and the
+HPCTRAIN_FUSED switch."""
 
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ Each kernel does in one pass over memory what the NumPy code does in several, on
 arrays of one floating dtype; the scalars arrive already in that dtype, so every operation runs in
 the array's precision as NumPy's does (no silent float64 intermediates). The elementwise kernels
 (GELU, Adam) take NumPy's operations in NumPy's order without ``fastmath``, so they are bitwise
-NumPy's results; the LayerNorm kernels sum each row in float64 and let the compiler reorder the
-sums (``reassoc``: vectorised), equal to the NumPy code to rounding (its BLAS sums in float32).
+NumPy's results; the LayerNorm and softmax kernels sum each row in float64 and let the compiler
+reorder the sums (``reassoc``: vectorised), equal to the NumPy code to rounding (its BLAS sums are
+float32).
 ``nogil``: a progress thread (``HPCTRAIN_PROGRESS=thread``) can drive MPI while they run.
 """
 

@@ -1,6 +1,6 @@
 """The fused CPU kernels (hpctrain.nn.fused, Numba) against the NumPy code they replace, which stays
-the fallback: GELU and Adam bitwise, LayerNorm and the attention softmax to rounding; and the
-HPCTRAIN_FUSED switch."""
+the fallback: GELU and Adam bitwise, LayerNorm, the attention softmax and the embedding backward to
+rounding; and the HPCTRAIN_FUSED switch."""
 
 from __future__ import annotations
 
@@ -161,6 +161,26 @@ def test_fused_attention_softmax_matches_the_numpy_code(monkeypatch, t, block, d
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == dtype
         np.testing.assert_allclose(a, b, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["rtol"] * np.abs(b).max())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_embedding_backward_matches_the_numpy_code(monkeypatch, dtype, rng):
+    """To rounding: NumPy's reduceat sums an index's rows in another order than one after another."""
+    idx = rng.integers(0, 9, (4, 33))
+    grads = [rng.standard_normal((4, 33, 16)).astype(dtype) for _ in range(2)]
+
+    def run():
+        emb = nn.Embedding(9, 16, rng=0, dtype=dtype)
+        out = []
+        for g in grads:
+            emb.forward(idx)
+            emb.backward(g)
+            out.append(emb.weight.grad.copy())
+        return out
+
+    (once, twice), (want_once, want_twice) = _both(monkeypatch, run)
+    np.testing.assert_allclose(once, want_once, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"])
+    np.testing.assert_allclose(twice, want_twice, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"])
 
 
 def test_the_switch(monkeypatch):

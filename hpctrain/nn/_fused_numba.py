@@ -197,3 +197,14 @@ def softmax_backward(ds, att, s, e, scale):  # pragma: no cover - compiled
                     v = d[j] - rr
                     v = v * p[j]
                     d[j] = v * scale
+
+
+@njit(**_JIT)
+def scatter_rows(target, index, values):  # pragma: no cover - compiled
+    """``target[index[i]] += values[i]`` row by row in order (repeated rows accumulate, as
+    ``np.add.at``); the indices are the caller's to check."""
+    n, d = values.shape
+    for i in range(n):
+        r = index[i]
+        for j in range(d):
+            target[r, j] += values[i, j]

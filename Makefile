@@ -1,5 +1,6 @@
-# Every target sets itself up on a fresh machine: a venv in .venv with hpctrain, the PyPI MPICH
-# and the test tools. Re-running is quick: the stamp file skips pip when pyproject is unchanged.
+# Every target sets itself up on a fresh machine: a venv in .venv with hpctrain, the PyPI MPICH,
+# the test tools and Numba (the fused kernels; tests/test_nn_fused.py checks them against NumPy).
+# Re-running is quick: the stamp file skips pip when pyproject is unchanged.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -17,7 +18,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mpich,test]'
+	$(PY) -m pip install -q -e '.[mpich,test,fast]'
 	touch $(STAMP)
 
 test: test-serial test-mpi2 test-mpi4 test-mpi8

@@ -124,6 +124,12 @@ def progress() -> str:
     return raw
 
 
+def fused() -> bool | None:
+    """``HPCTRAIN_FUSED``: use the fused CPU kernels (1; needs Numba), never (0), or when Numba is
+    importable (unset, the default); see ``hpctrain.nn.fused``."""
+    return env_bool("HPCTRAIN_FUSED", None)
+
+
 #: Every HPCTRAIN_* variable the library reads, with its parser (``check_environment`` runs them).
 PARSERS = {
     "HPCTRAIN_TIMEOUT": resolve_timeout,
@@ -133,6 +139,7 @@ PARSERS = {
     "HPCTRAIN_LOCAL_RANK": local_rank,
     "HPCTRAIN_DATA": data_dir,
     "HPCTRAIN_PROGRESS": progress,
+    "HPCTRAIN_FUSED": fused,
 }
 
 

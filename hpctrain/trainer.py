@@ -52,7 +52,9 @@ class StepStats:
     ``loss`` is the mean over the global batch; ``grad_norm`` the global L2 norm of the gradient
     before clipping; ``samples`` counts the global batch's real (unpadded) samples;
     ``comm_seconds`` is the time spent waiting for communication; ``stop`` is True on every rank
-    when any rank was asked to stop (``hpctrain.preempt.request()``) before this step ended.
+    when any rank was asked to stop (``hpctrain.preempt.request()``) before this step ended (the
+    asynchronous parameter server, whose workers do not step together: at the one step number
+    every worker agreed on, see ``parallel.param_server``).
     """
 
     loss: float

@@ -45,16 +45,25 @@ def _steps(run: Path) -> list[int]:
 
 @pytest.mark.fault
 @pytest.mark.timeout(300)
-def test_sigterm_to_the_job_checkpoints_its_step_and_resume_ends_bitwise(serial, tmp_path):
+@pytest.mark.parametrize("strategy", [(), ("--strategy", "ps", "--ps-mode", "async")], ids=["dp", "ps-async"])
+def test_sigterm_to_the_job_checkpoints_its_step_and_resume_ends_bitwise(serial, tmp_path, strategy):
     """SIGTERM to mpiexec's process group mid-run (what a scheduler sends): exit 75, a checkpoint of the
     step it stopped at; a second job on the locked run directory is refused meanwhile; ``--resume``
-    ends bitwise where an uninterrupted run ends, with one metrics line per step."""
-    ref = hpctrain("train", *SMALL_GPT, "--run-dir", str(tmp_path / "ref"), n=2)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-    want = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    ends bitwise where an uninterrupted run ends, with one metrics line per step.
+
+    The asynchronous parameter server's workers step at their own pace and agree on the stop step
+    through its clock window; its resume starts from that checkpoint but does not retrace an
+    uninterrupted run bitwise (the workers' pushes interleave as they happen to): for it the resumed
+    run must end with every step once, and no reference run is made."""
+    args = (*SMALL_GPT, *strategy)
+    exact = not strategy
+    if exact:
+        ref = hpctrain("train", *args, "--run-dir", str(tmp_path / "ref"), n=2)
+        assert ref.returncode == 0, ref.stdout + ref.stderr
+        want = json.loads((tmp_path / "ref" / "summary.json").read_text())
 
     run = tmp_path / "run"
-    job = subprocess.Popen([_mpiexec(), "-n", "2", sys.executable, "-m", "hpctrain", "train", *SMALL_GPT,
+    job = subprocess.Popen([_mpiexec(), "-n", "2", sys.executable, "-m", "hpctrain", "train", *args,
                             "--run-dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=_env(), start_new_session=True)
     try:
@@ -62,10 +71,11 @@ def test_sigterm_to_the_job_checkpoints_its_step_and_resume_ends_bitwise(serial,
         while time.monotonic() < deadline and job.poll() is None and not (
                 (run / "metrics.jsonl").exists() and len(_steps(run)) >= 3):
             time.sleep(0.1)
-        # The run directory is locked while the job uses it: a second job is refused, naming the first.
-        second = hpctrain("train", *TINY, "--run-dir", str(run), "--resume")
-        assert second.returncode == ExitStatus.CONFIG, second.stdout + second.stderr
-        assert f"run directory {run} is in use by another job" in second.stderr, second.stderr
+        if exact:  # the run directory lock is the job's, whatever the strategy: checked once
+            # The run directory is locked while the job uses it: a second job is refused, naming the first.
+            second = hpctrain("train", *TINY, "--run-dir", str(run), "--resume")
+            assert second.returncode == ExitStatus.CONFIG, second.stdout + second.stderr
+            assert f"run directory {run} is in use by another job" in second.stderr, second.stderr
         while time.monotonic() < deadline and job.poll() is None and len(_steps(run)) < 20:
             time.sleep(0.05)
         assert job.poll() is None, "the job ended before it could be interrupted"
@@ -79,19 +89,22 @@ def test_sigterm_to_the_job_checkpoints_its_step_and_resume_ends_bitwise(serial,
     m = re.search(r"preempted on SIGTERM: stopped at step (\d+); checkpoint (\S+?);", out)
     assert m, out + err
     step, path = int(m.group(1)), m.group(2)
-    assert 20 <= step < want["steps"] and path == checkpoint.checkpoint_path(str(run / "checkpoints"), step)
+    assert path == checkpoint.checkpoint_path(str(run / "checkpoints"), step)
     assert Path(path).exists() and "all checksums verified" in checkpoint.inspect(path)
     assert not (run / ".hpctrain.lock").exists()  # released on the way out
 
-    resumed = hpctrain("train", *SMALL_GPT, "--run-dir", str(run), "--resume", n=2)
+    resumed = hpctrain("train", *args, "--run-dir", str(run), "--resume", n=2)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed from {path} at step {step}" in resumed.stdout
     got = json.loads((run / "summary.json").read_text())
+    assert 20 <= step < got["steps"]
+    assert _steps(run) == list(range(1, got["steps"] + 1))  # no step twice after the resume
+    if not exact:
+        return
     assert (got["steps"], got["final_loss"], got["val_loss"]) == (want["steps"], want["final_loss"], want["val_loss"])
     with h5py.File(got["checkpoint"], "r") as a, h5py.File(want["checkpoint"], "r") as b:
         for name in b["model"]:
             assert np.array_equal(a["model"][name][()], b["model"][name][()]), name  # bitwise
-    assert _steps(run) == list(range(1, want["steps"] + 1))  # no step twice after the resume
 
 
 # -- in process, every world size -------------------------------------------------------------------

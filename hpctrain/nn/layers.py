@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
+from . import fused
 from .module import Module, Parameter, as_rng
 
 # sqrt(2 / pi), the constant of GPT-2's tanh approximation of GELU.
@@ -135,6 +136,17 @@ class GELU(Module):
         buf = self._scratch()
         t = buf.like("t", x)
         y = buf.like("y", x)
+        self.cache = (x, t)
+        k = fused.usable(x, t, y)
+        if k is not None:  # the same operations fused around NumPy's vectorised tanh, chunk by chunk
+            kc, c, one, half = fused.scalars(x.dtype, 0.044715 * _GELU_C, _GELU_C, 1.0, 0.5)
+            xf, tf, yf = x.reshape(-1), t.reshape(-1), y.reshape(-1)
+            for s in range(0, xf.size, CHUNK):
+                xs, ts = xf[s : s + CHUNK], tf[s : s + CHUNK]
+                k.gelu_inner(xs, ts, kc, c)
+                np.tanh(ts, out=ts)
+                k.gelu_outer(xs, ts, yf[s : s + CHUNK], one, half)
+            return y
         # In place and in row chunks that stay in the core's cache while the eight passes run
         # over them: tanh(x (c + 0.044715 c x^2)), then 0.5 x (1 + t).
         for xs, ts, ys in row_chunks(xp, x, t, y):
@@ -146,7 +158,6 @@ class GELU(Module):
             xp.add(ts, 1.0, out=ys)
             ys *= xs
             ys *= 0.5
-        self.cache = (x, t)
         return y
 
     def backward(self, grad_out: Any) -> Any:
@@ -155,6 +166,11 @@ class GELU(Module):
         buf = self._scratch()
         # d/dx = 0.5 ((1 + t) + x (1 - t^2) c (1 + 3 * 0.044715 x^2)), by row chunks as forward.
         a = buf.get("gx", x.shape, np.result_type(x.dtype, grad_out.dtype), xp)
+        k = fused.usable(x, t, grad_out, a) if grad_out.shape == x.shape else None
+        if k is not None:  # one pass instead of ten
+            k.gelu_backward(x.reshape(-1), t.reshape(-1), grad_out.reshape(-1), a.reshape(-1),
+                            *fused.scalars(x.dtype, 0.134145 * _GELU_C, _GELU_C, 1.0, 0.5))
+            return a
         for xs, ts, gs, ys in row_chunks(xp, x, t, grad_out, a):
             b = buf.get("tmp", xs.shape, x.dtype, xp)
             xp.multiply(xs, xs, out=ys)
@@ -219,6 +235,15 @@ class LayerNorm(Module):
         d = self.d
         x2 = x.reshape(-1, d)
         n = x2.shape[0]
+        w, b = self.weight.data, self.bias.data
+        k = fused.usable(x, w, b)
+        if k is not None:  # one pass over each row (see hpctrain.nn.fused)
+            xhat, rstd = buf.like("xhat", x), buf.get("rstd", (n, 1), x.dtype, xp)
+            y = buf.like("y", x)
+            k.layernorm_forward(x2, w, b, *fused.scalars(x.dtype, self.eps), xhat.reshape(-1, d), rstd.reshape(-1),
+                                y.reshape(-1, d))
+            self.cache = (xhat, rstd)
+            return y
         ones = row_ones(d, x.dtype, xp)
         # Row sums as matrix-vector products (BLAS; a reduction along a short last axis is several
         # times slower), everything else in place in reused buffers.
@@ -251,6 +276,11 @@ class LayerNorm(Module):
         g2 = grad_out.reshape(-1, d)
         xh2 = xhat.reshape(-1, d)
         n = g2.shape[0]
+        k = fused.usable(grad_out, xhat, rstd, w, self.weight.grad, self.bias.grad)
+        if k is not None and grad_out.shape == xhat.shape:  # one pass over each row
+            gx = buf.like("gx", grad_out)
+            k.layernorm_backward(g2, xh2, rstd.reshape(-1), w, self.weight.grad, self.bias.grad, gx.reshape(-1, d))
+            return gx
         ones = row_ones(n, grad_out.dtype, xp)
         tmp = buf.get("tmp", g2.shape, dtype, xp)
         xp.multiply(g2, xh2, out=tmp)

@@ -9,7 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from ..backend import to_device, xp_of
+from ..nn import fused
 from ..nn.module import Parameter
 
 
@@ -152,6 +155,8 @@ class Adam(Optimizer):
         t = self.step_count
         g = p.grad
         xp = xp_of(p.data)
+        if self._fused_update(p, state, lr):
+            return
         if self.weight_decay:
             if self.decoupled:
                 p.data *= 1 - lr * self.weight_decay
@@ -177,6 +182,29 @@ class Adam(Optimizer):
         xp.divide(m, s, out=s)
         s *= step_size
         p.data -= s
+
+    def _fused_update(self, p: Parameter, state: dict[str, Any], lr: float) -> bool:
+        """The whole update in one pass (``hpctrain.nn.fused``; bitwise the NumPy code's result)
+        when the kernels are on and the arrays suit them; ``False`` leaves it to the NumPy code."""
+        if not isinstance(p.data, np.ndarray):
+            return False
+        m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+        arrays = (p.data, p.grad) if m is None else (p.data, p.grad, m, v)
+        k = fused.usable(*arrays)
+        if k is None or any(a.shape != p.data.shape for a in arrays):
+            return False
+        if m is None:
+            m = state["exp_avg"] = np.zeros_like(p.data)
+            v = state["exp_avg_sq"] = np.zeros_like(p.data)
+        b1, b2 = self.betas
+        t = self.step_count
+        wd = self.weight_decay
+        decay = 1 - lr * wd if wd and self.decoupled else 1.0
+        l2 = wd if wd and not self.decoupled else 0.0
+        k.adam(p.data.reshape(-1), p.grad.reshape(-1), m.reshape(-1), v.reshape(-1),
+               *fused.scalars(p.data.dtype, decay, l2, b1, 1 - b1, b2, 1 - b2, 1 - b2**t, self.eps,
+                              lr / (1 - b1**t)))
+        return True
 
     def _scratch_like(self, a: Any, xp: Any) -> Any:
         """A scratch view shaped like ``a`` from one flat array sized for the largest parameter."""

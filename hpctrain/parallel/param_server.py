@@ -31,6 +31,24 @@ Forum issue 635). With ``progress_layers=True`` the trainer pokes MPI's progress
 the layers of a ``Sequential`` model (forward and backward), so updates aimed at this rank land
 while it computes; ``benchmarks/param_server.py`` measures the delay with and without.
 
+Preemption (``hpctrain.preempt``): in sync mode the step's all-reduce carries the flag. In async
+and ssp modes the workers agree through the clock window instead, with no extra message on a
+normal step. The first worker that sees its own ``preempt.requested()`` wins a one-time election
+(``fetch_add`` on an election slot), then in one atomic-per-element ``fetch_add`` adds a stop mark
+to every worker's clock slot and receives their clocks as they were at that instant; it publishes
+the stop clock ``S = max(those clocks) + 1``. Every worker bumps its own slot each step and gets
+the slot's previous value back, so it either bumped before the mark (the winner saw its new clock,
+so ``S`` is past it, and its next bump finds the mark) or finds the mark in this bump (the winner
+saw its old clock, so ``S`` is at least this step's clock): no worker can have passed ``S``, and
+every worker learns ``S`` by the step numbered ``S``. Each worker then runs its own steps up to
+clock ``S`` and reports ``StepStats.stop`` there, so every rank stops with ``global_step == S``
+(the same checkpoint name) and ``fit``'s collective save pulls one consistent state. Nothing
+waits on a worker that has stopped: the others only need their own steps (and, in ssp, the
+slowest worker, which is one still running); the only wait is for the winner's publication of
+``S``, which it makes right after its mark, inside its own step. After a stop, the trainer keeps
+reporting ``stop`` until a ``load_state_dict`` (a resume) resets the clocks: asynchronous workers
+cannot retract an agreement without meeting.
+
 ``close()`` is collective: each worker marks itself finished (clock = "done", so no SSP worker
 waits on it), then all ranks meet, pull the final parameters (every replica ends equal to the
 servers' state) and free the windows. Workers may have run different numbers of steps.
@@ -54,6 +72,7 @@ from ..trainer import StepStats, Trainer
 
 MODES = ("sync", "async", "ssp")
 _DONE = 1 << 60  # clock of a worker that has closed: larger than any real clock
+_STOP = 1 << 40  # the stop mark, added once to every worker's clock slot (see "Preemption" above)
 
 
 class ParameterServerTrainer(Trainer):
@@ -135,18 +154,23 @@ class ParameterServerTrainer(Trainer):
         self._unpack_params()
 
         self._win = Window(comm, self._my_chunk[1] - self._my_chunk[0], self.dtype, shm=shm)
-        # Clocks of the workers (slots 0..size-1) and an error flag (slot size) on rank 0.
-        self._clocks = Window(comm, comm.size + 1 if comm.rank == 0 else 0, np.int64, shm=shm)
+        # On rank 0: the workers' clocks (slots 0..size-1), the non-finite flag, the stop election
+        # and the agreed stop clock (see "Preemption" in the module docstring). The clock bumps and
+        # the stop protocol only add (SUM) and read, which MPI keeps atomic per element.
+        self._flag_slot, self._elect_slot, self._stop_slot = comm.size, comm.size + 1, comm.size + 2
+        self._clocks = Window(comm, comm.size + 3 if comm.rank == 0 else 0, np.int64, shm=shm)
         with self._win.locked():
             self._win.local()[:] = self._flat[slice(*self._my_chunk)]
         comm.barrier()  # servers hold the initial values before anyone pulls
         self.clock = 0
         self.closed = False
         self._owner = bool(self._win.count) or comm.rank == 0
-        self._inc = np.zeros(comm.size + 1, np.int64)  # +1 on our own clock slot
+        self._inc = np.zeros(comm.size + 3, np.int64)  # +1 on our own clock slot
         self._inc[comm.rank] = 1
         self._seen: np.ndarray | None = None  # everyone's clocks at our last bump
-        self._clock_buf = np.empty(comm.size + 1, np.int64)
+        self._clock_buf = np.empty(comm.size + 3, np.int64)
+        self._stop_at: int | None = None  # the agreed stop clock, once this worker knows it
+        self._asked = False  # this worker has taken part in the stop election
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -239,22 +263,65 @@ class ParameterServerTrainer(Trainer):
         self._flat += self._gflat
 
     def _read_clocks(self) -> np.ndarray:
+        """Everyone's clocks now (stop marks removed); raises if a worker flagged a non-finite step."""
         self._clocks.get(self._clock_buf, 0)
-        flag = int(self._clock_buf[-1])
+        flag = int(self._clock_buf[self._flag_slot])
         if flag:
             raise NonFiniteError(
                 f"rank {flag - 1} hit a non-finite loss or gradient (on_nonfinite='raise'); "
                 f"rank {self.comm.rank} stops too"
             )
-        return self._clock_buf[:-1]
+        return self._clock_buf[: self.comm.size] & ~_STOP
 
     def _bump_clock(self) -> np.ndarray:
-        """Add 1 to our clock and read everyone's (as they were just before) in one atomic op."""
+        """Add 1 to our clock and read everyone's (as they were just before) in one atomic op.
+
+        Our own slot's previous value carries the stop mark if a stop was started before this
+        bump: then the stop clock is at least our new clock, and we learn it here."""
         self._clocks.fetch_add(self._inc, self._clock_buf, 0)
-        if self._clock_buf[-1]:
+        if self._clock_buf[self._flag_slot]:
             self._read_clocks()  # raises NonFiniteError naming the rank
-        self._seen = self._clock_buf[:-1].copy()
+        self._seen = self._clock_buf[: self.comm.size] & ~_STOP
+        if self._stop_at is None and self._clock_buf[self.comm.rank] & _STOP:
+            self._stop_at = self._stop_clock(int(self._clock_buf[self._stop_slot]))
         return self._seen
+
+    def _request_stop(self) -> None:
+        """This worker was asked to stop: start the agreement unless another worker already has.
+
+        The winner of the election marks every clock slot and gets the clocks as they were at
+        that instant (atomically per slot), so no worker has gone past the largest of them; the
+        stop clock is one more (see "Preemption" in the module docstring). The mark and the
+        publication follow each other with nothing in between that could wait on another rank."""
+        self._asked = True
+        size = self.comm.size
+        ticket = np.empty(1, np.int64)
+        self._clocks.fetch_add(np.ones(1, np.int64), ticket, 0, offset=self._elect_slot)
+        if ticket[0]:
+            return  # another worker started the stop: its mark reaches us at our next clock bump
+        before = np.empty(size, np.int64)
+        self._clocks.fetch_add(np.full(size, _STOP, np.int64), before, 0)
+        clocks = before & ~_STOP
+        running = clocks[clocks < _DONE]  # our own clock is among them
+        stop_at = int(running.max()) + 1
+        self._clocks.accumulate(np.array([stop_at], np.int64), 0, offset=self._stop_slot, op="sum")
+        self._stop_at = stop_at
+
+    def _stop_clock(self, published: int) -> int:
+        """The agreed stop clock: ``published`` when the winner has published it already, else a
+        short watched wait for it (the winner publishes right after its mark, inside its step)."""
+        if published:
+            return published
+        out = np.zeros(1, np.int64)
+        pause, token = 20e-6, _watch.begin(self.comm, "stop clock (published by the worker that asked to stop)")
+        try:
+            while not self._clocks.get(out, 0, offset=self._stop_slot)[0]:
+                self.progress()
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-4)
+        finally:
+            _watch.end(token)
+        return int(out[0])
 
     def _lag(self, clocks: np.ndarray, clock: int) -> int:
         """How far ``clock`` (ours) is ahead of the slowest of ``clocks``."""
@@ -368,6 +435,8 @@ class ParameterServerTrainer(Trainer):
             self._gflat *= -self.lr
         new_clock = self.clock + 1
         waited = 0.0
+        if requested() and not self._asked and self._stop_at is None:
+            self._request_stop()  # before our bump: the stop clock is at least new_clock
         if self.mode == "async":
             self._push_pull()
             lag = self._lag(self._bump_clock(), new_clock)
@@ -392,7 +461,7 @@ class ParameterServerTrainer(Trainer):
         return StepStats(
             loss=loss, grad_norm=norm, seconds=now - t0, samples=int(round(n_local)), comm_seconds=now - tc,
             skipped=not finite, extra={"lag": int(lag), "clock": new_clock, "waited_s": waited, "mode": self.mode},
-            stop=requested(),  # async workers do not step together: each sees its own request
+            stop=self._stop_at is not None and new_clock >= self._stop_at,  # the agreed clock, on every worker
         )  # fmt: skip
 
     def _applied_norm(self, before: np.ndarray) -> float:
@@ -465,6 +534,7 @@ class ParameterServerTrainer(Trainer):
             raise WindowError("load_state_dict after close()")
         self.clock = int(state.get("clock", self.global_step))
         self._seen = None
+        self._stop_at, self._asked = None, False  # the clock window is reset below: no stop agreed
         if self._velocity is not None:
             v = state.get("velocity")
             self._velocity[...] = 0
@@ -480,6 +550,6 @@ class ParameterServerTrainer(Trainer):
             self._win.local()[:] = self._flat[slice(*self._my_chunk)]
         if self.comm.rank == 0:
             with self._clocks.locked():
-                self._clocks.local()[:-1] = self.clock
-                self._clocks.local()[-1] = 0
+                self._clocks.local()[: self.comm.size] = self.clock
+                self._clocks.local()[self.comm.size :] = 0  # no error flag, no stop
         self.comm.barrier()

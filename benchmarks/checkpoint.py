@@ -1,9 +1,13 @@
 """Checkpoint I/O: hpctrain.checkpoint against plain h5py, same arrays, same run, interleaved rounds.
 
-    mpiexec -n 4 python benchmarks/checkpoint.py [--mb 256] [--tensors 16] [--rounds 5] [--quick] [--markdown F]
+    mpiexec -n 4 python benchmarks/checkpoint.py [--mb 256] [--tensors 16] [--many 256] [--rounds 5]
+                                                 [--quick] [--markdown F]
 
 The model is ``--tensors`` float32 tensors of ``--mb`` MiB in all, replicated on every rank (data
 parallelism: hpctrain splits each tensor's rows among the replicas, so every rank writes a share).
+Then the same with ``--many`` tensors of 1/64 of that size each (a table of its own): there the
+cost per tensor (HDF5 objects, checks, system calls) dominates, as in a real model's checkpoint
+with hundreds of parameters and optimizer moments.
 
 * **save**: hpctrain at 1, 2, 4 ... writer ranks (the first k ranks of the job; the others wait)
   against plain h5py from one rank (``create_dataset(data=...)`` for every tensor + fsync). hpctrain
@@ -146,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=256, help="total model size in MiB")
     ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--many", type=int, default=256, metavar="N",
+                    help="then the same with N tensors of 1/64 of the size each (0: skip): per-tensor costs")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--quick", action="store_true", help="64 MiB, 3 rounds")
@@ -153,12 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.mb, args.rounds = 64, 3
-
     world = Communicator()
+    run(world, args.tensors, args.mb, args)
+    if args.many:
+        run(world, args.many, max(1, args.mb * args.many // (64 * args.tensors)), args)
+    return 0
+
+
+def run(world: Communicator, tensors: int, mb: int, args: argparse.Namespace) -> None:
+    """One model (``tensors`` float32 tensors, ``mb`` MiB in all): every method, interleaved."""
     raw = world.mpi
-    rows = max(world.size, (args.mb << 20) // (args.tensors * 4096))
+    rows = max(world.size, (mb << 20) // (tensors * 4096))
     rng = np.random.default_rng(0)
-    full = {f"layer{i:03d}.weight": rng.standard_normal((rows, 1024), dtype=np.float32) for i in range(args.tensors)}
+    full = {f"layer{i:03d}.weight": rng.standard_normal((rows, 1024), dtype=np.float32) for i in range(tensors)}
     nbytes = sum(a.nbytes for a in full.values())
     where = world.bcast_obj(tempfile.mkdtemp(dir=args.dir, prefix="ckpt-bench-") if world.rank == 0 else None)
     plain = os.path.join(where, "plain.h5")
@@ -279,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 vs = f"{b / med[k]:.2f}" + (f" ({b_new / med[k]:.2f} x new arrays)" if m == "hpctrain" else "")
                 table.append(["load", k, f"{med[k] * 1e3:.0f}", f"{nbytes / med[k] / 2**30:.2f}", vs])
         emit(
-            f"checkpoint I/O: {nbytes / 2**20:.0f} MiB in {args.tensors} float32 tensors, {world.size} ranks, "
+            f"checkpoint I/O: {nbytes / 2**20:.0f} MiB in {tensors} float32 tensors, {world.size} ranks, "
             f"median of {args.rounds} interleaved rounds, {MPI.Get_library_version().splitlines()[0].strip()}",
             ["op", "method", "ms", "GiB/s", "x h5py (save, load) / x blocking (stall)"],
             table,
@@ -294,7 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     raw.Barrier()
     if world.rank == 0:
         shutil.rmtree(where, ignore_errors=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ KNOWN = [
     ("pipeline", "Pipeline parallel: bubble fraction and activation memory"),
     ("param_server", "Parameter server: sync, SSP, async vs all-reduce"),
     ("hdf5_dataset", "HDF5 dataset reads vs plain h5py"),
-    ("checkpoint", "Checkpoint save/load vs plain h5py and numpy"),
+    ("checkpoint", "Checkpoint save, asynchronous stall and load vs plain h5py: large and many small tensors"),
     ("guard", "Watchdog and debug fingerprints: per-call cost vs raw mpi4py"),
     ("memory", "Memory: ZeRO 1/2/3 bytes per rank vs the paper's formulas, recomputation, largest GPT in a budget"),
 ]

@@ -305,6 +305,33 @@ def test_external_storage_and_part_links_are_refused(tmp_path):
         f["model/1.bias/0"] = h5py.SoftLink("/model/1.weight/0")
     with pytest.raises(CheckpointError, match="model/1.bias/0 in .*w00000.h5 is a soft link"):
         checkpoint.load(p, t)
+    # The same through a link higher up the slab's name (the reader opens a slab by its whole
+    # name once its part file's hard links are known), and a slab kept in an external file.
+    before = {n: p_.data.copy() for n, p_ in t.local.items()}
+    for case in ("group", "external", "storage"):
+        p = copy_checkpoint(good, str(tmp_path / f"part-{case}"))
+        part = os.path.join(os.path.dirname(p), h5py.File(p, "r").attrs["parts"], "w00000.h5")
+        with h5py.File(part, "r+") as f:
+            data = f["model/1.bias/0"][()]
+            del f["model/1.bias"]
+            if case == "group":
+                f.create_group("elsewhere")["0"] = data
+                f["model/1.bias"] = h5py.SoftLink("/elsewhere")
+                match = "is a soft link"
+            elif case == "external":
+                with h5py.File(tmp_path / f"other-{case}.h5", "w") as g:
+                    g.create_group("g")["0"] = data
+                f["model/1.bias"] = h5py.ExternalLink(str(tmp_path / f"other-{case}.h5"), "/g")
+                match = "is an external link"
+            else:
+                raw.write_bytes(data.tobytes())
+                f.create_dataset("model/1.bias/0", shape=data.shape, dtype=data.dtype,
+                                 external=[(str(raw), 0, data.nbytes)])
+                match = "keeps its bytes in external file"
+        with pytest.raises(CheckpointError, match=f"model/1.bias/0 in .*w00000.h5 {match}"):
+            checkpoint.load(p, t)
+        for n, p_ in t.local.items():
+            np.testing.assert_array_equal(p_.data, before[n], err_msg=f"{case}: {n}")
 
 
 def test_declared_shape_checked_before_reading(tmp_path):

@@ -22,6 +22,7 @@ array per box, the same way for saving and loading.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -74,6 +75,13 @@ def part_file(rank: int) -> str:
 # -- checksums -------------------------------------------------------------------------------
 
 
+def numel(shape: Any) -> int:
+    """The number of elements of ``shape`` (Python integers: exact, and ~20x cheaper than
+    ``np.prod`` on the few dimensions of a slab, which a load of many tensors does thousands of
+    times)."""
+    return math.prod(int(n) for n in shape)
+
+
 def as_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8).reshape(-1)
 
@@ -102,7 +110,7 @@ def norm_index(index: Any, shape: tuple) -> tuple[Any, ...]:
         if index[0] != "flat":
             raise CheckpointError(f"shards() index {index!r}: the only tagged form is ('flat', start, stop)")
         start, stop = int(index[1]), int(index[2])
-        if not 0 <= start <= stop <= int(np.prod(shape, dtype=np.int64)):
+        if not 0 <= start <= stop <= numel(shape):
             raise CheckpointError(f"shards() flat range [{start}, {stop}) outside a tensor of shape {shape}")
         return ("flat", start, stop)
     index = tuple(index)
@@ -150,7 +158,7 @@ def _flat_boxes(start: int, stop: int, shape: tuple) -> list[tuple[Box, int]]:
         return [((), 0)]
     if len(shape) == 1:
         return [(((start, stop),), 0)]
-    inner = int(np.prod(shape[1:], dtype=np.int64))
+    inner = numel(shape[1:])
     out: list[tuple[Box, int]] = []
     r0, c0 = divmod(start, inner)
     r1, c1 = divmod(stop, inner)
@@ -177,7 +185,7 @@ def boxes(index: tuple, full: tuple) -> list[tuple[Box, Callable[[Any], Any]]]:
         _, start, stop = index
         out = []
         for box, off in _flat_boxes(start, stop, full):
-            n = int(np.prod([b - a for a, b in box], dtype=np.int64))
+            n = numel([b - a for a, b in box])
             shape = tuple(b - a for a, b in box)
             out.append((box, lambda a, o=off, n=n, s=shape: a.reshape(-1)[o : o + n].reshape(s)))
         return out
@@ -196,7 +204,7 @@ def boxes(index: tuple, full: tuple) -> list[tuple[Box, Callable[[Any], Any]]]:
 
 
 def volume(box: Box) -> int:
-    return int(np.prod([b - a for a, b in box], dtype=np.int64))
+    return numel([b - a for a, b in box])
 
 
 def intersect(a: Box, b: Box) -> Box | None:

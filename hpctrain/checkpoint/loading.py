@@ -25,7 +25,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..errors import CheckpointError
-from ..h5safe import check_tree, hard_dataset
+from ..h5safe import check_tree, hard_names, open_stored
 from . import format as fmt
 from . import rawio
 from .saving import optimizer_of, wait
@@ -145,7 +145,7 @@ def _check_index(index: Any, path: str) -> None:
                 if not isinstance(digest, str):
                     raise ValueError
                 covered += fmt.volume(tuple(map(tuple, box)))
-            if covered != int(np.prod(shape, dtype=np.int64)):
+            if covered != fmt.numel(shape):
                 raise CheckpointError(f"checkpoint {path}: the slabs of {key} do not cover its shape {shape}")
         except CheckpointError:
             raise
@@ -199,6 +199,8 @@ class Reader:
         self.files: dict[Any, Any] = {}
         self.raw: dict[Any, rawio.RawFile] = {}
         self.located: dict[tuple[Any, str], tuple[Any, int | None]] = {}
+        self.hard: dict[Any, set[bytes]] = {}  # per part file: its names reached by hard links only
+        self.paths: dict[Any, str] = {}
         self.reads: ThreadPoolExecutor | None = None
         self.faults: ThreadPoolExecutor | None = None
         self.faulted: Future | None = None
@@ -217,12 +219,18 @@ class Reader:
         self.files.clear()
         self.raw.clear()
         self.located.clear()
+        self.hard.clear()
+
+    def _where(self, writer: int | None) -> str:
+        if writer not in self.paths:
+            self.paths[writer] = part_path(self.path, self.header, writer)
+        return self.paths[writer]
 
     def _file(self, writer: int | None) -> Any:
         import h5py
 
         if writer not in self.files:
-            p = part_path(self.path, self.header, writer)
+            p = self._where(writer)
             if writer is not None:
                 d = os.path.dirname(p)
                 if os.path.islink(d) or os.path.islink(p):
@@ -237,7 +245,7 @@ class Reader:
 
     def _raw(self, writer: int | None) -> rawio.RawFile:
         if writer not in self.raw:
-            p = part_path(self.path, self.header, writer)
+            p = self._where(writer)
             try:
                 self.raw[writer] = rawio.RawFile(p)
             except OSError as exc:
@@ -251,19 +259,23 @@ class Reader:
         if (writer, name) in self.located:
             return self.located[(writer, name)]
         f = self._file(writer)
-        where = part_path(self.path, self.header, writer)
+        where = self._where(writer)
+        if writer not in self.hard:
+            self.hard[writer] = hard_names(f, f"checkpoint {self.path}: {where}", CheckpointError)
         try:
-            obj = hard_dataset(f, name, f"checkpoint {self.path}: {name} in {where}", CheckpointError)
+            found = open_stored(f, name, self.hard[writer], f"checkpoint {self.path}: {name} in {where}",
+                                CheckpointError)
         except KeyError:
-            obj = None
-        if obj is None:
+            found = None
+        if found is None:
             raise CheckpointError(f"checkpoint {self.path}: {name} is missing from {where} (or not a dataset)")
+        obj, dcpl = found
         shape = tuple(b - a for a, b in box)
         dtype = np.dtype(entry["dtype"])
-        if tuple(obj.shape) != shape or obj.dtype != dtype:
+        if tuple(obj.id.shape) != shape or obj.id.dtype != dtype:
             raise CheckpointError(f"checkpoint {self.path}: {name} in {where} has shape {obj.shape} {obj.dtype}, "
                                   f"the index declares {shape} {dtype}")
-        offset = rawio.raw_extent(obj, shape, dtype) if fmt.volume(tuple(map(tuple, box))) else None
+        offset = rawio.raw_extent(obj.id, dcpl, shape, dtype) if fmt.volume(tuple(map(tuple, box))) else None
         self.located[(writer, name)] = (obj, offset)
         return obj, offset
 
@@ -272,19 +284,21 @@ class Reader:
         """The whole slab, verified against its checksum (read into ``out`` when given: a
         C-contiguous array of the slab's shape and dtype).
 
-        ``defer=True`` (with ``out``): a raw read is handed to the reader thread and verified
-        by :meth:`finish`; ``out`` must not be used before that. The calling thread meanwhile
-        opens and checks the next slabs (h5py work that needs the GIL the read does not)."""
+        ``defer=True`` (with ``out``): a raw read of 1 MiB or more is handed to the reader thread
+        and verified by :meth:`finish`; ``out`` must not be used before that. The calling thread
+        meanwhile opens and checks the next slabs (h5py work that needs the GIL the read does
+        not). Smaller slabs are read here: handing each to a thread cost more (GIL handoffs)
+        than its read."""
 
         writer, name, box, digest = slab
         obj, offset = self.locate(entry, slab)
-        where = part_path(self.path, self.header, writer)
+        where = self._where(writer)
         shape = tuple(b - a for a, b in box)
         dtype = np.dtype(entry["dtype"])
         if out is None:
             out = np.empty(shape, dtype)
         what = f"checkpoint {self.path}: {name} in {os.path.basename(where)}"
-        if defer and offset is not None:
+        if defer and offset is not None and out.nbytes >= rawio.PREFAULT_MIN:
             if self.reads is None:
                 self.reads = ThreadPoolExecutor(1, thread_name_prefix="hpctrain-ckpt-read")
             raw = self._raw(writer)

@@ -89,7 +89,7 @@ def make_plan(everyone: list[dict[str, tuple]]) -> tuple[dict[str, tuple], dict[
         full, dtype = shapes[key]
         item = np.dtype(dtype).itemsize
         covered = sum(fmt.volume(b) for b in holders[key])
-        if covered != int(np.prod(full, dtype=np.int64)):
+        if covered != fmt.numel(full):
             raise CheckpointError(f"the ranks' shards of {key} do not cover its full shape {full} exactly")
         out = slabs.setdefault(key, [])
         for box, ranks in sorted(holders[key].items()):
@@ -261,19 +261,25 @@ class Job:
 
 
 def _virtual(f: Any, key: str, entry: dict[str, Any], parts: str) -> None:
-    """``key`` as a virtual dataset over its slabs, so plain h5py reads the full tensor."""
-    import h5py
+    """``key`` as a virtual dataset over its slabs, so plain h5py reads the full tensor.
 
-    shape = tuple(entry["shape"])
+    Made with HDF5's low-level calls: h5py's ``VirtualLayout`` cost 0.3 ms per tensor, most of
+    a save of many small tensors."""
+    from h5py import h5d, h5p, h5s, h5t
+
+    shape = tuple(int(n) for n in entry["shape"])
     if not shape or not all(shape):
         return
-    layout = h5py.VirtualLayout(shape=shape, dtype=np.dtype(entry["dtype"]))
+    dcpl = h5p.create(h5p.DATASET_CREATE)
+    where = h5s.create_simple(shape)
     for writer, name, box, _ in entry["slabs"]:
         sub = tuple(b - a for a, b in box)
-        layout[tuple(slice(a, b) for a, b in box)] = h5py.VirtualSource(
-            f"{parts}/{fmt.part_file(writer)}", name, shape=sub, dtype=np.dtype(entry["dtype"])
-        )
-    f.create_virtual_dataset(key, layout)
+        where.select_hyperslab(tuple(a for a, _ in box), sub)
+        dcpl.set_virtual(where, f"{parts}/{fmt.part_file(writer)}".encode(), name.encode(), h5s.create_simple(sub))
+    lcpl = h5p.create(h5p.LINK_CREATE)
+    lcpl.set_create_intermediate_group(True)
+    h5d.create(f.id, key.encode(), h5t.py_create(np.dtype(entry["dtype"]), logical=True), h5s.create_simple(shape),
+               dcpl=dcpl, lcpl=lcpl).close()
 
 
 def remove_parts(path: str, keep: str | None = None) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
-
 from ..errors import CheckpointError
+from . import format as fmt
 from .loading import Reader, read_header
 
 
@@ -52,7 +51,7 @@ def _summary(path: str, header: dict[str, Any]) -> str:
         if not key.startswith("model/"):
             continue
         name = key[6:]
-        total += int(np.prod(entry["shape"], dtype=np.int64))
+        total += fmt.numel(entry["shape"])
         prefix = f"optim/{name}/"
         states = sorted(k[len(prefix):] for k in index if k.startswith(prefix) and "/" not in k[len(prefix):])
         lines.append(f"  {name:<40} {str(tuple(entry['shape'])):<18} {entry['dtype']}  {' '.join(states)}")

@@ -4,8 +4,9 @@ Each kernel does in one pass over memory what the NumPy code does in several, on
 arrays of one floating dtype; the scalars arrive already in that dtype, so every operation runs in
 the array's precision as NumPy's does (no silent float64 intermediates). The elementwise kernels
 (GELU, Adam) take NumPy's operations in NumPy's order without ``fastmath``, so they are bitwise
-NumPy's results; the LayerNorm kernels sum each row in float64 and let the compiler reorder the
-sums (``reassoc``: vectorised), equal to the NumPy code to rounding (its BLAS sums in float32).
+NumPy's results; the LayerNorm and softmax kernels sum each row in float64 and let the compiler
+reorder the sums (``reassoc``: vectorised), equal to the NumPy code to rounding (its BLAS sums are
+float32).
 ``nogil``: a progress thread (``HPCTRAIN_PROGRESS=thread``) can drive MPI while they run.
 """
 
@@ -135,3 +136,75 @@ def adam(p, g, m, v, decay, l2, b1, one_b1, b2, one_b2, bc2, eps, step_size):  #
     else:
         for i in range(p.size):
             p[i], m[i], v[i] = _adam_one(p[i], g[i], m[i], v[i], b1, one_b1, b2, one_b2, bc2, eps, step_size)
+
+
+@njit(**_SUMS)
+def softmax_scores(att, s, e, scale, ninf):  # pragma: no cover - compiled
+    """Rows ``s..e-1`` of the causal scores ``att`` (B, H, T, T), columns ``0..e-1`` holding the raw
+    products q k^T: ``att * scale`` minus its row maximum over the columns a query may see
+    (``j <= i``), ``ninf`` (-inf) on the columns it may not. ``np.exp`` follows, then
+    :func:`softmax_normalize`."""
+    b, h = att.shape[0], att.shape[1]
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(s, e):
+                row = att[bi, hi, i]
+                m = row[0] * scale
+                for j in range(i + 1):
+                    v = row[j] * scale
+                    row[j] = v
+                    m = max(m, v)
+                for j in range(i + 1):
+                    row[j] = row[j] - m
+                for j in range(i + 1, e):
+                    row[j] = ninf
+
+
+@njit(**_SUMS)
+def softmax_normalize(att, s, e):  # pragma: no cover - compiled
+    """Rows ``s..e-1`` of ``att`` after ``exp``: divided by their sums (float64), 0 past column ``i``."""
+    b, h, t = att.shape[0], att.shape[1], att.shape[3]
+    zero = att.dtype.type(0)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(s, e):
+                row = att[bi, hi, i]
+                r = 0.0
+                for j in range(i + 1):
+                    r += row[j]
+                rr = att.dtype.type(r)
+                for j in range(i + 1):
+                    row[j] = row[j] / rr
+                for j in range(i + 1, t):
+                    row[j] = zero
+
+
+@njit(**_SUMS)
+def softmax_backward(ds, att, s, e, scale):  # pragma: no cover - compiled
+    """Rows ``s..e-1`` of the score gradient ``ds`` (holding d loss / d att on columns ``0..e-1``):
+    ``(ds - sum(ds * att)) * att * scale``, the row sums in float64."""
+    b, h = ds.shape[0], ds.shape[1]
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(s, e):
+                d = ds[bi, hi, i]
+                p = att[bi, hi, i]
+                r = 0.0
+                for j in range(e):
+                    r += np.float64(d[j] * p[j])
+                rr = ds.dtype.type(r)
+                for j in range(e):
+                    v = d[j] - rr
+                    v = v * p[j]
+                    d[j] = v * scale
+
+
+@njit(**_JIT)
+def scatter_rows(target, index, values):  # pragma: no cover - compiled
+    """``target[index[i]] += values[i]`` row by row in order (repeated rows accumulate, as
+    ``np.add.at``); the indices are the caller's to check."""
+    n, d = values.shape
+    for i in range(n):
+        r = index[i]
+        for j in range(d):
+            target[r, j] += values[i, j]

@@ -1,11 +1,14 @@
 """An optional fast path for the elementwise work on NumPy: fused kernels compiled by Numba.
 
-GELU, LayerNorm and the Adam update each make several passes over memory in NumPy (one per
-operation); a fused kernel makes one, which on a CPU core is what separates them from PyTorch's
-fused kernels. The NumPy code stays the fallback and the reference: the kernels are used only when
-Numba is importable (``pip install 'hpctrain[fast]'``), on NumPy arrays that are C-contiguous and
-of one floating dtype; CuPy arrays never reach them. GELU and Adam give bitwise the NumPy code's
-results, LayerNorm the same to rounding (its row sums are vectorised in another order).
+GELU, LayerNorm, the attention softmax, the embedding backward and the Adam update each make
+several passes over memory in NumPy (one per operation); a fused kernel makes one, which on a CPU core is what separates
+them from PyTorch's fused kernels (GELU's tanh and the softmax's exp stay NumPy's vectorised
+passes: Numba would call the C library's scalar functions). The NumPy code stays the fallback
+and the reference: the kernels are used only when Numba is importable (``pip install
+'hpctrain[fast]'``), on NumPy arrays that are C-contiguous and of one floating dtype; CuPy
+arrays never reach them. GELU and Adam give bitwise the NumPy code's results, LayerNorm and the
+attention softmax the same to rounding (they sum rows in float64), the embedding backward too
+(it adds rows one after another, as ``np.add.at``).
 
 ``HPCTRAIN_FUSED`` chooses: unset (the default) uses the kernels when Numba is there, ``0`` never,
 ``1`` always (``ConfigError`` without Numba). Kernels compile on first use and are cached on disk

@@ -313,12 +313,17 @@ def _scatter_add(target: Any, index: Any, values: Any) -> None:
 
     On NumPy the rows are summed per distinct index first (a stable sort, then one ``reduceat``
     over the sorted rows), which is several times faster than ``np.add.at`` and, into zeroed
-    gradients, gives the same sums (each index's rows are added in their original order). CuPy
-    adds atomically on the device.
+    gradients, gives the same sums to rounding; the fused kernel (``hpctrain.nn.fused``), when on,
+    adds the rows one after another in one pass, as ``np.add.at`` does. CuPy adds atomically on
+    the device.
     """
     xp = xp_of(target)
     if xp is np:
         if index.size == 0:
+            return
+        k = fused.usable(target, values) if target.ndim == values.ndim == 2 else None
+        if k is not None and index.dtype.kind in "iu" and index.shape == values.shape[:1]:
+            k.scatter_rows(target, index, values)  # one pass, the rows in order (as np.add.at)
             return
         order = np.argsort(index, kind="stable")
         ids = index[order]

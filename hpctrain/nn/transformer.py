@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
+from . import fused
 from .buffers import Buffers
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, row_ones
 from .module import Module, Sequential, as_rng
@@ -71,9 +72,17 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
     sums = _get(buffers, "sum", (b, h, t, 1), dtype, xp)
     if out is None:
         out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(dtype, v.dtype))
+    kern = fused.usable(att)
     for s, e in _blocks(t, block):
         a = att[:, :, s:e, :e]  # queries s..e-1 against keys 0..e-1: the rest is masked anyway
         xp.matmul(q[:, :, s:e], xp.swapaxes(k[:, :, :e], -1, -2), out=a)
+        if kern is not None:  # the softmax in two fused passes around NumPy's vectorised exp
+            c, ninf = fused.scalars(dtype, scale, -np.inf)
+            kern.softmax_scores(att, s, e, c, ninf)
+            xp.exp(a, out=a)
+            kern.softmax_normalize(att, s, e)
+            xp.matmul(a, v[:, :, :e], out=out[:, :, s:e])
+            continue
         a *= scale
         a[..., s:e] += _future_mask(e - s, dtype, xp)  # the diagonal block: no look at j > i
         m = mx[:, :, s:e]
@@ -105,14 +114,20 @@ def causal_attention_backward(
         out = tuple(xp.empty(a.shape, dtype=np.result_type(dtype, a.dtype)) for a in (q, k, v))
     dq, dk, dv = out
     ds = _get(buffers, "datt", att.shape, dtype, xp)
-    tmp = _get(buffers, "tmp", att.shape, dtype, xp)
-    rowsum = _get(buffers, "rowsum", (*att.shape[:-1], 1), dtype, xp)
+    kern = fused.usable(ds, att)
+    if kern is None:
+        tmp = _get(buffers, "tmp", att.shape, dtype, xp)
+        rowsum = _get(buffers, "rowsum", (*att.shape[:-1], 1), dtype, xp)
     blocks = _blocks(t, block)
     for s, e in blocks:
         # Softmax backward att * (datt - sum(datt * att)) on the block the forward computed;
         # masked positions have att == 0, so their score gradient is 0.
         p, d = att[:, :, s:e, :e], ds[:, :, s:e, :e]
         xp.matmul(dy[:, :, s:e], xp.swapaxes(v[:, :, :e], -1, -2), out=d)
+        if kern is not None:  # one pass (hpctrain.nn.fused)
+            kern.softmax_backward(ds, att, s, e, *fused.scalars(dtype, scale))
+            xp.matmul(d, k[:, :, :e], out=dq[:, :, s:e])
+            continue
         pt = tmp[:, :, s:e, :e]
         xp.multiply(d, p, out=pt)
         r = rowsum[:, :, s:e]

@@ -5,6 +5,7 @@ resume exactly. Run at n=2, 3 and 4 (nothing here assumes a world size)."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import numpy as np
@@ -206,6 +207,28 @@ def test_nonfinite_reaches_every_rank(comm, mode):
         for _ in range(5000):
             t.step(x, y)
             time.sleep(0.001)
+    t.close()
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_nonfinite_on_two_workers_at_once(comm, mode):
+    """Two workers flag at the same step: the others name one of them or count both, never a
+    rank that did not flag (the flag is a sum of (1 << 32) + rank + 1 per flagging worker)."""
+    t = ParameterServerTrainer(model=mlp(), loss=MSELoss(), lr=0.1, comm=comm, mode=mode, staleness=0, timeout=30)
+    x, y = batches(1, 4)[0]
+    t.step(x, y)
+    comm.barrier()
+    if comm.rank in (0, 1):
+        x = x.copy()
+        x[0, 0] = np.nan
+    with pytest.raises(NonFiniteError) as info:
+        for _ in range(5000):
+            t.step(x, y)
+            time.sleep(0.001)
+    expected = f"rank {comm.rank}: non-finite" if comm.rank < 2 else r"(rank [01]|2 workers) hit a non-finite"
+    assert re.search(expected, str(info.value)), str(info.value)
     t.close()
 
 

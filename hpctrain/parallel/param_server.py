@@ -73,6 +73,8 @@ from ..trainer import StepStats, Trainer
 MODES = ("sync", "async", "ssp")
 _DONE = 1 << 60  # clock of a worker that has closed: larger than any real clock
 _STOP = 1 << 40  # the stop mark, added once to every worker's clock slot (see "Preemption" above)
+_FLAGGED = 1 << 32  # added to the non-finite flag by each worker that raises it (with its rank + 1)
+_NAME = _FLAGGED - 1  # the flag's low bits: rank + 1 of the worker that raised it, when only one did
 
 
 class ParameterServerTrainer(Trainer):
@@ -267,9 +269,10 @@ class ParameterServerTrainer(Trainer):
         self._clocks.get(self._clock_buf, 0)
         flag = int(self._clock_buf[self._flag_slot])
         if flag:
+            count = flag // _FLAGGED
+            who = f"rank {(flag & _NAME) - 1}" if count == 1 else f"{count} workers"
             raise NonFiniteError(
-                f"rank {flag - 1} hit a non-finite loss or gradient (on_nonfinite='raise'); "
-                f"rank {self.comm.rank} stops too"
+                f"{who} hit a non-finite loss or gradient (on_nonfinite='raise'); rank {self.comm.rank} stops too"
             )
         return self._clock_buf[: self.comm.size] & ~_STOP
 
@@ -285,6 +288,16 @@ class ParameterServerTrainer(Trainer):
         if self._stop_at is None and self._clock_buf[self.comm.rank] & _STOP:
             self._stop_at = self._stop_clock(int(self._clock_buf[self._stop_slot]))
         return self._seen
+
+    def _raise_flag(self) -> None:
+        """Tell every worker (at its next clock read) that this one hit a non-finite step.
+
+        Every update of the clock window is a sum (reads are no-ops): MPI makes concurrent
+        accumulates to one location atomic only when they use the same operation or no-op (the
+        default ``accumulate_ops``), and the clock bumps add to every slot. So each flagging
+        worker adds, in one operation, 1 to the flag's high bits (a count) and its rank + 1 to
+        its low bits, which name the worker as long as it is the only one."""
+        self._clocks.accumulate(np.array([_FLAGGED + self.comm.rank + 1], np.int64), 0, offset=self._flag_slot)
 
     def _request_stop(self) -> None:
         """This worker was asked to stop: start the agreement unless another worker already has.
@@ -422,8 +435,7 @@ class ParameterServerTrainer(Trainer):
         if not finite:
             if self.on_nonfinite == "raise":
                 bad = [p.name for p in self.params if not bool(xp_of(p.grad).isfinite(p.grad).all())]
-                flag = np.array([self.comm.rank + 1], np.int64)
-                self._clocks.accumulate(flag, 0, offset=self.comm.size, op="max")
+                self._raise_flag()
                 raise NonFiniteError(
                     f"rank {self.comm.rank}: non-finite loss or gradients ({', '.join(bad[:8]) or 'loss'}); "
                     "on_nonfinite='raise' (other workers stop at their next step)"
@@ -487,7 +499,11 @@ class ParameterServerTrainer(Trainer):
         """
         if self.closed:
             return
-        self._clocks.accumulate(np.array([_DONE], np.int64), 0, offset=self.comm.rank, op="replace")
+        # _DONE by a sum, not a replace (see _raise_flag): our slot holds our clock, plus the stop
+        # mark if a stop was started (it may be added concurrently; sums commute).
+        own = self._clocks.get(np.empty(1, np.int64), 0, offset=self.comm.rank)
+        done = np.array([_DONE - (int(own[0]) & ~_STOP)], np.int64)
+        self._clocks.accumulate(done, 0, offset=self.comm.rank)
         self.comm.barrier()  # every push has completed
         self._pull()
         self._unpack_params()

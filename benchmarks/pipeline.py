@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank != 0:
         return 0
     lib = MPI.Get_library_version().splitlines()[0].strip()
-    out = [f"## pipeline: bubble and activation memory ({comm.size} stages, {lib})", ""]
+    out = [f"### pipeline: bubble and activation memory ({comm.size} stages, {lib})", ""]
     if bub:
         out += [
             f"Bubble: stages sleep t_f = {tf * 1e3:g} ms forward, {2 * tf * 1e3:g} ms backward per micro-batch; median "

@@ -77,32 +77,31 @@ def hard_dataset(group: Any, name: str, where: str, error: type[Exception] = Dat
     return obj
 
 
+def _links(group: Any, where: str, error: type[Exception], limit: int) -> list[tuple[bytes, int]]:
+    """Every link under ``group`` as ``(path, link type)``, in one walk of HDF5's own link
+    iteration, which does not descend through soft or external links (so a path reported as a
+    hard link has hard links for every component). More than ``limit`` links raise ``error``."""
+    links: list[tuple[bytes, int]] = []
+
+    def visit(name: bytes, info: Any) -> int | None:
+        links.append((name, info.type))
+        return 1 if len(links) > limit else None  # non-None stops the iteration
+
+    group.id.links.visit(visit, info=True)
+    if len(links) > limit:
+        raise error(f"{where} holds more than {limit} objects: refused as not a file hpctrain wrote")
+    return links
+
+
 def hard_names(group: Any, where: str, error: type[Exception] = DatasetError, limit: int = 100_000) -> set[bytes]:
-    """Every name under ``group`` reached through hard links only, in one walk of HDF5's own
-    link iteration (it does not descend through soft or external links, so a name it reports
-    as a hard link has hard links for every component). At most ``limit`` links are visited.
+    """Every name under ``group`` reached through hard links only (see :func:`_links`).
 
     Opening a name from this set by its whole path cannot leave the file; a checkpoint reader
     checks a part file once this way instead of each component of each slab's name (which
     cost ~0.5 ms per slab: 85 ms to load 256 small tensors)."""
     from h5py import h5l
 
-    names: set[bytes] = set()
-    count = 0
-
-    def visit(name: bytes, info: Any) -> int | None:
-        nonlocal count
-        count += 1
-        if count > limit:
-            return 1  # stops the iteration
-        if info.type == h5l.TYPE_HARD:
-            names.add(name)
-        return None
-
-    group.id.links.visit(visit, info=True)
-    if count > limit:
-        raise error(f"{where} holds more than {limit} objects: refused as not a file hpctrain wrote")
-    return names
+    return {name for name, kind in _links(group, where, error, limit) if kind == h5l.TYPE_HARD}
 
 
 def open_stored(group: Any, name: str, hard: set[bytes], where: str,
@@ -142,15 +141,7 @@ def check_tree(
     import h5py
     from h5py import h5d, h5l, h5o
 
-    links: list[tuple[bytes, int]] = []
-
-    def visit(name: bytes, info: Any) -> int | None:
-        links.append((name, info.type))
-        return 1 if len(links) > limit else None
-
-    group.id.links.visit(visit, info=True)  # does not descend through soft or external links
-    if len(links) > limit:
-        raise error(f"{where} holds more than {limit} objects: refused as not a file hpctrain wrote")
+    links = _links(group, where, error, limit)
     prefix = where.rstrip("/")
     for raw, kind in links:
         name = raw.decode()
@@ -162,10 +153,11 @@ def check_tree(
         if not isinstance(oid, h5d.DatasetID):
             continue
         dcpl = oid.get_create_plist()
-        if dcpl.get_layout() == h5d.VIRTUAL:
-            why = allow_virtual(name, h5py.Dataset(oid)) if allow_virtual is not None else "it maps other files' data"
+        virtual = dcpl.get_layout() == h5d.VIRTUAL
+        if virtual and allow_virtual is not None:
+            why = allow_virtual(name, h5py.Dataset(oid))
             if why is not None:
                 raise error(f"{here} is a virtual dataset ({why}): refused")
-        elif dcpl.get_external_count():
-            check_stored_here(h5py.Dataset(oid), here, error)
+        elif virtual or dcpl.get_external_count():
+            check_stored_here(h5py.Dataset(oid), here, error)  # raises, naming what it maps
     return len(links)

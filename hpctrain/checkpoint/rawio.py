@@ -7,8 +7,9 @@ offset, and XXH3 (tens of GB/s) hashes each slab in one call. ``pwrite``, ``prea
 release the GIL (h5py holds it, and its own lock, for a whole read or write), and they are made
 with whole slabs, not small chunks: every return from a call must take the GIL back, and a
 thread waiting for it waits up to the interpreter's switch interval (5 ms) while the training
-thread runs Python. Whole pages are written by direct I/O (no copy into the page cache). So a
-background save leaves the training thread its GIL and most of its CPU.
+thread runs Python. The whole pages of slabs of :data:`DIRECT_MIN` or more are written by direct
+I/O (no copy into the page cache). So a background save leaves the training thread its GIL and
+most of its CPU.
 
 Reading goes through the raw path only for a dataset whose storage the reader has checked: a
 hard-linked dataset of the file itself, contiguous, no filters, no external storage, the declared
@@ -25,7 +26,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ..errors import CheckpointError
 from . import format as fmt
@@ -34,6 +34,8 @@ from . import format as fmt
 CHUNK = 1 << 30
 #: Bytes HDF5 sets aside for a part file's metadata at its start.
 META_BLOCK = 1 << 20
+
+
 def byte_view(a: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array, no copy."""
     return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
@@ -92,7 +94,7 @@ def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]
                 done = _write_direct(direct, src, offset, None if arr.ctypes.data % ALIGN == 0 else bounce)
             for lo, hi in _chunks(len(src) - done):
                 _pwrite_all(fd, src[done + lo : done + hi], offset + done + lo)
-            digests[name] = xxhash.xxh3_64_hexdigest(src)
+            digests[name] = fmt.digest(arr)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -152,12 +154,14 @@ def _direct_fd(path: str) -> int | None:
         return None
 
 
-def aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data starts on an :data:`ALIGN` boundary."""
+def aligned_empty(shape: tuple, dtype: Any, align: int = ALIGN) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on an ``align`` boundary, with room
+    after it up to the next boundary (the allocation's unused head and tail are never touched,
+    so they take no memory)."""
     dtype = np.dtype(dtype)
     n = fmt.numel(shape) * dtype.itemsize
-    raw = np.empty(n + ALIGN, np.uint8)
-    start = (-raw.ctypes.data) % ALIGN
+    raw = np.empty(-(-n // align) * align + align, np.uint8)
+    start = (-raw.ctypes.data) % align
     return raw[start : start + n].view(dtype).reshape(shape)
 
 
@@ -247,11 +251,9 @@ def staging_empty(shape: tuple, dtype: Any) -> np.ndarray:
     n = fmt.numel(shape) * dtype.itemsize
     if n < HUGE:
         return np.empty(shape, dtype)
-    span = -(-n // HUGE) * HUGE
-    raw = np.empty(span + HUGE, np.uint8)
-    start = (-raw.ctypes.data) % HUGE
-    _advise(raw.ctypes.data + start, span, _MADV_HUGEPAGE)
-    return raw[start : start + n].view(dtype).reshape(shape)
+    a = aligned_empty(shape, dtype, HUGE)
+    _advise(a.ctypes.data, -(-n // HUGE) * HUGE, _MADV_HUGEPAGE)
+    return a
 
 
 _madvise: Any = None

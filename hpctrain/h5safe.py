@@ -136,8 +136,9 @@ def check_tree(
 ) -> int:
     """Refuse if anything under ``group`` is a soft/external link, external storage or virtual
     (for files read whole, like checkpoints). Visits at most ``limit`` names; returns the count.
-    ``allow_virtual(name, dataset)`` may accept a virtual dataset (a checkpoint's index over its
-    own part files): it returns ``None`` to accept, else the reason to refuse."""
+    ``allow_virtual(name, dcpl)`` may accept a virtual dataset (a checkpoint's index over its
+    own part files) from its creation property list (which names the files it maps): it returns
+    ``None`` to accept, else the reason to refuse."""
     import h5py
     from h5py import h5d, h5l, h5o
 
@@ -155,7 +156,7 @@ def check_tree(
         dcpl = oid.get_create_plist()
         virtual = dcpl.get_layout() == h5d.VIRTUAL
         if virtual and allow_virtual is not None:
-            why = allow_virtual(name, h5py.Dataset(oid))
+            why = allow_virtual(name, dcpl)
             if why is not None:
                 raise error(f"{here} is a virtual dataset ({why}): refused")
         elif virtual or dcpl.get_external_count():

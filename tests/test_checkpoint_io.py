@@ -283,9 +283,22 @@ def test_virtual_dataset_reading_another_file_is_refused(tmp_path):
         layout = h5py.VirtualLayout((5, 7), "f8")
         layout[:] = h5py.VirtualSource(str(secret), "w", (5, 7))
         f.create_virtual_dataset("model/0.weight", layout)
+    # load walks the index file while it reads the slabs (found from the header, not through
+    # the virtual datasets): the refusal still comes before anything changes.
+    scramble(t)
+    before = held(t)
     for call in (lambda: checkpoint.load(p, t), lambda: checkpoint.inspect(p)):
         with pytest.raises(CheckpointError, match="model/0.weight is a virtual dataset .*secret.h5"):
             call()
+    for k, v in held(t).items():
+        assert np.array_equal(v, before[k]), k
+    assert t.global_step == 0 and not t.note.any()
+    # A model the checkpoint does not fit: the foreign dataset is still what is reported.
+    other = ShardTrainer(Communicator().split(Communicator().rank), steps=0)
+    other.local["1.bias"] = Parameter(np.zeros(4), name="1.bias")
+    other.full_shape = lambda n, f=other.full_shape: (4,) if n == "1.bias" else f(n)
+    with pytest.raises(CheckpointError, match="model/0.weight is a virtual dataset .*secret.h5"):
+        checkpoint.load(p, other)
 
 
 def test_external_storage_and_part_links_are_refused(tmp_path):

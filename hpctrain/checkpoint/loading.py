@@ -25,7 +25,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..errors import CheckpointError
-from ..h5safe import check_tree, hard_names, open_stored
+from ..h5safe import check_stored_here, check_tree, hard_names, open_stored
 from . import format as fmt
 from . import rawio
 from .saving import optimizer_of, wait
@@ -36,12 +36,29 @@ _PARTS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\.parts")
 # -- the index file --------------------------------------------------------------------------
 
 
-def read_header(path: str, *, with_state: bool = True) -> dict[str, Any]:
+def read_header(path: str, *, with_state: bool = True, tree: bool = True) -> dict[str, Any]:
     """Open and check the index file ``path``; returns the header (``layout``, ``config``,
     ``trainer_state``, ``optimizer``, ``index``, ``parts``, ``state_arrays``, ...).
 
+    ``tree=False`` leaves out the walk over every object of the file (:func:`check_index_tree`;
+    ``load`` runs it while the slabs are read): the state arrays read here are then checked one
+    by one to be stored in the file.
+
     Raises ``FileNotFoundError`` or a ``CheckpointError`` naming the file and what is wrong.
     """
+    with _index_file(path) as f:
+        return _header(f, path, with_state, tree)
+
+
+def check_index_tree(path: str, header: dict[str, Any]) -> None:
+    """Refuse an index file holding a soft or external link, external storage or a virtual
+    dataset other than its own index over its part files (``CheckpointError``)."""
+    with _index_file(path) as f:
+        _check_tree(f, path, header["parts_dir"])
+
+
+@contextlib.contextmanager
+def _index_file(path: str) -> Iterator[Any]:
     import h5py
 
     if not os.path.exists(path):
@@ -52,14 +69,18 @@ def read_header(path: str, *, with_state: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} is not a readable HDF5 file ({exc})") from None
     try:
         with f:
-            return _header(f, path, with_state)
+            yield f
     except CheckpointError:
         raise
     except Exception as exc:  # damaged HDF5 metadata surfaces as KeyError, OSError, RuntimeError...
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(exc).__name__}: {exc})") from None
 
 
-def _header(f: Any, path: str, with_state: bool) -> dict[str, Any]:
+def _check_tree(f: Any, path: str, parts: str | None) -> None:
+    check_tree(f, path, CheckpointError, allow_virtual=lambda name, dcpl: _own_sources(dcpl, parts, name))
+
+
+def _header(f: Any, path: str, with_state: bool, tree: bool) -> dict[str, Any]:
     import h5py
 
     if f.attrs.get("format") != fmt.FORMAT:
@@ -87,7 +108,8 @@ def _header(f: Any, path: str, with_state: bool) -> dict[str, Any]:
         if not _PARTS.fullmatch(parts):
             raise CheckpointError(f"checkpoint {path} names part directory {parts!r}; refused (not beside it)")
     header["parts_dir"] = parts
-    check_tree(f, path, CheckpointError, allow_virtual=lambda name, d: _own_sources(d, parts, name))
+    if tree:
+        _check_tree(f, path, parts)
     header["hpctrain_version"] = str(f.attrs.get("hpctrain_version"))
     header["version"] = version
     arrays: dict[str, np.ndarray] = {}
@@ -96,6 +118,9 @@ def _header(f: Any, path: str, with_state: bool) -> dict[str, Any]:
 
         def grab(name: str, obj: Any) -> None:
             if isinstance(obj, h5py.Dataset):
+                # (visititems reaches objects through hard links only; the storage is checked
+                # here when the whole tree is not)
+                check_stored_here(obj, f"checkpoint {path}: state/{name}", CheckpointError)
                 data = obj[()]
                 if fmt.digest(np.asarray(data)) != str(obj.attrs.get(fmt.CHECKSUM)):
                     bad.append(f"checksum mismatch in state/{name}")
@@ -153,9 +178,10 @@ def _check_index(index: Any, path: str) -> None:
             raise CheckpointError(f"checkpoint {path}: damaged piece table entry for {key}") from None
 
 
-def _own_sources(dset: Any, parts: str | None, name: str) -> str | None:
-    """``None`` if the virtual dataset ``name`` reads only the checkpoint's own part files."""
-    plist = dset.id.get_create_plist()  # the mappings' file names, without building selections
+def _own_sources(plist: Any, parts: str | None, name: str) -> str | None:
+    """``None`` if the virtual dataset ``name`` (``plist``: its creation property list, which
+    names the mapped files without building their selections) reads only the checkpoint's own
+    part files."""
     for i in range(plist.get_virtual_count()):
         file_name = plist.get_virtual_filename(i)
         d, _, file = file_name.partition("/")
@@ -175,10 +201,14 @@ def part_path(path: str, header: dict[str, Any], writer: int | None) -> str:
 # -- reading slabs ---------------------------------------------------------------------------
 
 
-def _read_digest(raw: rawio.RawFile, offset: int, out: np.ndarray, what: str, faulted: Future | None) -> str:
+def _read(raw: rawio.RawFile, offset: int, out: np.ndarray, what: str, faulted: Future | None) -> None:
     if faulted is not None:
         faulted.result()  # the pages of ``out`` are in (the faulting thread works in order)
     raw.read(offset, out, what)
+
+
+def _digest(read: Future, out: np.ndarray) -> str:
+    read.result()  # raises what the read raised
     return fmt.digest(out)
 
 
@@ -186,13 +216,16 @@ class Reader:
     """Reads and verifies slabs of one checkpoint (part files opened once each; bulk bytes read
     raw where the dataset's storage allows it, see :mod:`.rawio`).
 
-    Deferred reads run as a pipeline of three threads, each in file order: this thread checks
+    Deferred reads run as a pipeline of four threads, each in file order: this thread checks
     the next slab's dataset and allocates its array; a faulting thread brings that array's pages
     in (:func:`rawio.prefault`: the kernel zeroes new pages, as costly as the copy); the reader
-    thread reads each slab once its pages are in and hashes it. Measured on a warm page cache
-    (16 slabs of 16 MiB), zeroing on the loading thread made it the bottleneck (2.6 ms per slab
-    against the reader's 1.7). Reads stay on one thread, sequential: two readers halved the
-    speed from a cold cache (read-ahead broken) and gained nothing warm."""
+    thread reads each slab once its pages are in; the hashing thread hashes each slab once it is
+    read, while the next is read. Measured on a warm page cache (16 slabs of 16 MiB), zeroing on
+    the loading thread made it the bottleneck (2.6 ms per slab against the reader's 1.7), and
+    hashing on the reader thread cost 8% of the load. Reads stay on one thread, sequential: two
+    readers halved the speed from a cold cache (read-ahead broken) and gained nothing warm, and
+    a second reader for cached pieces only (``RWF_NOWAIT``) was 1.5x slower warm and cold in
+    ``benchmarks/checkpoint.py``."""
 
     def __init__(self, path: str, header: dict[str, Any]) -> None:
         self.path, self.header = path, header
@@ -202,15 +235,16 @@ class Reader:
         self.hard: dict[Any, set[bytes]] = {}  # per part file: its names reached by hard links only
         self.paths: dict[Any, str] = {}
         self.reads: ThreadPoolExecutor | None = None
+        self.hashes: ThreadPoolExecutor | None = None
         self.faults: ThreadPoolExecutor | None = None
         self.faulted: Future | None = None
         self.pending: list[tuple[Any, str, str, str, str]] = []
 
     def close(self) -> None:
-        for pool in (self.reads, self.faults):
+        for pool in (self.reads, self.hashes, self.faults):
             if pool is not None:  # no read may still be writing into an array or using a descriptor
                 pool.shutdown(wait=True, cancel_futures=True)
-        self.reads = self.faults = self.faulted = None
+        self.reads = self.hashes = self.faults = self.faulted = None
         self.pending = []
         for f in self.files.values():
             f.close()
@@ -301,8 +335,9 @@ class Reader:
         if defer and offset is not None and out.nbytes >= rawio.PREFAULT_MIN:
             if self.reads is None:
                 self.reads = ThreadPoolExecutor(1, thread_name_prefix="hpctrain-ckpt-read")
-            raw = self._raw(writer)
-            fut = self.reads.submit(_read_digest, raw, offset, out, what, self.faulted)
+                self.hashes = ThreadPoolExecutor(1, thread_name_prefix="hpctrain-ckpt-hash")
+            read = self.reads.submit(_read, self._raw(writer), offset, out, what, self.faulted)
+            fut = self.hashes.submit(_digest, read, out)
             self.pending.append((fut, digest, key, name, where))
             return out
         try:
@@ -382,7 +417,7 @@ def _agreed_header(path: str, comm: Any) -> dict[str, Any]:
     verdict: Any = None
     if comm.rank == 0:
         try:
-            verdict = ("ok", read_header(path))
+            verdict = ("ok", read_header(path, tree=False))
         except FileNotFoundError as exc:
             verdict = ("missing", str(exc))
         except CheckpointError as exc:
@@ -412,8 +447,13 @@ def _wanted(trainer: Any) -> dict[str, tuple[Any, tuple, tuple]]:
     return out
 
 
-def stage(path: str, trainer: Any, header: dict[str, Any]) -> tuple[dict[str, Any], list[str], set[str]]:
+def stage(path: str, trainer: Any, header: dict[str, Any],
+          tree: bool = False) -> tuple[dict[str, Any], list[str], set[str]]:
     """Read and verify everything this rank needs into temporaries; changes nothing.
+
+    ``tree``: also walk the index file (:func:`check_index_tree`), while the reads go on (the
+    part files are found from the header, not through the index's virtual datasets, so what is
+    read does not depend on it; nothing is committed before every check has passed).
 
     Returns ``(staged {key: array on the parameter's device}, problems, wanted model keys)``.
     """
@@ -437,7 +477,7 @@ def stage(path: str, trainer: Any, header: dict[str, Any]) -> tuple[dict[str, An
             elif np.dtype(entry["dtype"]).kind != np.dtype(param.dtype).kind:
                 problems.append(f"{key}: checkpoint declares dtype {entry['dtype']}, model needs {param.dtype}")
         if problems:
-            return staged, problems, wanted
+            return staged, problems + (_tree_problems(path, header) if tree else []), wanted
         # In the part files' order (their datasets were written sorted by key): sequential reads.
         outs = []
         with _quick_handoffs():
@@ -447,6 +487,8 @@ def stage(path: str, trainer: Any, header: dict[str, Any]) -> tuple[dict[str, An
                 reader.prefault(out)
                 reader.fill(key, out, idx, defer=True)
                 outs.append((key, param, out))
+            if tree:
+                problems += _tree_problems(path, header)
             reader.finish()
         for key, param, out in outs:
             staged[key] = to_device(out, xp_of(param.data)).astype(param.dtype, copy=False)
@@ -457,6 +499,16 @@ def stage(path: str, trainer: Any, header: dict[str, Any]) -> tuple[dict[str, An
     finally:
         reader.close()
     return staged, problems, wanted
+
+
+def _tree_problems(path: str, header: dict[str, Any]) -> list[str]:
+    """:func:`check_index_tree`'s refusal as a problem that fails the load on every rank."""
+    try:
+        check_index_tree(path, header)
+    except (CheckpointError, FileNotFoundError) as exc:
+        why = str(exc)
+        return [why if why.startswith("checkpoint ") else f"checkpoint {path}: {why}"]
+    return []
 
 
 @contextlib.contextmanager
@@ -485,7 +537,7 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
     wait(trainer)
     comm = trainer.comm
     header = _agreed_header(path, comm)
-    staged, problems, wanted = stage(path, trainer, header)
+    staged, problems, wanted = stage(path, trainer, header, tree=comm.rank == 0)
     everyone = comm.allgather_obj((problems, sorted(wanted)))
     all_problems = list(dict.fromkeys(p for ps, _ in everyone for p in ps))
     corrupt = [p for p in all_problems if "fit this model" not in p and p.startswith("checkpoint ")]

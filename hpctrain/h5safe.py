@@ -11,10 +11,37 @@ file. Shared by the dataset loaders and the checkpoint reader; each passes its o
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable
 from typing import Any
 
 from .errors import DatasetError
+
+
+def regular_file(path: str | os.PathLike, where: str, error: type[Exception] = DatasetError) -> None:
+    """Refuse anything at ``path`` but a regular file (after symbolic links): opening a FIFO
+    for reading blocks until someone writes to it, so a FIFO planted under a checkpoint's or a
+    data file's name would hang the job instead of failing it. ``FileNotFoundError`` when
+    nothing is there."""
+    mode = os.stat(path).st_mode  # stat opens nothing: no blocking
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise error(f"{where} is {kind}, not a regular file: refused")
+
+
+def open_file(path: str | os.PathLike, where: str, error: type[Exception] = DatasetError) -> Any:
+    """``h5py.File(path, "r")`` for a file that may come from anyone: a regular file only
+    (:func:`regular_file`), and an HDF5 error raised as ``error`` naming ``where``."""
+    import h5py
+
+    regular_file(path, where, error)
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise error(f"{where}: cannot open as HDF5 ({exc})") from None
 
 
 def _link_text(link: Any) -> str:

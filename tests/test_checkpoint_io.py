@@ -17,7 +17,7 @@ from test_checkpoint import ShardTrainer, full_model, scramble
 
 from hpctrain import Communicator, checkpoint
 from hpctrain.checkpoint import format as fmt
-from hpctrain.checkpoint import saving
+from hpctrain.checkpoint import rawio, saving
 from hpctrain.errors import CheckpointError
 from hpctrain.nn import Parameter
 from hpctrain.optim import Adam
@@ -299,6 +299,30 @@ def test_virtual_dataset_reading_another_file_is_refused(tmp_path):
     other.full_shape = lambda n, f=other.full_shape: (4,) if n == "1.bias" else f(n)
     with pytest.raises(CheckpointError, match="model/0.weight is a virtual dataset .*secret.h5"):
         checkpoint.load(p, other)
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_place_of_an_index_or_part_file_is_refused_not_waited_on(tmp_path):
+    # Opening a FIFO for reading blocks until a writer comes: a FIFO under a checkpoint's name
+    # hung load, inspect and the run directory's cleanup.
+    t, good = _solo_checkpoint(tmp_path)
+    scramble(t)
+    before = held(t)
+    fifo = tmp_path / "fifo.h5"
+    os.mkfifo(fifo)
+    for call in (lambda: checkpoint.load(str(fifo), t), lambda: checkpoint.inspect(str(fifo))):
+        with pytest.raises(CheckpointError, match="fifo.h5 is a FIFO, not a regular file: refused"):
+            call()
+    p = copy_checkpoint(good, str(tmp_path / "part"))
+    part = os.path.join(os.path.dirname(p), h5py.File(p, "r").attrs["parts"], "w00000.h5")
+    os.remove(part)
+    os.mkfifo(part)
+    with pytest.raises(CheckpointError, match="w00000.h5 is a FIFO, not a regular file: refused"):
+        checkpoint.load(p, t)
+    with pytest.raises(CheckpointError, match="is not a regular file: refused"):
+        rawio.RawFile(part)  # the raw reader's own open does not wait either
+    for k, v in held(t).items():
+        assert np.array_equal(v, before[k]), k
 
 
 def test_external_storage_and_part_links_are_refused(tmp_path):

@@ -302,3 +302,19 @@ def test_data_make_on_a_bad_directory_is_one_clear_line(tmp_path, readonly_dir, 
         assert re.fullmatch(f"hpctrain data: error: cannot write the built-in data set {target}: ({why}){hint}\n",
                             err), err
     assert os.listdir(readonly_dir) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(tmp_path, comm):
+    # Opening a FIFO for reading blocks until someone writes to it: h5py (and a raw open) would
+    # hang the job on a FIFO planted under a data file's or a checkpoint's name.
+    from hpctrain.data.checks import open_tokens
+
+    if comm.size > 1:
+        pytest.skip("files of one process; it runs in the serial pass")
+    fifo = tmp_path / "data.h5"
+    os.mkfifo(fifo)
+    with pytest.raises(DatasetError, match="data.h5 is a FIFO, not a regular file: refused"):
+        open_tokens(fifo, block_size=8, val_fraction=0.1)
+    with pytest.raises(DatasetError, match="is a FIFO"):
+        HDF5Dataset(fifo, ["x"])

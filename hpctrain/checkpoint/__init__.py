@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError
+from ..h5safe import open_file
 from ..log import get_logger
 from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
 from .loading import load, load_weights, read_header
@@ -51,14 +52,12 @@ def _remove_orphans(directory: str) -> None:
     none of its own is in flight."""
     import shutil
 
-    import h5py
-
     from .format import PARTS_SUFFIX
 
     used = set()
     for p in list_checkpoints(directory):
         try:
-            with h5py.File(p, "r") as f:
+            with open_file(p, p, CheckpointError) as f:
                 used.add(str(f.attrs.get("parts", "")))
         except Exception:  # unreadable: keep whatever it might refer to
             return
@@ -74,11 +73,9 @@ def copy(src: str, dst: str) -> str:
     file name; returns the new index file's path. Not collective."""
     import shutil
 
-    import h5py
-
     if os.path.isdir(dst):
         dst = os.path.join(dst, os.path.basename(src))
-    with h5py.File(src, "r") as f:
+    with open_file(src, f"checkpoint {src}", CheckpointError) as f:
         parts = f.attrs.get("parts")
     if parts:
         target = os.path.join(os.path.dirname(os.path.abspath(dst)), str(parts))

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..errors import CheckpointError
-from ..h5safe import check_stored_here, check_tree, hard_names, open_stored
+from ..h5safe import check_stored_here, check_tree, hard_names, open_stored, regular_file
 from . import format as fmt
 from . import rawio
 from .saving import optimizer_of, wait
@@ -63,6 +63,7 @@ def _index_file(path: str) -> Iterator[Any]:
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    regular_file(path, f"checkpoint {path}", CheckpointError)
     try:
         f = h5py.File(path, "r")
     except Exception as exc:
@@ -271,6 +272,7 @@ class Reader:
                     raise CheckpointError(f"checkpoint {self.path}: {p} is a symbolic link; refused")
                 if not os.path.exists(p):
                     raise CheckpointError(f"checkpoint {self.path}: part file {p} is missing")
+                regular_file(p, f"checkpoint {self.path}: part file {p}", CheckpointError)
             try:
                 self.files[writer] = h5py.File(p, "r")
             except Exception as exc:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Iterator
 from typing import Any
 
@@ -204,8 +205,15 @@ class RawFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        self.size = os.fstat(self.fd).st_size
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (no effect on
+        # reads of a regular file, which is all this accepts).
+        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        st = os.fstat(self.fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self.fd)
+            self.fd = -1
+            raise CheckpointError(f"{path} is not a regular file: refused")
+        self.size = st.st_size
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -117,16 +117,13 @@ class HDF5Dataset:
 
     def _open(self) -> None:
         """Open the file and check the keys; DatasetError naming file and key on any problem."""
-        import h5py
+        from ..h5safe import open_file
 
         if not self.keys:
             raise DatasetError(f"{self.path}: HDF5Dataset needs at least one key")
         if not os.path.exists(self.path):
             raise DatasetError(f"{self.path}: no such file (HDF5Dataset keys {list(self.keys)})")
-        try:
-            self._file = h5py.File(self.path, "r")
-        except OSError as exc:
-            raise DatasetError(f"{self.path}: cannot open as HDF5 ({exc})") from exc
+        self._file = open_file(self.path, str(self.path), DatasetError)
         try:
             self._open_keys()
         except DatasetError:

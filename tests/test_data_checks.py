@@ -304,6 +304,44 @@ def test_data_make_on_a_bad_directory_is_one_clear_line(tmp_path, readonly_dir, 
     assert os.listdir(readonly_dir) == []
 
 
+SPLIT = [
+    ("external link", "ext", r"key 'tokens' is an external link to '/t' in file '.*secret.h5': refused"),
+    ("negative", np.r_[np.arange(50) % 7, -3, np.arange(949) % 7],
+     "key 'tokens' row 50 holds token -3: tokens must be token ids"),
+    ("float validation", "float", r"key 'val_tokens' holds float64: val_tokens \(the token ids\) must be integers"),
+    ("short", np.arange(12), "key 'tokens' holds 12 tokens, fewer than one window of --block-size 8 \\+ 1"),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name, tokens, message", SPLIT, ids=[c[0] for c in SPLIT])
+def test_a_file_with_its_own_validation_stream_gets_the_same_checks(tmp_path, name, tokens, message):
+    # `hpctrain data make`'s corpus layout (tokens + val_tokens) used to be read with plain h5py:
+    # an external link was followed, and negative or float token ids were taken as they came.
+    from hpctrain.data.shakespeare import split_windows
+
+    with h5py.File(tmp_path / "secret.h5", "w") as f:
+        f["t"] = np.arange(1000) % 7
+    val = np.arange(100) % 5
+    path = tmp_path / "split.h5"
+    with h5py.File(path, "w") as f:
+        if isinstance(tokens, str) and tokens == "ext":
+            f["tokens"] = h5py.ExternalLink(str(tmp_path / "secret.h5"), "/t")
+        else:
+            f["tokens"] = np.arange(1000) % 7 if isinstance(tokens, str) else tokens
+        f["val_tokens"] = val * 1.0 if isinstance(tokens, str) and tokens == "float" else val
+        f.attrs["vocab"] = "abcdefg"
+    with pytest.raises(DatasetError, match=message) as info:
+        split_windows(path, 8)
+    assert str(info.value).startswith(str(path))
+    with h5py.File(path, "a") as f:  # the same file, repaired: read as before
+        del f["tokens"], f["val_tokens"]
+        f["tokens"], f["val_tokens"] = np.arange(1000) % 7, val
+    train, valid, meta = split_windows(path, 8)
+    assert meta == {"vocab_size": 7, "vocab": "abcdefg"}
+    assert np.array_equal(valid.tokens, val) and len(valid) == 12 and train.random_offset
+
+
 @pytest.mark.timeout(60)
 def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(tmp_path, comm):
     # Opening a FIFO for reading blocks until someone writes to it: h5py (and a raw open) would
@@ -318,3 +356,6 @@ def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(tmp_path, comm):
         open_tokens(fifo, block_size=8, val_fraction=0.1)
     with pytest.raises(DatasetError, match="is a FIFO"):
         HDF5Dataset(fifo, ["x"])
+    from hpctrain.data.shakespeare import split_windows
+
+    assert split_windows(fifo, 8) is None  # then open_tokens refuses it, as above

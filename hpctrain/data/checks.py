@@ -391,3 +391,61 @@ def open_tokens(path: str | os.PathLike, *, block_size: int, val_fraction: float
         meta["vocab"] = text  # the characters of the token ids, for generating text
     stream = TokenDataset(ds, block_size)
     return Rows(stream, 0, n_train), Rows(stream, windows - n_val, windows), meta
+
+
+def _has_key(path: str, key: str) -> bool:
+    """Whether the file at ``path`` has a link named ``key`` at its root (False when it cannot
+    be opened: the checked opening that follows says why)."""
+    from ..h5safe import open_file
+
+    try:
+        with open_file(path, path, DatasetError) as f:
+            return bool(f.id.links.exists(key.encode()))
+    except (DatasetError, OSError):
+        return False
+
+
+def open_token_streams(path: str | os.PathLike, *, block_size: int, seed: int = 0, comm: Any = None,
+                       key: str = "tokens", val_key: str = "val_tokens") -> tuple[Any, Any, dict[str, Any]] | None:
+    """For a token file with its own validation stream (``val_key``, as ``hpctrain data make``
+    writes it): ``(train windows, validation windows, meta)``, the training windows at a random
+    offset each epoch (``TokenDataset``), the validation windows fixed; ``None`` for a file with
+    one stream (:func:`open_tokens` splits it). Both streams get :func:`open_tokens`'s checks
+    (hard links and storage in the file, 1-D integers, ids in ``[0, MAX_VOCAB)``) before they
+    are read into memory. Collective with ``comm``."""
+    path = os.fspath(path)
+    has = _has_key(path, val_key) and _has_key(path, key)
+    if comm is not None:
+        seen = comm.allgather_obj(has)
+        if len(set(seen)) > 1:
+            raise DatasetError(f"{path}: ranks {[r for r, h in enumerate(seen) if h]} see a {val_key!r} stream "
+                               "in it, the others do not (different files under one name?)")
+    if not has:
+        return None
+    streams, top, declared, text = [], -1, 0, None
+    for k, room in ((key, block_size - 1), (val_key, 0)):
+        ds = _open(path, (k,), comm)
+
+        def layout(ds: HDF5Dataset = ds, k: str = k, room: int = room) -> tuple[Any, tuple[int, str | None]]:
+            tok = _check_key(ds, k, 1, "iu", f"{k} (the token ids)")
+            if len(ds) < block_size + 1 + room:
+                extra = f" (+ {room} for its random offset)" if room else ""
+                raise DatasetError(f"{path}: key {k!r} holds {len(ds)} tokens, fewer than one window of "
+                                   f"--block-size {block_size} + 1{extra}")
+            check_order_fits(len(ds) // block_size, path)
+            return tok, _vocab(ds)
+
+        tok, vocab = _agreed(comm, ds, layout)
+        with _closed_on_error(ds):
+            found = scan(tok, [(0, len(ds))], "tokens", f"{path}: key {k!r}", MAX_VOCAB, comm)
+            tokens = np.asarray(tok[...], dtype=np.int64)
+        ds.close()
+        top = max(top, found.hi if found.hi is not None else -1)
+        if k == key:
+            declared, text = vocab
+        streams.append(tokens)
+    meta: dict[str, Any] = {"vocab_size": max(declared, len(text or ""), top + 1)}
+    if text is not None:
+        meta["vocab"] = text
+    train, val = streams
+    return TokenDataset(train, block_size, random_offset=True, seed=seed), TokenDataset(val, block_size), meta

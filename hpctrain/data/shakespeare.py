@@ -101,21 +101,12 @@ def shakespeare(path: str | os.PathLike | None = None, source: str | os.PathLike
     return builtin._ensure(path, "shakespeare.h5", "shakespeare", fill)
 
 
-def split_windows(path: str | os.PathLike, block_size: int, seed: int = 0) -> tuple[Any, Any, dict] | None:
+def split_windows(path: str | os.PathLike, block_size: int, seed: int = 0,
+                  comm: Any = None) -> tuple[Any, Any, dict] | None:
     """For a token file with a validation stream (``val_tokens``): ``(train windows, validation
     windows, facts)``, training windows at a random offset each epoch (``TokenDataset``), validation
-    windows fixed; ``None`` for a file with one stream (the caller splits it as before)."""
-    import h5py
+    windows fixed; ``None`` for a file with one stream (the caller splits it as before). The file
+    is checked like any ``--data`` file (:func:`hpctrain.data.checks.open_token_streams`)."""
+    from .checks import open_token_streams
 
-    from .datasets import TokenDataset
-
-    with h5py.File(path, "r") as f:
-        if "val_tokens" not in f or "tokens" not in f:
-            return None
-        train, val = f["tokens"][...].astype(np.int64), f["val_tokens"][...].astype(np.int64)
-        vocab = f.attrs.get("vocab")
-    vocab = vocab.decode() if isinstance(vocab, bytes) else vocab
-    facts: dict[str, Any] = {"vocab_size": max(len(vocab or ""), int(max(train.max(), val.max())) + 1)}
-    if isinstance(vocab, str):
-        facts["vocab"] = vocab
-    return (TokenDataset(train, block_size, random_offset=True, seed=seed), TokenDataset(val, block_size), facts)
+    return open_token_streams(path, block_size=block_size, seed=seed, comm=comm)

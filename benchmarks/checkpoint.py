@@ -26,7 +26,11 @@ with hundreds of parameters and optimizer moments.
   preallocated arrays) and plain h5py reading into new arrays (``f[name][()]``: a transactional
   load must read into temporaries; new memory costs page faults the preallocated arrays do not).
   *warm*: the files are in the page cache; *cold*: evicted before every round with
-  ``posix_fadvise(DONTNEED)`` on the files (no root needed).
+  ``posix_fadvise(DONTNEED)`` on the files (no root needed). The methods that read into new
+  arrays (``h5py, new arrays`` and hpctrain, whose load stages everything before it commits)
+  pay for new memory when the process gets it from the system rather than reusing what it
+  freed: on a virtual machine the first touch of such pages can cost as much as the copy, and
+  varies from run to run with the allocator's state (see the note under the table).
 
 Ranks with nothing to do in a timed section (the writers not in a group, all but rank 0 for
 loads) wait with a sleeping poll, not in a spinning MPI call: MPICH spins at 100% CPU while it
@@ -96,10 +100,14 @@ def evict(paths: list[str]) -> None:
 
 
 def quiet_barrier(comm: MPI.Intracomm) -> None:
-    """A barrier that sleeps while it waits (MPICH's blocking calls spin a core)."""
+    """A barrier that sleeps while it waits (MPICH's blocking calls spin a core), polling less
+    often the longer it waits (up to every 2 ms: three ranks polling every 0.2 ms took CPU from
+    the threads of the rank being timed)."""
     req = comm.Ibarrier()
+    nap = 5e-5
     while not req.Test():
-        time.sleep(0.0002)
+        time.sleep(nap)
+        nap = min(2e-3, nap * 2)
 
 
 def clock(comm: MPI.Intracomm, fn) -> float:
@@ -302,7 +310,10 @@ def run(world: Communicator, tensors: int, mb: int, args: argparse.Namespace) ->
                    f"join and agreement (its commit runs in rank 0's next writer thread)",
                    "save targets: grows with writer ranks, >= 0.9x plain h5py at 1 writer. stall target: async "
                    ">= 5x smaller than blocking (the stall is the host snapshot). load targets: >= 0.9x h5py warm "
-                   "and cold (cold = pages evicted with posix_fadvise before each round)."],
+                   "and cold (cold = pages evicted with posix_fadvise before each round). hpctrain's load "
+                   "reads into new (staging) memory, as a load that changes nothing before every rank has "
+                   "verified everything must: where the process gets new pages from the system, their cost "
+                   "comes on top of a read_direct into arrays that exist (compare 'h5py, new arrays')."],
         )
     raw.Barrier()
     if world.rank == 0:

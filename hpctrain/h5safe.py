@@ -133,25 +133,25 @@ def hard_names(group: Any, where: str, error: type[Exception] = DatasetError, li
 
 def open_stored(group: Any, name: str, hard: set[bytes], where: str,
                 error: type[Exception] = DatasetError) -> tuple[Any, Any] | None:
-    """``(dataset, its creation property list)`` for ``group[name]`` when ``name`` is in
-    ``hard`` (from :func:`hard_names`): opened by its whole path with HDF5's low-level calls and
-    refused like :func:`check_stored_here` if its bytes live elsewhere. ``None`` when the name
-    is not a dataset. A name not in ``hard`` goes through :func:`hard_dataset` (which says
-    which link is refused, or raises ``KeyError``)."""
+    """``(low-level dataset id, its creation property list)`` for ``group[name]`` when ``name``
+    is in ``hard`` (from :func:`hard_names`): opened by its whole path with HDF5's low-level
+    calls and refused like :func:`check_stored_here` if its bytes live elsewhere. ``None`` when
+    the name is not a dataset. A name not in ``hard`` goes through :func:`hard_dataset` (which
+    says which link is refused, or raises ``KeyError``). (No high-level ``h5py.Dataset``: a load
+    of many small tensors opens one per slab, and the wrapper cost a tenth of it.)"""
     import h5py
     from h5py import h5d, h5o
 
     if name.encode() not in hard:
         obj = hard_dataset(group, name, where, error)
-        return None if obj is None else (obj, obj.id.get_create_plist())
+        return None if obj is None else (obj.id, obj.id.get_create_plist())
     oid = h5o.open(group.id, name.encode())
     if not isinstance(oid, h5d.DatasetID):
         return None
     dcpl = oid.get_create_plist()
-    dset = h5py.Dataset(oid)
     if dcpl.get_layout() == h5d.VIRTUAL or dcpl.get_external_count():
-        check_stored_here(dset, where, error)  # raises, naming the files
-    return dset, dcpl
+        check_stored_here(h5py.Dataset(oid), where, error)  # raises, naming the files
+    return oid, dcpl
 
 
 def check_tree(

@@ -197,6 +197,11 @@ def test_only_the_rows_used_are_checked_and_max_samples_caps_both_splits(tmp_pat
     assert x.dtype == np.float32 and yy.dtype == np.int64
 
 
+#: The child's own peak memory in KiB (VmHWM): getrusage's ru_maxrss keeps, across the exec, the
+#: high-water mark of the pytest process it was forked from (500+ MiB after the recipe tests).
+PEAK_KIB = ("[int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')][0]")
+
+
 @pytest.mark.timeout(60)
 def test_a_tiny_file_declaring_a_billion_rows_needs_little_memory(tmp_path, monkeypatch):
     # 1.6 KB of gzip declaring 10^9 rows: reading the label column whole needed 7.5 GiB per rank.
@@ -207,9 +212,9 @@ def test_a_tiny_file_declaring_a_billion_rows_needs_little_memory(tmp_path, monk
                   x={"shape": (10**9, 4), "dtype": "f4", "chunks": (4096, 4), "compression": "gzip"},
                   y={"shape": (10**9,), "dtype": "i8", "chunks": (65536,), "compression": "gzip"})
     assert os.path.getsize(path) < 10_000
-    code = ("import resource, sys; from hpctrain.data.checks import open_classification as o; "
+    code = ("from hpctrain.data.checks import open_classification as o; "
             f"t, v, m = o({path!r}, val_fraction=0.1, max_samples=1000); "
-            "print(len(t), len(v), m['n_classes'], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+            f"print(len(t), len(v), m['n_classes'], {PEAK_KIB})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
                          env={k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))})
     assert out.returncode == 0, out.stderr
@@ -339,7 +344,12 @@ def test_a_file_with_its_own_validation_stream_gets_the_same_checks(tmp_path, na
         f["tokens"], f["val_tokens"] = np.arange(1000) % 7, val
     train, valid, meta = split_windows(path, 8)
     assert meta == {"vocab_size": 7, "vocab": "abcdefg"}
-    assert np.array_equal(valid.tokens, val) and len(valid) == 12 and train.random_offset
+    from hpctrain.data import TokenDataset
+
+    rows = np.arange(12)
+    for got, want in zip(valid[rows], TokenDataset(val, 8)[rows]):
+        assert np.array_equal(got, want)
+    assert len(valid) == 12 and train.random_offset
 
 
 @pytest.mark.timeout(60)
@@ -359,3 +369,25 @@ def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(tmp_path, comm):
     from hpctrain.data.shakespeare import split_windows
 
     assert split_windows(fifo, 8) is None  # then open_tokens refuses it, as above
+
+
+@pytest.mark.timeout(60)
+def test_a_validation_stream_file_declaring_a_billion_tokens_is_not_read_whole(tmp_path):
+    # split_windows read both streams into memory: 1.6 KB of gzip declaring 10^9 tokens became
+    # 8 GB per rank. Now the streams are read per batch and only the used tokens are scanned.
+    import subprocess
+    import sys
+
+    path = _write(tmp_path / "bomb.h5", tokens={"shape": (10**9,), "dtype": "i8", "chunks": (65536,),
+                                                "compression": "gzip"},
+                  val_tokens=np.arange(200) % 5)
+    assert os.path.getsize(path) < 100_000
+    code = ("from hpctrain.data.shakespeare import split_windows as s; "
+            f"t, v, m = s({path!r}, 8, max_samples=1000); "
+            f"print(len(v), m['vocab_size'], {PEAK_KIB})")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                         env={k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))})
+    assert out.returncode == 0, out.stderr
+    n_val, vocab, maxrss_kib = map(int, out.stdout.split())
+    assert (n_val, vocab) == (24, 5)
+    assert maxrss_kib < 400 * 1024, f"peak memory {maxrss_kib / 1024:.0f} MiB"

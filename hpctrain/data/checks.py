@@ -405,14 +405,17 @@ def _has_key(path: str, key: str) -> bool:
         return False
 
 
-def open_token_streams(path: str | os.PathLike, *, block_size: int, seed: int = 0, comm: Any = None,
-                       key: str = "tokens", val_key: str = "val_tokens") -> tuple[Any, Any, dict[str, Any]] | None:
+def open_token_streams(path: str | os.PathLike, *, block_size: int, seed: int = 0, max_samples: int | None = None,
+                       comm: Any = None, key: str = "tokens",
+                       val_key: str = "val_tokens") -> tuple[Any, Any, dict[str, Any]] | None:
     """For a token file with its own validation stream (``val_key``, as ``hpctrain data make``
     writes it): ``(train windows, validation windows, meta)``, the training windows at a random
     offset each epoch (``TokenDataset``), the validation windows fixed; ``None`` for a file with
     one stream (:func:`open_tokens` splits it). Both streams get :func:`open_tokens`'s checks
-    (hard links and storage in the file, 1-D integers, ids in ``[0, MAX_VOCAB)``) before they
-    are read into memory. Collective with ``comm``."""
+    (hard links and storage in the file, 1-D integers, ids in ``[0, MAX_VOCAB)``, scanned in
+    bounded chunks) and are read per batch, never whole (a small compressed file can declare
+    10^9 tokens). With ``max_samples`` only the training tokens of its first ``max_samples``
+    windows are checked (the caller uses no more). Collective with ``comm``."""
     path = os.fspath(path)
     has = _has_key(path, val_key) and _has_key(path, key)
     if comm is not None:
@@ -422,28 +425,35 @@ def open_token_streams(path: str | os.PathLike, *, block_size: int, seed: int = 
                                "in it, the others do not (different files under one name?)")
     if not has:
         return None
-    streams, top, declared, text = [], -1, 0, None
-    for k, room in ((key, block_size - 1), (val_key, 0)):
-        ds = _open(path, (k,), comm)
+    streams: list[HDF5Dataset] = []
+    top, declared, text = -1, 0, None
+    try:
+        for k, room in ((key, block_size - 1), (val_key, 0)):
+            ds = _open(path, (k,), comm)
 
-        def layout(ds: HDF5Dataset = ds, k: str = k, room: int = room) -> tuple[Any, tuple[int, str | None]]:
-            tok = _check_key(ds, k, 1, "iu", f"{k} (the token ids)")
-            if len(ds) < block_size + 1 + room:
-                extra = f" (+ {room} for its random offset)" if room else ""
-                raise DatasetError(f"{path}: key {k!r} holds {len(ds)} tokens, fewer than one window of "
-                                   f"--block-size {block_size} + 1{extra}")
-            check_order_fits(len(ds) // block_size, path)
-            return tok, _vocab(ds)
+            def layout(ds: HDF5Dataset = ds, k: str = k, room: int = room) -> tuple[Any, tuple[int, str | None]]:
+                tok = _check_key(ds, k, 1, "iu", f"{k} (the token ids)")
+                if len(ds) < block_size + 1 + room:
+                    extra = f" (+ {room} for its random offset)" if room else ""
+                    raise DatasetError(f"{path}: key {k!r} holds {len(ds)} tokens, fewer than one window of "
+                                       f"--block-size {block_size} + 1{extra}")
+                check_order_fits(len(ds) // block_size, path)
+                return tok, _vocab(ds)
 
-        tok, vocab = _agreed(comm, ds, layout)
-        with _closed_on_error(ds):
-            found = scan(tok, [(0, len(ds))], "tokens", f"{path}: key {k!r}", MAX_VOCAB, comm)
-            tokens = np.asarray(tok[...], dtype=np.int64)
-        ds.close()
-        top = max(top, found.hi if found.hi is not None else -1)
-        if k == key:
-            declared, text = vocab
-        streams.append(tokens)
+            tok, vocab = _agreed(comm, ds, layout)
+            used = len(ds)
+            if k == key and max_samples is not None:  # window i < max_samples, at an offset < block_size
+                used = min(used, (max_samples + 1) * block_size)
+            with _closed_on_error(ds):
+                found = scan(tok, [(0, used)], "tokens", f"{path}: key {k!r}", MAX_VOCAB, comm)
+            top = max(top, found.hi if found.hi is not None else -1)
+            if k == key:
+                declared, text = vocab
+            streams.append(ds)
+    except BaseException:
+        for ds in streams:  # the stream already opened stays open otherwise (HDF5 keeps the file)
+            ds.close()
+        raise
     meta: dict[str, Any] = {"vocab_size": max(declared, len(text or ""), top + 1)}
     if text is not None:
         meta["vocab"] = text

@@ -57,7 +57,7 @@ def open_data(c: Config, comm: Any = None, path: str | None = None) -> tuple[Row
 
         # A corpus with its own validation stream (shakespeare.h5 of `hpctrain data make`):
         # training windows at a random offset each epoch, validation windows fixed.
-        windows = split_windows(path, c.block_size, c.seed, comm=comm)
+        windows = split_windows(path, c.block_size, c.seed, comm=comm, max_samples=c.max_samples)
     if windows is not None:
         tw, vw, meta = windows
         n_train = len(tw) if c.max_samples is None else min(len(tw), c.max_samples)

@@ -302,6 +302,32 @@ def test_virtual_dataset_reading_another_file_is_refused(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_compressed_state_array_is_refused_before_it_is_read(tmp_path):
+    # 19 KB of gzip declaring 2 x 10^9 float64 under state/ took 15 GB and 32 s to read before its
+    # checksum refused it; a little more would have met the OOM killer instead of an error.
+    import time
+
+    t, good = _solo_checkpoint(tmp_path)
+    scramble(t)
+    before = held(t)
+    cases = {
+        "bomb": ({"shape": (10**9,), "dtype": "f8", "chunks": (1 << 20,), "compression": "gzip"},
+                 "is stored chunked or filtered"),
+        "text": ({"data": np.array(["a" * 10], dtype=h5py.string_dtype())}, "holds object"),
+    }
+    for name, (spec, message) in cases.items():
+        p = copy_checkpoint(good, str(tmp_path / name))
+        with h5py.File(p, "r+") as f:
+            f.create_dataset("state/extra", **spec)
+        start = time.perf_counter()
+        with pytest.raises(CheckpointError, match=f"state/extra {message}: refused"):
+            checkpoint.load(p, t)
+        assert time.perf_counter() - start < 5, name
+    for k, v in held(t).items():
+        assert np.array_equal(v, before[k]), k
+
+
+@pytest.mark.timeout(60)
 def test_a_fifo_in_place_of_an_index_or_part_file_is_refused_not_waited_on(tmp_path):
     # Opening a FIFO for reading blocks until a writer comes: a FIFO under a checkpoint's name
     # hung load, inspect and the run directory's cleanup.

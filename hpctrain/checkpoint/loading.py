@@ -122,6 +122,7 @@ def _header(f: Any, path: str, with_state: bool, tree: bool) -> dict[str, Any]:
                 # (visititems reaches objects through hard links only; the storage is checked
                 # here when the whole tree is not)
                 check_stored_here(obj, f"checkpoint {path}: state/{name}", CheckpointError)
+                _check_state_storage(obj, f"checkpoint {path}: state/{name}")
                 data = obj[()]
                 if fmt.digest(np.asarray(data)) != str(obj.attrs.get(fmt.CHECKSUM)):
                     bad.append(f"checksum mismatch in state/{name}")
@@ -132,6 +133,28 @@ def _header(f: Any, path: str, with_state: bool, tree: bool) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(bad[:5])}")
     header["state_arrays"] = arrays
     return header
+
+
+def _check_state_storage(dset: Any, where: str) -> None:
+    """Refuse a state array not stored as hpctrain writes them (numbers, in one uncompressed
+    block of exactly their size) before it is read: a compressed dataset of a few kilobytes can
+    declare gigabytes, which reading would allocate and inflate (tried: 19 KB took 15 GB and 32 s
+    before the checksum refused it)."""
+    from h5py import h5d
+
+    dtype = dset.dtype
+    nbytes = fmt.numel(dset.shape) * dtype.itemsize
+    dcpl = dset.id.get_create_plist()
+    layout = dcpl.get_layout()
+    if dtype.kind not in "biufcS" or dtype.fields is not None or dtype.subdtype is not None:
+        why = f"holds {dtype}"
+    elif layout not in (h5d.CONTIGUOUS, h5d.COMPACT) or dcpl.get_nfilters():
+        why = "is stored chunked or filtered"
+    elif layout == h5d.CONTIGUOUS and dset.id.get_storage_size() != nbytes:
+        why = f"declares {nbytes:,} bytes but stores {dset.id.get_storage_size():,}"
+    else:
+        return
+    raise CheckpointError(f"{where} {why}: refused (state arrays are written as numbers, uncompressed, in one block)")
 
 
 def _v1_index(f: Any) -> dict[str, Any]:

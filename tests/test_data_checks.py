@@ -202,25 +202,30 @@ def test_only_the_rows_used_are_checked_and_max_samples_caps_both_splits(tmp_pat
 PEAK_KIB = ("[int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')][0]")
 
 
-@pytest.mark.timeout(60)
-def test_a_tiny_file_declaring_a_billion_rows_needs_little_memory(tmp_path, monkeypatch):
-    # 1.6 KB of gzip declaring 10^9 rows: reading the label column whole needed 7.5 GiB per rank.
+def in_child(code: str) -> tuple[list[int], int]:
+    """Run ``code`` in a new Python outside MPI: the integers it prints, and its peak memory (KiB)."""
     import subprocess
     import sys
 
+    out = subprocess.run([sys.executable, "-c", f"{code}; print({PEAK_KIB})"], capture_output=True, text=True,
+                         timeout=50, env={k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))})
+    assert out.returncode == 0, out.stderr
+    *printed, peak = map(int, out.stdout.split())
+    return printed, peak
+
+
+@pytest.mark.timeout(60)
+def test_a_tiny_file_declaring_a_billion_rows_needs_little_memory(tmp_path, monkeypatch):
+    # 1.6 KB of gzip declaring 10^9 rows: reading the label column whole needed 7.5 GiB per rank.
     path = _write(tmp_path / "huge.h5",
                   x={"shape": (10**9, 4), "dtype": "f4", "chunks": (4096, 4), "compression": "gzip"},
                   y={"shape": (10**9,), "dtype": "i8", "chunks": (65536,), "compression": "gzip"})
     assert os.path.getsize(path) < 10_000
-    code = ("from hpctrain.data.checks import open_classification as o; "
-            f"t, v, m = o({path!r}, val_fraction=0.1, max_samples=1000); "
-            f"print(len(t), len(v), m['n_classes'], {PEAK_KIB})")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
-                         env={k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))})
-    assert out.returncode == 0, out.stderr
-    n_train, n_val, classes, maxrss_kib = map(int, out.stdout.split())
-    assert (n_train, n_val, classes) == (1000, 1000, 1)
-    assert maxrss_kib < 400 * 1024, f"peak memory {maxrss_kib / 1024:.0f} MiB"
+    printed, peak_kib = in_child("from hpctrain.data.checks import open_classification as o; "
+                                 f"t, v, m = o({path!r}, val_fraction=0.1, max_samples=1000); "
+                                 "print(len(t), len(v), m['n_classes'])")
+    assert printed == [1000, 1000, 1]
+    assert peak_kib < 400 * 1024, f"peak memory {peak_kib / 1024:.0f} MiB"
     # Without --max-samples the shuffled order of 9 x 10^8 rows (16 bytes each at its peak) is
     # refused up front on a node of 8 GiB, instead of an allocation failure or the OOM killer.
     from hpctrain.data import checks
@@ -375,19 +380,11 @@ def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(tmp_path, comm):
 def test_a_validation_stream_file_declaring_a_billion_tokens_is_not_read_whole(tmp_path):
     # split_windows read both streams into memory: 1.6 KB of gzip declaring 10^9 tokens became
     # 8 GB per rank. Now the streams are read per batch and only the used tokens are scanned.
-    import subprocess
-    import sys
-
     path = _write(tmp_path / "bomb.h5", tokens={"shape": (10**9,), "dtype": "i8", "chunks": (65536,),
                                                 "compression": "gzip"},
                   val_tokens=np.arange(200) % 5)
     assert os.path.getsize(path) < 100_000
-    code = ("from hpctrain.data.shakespeare import split_windows as s; "
-            f"t, v, m = s({path!r}, 8, max_samples=1000); "
-            f"print(len(v), m['vocab_size'], {PEAK_KIB})")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
-                         env={k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))})
-    assert out.returncode == 0, out.stderr
-    n_val, vocab, maxrss_kib = map(int, out.stdout.split())
-    assert (n_val, vocab) == (24, 5)
-    assert maxrss_kib < 400 * 1024, f"peak memory {maxrss_kib / 1024:.0f} MiB"
+    printed, peak_kib = in_child("from hpctrain.data.shakespeare import split_windows as s; "
+                                 f"t, v, m = s({path!r}, 8, max_samples=1000); print(len(v), m['vocab_size'])")
+    assert printed == [24, 5]
+    assert peak_kib < 400 * 1024, f"peak memory {peak_kib / 1024:.0f} MiB"

@@ -416,6 +416,14 @@ def test_declared_shape_checked_before_reading(tmp_path):
         f["model/0.bias/0"] = np.zeros(10**6)
     with pytest.raises(CheckpointError, match=r"model/0.bias/0 in .* has shape \(1000000,\)"):
         checkpoint.load(p, t)
+    # The declared shape, but no data stored: HDF5 would read fill values (of any declared size,
+    # for `ckpt inspect`, which has no model to bound it). Refused by name.
+    with h5py.File(part, "r+") as f:
+        del f["model/0.bias/0"]
+        f.create_dataset("model/0.bias/0", shape=(7,), dtype="f8")
+    for call in (lambda: checkpoint.load(p, t), lambda: checkpoint.inspect(p)):
+        with pytest.raises(CheckpointError, match=r"model/0.bias/0 in .* stores no data \(it declares 56 bytes\)"):
+            call()
 
 
 def test_cli_inspect_verifies_what_it_shows(tmp_path, capsys):

@@ -335,7 +335,13 @@ class Reader:
         if tuple(did.shape) != shape or did.dtype != dtype:
             raise CheckpointError(f"checkpoint {self.path}: {name} in {where} has shape {did.shape} {did.dtype}, "
                                   f"the index declares {shape} {dtype}")
-        offset = rawio.raw_extent(did, dcpl, shape, dtype) if fmt.volume(tuple(map(tuple, box))) else None
+        volume = fmt.volume(tuple(map(tuple, box)))
+        offset = rawio.raw_extent(did, dcpl, shape, dtype) if volume else None
+        if volume and offset is None and did.get_storage_size() == 0:
+            # HDF5 would hand back fill values: never what was saved, and a hostile file could
+            # declare gigabytes of them for `ckpt inspect` (which has no model to bound them).
+            raise CheckpointError(f"checkpoint {self.path}: {name} in {where} stores no data "
+                                  f"(it declares {volume * dtype.itemsize:,} bytes)")
         # A slab read raw needs only its offset: its dataset is closed now (h5py's File.close
         # walks every object still open in the file, ~20 us each).
         self.located[(writer, name)] = (None if offset is not None else did, offset)

@@ -24,7 +24,12 @@ def regular_file(path: str | os.PathLike, where: str, error: type[Exception] = D
     for reading blocks until someone writes to it, so a FIFO planted under a checkpoint's or a
     data file's name would hang the job instead of failing it. ``FileNotFoundError`` when
     nothing is there."""
-    mode = os.stat(path).st_mode  # stat opens nothing: no blocking
+    regular_mode(os.stat(path).st_mode, where, error)  # stat opens nothing: no blocking
+
+
+def regular_mode(mode: int, where: str, error: type[Exception] = DatasetError) -> None:
+    """:func:`regular_file` for a mode already known (``fstat`` of a descriptor opened with
+    ``O_NONBLOCK``, which checks the very file that will be read)."""
     if not stat.S_ISREG(mode):
         kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
                 else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)

@@ -345,7 +345,7 @@ def test_a_fifo_in_place_of_an_index_or_part_file_is_refused_not_waited_on(tmp_p
     os.mkfifo(part)
     with pytest.raises(CheckpointError, match="w00000.h5 is a FIFO, not a regular file: refused"):
         checkpoint.load(p, t)
-    with pytest.raises(CheckpointError, match="is not a regular file: refused"):
+    with pytest.raises(CheckpointError, match="w00000.h5 is a FIFO, not a regular file: refused"):
         rawio.RawFile(part)  # the raw reader's own open does not wait either
     for k, v in held(t).items():
         assert np.array_equal(v, before[k]), k

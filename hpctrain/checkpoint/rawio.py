@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError
+from ..h5safe import regular_mode
 from . import format as fmt
 
 #: Most bytes per ``pwrite``/``preadv`` call (Linux moves at most 2 GiB per call).
@@ -209,10 +209,11 @@ class RawFile:
         # reads of a regular file, which is all this accepts).
         self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         st = os.fstat(self.fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(self.fd)
-            self.fd = -1
-            raise CheckpointError(f"{path} is not a regular file: refused")
+        try:
+            regular_mode(st.st_mode, path, CheckpointError)
+        except CheckpointError:
+            self.close()
+            raise
         self.size = st.st_size
 
     def close(self) -> None:

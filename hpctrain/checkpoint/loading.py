@@ -550,8 +550,8 @@ def _tree_problems(path: str, header: dict[str, Any]) -> list[str]:
 @contextlib.contextmanager
 def _quick_handoffs(seconds: float = 1e-4) -> Iterator[None]:
     """Shorten the interpreter's GIL switch interval (5 ms) while the loading thread runs Python
-    (h5py checks of the next datasets) and the faulting and reader threads, which need the GIL
-    only for a moment between their long GIL-free calls, wait for it: measured, they otherwise
+    (h5py checks of the next datasets) and the faulting, reading and hashing threads, which need
+    the GIL only for a moment between their long GIL-free calls, wait for it: measured, they otherwise
     stood idle up to 5 ms per slab. Put back afterwards."""
     before = sys.getswitchinterval()
     sys.setswitchinterval(min(before, seconds))

@@ -393,14 +393,14 @@ def open_tokens(path: str | os.PathLike, *, block_size: int, val_fraction: float
     return Rows(stream, 0, n_train), Rows(stream, windows - n_val, windows), meta
 
 
-def _has_key(path: str, key: str) -> bool:
-    """Whether the file at ``path`` has a link named ``key`` at its root (False when it cannot
+def _has_keys(path: str, *keys: str) -> bool:
+    """Whether the file at ``path`` has links named ``keys`` at its root (False when it cannot
     be opened: the checked opening that follows says why)."""
     from ..h5safe import open_file
 
     try:
         with open_file(path, path, DatasetError) as f:
-            return bool(f.id.links.exists(key.encode()))
+            return all(f.id.links.exists(k.encode()) for k in keys)
     except (DatasetError, OSError):
         return False
 
@@ -417,7 +417,7 @@ def open_token_streams(path: str | os.PathLike, *, block_size: int, seed: int = 
     10^9 tokens). With ``max_samples`` only the training tokens of its first ``max_samples``
     windows are checked (the caller uses no more). Collective with ``comm``."""
     path = os.fspath(path)
-    has = _has_key(path, val_key) and _has_key(path, key)
+    has = _has_keys(path, key, val_key)
     if comm is not None:
         seen = comm.allgather_obj(has)
         if len(set(seen)) > 1:

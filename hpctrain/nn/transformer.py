@@ -73,11 +73,12 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
     if out is None:
         out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(dtype, v.dtype))
     kern = fused.usable(att)
+    if kern is not None:
+        c, ninf = fused.scalars(dtype, scale, -np.inf)
     for s, e in _blocks(t, block):
         a = att[:, :, s:e, :e]  # queries s..e-1 against keys 0..e-1: the rest is masked anyway
         xp.matmul(q[:, :, s:e], xp.swapaxes(k[:, :, :e], -1, -2), out=a)
         if kern is not None:  # the softmax in two fused passes around NumPy's vectorised exp
-            c, ninf = fused.scalars(dtype, scale, -np.inf)
             kern.softmax_scores(att, s, e, c, ninf)
             xp.exp(a, out=a)
             kern.softmax_normalize(att, s, e)

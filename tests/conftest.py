@@ -108,6 +108,7 @@ def small_disk(tmp_path):
 
 @pytest.fixture
 def serial(comm):
-    """For tests that start their own processes: they run once, in the serial pass."""
+    """For tests of one process (they start their own processes, or run the command line
+    without MPI): they run once, in the serial pass, which CI always runs."""
     if comm.size > 1:
-        pytest.skip("starts its own processes: runs in the serial pass")
+        pytest.skip("a one-process test (own processes or the command line): runs in the serial pass")

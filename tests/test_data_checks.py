@@ -294,11 +294,9 @@ def test_mpi_distributed_evaluation_equals_serial_on_the_same_rows(comm, tmp_pat
 
 
 @pytest.mark.timeout(60)
-def test_data_make_on_a_bad_directory_is_one_clear_line(tmp_path, readonly_dir, capsys, comm):
+def test_data_make_on_a_bad_directory_is_one_clear_line(tmp_path, readonly_dir, capsys, serial):
     from hpctrain.cli import main
 
-    if comm.size > 1:
-        pytest.skip("the command line without MPI; it runs in the serial pass")
     blocker = tmp_path / "file"
     blocker.write_text("")
     for where, why in ((readonly_dir / "sub", "Read-only file system|Permission denied"),
@@ -360,20 +358,20 @@ def test_a_file_with_its_own_validation_stream_gets_the_same_checks(tmp_path, na
 @pytest.mark.timeout(60)
 def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(tmp_path, comm):
     # Opening a FIFO for reading blocks until someone writes to it: h5py (and a raw open) would
-    # hang the job on a FIFO planted under a data file's or a checkpoint's name.
+    # hang the job on a FIFO planted under a data file's or a checkpoint's name. Collective: every
+    # rank of the job refuses the one shared path.
     from hpctrain.data.checks import open_tokens
-
-    if comm.size > 1:
-        pytest.skip("files of one process; it runs in the serial pass")
-    fifo = tmp_path / "data.h5"
-    os.mkfifo(fifo)
-    with pytest.raises(DatasetError, match="data.h5 is a FIFO, not a regular file: refused"):
-        open_tokens(fifo, block_size=8, val_fraction=0.1)
-    with pytest.raises(DatasetError, match="is a FIFO"):
-        HDF5Dataset(fifo, ["x"])
     from hpctrain.data.shakespeare import split_windows
 
-    assert split_windows(fifo, 8) is None  # then open_tokens refuses it, as above
+    fifo = os.path.join(comm.bcast_obj(str(tmp_path)), "data.h5")
+    if comm.rank == 0:
+        os.mkfifo(fifo)
+    comm.barrier()
+    with pytest.raises(DatasetError, match="data.h5 is a FIFO, not a regular file: refused"):
+        open_tokens(fifo, block_size=8, val_fraction=0.1, comm=comm)
+    with pytest.raises(DatasetError, match="is a FIFO"):
+        HDF5Dataset(fifo, ["x"], comm=comm)
+    assert split_windows(fifo, 8, comm=comm) is None  # then open_tokens refuses it, as above
 
 
 @pytest.mark.timeout(60)

@@ -180,9 +180,8 @@ def test_builtin_concurrent_writers(tmp_path):
     assert os.listdir(tmp_path) == ["c.h5"]  # no temporary files left behind
 
 
-def test_cli_data_make(tmp_path, capsys, comm):
-    if comm.size > 1:  # every rank built both sets in its own directory: 10 s at -n 4, nothing more tested
-        pytest.skip("the command line without MPI; it runs in the serial pass")
+def test_cli_data_make(tmp_path, capsys, serial):
+    # (under mpiexec every rank built both sets in its own directory: 10 s at -n 4, nothing more tested)
     assert cli_main(["data", "make", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for name in ("classification", "corpus"):

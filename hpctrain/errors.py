@@ -89,3 +89,7 @@ class ExitStatus(IntEnum):
     CONFIG = 4
     #: Stopped on a signal with a checkpoint of the step (sysexits' EX_TEMPFAIL: try again).
     PREEMPTED = 75
+
+
+class RankLossError(HpctrainError, RuntimeError):
+    """Ranks were lost (``--on-rank-loss shrink``) and the job cannot go on with the survivors."""

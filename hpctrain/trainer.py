@@ -126,6 +126,8 @@ class Trainer:
     #: Clip by the exactly rounded global norm (``optim.exactsum``; identical on every rank):
     #: strategies set it where all gradients are float64.
     exact_norm: bool = False
+    #: ``hpctrain.resilience.RankLoss`` when ``fit`` goes on without lost ranks (``--on-rank-loss shrink``).
+    rank_loss: Any = None
 
     def __init__(
         self,
@@ -562,7 +564,14 @@ class Trainer:
                     else:
                         sampler.set_epoch(epoch)
                 for batch in loader:
-                    stats = self.step(*batch)
+                    if self.rank_loss is not None:
+                        self.rank_loss.before_step(self, batch)
+                    try:
+                        stats = self.step(*batch)
+                    except Exception as exc:
+                        if self.rank_loss is None or not self.rank_loss.recover(self, exc):
+                            raise
+                        continue  # lost ranks: the loader redraws this global batch for the survivors
                     if not stats.memory:
                         stats.memory = self.memory_report(stats)
                     if stats.stop is None:
@@ -646,7 +655,7 @@ class _Logger:
     validation loss of ``--eval-every``) go into the metrics line and the progress line.
     """
 
-    EXTRA = ("val_loss", "lr")
+    EXTRA = ("val_loss", "lr", "rank_loss")
 
     def __init__(self, trainer: Trainer, loader: Any, epochs: int, every: int, metrics_file: str | None,
                  progress: bool | None) -> None:

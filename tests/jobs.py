@@ -46,9 +46,12 @@ def ulfm_flags() -> list[str]:
 
 
 def hpctrain(*args: str, n: int = 0, cwd: Path | str | None = None, timeout: float = 180,
-             env: dict[str, str] | None = None, launch: list[str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m hpctrain ARGS`` (under ``mpiexec LAUNCH -n n`` when n > 0), output captured."""
-    cmd = [sys.executable, "-m", "hpctrain", *args]
+             env: dict[str, str] | None = None, launch: list[str] | None = None,
+             entry: tuple[str, ...] = ("-m", "hpctrain")) -> subprocess.CompletedProcess:
+    """``python -m hpctrain ARGS`` (under ``mpiexec LAUNCH -n n`` when n > 0), output captured.
+
+    ``entry``: what Python runs instead of ``-m hpctrain`` (a script of tests/faults, say)."""
+    cmd = [sys.executable, *entry, *args]
     if n:
         cmd = [mpiexec(), *(launch or []), "-n", str(n), *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,

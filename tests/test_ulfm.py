@@ -7,10 +7,17 @@ expect from the library this interpreter runs.
 
 from __future__ import annotations
 
+import json
+import random
+import re
+import time
+
+import h5py
+import numpy as np
 import pytest
 
 from hpctrain.comm import ulfm
-from jobs import hpctrain, ulfm_flags
+from jobs import REPO, clean_env, hpctrain, ulfm_flags
 
 
 def test_available_needs_the_library_and_the_launch(monkeypatch):
@@ -88,3 +95,81 @@ def test_train_refuses_shrink_without_ulfm_before_starting(serial, tmp_path):
     assert p.returncode == 4, p.stdout + p.stderr
     assert "hpctrain train: error: ranks 0-1: --on-rank-loss shrink: this job cannot survive a lost rank" in p.stderr
     assert not (tmp_path / "run").exists()
+
+
+# -- a rank SIGKILLed while hpctrain train runs (tests/faults/train_fault.py kill) -----------------
+
+# 20 steps of a global batch of 12 (it splits over 4, 3, 2 and 1 ranks); one checkpoint, at the end.
+KILL_RUN = ("--max-samples", "240", "--batch-size", "12", "--epochs", "1", "--d-model", "16", "--log-every", "50")
+FAULT = ("tests/faults/train_fault.py",)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run every killed one must end like: the same global batch, 2 ranks, nothing lost."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() > 1 or not ulfm.library_has_ulfm():
+        pytest.skip("needs an MPI library with ULFM (Open MPI 5, make test-openmpi); starts its own jobs")
+    base = tmp_path_factory.mktemp("uninterrupted")
+    ref = hpctrain("train", *KILL_RUN, "--run-dir", str(base / "run"), n=2,
+                   env=clean_env(HPCTRAIN_DATA=str(base / "data")))
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    assert json.loads((base / "run" / "summary.json").read_text())["rank_loss"] == []
+    return base
+
+
+def _final_params(run) -> dict[str, np.ndarray]:
+    (path,) = sorted((run / "checkpoints").glob("ckpt-*.h5"))  # the final one only: none was read
+    with h5py.File(path, "r") as f:
+        return {name: f["model"][name][()] for name in f["model"]}
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("n", [3, 4])
+def test_dp_goes_on_without_a_killed_rank(serial, uninterrupted, tmp_path, n):
+    pick = random.Random()
+    victim, step = pick.randrange(1, n), pick.randrange(1, 19)  # world rank 0 holds the run directory
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
+    t0 = time.monotonic()
+    p = hpctrain("kill", str(victim), str(step), "--", *KILL_RUN, "--run-dir", str(tmp_path / "run"), n=n, env=env,
+                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    took = time.monotonic() - t0
+    said = f"(victim {victim}, step {step}, {took:.0f} s)\n{p.stdout}{p.stderr}"
+    assert p.returncode == 0, said
+    assert f"rank {victim}: injected kill at step {step}" in p.stdout, said
+    assert f"hpctrain: lost rank(s) [{victim}] in step {step + 1}: going on with {n - 1} rank(s)" in p.stdout, said
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    (event,) = summary["rank_loss"]
+    assert (event["step"], event["ranks"]) == (step + 1, [victim]) and 0 < event["seconds"] < took, said
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 21)), said  # every step once: the global batch kept
+    assert [m["step"] for m in metrics if "rank_loss" in m] == [step + 1], said
+    assert all(m["samples"] == 12 for m in metrics), said
+    want, got = _final_params(uninterrupted / "run"), _final_params(tmp_path / "run")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{name} {said}")
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_a_killed_rank_ends_the_job_naming_it_without_shrink(serial, tmp_path):
+    # MPICH (no ULFM): the launcher ends the job and names the killed process, as before issue 30.
+    # Open MPI with ULFM and --on-rank-loss abort: the survivors end it, saying a rank died.
+    env = clean_env(HPCTRAIN_DATA=str(tmp_path / "data"))
+    t0 = time.monotonic()
+    p = hpctrain("kill", "1", "3", "--", *KILL_RUN, "--on-rank-loss", "abort", "--run-dir", str(tmp_path / "run"),
+                 n=3, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    took = time.monotonic() - t0
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and took < 60, (p.returncode, took, out)
+    assert "rank 1: injected kill at step 3" in p.stdout, out
+    if ulfm.library_has_ulfm():
+        assert re.search(r"\[rank (\d)\] hpctrain: rank \1 of 3: another rank of this job died \(a lost process: "
+                         r"MPI_ERR_PROC_FAILED", p.stderr), out
+        assert "--on-rank-loss shrink goes on with the survivors" in p.stderr, out
+    else:
+        assert "Killed (signal 9)" in out, out
+    assert not (tmp_path / "run" / "summary.json").exists()

@@ -293,11 +293,17 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     ]
     if c.eval_every:
         hooks.insert(1 + len(callbacks), Validation(c, meta, val_set, comm, c.eval_every))
+    if c.on_rank_loss == "shrink" and comm.size > 1:
+        from ..resilience import RankLoss
+
+        trainer.rank_loss = RankLoss(loader)
+        hooks.append(trainer.rank_loss)  # times and marks the first step after a loss
     t0 = time.perf_counter()
     history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
                           keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
                           callbacks=hooks, max_steps=c.max_steps, async_checkpoint=c.async_checkpoint)
     wall = time.perf_counter() - t0
+    comm = trainer.comm  # the survivors, when ranks were lost (--on-rank-loss shrink)
     memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
     trace = os.path.join(c.run_dir, "trace.json")
     timeline.write(comm, trace)
@@ -337,6 +343,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
         "comm_share": sum(s.comm_seconds for s in history) / seconds if seconds > 0 else None,
         "wall_seconds": wall, "checkpoint": latest[-1] if latest else None,
         "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
+        "rank_loss": trainer.rank_loss.events if trainer.rank_loss is not None else [],
     }
     if comm.rank == 0:
         # Valid JSON: null for a non-finite value (a NaN validation loss), never a bare NaN.
@@ -383,7 +390,17 @@ def main(args: argparse.Namespace) -> int:
 
     SIGTERM, SIGUSR1 and SIGINT stop the job at the next step with a checkpoint (75, preempted);
     refusals (configuration, data, checkpoints, run directory) are 4; any other hpctrain error 1.
+    A job that went on without lost ranks (``--on-rank-loss shrink``) ends its processes here.
     """
+    from ..comm import ulfm
+
+    status = _main(args)
+    if ulfm.lost_ranks():
+        ulfm.end_process(status)  # MPI_Finalize could wait for the dead
+    return status
+
+
+def _main(args: argparse.Namespace) -> int:
     from .. import preempt
     from ..comm import Communicator
     from ..errors import ExitStatus, GridError, MismatchError, Preempted

@@ -2,12 +2,14 @@
 
     mpiexec -n 2 python tests/faults/train_fault.py stop  RANK STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py raise RANK STEP -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py kill  RANK STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py none  0 0 -- <hpctrain train args>
 
 stop: rank RANK stops itself (SIGSTOP) when it reaches step STEP: a rank that neither computes
 nor answers, as a frozen node looks to the others. raise: rank RANK raises ``StallError`` at step
 STEP, an error on that rank only (as one trainer's own wait timing out). The fault goes into the
-parameter-server trainer's ``step``, so use ``--strategy ps``.
+parameter-server trainer's ``step``, so use ``--strategy ps``. kill: rank RANK kills itself
+(SIGKILL) as its step STEP begins, as a node that dies; for the synchronous strategies.
 """
 
 from __future__ import annotations
@@ -21,24 +23,28 @@ from mpi4py import MPI
 from hpctrain import cli
 from hpctrain.errors import StallError
 from hpctrain.parallel import param_server
+from hpctrain.trainer import Trainer
 
 
 def main() -> int:
     mode, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     assert sys.argv[4] == "--", sys.argv
     if mode != "none" and MPI.COMM_WORLD.Get_rank() == rank:
-        step = param_server.ParameterServerTrainer.step
+        owner = Trainer if mode == "kill" else param_server.ParameterServerTrainer
+        step = owner.step
 
         def faulty(self, *args, **kwargs):
             if self.global_step == at:
                 print(f"rank {rank}: injected {mode} at step {at}", flush=True)
                 if mode == "stop":
                     os.kill(os.getpid(), signal.SIGSTOP)
+                elif mode == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 else:
                     raise StallError(f"injected on rank {rank} at step {at}")
             return step(self, *args, **kwargs)
 
-        param_server.ParameterServerTrainer.step = faulty
+        owner.step = faulty
     return cli.main(["train", *sys.argv[5:]])
 
 

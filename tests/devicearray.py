@@ -24,8 +24,11 @@ from typing import Any
 
 import numpy as np
 
-#: device->host transfers (each one a host sync on a real GPU), and host->device copies
+#: device->host reads the host decides on (``float()``, ``.item()``, ``.get()``...: each one waits for
+#: the GPU), buffers copied out for MPI (``.get(out=host)``: the communicator's staging, which
+#: CUDA-aware MPI or NCCL avoid), and host->device copies
 syncs = 0
+staged = 0
 to_device = 0
 
 
@@ -73,9 +76,11 @@ class ndarray:  # noqa: N801 - the name CuPy's array type has
                         "a NumPy array explicitly.")  # fmt: skip
 
     def get(self, stream: Any = None, out: np.ndarray | None = None) -> np.ndarray:
-        _sync()
+        global staged
         if out is None:
+            _sync()
             return self._a.copy()
+        staged += 1
         np.copyto(out, self._a)
         return out
 

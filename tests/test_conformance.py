@@ -277,3 +277,33 @@ def test_stop_request_on_one_rank_reaches_every_rank(comm, kind, device):
     finally:
         preempt.clear()
     assert run(tr, d, dp, x, y).stop is False
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "ps"])
+@pytest.mark.parametrize("clip", [None, 1e9])
+def test_one_host_read_per_step_on_the_device(comm, kind, clip):
+    """On the device the loss, gradient norm and non-finite check reach the host in one transfer
+    per step (a read per parameter would wait for the GPU each time). The stand-in counts reads:
+    that one, plus the loss's target check, one per micro-batch whose loss this rank computes.
+    (Buffers staged for MPI are counted apart: CUDA-aware MPI or NCCL avoid them.)"""
+    import devicearray
+
+    previous = backend.use_device_module(devicearray)
+    try:
+        tr, d, dp = build(kind, comm, clip=clip, device=on(devicearray))
+        grid = getattr(tr, "grid", None)
+        last_stage = grid is None or grid.pp.rank == grid.pp.size - 1
+        expected = 1 + (getattr(tr, "microbatches", 1) if last_stage else 0)
+        counts = []
+        for seed in range(3):
+            x, y, _ = global_batch(dp, seed)
+            before = devicearray.syncs
+            run(tr, d, dp, x, y)
+            counts.append(devicearray.syncs - before)
+        # After every step (an assert inside the loop would leave the other ranks in a collective).
+        assert counts[1:] == [expected, expected]  # the first step learns orders and shapes
+    finally:
+        backend.use_device_module(previous)
+        on(None)

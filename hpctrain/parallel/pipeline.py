@@ -272,7 +272,7 @@ class PipelineRunner:
                         yi = to_device(y[parts[i]], xp)
                         wi = None if weight is None else to_device(weight[parts[i]], xp)
                         value = loss.forward(out, yi, wi) if wi is not None else loss.forward(out, yi)
-                        loss_part += float(value) * scales[i]
+                        loss_part = loss_part + value * scales[i]  # on the GPU: read once per step
                         grad_out = loss.backward(scales[i])
                     else:
                         shape = (tuple(out.shape), str(out.dtype))

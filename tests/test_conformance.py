@@ -40,7 +40,7 @@ def serial_model() -> Sequential:
                       MLP(D, 16, rng=g, dtype=np.float64), Linear(D, C, rng=g, dtype=np.float64))  # fmt: skip
 
 
-def build(kind: str, comm, clip=None, policy="raise", device=None):
+def build(kind: str, comm, clip=None, policy="raise", device=None, momentum=0.0):
     """(trainer, dp rank, dp size) for ``kind``; skips when the layout does not fit the world.
 
     ``device``: the stand-in module to put the model on (``None``: the host)."""
@@ -53,13 +53,17 @@ def build(kind: str, comm, clip=None, policy="raise", device=None):
     if device is not None:
         model.to("gpu")
     kw = {"clip_norm": clip, "on_nonfinite": policy}
+
+    def sgd(m):
+        return SGD(m.parameters(), lr=LR, momentum=momentum)
+
     if kind.startswith("zero"):
         grid = ProcessGrid(comm)
-        tr = ParallelTrainer(model=model, loss=loss, optimizer=SGD(model.parameters(), lr=LR), grid=grid,
+        tr = ParallelTrainer(model=model, loss=loss, optimizer=sgd(model), grid=grid,
                              zero=int(kind[-1]), **kw)  # fmt: skip
         return tr, grid.dp.rank, grid.dp_size
     if kind == "dp":
-        tr = DataParallelTrainer(model=model, loss=loss, optimizer=SGD(model.parameters(), lr=LR), comm=comm, **kw)
+        tr = DataParallelTrainer(model=model, loss=loss, optimizer=sgd(model), comm=comm, **kw)
         return tr, comm.rank, comm.size
     if kind == "ps":
         tr = ParameterServerTrainer(model=model, loss=loss, lr=LR, comm=comm, mode="sync", on_nonfinite=policy)
@@ -67,18 +71,18 @@ def build(kind: str, comm, clip=None, policy="raise", device=None):
     if kind == "tp":
         grid = ProcessGrid(comm, tp=2)
         part = tensor_parallel(model, grid.tp)
-        tr = TensorParallelTrainer(model=part, loss=loss, optimizer=SGD(part.parameters(), lr=LR), grid=grid, **kw)
+        tr = TensorParallelTrainer(model=part, loss=loss, optimizer=sgd(part), grid=grid, **kw)
     elif kind == "pp":
         grid = ProcessGrid(comm, pp=2)
         part = pipeline_stage(model, grid.pp)
-        tr = PipelineParallelTrainer(stage=part, loss=loss, optimizer=SGD(part.parameters(), lr=LR), grid=grid,
+        tr = PipelineParallelTrainer(stage=part, loss=loss, optimizer=sgd(part), grid=grid,
                                      microbatches=2, **kw)  # fmt: skip
     else:
         from hpctrain.parallel import parallelize
 
         grid = ProcessGrid(comm, tp=2, pp=2)
         part = parallelize(model, grid)
-        tr = ParallelTrainer(model=part, loss=loss, optimizer=SGD(part.parameters(), lr=LR), grid=grid,
+        tr = ParallelTrainer(model=part, loss=loss, optimizer=sgd(part), grid=grid,
                              microbatches=2, **kw)  # fmt: skip
     return tr, grid.dp.rank, grid.dp_size
 
@@ -307,3 +311,35 @@ def test_one_host_read_per_step_on_the_device(comm, kind, clip):
     finally:
         backend.use_device_module(previous)
         on(None)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["dp", "tp", "pp", "zero1", "zero3"])
+def test_checkpoint_resumes_on_the_device_and_on_the_host(comm, kind, device, shared_dir):
+    """A checkpoint of a trainer on either side (parameters and momentum) resumes bitwise on the
+    same side, and on the host: the next step of each equals the original's."""
+    from hpctrain import checkpoint as ckpt
+
+    on(device)
+    path = f"{shared_dir}/ckpt.h5"
+    tr, d, dp = build(kind, comm, device=device, momentum=0.9)
+    x, y, _ = global_batch(dp, 0)
+    run(tr, d, dp, x, y)
+    ckpt.save(path, tr)
+    resumed = []
+    for target in (device, None):  # this side, then the host
+        other, _, _ = build(kind, comm, device=on(target), momentum=0.9)
+        x7, y7, _ = global_batch(dp, 7)
+        run(other, d, dp, x7, y7)  # another state, which the load must replace entirely
+        ckpt.load(path, other)
+        resumed.append(other)
+    x, y, _ = global_batch(dp, 1)
+    on(device)
+    run(tr, d, dp, x, y)
+    want = {n: host(p.data) for n, (p, _, _) in tr.shards().items()}
+    for target, other in zip((device, None), resumed):
+        on(target)
+        run(other, d, dp, x, y)
+        for n, (p, _, _) in other.shards().items():
+            np.testing.assert_array_equal(host(p.data), want[n], err_msg=f"{n} resumed on {target or 'host'}")

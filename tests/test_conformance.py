@@ -34,13 +34,20 @@ D_IN, D, C, LR, PER_REPLICA = 6, 8, 3, 0.1, 4
 KINDS = ["dp", "tp", "pp", "tp_pp", "ps", "zero1", "zero2", "zero3"]
 
 
-def serial_model() -> Sequential:
+def serial_model(dtype=np.float64, recompute: bool = False) -> Sequential:
+    """The model every trainer trains; ``recompute``: its MLP blocks recompute their activations."""
     g = np.random.default_rng(0)
-    return Sequential(Linear(D_IN, D, rng=g, dtype=np.float64), MLP(D, 16, rng=g, dtype=np.float64),
-                      MLP(D, 16, rng=g, dtype=np.float64), Linear(D, C, rng=g, dtype=np.float64))  # fmt: skip
+    model = Sequential(Linear(D_IN, D, rng=g, dtype=dtype), MLP(D, 16, rng=g, dtype=dtype),
+                       MLP(D, 16, rng=g, dtype=dtype), Linear(D, C, rng=g, dtype=dtype))  # fmt: skip
+    if recompute:
+        from hpctrain.nn.recompute import recompute_blocks
+
+        assert recompute_blocks(model)[1] == 2
+    return model
 
 
-def build(kind: str, comm, clip=None, policy="raise", device=None, momentum=0.0):
+def build(kind: str, comm, clip=None, policy="raise", device=None, momentum=0.0, dtype=np.float64,
+          recompute=False):
     """(trainer, dp rank, dp size) for ``kind``; skips when the layout does not fit the world.
 
     ``device``: the stand-in module to put the model on (``None``: the host)."""
@@ -49,7 +56,7 @@ def build(kind: str, comm, clip=None, policy="raise", device=None, momentum=0.0)
         pytest.skip(f"{kind} needs a multiple of {need} ranks, the world has {comm.size}")
     if kind == "ps" and clip is not None:
         pytest.skip("ParameterServerTrainer applies plain SGD on the servers: it has no clip_norm")
-    model, loss = serial_model(), CrossEntropyLoss()
+    model, loss = serial_model(dtype, recompute), CrossEntropyLoss()
     if device is not None:
         model.to("gpu")
     kw = {"clip_norm": clip, "on_nonfinite": policy}
@@ -115,8 +122,8 @@ def host(a):
 class Serial:
     """The one-process reference."""
 
-    def __init__(self, clip=None) -> None:
-        self.model, self.loss, self.clip = serial_model(), CrossEntropyLoss(), clip
+    def __init__(self, clip=None, dtype=np.float64) -> None:
+        self.model, self.loss, self.clip = serial_model(dtype), CrossEntropyLoss(), clip
         self.opt = SGD(self.model.parameters(), lr=LR)
 
     def step(self, x, y, w=None) -> tuple[float, float]:
@@ -170,6 +177,33 @@ def test_clipping_matches_serial(comm, kind, device):
         assert norm > 0.05  # the case really clips
         np.testing.assert_allclose(stats.grad_norm, norm, rtol=1e-10)  # reported before clipping
     assert_same_params(tr, ref)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_matrix_clipped_steps_match_serial(comm, kind, device, recompute, dtype):
+    """Strategy x ZeRO level x recompute x precision, each on the host and on the device stand-in:
+    two steps (clipped where the trainer clips: the first step's norm is above 0.3) equal one
+    process's at the precision's tolerance."""
+    on(device)
+    clip = None if kind == "ps" else 0.3
+    tr, d, dp = build(kind, comm, clip=clip, device=device, dtype=dtype, recompute=recompute)
+    ref = Serial(clip=clip, dtype=dtype)
+    rtol = 1e-10 if dtype == np.float64 else 2e-5
+    for seed in range(2):
+        x, y, _ = global_batch(dp, seed)
+        x = x.astype(dtype)
+        stats = run(tr, d, dp, x, y)
+        loss, norm = ref.step(x, y)
+        assert seed or norm > 0.3
+        np.testing.assert_allclose([stats.loss, stats.grad_norm], [loss, norm], rtol=rtol)
+    full = dict(ref.model.named_parameters())
+    for name, (p, _, index) in tr.shards().items():
+        assert p.data.dtype == dtype, name
+        np.testing.assert_allclose(host(p.data), full[name].data[index], rtol=rtol, atol=rtol / 100, err_msg=name)
 
 
 @pytest.mark.mpi(min_size=2)

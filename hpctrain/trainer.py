@@ -318,7 +318,7 @@ class Trainer:
 
         problem = self._batch_problem(x, y, weight)
         n = len(y) if problem is None else 0
-        k = self.microbatches
+        k = self.step_microbatches(n) if problem is None else 1  # no parts: the step raises below
         bounds = [(i * n) // k for i in range(k + 1)]
         parts = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
         w_host = None
@@ -356,9 +356,19 @@ class Trainer:
                 return f"x, y (and weight) need the same length, got {got}"
         except TypeError as exc:
             return f"x, y and weight must be arrays: {exc}"
-        if n < self.microbatches:
-            return f"a batch of {n} samples cannot be cut into microbatches={self.microbatches}"
+        if self.step_microbatches(n) < 1:
+            return f"a batch of {n} samples cannot be cut into micro-batches" + (
+                "" if n < 1 else " (the interleaved schedule takes a multiple of the pipeline stages)")
         return self._target_problem(y)
+
+    def step_microbatches(self, n: int) -> int:
+        """Micro-batches a step cuts a local batch of ``n`` samples into: ``microbatches``, or
+        ``n`` when the batch is shorter (the last batch of an epoch), one sample each.
+
+        The one short-batch rule of every strategy: the step still takes every sample, so it
+        equals a one-process step on the same global batch; ``0`` means no cut is possible.
+        """
+        return min(self.microbatches, max(0, int(n)))
 
     def _target_problem(self, y: Any) -> Exception | None:
         """Labels the loss cannot take (checked before any forward so every rank refuses alike)."""

@@ -494,7 +494,9 @@ class Trainer:
         SIGINT once ``preempt.install()`` ran) every rank stops after the same step, writes its
         checkpoint and raises ``hpctrain.errors.Preempted``. Rank 0 logs loss,
         samples/s, step time and communication share every ``log_every`` steps: a tqdm bar when
-        stdout is a terminal (or ``progress=True``), plain lines otherwise. ``metrics_file``
+        stdout is a terminal (or ``progress=True``), plain lines otherwise; both count to the
+        step the fit ends at (``planned_steps``: the epochs, capped by ``max_steps``), the plain
+        lines with an ETA from the steps after this call's first. ``metrics_file``
         receives one JSON line per step (rank 0). Returns this call's steps' statistics.
 
         ``callbacks``: objects with any of ``on_fit_start(trainer)`` (after a resume),

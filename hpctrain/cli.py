@@ -161,6 +161,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The subcommands that start MPI; the others (ckpt, generate, plot, data) never load it.
+NEEDS_MPI = ("info", "train")
+INSTALL_MPI = ("install one: pip install 'hpctrain[mpich]' (MPICH from PyPI), or load the site's MPI module "
+               "(e.g. module load openmpi) and build mpi4py against it (README: Installing on a cluster)")
+
+
+def missing_mpi() -> str | None:
+    """Why MPI cannot be loaded (mpi4py absent, or its MPI library missing), in one line; None
+    when it loads. Importing ``mpi4py.MPI`` is what a world ``Communicator`` does first anyway."""
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except (ImportError, RuntimeError, OSError) as exc:  # mpi4py 4 raises RuntimeError when no libmpi loads
+        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        return f"no usable MPI ({why}): {INSTALL_MPI}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of the ``hpctrain`` command; returns its exit status (``hpctrain.errors.ExitStatus``)."""
     from . import log, settings
@@ -172,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hpctrain: error: {exc}", file=sys.stderr)
         return ExitStatus.CONFIG
+    if args.command in NEEDS_MPI:
+        why = missing_mpi()
+        if why is not None:  # one line instead of mpi4py's traceback from deep in the job
+            print(f"hpctrain {args.command}: error: {why}", file=sys.stderr)
+            return ExitStatus.CONFIG
     handler = log.to_stream()  # the library's messages, rank 0's, as "hpctrain: ..." lines on stdout
     try:
         return COMMANDS[args.command][2](args)

@@ -77,26 +77,19 @@ def run_info(args: argparse.Namespace) -> int:
 def _ckpt_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="ckpt_command", required=True)
     q = sub.add_parser("inspect", help="print what a checkpoint holds and verify its checksums")
-    q.add_argument("file", help="checkpoint file (ckpt-*.h5) or a directory of them (the newest)")
+    q.add_argument("file", metavar="RUN_OR_CHECKPOINT",
+                   help="a run directory (its newest checkpoint), a directory of checkpoints (the newest) "
+                        "or a checkpoint file (ckpt-*.h5)")
 
 
 def run_ckpt(args: argparse.Namespace) -> int:
-    """``hpctrain ckpt inspect FILE``: no MPI needed; exit 1 with the reason for a bad file."""
-    import os
-
+    """``hpctrain ckpt inspect RUN_OR_CHECKPOINT``: no MPI needed; exit 1 with the reason for a bad file."""
     from . import checkpoint
-    from .errors import CheckpointError
+    from .errors import HpctrainError
 
-    path = args.file
-    if os.path.isdir(path):
-        found = checkpoint.list_checkpoints(path)
-        if not found:
-            print(f"hpctrain: no checkpoints in {path}", file=sys.stderr)
-            return 1
-        path = found[-1]
-    try:
-        print(checkpoint.inspect(path))
-    except (FileNotFoundError, CheckpointError) as exc:
+    try:  # the same run directory generate and plot take
+        print(checkpoint.inspect(_generate.newest_checkpoint(args.file)))
+    except (FileNotFoundError, HpctrainError) as exc:
         print(f"hpctrain: {exc}", file=sys.stderr)
         return 1
     return 0

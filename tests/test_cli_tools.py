@@ -45,7 +45,7 @@ def test_tools_that_need_no_mpi_do_not_start_it(serial, tmp_path):
     assert hpctrain("train", *TINY, "--run-dir", str(run)).returncode == 0
     ckpt = checkpoint.list_checkpoints(str(run / "checkpoints"))[-1]
     cases = [["--help"], ["train", "--help"], ["ckpt", "inspect", ckpt], ["ckpt", "inspect", str(run / "checkpoints")],
-             ["data", "make", "--dir", str(tmp_path / "data")]]
+             ["ckpt", "inspect", str(run)], ["data", "make", "--dir", str(tmp_path / "data")]]
     if __import__("importlib").util.find_spec("matplotlib") is not None:
         cases.append(["plot", str(run)])
     for args in cases:
@@ -53,6 +53,11 @@ def test_tools_that_need_no_mpi_do_not_start_it(serial, tmp_path):
                            env=_env(), cwd=tmp_path)
         assert p.returncode == 0, (args, p.stdout, p.stderr)
         assert "MPI imported: False" in p.stdout, (args, p.stdout)
+    # a run directory, as generate and plot take it: its newest checkpoint
+    p = hpctrain("ckpt", "inspect", str(run))
+    assert p.returncode == 0 and p.stdout.startswith(f"checkpoint {ckpt}\n"), (p.stdout, p.stderr)
+    p = hpctrain("ckpt", "inspect", str(tmp_path / "data"))
+    assert p.returncode == 1 and "no checkpoints in" in p.stderr, (p.stdout, p.stderr)
 
 
 @pytest.mark.timeout(120)

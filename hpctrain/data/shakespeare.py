@@ -131,11 +131,12 @@ def shakespeare(path: str | os.PathLike | None = None, source: str | os.PathLike
 
 
 def split_windows(path: str | os.PathLike, block_size: int, seed: int = 0, comm: Any = None,
-                  max_samples: int | None = None) -> tuple[Any, Any, dict] | None:
-    """For a token file with a validation stream (``val_tokens``): ``(train windows, validation
-    windows, facts)``, training windows at a random offset each epoch (``TokenDataset``), validation
-    windows fixed; ``None`` for a file with one stream (the caller splits it as before). The file
-    is checked like any ``--data`` file (:func:`hpctrain.data.checks.open_token_streams`)."""
+                  max_samples: int | None = None, key: str = "tokens") -> tuple[Any, Any, dict] | None:
+    """For a token file with a validation stream (``val_tokens``) next to the training stream
+    ``key``: ``(train windows, validation windows, facts)``, training windows at a random offset
+    each epoch (``TokenDataset``), validation windows fixed; ``None`` for a file with one stream
+    (the caller splits it as before). The file is checked like any ``--data`` file
+    (:func:`hpctrain.data.checks.open_token_streams`)."""
     from .checks import open_token_streams
 
-    return open_token_streams(path, block_size=block_size, seed=seed, max_samples=max_samples, comm=comm)
+    return open_token_streams(path, block_size=block_size, seed=seed, max_samples=max_samples, comm=comm, key=key)

@@ -70,18 +70,26 @@ def load_gpt(run: str) -> tuple[Any, str]:
     if c.model != "gpt":
         raise ConfigError(f"{path} holds a {c.model!r} model, not a GPT: generate samples text from "
                           f"checkpoints of hpctrain train --model gpt")
-    vocab = info.get("vocab")
-    if not vocab:
+    vocab, size = info.get("vocab"), int(info.get("vocab_size") or 0)
+    if not vocab or len(vocab) < size:  # the data file's, which may have been given one since the run
         from .data import open_data
 
         vocab = open_data(c.replace(max_samples=None, batch_size=1))[2].get("vocab")
-    if not vocab:
-        raise ConfigError(f"{cfg_path}: the run's data has no character vocabulary to decode tokens with")
-    model = nn.GPT(int(info.get("vocab_size") or len(vocab)), c.block_size, c.d_model, c.n_heads, c.n_layers,
-                   rng=0)
+    size = size or len(vocab or "")
+    if not vocab or len(vocab) < size:
+        raise ConfigError(_no_vocab(c.data or "the run's data", size, vocab))
+    model = nn.GPT(size, c.block_size, c.d_model, c.n_heads, c.n_layers, rng=0)
     checkpoint.load_weights(path, model)
     model.eval()
     return model, vocab
+
+
+def _no_vocab(data: str, size: int, vocab: str | None) -> str:
+    """Why tokens cannot become text, and how to give the data file its vocabulary."""
+    has = f"a 'vocab' of {len(vocab)} characters for {size} token ids" if vocab else "no 'vocab' attribute"
+    return (f"{data} has {has}: generate writes token id t as the t-th character of the file's 'vocab' "
+            "attribute. Give it one, a string of the characters in token order (with h5py: "
+            "f.attrs['vocab'] = ''.join(chars)), then run generate again (no retraining needed)")
 
 
 def sample(model: Any, prompt: list[int], tokens: int, temperature: float = 1.0, top_k: int | None = None,

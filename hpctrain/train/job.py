@@ -295,7 +295,12 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     every = c.checkpoint_every or len(loader)
 
     if comm.rank == 0:
-        print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
+        from ..data.shakespeare import fallback_source
+
+        on = meta["path"]
+        if fallback_source(on) is not None:  # a shakespeare.h5 made without network
+            on += " (fallback corpus: the shipped act of Coriolanus; `hpctrain data make` with network replaces it)"
+        print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {on}: "
               f"{len(train_set):,} training samples, {_layout_text(c)} on {device}, "
               f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
               f"{len(loader)} steps each; run dir {c.run_dir}", flush=True)

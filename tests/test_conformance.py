@@ -184,11 +184,11 @@ def test_clipping_matches_serial(comm, kind, device):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-def test_matrix_clipped_steps_match_serial(comm, kind, device, recompute, dtype):
-    """Strategy x ZeRO level x recompute x precision, each on the host and on the device stand-in:
-    two steps (the first one clipped, where the trainer clips) equal one process's at the
-    precision's tolerance."""
-    on(device)
+def test_matrix_clipped_steps_match_serial_on_the_device(comm, kind, recompute, dtype, standin):
+    """Strategy x ZeRO level x recompute x precision on the device stand-in: two steps (the first
+    one clipped, where the trainer clips) equal one host process's at the precision's tolerance.
+    (The host runs of the same cases are the tests above and test_zero/test_recompute.)"""
+    device = on(standin)
     dp = comm.size // {"tp": 2, "pp": 2, "tp_pp": 4}.get(kind, 1)
     first_norm = Serial(dtype=dtype).step(*global_batch(dp, 0)[:2])[1]
     clip = None if kind == "ps" else first_norm / 2  # the first step clips (the norm depends on dp)
@@ -320,46 +320,39 @@ def test_stop_request_on_one_rank_reaches_every_rank(comm, kind, device):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "ps"])
-@pytest.mark.parametrize("clip", [None, 1e9])
-def test_one_host_read_per_step_on_the_device(comm, kind, clip):
+@pytest.mark.parametrize("kind, clip", [(k, None) for k in KINDS if k != "ps"] + [("dp", 1e9), ("zero3", 1e9)])
+def test_one_host_read_per_step_on_the_device(comm, kind, clip, standin):
     """On the device the loss, gradient norm and non-finite check reach the host in one transfer
     per step (a read per parameter would wait for the GPU each time). The stand-in counts reads:
     that one, plus the loss's target check, one per micro-batch whose loss this rank computes.
-    (Buffers staged for MPI are counted apart: CUDA-aware MPI or NCCL avoid them.)"""
-    import devicearray
-
-    previous = backend.use_device_module(devicearray)
-    try:
-        tr, d, dp = build(kind, comm, clip=clip, device=on(devicearray))
-        grid = getattr(tr, "grid", None)
-        last_stage = grid is None or grid.pp.rank == grid.pp.size - 1
-        # The one read, on a rank holding a loss or gradients it counts in the norm (a first
-        # pipeline stage on dp rank > 0 has neither: it reads nothing).
-        one = 1 if last_stage or tr._counted_grads() else 0
-        expected = one + (getattr(tr, "microbatches", 1) if last_stage else 0)
-        counts = []
-        for seed in range(3):
-            x, y, _ = global_batch(dp, seed)
-            before = devicearray.syncs
-            run(tr, d, dp, x, y)
-            counts.append(devicearray.syncs - before)
-        # After every step (an assert inside the loop would leave the other ranks in a collective).
-        assert counts[1:] == [expected, expected]  # the first step learns orders and shapes
-    finally:
-        backend.use_device_module(previous)
-        on(None)
+    (Buffers staged for MPI are counted apart: CUDA-aware MPI or NCCL avoid them.) ``clip=1e9``
+    on float64: the exactly rounded norm, whose gradients ride in that same transfer."""
+    tr, d, dp = build(kind, comm, clip=clip, device=on(standin))
+    grid = getattr(tr, "grid", None)
+    last_stage = grid is None or grid.pp.rank == grid.pp.size - 1
+    # The one read, on a rank holding a loss or gradients it counts in the norm (a first
+    # pipeline stage on dp rank > 0 has neither: it reads nothing).
+    one = 1 if last_stage or tr._counted_grads() else 0
+    expected = one + (getattr(tr, "microbatches", 1) if last_stage else 0)
+    counts = []
+    for seed in range(3):
+        x, y, _ = global_batch(dp, seed)
+        before = standin.syncs
+        run(tr, d, dp, x, y)
+        counts.append(standin.syncs - before)
+    # After every step (an assert inside the loop would leave the other ranks in a collective).
+    assert counts[1:] == [expected, expected]  # the first step learns orders and shapes
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["dp", "tp", "pp", "zero1", "zero3"])
-def test_checkpoint_resumes_on_the_device_and_on_the_host(comm, kind, device, shared_dir):
-    """A checkpoint of a trainer on either side (parameters and momentum) resumes bitwise on the
-    same side, and on the host: the next step of each equals the original's."""
+def test_checkpoint_resumes_on_the_device_and_on_the_host(comm, kind, shared_dir, standin):
+    """A checkpoint of a trainer on the device stand-in (parameters and momentum) resumes bitwise
+    on the device and on the host: the next step of each equals the original's."""
     from hpctrain import checkpoint as ckpt
 
-    on(device)
+    device = on(standin)
     path = f"{shared_dir}/ckpt.h5"
     tr, d, dp = build(kind, comm, device=device, momentum=0.9)
     x, y, _ = global_batch(dp, 0)

@@ -33,10 +33,10 @@ def _per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, Any]:
 
 def batch_mean(total: Any, denom: Any) -> Any:
     """``total / denom`` (0 for no weight): a float on the host; on the device a 0-d array, never
-    read here (a weight total of 0 means every term is 0: dividing by 1 instead keeps it 0)."""
+    read here."""
     if not (is_device_array(total) or is_device_array(denom)):
         return float(total) / denom if denom else 0.0
-    return total / (denom + (denom == 0))
+    return xp_of(total).where(denom == 0, 0.0, total / (denom + (denom == 0)))
 
 
 def all_weights_zero(denom: Any) -> bool:

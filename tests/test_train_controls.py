@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -136,6 +137,45 @@ def test_keep_bounds_the_checkpoints(solo, tmp_path):
     assert names == ["ckpt-00000007.h5", "ckpt-00000008.h5"]
     parts = sorted(n.split(".h5.")[0] for n in os.listdir(os.path.dirname(s["checkpoint"])) if n.endswith(".parts"))
     assert parts == ["ckpt-00000007", "ckpt-00000008"]  # the deleted checkpoints' part files went with them
+
+
+def test_async_keep_1_always_leaves_a_committed_checkpoint_and_keeps_one(solo, tmp_path):
+    """--async-checkpoint --keep 1: an older checkpoint goes only once a newer one is committed (a
+    watcher sees at least one from the first commit on), and exactly one is left, not all."""
+    import threading
+
+    d = os.path.join(str(tmp_path), "ak", "checkpoints")
+    seen: list[int] = []  # how many committed checkpoints the watcher saw, each time it looked
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(len(ht.checkpoint.list_checkpoints(d)))
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        s = job(solo, tmp_path, "ak", keep=1, checkpoint_every=1, async_checkpoint=True)
+    finally:
+        done.set()
+        watcher.join()
+    first = next(i for i, n in enumerate(seen) if n)
+    assert 0 not in seen[first:], "a moment with no committed checkpoint on disk"
+    assert [os.path.basename(p) for p in ht.checkpoint.list_checkpoints(d)] == ["ckpt-00000008.h5"]
+    assert s["checkpoint"] == os.path.join(d, "ckpt-00000008.h5")
+    assert [n.split(".h5.")[0] for n in os.listdir(d) if n.endswith(".parts")] == ["ckpt-00000008"]
+
+
+def test_keep_counts_the_checkpoints_a_resumed_run_finds(solo, tmp_path):
+    """A resumed (requeued) run keeps --keep checkpoints in all, not --keep per job."""
+    s = job(solo, tmp_path, "rk", keep=2, checkpoint_every=1, max_steps=4)
+    d = os.path.dirname(s["checkpoint"])
+    assert [os.path.basename(p) for p in ht.checkpoint.list_checkpoints(d)] == ["ckpt-00000003.h5",
+                                                                                 "ckpt-00000004.h5"]
+    job(solo, tmp_path, "rk", keep=2, checkpoint_every=1, resume=True)
+    assert [os.path.basename(p) for p in ht.checkpoint.list_checkpoints(d)] == ["ckpt-00000007.h5",
+                                                                                 "ckpt-00000008.h5"]
 
 
 def test_timeout_reaches_the_trainer(solo, tmp_path):

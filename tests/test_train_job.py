@@ -201,6 +201,26 @@ def test_bad_newest_checkpoint_falls_back_to_the_previous_one_announced(comm, tm
 
 
 @pytest.mark.timeout(120)
+def test_after_a_fallback_the_run_evaluates_and_reports_its_own_checkpoint(comm, tmp_path, capsys):
+    """A damaged (or foreign) file newer than anything the run writes: the resume skips it, and the
+    final evaluation, summary.json and ``generate`` use the checkpoint this run wrote, not it."""
+    run = _shared(comm, tmp_path / "run")
+    assert _train(capsys, "--run-dir", str(run), "--epochs", "1")[0] == 0
+    comm.barrier()
+    bad = run / "checkpoints" / "ckpt-99999999.h5"
+    if comm.rank == 0:
+        bad.write_bytes(b"not a checkpoint")
+    comm.barrier()
+    rc, out, err = _train(capsys, "--run-dir", str(run), "--resume")
+    assert rc == 0, out + err
+    summary = json.loads((run / "summary.json").read_text())
+    own = checkpoint.checkpoint_path(str(run / "checkpoints"), summary["steps"])
+    assert summary["checkpoint"] == own and summary["steps_this_run"] > 0
+    assert f"checkpoint      {own}" in out
+    assert bad.exists()  # skipped, never deleted
+
+
+@pytest.mark.timeout(120)
 def test_config_json_is_accepted_back_by_config(comm, tmp_path, capsys):
     run = _shared(comm, tmp_path / "a")
     assert _train(capsys, "--run-dir", str(run), "--seed", "3")[0] == 0

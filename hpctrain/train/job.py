@@ -312,14 +312,17 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     # The strategies' own models may be sharded or rebuilt into layers that need the other ranks.
     from ..comm.validate import raise_if_any
 
-    latest = comm.bcast_obj(checkpoint.list_checkpoints(c.checkpoint_dir) if comm.rank == 0 else None)
+    # The checkpoint this run wrote (or resumed from), not the newest name in the directory: a
+    # newer file the resume skipped (damaged, another run's) is not what this run leaves.
+    final = trainer.last_checkpoint
     fresh = problem = None
     try:
         fresh = build_model(c, meta)
-        checkpoint.load_weights(latest[-1], fresh)
+        if final is None:
+            raise CheckpointError("the run wrote none")
+        checkpoint.load_weights(final, fresh)
     except (HpctrainError, OSError, KeyError, ValueError, IndexError) as exc:
-        problem = CheckpointError(f"cannot evaluate the final checkpoint {latest[-1] if latest else '(none)'}: "
-                                  f"{exc}")
+        problem = CheckpointError(f"cannot evaluate the final checkpoint {final or '(none)'}: {exc}")
     raise_if_any(comm, problem)
     result = evaluate(fresh, val_set, build_loss(c), comm=comm)
 
@@ -335,7 +338,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
         "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
         "samples_per_s": sum(s.samples for s in history) / seconds if seconds > 0 else None,
         "comm_share": sum(s.comm_seconds for s in history) / seconds if seconds > 0 else None,
-        "wall_seconds": wall, "checkpoint": latest[-1] if latest else None,
+        "wall_seconds": wall, "checkpoint": final,
         "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
     }
     if comm.rank == 0:

@@ -185,14 +185,30 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     # writes its checkpoints there, not into this run's.
     given = c.to_dict()
     c.checkpoint_dir = c.checkpoint_dir or os.path.join(c.run_dir, "checkpoints")
-    # One job per run directory: rank 0 holds its lock until the job ends (or is refused).
-    lock = rundir.RunLock(c.run_dir)
-    everywhere(comm, lambda: lock.acquire() if comm.rank == 0 else None)
+    # One job per run directory and per checkpoint directory (wherever it is: two jobs writing one
+    # would overwrite each other's files): rank 0 holds the locks until the job ends (or is refused).
+    locks = [rundir.RunLock(c.run_dir)]
+    if os.path.realpath(c.checkpoint_dir) != os.path.realpath(c.run_dir):
+        locks.append(rundir.RunLock(c.checkpoint_dir, "checkpoint directory", "--checkpoint-dir"))
+    everywhere(comm, lambda: _acquire(locks) if comm.rank == 0 else None)
     try:
-        return _run_locked(c, given, comm, callbacks, device)
+        return _run_locked(c, given, comm, callbacks, device, locks[1] if len(locks) > 1 else None)
     finally:
         if comm.rank == 0:
+            for lock in reversed(locks):
+                lock.release()
+
+
+def _acquire(locks: list[rundir.RunLock]) -> None:
+    """Take every lock in order, or none: those taken are released when a later one is refused."""
+    taken: list[rundir.RunLock] = []
+    try:
+        for lock in locks:
+            taken.append(lock.acquire())
+    except BaseException:
+        for lock in reversed(taken):
             lock.release()
+        raise
 
 
 #: Settings a resumed run must share with the run it continues (the model, its data, its optimizer
@@ -201,14 +217,17 @@ RESUME_KEYS = ("model", "data", "d_model", "n_layers", "n_heads", "block_size", 
                "max_samples", "val_fraction")
 
 
-def _claim(c: Config, given: dict[str, Any], metrics: str) -> None:
-    """Rank 0, holding the lock: clean up after dead jobs and decide what may happen to the files
+def _claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunLock | None) -> None:
+    """Rank 0, holding the locks: clean up after dead jobs and decide what may happen to the files
     already in the run directory, before anything is written there."""
     from .. import checkpoint
 
     rundir.clean_stale_temporaries(c.run_dir, c.checkpoint_dir)
     if c.restart:
-        moved = rundir.set_aside(c.checkpoint_dir, metrics)
+        moved = rundir.set_aside(c.checkpoint_dir, metrics, os.path.join(c.run_dir, "trace.json"))
+        for old, new in moved:
+            if ckpt_lock is not None and old == c.checkpoint_dir:  # its lock file went along
+                ckpt_lock.moved(new)
         if moved:
             _log.info("started over (--restart): moved %s", ", ".join(f"{a} to {b}" for a, b in moved))
     elif c.resume:
@@ -247,11 +266,12 @@ def _final_loss(path: str) -> float | None:
     return sum(losses) / len(losses) if losses else None
 
 
-def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str) -> dict[str, Any]:
+def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str,
+                ckpt_lock: rundir.RunLock | None) -> dict[str, Any]:
     from .. import checkpoint
 
     metrics = os.path.join(c.run_dir, "metrics.jsonl")
-    everywhere(comm, lambda: _claim(c, given, metrics) if comm.rank == 0 else None)
+    everywhere(comm, lambda: _claim(c, given, metrics, ckpt_lock) if comm.rank == 0 else None)
 
     if c.data in (None, "shakespeare"):
         # Rank 0 writes the built-in set first; the others then find it (or, on node-local

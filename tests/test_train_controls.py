@@ -71,6 +71,43 @@ def test_max_steps_stops_mid_epoch_and_a_longer_run_goes_on(solo, tmp_path):
     assert more["val_loss"] == straight["val_loss"]
 
 
+def test_trace_json_keeps_every_job_of_a_resumed_run(solo, tmp_path):
+    """trace.json gains each job's steps (a preempted job's too) instead of the last job's only,
+    and stays one valid Chrome trace with one name per rank's lane."""
+    from hpctrain import preempt
+
+    class StopAfter2:
+        def on_step_end(self, trainer, stats):
+            if trainer.global_step == 2:
+                preempt.request("test")  # carried by the next step: the job stops after step 3
+
+    try:
+        with pytest.raises(errors.Preempted):
+            run({**BASE, "run_dir": os.path.join(str(tmp_path), "tr")}, solo, callbacks=[StopAfter2()])
+    finally:
+        preempt.clear()
+    job(solo, tmp_path, "tr", max_steps=6, resume=True)
+    s = job(solo, tmp_path, "tr", resume=True)
+    with open(s["trace"]) as f:
+        events = json.load(f)["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "X" and e["tid"] == 0] == [f"step {k}" for k in range(1, 9)]
+    assert [e["pid"] for e in events if e["name"] == "process_name"] == [0]
+
+
+def test_a_trace_json_that_is_not_a_trace_is_moved_aside_not_overwritten(solo, tmp_path):
+    from hpctrain.train.timeline import Timeline
+
+    path = tmp_path / "trace.json"
+    path.write_text('{"traceEv')
+    t = Timeline(0)
+    t.on_step_end(type("T", (), {"global_step": 1})(), type("S", (), {"seconds": 0.1, "comm_seconds": 0.0,
+                                                                    "loss": 1.0})())
+    t.write(solo, str(path))
+    assert [e["name"] for e in json.loads(path.read_text())["traceEvents"]] == ["process_name", "step 1"]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("trace.json.replaced-")]
+    assert len(aside) == 1 and aside[0].read_text() == '{"traceEv'
+
+
 def test_lr_schedule_cosine_with_warmup_and_min_lr(solo, tmp_path):
     s = job(solo, tmp_path, "cos", lr=0.01, lr_schedule="cosine", warmup=2, min_lr=0.001)
     lrs = [r["lr"] for r in metrics(s)]

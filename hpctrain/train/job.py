@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import rundir
-from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError
+from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted
 from ..evaluation import evaluate
 from ..log import get_logger
 from .builders import build_loss, build_model, build_trainer, data_rank
@@ -314,12 +314,16 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     if c.eval_every:
         hooks.insert(1 + len(callbacks), Validation(c, meta, val_set, comm, c.eval_every))
     t0 = time.perf_counter()
-    history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
-                          keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
-                          callbacks=hooks, max_steps=c.max_steps, async_checkpoint=c.async_checkpoint)
+    trace = os.path.join(c.run_dir, "trace.json")
+    try:
+        history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
+                              keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
+                              callbacks=hooks, max_steps=c.max_steps, async_checkpoint=c.async_checkpoint)
+    except Preempted:  # every rank stopped at the same step: the trace keeps this job's part too
+        timeline.write(comm, trace)
+        raise
     wall = time.perf_counter() - t0
     memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
-    trace = os.path.join(c.run_dir, "trace.json")
     timeline.write(comm, trace)
     if hasattr(trainer, "save_timeline"):  # the pipeline's executed schedule of its last step
         trainer.save_timeline(c.run_dir, png=False)

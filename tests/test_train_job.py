@@ -226,6 +226,45 @@ def test_after_a_fallback_the_run_evaluates_and_reports_its_own_checkpoint(comm,
     assert summary["checkpoint"] == own and summary["steps_this_run"] > 0
     assert f"checkpoint      {own}" in out
     assert bad.exists()  # skipped, never deleted
+    # The finished run resumed once more: nothing to train, it evaluates and reports the one it loaded.
+    comm.barrier()
+    rc, out, err = _train(capsys, "--run-dir", str(run), "--resume")
+    assert rc == 0, out + err
+    again = json.loads((run / "summary.json").read_text())
+    assert again["checkpoint"] == own and again["steps_this_run"] == 0 and again["val_loss"] == summary["val_loss"]
+
+
+@pytest.mark.timeout(120)
+def test_async_keep_1_holds_one_committed_checkpoint_at_every_moment_and_across_resumes(comm, tmp_path, capsys):
+    """--async-checkpoint --keep 1 with all ranks writing: from the first commit on there is always a
+    committed checkpoint (rank 0 watches), the end leaves exactly one, and so does a resumed job."""
+    import threading
+
+    run = _shared(comm, tmp_path / "run")
+    ck, seen, done = run / "checkpoints", [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(len(checkpoint.list_checkpoints(str(ck))))
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch) if comm.rank == 0 else None
+    for extra in ((), ("--resume", "--epochs", "3")):
+        if watcher is not None and not extra:
+            watcher.start()
+        rc, _, err = _train(capsys, "--run-dir", str(run), "--async-checkpoint", "--keep", "1",
+                            "--checkpoint-every", "1", *extra)
+        assert rc == 0, err
+        steps = json.loads((run / "summary.json").read_text())["steps"]
+        if comm.rank == 0:
+            assert checkpoint.list_checkpoints(str(ck)) == [checkpoint.checkpoint_path(str(ck), steps)]
+            assert len([n for n in os.listdir(ck) if n.endswith(".parts")]) == 1
+        comm.barrier()
+    if watcher is not None:
+        done.set()
+        watcher.join()
+        first = next(i for i, n in enumerate(seen) if n)
+        assert 0 not in seen[first:], "a moment with no committed checkpoint on disk"
 
 
 @pytest.mark.timeout(120)

@@ -187,6 +187,8 @@ def test_resume_refuses_when_no_checkpoint_loads_and_restart_starts_over(comm, t
         assert "started over" in out and str(aside[0]) in out
         # The checkpoint directory's lock went aside with it and was dropped there, the new one released.
         assert not (aside[0] / ".hpctrain.lock").exists() and not (run / "checkpoints" / ".hpctrain.lock").exists()
+        # The trace went aside too: the run started over does not continue the old one.
+        assert [p.name.startswith("trace.json.replaced-") for p in run.iterdir()].count(True) == 1
 
 
 @pytest.mark.timeout(120)

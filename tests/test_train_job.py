@@ -76,9 +76,10 @@ def test_sigterm_to_the_job_checkpoints_its_step_and_resume_ends_bitwise(serial,
             second = hpctrain("train", *TINY, "--run-dir", str(run), "--resume")
             assert second.returncode == ExitStatus.CONFIG, second.stdout + second.stderr
             assert f"run directory {run} is in use by another job" in second.stderr, second.stderr
-            # ... and so is its checkpoint directory, for a job with a run directory of its own.
+            # ... and so is its checkpoint directory, for a job with a run directory of its own (with
+            # --resume it would otherwise load the running job's weights and write among its files).
             third = hpctrain("train", *TINY, "--run-dir", str(tmp_path / "other"), "--checkpoint-dir",
-                             str(run / "checkpoints"))
+                             str(run / "checkpoints"), "--resume")
             assert third.returncode == ExitStatus.CONFIG, third.stdout + third.stderr
             assert f"checkpoint directory {run / 'checkpoints'} is in use by another job" in third.stderr
         while time.monotonic() < deadline and job.poll() is None and len(_steps(run)) < 20:

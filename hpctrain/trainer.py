@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from .backend import is_device_array, to_host, xp_of
 from .comm import Communicator
 from .log import get_logger
 from .optim.exactsum import digits_value, sumsq_digits
@@ -256,21 +257,10 @@ class Trainer:
             loss_part, extra, fb_comm = self._forward_backward(batch)
             comm_s += fb_comm + self.reducer.finish()
             t0 = time.perf_counter()
-            sumsq, bad, counted = 0.0, False, []
-            for p, g in self.reducer.counted_grads():
-                if self._tp_rank and id(p) in self._tp_replicated:
-                    continue  # replicated over tp: tp rank 0 counts it
-                g64 = g.astype(np.float64, copy=False).ravel()
-                sq = float(g64 @ g64)
-                bad = bad or not math.isfinite(sq)
-                sumsq += sq
-                counted.append(g)
-            loss_part = float(loss_part) if self._loss_lead else 0.0
-            bad = bad or not math.isfinite(loss_part)
             # Clipping float64 gradients: the exactly rounded norm, the same whatever the layout
             # cuts the gradients into (optim.exactsum), so every layout scales by the same factor.
             exact = self.clip_norm is not None and self.exact_norm
-            digits = list(sumsq_digits([] if bad else counted)) if exact else []
+            loss_part, sumsq, bad, digits = self._local_sums(loss_part, exact)
             reduce_extra = list(extra.pop("_reduce", []))
             mine = np.array([loss_part, 0.0 if bad else sumsq, float(bad), float(preempt.requested())]
                             + reduce_extra + digits)  # fmt: skip
@@ -299,6 +289,37 @@ class Trainer:
         return StepStats(loss=loss if not batch.weight_total == 0 else 0.0, grad_norm=norm,
                          seconds=time.perf_counter() - t_start, samples=batch.samples, comm_seconds=comm_s,
                          skipped=skipped, extra=extra, stop=bool(stop))  # fmt: skip
+
+    def _counted_grads(self) -> list[Any]:
+        """The gradients this rank counts in the global norm (tp-replicated ones on tp rank 0)."""
+        return [g for p, g in self.reducer.counted_grads() if not (self._tp_rank and id(p) in self._tp_replicated)]
+
+    def _local_sums(self, loss_part: Any, exact: bool) -> tuple[float, float, bool, list[float]]:
+        """This rank's ``(loss, sum of squared gradients, non-finite?, exact-sum digits)``.
+
+        On the GPU the loss and the squared norms stay on the device until one transfer: a host
+        read per gradient would stall the GPU once per parameter. (The exact digits need the
+        gradients themselves on the host: they ride in that same transfer.)"""
+        grads = self._counted_grads()
+        on_device = is_device_array(loss_part) or any(is_device_array(g) for g in grads)
+        if not on_device:
+            sumsq, bad = 0.0, False
+            for g in grads:
+                g64 = g.astype(np.float64, copy=False).ravel()
+                sq = float(g64 @ g64)
+                bad = bad or not math.isfinite(sq)
+                sumsq += sq
+            loss_part = float(loss_part) if self._loss_lead else 0.0
+            bad = bad or not math.isfinite(loss_part)
+            return loss_part, sumsq, bad, list(sumsq_digits([] if bad else grads)) if exact else []
+        xp = xp_of(grads[0]) if grads else xp_of(loss_part)
+        flat = [g.astype(np.float64, copy=False).ravel() for g in grads]
+        head = [xp.asarray(loss_part if self._loss_lead else 0.0, dtype=np.float64).reshape(1)]
+        head.append(xp.stack([g @ g for g in flat]).sum().reshape(1) if flat else xp.zeros(1))
+        host = to_host(xp.concatenate(head + (flat if exact else [])))  # the step's one device->host transfer
+        loss_part, sumsq = float(host[0]), float(host[1])
+        bad = not (math.isfinite(loss_part) and math.isfinite(sumsq))
+        return loss_part, sumsq, bad, list(sumsq_digits([] if bad else [host[2:]])) if exact else []
 
     def _abandon_step(self) -> None:
         """Undo what a raising step did before the update: the reduction and the gradients."""

@@ -300,7 +300,7 @@ class ParallelTrainer(Trainer):
                     value = self.loss.forward(out, y[part])
                 else:
                     value = self.loss.forward(out, y[part], to_device(w[part], xp))
-                loss_sum += float(value) * scales[i]
+                loss_sum = loss_sum + value * scales[i]  # on the GPU: stays there until the step's one read
                 self.model.backward(self.loss.backward(scales[i]))
             finally:
                 if last and hooks:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..nn.layers import Linear
-from ..nn.losses import _per_sample_weight, check_targets
+from ..nn.losses import _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
 from ..nn.module import Module, Parameter
 from ..nn.transformer import causal_attention, causal_attention_backward
 from .tensor_mappings import copy_to_tp, gather_from_tp, partition, reduce_from_tp, scatter_to_tp
@@ -349,15 +349,15 @@ class VocabParallelCrossEntropy:
         if w is not None:
             nll = nll * w
         self.cache = (exp / sumexp[..., None], safe, mine, w, denom)
-        return float(nll.sum()) / denom if denom else 0.0
+        return batch_mean(nll.sum(), denom)
 
     def backward(self, scale: float = 1.0) -> Any:
         xp = xp_of(self.cache[0])
         probs, safe, mine, w, denom = self.cache
         g = probs.copy()
-        if not denom:
+        if all_weights_zero(denom):
             return g * 0
         at = xp.take_along_axis(g, safe[..., None], axis=-1) - mine[..., None]
         xp.put_along_axis(g, safe[..., None], at, axis=-1)
-        g *= scale / denom
+        g *= scale / nonzero(denom)
         return g * w[..., None] if w is not None else g

@@ -212,3 +212,24 @@ def test_reshard_hands_the_rest_of_the_epoch_to_the_survivors():
     one_step.advance(batch // 3)
     with pytest.raises(ValueError, match="12 samples consumed this epoch do not split over 5 ranks"):
         one_step.reshard(0, 5)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("victim", "batch", "why"), [
+    (0, "12", "rank 0 was lost: it holds the run directory and writes the metrics and the summary"),
+    (2, "9", "the global batch 9 does not split over the 2 ranks left"),
+])
+def test_a_loss_the_job_cannot_go_on_from_ends_it_naming_why(serial, tmp_path, victim, batch, why):
+    if not ulfm.library_has_ulfm():
+        pytest.skip("needs an MPI library with ULFM (Open MPI 5): make test-openmpi")
+    args = ("--max-samples", "180", "--batch-size", batch, "--epochs", "1", "--d-model", "16")
+    p = hpctrain("kill", str(victim), "3", "--", *args, "--run-dir", str(tmp_path / "run"), n=3,
+                 env=clean_env(HPCTRAIN_DATA=str(tmp_path / "data")), launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    lines = [line for line in p.stderr.splitlines() if "hpctrain" in line]
+    assert p.returncode == 1, p.stdout + p.stderr
+    # Said once, by the first survivor, on every survivor's behalf.
+    assert lines == [f"[rank {1 if victim == 0 else 0}] hpctrain train: error: lost rank(s) [{victim}]; "
+                     f"cannot go on: {why}" + ("" if victim == 0 else "; a global batch that is a multiple "
+                                               "of every survivor count goes on")], p.stdout + p.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()

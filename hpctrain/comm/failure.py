@@ -33,6 +33,7 @@ FLUSH_GRACE = 1.0
 
 _fail_comm: MPI.Intracomm | None = None  # private duplicate of COMM_WORLD for the "all failed?" barrier
 _live_size: int | None = None  # after a lost rank (rebind): how many ranks the job has left
+_live_lead = False  # after a lost rank: whether this is the survivors' first rank (it speaks for all)
 _hook_installed = False
 _write_lock = threading.Lock()
 
@@ -69,9 +70,10 @@ def mark_everywhere(exc: BaseException, comm: Any) -> BaseException:
 def rebind(comm: MPI.Intracomm) -> None:
     """After lost ranks (``hpctrain.resilience``): ``comm`` holds every rank left, so an error on
     all of it counts for the whole job and the "all failed?" barrier runs over it (collective)."""
-    global _fail_comm, _live_size
+    global _fail_comm, _live_size, _live_lead
     _fail_comm = comm.Dup()
     _live_size = comm.Get_size()
+    _live_lead = comm.Get_rank() == 0
 
 
 def raised_everywhere(exc: BaseException) -> bool:
@@ -143,7 +145,7 @@ def fail(exc: BaseException, *, code: int = 2, what: str = "hpctrain") -> int:
         write_lines(f"{what}: error: {exc}")
         return code
     if raised_everywhere(exc):
-        if rank == 0:  # the same message on every rank: said once
+        if (_live_lead if _live_size else rank == 0):  # the same message on every rank: said once
             write_lines(f"{what}: error: {exc}")
         return code
     if _all_failed(AGREE_GRACE):

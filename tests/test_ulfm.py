@@ -119,8 +119,10 @@ def uninterrupted(tmp_path_factory):
     return base
 
 
-def _final_params(run) -> dict[str, np.ndarray]:
-    (path,) = sorted((run / "checkpoints").glob("ckpt-*.h5"))  # the final one only: none was read
+def _final_params(run, last: bool = False) -> dict[str, np.ndarray]:
+    """The parameters of the run's checkpoint: its only one (none was read), or with ``last`` its newest."""
+    found = sorted((run / "checkpoints").glob("ckpt-*.h5"))
+    (path,) = found[-1:] if last else found
     with h5py.File(path, "r") as f:
         return {name: f["model"][name][()] for name in f["model"]}
 
@@ -233,3 +235,30 @@ def test_a_loss_the_job_cannot_go_on_from_ends_it_naming_why(serial, tmp_path, v
                      f"cannot go on: {why}" + ("" if victim == 0 else "; a global batch that is a multiple "
                                                "of every survivor count goes on")], p.stdout + p.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+def test_a_checkpoint_written_after_a_shrink_resumes_under_another_layout(serial, uninterrupted, tmp_path):
+    # 3 ranks lose rank 2 in step 5; step 10's checkpoint is the survivors' (dp=2). A new 3-rank job
+    # resumes from it and ends where the uninterrupted run ends.
+    from ckpt_tools import copy_checkpoint
+
+    from hpctrain import checkpoint
+
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
+    run = tmp_path / "run"
+    p = hpctrain("kill", "2", "4", "--", *KILL_RUN, "--checkpoint-every", "10", "--run-dir", str(run), n=3, env=env,
+                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    mid = run / "checkpoints" / "ckpt-00000010.h5"
+    assert "saved from layout {'dp': 2, 'tp': 1, 'pp': 1}" in checkpoint.inspect(str(mid))
+    again = tmp_path / "again"
+    copy_checkpoint(str(mid), str(again / "checkpoints"))
+    (again / "config.json").write_text((run / "config.json").read_text())
+    p = hpctrain("train", *KILL_RUN, "--run-dir", str(again), "--resume", n=3, env=env)
+    assert p.returncode == 0 and "at step 10" in p.stdout, p.stdout + p.stderr
+    want = _final_params(uninterrupted / "run")
+    got = _final_params(again, last=True)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)

@@ -97,7 +97,10 @@ class RankLoss:
         if not ulfm.is_rank_loss(exc):
             return False
         t0 = time.monotonic()
-        trainer._abandon_step()
+        try:
+            trainer._abandon_step()
+        except MPI.Exception:  # its in-flight buckets fail with the loss: the reducer is replaced below
+            pass
         comm, lost, step = self._shrink(trainer)
         self._check(comm, lost, step)
         self._snapshots[step].restore(trainer)

@@ -129,20 +129,22 @@ def _final_params(run, last: bool = False) -> dict[str, np.ndarray]:
 
 @pytest.mark.fault
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize(("n", "kills"), [(3, 1), (4, 1), (4, 3)])
-def test_dp_goes_on_without_killed_ranks(serial, uninterrupted, tmp_path, n, kills):
-    # World rank 0 holds the run directory: the victims are others, each at a random step.
+@pytest.mark.parametrize(("n", "kills", "where"), [(3, 1, "kill"), (4, 1, "kill"), (4, 3, "kill"),
+                                                   (3, 1, "kill-reduce")])
+def test_dp_goes_on_without_killed_ranks(serial, uninterrupted, tmp_path, n, kills, where):
+    # World rank 0 holds the run directory: the victims are others, each at a random step, as
+    # the step begins or while its gradient buckets are in flight.
     pick = random.Random()
     victims, steps = pick.sample(range(1, n), kills), sorted(pick.sample(range(1, 19), kills))
     env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
     t0 = time.monotonic()
-    p = hpctrain("kill", ",".join(map(str, victims)), ",".join(map(str, steps)), "--", *KILL_RUN,
+    p = hpctrain(where, ",".join(map(str, victims)), ",".join(map(str, steps)), "--", *KILL_RUN,
                  "--run-dir", str(tmp_path / "run"), n=n, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
     took = time.monotonic() - t0
     said = f"(victims {victims}, steps {steps}, {took:.0f} s)\n{p.stdout}{p.stderr}"
     assert p.returncode == 0, said
     for k, (victim, step) in enumerate(zip(victims, steps)):
-        assert f"rank {victim}: injected kill at step {step}" in p.stdout, said
+        assert f"rank {victim}: injected {where} at step {step}" in p.stdout, said
         assert (f"hpctrain: lost rank(s) [{victim}] in step {step + 1}: going on with {n - 1 - k} rank(s), "
                 f"{12 // (n - 1 - k)} sample(s) each") in p.stdout, said
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -10,6 +10,7 @@ nor answers, as a frozen node looks to the others. raise: rank RANK raises ``Sta
 STEP, an error on that rank only (as one trainer's own wait timing out). The fault goes into the
 parameter-server trainer's ``step``, so use ``--strategy ps``. kill: rank RANK kills itself
 (SIGKILL) as its step STEP begins, as a node that dies; for the synchronous strategies.
+kill-reduce: the same while its gradient all-reduces of step STEP are in flight (dp).
 """
 
 from __future__ import annotations
@@ -22,8 +23,23 @@ from mpi4py import MPI
 
 from hpctrain import cli
 from hpctrain.errors import StallError
-from hpctrain.parallel import param_server
+from hpctrain.parallel import param_server, reducer
 from hpctrain.trainer import Trainer
+
+
+def _kill_in_reduction(rank: int, at: int) -> None:
+    """SIGKILL this rank as its gradient buckets of step ``at`` are in flight (one reduction per
+    step: no --accum-steps)."""
+    finish, calls = reducer.AllReduceReducer.finish, [0]
+
+    def dying(self):
+        calls[0] += 1
+        if calls[0] == at + 1:
+            print(f"rank {rank}: injected kill-reduce at step {at}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return finish(self)
+
+    reducer.AllReduceReducer.finish = dying
 
 
 def main() -> int:
@@ -32,7 +48,9 @@ def main() -> int:
     assert sys.argv[4] == "--", sys.argv
     me = MPI.COMM_WORLD.Get_rank()
     rank, at = me, dict(zip(map(int, ranks), map(int, steps))).get(me, -1)
-    if mode != "none" and at >= 0:
+    if mode == "kill-reduce" and at >= 0:
+        _kill_in_reduction(rank, at)
+    elif mode != "none" and at >= 0:
         owner = Trainer if mode == "kill" else param_server.ParameterServerTrainer
         step = owner.step
 

@@ -81,11 +81,12 @@ def _ckpt_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_ckpt(args: argparse.Namespace) -> int:
-    """``hpctrain ckpt inspect FILE``: no MPI needed; exit 1 with the reason for a bad file."""
+    """``hpctrain ckpt inspect FILE``: no MPI needed; exit 4 (refused) with the reason for a bad
+    file."""
     import os
 
     from . import checkpoint
-    from .errors import CheckpointError
+    from .errors import CheckpointError, ExitStatus
 
     path = args.file
     if os.path.isdir(path):
@@ -98,7 +99,7 @@ def run_ckpt(args: argparse.Namespace) -> int:
         print(checkpoint.inspect(path))
     except (FileNotFoundError, CheckpointError) as exc:
         print(f"hpctrain: {exc}", file=sys.stderr)
-        return 1
+        return ExitStatus.CONFIG
     return 0
 
 

@@ -76,3 +76,15 @@ def test_commands_refuse_a_damaged_checkpoint_with_status_4(serial, comm, tmp_pa
         with open(damaged, "r+b") as f:
             f.seek(at)
             f.write(b)
+
+
+def test_a_checkpoint_without_a_seal_loads_with_a_warning(serial, tmp_path, caplog):
+    """tests/data/ckpt_main_v2 was written before seals (HDF5's signature at byte 0): it is still
+    read, and the user is told its metadata could not be verified first."""
+    import shutil
+
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "ckpt_main_v2"), tmp_path, dirs_exist_ok=True)
+    newest = checkpoint.list_checkpoints(str(tmp_path))[-1]
+    with caplog.at_level("WARNING", logger="hpctrain"):
+        assert "all checksums verified" in checkpoint.inspect(newest)
+    assert f"checkpoint {newest} has no whole-file digest" in caplog.text

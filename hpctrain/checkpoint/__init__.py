@@ -8,7 +8,8 @@ trainer's own state (counters, RNG states, sampler position), configuration and 
 changes nothing. ``save_in``/``load_latest`` manage a directory of ``ckpt-<step>.h5`` files.
 
 Modules: :mod:`.format` (names, index, checksums), :mod:`.saving` (parallel, async),
-:mod:`.loading` (the transaction), :mod:`.summary` (``inspect``).
+:mod:`.loading` (the transaction), :mod:`.summary` (``inspect``), :mod:`.seal` (whole-file
+digests, verified before HDF5 reads a file).
 """
 
 from __future__ import annotations

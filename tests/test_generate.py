@@ -55,6 +55,27 @@ def test_generate_refuses_what_it_cannot_sample(solo, tmp_path, capsys):
     assert code == 2 and "--temperature must be > 0" in err
 
 
+def test_generate_on_a_token_file_says_how_to_give_it_a_vocabulary(solo, tmp_path, capsys):
+    import h5py
+    import numpy as np
+
+    data = tmp_path / "ids.h5"
+    with h5py.File(data, "w") as f:
+        f["chars"] = np.frombuffer(b"abcabd" * 100, dtype=np.uint8).astype(np.int64) - ord("a")
+    run({**GPT, "data": str(data), "tokens_key": "chars", "block_size": 8, "run_dir": str(tmp_path / "g")}, solo)
+    capsys.readouterr()
+    code, _, err = _generate(capsys, str(tmp_path / "g"), "--prompt", "a", "--tokens", "5")
+    assert code == 2 and f"{data} has no 'vocab' attribute" in err and "f.attrs['vocab']" in err, err
+    with h5py.File(data, "a") as f:
+        f.attrs["vocab"] = "ab"  # fewer characters than the 4 token ids: still refused, saying so
+    code, _, err = _generate(capsys, str(tmp_path / "g"), "--prompt", "a", "--tokens", "5")
+    assert code == 2 and "a 'vocab' of 2 characters for 4 token ids" in err, err
+    with h5py.File(data, "a") as f:
+        f.attrs["vocab"] = "abcd"  # as the message says: no retraining
+    code, out, err = _generate(capsys, str(tmp_path / "g"), "--prompt", "a", "--tokens", "5")
+    assert code == 0 and out.startswith("a") and set(out.strip()) <= set("abcd"), err
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(180)
 def test_generate_from_a_pipeline_checkpoint(comm, shared_dir, capsys):

@@ -30,8 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling [0]")
 
 
-def locate(run: str) -> tuple[str, str]:
-    """(checkpoint file, config.json) of a run directory or of a checkpoint file in one."""
+def newest_checkpoint(run: str) -> str:
+    """The checkpoint file ``run`` names: the newest one of a run directory (``RUN/checkpoints``),
+    of a directory of checkpoints, or ``run`` itself when it is a file (``generate``, ``ckpt
+    inspect``). ``CheckpointError`` for a directory without any, ``ConfigError`` for no such path."""
     from .. import checkpoint
 
     if os.path.isdir(run):
@@ -39,11 +41,15 @@ def locate(run: str) -> tuple[str, str]:
         found = checkpoint.list_checkpoints(ckpt_dir)
         if not found:
             raise CheckpointError(f"no checkpoints in {ckpt_dir}")
-        path = found[-1]
-    elif os.path.isfile(run):
-        path = run
-    else:
-        raise ConfigError(f"{run} is neither a run directory nor a checkpoint file")
+        return found[-1]
+    if os.path.isfile(run):
+        return run
+    raise ConfigError(f"{run} is neither a run directory nor a checkpoint file")
+
+
+def locate(run: str) -> tuple[str, str]:
+    """(checkpoint file, config.json) of a run directory or of a checkpoint file in one."""
+    path = newest_checkpoint(run)
     here = os.path.dirname(os.path.abspath(path))
     for d in (here, os.path.dirname(here)):  # RUN/checkpoints/ckpt-*.h5 or RUN/ckpt-*.h5
         if os.path.isfile(os.path.join(d, "config.json")):
@@ -64,18 +70,26 @@ def load_gpt(run: str) -> tuple[Any, str]:
     if c.model != "gpt":
         raise ConfigError(f"{path} holds a {c.model!r} model, not a GPT: generate samples text from "
                           f"checkpoints of hpctrain train --model gpt")
-    vocab = info.get("vocab")
-    if not vocab:
+    vocab, size = info.get("vocab"), int(info.get("vocab_size") or 0)
+    if not vocab or len(vocab) < size:  # the data file's, which may have been given one since the run
         from .data import open_data
 
         vocab = open_data(c.replace(max_samples=None, batch_size=1))[2].get("vocab")
-    if not vocab:
-        raise ConfigError(f"{cfg_path}: the run's data has no character vocabulary to decode tokens with")
-    model = nn.GPT(int(info.get("vocab_size") or len(vocab)), c.block_size, c.d_model, c.n_heads, c.n_layers,
-                   rng=0)
+    size = size or len(vocab or "")
+    if not vocab or len(vocab) < size:
+        raise ConfigError(_no_vocab(c.data or "the run's data", size, vocab))
+    model = nn.GPT(size, c.block_size, c.d_model, c.n_heads, c.n_layers, rng=0)
     checkpoint.load_weights(path, model)
     model.eval()
     return model, vocab
+
+
+def _no_vocab(data: str, size: int, vocab: str | None) -> str:
+    """Why tokens cannot become text, and how to give the data file its vocabulary."""
+    has = f"a 'vocab' of {len(vocab)} characters for {size} token ids" if vocab else "no 'vocab' attribute"
+    return (f"{data} has {has}: generate writes token id t as the t-th character of the file's 'vocab' "
+            "attribute. Give it one, a string of the characters in token order (with h5py: "
+            "f.attrs['vocab'] = ''.join(chars)), then run generate again (no retraining needed)")
 
 
 def sample(model: Any, prompt: list[int], tokens: int, temperature: float = 1.0, top_k: int | None = None,

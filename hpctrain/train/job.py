@@ -233,18 +233,32 @@ class _AfterResume:
             rundir.trim_metrics(self.metrics, trainer.global_step)
 
 
-def _final_loss(path: str) -> float | None:
-    """Mean training loss of the last epoch in ``metrics.jsonl``: over the whole run (this job and
-    the ones it resumed), where a resumed job made only part of that epoch itself."""
-    by_epoch: dict[Any, list[float]] = {}
-    last = None
+#: Steps the summary's final training loss averages: recent enough to say where training ended,
+#: long enough to smooth one batch's noise.
+FINAL_LOSS_STEPS = 50
+
+
+def _final_loss(path: str) -> tuple[float | None, int]:
+    """Mean training loss of the last ``FINAL_LOSS_STEPS`` steps in ``metrics.jsonl`` (skipped
+    steps left out), and how many it averaged: over the whole run (this job and the ones it
+    resumed), so a resumed job that made only a few steps itself still reports a full window."""
+    recent: list[float] = []
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
-            last = rec.get("epoch")
-            by_epoch.setdefault(last, []).append(rec["loss"])
-    losses = by_epoch.get(last, [])
-    return sum(losses) / len(losses) if losses else None
+            if not rec.get("skipped"):
+                recent = [*recent[1 - FINAL_LOSS_STEPS :], rec["loss"]]
+    return (sum(recent) / len(recent) if recent else None), len(recent)
+
+
+def _steady_rates(history: Sequence[Any]) -> tuple[float | None, float | None]:
+    """Samples per second and the communication share of step time over this job's steps after
+    its first (the warm-up: first calls, buffers, connections); ``None`` without such steps."""
+    steady = history[1:]
+    seconds = sum(s.seconds for s in steady)
+    if seconds <= 0:
+        return None, None
+    return sum(s.samples for s in steady) / seconds, sum(s.comm_seconds for s in steady) / seconds
 
 
 def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str) -> dict[str, Any]:
@@ -267,12 +281,13 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
 
     from ..data import DataLoader, ShardedSampler
+    from ..trainer import planned_steps
 
     rank, size = data_rank(c, comm)
     sampler = ShardedSampler(len(train_set), rank, size, shuffle=True, seed=c.seed, pad="mask")
     loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler,
                         device="gpu" if device == "cuda" else "cpu")
-    total_steps = c.epochs * len(loader) if c.max_steps is None else min(c.max_steps, c.epochs * len(loader))
+    total_steps = planned_steps(loader, c.epochs, c.max_steps)
     try:
         trainer = build_trainer(c, model, comm, total_steps)
     except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
@@ -280,7 +295,12 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     every = c.checkpoint_every or len(loader)
 
     if comm.rank == 0:
-        print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
+        from ..data.shakespeare import fallback_source
+
+        on = meta["path"]
+        if fallback_source(on) is not None:  # a shakespeare.h5 made without network
+            on += " (fallback corpus: the shipped act of Coriolanus; `hpctrain data make` with network replaces it)"
+        print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {on}: "
               f"{len(train_set):,} training samples, {_layout_text(c)} on {device}, "
               f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
               f"{len(loader)} steps each; run dir {c.run_dir}", flush=True)
@@ -313,6 +333,8 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     from ..comm.validate import raise_if_any
 
     latest = comm.bcast_obj(checkpoint.list_checkpoints(c.checkpoint_dir) if comm.rank == 0 else None)
+    if comm.rank == 0 and latest:  # it can take a while on a large held-out set: said before
+        print(f"evaluating {latest[-1]} on {len(val_set):,} held-out samples", flush=True)
     fresh = problem = None
     try:
         fresh = build_model(c, meta)
@@ -323,18 +345,17 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     raise_if_any(comm, problem)
     result = evaluate(fresh, val_set, build_loss(c), comm=comm)
 
-    seconds = sum(s.seconds for s in history)
-    # The last epoch's mean loss from the metrics of the whole run: a resumed job made only part
-    # of that epoch itself. One reader, one value for every rank.
-    final_loss = comm.bcast_obj(_final_loss(metrics) if comm.rank == 0 else None)
+    rate, share = _steady_rates(history)
+    # The recent loss from the metrics of the whole run: a resumed job made only part of those
+    # steps itself. One reader, one value for every rank.
+    final_loss, final_steps = comm.bcast_obj(_final_loss(metrics) if comm.rank == 0 else None)
     summary = {
         "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
         "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
         "steps_this_run": len(history), "epochs": c.epochs,
-        "final_loss": final_loss,
+        "final_loss": final_loss, "final_loss_steps": final_steps,
         "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
-        "samples_per_s": sum(s.samples for s in history) / seconds if seconds > 0 else None,
-        "comm_share": sum(s.comm_seconds for s in history) / seconds if seconds > 0 else None,
+        "samples_per_s": rate, "comm_share": share,
         "wall_seconds": wall, "checkpoint": latest[-1] if latest else None,
         "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
     }
@@ -361,11 +382,11 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
         f"{s['strategy']} dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}",
-        f"  final loss      {final} (training, mean of the last epoch)",
+        f"  final loss      {final} (training, mean of the last {s.get('final_loss_steps', 0)} steps)",
         f"  validation      loss {s['val_loss']:.4f}"
         + ("" if s["val_accuracy"] is None else f", accuracy {100 * s['val_accuracy']:.1f}%")
         + f" ({s['val_samples']:,} held-out samples)",
-        f"  throughput      {rate}",
+        f"  throughput      {rate} (the first step, a warm-up, left out)",
         f"  communication   {share}",
         *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "
            f"{s['memory']['params'] / 2**20:,.1f}, grads {s['memory']['grads'] / 2**20:,.1f}, optimizer "

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from hpctrain import checkpoint
-from hpctrain.errors import ExitStatus
+from hpctrain.errors import CheckpointError, ExitStatus
 from jobs import clean_env, hpctrain
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults", "ckpt_flip_worker.py")
@@ -88,3 +88,25 @@ def test_a_checkpoint_without_a_seal_loads_with_a_warning(serial, tmp_path, capl
     with caplog.at_level("WARNING", logger="hpctrain"):
         assert "all checksums verified" in checkpoint.inspect(newest)
     assert f"checkpoint {newest} has no whole-file digest" in caplog.text
+
+
+@pytest.mark.parametrize("start, stop", [(0, 0), (0, 100), (512, 4096 * 3), (700, 4096 * 5 + 17)])
+def test_a_streamed_file_digest_is_the_digest_of_those_bytes(tmp_path, monkeypatch, start, stop):
+    """The seal's file digest (double-buffered reads, several blocks) equals XXH3 of the bytes."""
+    import numpy as np
+    import xxhash
+
+    from hpctrain.checkpoint import seal
+
+    monkeypatch.setattr(seal, "BLOCK", 4096)  # several blocks from a small file
+    data = np.random.default_rng(stop).bytes(4096 * 5 + 17)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert seal.fd_digest(fd, start, stop) == xxhash.xxh3_64_hexdigest(data[start:stop])
+        extents = [(1000, data[1000:5000]), (9000, data[9000:9001])]
+        assert seal.pieces_digest(fd, len(data), extents) == xxhash.xxh3_64_hexdigest(data)
+        with pytest.raises(CheckpointError, match="ended at byte 20497 while it was hashed"):
+            seal.fd_digest(fd, start, len(data) + 4096 * 2)  # a file shorter than expected
+    finally:
+        os.close(fd)

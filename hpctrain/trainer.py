@@ -25,7 +25,6 @@ counters, the reduction) and ready for the next one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -123,6 +122,10 @@ class Trainer:
     reducer: Any = None
     clip_norm: float | None = None
     microbatches: int = 1
+    #: The checkpoint ``fit`` last wrote, or else the one it resumed from (``None``: neither). What
+    #: the run leaves behind, whatever else is in the directory (a newer file a resume skipped).
+    #: Committed once ``fit`` returns or raises ``Preempted`` (an asynchronous save: by then).
+    last_checkpoint: str | None = None
     #: Clip by the exactly rounded global norm (``optim.exactsum``; identical on every rank):
     #: strategies set it where all gradients are float64.
     exact_norm: bool = False
@@ -487,8 +490,10 @@ class Trainer:
         ``set_epoch`` each epoch. With ``checkpoint_dir`` and ``resume`` the newest valid
         checkpoint there is loaded first and training continues where it stopped (mid-epoch
         included: the sampler's position is restored); with ``checkpoint_every=k`` a checkpoint
-        is written every k steps and at the end, keeping the newest ``keep`` this call wrote (it
-        never deletes checkpoints it did not write). Checkpoints present that all fail to load
+        is written every k steps and at the end, keeping the newest ``keep`` committed ones in the
+        directory (earlier jobs' included; older ones are deleted only once a newer one is
+        committed, never newer ones a resume skipped: ``checkpoint.beyond_keep``); its path is
+        ``last_checkpoint``. Checkpoints present that all fail to load
         raise ``CheckpointError`` naming each (a bad newest one falls back to the previous good
         one, logged). When any rank was asked to stop (``hpctrain.preempt``: SIGTERM, SIGUSR1,
         SIGINT once ``preempt.install()`` ran) every rank stops after the same step, writes its
@@ -522,8 +527,9 @@ class Trainer:
         sampler = getattr(loader, "sampler", None)
         self._sampler = sampler
         resumed_mid_epoch = False
+        self.last_checkpoint = None
         if checkpoint_dir is not None and resume:
-            path = ckpt.load_latest(checkpoint_dir, self)  # all failing: CheckpointError naming each
+            path = self.last_checkpoint = ckpt.load_latest(checkpoint_dir, self)  # all failing: CheckpointError
             if path is None and self.comm.rank == 0:
                 what = "is empty" if os.path.isdir(checkpoint_dir) else "does not exist"
                 _log.info("no checkpoint to resume from (%s %s): starting fresh", checkpoint_dir, what)
@@ -544,19 +550,12 @@ class Trainer:
         hooks = _Callbacks([*callbacks, _Logger(self, total, log_every, metrics_file, progress)])
         history: list[StepStats] = []
         saved_at = self.global_step
-        written: list[str] = []  # this call's checkpoints: the only ones it may delete
 
         def save(last: bool = False) -> str:
-            path = ckpt.save_in(checkpoint_dir, self, keep=0, asynchronous=async_checkpoint and not last)
-            if path not in written:
-                written.append(path)
-            if keep > 0 and len(written) > keep:
-                stale = written[:-keep]
-                del written[:-keep]
-                if self.comm.rank == 0:
-                    for old in stale:
-                        with contextlib.suppress(FileNotFoundError):
-                            ckpt.remove(old)  # the index file, then its part files
+            # keep= deletes older checkpoints once this one is committed (save_in's commit hook),
+            # never before: an asynchronous save is committed only by the next save or wait.
+            path = ckpt.save_in(checkpoint_dir, self, keep=keep, asynchronous=async_checkpoint and not last)
+            self.last_checkpoint = path
             return path
 
         try:
@@ -588,7 +587,7 @@ class Trainer:
                     if stats.stop:
                         path = None
                         if checkpoint_dir is not None:
-                            path = written[-1] if saved_at == self.global_step and written else save(last=True)
+                            path = self.last_checkpoint if saved_at == self.global_step else save(last=True)
                             ckpt.wait(self)  # a background save of this very step is on disk before we stop
                         raise Preempted(self.global_step, path, preempt.reason())
                     this_epoch += 1

@@ -69,7 +69,7 @@ def test_commands_refuse_a_damaged_checkpoint_with_status_4(serial, comm, tmp_pa
             b = f.read(1)
             f.seek(at)
             f.write(bytes([b[0] ^ 0xFF]))
-        for args in (["ckpt", "inspect", newest], ["generate", str(tmp_path / "g"), "--tokens", "3"]):
+        for args in (["ckpt", "inspect", newest], ["generate", newest, "--tokens", "3"]):
             p = hpctrain(*args, timeout=120)
             assert p.returncode == ExitStatus.CONFIG, (args, damaged, p.returncode, p.stderr[-2000:])
             assert damaged in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-2000:])

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
+from ..precision import stat_dtype
 from . import fused
 from .buffers import Buffers
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, row_ones
@@ -65,7 +66,7 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
     """
     xp = xp_of(q)
     b, h, t, hd = q.shape
-    dtype = np.result_type(q.dtype, k.dtype)
+    dtype = stat_dtype(np.result_type(q.dtype, k.dtype))  # 16-bit q, k: the softmax in float32
     scale = 1.0 / float(np.sqrt(hd))
     att = _get(buffers, "att", (b, h, t, t), dtype, xp)
     mx = _get(buffers, "max", (b, h, t, 1), dtype, xp)
@@ -201,7 +202,7 @@ class CausalSelfAttention(Module):
         dy = self.proj.backward(grad_out).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
         xp, buf = xp_of(dy), self._scratch()
         # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
-        dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, att.dtype), xp)
+        dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)  # att may be wider
         parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
         causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
         return self.qkv.backward(dqkv)

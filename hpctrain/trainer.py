@@ -230,13 +230,23 @@ class Trainer:
         self._memory_most = {k: max(v, most.get(k, 0)) for k, v in report.items()}
         return report
 
-    def memory_summary(self) -> dict[str, int]:
+    def memory_summary(self) -> dict[str, Any]:
         """Each category's largest value over the steps reported so far, on the rank that holds
-        most (collective over the trainer's communicator)."""
+        most (collective over the trainer's communicator), and ``bytes_per_param``: the model
+        states' bytes (``params``, ``grads``, ``optimizer`` and their sum ``model_states``) per
+        element of this rank's part of the model (its tp/pp share, before ZeRO shards it over
+        dp), the largest over the ranks: the ZeRO paper's figure (16 for mixed-precision Adam
+        at zero 0 with 16-bit gradients, 16/N at zero 3)."""
         from .memory import max_over_ranks
 
         most = getattr(self, "_memory_most", None) or self.memory_report()
-        return max_over_ranks(self.comm, most)
+        out: dict[str, Any] = max_over_ranks(self.comm, most)
+        n = sum(int(np.prod(p.shape)) for p in self.params)  # full shapes even where ZeRO-3 holds a piece
+        kinds = ("params", "grads", "optimizer")
+        local = [most.get(k, 0) / n if n else 0.0 for k in kinds]
+        top = self.comm.allreduce(np.array([*local, sum(local)]), op="max")
+        out["bytes_per_param"] = {k: float(v) for k, v in zip((*kinds, "model_states"), top)}
+        return out
     # -- the step ----------------------------------------------------------------------------------
 
     def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:

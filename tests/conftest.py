@@ -19,6 +19,26 @@ def comm():
     return Communicator()
 
 
+@pytest.fixture(params=["cpu", "device"])
+def device(request):
+    """Each test twice: on the host ("cpu"), and on the strict device stand-in (tests/devicearray.py)
+    registered in CuPy's place, so host/device mixing fails here as it would on a GPU.
+
+    Yields the stand-in module (``None`` for "cpu"); its ``syncs`` counts device->host transfers."""
+    from hpctrain import backend
+
+    if request.param == "cpu":
+        yield None
+        return
+    import devicearray
+
+    previous = backend.use_device_module(devicearray)
+    try:
+        yield devicearray
+    finally:
+        backend.use_device_module(previous)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -5,16 +5,18 @@ the global step after a skip, and a raising step (float32 labels) followed by a 
 Each trainer trains the same float64 model on the same global batches as one process with SGD;
 after each case its parameters (through ``shards()``, so sharded layouts compare slice by slice)
 must equal the serial model's.
+
+Every case runs twice (the ``device`` fixture): on the host, and with the model and batches on the
+strict device stand-in (tests/devicearray.py), which refuses host/device mixing as CuPy does: CI
+has no GPU, and this is what keeps every strategy's device path honest there.
 """
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
-from hpctrain import ProcessGrid
+from hpctrain import ProcessGrid, backend
 from hpctrain.errors import NonFiniteError
 from hpctrain.nn import MLP, CrossEntropyLoss, Linear, Sequential
 from hpctrain.optim import SGD, clip_grad_norm
@@ -29,7 +31,7 @@ from hpctrain.parallel import (
 )
 
 D_IN, D, C, LR, PER_REPLICA = 6, 8, 3, 0.1, 4
-KINDS = ["dp", "tp", "pp", "tp_pp", "ps"]
+KINDS = ["dp", "tp", "pp", "tp_pp", "ps", "zero1", "zero2", "zero3"]
 
 
 def serial_model() -> Sequential:
@@ -38,15 +40,24 @@ def serial_model() -> Sequential:
                       MLP(D, 16, rng=g, dtype=np.float64), Linear(D, C, rng=g, dtype=np.float64))  # fmt: skip
 
 
-def build(kind: str, comm, clip=None, policy="raise"):
-    """(trainer, dp rank, dp size) for ``kind``; skips when the layout does not fit the world."""
+def build(kind: str, comm, clip=None, policy="raise", device=None):
+    """(trainer, dp rank, dp size) for ``kind``; skips when the layout does not fit the world.
+
+    ``device``: the stand-in module to put the model on (``None``: the host)."""
     need = {"tp": 2, "pp": 2, "tp_pp": 4}.get(kind, 1)
     if comm.size % need:
         pytest.skip(f"{kind} needs a multiple of {need} ranks, the world has {comm.size}")
     if kind == "ps" and clip is not None:
         pytest.skip("ParameterServerTrainer applies plain SGD on the servers: it has no clip_norm")
     model, loss = serial_model(), CrossEntropyLoss()
+    if device is not None:
+        model.to("gpu")
     kw = {"clip_norm": clip, "on_nonfinite": policy}
+    if kind.startswith("zero"):
+        grid = ProcessGrid(comm)
+        tr = ParallelTrainer(model=model, loss=loss, optimizer=SGD(model.parameters(), lr=LR), grid=grid,
+                             zero=int(kind[-1]), **kw)  # fmt: skip
+        return tr, grid.dp.rank, grid.dp_size
     if kind == "dp":
         tr = DataParallelTrainer(model=model, loss=loss, optimizer=SGD(model.parameters(), lr=LR), comm=comm, **kw)
         return tr, comm.rank, comm.size
@@ -79,7 +90,22 @@ def global_batch(dp: int, seed: int):
 
 
 def share(a, d, dp):
-    return a[d * PER_REPLICA : (d + 1) * PER_REPLICA]
+    """Replica ``d``'s part of a host array, on the device when the model is there (as a loader
+    with ``device="gpu"`` hands it over)."""
+    part = a[d * PER_REPLICA : (d + 1) * PER_REPLICA]
+    return backend.to_device(part, _XP[0])
+
+
+_XP = [np]  # the array module the batches go to: set by ``on`` for each test
+
+
+def on(device):
+    _XP[0] = np if device is None else device
+    return device
+
+
+def host(a):
+    return backend.to_host(a)
 
 
 class Serial:
@@ -101,7 +127,7 @@ class Serial:
 def assert_same_params(tr, ref: Serial) -> None:
     full = dict(ref.model.named_parameters())
     for name, (p, _, index) in tr.shards().items():
-        np.testing.assert_allclose(p.data, full[name].data[index], rtol=1e-11, atol=1e-13, err_msg=name)
+        np.testing.assert_allclose(host(p.data), full[name].data[index], rtol=1e-11, atol=1e-13, err_msg=name)
 
 
 def run(tr, d, dp, x, y, w=None):
@@ -111,8 +137,9 @@ def run(tr, d, dp, x, y, w=None):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_grad_norm_and_loss_match_serial(comm, kind):
-    tr, d, dp = build(kind, comm)
+def test_grad_norm_and_loss_match_serial(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, device=device)
     ref = Serial()
     for seed in range(2):
         x, y, _ = global_batch(dp, seed)
@@ -128,8 +155,9 @@ def test_grad_norm_and_loss_match_serial(comm, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_clipping_matches_serial(comm, kind):
-    tr, d, dp = build(kind, comm, clip=0.05)
+def test_clipping_matches_serial(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, clip=0.05, device=device)
     ref = Serial(clip=0.05)
     for seed in range(2):
         x, y, _ = global_batch(dp, seed)
@@ -143,8 +171,9 @@ def test_clipping_matches_serial(comm, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_all_padding_batch_changes_nothing(comm, kind):
-    tr, d, dp = build(kind, comm)
+def test_all_padding_batch_changes_nothing(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, device=device)
     ref = Serial()
     x, y, w = global_batch(dp, 0)
     run(tr, d, dp, x, y)
@@ -172,8 +201,9 @@ def _nan_batch(dp, seed):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_nan_skip_on_every_rank_then_trains_on(comm, kind):
-    tr, d, dp = build(kind, comm, policy="skip")
+def test_nan_skip_on_every_rank_then_trains_on(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, policy="skip", device=device)
     ref = Serial()
     x, y, _ = _nan_batch(dp, 0)
     stats = run(tr, d, dp, x, y)
@@ -190,8 +220,9 @@ def test_nan_skip_on_every_rank_then_trains_on(comm, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_nan_raise_on_every_rank_then_trains_on(comm, kind):
-    tr, d, dp = build(kind, comm, policy="raise")
+def test_nan_raise_on_every_rank_then_trains_on(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, policy="raise", device=device)
     ref = Serial()
     x, y, _ = _nan_batch(dp, 0)
     with pytest.raises(NonFiniteError):
@@ -208,18 +239,19 @@ def test_nan_raise_on_every_rank_then_trains_on(comm, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_raising_step_leaves_the_trainer_ready(comm, kind):
-    tr, d, dp = build(kind, comm)
+def test_raising_step_leaves_the_trainer_ready(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, device=device)
     ref = Serial()
     x, y, _ = global_batch(dp, 0)
     run(tr, d, dp, x, y)
     ref.step(x, y)
-    before = copy.deepcopy({n: p.data for n, (p, _, _) in tr.shards().items()})
+    before = {n: host(p.data) for n, (p, _, _) in tr.shards().items()}
     with pytest.raises(TypeError, match="integer targets"):
         run(tr, d, dp, x, y.astype(np.float32))  # on every rank, before any update
     assert tr.global_step == 1
     for n, (p, _, _) in tr.shards().items():
-        np.testing.assert_array_equal(p.data, before[n])
+        np.testing.assert_array_equal(host(p.data), before[n])
     for seed in (1, 2):  # and the next steps train as if nothing had happened
         x, y, _ = global_batch(dp, seed)
         run(tr, d, dp, x, y)
@@ -231,10 +263,11 @@ def test_raising_step_leaves_the_trainer_ready(comm, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_stop_request_on_one_rank_reaches_every_rank(comm, kind):
+def test_stop_request_on_one_rank_reaches_every_rank(comm, kind, device):
     from hpctrain import preempt
 
-    tr, d, dp = build(kind, comm)
+    on(device)
+    tr, d, dp = build(kind, comm, device=device)
     x, y, _ = global_batch(dp, 0)
     assert run(tr, d, dp, x, y).stop is False
     if comm.rank == comm.size - 1:

@@ -168,7 +168,7 @@ class _HostStage:
     def _alloc(nbytes: int) -> np.ndarray:
         # One spare byte so zero-length arrays still get a real buffer to view.
         cp = backend.cupy()
-        if cp is not None:
+        if backend.is_real_cupy(cp):
             import cupyx
 
             return cupyx.empty_pinned((nbytes + 1,), dtype=np.uint8)

@@ -186,7 +186,9 @@ class PipelineRunner:
         """
         v, p, s = self.v, self.p, self.s
         nv = v * p
-        keys = [((b.stop - b.start, *np.shape(x)[1:]), str(np.asarray(x[:0]).dtype)) for b in parts]
+        # The batch's own dtype: x may be a device array, which never converts to NumPy implicitly.
+        dtype = str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+        keys = [((b.stop - b.start, *np.shape(x)[1:]), dtype) for b in parts]
         recvs: dict[Action, Any] = {}  # action -> (kind, request, buffer)
         sends: list[tuple[Any, Any]] = []  # (request, array kept alive until sent)
         saved: dict[tuple[int, int], Any] = {}  # (chunk, micro-batch) -> (cache, loss grad, input shape)

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backend import to_device, xp_of
 from ..comm import sharded
 from ..nn.module import Parameter
 from .reducer import GradReducer
@@ -54,9 +55,9 @@ from .reducer import GradReducer
 STAGES = (0, 1, 2, 3)
 
 
-def placeholder(shape: tuple, dtype: Any) -> np.ndarray:
+def placeholder(shape: tuple, dtype: Any, xp: Any = np) -> Any:
     """A read-only array of ``shape`` that holds one element: a parameter between its uses."""
-    return np.broadcast_to(np.zeros(1, dtype=dtype), shape)
+    return xp.broadcast_to(xp.zeros(1, dtype=dtype), shape)
 
 
 def _units(model: Any, params: list[Any]) -> list[list[Any]]:
@@ -97,8 +98,10 @@ class ZeroReducer(GradReducer):
         dtypes = {str(p.dtype) for p in self.params}
         if len(dtypes) > 1:
             raise ValueError(f"zero={stage} needs parameters of one dtype, got {sorted(dtypes)}")
-        if any(type(p.data) is not np.ndarray for p in self.params):
-            raise ValueError(f"zero={stage} supports host (NumPy) parameters only")
+        # Every buffer below lives where the parameters do (NumPy, or CuPy on the GPU).
+        xp = self.xp = xp_of(self.params[0].data) if self.params else np
+        if any(xp_of(p.data) is not xp for p in self.params):
+            raise ValueError(f"zero={stage} needs every parameter on one device (all host or all GPU)")
         self.stage = stage
         self.units = _units(model, self.params)
         self.order = [p for u in self.units for p in u]
@@ -127,7 +130,7 @@ class ZeroReducer(GradReducer):
 
         # Parameter storage: the full flat buffer (zero 1, 2) or only this rank's piece (zero 3).
         if stage < 3:
-            self.flat_param = np.empty(n, dtype=dtype)
+            self.flat_param = xp.empty(n, dtype=dtype)
             for p in self.order:
                 a, b = self.where[id(p)]
                 self.flat_param[a:b] = p.data.ravel()
@@ -135,14 +138,14 @@ class ZeroReducer(GradReducer):
             self.shard_param = self.flat_param[self.lo : self.hi]
         else:
             self.flat_param = None
-            self.shard_param = np.empty(self.hi - self.lo, dtype=dtype)
+            self.shard_param = xp.empty(self.hi - self.lo, dtype=dtype)
             for p in self.order:
                 a, b = self.where[id(p)]
                 x, y = max(a, self.lo), min(b, self.hi)
                 if x < y:
                     self.shard_param[x - self.lo : y - self.lo] = p.data.ravel()[x - a : y - a]
-                p.data = placeholder(p.shape, dtype)
-        self.shard_grad = np.zeros(self.hi - self.lo, dtype=dtype)
+                p.data = placeholder(p.shape, dtype, xp)
+        self.shard_grad = xp.zeros(self.hi - self.lo, dtype=dtype)
         # Gradients reduce-scatter in the association of the all-reduce zero 0 uses (pairwise by
         # rank bits, see ``sharded.PairTree``): every level ends bitwise where zero 0 ends.
         self.tree = sharded.PairTree(dp)
@@ -171,7 +174,7 @@ class ZeroReducer(GradReducer):
         self.inner.state = {}
         for p, _, x, y in self.pieces:
             full = optimizer.state.get(p.name) or {}
-            self.inner.state[p.name] = {k: np.array(np.asarray(v).ravel()[x:y]) for k, v in full.items()}
+            self.inner.state[p.name] = {k: self._piece_of(v, x, y, keep_dtype=True) for k, v in full.items()}
         optimizer.state = {name: {} for name in optimizer.names}
         self._full: dict[str, Any] | None = None
         self._reqs: list[Any] = []
@@ -202,7 +205,7 @@ class ZeroReducer(GradReducer):
         if self.unit_grad[u] is not None:
             return
         a, b = self.unit_range[u]
-        buf = self.unit_grad[u] = np.zeros(b - a, dtype=self.dtype)
+        buf = self.unit_grad[u] = self.xp.zeros(b - a, dtype=self.dtype)
         if self.stage > 1:
             self._track(buf.nbytes)
         for p in self.units[u]:
@@ -214,7 +217,7 @@ class ZeroReducer(GradReducer):
         if buf is not None and self.stage > 1:
             self.transient -= buf.nbytes
         for p in self.units[u]:
-            p.grad = placeholder(p.shape, self.dtype)
+            p.grad = placeholder(p.shape, self.dtype, self.xp)
 
     @property
     def flat_grad(self) -> list[np.ndarray]:
@@ -349,7 +352,7 @@ class ZeroReducer(GradReducer):
         x, y = max(a, self.lo), min(b, self.hi)
         # A copy: the piece sent must not change while the gather is in flight.
         mine = self.shard_param[x - self.lo : y - self.lo].copy() if x < y else self.shard_param[:0].copy()
-        buf = np.empty(b - a, dtype=self.dtype)
+        buf = self.xp.empty(b - a, dtype=self.dtype)
         self._track(buf.nbytes)
         return sharded.iallgather(self.dp, mine, buf, self.unit_counts[u]), buf
 
@@ -406,7 +409,7 @@ class ZeroReducer(GradReducer):
         if buf is not None and not (pf is not None and pf[2] is buf):
             self.transient -= buf.nbytes
         for p in self.units[u]:
-            p.data = placeholder(p.shape, self.dtype)
+            p.data = placeholder(p.shape, self.dtype, self.xp)
 
     def _step_starts(self) -> None:
         """Zero 3: the gathers recorded since the last step start become the plan of prefetches."""
@@ -465,9 +468,15 @@ class ZeroReducer(GradReducer):
 
     # -- checkpoints and memory --------------------------------------------------------------
 
-    def _gather_flat(self, piece: np.ndarray) -> np.ndarray:
-        full = np.empty(self.n, dtype=piece.dtype)
-        sharded.allgather(self.dp, np.ascontiguousarray(piece), full, self.counts)
+    def _piece_of(self, full: Any, x: int, y: int, keep_dtype: bool = False) -> Any:
+        """Elements ``x:y`` of a full (host or device) array, flat, as an owned array on this
+        device, in the parameters' dtype (``keep_dtype``: the array's own)."""
+        piece = to_device(full, self.xp).ravel()[x:y]
+        return piece.astype(piece.dtype if keep_dtype else self.dtype, copy=True)
+
+    def _gather_flat(self, piece: Any) -> Any:
+        full = self.xp.empty(self.n, dtype=piece.dtype)
+        sharded.allgather(self.dp, self.xp.ascontiguousarray(piece), full, self.counts)
         return full
 
     def full_shards(self, shards: dict[str, tuple[Any, tuple, tuple]]) -> dict[str, tuple[Any, tuple, tuple]]:
@@ -479,7 +488,7 @@ class ZeroReducer(GradReducer):
         keys = sorted(set().union(*map(set, self.dp.allgather_obj(keys))))
         states = {}
         for key in keys:
-            piece = np.zeros(self.hi - self.lo, dtype=self.dtype)
+            piece = self.xp.zeros(self.hi - self.lo, dtype=self.dtype)
             for p, _, x, y in self.pieces:
                 v = self.inner.state.get(p.name, {}).get(key)
                 if v is not None:
@@ -509,11 +518,10 @@ class ZeroReducer(GradReducer):
                 a, b = self.where[id(p)]
                 x, y = max(a, self.lo), min(b, self.hi)
                 if q is not None and x < y:
-                    self.shard_param[x - self.lo : y - self.lo] = np.asarray(q.data).ravel()[x - a : y - a]
+                    self.shard_param[x - self.lo : y - self.lo] = to_device(q.data, self.xp).ravel()[x - a : y - a]
         for p, _, x, y in self.pieces:
             full = self.facade.state.get(p.name) or {}
-            self.inner.state[p.name] = {k: np.array(np.asarray(v).ravel()[x:y], dtype=self.dtype)
-                                        for k, v in full.items()}  # fmt: skip
+            self.inner.state[p.name] = {k: self._piece_of(v, x, y) for k, v in full.items()}
         self.inner.step_count = self.facade.step_count
         self._drop_full()
 

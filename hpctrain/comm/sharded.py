@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import xp_of
-from .communicator import Communicator, Request, _copy_from_host, _op
+from .communicator import Communicator, Request, _bits, _copy_from_host, _op
 
 
 def _watch(comm: Communicator, op: str) -> tuple:
@@ -53,7 +53,7 @@ def iallgather(comm: Communicator, piece: np.ndarray, out: np.ndarray, counts: l
     if out.size != sum(counts) or piece.size != counts[comm.rank]:
         raise BufferError(f"allgather: piece {piece.size}, pieces {counts}, out {out.size}")
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-    send, recv, finish = _host_buffers(comm, piece, out)
+    send, recv, finish = _host_buffers(comm, _bits(piece), _bits(out))  # bfloat16 moves as its bits
     req = comm.mpi.Iallgatherv(send, [recv, (list(counts), displs)])
     return Request(req, out, finish, _watch(comm, "allgather"))
 

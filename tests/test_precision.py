@@ -256,3 +256,49 @@ def test_bfloat16_crosses_the_communicator(comm):
         assert reqs[1].wait() is out
         reqs[0].wait()
         assert out.astype(np.float32).tolist() == [float((r - 1) % n + 1)] * 5
+
+
+def _masters_of(tr):
+    """``{serial name: float32 master}`` of a trainer (collective under ZeRO: gathered)."""
+    out = {n: np.array(p.data) for n, (p, _, _) in tr.shards().items()}
+    assert {a.dtype for a in out.values()} == {np.dtype(np.float32)}
+    return out
+
+
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
+def test_zero_levels_shard_the_masters_and_equal_zero0(comm, shared_dir, reduce):
+    n = comm.size
+    ref = build(comm, "bf16-mixed", grad_reduce_dtype=reduce)
+    ref_loss = [s.loss for s in train(ref, 3)]
+    g = 4.0 if reduce == "fp32" else 2.0  # gradient bytes per parameter
+    per = ref.memory_summary()["bytes_per_param"]
+    assert (per["params"], per["grads"], per["optimizer"]) == (2.0, g, 12.0)  # 2 + 2 + 12 with bf16 grads
+    exact = n & (n - 1) == 0  # the reduce-scatter adds in the all-reduce's association (power-of-two groups)
+    path = os.path.join(shared_dir, "z3.h5")
+    for zero in (1, 2, 3):
+        tr = build(comm, "bf16-mixed", zero=zero, grad_reduce_dtype=reduce)
+        got = [s.loss for s in train(tr, 3)]
+        if exact:
+            assert got == ref_loss
+        np.testing.assert_allclose(got, ref_loss, rtol=5e-3)
+        # The ZeRO paper's model states, sharded over the dp size step by step.
+        per = tr.memory_summary()["bytes_per_param"]
+        want = (2.0 / n if zero == 3 else 2.0, g / n if zero >= 2 else g, 12.0 / n)
+        assert per["params"] == pytest.approx(want[0], rel=0.02, abs=0.01), (zero, per)
+        assert per["grads"] == pytest.approx(want[1], rel=0.02, abs=0.01), (zero, per)
+        assert per["optimizer"] == pytest.approx(want[2], rel=0.02, abs=0.01), (zero, per)
+        if zero == 3:
+            ht.checkpoint.save(path, tr)
+            mine = _masters_of(tr)
+            after = [s.loss for s in train(tr, 2, start=3)]
+    # The zero-3 checkpoint holds the full fp32 masters; it resumes bitwise under zero 3 and
+    # loads under zero 0 with the same masters.
+    w = gpt()
+    ht.checkpoint.load_weights(path, w)
+    assert all(np.array_equal(p.data, mine[name]) for name, p in w.named_parameters())
+    again = build(comm, "bf16-mixed", zero=3, grad_reduce_dtype=reduce)
+    ht.checkpoint.load(path, again)
+    assert [s.loss for s in train(again, 2, start=3)] == after
+    plain = build(comm, "bf16-mixed", grad_reduce_dtype=reduce)
+    ht.checkpoint.load(path, plain)
+    assert all(np.array_equal(a, mine[k]) for k, a in _masters_of(plain).items())

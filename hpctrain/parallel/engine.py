@@ -177,8 +177,6 @@ class ParallelTrainer(Trainer):
         if self.precision.mixed and (self.compression is not None or self.backend != "mpi"):
             return ValueError(f"precision={self.precision.name!r} reduces gradients in grad_reduce_dtype: it takes "
                               "no compression= or the nccl backend")  # fmt: skip
-        if self.zero and self.precision.reduce != np.float32:
-            return ValueError("zero=1|2|3 reduce-scatters gradients in fp32: grad_reduce_dtype must be 'fp32'")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             return ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.zero and (self.compression is not None or self.backend != "mpi" or self._custom_reducer):

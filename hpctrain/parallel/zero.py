@@ -358,13 +358,24 @@ class ZeroReducer(GradReducer):
         inner = self.inner
         # The user may change lr or the schedule on the object they hold.
         inner.lr, inner.schedule, inner.step_count = optimizer.lr, optimizer.schedule, optimizer.step_count
+        wide = self.gdtype != self.sdtype  # 16-bit gradients: the update reads their fp32 widening
+        if wide:
+            self._piece_grads(self.shard_grad.astype(self.sdtype))
         inner.step()
+        if wide:
+            self._piece_grads(self.shard_grad)
         optimizer.step_count = inner.step_count
         if self.shard_master is not None:
             self.shard_param[...] = self.shard_master  # the masters rounded into the 16-bit piece
         if self.stage < 3:
             piece = self.shard_param.copy()  # MPI buffers must not overlap
             sharded.allgather(self.dp, piece, self.flat_param, self.counts)
+
+    def _piece_grads(self, flat: Any) -> None:
+        """Point the optimizer's pieces' gradients into ``flat`` (laid out as ``shard_grad``)."""
+        for p, sp, x, y in self.pieces:
+            at = self.where[id(p)][0] + x - self.lo
+            sp.grad = flat[at : at + (y - x)]
 
     def describe(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "stage": self.stage}

@@ -302,3 +302,29 @@ def test_zero_levels_shard_the_masters_and_equal_zero0(comm, shared_dir, reduce)
     plain = build(comm, "bf16-mixed", grad_reduce_dtype=reduce)
     ht.checkpoint.load(path, plain)
     assert all(np.array_equal(a, mine[k]) for k, a in _masters_of(plain).items())
+
+
+def test_statistics_are_float32_under_16_bit_compute():
+    from hpctrain.nn import LayerNorm
+    from hpctrain.nn.transformer import causal_attention
+
+    g = np.random.default_rng(0)
+    for low in (BF16, FP16):
+        x = (g.standard_normal((4, 8, 16)) * 30 + 100).astype(low)  # a large mean: 16-bit sums lose it
+        ln = LayerNorm(16)
+        ln.weight.data, ln.bias.data = ln.weight.data.astype(low), ln.bias.data.astype(low)
+        wide = LayerNorm(16)
+        assert np.array_equal(ln.forward(x), wide.forward(x.astype(np.float32)).astype(low))
+        gy = g.standard_normal(x.shape).astype(low)
+        assert np.array_equal(ln.backward(gy), wide.backward(gy.astype(np.float32)).astype(low))
+        logits, target = (g.standard_normal((8, 16)) * 8).astype(low), g.integers(0, 16, 8)
+        loss = CrossEntropyLoss()
+        assert loss.forward(logits, target) == CrossEntropyLoss().forward(logits.astype(np.float32), target)
+        assert loss.backward().dtype == low
+        q, k, v = (g.standard_normal((1, 2, 8, 4)).astype(low) for _ in range(3))
+        y, att = causal_attention(q, k, v)
+        assert att.dtype == np.float32 and y.dtype == low
+        # The scores are a 16-bit product (as under autocast); the softmax over them is float32.
+        np.testing.assert_allclose(att.sum(axis=-1), 1.0, atol=1e-6)
+        _, att32 = causal_attention(*(a.astype(np.float32) for a in (q, k, v)))
+        np.testing.assert_allclose(att, att32, atol=2e-2)

@@ -72,7 +72,7 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
     mx = _get(buffers, "max", (b, h, t, 1), dtype, xp)
     sums = _get(buffers, "sum", (b, h, t, 1), dtype, xp)
     if out is None:
-        out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(dtype, v.dtype))
+        out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(q.dtype, k.dtype, v.dtype))
     kern = fused.usable(att)
     if kern is not None:
         c, ninf = fused.scalars(dtype, scale, -np.inf)

@@ -205,9 +205,9 @@ def test_loss_scale_is_in_the_metrics(comm, shared_dir):
     from hpctrain.train import run
 
     run_dir = os.path.join(shared_dir, "run")
-    s = run({"model": "gpt", "max_samples": 64, "batch_size": 16, "epochs": 1, "d_model": 16, "n_heads": 2,
-             "block_size": 8, "n_layers": 1, "log_every": 1000, "precision": "fp16-mixed", "run_dir": run_dir},
-            comm)  # fmt: skip
+    s = run({"model": "gpt", "max_samples": 16 * comm.size, "batch_size": 4 * comm.size, "epochs": 1,
+             "d_model": 16, "n_heads": 2, "block_size": 8, "n_layers": 1, "log_every": 1000,
+             "precision": "fp16-mixed", "run_dir": run_dir}, comm)  # fmt: skip
     if comm.rank == 0:
         lines = [json.loads(line) for line in open(s["metrics"])]
         assert lines and all(rec["loss_scale"] == 2.0**16 for rec in lines)
@@ -226,15 +226,17 @@ def test_bad_precision_settings_raise_on_every_rank(comm):
         DynamicLossScaler(init_scale=3.0)
 
 
-def test_precision_flags(comm):
+def test_precision_flags():
     from hpctrain.errors import ConfigError
     from hpctrain.train.config import Config, resolve
 
     with pytest.raises(ConfigError, match="--grad-reduce-dtype bf16 needs --precision"):
-        resolve(Config(grad_reduce_dtype="bf16"), comm.size)
+        resolve(Config(grad_reduce_dtype="bf16"), 1)
     with pytest.raises(ConfigError, match="overflow fp16"):
-        resolve(Config(precision="bf16-mixed", grad_reduce_dtype="fp16"), comm.size)
-    assert resolve(Config(precision="fp16-mixed"), comm.size).precision == "fp16-mixed"
+        resolve(Config(precision="bf16-mixed", grad_reduce_dtype="fp16"), 1)
+    with pytest.raises(ConfigError, match="not --compression"):
+        resolve(Config(precision="bf16-mixed", compression="bf16"), 2)
+    assert resolve(Config(precision="fp16-mixed"), 1).precision == "fp16-mixed"
 
 
 def test_bfloat16_crosses_the_communicator(comm):

@@ -330,3 +330,24 @@ def test_statistics_are_float32_under_16_bit_compute():
         np.testing.assert_allclose(att.sum(axis=-1), 1.0, atol=1e-6)
         _, att32 = causal_attention(*(a.astype(np.float32) for a in (q, k, v)))
         np.testing.assert_allclose(att, att32, atol=2e-2)
+
+
+def test_a_failed_load_leaves_masters_parameters_and_scale_as_they_were(comm, shared_dir):
+    path = os.path.join(shared_dir, "ck.h5")
+    tr = build(comm, Precision("fp16-mixed", scaler=DynamicLossScaler(init_scale=2.0**8)))
+    train(tr, 2)
+    ht.checkpoint.save(path, tr)
+    train(tr, 3, start=2)
+    before = ([np.array(p.data) for p in tr.params], {k: m.data.copy() for k, m in tr.optimizer.masters.items()},
+              tr.precision.scaler.state_dict())  # fmt: skip
+    if comm.rank == comm.size - 1:  # the other ranks' loads succeed, then everything goes back
+
+        def refuse(state):
+            raise ValueError("refused on one rank")
+
+        tr.load_state_dict = refuse
+    with pytest.raises(ht.errors.CheckpointError):
+        ht.checkpoint.load(path, tr)
+    assert all(np.array_equal(a, p.data) for a, p in zip(before[0], tr.params))
+    assert all(np.array_equal(before[1][k], m.data) for k, m in tr.optimizer.masters.items())
+    assert tr.precision.scaler.state_dict() == before[2]

@@ -53,6 +53,20 @@ def stat_dtype(dtype: Any) -> np.dtype:
     return FP32 if is_half(dtype) else np.dtype(dtype)
 
 
+def matmul(xp: Any, a: Any, b: Any, out: Any = None) -> Any:
+    """``xp.matmul(a, b, out=out)``; with a 16-bit float operand on NumPy (which has no 16-bit
+    BLAS: its float16 loop is ~100x slower than float32) the operands are widened to float32,
+    multiplied and accumulated in float32 by BLAS, and the result rounded once into ``out``
+    (or the operands' result dtype): the numerics of tensor cores."""
+    if xp is not np or not (is_half(a.dtype) or is_half(b.dtype)):
+        return xp.matmul(a, b, out=out)
+    product = np.matmul(a.astype(FP32, copy=False), b.astype(FP32, copy=False))
+    if out is None:
+        return product.astype(np.result_type(a.dtype, b.dtype))
+    out[...] = product
+    return out
+
+
 def widen(x: Any) -> tuple[Any, np.dtype | None]:
     """``(x in float32, its 16-bit dtype)`` for a 16-bit ``x`` (a loss computes in float32 and
     hands its gradient back in the input's dtype); ``(x, None)`` otherwise."""

@@ -351,3 +351,15 @@ def test_a_failed_load_leaves_masters_parameters_and_scale_as_they_were(comm, sh
     assert all(np.array_equal(a, p.data) for a, p in zip(before[0], tr.params))
     assert all(np.array_equal(before[1][k], m.data) for k, m in tr.optimizer.masters.items())
     assert tr.precision.scaler.state_dict() == before[2]
+
+
+@pytest.mark.parametrize("low", [BF16, FP16])
+def test_16_bit_products_accumulate_in_float32_and_round_once(low):
+    from hpctrain.nn import Linear
+
+    g = np.random.default_rng(2)
+    lin = Linear(256, 8, rng=0)
+    lin.weight.data, lin.bias.data = lin.weight.data.astype(low), lin.bias.data.astype(low)
+    x = g.standard_normal((4, 256)).astype(low)
+    product = (x.astype(np.float32) @ lin.weight.data.astype(np.float32)).astype(low)
+    assert np.array_equal(lin.forward(x), (product + lin.bias.data).astype(low))

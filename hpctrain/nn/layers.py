@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
-from ..precision import is_half
+from ..precision import is_half, matmul
 from . import fused
 from .module import Module, Parameter, as_rng
 
@@ -83,7 +83,7 @@ class Linear(Module):
         # One 2-D matrix product over every row (B*T of them), written into a reused buffer: a 3-D
         # product would be one small product per batch entry.
         y = self._scratch().get("y", (*x.shape[:-1], self.d_out), np.result_type(x.dtype, w.dtype), xp)
-        xp.matmul(x.reshape(-1, self.d_in), w, out=y.reshape(-1, self.d_out))
+        matmul(xp, x.reshape(-1, self.d_in), w, out=y.reshape(-1, self.d_out))
         if self.bias is not None:
             y += self.bias.data
         return y
@@ -95,12 +95,12 @@ class Linear(Module):
         x2 = x.reshape(-1, self.d_in)
         g2 = grad_out.reshape(-1, self.d_out)
         gw = buf.get("gw", w.shape, np.result_type(x.dtype, grad_out.dtype), xp)
-        self.weight.grad += xp.matmul(x2.T, g2, out=gw)  # x2.T is a view: BLAS reads it transposed
+        self.weight.grad += matmul(xp, x2.T, g2, out=gw)  # x2.T is a view: BLAS reads it transposed
         if self.bias is not None:  # the column sums as a vector-matrix product (BLAS)
             ones = row_ones(g2.shape[0], g2.dtype, xp)
-            self.bias.grad += xp.matmul(ones, g2, out=buf.get("gb", (self.d_out,), gw.dtype, xp))
+            self.bias.grad += matmul(xp, ones, g2, out=buf.get("gb", (self.d_out,), gw.dtype, xp))
         gx = buf.get("gx", (*grad_out.shape[:-1], self.d_in), np.result_type(grad_out.dtype, w.dtype), xp)
-        xp.matmul(g2, w.T, out=gx.reshape(-1, self.d_in))
+        matmul(xp, g2, w.T, out=gx.reshape(-1, self.d_in))
         return gx
 
     def extra_repr(self) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
-from ..precision import stat_dtype
+from ..precision import matmul, stat_dtype
 from . import fused
 from .buffers import Buffers
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, row_ones
@@ -78,12 +78,12 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
         c, ninf = fused.scalars(dtype, scale, -np.inf)
     for s, e in _blocks(t, block):
         a = att[:, :, s:e, :e]  # queries s..e-1 against keys 0..e-1: the rest is masked anyway
-        xp.matmul(q[:, :, s:e], xp.swapaxes(k[:, :, :e], -1, -2), out=a)
+        matmul(xp, q[:, :, s:e], xp.swapaxes(k[:, :, :e], -1, -2), out=a)
         if kern is not None:  # the softmax in two fused passes around NumPy's vectorised exp
             kern.softmax_scores(att, s, e, c, ninf)
             xp.exp(a, out=a)
             kern.softmax_normalize(att, s, e)
-            xp.matmul(a, v[:, :, :e], out=out[:, :, s:e])
+            matmul(xp, a, v[:, :, :e], out=out[:, :, s:e])
             continue
         a *= scale
         a[..., s:e] += _future_mask(e - s, dtype, xp)  # the diagonal block: no look at j > i
@@ -93,7 +93,7 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
         r = sums[:, :, s:e]
         xp.matmul(a, row_ones(e, dtype, xp), out=r[..., 0])
         a /= r
-        xp.matmul(a, v[:, :, :e], out=out[:, :, s:e])
+        matmul(xp, a, v[:, :, :e], out=out[:, :, s:e])
         if e < t:
             att[:, :, s:e, e:] = 0
     return out, att
@@ -125,10 +125,10 @@ def causal_attention_backward(
         # Softmax backward att * (datt - sum(datt * att)) on the block the forward computed;
         # masked positions have att == 0, so their score gradient is 0.
         p, d = att[:, :, s:e, :e], ds[:, :, s:e, :e]
-        xp.matmul(dy[:, :, s:e], xp.swapaxes(v[:, :, :e], -1, -2), out=d)
+        matmul(xp, dy[:, :, s:e], xp.swapaxes(v[:, :, :e], -1, -2), out=d)
         if kern is not None:  # one pass (hpctrain.nn.fused)
             kern.softmax_backward(ds, att, s, e, *fused.scalars(dtype, scale))
-            xp.matmul(d, k[:, :, :e], out=dq[:, :, s:e])
+            matmul(xp, d, k[:, :, :e], out=dq[:, :, s:e])
             continue
         pt = tmp[:, :, s:e, :e]
         xp.multiply(d, p, out=pt)
@@ -137,11 +137,11 @@ def causal_attention_backward(
         d -= r
         d *= p
         d *= scale
-        xp.matmul(d, k[:, :, :e], out=dq[:, :, s:e])
+        matmul(xp, d, k[:, :, :e], out=dq[:, :, s:e])
     for s, e in blocks:
         # Keys s..e-1 are seen by queries s..t-1 only.
-        xp.matmul(xp.swapaxes(att[:, :, s:, s:e], -1, -2), dy[:, :, s:], out=dv[:, :, s:e])
-        xp.matmul(xp.swapaxes(ds[:, :, s:, s:e], -1, -2), q[:, :, s:], out=dk[:, :, s:e])
+        matmul(xp, xp.swapaxes(att[:, :, s:, s:e], -1, -2), dy[:, :, s:], out=dv[:, :, s:e])
+        matmul(xp, xp.swapaxes(ds[:, :, s:, s:e], -1, -2), q[:, :, s:], out=dk[:, :, s:e])
     return dq, dk, dv
 
 

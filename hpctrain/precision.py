@@ -19,10 +19,9 @@ float32 whatever the compute dtype (``stat_dtype``). fp16 has a narrow exponent 
 policy carries a ``DynamicLossScaler`` (the loss gradient is multiplied by the scale; a step
 whose gradients overflow is skipped on every rank and the scale backs off).
 
-bfloat16 on NumPy is ``ml_dtypes.bfloat16`` (what CuPy takes too). On the CPU the matrix
-products of bfloat16 arrays run in ml_dtypes' loop, which accumulates in float32 and rounds the
-result to bfloat16 (the numerics of tensor cores); float16 products run in NumPy's float16 loop
-(also float32 accumulation). Both are slow next to BLAS: the CPU path is for correctness and CI.
+bfloat16 on NumPy is ``ml_dtypes.bfloat16`` (what CuPy takes too). NumPy has no 16-bit BLAS:
+``matmul`` multiplies 16-bit operands widened to float32 through BLAS and rounds the result once
+(the numerics of tensor cores). The CPU path is for correctness and CI, not speed.
 """
 
 from __future__ import annotations

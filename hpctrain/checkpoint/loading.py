@@ -730,6 +730,8 @@ def _small_state(trainer: Any) -> Any:
             if isinstance(getattr(m, "rng", None), np.random.Generator)]
     sampler = getattr(trainer, "_sampler", None)
     sampler_state = copy.deepcopy(sampler.state_dict()) if hasattr(sampler, "state_dict") else None
+    scaler = getattr(getattr(trainer, "precision", None), "scaler", None)  # fp16's loss scale
+    scaler_snap = scaler.snapshot() if scaler is not None else None
 
     def restore() -> None:
         for k, v in attrs.items():
@@ -740,6 +742,11 @@ def _small_state(trainer: Any) -> Any:
             m.rng.bit_generator.state = st
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
+        if scaler_snap is not None:
+            scaler.restore(scaler_snap)
+        sync = getattr(trainer, "sync_params", None)
+        if sync is not None:  # mixed precision: the compute copy from the masters just put back
+            sync()
 
     return restore
 

@@ -67,6 +67,7 @@ def test_on_rank_loss_default_is_shrink_only_where_it_can_work(monkeypatch, laun
     # Layouts that cannot go on without a rank yet keep today's behaviour by default.
     assert resolve({"zero": 1}, 4).on_rank_loss == "abort"
     assert resolve({"tp": 2}, 4).on_rank_loss == "abort"
+    assert resolve({"precision": "bf16-mixed"}, 4).on_rank_loss == "abort"
     assert resolve({"on_rank_loss": "abort"}, 4).on_rank_loss == "abort"
 
 

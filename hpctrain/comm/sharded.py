@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from ..backend import xp_of
-from .communicator import Communicator, Request, _copy_from_host, _op
+from .buckets import _HALF
+from .communicator import Communicator, Request, _bits, _copy_from_host, _op
 
 
 def _watch(comm: Communicator, op: str) -> tuple:
@@ -42,8 +43,12 @@ def ireduce_scatter(comm: Communicator, x: np.ndarray, out: np.ndarray, counts: 
     """Start: ``out`` (``counts[rank]`` elements) receives this rank's piece of the sum of ``x``."""
     if x.size != sum(counts) or out.size != counts[comm.rank]:
         raise BufferError(f"ireduce_scatter: {x.size} elements in, pieces {counts}, out {out.size}")
+    op = "sum"
+    kind = _HALF.get(np.dtype(x.dtype))
+    if kind is not None:  # 16-bit gradients (mixed precision): their bits, summed by the 16-bit sum
+        x, out, op = x.view(np.uint16), out.view(np.uint16), f"sum_{kind}"
     send, recv, finish = _host_buffers(comm, x, out)
-    req = comm.mpi.Ireduce_scatter(send, recv, list(counts), _op("sum", np.dtype(x.dtype)))
+    req = comm.mpi.Ireduce_scatter(send, recv, list(counts), _op(op, np.dtype(x.dtype)))
     return Request(req, out, finish, _watch(comm, "ireduce_scatter"))
 
 
@@ -53,7 +58,7 @@ def iallgather(comm: Communicator, piece: np.ndarray, out: np.ndarray, counts: l
     if out.size != sum(counts) or piece.size != counts[comm.rank]:
         raise BufferError(f"allgather: piece {piece.size}, pieces {counts}, out {out.size}")
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-    send, recv, finish = _host_buffers(comm, piece, out)
+    send, recv, finish = _host_buffers(comm, _bits(piece), _bits(out))  # bfloat16 moves as its bits
     req = comm.mpi.Iallgatherv(send, [recv, (list(counts), displs)])
     return Request(req, out, finish, _watch(comm, "allgather"))
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..backend import is_device_array, xp_of
 from ..errors import DatasetError
+from ..precision import widen
 from .buffers import Buffers
 
 
@@ -99,9 +100,11 @@ class CrossEntropyLoss:
     def __init__(self) -> None:
         self.cache = None
         self._buffers = Buffers()
+        self._low = None  # the logits' 16-bit dtype under mixed precision
 
     def forward(self, logits: Any, target: Any, weight: Any = None) -> float:
         xp = xp_of(logits)
+        logits, self._low = widen(logits)  # 16-bit logits: the softmax and the loss in float32
         if logits.shape[:-1] != target.shape:
             raise ValueError(
                 f"CrossEntropyLoss: logits {logits.shape} need targets of shape "
@@ -136,10 +139,10 @@ class CrossEntropyLoss:
         g[...] = probs
         if all_weights_zero(denom):
             g *= 0
-            return g
+            return g if self._low is None else g.astype(self._low)
         onehot_at = xp.take_along_axis(g, target[..., None], axis=-1) - 1
         xp.put_along_axis(g, target[..., None], onehot_at, axis=-1)
         g *= scale / nonzero(denom)
         if w is not None:
             g *= w[..., None]
-        return g
+        return g if self._low is None else g.astype(self._low)

@@ -37,7 +37,8 @@ from .schedules import Action
 _ACT, _GRAD, _HEADER = 0, 1, 2
 _MAX_DIMS = 8
 # dtype codes of the shape header (position in this tuple).
-_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "complex64", "complex128")
+_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "complex64", "complex128",
+           "bfloat16")  # (ml_dtypes; mixed precision's activations)
 _LOOKAHEAD = 2  # actions beyond the current one whose receives are already posted
 _MIN_TAG_UB = 32767  # the MPI standard's guaranteed minimum
 

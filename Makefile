@@ -57,7 +57,7 @@ test-mpi8: venv
 OPENMPI_FAULTS := $(addprefix tests/test_faults.py::test_,sigkill_mid_training_keeps_checkpoint_and_resume_matches \
                     stalled_rank_is_named_and_job_aborts unhandled_exception_on_one_rank_ends_the_job)
 OPENMPI_SERIAL := tests/test_ulfm.py $(OPENMPI_FAULTS)
-OPENMPI_MPI    := tests/test_ulfm.py tests/test_data_parallel.py
+OPENMPI_MPI    := tests/test_ulfm.py tests/test_data_parallel.py tests/test_zero.py
 test-openmpi:
 	$(MAKE) --no-print-directory MPI=openmpi test-openmpi-subset
 

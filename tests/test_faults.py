@@ -139,8 +139,8 @@ def _whole_rank_lines(err: str) -> None:
     assert not odd, odd
 
 
-def _train_fault(launch, tmp_path, mode: str, ps_mode: str, timeout: str) -> tuple:
-    return launch("train_fault.py", mode, "1", "3", "--", "--strategy", "ps", "--ps-mode", ps_mode,
+def _train_fault(launch, tmp_path, mode: str, ps_mode: str, timeout: str, at: str = "3") -> tuple:
+    return launch("train_fault.py", mode, "1", at, "--", "--strategy", "ps", "--ps-mode", ps_mode,
                   "--epochs", "1", "--run-dir", str(tmp_path / "run"),
                   env={"HPCTRAIN_TIMEOUT": timeout, "HPCTRAIN_DATA": str(tmp_path / "data")}, timeout=100)
 
@@ -159,6 +159,43 @@ def test_parameter_server_with_a_stopped_rank_ends_naming_it(launch, tmp_path, p
     assert re.search(r"NOT arrived: ranks \[1\]|peer rank 1:", err), err
     assert "rank 1: did not answer within" in err, err
     _whole_rank_lines(err)
+
+
+def _stall_reported(p, took, *, op: str, bound: float = 60) -> None:
+    """The job ended as the README says a stall ends: exit 3, rank 0's report naming ``op`` and
+    rank 1 as the one that did not arrive nor answer."""
+    assert p.returncode == 3 and took < bound, (p.returncode, took, p.stderr)
+    err = p.stderr
+    assert re.search(rf"\[rank 0\] hpctrain watchdog: StallError on rank 0: {op} #\d+ on ranks \[0, 1\]", err), err
+    assert "NOT arrived: ranks [1]" in err and "rank 1: did not answer within" in err, err
+    _whole_rank_lines(err)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_rank_stopped_while_saving_ends_the_job_and_keeps_the_last_checkpoint(launch, tmp_path):
+    # Rank 1 stops while it writes its part of the step-4 checkpoint: rank 0 waits in the save's
+    # agreement (on the checkpoints' private communicator), which the watchdog must see.
+    run = tmp_path / "run"
+    p, took = launch("train_fault.py", "stop-save", "1", "4", "--", "--epochs", "1", "--checkpoint-every", "2",
+                     "--run-dir", str(run), env={"HPCTRAIN_TIMEOUT": "5", "HPCTRAIN_DATA": str(tmp_path / "data")},
+                     timeout=100)
+    assert "rank 1: injected stop while saving step 4" in p.stdout, p.stdout
+    _stall_reported(p, took, op="gather_obj")
+    assert "at step 4" in p.stderr
+    saved = ckpt.list_checkpoints(str(run / "checkpoints"))
+    assert [os.path.basename(s) for s in saved] == ["ckpt-00000002.h5"]  # step 4's was never committed
+    assert "all checksums verified" in ckpt.inspect(saved[-1])
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_async_parameter_server_stopped_at_the_epoch_end_ends_naming_it(launch, tmp_path):
+    # Rank 1 stops at its first epoch's last step; rank 0 runs on alone to the epoch's end and
+    # starts the checkpoint (whose communicator was once made there, by a Dup nobody watched).
+    p, took = _train_fault(launch, tmp_path, "stop", "async", "5", at="-1")
+    assert re.search(r"rank 1: injected stop at step \d+", p.stdout), p.stdout
+    _stall_reported(p, took, op="barrier")
 
 
 @pytest.mark.fault

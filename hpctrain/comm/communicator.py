@@ -647,6 +647,18 @@ class Communicator:
             _watch.end(token)
         return Communicator(sub)
 
+    def dup(self) -> Communicator:
+        """A communicator of the same ranks whose traffic never matches this one's (collective,
+        watched like every other wait); it keeps this one's ``set_timeout``."""
+        token = self._enter("dup")
+        try:
+            raw = self.mpi.Dup()
+        finally:
+            _watch.end(token)
+        twin = Communicator(raw)
+        twin._timeout = self._timeout
+        return twin
+
     def barrier(self) -> None:
         """Wait until every rank has called ``barrier``."""
         token = self._enter("barrier", None)

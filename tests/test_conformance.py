@@ -38,6 +38,16 @@ def serial_model() -> Sequential:
                       MLP(D, 16, rng=g, dtype=np.float64), Linear(D, C, rng=g, dtype=np.float64))  # fmt: skip
 
 
+_built: list = []  # the test's trainers: closed after it (the parameter server's windows)
+
+
+@pytest.fixture(autouse=True)
+def _close_trainers():
+    yield
+    while _built:
+        _built.pop().close()  # collective: every rank built the same trainers
+
+
 def build(kind: str, comm, clip=None, policy="raise"):
     """(trainer, dp rank, dp size) for ``kind``; skips when the layout does not fit the world."""
     need = {"tp": 2, "pp": 2, "tp_pp": 4}.get(kind, 1)
@@ -52,6 +62,7 @@ def build(kind: str, comm, clip=None, policy="raise"):
         return tr, comm.rank, comm.size
     if kind == "ps":
         tr = ParameterServerTrainer(model=model, loss=loss, lr=LR, comm=comm, mode="sync", on_nonfinite=policy)
+        _built.append(tr)
         return tr, comm.rank, comm.size
     if kind == "tp":
         grid = ProcessGrid(comm, tp=2)

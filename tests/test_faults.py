@@ -128,6 +128,17 @@ def test_error_lines_of_ranks_never_run_together(launch):
     assert not bad, bad[:3]
 
 
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+def test_parameter_server_windows_are_freed_at_exit_without_close(launch):
+    # MPI finalized with live windows: UCX warns about every registration it still holds.
+    p, _ = launch("misc.py", "ps-no-close")
+    assert p.returncode == 0, p.stderr
+    for r in (0, 1):
+        assert f"rank {r} windows freed at exit: True" in p.stdout, p.stdout
+    assert "WARN" not in p.stderr, p.stderr
+
+
 # -- hpctrain train with a fault on one rank (issue 21) ----------------------------------------------
 
 

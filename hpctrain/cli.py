@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     handler = log.to_stream()  # the library's messages, rank 0's, as "hpctrain: ..." lines on stdout
     try:
         return COMMANDS[args.command][2](args)
+    except SystemExit as exc:  # sys.exit in user code (a model factory): on one rank, end the job now
+        from .comm.failure import exited
+
+        return exited(exc, what=f"hpctrain {args.command}")
     finally:
         logging.getLogger(log.ROOT).removeHandler(handler)
 

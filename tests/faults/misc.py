@@ -7,6 +7,8 @@
     mpiexec -n 2 python tests/faults/misc.py crash-all    # every rank raises the same error, unhandled
     mpiexec -n 2 python tests/faults/misc.py lines        # every rank writes many error lines at once
     mpiexec -n 2 python tests/faults/misc.py ps-no-close  # a parameter server never closed: windows freed at exit
+    mpiexec -n 2 python tests/faults/misc.py raise-all    # every rank raises the same untagged error, unhandled
+    mpiexec -n 2 python tests/faults/misc.py fail-all     # every rank ends with failure.fail of the same error
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ def main(mode: str) -> int:
         model = Sequential(Linear(5, 3, rng=np.random.default_rng(0)))
         ps.append(ParameterServerTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), lr=0.1, comm=comm, mode="async"))
         ps[0].step(np.ones((4, 5)), np.zeros(4, dtype=np.int64))
+    elif mode == "raise-all":
+        raise RuntimeError("injected on every rank")
+    elif mode == "fail-all":
+        from hpctrain.comm.failure import fail
+
+        return fail(HpctrainError("injected on every rank"), what="misc")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print(f"rank {comm.rank} finished", flush=True)

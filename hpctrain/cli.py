@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpctrain", description="MPI training for HPC clusters",
                                      epilog="exit statuses: 0 done, 1 failure, 2 usage, 3 stall (watchdog), "
                                             "4 refused (configuration, data, checkpoints, run directory), "
-                                            "75 preempted (checkpoint written; resubmit with --resume)")
+                                            "75 preempted (checkpoint written; resubmit with --resume), "
+                                            "130 interrupted (Ctrl-C twice)")
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     parser.add_argument("--hdf5-locking", choices=("on", "off", "best-effort"), default=None,
                         help="HDF5 file locking (default: $HPCTRAIN_HDF5_LOCKING, else HDF5's own default); "

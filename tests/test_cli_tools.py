@@ -45,7 +45,7 @@ def test_tools_that_need_no_mpi_do_not_start_it(serial, tmp_path):
     assert hpctrain("train", *TINY, "--run-dir", str(run)).returncode == 0
     ckpt = checkpoint.list_checkpoints(str(run / "checkpoints"))[-1]
     cases = [["--help"], ["train", "--help"], ["ckpt", "inspect", ckpt], ["ckpt", "inspect", str(run / "checkpoints")],
-             ["data", "make", "--dir", str(tmp_path / "data")]]
+             ["ckpt", "inspect", str(run)], ["data", "make", "--dir", str(tmp_path / "data")]]
     if __import__("importlib").util.find_spec("matplotlib") is not None:
         cases.append(["plot", str(run)])
     for args in cases:
@@ -53,6 +53,31 @@ def test_tools_that_need_no_mpi_do_not_start_it(serial, tmp_path):
                            env=_env(), cwd=tmp_path)
         assert p.returncode == 0, (args, p.stdout, p.stderr)
         assert "MPI imported: False" in p.stdout, (args, p.stdout)
+    # a run directory, as generate and plot take it: its newest checkpoint
+    p = hpctrain("ckpt", "inspect", str(run))
+    assert p.returncode == 0 and p.stdout.startswith(f"checkpoint {ckpt}\n"), (p.stdout, p.stderr)
+    p = hpctrain("ckpt", "inspect", str(tmp_path / "data"))
+    assert p.returncode == 1 and "no checkpoints in" in p.stderr, (p.stdout, p.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_without_an_mpi_library_info_and_train_say_what_to_install(serial, tmp_path):
+    # mpi4py 4 loads the library MPI4PY_LIBMPI names: a missing one is a machine without MPI;
+    # a package that fails to import stands for mpi4py not installed.
+    hidden = tmp_path / "hidden" / "mpi4py"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'mpi4py'\")\n")
+    for env, why in ((_env(MPI4PY_LIBMPI=str(tmp_path / "no-such-libmpi.so")), "no-such-libmpi.so"),
+                     (_env(PYTHONPATH=str(hidden.parent)), "No module named 'mpi4py'")):
+        for cmd in (["info"], ["train", *TINY, "--run-dir", str(tmp_path / "run")]):
+            p = hpctrain(*cmd, env=env, cwd=tmp_path)
+            assert p.returncode == ExitStatus.CONFIG, (cmd, p.stdout, p.stderr)
+            assert "Traceback" not in p.stderr, (cmd, p.stderr)
+            lines = p.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"hpctrain {cmd[0]}: error: no usable MPI"), lines
+            assert why in lines[0] and "pip install 'hpctrain[mpich]'" in lines[0], lines[0]
+            assert "module load" in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.timeout(120)

@@ -355,6 +355,36 @@ def test_a_file_with_its_own_validation_stream_gets_the_same_checks(tmp_path, na
     assert len(valid) == 12 and train.random_offset
 
 
+@pytest.mark.parametrize("key", ["tokens", "chars"])
+def test_any_tokens_key_keeps_the_validation_stream_and_the_epoch_offsets(tmp_path, key):
+    # --tokens-key other than `tokens` used to ignore val_tokens: a split of its own stream instead,
+    # windows at offset 0 every epoch.
+    from hpctrain.data import TokenDataset
+    from hpctrain.train import open_data, resolve
+
+    r = np.random.default_rng(0)
+    train_stream, val_stream = r.integers(0, 7, 1000), r.integers(0, 7, 100)  # no period: a window shows its start
+    path = tmp_path / "text.h5"
+    with h5py.File(path, "w") as f:
+        f[key], f["val_tokens"] = train_stream, val_stream
+        f.attrs["vocab"] = "abcdefg"
+    c = resolve({"model": "gpt", "data": str(path), "tokens_key": key, "block_size": 8, "batch_size": 4}, world=1)
+    train, val, meta = open_data(c)
+    rows = np.arange(len(val))
+    assert len(val) == len(TokenDataset(val_stream, 8)) and meta["vocab"] == "abcdefg"
+    for got, want in zip(val[rows], TokenDataset(val_stream, 8)[rows]):
+        np.testing.assert_array_equal(got, want)
+    offsets = set()
+    for epoch in range(8):
+        train.set_epoch(epoch)
+        x, y = train[np.arange(2)]
+        off = train.dataset.offset
+        np.testing.assert_array_equal(x[0], train_stream[off:off + 8])  # the window at this epoch's offset
+        np.testing.assert_array_equal(y[0], train_stream[off + 1:off + 9])
+        offsets.add(off)
+    assert len(offsets) > 1 and len(train) == len(TokenDataset(train_stream, 8, random_offset=True))
+
+
 @pytest.mark.timeout(60)
 def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(tmp_path, comm):
     # Opening a FIFO for reading blocks until someone writes to it: h5py (and a raw open) would

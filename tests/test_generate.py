@@ -39,6 +39,23 @@ def test_generate_is_deterministic_for_a_seed(solo, tmp_path, capsys):
     assert _generate(capsys, str(tmp_path / "g"), *args, "--seed", "2")[1] != a
 
 
+def test_generate_from_a_run_directory_skips_a_newest_file_that_does_not_load(solo, tmp_path, capsys):
+    """``generate RUN_DIR`` samples the newest checkpoint that loads (checksums verified), not the
+    newest name: a damaged or foreign file there is skipped, said so; none loading is refused."""
+    s = run({**GPT, "run_dir": str(tmp_path / "g")}, solo)
+    capsys.readouterr()
+    args = ["--prompt", "ROMEO:", "--tokens", "20", "--seed", "1"]
+    want = _generate(capsys, s["checkpoint"], *args)[1]
+    bad = tmp_path / "g" / "checkpoints" / "ckpt-99999999.h5"
+    bad.write_bytes(b"not a checkpoint")
+    code, out, err = _generate(capsys, str(tmp_path / "g"), *args)
+    assert code == 0 and out == want, err
+    assert f"skipping checkpoint {bad}" in err
+    os.remove(s["checkpoint"])
+    code, _, err = _generate(capsys, str(tmp_path / "g"), *args)
+    assert code == 2 and f"no checkpoint in {bad.parent} loads" in err and bad.name in err, err
+
+
 def test_generate_refuses_what_it_cannot_sample(solo, tmp_path, capsys):
     run({"max_samples": 64, "batch_size": 16, "epochs": 1, "d_model": 16, "log_every": 1000,
          "run_dir": str(tmp_path / "mlp")}, solo)
@@ -53,6 +70,27 @@ def test_generate_refuses_what_it_cannot_sample(solo, tmp_path, capsys):
     assert code == 2 and "outside the run's vocabulary" in err
     code, _, err = _generate(capsys, str(tmp_path / "g"), "--temperature", "0")
     assert code == 2 and "--temperature must be > 0" in err
+
+
+def test_generate_on_a_token_file_says_how_to_give_it_a_vocabulary(solo, tmp_path, capsys):
+    import h5py
+    import numpy as np
+
+    data = tmp_path / "ids.h5"
+    with h5py.File(data, "w") as f:
+        f["chars"] = np.frombuffer(b"abcabd" * 100, dtype=np.uint8).astype(np.int64) - ord("a")
+    run({**GPT, "data": str(data), "tokens_key": "chars", "block_size": 8, "run_dir": str(tmp_path / "g")}, solo)
+    capsys.readouterr()
+    code, _, err = _generate(capsys, str(tmp_path / "g"), "--prompt", "a", "--tokens", "5")
+    assert code == 2 and f"{data} has no 'vocab' attribute" in err and "f.attrs['vocab']" in err, err
+    with h5py.File(data, "a") as f:
+        f.attrs["vocab"] = "ab"  # fewer characters than the 4 token ids: still refused, saying so
+    code, _, err = _generate(capsys, str(tmp_path / "g"), "--prompt", "a", "--tokens", "5")
+    assert code == 2 and "a 'vocab' of 2 characters for 4 token ids" in err, err
+    with h5py.File(data, "a") as f:
+        f.attrs["vocab"] = "abcd"  # as the message says: no retraining
+    code, out, err = _generate(capsys, str(tmp_path / "g"), "--prompt", "a", "--tokens", "5")
+    assert code == 0 and out.startswith("a") and set(out.strip()) <= set("abcd"), err
 
 
 @pytest.mark.mpi(min_size=2)

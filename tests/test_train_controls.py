@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -68,6 +69,43 @@ def test_max_steps_stops_mid_epoch_and_a_longer_run_goes_on(solo, tmp_path):
     straight = job(solo, tmp_path, "straight", max_steps=6)
     assert more["steps"] == 6 and more["steps_this_run"] == 3
     assert more["val_loss"] == straight["val_loss"]
+
+
+def test_trace_json_keeps_every_job_of_a_resumed_run(solo, tmp_path):
+    """trace.json gains each job's steps (a preempted job's too) instead of the last job's only,
+    and stays one valid Chrome trace with one name per rank's lane."""
+    from hpctrain import preempt
+
+    class StopAfter2:
+        def on_step_end(self, trainer, stats):
+            if trainer.global_step == 2:
+                preempt.request("test")  # carried by the next step: the job stops after step 3
+
+    try:
+        with pytest.raises(errors.Preempted):
+            run({**BASE, "run_dir": os.path.join(str(tmp_path), "tr")}, solo, callbacks=[StopAfter2()])
+    finally:
+        preempt.clear()
+    job(solo, tmp_path, "tr", max_steps=6, resume=True)
+    s = job(solo, tmp_path, "tr", resume=True)
+    with open(s["trace"]) as f:
+        events = json.load(f)["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "X" and e["tid"] == 0] == [f"step {k}" for k in range(1, 9)]
+    assert [e["pid"] for e in events if e["name"] == "process_name"] == [0]
+
+
+def test_a_trace_json_that_is_not_a_trace_is_moved_aside_not_overwritten(solo, tmp_path):
+    from hpctrain.train.timeline import Timeline
+
+    path = tmp_path / "trace.json"
+    path.write_text('{"traceEv')
+    t = Timeline(0)
+    t.on_step_end(type("T", (), {"global_step": 1})(), type("S", (), {"seconds": 0.1, "comm_seconds": 0.0,
+                                                                    "loss": 1.0})())
+    t.write(solo, str(path))
+    assert [e["name"] for e in json.loads(path.read_text())["traceEvents"]] == ["process_name", "step 1"]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("trace.json.replaced-")]
+    assert len(aside) == 1 and aside[0].read_text() == '{"traceEv'
 
 
 def test_lr_schedule_cosine_with_warmup_and_min_lr(solo, tmp_path):
@@ -136,6 +174,45 @@ def test_keep_bounds_the_checkpoints(solo, tmp_path):
     assert names == ["ckpt-00000007.h5", "ckpt-00000008.h5"]
     parts = sorted(n.split(".h5.")[0] for n in os.listdir(os.path.dirname(s["checkpoint"])) if n.endswith(".parts"))
     assert parts == ["ckpt-00000007", "ckpt-00000008"]  # the deleted checkpoints' part files went with them
+
+
+def test_async_keep_1_always_leaves_a_committed_checkpoint_and_keeps_one(solo, tmp_path):
+    """--async-checkpoint --keep 1: an older checkpoint goes only once a newer one is committed (a
+    watcher sees at least one from the first commit on), and exactly one is left, not all."""
+    import threading
+
+    d = os.path.join(str(tmp_path), "ak", "checkpoints")
+    seen: list[int] = []  # how many committed checkpoints the watcher saw, each time it looked
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(len(ht.checkpoint.list_checkpoints(d)))
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        s = job(solo, tmp_path, "ak", keep=1, checkpoint_every=1, async_checkpoint=True)
+    finally:
+        done.set()
+        watcher.join()
+    first = next(i for i, n in enumerate(seen) if n)
+    assert 0 not in seen[first:], "a moment with no committed checkpoint on disk"
+    assert [os.path.basename(p) for p in ht.checkpoint.list_checkpoints(d)] == ["ckpt-00000008.h5"]
+    assert s["checkpoint"] == os.path.join(d, "ckpt-00000008.h5")
+    assert [n.split(".h5.")[0] for n in os.listdir(d) if n.endswith(".parts")] == ["ckpt-00000008"]
+
+
+def test_keep_counts_the_checkpoints_a_resumed_run_finds(solo, tmp_path):
+    """A resumed (requeued) run keeps --keep checkpoints in all, not --keep per job."""
+    s = job(solo, tmp_path, "rk", keep=2, checkpoint_every=1, max_steps=4)
+    d = os.path.dirname(s["checkpoint"])
+    assert [os.path.basename(p) for p in ht.checkpoint.list_checkpoints(d)] == ["ckpt-00000003.h5",
+                                                                                 "ckpt-00000004.h5"]
+    job(solo, tmp_path, "rk", keep=2, checkpoint_every=1, resume=True)
+    assert [os.path.basename(p) for p in ht.checkpoint.list_checkpoints(d)] == ["ckpt-00000007.h5",
+                                                                                 "ckpt-00000008.h5"]
 
 
 def test_timeout_reaches_the_trainer(solo, tmp_path):

@@ -76,6 +76,12 @@ def test_sigterm_to_the_job_checkpoints_its_step_and_resume_ends_bitwise(serial,
             second = hpctrain("train", *TINY, "--run-dir", str(run), "--resume")
             assert second.returncode == ExitStatus.CONFIG, second.stdout + second.stderr
             assert f"run directory {run} is in use by another job" in second.stderr, second.stderr
+            # ... and so is its checkpoint directory, for a job with a run directory of its own (with
+            # --resume it would otherwise load the running job's weights and write among its files).
+            third = hpctrain("train", *TINY, "--run-dir", str(tmp_path / "other"), "--checkpoint-dir",
+                             str(run / "checkpoints"), "--resume")
+            assert third.returncode == ExitStatus.CONFIG, third.stdout + third.stderr
+            assert f"checkpoint directory {run / 'checkpoints'} is in use by another job" in third.stderr
         while time.monotonic() < deadline and job.poll() is None and len(_steps(run)) < 20:
             time.sleep(0.05)
         assert job.poll() is None, "the job ended before it could be interrupted"
@@ -132,7 +138,8 @@ def test_resume_into_a_missing_or_empty_directory_says_it_starts_fresh(comm, tmp
     rc, out, _ = _train(capsys, "--run-dir", str(run), "--resume")
     assert rc == 0
     if comm.rank == 0:
-        assert f"no checkpoint to resume from ({run / 'checkpoints'} does not exist): starting fresh" in out
+        # The job made its checkpoint directory when it locked it: there, but empty.
+        assert f"no checkpoint to resume from ({run / 'checkpoints'} is empty): starting fresh" in out
 
 
 @pytest.mark.timeout(120)
@@ -179,6 +186,10 @@ def test_resume_refuses_when_no_checkpoint_loads_and_restart_starts_over(comm, t
         assert len(aside) == 1 and [os.path.basename(p) for p in checkpoint.list_checkpoints(str(aside[0]))] == [
             os.path.basename(p) for p in found]
         assert "started over" in out and str(aside[0]) in out
+        # The checkpoint directory's lock went aside with it and was dropped there, the new one released.
+        assert not (aside[0] / ".hpctrain.lock").exists() and not (run / "checkpoints" / ".hpctrain.lock").exists()
+        # The trace went aside too: the run started over does not continue the old one.
+        assert [p.name.startswith("trace.json.replaced-") for p in run.iterdir()].count(True) == 1
 
 
 @pytest.mark.timeout(120)
@@ -198,6 +209,65 @@ def test_bad_newest_checkpoint_falls_back_to_the_previous_one_announced(comm, tm
         assert f"resumed from {found[-2]}" in out
         steps = _steps(run)
         assert steps == sorted(set(steps)) and steps[-1] == json.loads((run / "summary.json").read_text())["steps"]
+
+
+@pytest.mark.timeout(120)
+def test_after_a_fallback_the_run_evaluates_and_reports_its_own_checkpoint(comm, tmp_path, capsys):
+    """A damaged (or foreign) file newer than anything the run writes: the resume skips it, and the
+    final evaluation, summary.json and ``generate`` use the checkpoint this run wrote, not it."""
+    run = _shared(comm, tmp_path / "run")
+    assert _train(capsys, "--run-dir", str(run), "--epochs", "1")[0] == 0
+    comm.barrier()
+    bad = run / "checkpoints" / "ckpt-99999999.h5"
+    if comm.rank == 0:
+        bad.write_bytes(b"not a checkpoint")
+    comm.barrier()
+    rc, out, err = _train(capsys, "--run-dir", str(run), "--resume")
+    assert rc == 0, out + err
+    summary = json.loads((run / "summary.json").read_text())
+    own = checkpoint.checkpoint_path(str(run / "checkpoints"), summary["steps"])
+    assert summary["checkpoint"] == own and summary["steps_this_run"] > 0
+    assert f"checkpoint      {own}" in out
+    assert bad.exists()  # skipped, never deleted
+    # The finished run resumed once more: nothing to train, it evaluates and reports the one it loaded.
+    comm.barrier()
+    rc, out, err = _train(capsys, "--run-dir", str(run), "--resume")
+    assert rc == 0, out + err
+    again = json.loads((run / "summary.json").read_text())
+    assert again["checkpoint"] == own and again["steps_this_run"] == 0 and again["val_loss"] == summary["val_loss"]
+
+
+@pytest.mark.timeout(120)
+def test_async_keep_1_holds_one_committed_checkpoint_at_every_moment_and_across_resumes(comm, tmp_path, capsys):
+    """--async-checkpoint --keep 1 with all ranks writing: from the first commit on there is always a
+    committed checkpoint (rank 0 watches), the end leaves exactly one, and so does a resumed job."""
+    import threading
+
+    run = _shared(comm, tmp_path / "run")
+    ck, seen, done = run / "checkpoints", [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(len(checkpoint.list_checkpoints(str(ck))))
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch) if comm.rank == 0 else None
+    for extra in ((), ("--resume", "--epochs", "3")):
+        if watcher is not None and not extra:
+            watcher.start()
+        rc, _, err = _train(capsys, "--run-dir", str(run), "--async-checkpoint", "--keep", "1",
+                            "--checkpoint-every", "1", *extra)
+        assert rc == 0, err
+        steps = json.loads((run / "summary.json").read_text())["steps"]
+        if comm.rank == 0:
+            assert checkpoint.list_checkpoints(str(ck)) == [checkpoint.checkpoint_path(str(ck), steps)]
+            assert len([n for n in os.listdir(ck) if n.endswith(".parts")]) == 1
+        comm.barrier()
+    if watcher is not None:
+        done.set()
+        watcher.join()
+        first = next(i for i, n in enumerate(seen) if n)
+        assert 0 not in seen[first:], "a moment with no committed checkpoint on disk"
 
 
 @pytest.mark.timeout(120)
@@ -238,6 +308,37 @@ def test_a_live_lock_refuses_the_job_and_a_dead_ones_is_taken_over(comm, tmp_pat
     assert rc == 0, err
     if comm.rank == 0:
         assert "taking over the lock" in out and not (run / ".hpctrain.lock").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_directory_another_job_holds_is_refused_on_every_rank(comm, tmp_path, capsys):
+    """Two jobs, one --checkpoint-dir: the second is refused at the start, naming the first, and
+    leaves no lock behind; once the first is gone it runs."""
+    shared = _shared(comm, tmp_path)
+    ck, holder = shared / "ck", None
+    if comm.rank == 0:  # another job: a process that took the directory's lock as a job does
+        holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hpctrain.rundir import RunLock; "
+                                   "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)",
+                                   str(ck)], stdout=subprocess.PIPE, text=True, env=_env())
+        assert holder.stdout.readline().strip() == "held"
+    comm.barrier()
+    try:
+        rc, _, err = _train(capsys, "--run-dir", str(shared / "b"), "--checkpoint-dir", str(ck))
+        assert rc == ExitStatus.CONFIG, err
+        pid = comm.bcast_obj(holder.pid if holder else None)
+        assert f"checkpoint directory {ck} is in use by another job" in err and f"pid {pid}" in err, err
+        assert "--checkpoint-dir" in err
+        if comm.rank == 0:
+            assert not (shared / "b" / ".hpctrain.lock").exists()  # the run directory's lock let go too
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+    comm.barrier()
+    rc, _, err = _train(capsys, "--run-dir", str(shared / "b"), "--checkpoint-dir", str(ck))
+    assert rc == 0, err
+    if comm.rank == 0:
+        assert checkpoint.list_checkpoints(str(ck)) and not (ck / ".hpctrain.lock").exists()
 
 
 def test_default_run_directories_of_one_second_differ(comm, tmp_path, capsys, monkeypatch):

@@ -25,7 +25,7 @@ from .saving import busy, remove, save, wait
 from .summary import inspect, verify
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "checkpoint_path", "copy", "inspect", "list_checkpoints",
+    "FORMAT", "FORMAT_VERSION", "beyond_keep", "checkpoint_path", "copy", "inspect", "list_checkpoints",
     "load", "load_latest", "load_weights", "read_header", "remove", "save", "save_in", "verify", "wait",
 ]
 
@@ -34,16 +34,33 @@ _norm_index = norm_index  # the name tests and older callers use
 
 
 def save_in(directory: str, trainer: Any, keep: int = 3, *, asynchronous: bool = False) -> str:
-    """Save as ``ckpt-<step>.h5`` in ``directory``; once it is committed, delete all but the
-    newest ``keep`` (0: none) and part files of interrupted saves. Collective."""
+    """Save as ``ckpt-<step>.h5`` in ``directory``; once it is committed (for an asynchronous save:
+    when a later call commits it), delete what :func:`beyond_keep` names and the part files of
+    interrupted saves. Collective."""
+    path = checkpoint_path(directory, trainer.global_step)
+
     def clean() -> None:
-        found = list_checkpoints(directory)
-        if keep > 0:
-            for old in found[:-keep]:
-                remove(old)
+        for old in beyond_keep(directory, path, keep):
+            remove(old)
         _remove_orphans(directory)
 
-    return save(checkpoint_path(directory, trainer.global_step), trainer, asynchronous=asynchronous, after=clean)
+    return save(path, trainer, asynchronous=asynchronous, after=clean)
+
+
+def beyond_keep(directory: str, committed: str, keep: int) -> list[str]:
+    """The checkpoints ``keep`` removes from ``directory`` once ``committed`` is on disk: the older
+    ones beyond the newest ``keep`` (``committed`` included; 0 keeps all).
+
+    Only committed checkpoints count (index files renamed into place; the temporaries and part
+    directories of saves in flight never do), whichever job wrote them, so a resumed or requeued
+    run keeps ``keep`` in all. Newer ones than ``committed`` are left alone and not counted: a
+    resume skipped them (damaged, or not this run's), so deleting them is not this save's call.
+    """
+    if keep <= 0:
+        return []
+    step = int(_NAME.search(committed).group(1))
+    older = [p for p in list_checkpoints(directory) if int(_NAME.search(p).group(1)) < step]
+    return older[:max(0, len(older) - (keep - 1))]
 
 
 def _remove_orphans(directory: str) -> None:

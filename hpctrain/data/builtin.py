@@ -85,9 +85,12 @@ def _write_atomic(path: Path, fill: Callable[[Any], None]) -> None:
             pass
 
 
-def _ensure(path: str | os.PathLike | None, default_name: str, name: str, fill: Callable[[Any], None]) -> Path:
+def _ensure(path: str | os.PathLike | None, default_name: str, name: str, fill: Callable[[Any], None],
+            rewrite: Callable[[Path], bool] | None = None) -> Path:
+    """The set's path, written first when absent or of another VERSION, or when ``rewrite(path)``
+    says the current file is to be replaced (``hpctrain data make --force``, a fallback corpus)."""
     target = Path(path).expanduser() if path is not None else cache_dir() / default_name
-    if not (target.exists() and _is_current(target, name)):
+    if not (target.exists() and _is_current(target, name)) or (rewrite is not None and rewrite(target)):
         _write_atomic(target, fill)
     return target
 

@@ -50,7 +50,9 @@ class ParallelTrainer(Trainer):
     on the global batch. The batch is cut into ``microbatches`` parts: accumulated locally when
     ``grid.pp == 1``, streamed through the pipeline ``schedule`` ("1f1b", "gpipe", or
     "interleaved" with ``virtual_stages`` chunks per rank, default: as many as the part was cut
-    into) otherwise. ``clip_norm`` clips the
+    into) otherwise. A batch shorter than ``microbatches`` (an epoch's last) takes one sample per
+    micro-batch (``step_microbatches``; interleaved: a multiple of the stages), so no step ever
+    refuses a short batch and the update still equals one process's. ``clip_norm`` clips the
     global gradient norm (each shard counted once). ``reducer`` is a callable
     ``(params, dp_comm) -> GradReducer`` (default: bucket all-reduces with ``bucket_mb``,
     ``overlap``, ``compression`` and ``backend``). ``timeout`` (default ``HPCTRAIN_TIMEOUT``;
@@ -267,6 +269,12 @@ class ParallelTrainer(Trainer):
             return self._pipeline(batch)
         return self._accumulate(batch)
 
+    def step_microbatches(self, n: int) -> int:
+        k = super().step_microbatches(n)
+        if self.schedule == "interleaved":  # it runs micro-batches in groups of the stages
+            k -= k % self.grid.pp.size
+        return k
+
     def _scales(self, batch: Batch) -> list[float]:
         w = batch.weight_total
         return [pw / w if w else 0.0 for pw in batch.part_weights]
@@ -314,7 +322,8 @@ class ParallelTrainer(Trainer):
     def _pipeline(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
         pp = self.grid.pp
         xp = xp_of(self.params[0].data) if self.params else np
-        actions = list(get_schedule(self.schedule, self.virtual_stages)(pp.size, pp.rank, self.microbatches))
+        actions = list(get_schedule(self.schedule, self.virtual_stages)(pp.size, pp.rank, len(batch.parts)))
+        self._step_parts = len(batch.parts)
         self.reducer.begin()
         r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, self._scales(batch), self.loss, xp)
         # Per-stage schedule figures, counted once per stage (dp and tp rank 0), summed over the
@@ -336,5 +345,5 @@ class ParallelTrainer(Trainer):
             "peak_activations_per_stage": [int(v) for v in per[:, 2]],
             "peak_activation_bytes_per_stage": [int(v) for v in per[:, 3]],
             "schedule": self.schedule,
-            "microbatches": self.microbatches,
+            "microbatches": self._step_parts,  # fewer than configured on a short last batch
         }

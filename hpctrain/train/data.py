@@ -52,12 +52,13 @@ def open_data(c: Config, comm: Any = None, path: str | None = None) -> tuple[Row
         path = data_path(c)
     tokens_key = c.tokens_key or ("tokens" if c.model == "gpt" else None)
     windows = None
-    if tokens_key == "tokens":
+    if tokens_key is not None:
         from ..data.shakespeare import split_windows
 
-        # A corpus with its own validation stream (shakespeare.h5 of `hpctrain data make`):
-        # training windows at a random offset each epoch, validation windows fixed.
-        windows = split_windows(path, c.block_size, c.seed, comm=comm, max_samples=c.max_samples)
+        # A corpus with its own validation stream, val_tokens (shakespeare.h5 of `hpctrain data
+        # make`), whatever --tokens-key names the training stream: training windows at a random
+        # offset each epoch, validation windows fixed.
+        windows = split_windows(path, c.block_size, c.seed, comm=comm, max_samples=c.max_samples, key=tokens_key)
     if windows is not None:
         tw, vw, meta = windows
         n_train = len(tw) if c.max_samples is None else min(len(tw), c.max_samples)

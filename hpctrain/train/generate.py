@@ -2,10 +2,11 @@
 
     hpctrain generate runs/gpt --prompt "ROMEO:" --tokens 200 --temperature 0.8 --top-k 20 --seed 1
 
-RUN_OR_CHECKPOINT is a run directory of ``hpctrain train --model gpt`` (its newest checkpoint is
-used) or one of its checkpoint files. The model's shape and vocabulary come from the run's
-``config.json``; the weights are loaded through ``hpctrain.checkpoint.load_weights`` (checksums
-verified), whatever layout wrote them. One process, no MPI: sampling is sequential.
+RUN_OR_CHECKPOINT is a run directory of ``hpctrain train --model gpt`` (its newest checkpoint that
+loads is used: a damaged or foreign newer file is skipped, said so) or one of its checkpoint
+files. The model's shape and vocabulary come from the run's ``config.json``; the weights are
+loaded through ``hpctrain.checkpoint.load_weights`` (checksums verified), whatever layout wrote them.
+One process, no MPI: sampling is sequential.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling [0]")
 
 
-def locate(run: str) -> tuple[str, str]:
-    """(checkpoint file, config.json) of a run directory or of a checkpoint file in one."""
+def checkpoints_of(run: str) -> list[str]:
+    """The checkpoint files ``run`` names, newest first: those of a run directory
+    (``RUN/checkpoints``) or of a directory of checkpoints, or ``run`` itself when it is a file.
+    ``CheckpointError`` for a directory without any, ``ConfigError`` for no such path."""
     from .. import checkpoint
 
     if os.path.isdir(run):
@@ -39,43 +42,80 @@ def locate(run: str) -> tuple[str, str]:
         found = checkpoint.list_checkpoints(ckpt_dir)
         if not found:
             raise CheckpointError(f"no checkpoints in {ckpt_dir}")
-        path = found[-1]
-    elif os.path.isfile(run):
-        path = run
-    else:
-        raise ConfigError(f"{run} is neither a run directory nor a checkpoint file")
+        return found[::-1]
+    if os.path.isfile(run):
+        return [run]
+    raise ConfigError(f"{run} is neither a run directory nor a checkpoint file")
+
+
+def newest_checkpoint(run: str) -> str:
+    """The newest of :func:`checkpoints_of` ``run`` (``ckpt inspect``: a bad one is reported, not skipped)."""
+    return checkpoints_of(run)[0]
+
+
+def locate(run: str) -> tuple[list[str], str]:
+    """(checkpoint files to try, newest first; config.json) of a run directory or of a checkpoint
+    file in one."""
+    found = checkpoints_of(run)
+    path = found[0]
     here = os.path.dirname(os.path.abspath(path))
     for d in (here, os.path.dirname(here)):  # RUN/checkpoints/ckpt-*.h5 or RUN/ckpt-*.h5
         if os.path.isfile(os.path.join(d, "config.json")):
-            return path, os.path.join(d, "config.json")
+            return found, os.path.join(d, "config.json")
     raise ConfigError(f"no config.json next to {path} or in its run directory: generate needs the run's "
                       f"model shape and vocabulary")
 
 
 def load_gpt(run: str) -> tuple[Any, str]:
     """(the GPT with the checkpoint's weights, its vocabulary) for ``run``; refuses other models."""
-    from .. import checkpoint, nn
+    from .. import nn
     from .config import merge, read_config
 
-    path, cfg_path = locate(run)
+    paths, cfg_path = locate(run)
+    path = paths[0]
     with open(cfg_path, encoding="utf-8") as f:
         info = (json.load(f) or {}).get("info") or {}
     c = merge(read_config(cfg_path), {})
     if c.model != "gpt":
         raise ConfigError(f"{path} holds a {c.model!r} model, not a GPT: generate samples text from "
                           f"checkpoints of hpctrain train --model gpt")
-    vocab = info.get("vocab")
-    if not vocab:
+    vocab, size = info.get("vocab"), int(info.get("vocab_size") or 0)
+    if not vocab or len(vocab) < size:  # the data file's, which may have been given one since the run
         from .data import open_data
 
         vocab = open_data(c.replace(max_samples=None, batch_size=1))[2].get("vocab")
-    if not vocab:
-        raise ConfigError(f"{cfg_path}: the run's data has no character vocabulary to decode tokens with")
-    model = nn.GPT(int(info.get("vocab_size") or len(vocab)), c.block_size, c.d_model, c.n_heads, c.n_layers,
-                   rng=0)
-    checkpoint.load_weights(path, model)
+    size = size or len(vocab or "")
+    if not vocab or len(vocab) < size:
+        raise ConfigError(_no_vocab(c.data or "the run's data", size, vocab))
+    model = nn.GPT(size, c.block_size, c.d_model, c.n_heads, c.n_layers, rng=0)
+    _load_newest(paths, model)
     model.eval()
     return model, vocab
+
+
+def _load_newest(paths: list[str], model: Any) -> str:
+    """Load the first of ``paths`` (newest first) whose weights load, checksums verified; the
+    ones before it are skipped, said on stderr (a damaged newest file, another run's). Returns it."""
+    from .. import checkpoint
+
+    failures = []
+    for path in paths:
+        try:
+            checkpoint.load_weights(path, model)  # the model is unchanged by a failure
+        except (HpctrainError, OSError) as exc:
+            failures.append(f"{os.path.basename(path)}: {exc}")
+            print(f"hpctrain generate: skipping checkpoint {path}: {exc}", file=sys.stderr)
+            continue
+        return path
+    raise CheckpointError(f"no checkpoint in {os.path.dirname(paths[0]) or '.'} loads: " + "; ".join(failures))
+
+
+def _no_vocab(data: str, size: int, vocab: str | None) -> str:
+    """Why tokens cannot become text, and how to give the data file its vocabulary."""
+    has = f"a 'vocab' of {len(vocab)} characters for {size} token ids" if vocab else "no 'vocab' attribute"
+    return (f"{data} has {has}: generate writes token id t as the t-th character of the file's 'vocab' "
+            "attribute. Give it one, a string of the characters in token order (with h5py: "
+            "f.attrs['vocab'] = ''.join(chars)), then run generate again (no retraining needed)")
 
 
 def sample(model: Any, prompt: list[int], tokens: int, temperature: float = 1.0, top_k: int | None = None,

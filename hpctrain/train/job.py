@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import rundir
-from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError
+from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted
 from ..evaluation import evaluate
 from ..log import get_logger
 from .builders import build_loss, build_model, build_trainer, data_rank
@@ -193,14 +193,30 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     # writes its checkpoints there, not into this run's.
     given = c.to_dict()
     c.checkpoint_dir = c.checkpoint_dir or os.path.join(c.run_dir, "checkpoints")
-    # One job per run directory: rank 0 holds its lock until the job ends (or is refused).
-    lock = rundir.RunLock(c.run_dir)
-    everywhere(comm, lambda: lock.acquire() if comm.rank == 0 else None)
+    # One job per run directory and per checkpoint directory (wherever it is: two jobs writing one
+    # would overwrite each other's files): rank 0 holds the locks until the job ends (or is refused).
+    locks = [rundir.RunLock(c.run_dir)]
+    if os.path.realpath(c.checkpoint_dir) != os.path.realpath(c.run_dir):
+        locks.append(rundir.RunLock(c.checkpoint_dir, "checkpoint directory", "--checkpoint-dir"))
+    everywhere(comm, lambda: _acquire(locks) if comm.rank == 0 else None)
     try:
-        return _run_locked(c, given, comm, callbacks, device)
+        return _run_locked(c, given, comm, callbacks, device, locks[1] if len(locks) > 1 else None)
     finally:
         if comm.rank == 0:
+            for lock in reversed(locks):
+                lock.release()
+
+
+def _acquire(locks: list[rundir.RunLock]) -> None:
+    """Take every lock in order, or none: those taken are released when a later one is refused."""
+    taken: list[rundir.RunLock] = []
+    try:
+        for lock in locks:
+            taken.append(lock.acquire())
+    except BaseException:
+        for lock in reversed(taken):
             lock.release()
+        raise
 
 
 #: Settings a resumed run must share with the run it continues (the model, its data, its optimizer
@@ -209,14 +225,17 @@ RESUME_KEYS = ("model", "data", "d_model", "n_layers", "n_heads", "block_size", 
                "max_samples", "val_fraction")
 
 
-def _claim(c: Config, given: dict[str, Any], metrics: str) -> None:
-    """Rank 0, holding the lock: clean up after dead jobs and decide what may happen to the files
+def _claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunLock | None) -> None:
+    """Rank 0, holding the locks: clean up after dead jobs and decide what may happen to the files
     already in the run directory, before anything is written there."""
     from .. import checkpoint
 
     rundir.clean_stale_temporaries(c.run_dir, c.checkpoint_dir)
     if c.restart:
-        moved = rundir.set_aside(c.checkpoint_dir, metrics)
+        moved = rundir.set_aside(c.checkpoint_dir, metrics, os.path.join(c.run_dir, "trace.json"))
+        for old, new in moved:
+            if ckpt_lock is not None and old == c.checkpoint_dir:  # its lock file went along
+                ckpt_lock.moved(new)
         if moved:
             _log.info("started over (--restart): moved %s", ", ".join(f"{a} to {b}" for a, b in moved))
     elif c.resume:
@@ -241,25 +260,40 @@ class _AfterResume:
             rundir.trim_metrics(self.metrics, trainer.global_step)
 
 
-def _final_loss(path: str) -> float | None:
-    """Mean training loss of the last epoch in ``metrics.jsonl``: over the whole run (this job and
-    the ones it resumed), where a resumed job made only part of that epoch itself."""
-    by_epoch: dict[Any, list[float]] = {}
-    last = None
+#: Steps the summary's final training loss averages: recent enough to say where training ended,
+#: long enough to smooth one batch's noise.
+FINAL_LOSS_STEPS = 50
+
+
+def _final_loss(path: str) -> tuple[float | None, int]:
+    """Mean training loss of the last ``FINAL_LOSS_STEPS`` steps in ``metrics.jsonl`` (skipped
+    steps left out), and how many it averaged: over the whole run (this job and the ones it
+    resumed), so a resumed job that made only a few steps itself still reports a full window."""
+    recent: list[float] = []
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
-            last = rec.get("epoch")
-            by_epoch.setdefault(last, []).append(rec["loss"])
-    losses = by_epoch.get(last, [])
-    return sum(losses) / len(losses) if losses else None
+            if not rec.get("skipped"):
+                recent = [*recent[1 - FINAL_LOSS_STEPS :], rec["loss"]]
+    return (sum(recent) / len(recent) if recent else None), len(recent)
 
 
-def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str) -> dict[str, Any]:
+def _steady_rates(history: Sequence[Any]) -> tuple[float | None, float | None]:
+    """Samples per second and the communication share of step time over this job's steps after
+    its first (the warm-up: first calls, buffers, connections); ``None`` without such steps."""
+    steady = history[1:]
+    seconds = sum(s.seconds for s in steady)
+    if seconds <= 0:
+        return None, None
+    return sum(s.samples for s in steady) / seconds, sum(s.comm_seconds for s in steady) / seconds
+
+
+def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str,
+                ckpt_lock: rundir.RunLock | None) -> dict[str, Any]:
     from .. import checkpoint
 
     metrics = os.path.join(c.run_dir, "metrics.jsonl")
-    everywhere(comm, lambda: _claim(c, given, metrics) if comm.rank == 0 else None)
+    everywhere(comm, lambda: _claim(c, given, metrics, ckpt_lock) if comm.rank == 0 else None)
 
     if c.data in (None, "shakespeare"):
         # Rank 0 writes the built-in set first; the others then find it (or, on node-local
@@ -275,12 +309,13 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
 
     from ..data import DataLoader, ShardedSampler
+    from ..trainer import planned_steps
 
     rank, size = data_rank(c, comm)
     sampler = ShardedSampler(len(train_set), rank, size, shuffle=True, seed=c.seed, pad="mask")
     loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler,
                         device="gpu" if device == "cuda" else "cpu")
-    total_steps = c.epochs * len(loader) if c.max_steps is None else min(c.max_steps, c.epochs * len(loader))
+    total_steps = planned_steps(loader, c.epochs, c.max_steps)
     try:
         trainer = build_trainer(c, model, comm, total_steps)
     except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
@@ -288,7 +323,12 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     every = c.checkpoint_every or len(loader)
 
     if comm.rank == 0:
-        print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {meta['path']}: "
+        from ..data.shakespeare import fallback_source
+
+        on = meta["path"]
+        if fallback_source(on) is not None:  # a shakespeare.h5 made without network
+            on += " (fallback corpus: the shipped act of Coriolanus; `hpctrain data make` with network replaces it)"
+        print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {on}: "
               f"{len(train_set):,} training samples, {_layout_text(c)} on {device}, "
               f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
               f"{len(loader)} steps each; run dir {c.run_dir}", flush=True)
@@ -302,12 +342,16 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     if c.eval_every:
         hooks.insert(1 + len(callbacks), Validation(c, meta, val_set, comm, c.eval_every))
     t0 = time.perf_counter()
-    history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
-                          keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
-                          callbacks=hooks, max_steps=c.max_steps, async_checkpoint=c.async_checkpoint)
+    trace = os.path.join(c.run_dir, "trace.json")
+    try:
+        history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
+                              keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
+                              callbacks=hooks, max_steps=c.max_steps, async_checkpoint=c.async_checkpoint)
+    except Preempted:  # every rank stopped at the same step: the trace keeps this job's part too
+        timeline.write(comm, trace)
+        raise
     wall = time.perf_counter() - t0
     memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
-    trace = os.path.join(c.run_dir, "trace.json")
     timeline.write(comm, trace)
     if hasattr(trainer, "save_timeline"):  # the pipeline's executed schedule of its last step
         trainer.save_timeline(c.run_dir, png=False)
@@ -320,30 +364,34 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     # The strategies' own models may be sharded or rebuilt into layers that need the other ranks.
     from ..comm.validate import raise_if_any
 
-    latest = comm.bcast_obj(checkpoint.list_checkpoints(c.checkpoint_dir) if comm.rank == 0 else None)
+    # The checkpoint this run wrote (or resumed from), not the newest name in the directory: a
+    # newer file the resume skipped (damaged, another run's) is not what this run leaves.
+    final = trainer.last_checkpoint
+    if comm.rank == 0 and final:  # it can take a while on a large held-out set: said before
+        print(f"evaluating {final} on {len(val_set):,} held-out samples", flush=True)
     fresh = problem = None
     try:
         fresh = build_model(c, meta)
-        checkpoint.load_weights(latest[-1], fresh)
+        if final is None:
+            raise CheckpointError("the run wrote none")
+        checkpoint.load_weights(final, fresh)
     except (HpctrainError, OSError, KeyError, ValueError, IndexError) as exc:
-        problem = CheckpointError(f"cannot evaluate the final checkpoint {latest[-1] if latest else '(none)'}: "
-                                  f"{exc}")
+        problem = CheckpointError(f"cannot evaluate the final checkpoint {final or '(none)'}: {exc}")
     raise_if_any(comm, problem)
     result = evaluate(fresh, val_set, build_loss(c), comm=comm)
 
-    seconds = sum(s.seconds for s in history)
-    # The last epoch's mean loss from the metrics of the whole run: a resumed job made only part
-    # of that epoch itself. One reader, one value for every rank.
-    final_loss = comm.bcast_obj(_final_loss(metrics) if comm.rank == 0 else None)
+    rate, share = _steady_rates(history)
+    # The recent loss from the metrics of the whole run: a resumed job made only part of those
+    # steps itself. One reader, one value for every rank.
+    final_loss, final_steps = comm.bcast_obj(_final_loss(metrics) if comm.rank == 0 else None)
     summary = {
         "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
         "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
         "steps_this_run": len(history), "epochs": c.epochs,
-        "final_loss": final_loss,
+        "final_loss": final_loss, "final_loss_steps": final_steps,
         "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
-        "samples_per_s": sum(s.samples for s in history) / seconds if seconds > 0 else None,
-        "comm_share": sum(s.comm_seconds for s in history) / seconds if seconds > 0 else None,
-        "wall_seconds": wall, "checkpoint": latest[-1] if latest else None,
+        "samples_per_s": rate, "comm_share": share,
+        "wall_seconds": wall, "checkpoint": final,
         "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
     }
     if comm.rank == 0:
@@ -369,11 +417,11 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
         f"{s['strategy']} dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}",
-        f"  final loss      {final} (training, mean of the last epoch)",
+        f"  final loss      {final} (training, mean of the last {s.get('final_loss_steps', 0)} steps)",
         f"  validation      loss {s['val_loss']:.4f}"
         + ("" if s["val_accuracy"] is None else f", accuracy {100 * s['val_accuracy']:.1f}%")
         + f" ({s['val_samples']:,} held-out samples)",
-        f"  throughput      {rate}",
+        f"  throughput      {rate} (the first step, a warm-up, left out)",
         f"  communication   {share}",
         *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "
            f"{s['memory']['params'] / 2**20:,.1f}, grads {s['memory']['grads'] / 2**20:,.1f}, optimizer "

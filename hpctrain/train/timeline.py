@@ -30,14 +30,38 @@ class Timeline:
                             "tid": tid, "args": args})
 
     def write(self, comm: Any, path: str) -> None:
-        """Collective: rank 0 writes every rank's events (one process lane per rank)."""
+        """Collective: rank 0 adds every rank's events (one process lane per rank) to the trace at
+        ``path``, after those of the run's earlier jobs (a resumed run shows all its jobs)."""
         lanes = comm.gather_obj(self.events)
         if comm.rank != 0:
             return
-        events = []
+        events = earlier_events(path)
+        named = {e.get("pid") for e in events if e.get("name") == "process_name"}
         for rank, evs in enumerate(lanes):
-            events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+            if rank not in named:
+                events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
             events += evs
         from ..rundir import write_exclusive
 
         write_exclusive(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def earlier_events(path: str) -> list[dict[str, Any]]:
+    """The events of the trace at ``path`` (none when there is no file). A file that is not such a
+    trace is moved aside, said so, and not continued: it is never overwritten."""
+    from .. import rundir
+    from ..log import get_logger
+
+    try:
+        with open(path) as f:
+            events = json.load(f).get("traceEvents")
+        if isinstance(events, list) and all(isinstance(e, dict) for e in events):
+            return events
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, AttributeError):
+        pass
+    moved = rundir.set_aside(path)
+    get_logger("train").warning("%s is not a trace this run wrote: moved to %s; starting a new one", path,
+                                moved[0][1] if moved else "(gone)")
+    return []

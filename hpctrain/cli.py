@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command][2](args)
     except SystemExit as exc:  # sys.exit in user code (a model factory): on one rank, end the job now
+        if args.command not in NEEDS_MPI:
+            raise
         from .comm.failure import exited
 
         return exited(exc, what=f"hpctrain {args.command}")

@@ -167,9 +167,10 @@ def _whole_rank_lines(err: str) -> None:
     assert not odd, odd
 
 
-def _train_fault(launch, tmp_path, mode: str, ps_mode: str, timeout: str, at: str = "3", rank: str = "1") -> tuple:
+def _train_fault(launch, tmp_path, mode: str, ps_mode: str, timeout: str, at: str = "3", rank: str = "1",
+                 extra: tuple = ()) -> tuple:
     return launch("train_fault.py", mode, rank, at, "--", "--strategy", "ps", "--ps-mode", ps_mode,
-                  "--epochs", "1", "--run-dir", str(tmp_path / "run"),
+                  "--epochs", "1", "--run-dir", str(tmp_path / "run"), *extra,
                   env={"HPCTRAIN_TIMEOUT": timeout, "HPCTRAIN_DATA": str(tmp_path / "data")}, timeout=100)
 
 
@@ -189,6 +190,9 @@ def test_parameter_server_with_a_stopped_rank_ends_naming_it(launch, tmp_path, p
     _whole_rank_lines(err)
 
 
+SMALL = ("--max-samples", "384", "--batch-size", "32")  # a short epoch: 12 steps of 16 rows per rank
+
+
 def _stall_reported(p, took, *, op: str, bound: float = 60) -> None:
     """The job ended as the README says a stall ends: exit 3, rank 0's report naming ``op`` and
     rank 1 as the one that did not arrive nor answer."""
@@ -206,8 +210,8 @@ def test_rank_stopped_while_saving_ends_the_job_and_keeps_the_last_checkpoint(la
     # agreement (on the checkpoints' private communicator), which the watchdog must see.
     run = tmp_path / "run"
     p, took = launch("train_fault.py", "stop-save", "1", "4", "--", "--epochs", "1", "--checkpoint-every", "2",
-                     "--run-dir", str(run), env={"HPCTRAIN_TIMEOUT": "5", "HPCTRAIN_DATA": str(tmp_path / "data")},
-                     timeout=100)
+                     *SMALL, "--run-dir", str(run),
+                     env={"HPCTRAIN_TIMEOUT": "3", "HPCTRAIN_DATA": str(tmp_path / "data")}, timeout=100)
     assert "rank 1: injected stop while saving step 4" in p.stdout, p.stdout
     _stall_reported(p, took, op="gather_obj")
     assert "(checkpoint save: the ranks' agreement on what they wrote) has not completed" in p.stderr
@@ -222,7 +226,7 @@ def test_rank_stopped_while_saving_ends_the_job_and_keeps_the_last_checkpoint(la
 def test_async_parameter_server_stopped_at_the_epoch_end_ends_naming_it(launch, tmp_path):
     # Rank 1 stops at its first epoch's last step; rank 0 runs on alone to the epoch's end and
     # starts the checkpoint (whose communicator was once made there, by a Dup nobody watched).
-    p, took = _train_fault(launch, tmp_path, "stop", "async", "5", at="-1")
+    p, took = _train_fault(launch, tmp_path, "stop", "async", "3", at="-1", extra=SMALL)
     assert re.search(r"rank 1: injected stop at step \d+", p.stdout), p.stdout
     _stall_reported(p, took, op="barrier")
 
@@ -247,7 +251,7 @@ def test_error_on_one_rank_ends_the_whole_train_job_with_its_traceback(launch, t
 @pytest.mark.parametrize("who", ["-1", "1"])
 def test_second_ctrl_c_ends_the_job_at_once_with_one_line(launch, tmp_path, who):
     # who=-1: every rank gets both signals (Ctrl-C under mpiexec); 1: only rank 1 does.
-    p, took = _train_fault(launch, tmp_path, "ctrl-c-twice", "sync", "300", rank=who)
+    p, took = _train_fault(launch, tmp_path, "ctrl-c-twice", "sync", "300", rank=who, extra=SMALL)
     assert p.returncode == 130 and took < 40, (p.returncode, took, p.stderr)
     ours = [line for line in p.stderr.splitlines() if "hpctrain" in line]
     where = "on all 2 ranks" if who == "-1" else "on rank 1 of 2"

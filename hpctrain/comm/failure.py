@@ -1,6 +1,6 @@
 """When a rank fails, the whole job ends, and what each rank says is readable.
 
-Three pieces, used by the watchdog, the excepthook and ``hpctrain train``:
+The pieces, used by the watchdog, the excepthook and ``hpctrain train``:
 
 - ``write_lines(text)``: every line goes to stderr in one ``write`` of its own, prefixed with
   ``[rank R]`` in a multi-rank job, so lines of different ranks never run together (``mpiexec``
@@ -122,7 +122,7 @@ def say_once(text: str) -> None:
     if len(by_text) == 1:
         write_lines(text)
     else:
-        write_lines("\n".join(f"ranks {_ranges(rs)}: {t}" for t, rs in by_text.items()))
+        write_lines("\n".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {t}" for t, rs in by_text.items()))
 
 
 def user_traceback(exc: BaseException) -> str | None:

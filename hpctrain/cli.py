@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpctrain", description="MPI training for HPC clusters",
                                      epilog="exit statuses: 0 done, 1 failure, 2 usage, 3 stall (watchdog), "
                                             "4 refused (configuration, data, checkpoints, run directory), "
-                                            "75 preempted (checkpoint written; resubmit with --resume)")
+                                            "75 preempted (checkpoint written; resubmit with --resume), "
+                                            "130 interrupted (Ctrl-C twice)")
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     parser.add_argument("--hdf5-locking", choices=("on", "off", "best-effort"), default=None,
                         help="HDF5 file locking (default: $HPCTRAIN_HDF5_LOCKING, else HDF5's own default); "
@@ -200,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     handler = log.to_stream()  # the library's messages, rank 0's, as "hpctrain: ..." lines on stdout
     try:
         return COMMANDS[args.command][2](args)
+    except SystemExit as exc:  # sys.exit in user code (a model factory): on one rank, end the job now
+        if args.command not in NEEDS_MPI:
+            raise
+        from .comm.failure import exited
+
+        return exited(exc, what=f"hpctrain {args.command}")
     finally:
         logging.getLogger(log.ROOT).removeHandler(handler)
 

@@ -89,3 +89,5 @@ class ExitStatus(IntEnum):
     CONFIG = 4
     #: Stopped on a signal with a checkpoint of the step (sysexits' EX_TEMPFAIL: try again).
     PREEMPTED = 75
+    #: Ctrl-C pressed again while stopping: ended at once, no checkpoint (128 + SIGINT).
+    INTERRUPTED = 130

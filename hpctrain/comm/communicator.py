@@ -271,6 +271,8 @@ class Communicator:
         self._seq = 0
         self._timeout: float | None = None
         self._debug: Any = None  # HPCTRAIN_DEBUG's tracer, None when off (set below)
+        #: What this communicator's waits are for, shown in stall reports (private communicators).
+        self.purpose: str | None = None
         global _world_ready
         if not _world_ready and (comm is None or comm == MPI.COMM_WORLD):
             # The first world Communicator (collective) checks every HPCTRAIN_* setting (a bad one
@@ -690,6 +692,18 @@ class Communicator:
         finally:
             _watch.end(token)
         return Communicator(sub)
+
+    def dup(self) -> Communicator:
+        """A communicator of the same ranks whose traffic never matches this one's (collective,
+        watched like every other wait); it keeps this one's ``set_timeout``."""
+        token = self._enter("dup")
+        try:
+            raw = self.mpi.Dup()
+        finally:
+            _watch.end(token)
+        twin = Communicator(raw)
+        twin._timeout = self._timeout
+        return twin
 
     def barrier(self) -> None:
         """Wait until every rank has called ``barrier``."""

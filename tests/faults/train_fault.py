@@ -3,15 +3,21 @@
     mpiexec -n 2 python tests/faults/train_fault.py stop  RANK STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py raise RANK STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py none  0 0 -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py stop-save RANK STEP -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py ctrl-c-twice RANK STEP -- <hpctrain train args>
 
 stop: rank RANK stops itself (SIGSTOP) when it reaches step STEP: a rank that neither computes
-nor answers, as a frozen node looks to the others. raise: rank RANK raises ``StallError`` at step
-STEP, an error on that rank only (as one trainer's own wait timing out). The fault goes into the
-parameter-server trainer's ``step``, so use ``--strategy ps``.
+nor answers, as a frozen node looks to the others (STEP -1: the first epoch's last step). raise:
+rank RANK raises ``StallError`` at step STEP, an error on that rank only (as one trainer's own
+wait timing out). ctrl-c-twice: rank RANK (-1: every rank) sends itself SIGINT twice at step
+STEP, an impatient user's Ctrl-C pressed again. These three go into the parameter-server
+trainer's ``step``, so use ``--strategy ps``. stop-save: rank RANK stops itself while it writes
+its part of the checkpoint of step STEP (any strategy).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -26,14 +32,34 @@ from hpctrain.parallel import param_server
 def main() -> int:
     mode, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     assert sys.argv[4] == "--", sys.argv
-    if mode != "none" and MPI.COMM_WORLD.Get_rank() == rank:
+    if mode == "stop-save" and MPI.COMM_WORLD.Get_rank() == rank:
+        from hpctrain.checkpoint import format as fmt
+        from hpctrain.checkpoint import saving
+
+        write = saving.Job.write
+
+        def stopping(self):
+            if os.path.basename(self.path) == os.path.basename(fmt.checkpoint_path("", at)):
+                print(f"rank {rank}: injected stop while saving step {at}", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return write(self)
+
+        saving.Job.write = stopping
+    elif mode != "none" and rank in (MPI.COMM_WORLD.Get_rank(), -1):
         step = param_server.ParameterServerTrainer.step
 
         def faulty(self, *args, **kwargs):
-            if self.global_step == at:
-                print(f"rank {rank}: injected {mode} at step {at}", flush=True)
+            # STEP -1: the first epoch's last step (counted from its first batch, a full one).
+            if not hasattr(self, "_fault_at"):
+                self._fault_at = at if at >= 0 else math.ceil(len(self._sampler) / len(args[0])) - 1
+            when = self._fault_at
+            if self.global_step == when:
+                print(f"rank {MPI.COMM_WORLD.Get_rank()}: injected {mode} at step {when}", flush=True)
                 if mode == "stop":
                     os.kill(os.getpid(), signal.SIGSTOP)
+                elif mode == "ctrl-c-twice":
+                    os.kill(os.getpid(), signal.SIGINT)  # the first asks for a stop at the next step
+                    os.kill(os.getpid(), signal.SIGINT)  # the second: out now
                 else:
                     raise StallError(f"injected on rank {rank} at step {at}")
             return step(self, *args, **kwargs)

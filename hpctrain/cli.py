@@ -23,11 +23,13 @@ def _info_args(p: argparse.ArgumentParser) -> None:
 
 
 def _gather_rank_info(comm) -> dict:
+    from .comm.nodes import node_name
+
     cp = backend.cupy()
     local = comm.local_rank
     info = {
         "rank": comm.rank,
-        "host": comm.hostname(),
+        "host": node_name(comm),
         "local_rank": local,
         "gpus_visible": 0,
         "device": None,
@@ -48,6 +50,7 @@ def run_info(args: argparse.Namespace) -> int:
 
     from .comm import Communicator
     from .comm import cuda_aware as ca
+    from .comm.nodes import describe
 
     comm = Communicator()
     ranks = comm.gather_obj(_gather_rank_info(comm))
@@ -62,6 +65,7 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"world size       : {comm.size}")
     print(f"nodes            : {len(per_node)}  (ranks per node: "
           + ", ".join(f"{h}={n}" for h, n in sorted(per_node.items())) + ")")
+    print(f"node layout      : {describe([r['host'] for r in ranks])}")
     print(f"CUDA-aware MPI   : {'yes' if aware else 'no'}  (library reports "
           f"{'unknown' if says is None else 'yes' if says else 'no'}; "
           + ("device buffers go to MPI directly)" if aware

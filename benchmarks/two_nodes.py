@@ -20,8 +20,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from common import publish  # noqa: E402
-from jobs import clean_env, mpiexec  # noqa: E402
 from netns_cluster import two_nodes, why_not  # noqa: E402
+
+from jobs import clean_env, mpiexec  # noqa: E402
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 

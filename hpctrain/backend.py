@@ -14,6 +14,8 @@ import numpy as np
 
 _cupy: ModuleType | None = None
 _cupy_checked = False
+# A test-only device stand-in (``use_device_module``): it takes CuPy's place everywhere.
+_device_module: ModuleType | None = None
 
 # Host<->device copies made through this module, so a step can report them (GPU issue).
 transfer_counts = {"to_host": 0, "to_device": 0}
@@ -35,6 +37,8 @@ LOCAL_RANK_VARS = (
 def cupy() -> ModuleType | None:
     """The cupy module if it imports and sees at least one GPU, else ``None`` (cached)."""
     global _cupy, _cupy_checked
+    if _device_module is not None:
+        return _device_module
     if not _cupy_checked:
         _cupy_checked = True
         try:
@@ -47,12 +51,30 @@ def cupy() -> ModuleType | None:
     return _cupy
 
 
+def use_device_module(module: ModuleType | None) -> ModuleType | None:
+    """Make ``module`` play CuPy's part (``None``: back to the real CuPy); returns the previous one.
+
+    For tests only: CI has no GPU, so the suite registers a strict CPU stand-in (tests/devicearray.py)
+    that refuses implicit device->host conversion as CuPy does. ``module.ndarray`` is its array type.
+    """
+    global _device_module
+    previous, _device_module = _device_module, module
+    return previous
+
+
+def is_real_cupy(module: Any) -> bool:
+    """True when ``module`` is CuPy itself (not a test stand-in): pinned memory, CUDA streams, NCCL."""
+    return module is not None and module is not _device_module
+
+
 def gpu_available() -> bool:
     return cupy() is not None
 
 
 def is_device_array(a: Any) -> bool:
     """True for arrays that live in GPU memory (CuPy or anything with the CUDA interface)."""
+    if _device_module is not None and isinstance(a, _device_module.ndarray):
+        return True
     return hasattr(a, "__cuda_array_interface__")
 
 

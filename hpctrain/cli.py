@@ -93,15 +93,16 @@ def _ckpt_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_ckpt(args: argparse.Namespace) -> int:
-    """``hpctrain ckpt inspect RUN_OR_CHECKPOINT``: no MPI needed; exit 1 with the reason for a bad file."""
+    """``hpctrain ckpt inspect RUN_OR_CHECKPOINT``: no MPI needed; exit 4 (refused) with the reason
+    for a bad file."""
     from . import checkpoint
-    from .errors import HpctrainError
+    from .errors import ExitStatus, HpctrainError
 
     try:  # the same run directory generate and plot take
         print(checkpoint.inspect(_generate.newest_checkpoint(args.file)))
     except (FileNotFoundError, HpctrainError) as exc:
         print(f"hpctrain: {exc}", file=sys.stderr)
-        return 1
+        return ExitStatus.CONFIG
     return 0
 
 

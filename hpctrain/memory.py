@@ -187,10 +187,12 @@ class MemoryMeter:
 
 
 def optimizer_arrays(opt: Any) -> list[Any]:
-    """Every array in an optimizer's state."""
+    """Every array in an optimizer's state, and its float32 masters under mixed precision."""
     out: list[Any] = []
     if opt is not None:
         _arrays(getattr(opt, "state", {}), out, set())
+        # Mixed precision: the float32 masters are the optimizer's (their grads are the params').
+        out += [m.data for m in (getattr(opt, "masters", None) or {}).values()]
     return out
 
 

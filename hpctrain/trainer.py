@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from .backend import is_device_array, to_host, xp_of
 from .comm import Communicator
 from .log import get_logger
 from .optim.exactsum import digits_value, sumsq_digits
@@ -129,6 +130,8 @@ class Trainer:
     #: Clip by the exactly rounded global norm (``optim.exactsum``; identical on every rank):
     #: strategies set it where all gradients are float64.
     exact_norm: bool = False
+    #: ``hpctrain.precision.Precision`` of the step (``None``: the parameters' own dtype).
+    precision: Any = None
 
     def __init__(
         self,
@@ -231,13 +234,23 @@ class Trainer:
         self._memory_most = {k: max(v, most.get(k, 0)) for k, v in report.items()}
         return report
 
-    def memory_summary(self) -> dict[str, int]:
+    def memory_summary(self) -> dict[str, Any]:
         """Each category's largest value over the steps reported so far, on the rank that holds
-        most (collective over the trainer's communicator)."""
+        most (collective over the trainer's communicator), and ``bytes_per_param``: the model
+        states' bytes (``params``, ``grads``, ``optimizer`` and their sum ``model_states``) per
+        element of this rank's part of the model (its tp/pp share, before ZeRO shards it over
+        dp), the largest over the ranks: the ZeRO paper's figure (16 for mixed-precision Adam
+        at zero 0 with 16-bit gradients, 16/N at zero 3)."""
         from .memory import max_over_ranks
 
         most = getattr(self, "_memory_most", None) or self.memory_report()
-        return max_over_ranks(self.comm, most)
+        out: dict[str, Any] = max_over_ranks(self.comm, most)
+        n = sum(int(np.prod(p.shape)) for p in self.params)  # full shapes even where ZeRO-3 holds a piece
+        kinds = ("params", "grads", "optimizer")
+        local = [most.get(k, 0) / n if n else 0.0 for k in kinds]
+        top = self.comm.allreduce(np.array([*local, sum(local)]), op="max")
+        out["bytes_per_param"] = {k: float(v) for k, v in zip((*kinds, "model_states"), top)}
+        return out
     # -- the step ----------------------------------------------------------------------------------
 
     def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
@@ -251,42 +264,47 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self._check_batch(x, y, weight)
         comm_s = time.perf_counter() - t0
+        scaler = getattr(self.precision, "scaler", None)
+        scale = scaler.scale if scaler is not None else 1.0
         try:
             self.reducer.zero_grad()
             loss_part, extra, fb_comm = self._forward_backward(batch)
             comm_s += fb_comm + self.reducer.finish()
             t0 = time.perf_counter()
-            sumsq, bad, counted = 0.0, False, []
-            for p, g in self.reducer.counted_grads():
-                if self._tp_rank and id(p) in self._tp_replicated:
-                    continue  # replicated over tp: tp rank 0 counts it
-                g64 = g.astype(np.float64, copy=False).ravel()
-                sq = float(g64 @ g64)
-                bad = bad or not math.isfinite(sq)
-                sumsq += sq
-                counted.append(g)
-            loss_part = float(loss_part) if self._loss_lead else 0.0
-            bad = bad or not math.isfinite(loss_part)
+            if scale != 1.0:  # the loss gradient carried the loss scale (a power of two: exact)
+                loss_part = loss_part / scale
+                self.reducer.scale_grads(1.0 / scale)
             # Clipping float64 gradients: the exactly rounded norm, the same whatever the layout
             # cuts the gradients into (optim.exactsum), so every layout scales by the same factor.
             exact = self.clip_norm is not None and self.exact_norm
-            digits = list(sumsq_digits([] if bad else counted)) if exact else []
+            loss_part, sumsq, bad, digits = self._local_sums(loss_part, exact)
+            # With a loss scaler a non-finite gradient is an overflow: the step is skipped and the
+            # scale backs off (a non-finite loss still follows on_nonfinite).
+            overflow = False
+            if scaler is not None:
+                loss_bad = not math.isfinite(loss_part)
+                overflow, bad = bad and not loss_bad, loss_bad
             reduce_extra = list(extra.pop("_reduce", []))
-            mine = np.array([loss_part, 0.0 if bad else sumsq, float(bad), float(preempt.requested())]
-                            + reduce_extra + digits)  # fmt: skip
+            mine = np.array([loss_part, 0.0 if bad or overflow else sumsq, float(bad), float(preempt.requested())]
+                            + reduce_extra + digits + ([float(overflow)] if scaler is not None else []))  # fmt: skip
             totals = self.comm.allreduce(mine, op="sum")
+            overflow = scaler is not None and bool(totals[-1])
             comm_s += time.perf_counter() - t0
             loss, sumsq, n_bad, stop = (float(v) for v in totals[:4])
             if exact and not n_bad:
-                sumsq = digits_value(totals[4 + len(reduce_extra) :])
+                sumsq = digits_value(totals[4 + len(reduce_extra) : 4 + len(reduce_extra) + len(digits)])
             extra = self._finish_extra(extra, totals[4 : 4 + len(reduce_extra)])
             if n_bad and self.on_nonfinite == "raise":
                 raise_nonfinite(self.comm, loss_part if self._loss_lead else 0.0, self.params)
         except BaseException:
             self._abandon_step()
             raise
-        skipped = bool(n_bad) or batch.weight_total == 0
-        norm = math.sqrt(sumsq) if not n_bad else float("nan")
+        skipped = bool(n_bad) or overflow or batch.weight_total == 0
+        norm = math.sqrt(sumsq) if not (n_bad or overflow) else float("nan")
+        if scaler is not None:
+            extra["loss_scale"], extra["overflow"] = scale, overflow
+            if not n_bad and batch.weight_total != 0:
+                scaler.update(overflow)
         if not skipped:
             if self.clip_norm is not None:
                 coef = self.clip_norm / (norm + 1e-6)
@@ -299,6 +317,37 @@ class Trainer:
         return StepStats(loss=loss if not batch.weight_total == 0 else 0.0, grad_norm=norm,
                          seconds=time.perf_counter() - t_start, samples=batch.samples, comm_seconds=comm_s,
                          skipped=skipped, extra=extra, stop=bool(stop))  # fmt: skip
+
+    def _counted_grads(self) -> list[Any]:
+        """The gradients this rank counts in the global norm (tp-replicated ones on tp rank 0)."""
+        return [g for p, g in self.reducer.counted_grads() if not (self._tp_rank and id(p) in self._tp_replicated)]
+
+    def _local_sums(self, loss_part: Any, exact: bool) -> tuple[float, float, bool, list[float]]:
+        """This rank's ``(loss, sum of squared gradients, non-finite?, exact-sum digits)``.
+
+        On the GPU the loss and the squared norms stay on the device until one transfer: a host
+        read per gradient would stall the GPU once per parameter. (The exact digits need the
+        gradients themselves on the host: they ride in that same transfer.)"""
+        grads = self._counted_grads()
+        on_device = is_device_array(loss_part) or any(is_device_array(g) for g in grads)
+        if not on_device:
+            sumsq, bad = 0.0, False
+            for g in grads:
+                g64 = g.astype(np.float64, copy=False).ravel()
+                sq = float(g64 @ g64)
+                bad = bad or not math.isfinite(sq)
+                sumsq += sq
+            loss_part = float(loss_part) if self._loss_lead else 0.0
+            bad = bad or not math.isfinite(loss_part)
+            return loss_part, sumsq, bad, list(sumsq_digits([] if bad else grads)) if exact else []
+        xp = xp_of(grads[0]) if grads else xp_of(loss_part)
+        flat = [g.astype(np.float64, copy=False).ravel() for g in grads]
+        head = [xp.asarray(loss_part if self._loss_lead else 0.0, dtype=np.float64).reshape(1)]
+        head.append(xp.stack([g @ g for g in flat]).sum().reshape(1) if flat else xp.zeros(1))
+        host = to_host(xp.concatenate(head + (flat if exact else [])))  # the step's one device->host transfer
+        loss_part, sumsq = float(host[0]), float(host[1])
+        bad = not (math.isfinite(loss_part) and math.isfinite(sumsq))
+        return loss_part, sumsq, bad, list(sumsq_digits([] if bad else [host[2:]])) if exact else []
 
     def _abandon_step(self) -> None:
         """Undo what a raising step did before the update: the reduction and the gradients."""
@@ -429,6 +478,9 @@ class Trainer:
         sampler = getattr(self, "_sampler", None)
         if sampler is not None and hasattr(sampler, "state_dict"):
             state["sampler"] = sampler.state_dict()
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is not None:
+            state["loss_scaler"] = scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -437,6 +489,9 @@ class Trainer:
         The sampler's position counts this dp replica's share of the epoch, so it is rescaled by
         the saved and the current **dp** size (tp and pp ranks of a replica read the same data).
         """
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is not None and state.get("loss_scaler") is not None:
+            scaler.load_state_dict(state["loss_scaler"])  # first: it validates (nothing changed yet)
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
         saved_rngs = state.get("module_rngs") or {}
@@ -680,7 +735,7 @@ class _Logger:
     the plain lines' ``step N/total`` and ETA.
     """
 
-    EXTRA = ("val_loss", "lr")
+    EXTRA = ("val_loss", "lr", "loss_scale")
 
     def __init__(self, trainer: Trainer, total: int | None, every: int, metrics_file: str | None,
                  progress: bool | None) -> None:

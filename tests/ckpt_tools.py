@@ -1,4 +1,5 @@
-"""Helpers for damaging checkpoints in tests: copy one with its part files, find and flip a slab."""
+"""Helpers for damaging checkpoints in tests: copy one with its part files, find and flip a slab,
+reseal one after a deliberate edit."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import h5py
 
 from hpctrain import checkpoint
+from hpctrain.checkpoint import seal
 
 
 def copy_checkpoint(src: str, dst_dir: str, name: str | None = None) -> str:
@@ -22,8 +24,27 @@ def slab_of(path: str, key: str) -> tuple[str, str]:
     return os.path.join(os.path.dirname(path), src.file_name), src.dset_name
 
 
-def flip(path: str, key: str, at: int = 5) -> str:
-    """Flip one bit of one value of tensor ``key`` in its part file; returns that file."""
+def reseal(path: str) -> None:
+    """Recompute the whole-file digests in the seal of checkpoint ``path`` after a deliberate edit
+    (anyone can: XXH3 is no signature), so that the test meets the checks behind the seal (slab
+    checksums, link and layout checks) instead of the seal's own refusal."""
+    m = seal.read(path, verify=False)
+    parts = {}
+    for name in m["parts"]:
+        part = os.path.join(os.path.dirname(path), m["parts_dir"], name)
+        if os.path.isfile(part):
+            fd = os.open(part, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                parts[name] = [size, seal.fd_digest(fd, 0, size)]
+            finally:
+                os.close(fd)
+    seal.write(path, m["block"], m["parts_dir"], parts)
+
+
+def flip(path: str, key: str, at: int = 5, *, resealed: bool = True) -> str:
+    """Flip one bit of one value of tensor ``key`` in its part file; returns that file. Resealed
+    (by default): the slab's own checksum is what catches it."""
     file, dset = slab_of(path, key)
     with h5py.File(file, "r") as f:
         offset = f[dset].id.get_offset()
@@ -32,4 +53,6 @@ def flip(path: str, key: str, at: int = 5) -> str:
         b = fh.read(1)
         fh.seek(offset + at)
         fh.write(bytes([b[0] ^ 0x40]))
+    if resealed:
+        reseal(path)
     return file

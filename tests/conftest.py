@@ -19,6 +19,38 @@ def comm():
     return Communicator()
 
 
+@contextlib.contextmanager
+def _device_standin():
+    """The strict device stand-in (tests/devicearray.py) registered in CuPy's place for the block."""
+    import devicearray
+
+    from hpctrain import backend
+
+    previous = backend.use_device_module(devicearray)
+    try:
+        yield devicearray
+    finally:
+        backend.use_device_module(previous)
+
+
+@pytest.fixture
+def standin():
+    """The device stand-in for one test: host/device mixing fails as it would on a GPU, and its
+    ``syncs`` counts the reads back to the host. Yields the module (it plays ``cupy``)."""
+    with _device_standin() as module:
+        yield module
+
+
+@pytest.fixture(params=["cpu", "device"])
+def device(request):
+    """Each test twice: on the host (yields ``None``) and on the device stand-in (yields it)."""
+    if request.param == "cpu":
+        yield None
+        return
+    with _device_standin() as module:
+        yield module
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -296,5 +296,5 @@ def test_cli_inspect(solo, tmp_path, capsys):
     assert "ckpt-00000002.h5" in out and "0.weight" in out and "exp_avg" in out and "checksums verified" in out
     bad = tmp_path / "bad.h5"
     bad.write_bytes(b"not hdf5")
-    assert main(["ckpt", "inspect", str(bad)]) == 1
+    assert main(["ckpt", "inspect", str(bad)]) == 4
     assert "not a readable HDF5 file" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import os
 import h5py
 import numpy as np
 import pytest
-from ckpt_tools import copy_checkpoint, flip
+from ckpt_tools import copy_checkpoint, flip, reseal
 from test_dp_checkpoint import D_IN, D_OUT, loader, trainer
 
 from hpctrain import checkpoint
@@ -61,6 +61,7 @@ def damage(good: str, d: str) -> dict[str, tuple[str, str]]:
     p = copy("header")
     with h5py.File(p, "r+") as f:  # one digit of the saved step changed, checksum left as it was
         f.attrs["trainer_state"] = f.attrs["trainer_state"].replace('"global_step":3', '"global_step":4')
+    reseal(p)  # the digests recomputed: the checks behind the seal must refuse it (likewise below)
     cases["header"] = (p, "checksum mismatch in its header")
     p = copy("truncated index")
     with open(p, "r+b") as fh:
@@ -77,11 +78,13 @@ def damage(good: str, d: str) -> dict[str, tuple[str, str]]:
     with h5py.File(p, "r+") as f:
         del f[f"model/{weight}"]
         f[f"model/{weight}"] = h5py.ExternalLink(other, f"model/{weight}")
+    reseal(p)
     cases["external link"] = (p, f"model/{weight} is an external link")
     p = copy("soft link")
     with h5py.File(p, "r+") as f:
         del f[f"optim/{weight}/exp_avg"]
         f[f"optim/{weight}/exp_avg"] = h5py.SoftLink(f"/optim/{weight}/exp_avg_sq")
+    reseal(p)
     cases["soft link"] = (p, "is a soft link")
     return cases
 

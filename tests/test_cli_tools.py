@@ -57,7 +57,7 @@ def test_tools_that_need_no_mpi_do_not_start_it(serial, tmp_path):
     p = hpctrain("ckpt", "inspect", str(run))
     assert p.returncode == 0 and p.stdout.startswith(f"checkpoint {ckpt}\n"), (p.stdout, p.stderr)
     p = hpctrain("ckpt", "inspect", str(tmp_path / "data"))
-    assert p.returncode == 1 and "no checkpoints in" in p.stderr, (p.stdout, p.stderr)
+    assert p.returncode == 4 and "no checkpoints in" in p.stderr, (p.stdout, p.stderr)
 
 
 @pytest.mark.timeout(120)

@@ -5,16 +5,18 @@ the global step after a skip, and a raising step (float32 labels) followed by a 
 Each trainer trains the same float64 model on the same global batches as one process with SGD;
 after each case its parameters (through ``shards()``, so sharded layouts compare slice by slice)
 must equal the serial model's.
+
+Every case runs twice (the ``device`` fixture): on the host, and with the model and batches on the
+strict device stand-in (tests/devicearray.py), which refuses host/device mixing as CuPy does: CI
+has no GPU, and this is what keeps every strategy's device path honest there.
 """
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
-from hpctrain import ProcessGrid
+from hpctrain import ProcessGrid, backend
 from hpctrain.errors import NonFiniteError
 from hpctrain.nn import MLP, CrossEntropyLoss, Linear, Sequential
 from hpctrain.optim import SGD, clip_grad_norm
@@ -29,26 +31,46 @@ from hpctrain.parallel import (
 )
 
 D_IN, D, C, LR, PER_REPLICA = 6, 8, 3, 0.1, 4
-KINDS = ["dp", "tp", "pp", "tp_pp", "ps"]
+KINDS = ["dp", "tp", "pp", "tp_pp", "ps", "zero1", "zero2", "zero3"]
 
 
-def serial_model() -> Sequential:
+def serial_model(dtype=np.float64, recompute: bool = False) -> Sequential:
+    """The model every trainer trains; ``recompute``: its MLP blocks recompute their activations."""
     g = np.random.default_rng(0)
-    return Sequential(Linear(D_IN, D, rng=g, dtype=np.float64), MLP(D, 16, rng=g, dtype=np.float64),
-                      MLP(D, 16, rng=g, dtype=np.float64), Linear(D, C, rng=g, dtype=np.float64))  # fmt: skip
+    model = Sequential(Linear(D_IN, D, rng=g, dtype=dtype), MLP(D, 16, rng=g, dtype=dtype),
+                       MLP(D, 16, rng=g, dtype=dtype), Linear(D, C, rng=g, dtype=dtype))  # fmt: skip
+    if recompute:
+        from hpctrain.nn.recompute import recompute_blocks
+
+        assert recompute_blocks(model)[1] == 2
+    return model
 
 
-def build(kind: str, comm, clip=None, policy="raise"):
-    """(trainer, dp rank, dp size) for ``kind``; skips when the layout does not fit the world."""
+def build(kind: str, comm, clip=None, policy="raise", device=None, momentum=0.0, dtype=np.float64,
+          recompute=False):
+    """(trainer, dp rank, dp size) for ``kind``; skips when the layout does not fit the world.
+
+    ``device``: the stand-in module to put the model on (``None``: the host)."""
     need = {"tp": 2, "pp": 2, "tp_pp": 4}.get(kind, 1)
     if comm.size % need:
         pytest.skip(f"{kind} needs a multiple of {need} ranks, the world has {comm.size}")
     if kind == "ps" and clip is not None:
         pytest.skip("ParameterServerTrainer applies plain SGD on the servers: it has no clip_norm")
-    model, loss = serial_model(), CrossEntropyLoss()
+    model, loss = serial_model(dtype, recompute), CrossEntropyLoss()
+    if device is not None:
+        model.to("gpu")
     kw = {"clip_norm": clip, "on_nonfinite": policy}
+
+    def sgd(m):
+        return SGD(m.parameters(), lr=LR, momentum=momentum)
+
+    if kind.startswith("zero"):
+        grid = ProcessGrid(comm)
+        tr = ParallelTrainer(model=model, loss=loss, optimizer=sgd(model), grid=grid,
+                             zero=int(kind[-1]), **kw)  # fmt: skip
+        return tr, grid.dp.rank, grid.dp_size
     if kind == "dp":
-        tr = DataParallelTrainer(model=model, loss=loss, optimizer=SGD(model.parameters(), lr=LR), comm=comm, **kw)
+        tr = DataParallelTrainer(model=model, loss=loss, optimizer=sgd(model), comm=comm, **kw)
         return tr, comm.rank, comm.size
     if kind == "ps":
         tr = ParameterServerTrainer(model=model, loss=loss, lr=LR, comm=comm, mode="sync", on_nonfinite=policy)
@@ -56,18 +78,18 @@ def build(kind: str, comm, clip=None, policy="raise"):
     if kind == "tp":
         grid = ProcessGrid(comm, tp=2)
         part = tensor_parallel(model, grid.tp)
-        tr = TensorParallelTrainer(model=part, loss=loss, optimizer=SGD(part.parameters(), lr=LR), grid=grid, **kw)
+        tr = TensorParallelTrainer(model=part, loss=loss, optimizer=sgd(part), grid=grid, **kw)
     elif kind == "pp":
         grid = ProcessGrid(comm, pp=2)
         part = pipeline_stage(model, grid.pp)
-        tr = PipelineParallelTrainer(stage=part, loss=loss, optimizer=SGD(part.parameters(), lr=LR), grid=grid,
+        tr = PipelineParallelTrainer(stage=part, loss=loss, optimizer=sgd(part), grid=grid,
                                      microbatches=2, **kw)  # fmt: skip
     else:
         from hpctrain.parallel import parallelize
 
         grid = ProcessGrid(comm, tp=2, pp=2)
         part = parallelize(model, grid)
-        tr = ParallelTrainer(model=part, loss=loss, optimizer=SGD(part.parameters(), lr=LR), grid=grid,
+        tr = ParallelTrainer(model=part, loss=loss, optimizer=sgd(part), grid=grid,
                              microbatches=2, **kw)  # fmt: skip
     return tr, grid.dp.rank, grid.dp_size
 
@@ -79,14 +101,29 @@ def global_batch(dp: int, seed: int):
 
 
 def share(a, d, dp):
-    return a[d * PER_REPLICA : (d + 1) * PER_REPLICA]
+    """Replica ``d``'s part of a host array, on the device when the model is there (as a loader
+    with ``device="gpu"`` hands it over)."""
+    part = a[d * PER_REPLICA : (d + 1) * PER_REPLICA]
+    return backend.to_device(part, _XP[0])
+
+
+_XP = [np]  # the array module the batches go to: set by ``on`` for each test
+
+
+def on(device):
+    _XP[0] = np if device is None else device
+    return device
+
+
+def host(a):
+    return backend.to_host(a)
 
 
 class Serial:
     """The one-process reference."""
 
-    def __init__(self, clip=None) -> None:
-        self.model, self.loss, self.clip = serial_model(), CrossEntropyLoss(), clip
+    def __init__(self, clip=None, dtype=np.float64) -> None:
+        self.model, self.loss, self.clip = serial_model(dtype), CrossEntropyLoss(), clip
         self.opt = SGD(self.model.parameters(), lr=LR)
 
     def step(self, x, y, w=None) -> tuple[float, float]:
@@ -101,7 +138,7 @@ class Serial:
 def assert_same_params(tr, ref: Serial) -> None:
     full = dict(ref.model.named_parameters())
     for name, (p, _, index) in tr.shards().items():
-        np.testing.assert_allclose(p.data, full[name].data[index], rtol=1e-11, atol=1e-13, err_msg=name)
+        np.testing.assert_allclose(host(p.data), full[name].data[index], rtol=1e-11, atol=1e-13, err_msg=name)
 
 
 def run(tr, d, dp, x, y, w=None):
@@ -111,8 +148,9 @@ def run(tr, d, dp, x, y, w=None):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_grad_norm_and_loss_match_serial(comm, kind):
-    tr, d, dp = build(kind, comm)
+def test_grad_norm_and_loss_match_serial(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, device=device)
     ref = Serial()
     for seed in range(2):
         x, y, _ = global_batch(dp, seed)
@@ -128,8 +166,9 @@ def test_grad_norm_and_loss_match_serial(comm, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_clipping_matches_serial(comm, kind):
-    tr, d, dp = build(kind, comm, clip=0.05)
+def test_clipping_matches_serial(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, clip=0.05, device=device)
     ref = Serial(clip=0.05)
     for seed in range(2):
         x, y, _ = global_batch(dp, seed)
@@ -143,8 +182,37 @@ def test_clipping_matches_serial(comm, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_all_padding_batch_changes_nothing(comm, kind):
-    tr, d, dp = build(kind, comm)
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_matrix_clipped_steps_match_serial_on_the_device(comm, kind, recompute, dtype, standin):
+    """Strategy x ZeRO level x recompute x precision on the device stand-in: two steps (the first
+    one clipped, where the trainer clips) equal one host process's at the precision's tolerance.
+    (The host runs of the same cases are the tests above and test_zero/test_recompute.)"""
+    device = on(standin)
+    dp = comm.size // {"tp": 2, "pp": 2, "tp_pp": 4}.get(kind, 1)
+    first_norm = Serial(dtype=dtype).step(*global_batch(dp, 0)[:2])[1]
+    clip = None if kind == "ps" else first_norm / 2  # the first step clips (the norm depends on dp)
+    tr, d, dp = build(kind, comm, clip=clip, device=device, dtype=dtype, recompute=recompute)
+    ref = Serial(clip=clip, dtype=dtype)
+    rtol = 1e-10 if dtype == np.float64 else 2e-5
+    for seed in range(2):
+        x, y, _ = global_batch(dp, seed)
+        x = x.astype(dtype)
+        stats = run(tr, d, dp, x, y)
+        loss, norm = ref.step(x, y)
+        np.testing.assert_allclose([stats.loss, stats.grad_norm], [loss, norm], rtol=rtol)
+    full = dict(ref.model.named_parameters())
+    for name, (p, _, index) in tr.shards().items():
+        assert p.data.dtype == dtype, name
+        np.testing.assert_allclose(host(p.data), full[name].data[index], rtol=rtol, atol=rtol / 100, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+def test_all_padding_batch_changes_nothing(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, device=device)
     ref = Serial()
     x, y, w = global_batch(dp, 0)
     run(tr, d, dp, x, y)
@@ -172,8 +240,9 @@ def _nan_batch(dp, seed):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_nan_skip_on_every_rank_then_trains_on(comm, kind):
-    tr, d, dp = build(kind, comm, policy="skip")
+def test_nan_skip_on_every_rank_then_trains_on(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, policy="skip", device=device)
     ref = Serial()
     x, y, _ = _nan_batch(dp, 0)
     stats = run(tr, d, dp, x, y)
@@ -190,8 +259,9 @@ def test_nan_skip_on_every_rank_then_trains_on(comm, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_nan_raise_on_every_rank_then_trains_on(comm, kind):
-    tr, d, dp = build(kind, comm, policy="raise")
+def test_nan_raise_on_every_rank_then_trains_on(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, policy="raise", device=device)
     ref = Serial()
     x, y, _ = _nan_batch(dp, 0)
     with pytest.raises(NonFiniteError):
@@ -208,18 +278,19 @@ def test_nan_raise_on_every_rank_then_trains_on(comm, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_raising_step_leaves_the_trainer_ready(comm, kind):
-    tr, d, dp = build(kind, comm)
+def test_raising_step_leaves_the_trainer_ready(comm, kind, device):
+    on(device)
+    tr, d, dp = build(kind, comm, device=device)
     ref = Serial()
     x, y, _ = global_batch(dp, 0)
     run(tr, d, dp, x, y)
     ref.step(x, y)
-    before = copy.deepcopy({n: p.data for n, (p, _, _) in tr.shards().items()})
+    before = {n: host(p.data) for n, (p, _, _) in tr.shards().items()}
     with pytest.raises(TypeError, match="integer targets"):
         run(tr, d, dp, x, y.astype(np.float32))  # on every rank, before any update
     assert tr.global_step == 1
     for n, (p, _, _) in tr.shards().items():
-        np.testing.assert_array_equal(p.data, before[n])
+        np.testing.assert_array_equal(host(p.data), before[n])
     for seed in (1, 2):  # and the next steps train as if nothing had happened
         x, y, _ = global_batch(dp, seed)
         run(tr, d, dp, x, y)
@@ -231,10 +302,11 @@ def test_raising_step_leaves_the_trainer_ready(comm, kind):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
-def test_stop_request_on_one_rank_reaches_every_rank(comm, kind):
+def test_stop_request_on_one_rank_reaches_every_rank(comm, kind, device):
     from hpctrain import preempt
 
-    tr, d, dp = build(kind, comm)
+    on(device)
+    tr, d, dp = build(kind, comm, device=device)
     x, y, _ = global_batch(dp, 0)
     assert run(tr, d, dp, x, y).stop is False
     if comm.rank == comm.size - 1:
@@ -244,3 +316,62 @@ def test_stop_request_on_one_rank_reaches_every_rank(comm, kind):
     finally:
         preempt.clear()
     assert run(tr, d, dp, x, y).stop is False
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind, clip", [(k, None) for k in KINDS if k != "ps"] + [("dp", 1e9), ("zero3", 1e9)])
+def test_one_host_read_per_step_on_the_device(comm, kind, clip, standin):
+    """On the device the loss, gradient norm and non-finite check reach the host in one transfer
+    per step (a read per parameter would wait for the GPU each time). The stand-in counts reads:
+    that one, plus the loss's target check, one per micro-batch whose loss this rank computes.
+    (Buffers staged for MPI are counted apart: CUDA-aware MPI or NCCL avoid them.) ``clip=1e9``
+    on float64: the exactly rounded norm, whose gradients ride in that same transfer."""
+    tr, d, dp = build(kind, comm, clip=clip, device=on(standin))
+    grid = getattr(tr, "grid", None)
+    last_stage = grid is None or grid.pp.rank == grid.pp.size - 1
+    # The one read, on a rank holding a loss or gradients it counts in the norm (a first
+    # pipeline stage on dp rank > 0 has neither: it reads nothing).
+    one = 1 if last_stage or tr._counted_grads() else 0
+    expected = one + (getattr(tr, "microbatches", 1) if last_stage else 0)
+    counts = []
+    for seed in range(3):
+        x, y, w = global_batch(dp, seed)
+        before = standin.syncs
+        # Padding weights on the host, as the loader hands them over: they cost no read.
+        tr.step(share(x, d, dp), share(y, d, dp), w[d * PER_REPLICA : (d + 1) * PER_REPLICA])
+        counts.append(standin.syncs - before)
+    # After every step (an assert inside the loop would leave the other ranks in a collective).
+    assert counts[1:] == [expected, expected]  # the first step learns orders and shapes
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["dp", "tp", "pp", "zero1", "zero3"])
+def test_checkpoint_resumes_on_the_device_and_on_the_host(comm, kind, shared_dir, standin):
+    """A checkpoint of a trainer on the device stand-in (parameters and momentum) resumes bitwise
+    on the device and on the host: the next step of each equals the original's."""
+    from hpctrain import checkpoint as ckpt
+
+    device = on(standin)
+    path = f"{shared_dir}/ckpt.h5"
+    tr, d, dp = build(kind, comm, device=device, momentum=0.9)
+    x, y, _ = global_batch(dp, 0)
+    run(tr, d, dp, x, y)
+    ckpt.save(path, tr)
+    resumed = []
+    for target in (device, None):  # this side, then the host
+        other, _, _ = build(kind, comm, device=on(target), momentum=0.9)
+        x7, y7, _ = global_batch(dp, 7)
+        run(other, d, dp, x7, y7)  # another state, which the load must replace entirely
+        ckpt.load(path, other)
+        resumed.append(other)
+    x, y, _ = global_batch(dp, 1)
+    on(device)
+    run(tr, d, dp, x, y)
+    want = {n: host(p.data) for n, (p, _, _) in tr.shards().items()}
+    for target, other in zip((device, None), resumed):
+        on(target)
+        run(other, d, dp, x, y)
+        for n, (p, _, _) in other.shards().items():
+            np.testing.assert_array_equal(host(p.data), want[n], err_msg=f"{n} resumed on {target or 'host'}")

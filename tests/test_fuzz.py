@@ -56,6 +56,11 @@ def test_checkpoint_header_bitflip_is_detected(serial, tmp_path):
         state = json.loads(f.attrs["trainer_state"])
         state["global_step"] = 1000  # what a flipped bit in the JSON could do silently
         f.attrs["trainer_state"] = json.dumps(state)
+    with pytest.raises(CheckpointError, match="do not match its whole-file digest"):
+        ckpt.inspect(path)
+    from ckpt_tools import reseal
+
+    reseal(path)  # whole-file digests recomputed (XXH3 is no signature): the header's own checksum
     with pytest.raises(CheckpointError, match="checksum mismatch in its header"):
         ckpt.inspect(path)
 

@@ -53,7 +53,7 @@ def test_generate_from_a_run_directory_skips_a_newest_file_that_does_not_load(so
     assert f"skipping checkpoint {bad}" in err
     os.remove(s["checkpoint"])
     code, _, err = _generate(capsys, str(tmp_path / "g"), *args)
-    assert code == 2 and f"no checkpoint in {bad.parent} loads" in err and bad.name in err, err
+    assert code == 4 and f"no checkpoint in {bad.parent} loads" in err and bad.name in err, err  # refused
 
 
 def test_generate_refuses_what_it_cannot_sample(solo, tmp_path, capsys):

@@ -28,8 +28,43 @@ def test_nccl_id_bootstrap_over_mpi(comm):
     assert len(calls) == (1 if comm.rank == 0 else 0)
 
 
+@pytest.mark.parametrize("form", ["bytes", "signed", "unsigned"])
+def test_nccl_id_bootstrap_takes_bytes_or_a_sequence(comm, form):
+    """CuPy >= 13 makes the id as ``bytes``, older CuPy as a tuple of (signed or unsigned) chars:
+    every rank gets the same 128 signed bytes from each (the issue: ``bytes`` broke the bootstrap)."""
+    raw = bytes(np.random.default_rng(comm.bcast_obj(int(np.random.default_rng().integers(1 << 30))))
+                .integers(0, 256, nccl.UNIQUE_ID_BYTES, dtype=np.uint8))  # fmt: skip
+    made = {"bytes": raw, "signed": tuple(int(b) for b in np.frombuffer(raw, np.int8)),
+            "unsigned": tuple(raw)}[form]  # fmt: skip
+    got = nccl.bootstrap_id(comm, lambda: made)
+    assert got == tuple(int(b) for b in np.frombuffer(raw, np.int8))
+
+
+def test_nccl_id_of_the_wrong_size_fails_on_every_rank(comm):
+    with pytest.raises(ValueError, match="128 bytes"):
+        nccl.bootstrap_id(comm, lambda: b"\x01" * 16)
+
+
+def test_nccl_joins_with_the_id_form_its_cupy_takes():
+    """Old CuPy's NcclCommunicator takes a tuple, newer ones bytes: ``join`` gives each its own."""
+    uid = tuple(int(b) for b in np.arange(-64, 64, dtype=np.int8))
+
+    class Takes:
+        def __init__(self, kind):
+            self.kind = kind
+
+        def NcclCommunicator(self, size, commId, rank):  # noqa: N802 - CuPy's name
+            if not isinstance(commId, self.kind):
+                raise TypeError(f"commId must be {self.kind.__name__}")
+            return commId
+
+    assert nccl.join(Takes(tuple), 2, uid, 0) == uid
+    assert nccl.join(Takes(bytes), 2, uid, 0) == np.array(uid, dtype=np.int8).tobytes()
+
+
 def test_nccl_type_tables():
     assert nccl.nccl_dtype(np.float32) == 7 and nccl.nccl_dtype("float16") == 6
+    assert nccl.nccl_dtype("bfloat16") == 9  # ncclBfloat16 (what CuPy names its bfloat16 dtype)
     with pytest.raises(DtypeError):
         nccl.nccl_dtype(np.complex64)
     with pytest.raises(ValueError, match="op must be"):

@@ -146,6 +146,9 @@ def test_load_weights_checks_checksums_and_names(tmp_path):
     np.testing.assert_array_equal(other[0].weight.data, before)  # unchanged on refusal
     with h5py.File(path, "r+") as f:  # flip a value, keep the stored checksum
         f["model/0.weight"][0, 0] += 1.0
+    from ckpt_tools import reseal
+
+    reseal(path)  # the digests recomputed: the slab's checksum refuses it
     model = ht.nn.Sequential(ht.nn.Linear(3, 2, rng=7, dtype=np.float64))
     with pytest.raises(errors.CheckpointError, match="checksum mismatch in model/0.weight"):
         ht.checkpoint.load_weights(path, model)

@@ -8,7 +8,8 @@ trainer's own state (counters, RNG states, sampler position), configuration and 
 changes nothing. ``save_in``/``load_latest`` manage a directory of ``ckpt-<step>.h5`` files.
 
 Modules: :mod:`.format` (names, index, checksums), :mod:`.saving` (parallel, async),
-:mod:`.loading` (the transaction), :mod:`.summary` (``inspect``).
+:mod:`.loading` (the transaction), :mod:`.summary` (``inspect``), :mod:`.seal` (whole-file
+digests, verified before HDF5 reads a file).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError
-from ..h5safe import open_file
 from ..log import get_logger
+from . import seal
 from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
 from .loading import load, load_weights, read_header
 from .saving import busy, remove, save, wait
@@ -74,8 +75,7 @@ def _remove_orphans(directory: str) -> None:
     used = set()
     for p in list_checkpoints(directory):
         try:
-            with open_file(p, p, CheckpointError) as f:
-                used.add(str(f.attrs.get("parts", "")))
+            used.add(seal.parts_dir(p))  # from the seal: no HDF5 read of a file that may be damaged
         except Exception:  # unreadable: keep whatever it might refer to
             return
     for n in os.listdir(directory):
@@ -92,8 +92,7 @@ def copy(src: str, dst: str) -> str:
 
     if os.path.isdir(dst):
         dst = os.path.join(dst, os.path.basename(src))
-    with open_file(src, f"checkpoint {src}", CheckpointError) as f:
-        parts = f.attrs.get("parts")
+    parts = seal.parts_dir(src)
     if parts:
         target = os.path.join(os.path.dirname(os.path.abspath(dst)), str(parts))
         if os.path.abspath(target) != os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(src)), parts)):

@@ -40,6 +40,8 @@ CHECKSUM = "xxh3_64"
 HEADER = ("layout", "config", "trainer_state", "optimizer", "index", "parts")
 _NAME = re.compile(r"ckpt-(\d{8,})\.h5$")
 PARTS_SUFFIX = ".parts"
+#: What a part directory's name may be (beside its index file, nothing else).
+PARTS_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\.parts")
 
 Box = tuple[tuple[int, int], ...]
 

@@ -27,10 +27,10 @@ from ..backend import to_device, xp_of
 from ..errors import CheckpointError
 from ..h5safe import check_stored_here, check_tree, hard_names, open_stored, regular_file
 from . import format as fmt
-from . import rawio
+from . import rawio, seal
 from .saving import optimizer_of, wait
 
-_PARTS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\.parts")
+_PARTS = fmt.PARTS_NAME
 
 
 # -- the index file --------------------------------------------------------------------------
@@ -46,31 +46,39 @@ def read_header(path: str, *, with_state: bool = True, tree: bool = True) -> dic
 
     Raises ``FileNotFoundError`` or a ``CheckpointError`` naming the file and what is wrong.
     """
-    with _index_file(path) as f:
-        return _header(f, path, with_state, tree)
+    with _index_file(path) as (f, manifest):
+        header = _header(f, path, with_state, tree)
+    if manifest is not None and manifest["parts_dir"] != header["parts_dir"]:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its seal and its header name different part "
+                              f"directories")
+    header["seal"] = manifest
+    return header
 
 
 def check_index_tree(path: str, header: dict[str, Any]) -> None:
     """Refuse an index file holding a soft or external link, external storage or a virtual
     dataset other than its own index over its part files (``CheckpointError``)."""
-    with _index_file(path) as f:
+    with _index_file(path) as (f, _):
         _check_tree(f, path, header["parts_dir"])
 
 
 @contextlib.contextmanager
-def _index_file(path: str) -> Iterator[Any]:
+def _index_file(path: str) -> Iterator[tuple[Any, dict[str, Any] | None]]:
+    """The index file opened by h5py once its seal and whole-file digest are verified, with
+    its manifest (``None``: a checkpoint written before seals)."""
     import h5py
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     regular_file(path, f"checkpoint {path}", CheckpointError)
+    manifest = seal.read(path)  # every byte verified before HDF5 parses one
     try:
         f = h5py.File(path, "r")
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path} is not a readable HDF5 file ({exc})") from None
     try:
         with f:
-            yield f
+            yield f, manifest
     except CheckpointError:
         raise
     except Exception as exc:  # damaged HDF5 metadata surfaces as KeyError, OSError, RuntimeError...
@@ -296,6 +304,7 @@ class Reader:
                 if not os.path.exists(p):
                     raise CheckpointError(f"checkpoint {self.path}: part file {p} is missing")
                 regular_file(p, f"checkpoint {self.path}: part file {p}", CheckpointError)
+                seal.check_part(self.path, self.header.get("seal"), p)  # before HDF5 parses it
             try:
                 self.files[writer] = h5py.File(p, "r")
             except Exception as exc:
@@ -721,6 +730,8 @@ def _small_state(trainer: Any) -> Any:
             if isinstance(getattr(m, "rng", None), np.random.Generator)]
     sampler = getattr(trainer, "_sampler", None)
     sampler_state = copy.deepcopy(sampler.state_dict()) if hasattr(sampler, "state_dict") else None
+    scaler = getattr(getattr(trainer, "precision", None), "scaler", None)  # fp16's loss scale
+    scaler_snap = scaler.snapshot() if scaler is not None else None
 
     def restore() -> None:
         for k, v in attrs.items():
@@ -731,6 +742,11 @@ def _small_state(trainer: Any) -> Any:
             m.rng.bit_generator.state = st
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
+        if scaler_snap is not None:
+            scaler.restore(scaler_snap)
+        sync = getattr(trainer, "sync_params", None)
+        if sync is not None:  # mixed precision: the compute copy from the masters just put back
+            sync()
 
     return restore
 

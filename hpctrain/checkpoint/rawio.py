@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..h5safe import regular_mode
 from . import format as fmt
+from . import seal
 
 #: Most bytes per ``pwrite``/``preadv`` call (Linux moves at most 2 GiB per call).
 CHUNK = 1 << 30
@@ -50,10 +51,15 @@ def _chunks(n: int) -> Iterator[tuple[int, int]]:
 # -- writing ---------------------------------------------------------------------------------
 
 
-def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]:
+#: The key of :func:`write_part`'s result that holds ``[size, digest]`` of the whole file (no
+#: dataset has an empty name).
+WHOLE_FILE = ""
+
+
+def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, Any]:
     """Write ``items`` (C-contiguous arrays) as contiguous datasets of a new file ``path``
     (created exclusively: never overwrites or follows a link), fsync it; returns
-    ``{dataset: XXH3-64 hex digest}``."""
+    ``{dataset: XXH3-64 hex digest}`` and under :data:`WHOLE_FILE` the file's size and digest."""
     import h5py
     from h5py import h5d, h5p, h5s, h5t
 
@@ -77,8 +83,8 @@ def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]
                 d.write(h5s.ALL, h5s.ALL, np.ascontiguousarray(arr))
             d.close()
             placed.append((name, arr, offset))
-    digests: dict[str, str] = {}
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    digests: dict[str, Any] = {}
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     direct = _direct_fd(path) if any(_direct_ok(arr, off) for _, arr, off in placed) else None
     bounce: np.ndarray | None = None
     try:
@@ -97,6 +103,11 @@ def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, str]
                 _pwrite_all(fd, src[done + lo : done + hi], offset + done + lo)
             digests[name] = fmt.digest(arr)
         os.fsync(fd)
+        # The whole file's digest for the index's seal: the slabs hashed from memory, only the
+        # bytes between them (HDF5 metadata, padding) read back.
+        size = os.fstat(fd).st_size
+        extents = [(off, byte_view(arr)) for _, arr, off in placed if off is not None and arr.size]
+        digests[WHOLE_FILE] = [size, seal.pieces_digest(fd, size, extents)]
     finally:
         os.close(fd)
         if direct is not None:

@@ -35,7 +35,7 @@ from ..backend import to_host
 from ..errors import CheckpointError
 from ..log import get_logger
 from . import format as fmt
-from . import rawio
+from . import rawio, seal
 
 _log = get_logger("checkpoint")
 
@@ -231,13 +231,16 @@ class Job:
             for slab in entry["slabs"]:
                 slab[3] = everyone[slab[0]][slab[1]]
         self.attrs["index"] = fmt.dumps(self.index)
+        parts = {fmt.part_file(r): w[rawio.WHOLE_FILE] for r, w in enumerate(everyone) if isinstance(w, dict)}
+        block = seal.block_size(self.parts, parts)
         from ..rundir import temporary_name
 
         tmp = temporary_name(self.path)  # this host and process: recognized and cleaned if the job dies
         if os.path.lexists(tmp):  # our own name: left by a dead process that had our pid
             os.remove(tmp)
         try:
-            with h5py.File(tmp, "x") as f:  # exclusive: never truncates or follows what is at that name
+            # exclusive: never truncates or follows what is at that name; the user block holds the seal
+            with h5py.File(tmp, "x", userblock_size=block) as f:
                 for k, v in self.attrs.items():
                     f.attrs[k] = v
                 f.attrs["header_" + fmt.CHECKSUM] = fmt.header_digest(f.attrs)
@@ -246,6 +249,7 @@ class Job:
                     d.attrs[fmt.CHECKSUM] = fmt.digest(arr)
                 for key, entry in self.index.items():
                     _virtual(f, key, entry, self.parts)
+            seal.write(tmp, block, self.parts, parts)  # before the fsync and the rename: the commit
             fsync_file(tmp)
             if os.path.isdir(self.parts_path):
                 fsync_file(self.parts_path)

@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .. import settings
@@ -44,6 +45,8 @@ from .communicator import Communicator, Request
 from .half import from_bf16, to_bf16
 
 COMPRESSIONS = (None, "fp16", "bf16")
+# 16-bit gradient dtypes (mixed precision's grad_reduce_dtype) and the 16-bit sum that adds them.
+_HALF = {np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "fp16"}
 _DIGITS = re.compile(r"(\d+)")
 
 
@@ -61,7 +64,7 @@ class _Bucket:
     def __init__(self, index: int, params: list[Any], xp: Any, dtype: np.dtype, compression: str | None) -> None:
         self.index = index
         self.params = params
-        sizes = [int(p.data.size) for p in params]
+        sizes = [int(p.grad.size) for p in params]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         n = int(self.offsets[-1])
         self.flat = xp.zeros(n, dtype=dtype)
@@ -69,7 +72,7 @@ class _Bucket:
         # accumulates straight into the buffer that is reduced (no copy in, no copy out).
         self.views = []
         for i, p in enumerate(params):
-            v = self.flat[self.offsets[i] : self.offsets[i + 1]].reshape(p.data.shape)
+            v = self.flat[self.offsets[i] : self.offsets[i + 1]].reshape(p.grad.shape)
             v[...] = p.grad
             p.grad = v
             self.views.append(v)
@@ -120,8 +123,8 @@ class GradBuckets:
         if len(set(names)) != len(names) or len({id(p) for p in params}) != len(params):
             raise ValueError("GradBuckets needs distinct parameters with distinct names")
         for p in params:
-            if compression and np.dtype(p.data.dtype) != np.float32:
-                raise ValueError(f"compression={compression!r} needs float32 gradients; {p.name} is {p.data.dtype}")
+            if compression and np.dtype(p.grad.dtype) != np.float32:
+                raise ValueError(f"compression={compression!r} needs float32 gradients; {p.name} is {p.grad.dtype}")
         self.comm = comm
         # What reduces the uncompressed buckets: the MPI communicator, or an NcclCommunicator
         # (same iallreduce signature) for device arrays on the NCCL fast path.
@@ -131,9 +134,11 @@ class GradBuckets:
         self.buckets: list[_Bucket] = []
         group: list[Any] = []
         size = 0
+        # Buckets hold gradients: their dtype is the gradients' (the reduce dtype under mixed
+        # precision, which may differ from the parameters').
         for p in params:
-            nbytes = int(p.data.nbytes)
-            if group and (size + nbytes > self.bucket_bytes or p.data.dtype != group[0].data.dtype):
+            nbytes = int(p.grad.nbytes)
+            if group and (size + nbytes > self.bucket_bytes or p.grad.dtype != group[0].grad.dtype):
                 self._add(group)
                 group, size = [], 0
             group.append(p)
@@ -155,7 +160,7 @@ class GradBuckets:
 
     def _add(self, group: list[Any]) -> None:
         xp = xp_of(group[0].data)
-        self.buckets.append(_Bucket(len(self.buckets), group, xp, np.dtype(group[0].data.dtype), self.compression))
+        self.buckets.append(_Bucket(len(self.buckets), group, xp, np.dtype(group[0].grad.dtype), self.compression))
 
     @property
     def params(self) -> list[Any]:
@@ -300,6 +305,8 @@ class GradBuckets:
             elif self.compression == "bf16":
                 to_bf16(b.flat, b.wire)
                 b.request = self._iallreduce16(b.wire, "bf16")
+            elif b.flat.dtype in _HALF:  # 16-bit gradients (mixed precision): summed as their bits
+                b.request = self._iallreduce16(b.flat.view(np.uint16), _HALF[b.flat.dtype])
             else:
                 b.request = self.reducer.iallreduce(b.flat, out=b.flat)
             self.comm_seconds += time.perf_counter() - t0

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from threading import get_ident
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
@@ -92,6 +93,22 @@ def _as_array(x: Any) -> Any:
     return x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
 
 
+# bfloat16 (``ml_dtypes``, mixed precision) has no MPI type: it moves as its uint16 bits and is
+# summed by the 16-bit sum ("sum_bf16"); no other reduction of it is offered.
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _bits(x: Any) -> Any:
+    """A bfloat16 array's uint16 view (what MPI moves), other arrays as they are."""
+    return x.view(np.uint16) if getattr(x, "dtype", None) == _BF16 else x
+
+
+def _bf16_op(op: str) -> str:
+    if op != "sum":
+        raise DtypeError(f"bfloat16 arrays reduce with op='sum' only (as their bits), got op={op!r}")
+    return "sum_bf16"
+
+
 def _check_dtype(x: Any) -> None:
     if np.dtype(x.dtype) not in _DTYPES:
         names = ", ".join(sorted(str(d) for d in _DTYPES))
@@ -151,7 +168,7 @@ class _HostStage:
     def _alloc(nbytes: int) -> np.ndarray:
         # One spare byte so zero-length arrays still get a real buffer to view.
         cp = backend.cupy()
-        if cp is not None:
+        if backend.is_real_cupy(cp):
             import cupyx
 
             return cupyx.empty_pinned((nbytes + 1,), dtype=np.uint8)
@@ -382,6 +399,13 @@ class Communicator:
         # The hot path's checks, inline: a C-contiguous host array whose (op, dtype) pair is in
         # the table, and an ``out`` that is None, ``x`` itself, or a matching host array. Anything
         # else takes the general path, which converts, copies, stages or raises the precise error.
+        if getattr(x, "dtype", None) == _BF16:
+            out = x.copy() if out is None else out
+            if out is not x:
+                out[...] = x
+            wire = _bits(out)
+            self.allreduce(wire, op=_bf16_op(op), out=wire)
+            return out
         try:
             mpi_op = self._fast_ops[op][x.dtype] if type(x) is np.ndarray and x.flags.c_contiguous else None
         except (KeyError, TypeError):
@@ -441,6 +465,14 @@ class Communicator:
         ``x`` (and ``out``) must not be touched until the request has completed. ``op`` as for
         ``allreduce``.
         """
+        if getattr(x, "dtype", None) == _BF16:
+            res = x.copy() if out is None else out
+            if res is not x:
+                res[...] = x
+            wire = _bits(res)
+            req = self.iallreduce(wire, op=_bf16_op(op), out=wire)
+            req._result = res
+            return req
         x, out, mpi_op, inplace = self._reduce_args("iallreduce", x, op, out)
         if self._debug is not None:
             self._debug.enter("iallreduce", x, op)
@@ -499,6 +531,9 @@ class Communicator:
     def bcast(self, x: Any, root: int = 0) -> Any:
         """Broadcast ``root``'s ``x`` into ``x`` on every rank (in place); returns ``x``."""
         self._check_peer(root, "root")
+        if getattr(x, "dtype", None) == _BF16:
+            self.bcast(_bits(x), root)
+            return x
         _check_dtype(x)
         _check_out(x, x.shape, x.dtype, "bcast")
         token = self._enter("bcast", x, root)
@@ -516,6 +551,8 @@ class Communicator:
 
     def allgather(self, x: Any, out: Any = None) -> Any:
         """Every rank's ``x`` stacked: shape ``(size, *x.shape)``, in rank order."""
+        if getattr(x, "dtype", None) == _BF16:
+            return self.allgather(_bits(x), None if out is None else _bits(out)).view(_BF16)
         x = _send_ready(x)
         shape = (self.size, *x.shape)
         if out is None:
@@ -540,7 +577,7 @@ class Communicator:
     def send(self, x: Any, dest: int, tag: int = 0) -> None:
         """Blocking send of ``x`` to ``dest``."""
         self._check_peer(dest, "dest")
-        x = _send_ready(x)
+        x = _send_ready(_bits(_as_array(x)))
         if self._debug is not None:
             self._debug.enter_p2p("send", x, dest, tag)
         token = self._enter_p2p("send", dest)
@@ -556,6 +593,9 @@ class Communicator:
 
     def recv(self, out: Any, source: int, tag: int = 0) -> Any:
         """Blocking receive into ``out`` (its shape and dtype define the message); returns it."""
+        if getattr(out, "dtype", None) == _BF16:
+            self.recv(_bits(out), source, tag)
+            return out
         self._check_peer(source, "source")
         _check_dtype(out)
         _check_out(out, out.shape, out.dtype, "recv")
@@ -581,7 +621,7 @@ class Communicator:
     def isend(self, x: Any, dest: int, tag: int = 0) -> Request:
         """Start sending ``x``; keep ``x`` unchanged until the request completes."""
         self._check_peer(dest, "dest")
-        x = _send_ready(x)
+        x = _send_ready(_bits(_as_array(x)))
         if self._debug is not None:
             self._debug.enter_p2p("isend", x, dest, tag)
         watch = (self, "isend.wait", dest, None)
@@ -592,6 +632,10 @@ class Communicator:
 
     def irecv(self, out: Any, source: int, tag: int = 0) -> Request:
         """Start receiving into ``out``; ``req.wait()`` returns ``out`` once it has arrived."""
+        if getattr(out, "dtype", None) == _BF16:
+            req = self.irecv(_bits(out), source, tag)
+            req._result = out
+            return req
         self._check_peer(source, "source")
         _check_dtype(out)
         _check_out(out, out.shape, out.dtype, "irecv")

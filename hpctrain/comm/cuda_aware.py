@@ -78,7 +78,7 @@ def verdict() -> bool:
         forced = settings.cuda_aware()
         if forced is not None:
             _verdict = forced
-        elif backend.cupy() is None or not library_says():
+        elif not backend.is_real_cupy(backend.cupy()) or not library_says():
             _verdict = False
         else:
             _verdict = probe()

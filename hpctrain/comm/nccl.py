@@ -21,32 +21,66 @@ from .communicator import Communicator
 
 UNIQUE_ID_BYTES = 128
 
-# ncclDataType_t and ncclRedOp_t values from nccl.h (stable across NCCL 2.x).
+# ncclDataType_t and ncclRedOp_t values from nccl.h (stable across NCCL 2.x), by dtype name:
+# bfloat16 has no NumPy dtype of its own (CuPy's comes from ml_dtypes), but its name is the same.
 NCCL_DTYPES = {
-    np.dtype("int8"): 0, np.dtype("uint8"): 1, np.dtype("int32"): 2, np.dtype("uint32"): 3,
-    np.dtype("int64"): 4, np.dtype("uint64"): 5, np.dtype("float16"): 6,
-    np.dtype("float32"): 7, np.dtype("float64"): 8,
+    "int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6,
+    "float32": 7, "float64": 8, "bfloat16": 9,  # ncclBfloat16: NCCL >= 2.10
 }  # fmt: skip
 NCCL_OPS = {"sum": 0, "max": 2, "min": 3, "mean": 4}  # mean: ncclAvg (NCCL >= 2.10)
 
 
+def id_bytes(uid: Any) -> np.ndarray:
+    """An NCCL unique id as 128 signed bytes: CuPy >= 13 gives ``bytes``, older CuPy a sequence
+    of ints (signed or unsigned chars)."""
+    if isinstance(uid, (bytes, bytearray, memoryview)):
+        out = np.frombuffer(bytes(uid), dtype=np.int8)
+    else:
+        values = np.asarray(uid, dtype=np.int64)
+        if values.ndim == 1 and values.size and (values.min() < -128 or values.max() > 255):
+            raise ValueError(f"an NCCL unique id holds bytes, got values from {values.min()} to {values.max()}")
+        out = (values & 0xFF).astype(np.uint8).view(np.int8) if values.ndim == 1 else values
+    if out.shape != (UNIQUE_ID_BYTES,):
+        raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got shape {out.shape}")
+    return out
+
+
 def bootstrap_id(comm: Communicator, make_id: Callable[[], Any]) -> tuple[int, ...]:
-    """Rank 0's ``make_id()`` (128 signed bytes) broadcast over MPI as a raw buffer."""
+    """Rank 0's ``make_id()`` (128 bytes, as ``bytes`` or a sequence) broadcast over MPI as a raw
+    buffer; every rank returns the 128 signed bytes."""
     buf = np.zeros(UNIQUE_ID_BYTES, dtype=np.int8)
+    problem = None
     if comm.rank == 0:
-        uid = np.asarray(make_id(), dtype=np.int64)
-        if uid.shape != (UNIQUE_ID_BYTES,):
-            raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got shape {uid.shape}")
-        buf[:] = uid.astype(np.int8)
+        try:
+            buf[:] = id_bytes(make_id())
+        except ValueError as exc:
+            problem = exc
+    from .validate import raise_if_any
+
+    raise_if_any(comm, problem, what="the NCCL unique id")  # every rank, not only rank 0
     comm.bcast(buf, root=0)
     return tuple(int(b) for b in buf)
 
 
-def nccl_dtype(dtype: Any) -> int:
+def join(nccl: Any, size: int, uid: tuple[int, ...], rank: int) -> Any:
+    """``nccl.NcclCommunicator(size, id, rank)`` with the id in the form this CuPy takes: a tuple
+    of ints (CuPy < 13), else ``bytes``."""
     try:
-        return NCCL_DTYPES[np.dtype(dtype)]
+        return nccl.NcclCommunicator(size, uid, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(size, bytes(b & 0xFF for b in uid), rank)
+
+
+def nccl_dtype(dtype: Any) -> int:
+    """The ``ncclDataType_t`` of ``dtype`` (a dtype, type or name; ``"bfloat16"`` included)."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:  # "bfloat16" without ml_dtypes
+        name = str(dtype)
+    try:
+        return NCCL_DTYPES[name]
     except KeyError:
-        raise DtypeError(f"NCCL cannot reduce dtype {dtype}; use one of {sorted(map(str, NCCL_DTYPES))}") from None
+        raise DtypeError(f"NCCL cannot reduce dtype {dtype}; use one of {sorted(NCCL_DTYPES)}") from None
 
 
 def nccl_op(op: str) -> int:
@@ -86,7 +120,7 @@ class NcclCommunicator:
         self.mpi_comm = comm
         self.rank, self.size = comm.rank, comm.size
         uid = bootstrap_id(comm, nccl.get_unique_id)
-        self._nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self._nccl = join(nccl, self.size, uid, self.rank)
         self.stream = cp.cuda.Stream(non_blocking=True)
 
     def _launch(self, fn: Callable[[int], None], result: Any) -> NcclRequest:

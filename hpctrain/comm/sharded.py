@@ -3,8 +3,9 @@
 A flat buffer of the group is cut into contiguous pieces, piece r on rank r (``counts[r]``
 elements, possibly 0). ``ireduce_scatter`` sums every rank's full buffer and leaves piece r of
 the sum on rank r; ``allgather`` (``iallgather``: started, not waited) assembles the full buffer
-from the pieces on every rank. Host (NumPy) arrays only; each call is bounded by the
-communicator's stall watchdog like every other.
+from the pieces on every rank. Device (CuPy) buffers go through the communicator's pinned host
+staging when MPI cannot take device memory; each call is bounded by the communicator's stall
+watchdog like every other.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .communicator import Communicator, Request, _op
+from ..backend import xp_of
+from .buckets import _HALF
+from .communicator import Communicator, Request, _bits, _copy_from_host, _op
 
 
 def _watch(comm: Communicator, op: str) -> tuple:
@@ -21,12 +24,32 @@ def _watch(comm: Communicator, op: str) -> tuple:
     return (comm, op, None, comm._seq)
 
 
+def _host_buffers(comm: Communicator, x: Any, out: Any) -> tuple[Any, Any, Any]:
+    """``(x, out, finish)`` for MPI: pinned host copies where the communicator stages (device
+    arrays, MPI not CUDA-aware), ``finish`` then copies the result into ``out``; else as given."""
+    if not comm._staged(x, out):
+        return x, out, None
+    host_in, host_out = comm._in(x), comm._stage.take(out.shape, out.dtype)
+
+    def finish() -> None:
+        _copy_from_host(host_out, out)
+        comm._stage.give(host_in)
+        comm._stage.give(host_out)
+
+    return host_in, host_out, finish
+
+
 def ireduce_scatter(comm: Communicator, x: np.ndarray, out: np.ndarray, counts: list[int]) -> Request:
     """Start: ``out`` (``counts[rank]`` elements) receives this rank's piece of the sum of ``x``."""
     if x.size != sum(counts) or out.size != counts[comm.rank]:
         raise BufferError(f"ireduce_scatter: {x.size} elements in, pieces {counts}, out {out.size}")
-    req = comm.mpi.Ireduce_scatter(x, out, list(counts), _op("sum", np.dtype(x.dtype)))
-    return Request(req, out, None, _watch(comm, "ireduce_scatter"))
+    op = "sum"
+    kind = _HALF.get(np.dtype(x.dtype))
+    if kind is not None:  # 16-bit gradients (mixed precision): their bits, summed by the 16-bit sum
+        x, out, op = x.view(np.uint16), out.view(np.uint16), f"sum_{kind}"
+    send, recv, finish = _host_buffers(comm, x, out)
+    req = comm.mpi.Ireduce_scatter(send, recv, list(counts), _op(op, np.dtype(x.dtype)))
+    return Request(req, out, finish, _watch(comm, "ireduce_scatter"))
 
 
 def iallgather(comm: Communicator, piece: np.ndarray, out: np.ndarray, counts: list[int]) -> Request:
@@ -35,8 +58,9 @@ def iallgather(comm: Communicator, piece: np.ndarray, out: np.ndarray, counts: l
     if out.size != sum(counts) or piece.size != counts[comm.rank]:
         raise BufferError(f"allgather: piece {piece.size}, pieces {counts}, out {out.size}")
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-    req = comm.mpi.Iallgatherv(piece, [out, (list(counts), displs)])
-    return Request(req, out, None, _watch(comm, "allgather"))
+    send, recv, finish = _host_buffers(comm, _bits(piece), _bits(out))  # bfloat16 moves as its bits
+    req = comm.mpi.Iallgatherv(send, [recv, (list(counts), displs)])
+    return Request(req, out, finish, _watch(comm, "allgather"))
 
 
 def allgather(comm: Communicator, piece: np.ndarray, out: np.ndarray, counts: list[int]) -> np.ndarray:
@@ -125,10 +149,10 @@ class _Chain:
         if order == self.pieces:
             send = self.buf
         else:  # the pieces each side keeps, contiguous
-            send = np.concatenate([self.buf[offset[q] : offset[q] + self.counts[q]] for q in order])
+            send = xp_of(self.buf).concatenate([self.buf[offset[q] : offset[q] + self.counts[q]] for q in order])
         mine = upper if self.rank & bit else lower
         last = self.j == len(self.tree.rounds) - 1
-        recv = self.out if last else np.empty(sum(self.counts[q] for q in mine), dtype=self.buf.dtype)
+        recv = self.out if last else xp_of(self.buf).empty(sum(self.counts[q] for q in mine), dtype=self.buf.dtype)
         owned = send is not self.buf or self.j > 0  # ``x`` is the caller's
         self._hold((send.nbytes if owned else 0) + (0 if last else recv.nbytes))
         sizes = [sum(self.counts[q] for q in lower), sum(self.counts[q] for q in upper)]

@@ -36,7 +36,9 @@ class DataLoader:
         batch_size: indices per batch on this rank; the last batch of an epoch may be shorter
             (the same length on every rank, since every rank has ``len(sampler)`` indices).
         sampler: a :class:`ShardedSampler` over ``len(dataset)`` samples.
-        device: "cpu" or "gpu" (batches are moved with ``backend.to_device``).
+        device: "cpu" or "gpu" (batches are moved with ``backend.to_device``; the padding
+            weights stay on the host, where the trainer sums them before the step: reading them
+            back from the GPU would wait for it once per batch).
         prefetch: read the next batch in a background thread while the caller works on this one.
 
     A dataset returning more (or fewer) than two arrays yields tuples of that many arrays, plus the
@@ -95,8 +97,9 @@ class DataLoader:
         source = self._prefetched(host) if self.prefetch else host
         try:
             for batch in source:
-                if self.device != "cpu":
-                    batch = tuple(to_device(a, self.xp) for a in batch)
+                if self.device != "cpu":  # here, not in the prefetch thread: CuPy's device is per thread
+                    n = len(batch) - (weights is not None)
+                    batch = (*(to_device(a, self.xp) for a in batch[:n]), *batch[n:])
                 # Counted as handed out the moment the caller gets it.
                 sampler.advance(len(batch[0]))
                 yield batch

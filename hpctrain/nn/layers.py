@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
+from ..precision import is_half, matmul
 from . import fused
 from .module import Module, Parameter, as_rng
 
@@ -82,7 +83,7 @@ class Linear(Module):
         # One 2-D matrix product over every row (B*T of them), written into a reused buffer: a 3-D
         # product would be one small product per batch entry.
         y = self._scratch().get("y", (*x.shape[:-1], self.d_out), np.result_type(x.dtype, w.dtype), xp)
-        xp.matmul(x.reshape(-1, self.d_in), w, out=y.reshape(-1, self.d_out))
+        matmul(xp, x.reshape(-1, self.d_in), w, out=y.reshape(-1, self.d_out))
         if self.bias is not None:
             y += self.bias.data
         return y
@@ -94,12 +95,12 @@ class Linear(Module):
         x2 = x.reshape(-1, self.d_in)
         g2 = grad_out.reshape(-1, self.d_out)
         gw = buf.get("gw", w.shape, np.result_type(x.dtype, grad_out.dtype), xp)
-        self.weight.grad += xp.matmul(x2.T, g2, out=gw)  # x2.T is a view: BLAS reads it transposed
+        self.weight.grad += matmul(xp, x2.T, g2, out=gw)  # x2.T is a view: BLAS reads it transposed
         if self.bias is not None:  # the column sums as a vector-matrix product (BLAS)
             ones = row_ones(g2.shape[0], g2.dtype, xp)
-            self.bias.grad += xp.matmul(ones, g2, out=buf.get("gb", (self.d_out,), gw.dtype, xp))
+            self.bias.grad += matmul(xp, ones, g2, out=buf.get("gb", (self.d_out,), gw.dtype, xp))
         gx = buf.get("gx", (*grad_out.shape[:-1], self.d_in), np.result_type(grad_out.dtype, w.dtype), xp)
-        xp.matmul(g2, w.T, out=gx.reshape(-1, self.d_in))
+        matmul(xp, g2, w.T, out=gx.reshape(-1, self.d_in))
         return gx
 
     def extra_repr(self) -> str:
@@ -230,12 +231,17 @@ class LayerNorm(Module):
     def forward(self, x: Any) -> Any:
         if x.shape[-1] != self.d:
             raise ValueError(f"LayerNorm({self.d}) got input of shape {x.shape}")
+        w, b = self.weight.data, self.bias.data
+        if is_half(x.dtype):  # mixed precision: statistics in float32, the output rounded back
+            return self._forward(x.astype(np.float32), w.astype(np.float32), b.astype(np.float32)).astype(x.dtype)
+        return self._forward(x, w, b)
+
+    def _forward(self, x: Any, w: Any, b: Any) -> Any:
         xp = xp_of(x)
         buf = self._scratch()
         d = self.d
         x2 = x.reshape(-1, d)
         n = x2.shape[0]
-        w, b = self.weight.data, self.bias.data
         k = fused.usable(x, w, b)
         if k is not None:  # one pass over each row (see hpctrain.nn.fused)
             xhat, rstd = buf.like("xhat", x), buf.get("rstd", (n, 1), x.dtype, xp)
@@ -261,17 +267,22 @@ class LayerNorm(Module):
         rstd = xp.divide(1.0, var[:, None], out=buf.get("rstd", (n, 1), x.dtype, xp))
         xh2 *= rstd
         self.cache = (xhat, rstd)
-        y = buf.get("y", x.shape, np.result_type(x.dtype, self.weight.data.dtype), xp)
-        xp.multiply(xhat, self.weight.data, out=y)
-        y += self.bias.data
+        y = buf.get("y", x.shape, np.result_type(x.dtype, w.dtype), xp)
+        xp.multiply(xhat, w, out=y)
+        y += b
         return y
 
     def backward(self, grad_out: Any) -> Any:
+        w = self.weight.data
+        if is_half(grad_out.dtype):  # as forward: in float32, the input gradient rounded back
+            return self._backward(grad_out.astype(np.float32), w.astype(np.float32)).astype(grad_out.dtype)
+        return self._backward(grad_out, w)
+
+    def _backward(self, grad_out: Any, w: Any) -> Any:
         xhat, rstd = self.cache
         xp = xp_of(grad_out)
         buf = self._scratch()
         d = self.d
-        w = self.weight.data
         dtype = np.result_type(grad_out.dtype, xhat.dtype)
         g2 = grad_out.reshape(-1, d)
         xh2 = xhat.reshape(-1, d)

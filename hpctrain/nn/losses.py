@@ -1,5 +1,7 @@
-"""Losses: ``forward(pred, target, weight=None)`` returns the (weighted) batch mean as a float,
-``backward(scale=1.0)`` the gradient of that mean with respect to ``pred``.
+"""Losses: ``forward(pred, target, weight=None)`` returns the (weighted) batch mean as a float
+(on the GPU a 0-d device array: reading it would wait for the GPU, so the trainer reads it once
+per step with the gradient norm), ``backward(scale=1.0)`` the gradient of that mean with respect
+to ``pred``.
 
 ``weight`` is an optional per-sample weight of shape ``(B,)`` (0 for padding samples a sampler
 added, 1 otherwise): the loss is then ``sum(w * l) / sum(w)``, so padded samples never count.
@@ -9,13 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backend import xp_of
+from ..backend import is_device_array, xp_of
 from ..errors import DatasetError
+from ..precision import widen
 from .buffers import Buffers
 
 
-def _per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, float]:
-    """Broadcastable weights and their total (the denominator of the mean)."""
+def _per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, Any]:
+    """Broadcastable weights and their total (the denominator of the mean: a float, or a 0-d
+    device array for device weights)."""
     xp = xp_of(per_sample)
     b = per_sample.shape[0]
     if weight is None:
@@ -24,7 +28,26 @@ def _per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, float]:
     if w.shape != (b,):
         raise ValueError(f"weight must have shape ({b},), got {tuple(w.shape)}")
     w = w.reshape((b,) + (1,) * (per_sample.ndim - 1))
-    return w, float(w.sum()) * (per_sample.size // b)
+    total = w.sum()
+    return w, (total if is_device_array(total) else float(total)) * (per_sample.size // b)
+
+
+def batch_mean(total: Any, denom: Any) -> Any:
+    """``total / denom`` (0 for no weight): a float on the host; on the device a 0-d array, never
+    read here."""
+    if not (is_device_array(total) or is_device_array(denom)):
+        return float(total) / denom if denom else 0.0
+    return xp_of(total).where(denom == 0, 0.0, total / (denom + (denom == 0)))
+
+
+def all_weights_zero(denom: Any) -> bool:
+    """Whether a host denominator is 0 (a device one is never read: see ``batch_mean``)."""
+    return not is_device_array(denom) and not denom
+
+
+def nonzero(denom: Any) -> Any:
+    """``denom`` with 0 replaced by 1 on the device (the gradient is 0 there anyway: weights 0)."""
+    return denom + (denom == 0) if is_device_array(denom) else denom
 
 
 def check_targets(target: Any, n_classes: int, who: str) -> None:
@@ -58,13 +81,13 @@ class MSELoss:
         if w is not None:
             sq = sq * w
         self.cache = (diff, w, denom)
-        return float(sq.sum()) / denom if denom else 0.0
+        return batch_mean(sq.sum(), denom)
 
     def backward(self, scale: float = 1.0) -> Any:
         diff, w, denom = self.cache
-        if not denom:
+        if all_weights_zero(denom):
             return diff * 0
-        g = diff * (2.0 * scale / denom)
+        g = diff * (2.0 * scale / nonzero(denom))
         return g * w if w is not None else g
 
 
@@ -77,9 +100,11 @@ class CrossEntropyLoss:
     def __init__(self) -> None:
         self.cache = None
         self._buffers = Buffers()
+        self._low = None  # the logits' 16-bit dtype under mixed precision
 
     def forward(self, logits: Any, target: Any, weight: Any = None) -> float:
         xp = xp_of(logits)
+        logits, self._low = widen(logits)  # 16-bit logits: the softmax and the loss in float32
         if logits.shape[:-1] != target.shape:
             raise ValueError(
                 f"CrossEntropyLoss: logits {logits.shape} need targets of shape "
@@ -104,7 +129,7 @@ class CrossEntropyLoss:
             nll = nll * w
         probs /= sumexp
         self.cache = (probs, target, w, denom)
-        return float(nll.sum()) / denom if denom else 0.0
+        return batch_mean(nll.sum(), denom)
 
     def backward(self, scale: float = 1.0) -> Any:
         probs, target, w, denom = self.cache
@@ -112,12 +137,12 @@ class CrossEntropyLoss:
         # A copy: backward may run again (another scale) on the same forward.
         g = self._buffers.like("g", probs)
         g[...] = probs
-        if not denom:
+        if all_weights_zero(denom):
             g *= 0
-            return g
+            return g if self._low is None else g.astype(self._low)
         onehot_at = xp.take_along_axis(g, target[..., None], axis=-1) - 1
         xp.put_along_axis(g, target[..., None], onehot_at, axis=-1)
-        g *= scale / denom
+        g *= scale / nonzero(denom)
         if w is not None:
             g *= w[..., None]
-        return g
+        return g if self._low is None else g.astype(self._low)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
+from ..precision import matmul, stat_dtype
 from . import fused
 from .buffers import Buffers
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, row_ones
@@ -65,24 +66,24 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
     """
     xp = xp_of(q)
     b, h, t, hd = q.shape
-    dtype = np.result_type(q.dtype, k.dtype)
+    dtype = stat_dtype(np.result_type(q.dtype, k.dtype))  # 16-bit q, k: the softmax in float32
     scale = 1.0 / float(np.sqrt(hd))
     att = _get(buffers, "att", (b, h, t, t), dtype, xp)
     mx = _get(buffers, "max", (b, h, t, 1), dtype, xp)
     sums = _get(buffers, "sum", (b, h, t, 1), dtype, xp)
     if out is None:
-        out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(dtype, v.dtype))
+        out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(q.dtype, k.dtype, v.dtype))
     kern = fused.usable(att)
     if kern is not None:
         c, ninf = fused.scalars(dtype, scale, -np.inf)
     for s, e in _blocks(t, block):
         a = att[:, :, s:e, :e]  # queries s..e-1 against keys 0..e-1: the rest is masked anyway
-        xp.matmul(q[:, :, s:e], xp.swapaxes(k[:, :, :e], -1, -2), out=a)
+        matmul(xp, q[:, :, s:e], xp.swapaxes(k[:, :, :e], -1, -2), out=a)
         if kern is not None:  # the softmax in two fused passes around NumPy's vectorised exp
             kern.softmax_scores(att, s, e, c, ninf)
             xp.exp(a, out=a)
             kern.softmax_normalize(att, s, e)
-            xp.matmul(a, v[:, :, :e], out=out[:, :, s:e])
+            matmul(xp, a, v[:, :, :e], out=out[:, :, s:e])
             continue
         a *= scale
         a[..., s:e] += _future_mask(e - s, dtype, xp)  # the diagonal block: no look at j > i
@@ -92,7 +93,7 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
         r = sums[:, :, s:e]
         xp.matmul(a, row_ones(e, dtype, xp), out=r[..., 0])
         a /= r
-        xp.matmul(a, v[:, :, :e], out=out[:, :, s:e])
+        matmul(xp, a, v[:, :, :e], out=out[:, :, s:e])
         if e < t:
             att[:, :, s:e, e:] = 0
     return out, att
@@ -124,10 +125,10 @@ def causal_attention_backward(
         # Softmax backward att * (datt - sum(datt * att)) on the block the forward computed;
         # masked positions have att == 0, so their score gradient is 0.
         p, d = att[:, :, s:e, :e], ds[:, :, s:e, :e]
-        xp.matmul(dy[:, :, s:e], xp.swapaxes(v[:, :, :e], -1, -2), out=d)
+        matmul(xp, dy[:, :, s:e], xp.swapaxes(v[:, :, :e], -1, -2), out=d)
         if kern is not None:  # one pass (hpctrain.nn.fused)
             kern.softmax_backward(ds, att, s, e, *fused.scalars(dtype, scale))
-            xp.matmul(d, k[:, :, :e], out=dq[:, :, s:e])
+            matmul(xp, d, k[:, :, :e], out=dq[:, :, s:e])
             continue
         pt = tmp[:, :, s:e, :e]
         xp.multiply(d, p, out=pt)
@@ -136,11 +137,11 @@ def causal_attention_backward(
         d -= r
         d *= p
         d *= scale
-        xp.matmul(d, k[:, :, :e], out=dq[:, :, s:e])
+        matmul(xp, d, k[:, :, :e], out=dq[:, :, s:e])
     for s, e in blocks:
         # Keys s..e-1 are seen by queries s..t-1 only.
-        xp.matmul(xp.swapaxes(att[:, :, s:, s:e], -1, -2), dy[:, :, s:], out=dv[:, :, s:e])
-        xp.matmul(xp.swapaxes(ds[:, :, s:, s:e], -1, -2), q[:, :, s:], out=dk[:, :, s:e])
+        matmul(xp, xp.swapaxes(att[:, :, s:, s:e], -1, -2), dy[:, :, s:], out=dv[:, :, s:e])
+        matmul(xp, xp.swapaxes(ds[:, :, s:, s:e], -1, -2), q[:, :, s:], out=dk[:, :, s:e])
     return dq, dk, dv
 
 
@@ -201,7 +202,7 @@ class CausalSelfAttention(Module):
         dy = self.proj.backward(grad_out).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
         xp, buf = xp_of(dy), self._scratch()
         # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
-        dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, att.dtype), xp)
+        dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)  # att may be wider
         parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
         causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
         return self.qkv.backward(dqkv)

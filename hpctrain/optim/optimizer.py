@@ -40,6 +40,8 @@ class Optimizer:
         self.schedule = schedule
         self.step_count = 0
         self.state: dict[str, dict[str, Any]] = {n: {} for n in names}
+        #: Float32 masters by name under mixed precision (``set_masters``), else ``None``.
+        self.masters: dict[str, Parameter] | None = None
 
     @property
     def current_lr(self) -> float:
@@ -50,11 +52,30 @@ class Optimizer:
         for p in self.params:
             p.grad.fill(0)
 
+    def set_masters(self, masters: dict[str, Parameter]) -> None:
+        """Mixed precision: update these float32 masters (by parameter name) instead of the
+        16-bit parameters, keep the state in float32, and round each updated master into its
+        parameter (``hpctrain.precision``). A master's ``grad`` is its parameter's gradient
+        (widened to float32) during the update only."""
+        missing = sorted(set(self.names) - set(masters))
+        if missing:
+            raise ValueError(f"no master for parameters: {', '.join(missing)}")
+        self.masters = {n: masters[n] for n in self.names}
+
     def step(self) -> None:
         lr = self.current_lr
         self.step_count += 1
+        masters = self.masters
         for name, p in zip(self.names, self.params):
-            self._update(p, self.state[name], lr)
+            if masters is None:
+                self._update(p, self.state[name], lr)
+                continue
+            m = masters[name]
+            g = p.grad  # a 16-bit gradient widens exactly; the update itself is the fp32 one
+            m.grad = g if g.dtype == m.data.dtype else g.astype(m.data.dtype)
+            self._update(m, self.state[name], lr)
+            m.grad = None  # no second gradient kept between steps
+            p.data[...] = m.data  # round to nearest even into the compute copy
 
     def _update(self, p: Parameter, state: dict[str, Any], lr: float) -> None:
         raise NotImplementedError
@@ -90,7 +111,8 @@ class Optimizer:
         for name, p in zip(self.names, self.params):
             src = sd["state"].get(name, {})
             xp = xp_of(p.data)
-            self.state[name] = {k: to_device(v, xp).astype(p.dtype, copy=True) for k, v in src.items()}
+            dtype = p.dtype if self.masters is None else self.masters[name].dtype  # state lives with the masters
+            self.state[name] = {k: to_device(v, xp).astype(dtype, copy=True) for k, v in src.items()}
 
 
 def _describe(schedule: Callable[[int], float] | None) -> Any:
@@ -210,7 +232,8 @@ class Adam(Optimizer):
         """A scratch view shaped like ``a`` from one flat array sized for the largest parameter."""
         flat = self.__dict__.get("_scratch")
         if flat is None or flat.dtype != a.dtype or xp_of(flat) is not xp or flat.size < a.size:
-            size = max(int(q.data.size) for q in self.params if q.data.dtype == a.dtype)
+            pool = self.masters.values() if self.masters else self.params  # what the update runs on
+            size = max(int(q.data.size) for q in pool if q.data.dtype == a.dtype)
             flat = self.__dict__["_scratch"] = xp.empty(size, dtype=a.dtype)
         return flat[: a.size].reshape(a.shape)
 

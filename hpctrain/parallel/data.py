@@ -60,6 +60,8 @@ class DataParallelTrainer(ParallelTrainer):
         timeout: float | None = None,
         reducer: Any = None,
         zero: int = 0,
+        precision: Any = "fp32",
+        grad_reduce_dtype: str | None = None,
     ) -> None:
         if isinstance(accum_steps, float) and accum_steps == int(accum_steps):
             accum_steps = int(accum_steps)
@@ -67,7 +69,7 @@ class DataParallelTrainer(ParallelTrainer):
         super().__init__(model=model, loss=loss, optimizer=optimizer, grid=grid, microbatches=accum_steps,
                          clip_norm=clip_norm, reducer=reducer, bucket_mb=bucket_mb, overlap=overlap,
                          compression=compression, backend=backend, on_nonfinite=on_nonfinite, timeout=timeout,
-                         zero=zero)
+                         zero=zero, precision=precision, grad_reduce_dtype=grad_reduce_dtype)
 
     @property
     def accum_steps(self) -> int:

@@ -21,6 +21,7 @@ from ..comm.buckets import COMPRESSIONS
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError
 from ..nn.losses import CrossEntropyLoss
+from ..precision import Precision
 from ..trainer import Batch, Trainer
 from .reducer import AllReduceReducer, BackwardHooks, GradReducer
 from .schedules import get_schedule
@@ -86,9 +87,15 @@ class ParallelTrainer(Trainer):
         on_nonfinite: str = "raise",
         timeout: float | None = None,
         zero: int = 0,
+        precision: str | Precision = "fp32",
+        grad_reduce_dtype: str | None = None,
     ) -> None:
         super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
         self.zero = zero
+        try:
+            self.precision = Precision.of(precision, grad_reduce_dtype)
+        except ValueError as exc:  # raised on every rank by _check_args
+            self.precision, self._precision_problem = Precision(), exc
         self._custom_reducer = reducer is not None
         self.grid, self.optimizer, self.clip_norm = grid, optimizer, clip_norm
         self.microbatches, self.schedule, self.virtual_stages = microbatches, schedule, virtual_stages
@@ -116,6 +123,7 @@ class ParallelTrainer(Trainer):
         # Everything that must match, before the first array collective.
         agree(self.comm, f"the {type(self).__name__} configuration", self.config())
         agree(self.comm, "the optimizer configuration", optimizer.config())
+        agree(self.comm, "the precision", self.precision.config())
         full = sorted([n, list(f), str(p.dtype)] for n, (p, f, _) in self._shards.items())
         agree(tp, "the full parameters of a tensor-parallel group (name, shape, dtype)", full)
         local = sorted([n, list(p.shape), str(p.dtype)] for n, (p, _, _) in self._shards.items())
@@ -133,6 +141,11 @@ class ParallelTrainer(Trainer):
         if self.dp.size > 1:
             for p in self.params:  # dp replicas start identical
                 self.dp.bcast(p.data, root=0)
+        # Mixed precision: float32 masters from the (identical) float32 parameters, then the
+        # parameters in the compute dtype and the gradients in the reduce dtype.
+        self._masters = self.precision.make_masters(self.params) if self.precision.mixed else None
+        if self._masters is not None and not zero:
+            optimizer.set_masters(self._masters)
 
         nccl = self._nccl() if backend == "nccl" else None
         if backend == "hierarchical" and self.dp.size > 1:
@@ -142,7 +155,8 @@ class ParallelTrainer(Trainer):
         if zero:
             from .zero import zero_reducer
 
-            reducer = zero_reducer(model, optimizer, zero)
+            reducer = zero_reducer(model, optimizer, zero, masters=self._masters)
+            self._masters = None  # ZeRO keeps this rank's piece of them
         if reducer is None:
             self.reducer = AllReduceReducer(self.params, self.dp, bucket_mb=bucket_mb, compression=compression,
                                             backend=nccl)  # fmt: skip
@@ -165,6 +179,11 @@ class ParallelTrainer(Trainer):
     def _check_args(self, grid: Any, model: Any, loss: Any) -> Exception | None:
         """This rank's argument problem (raised on every rank by the caller), else ``None``."""
         m, v = self.microbatches, self.virtual_stages
+        if getattr(self, "_precision_problem", None) is not None:
+            return self._precision_problem
+        if self.precision.mixed and (self.compression is not None or self.backend != "mpi"):
+            return ValueError(f"precision={self.precision.name!r} reduces gradients in grad_reduce_dtype: it takes "
+                              "no compression= or the nccl backend")  # fmt: skip
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             return ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.zero and (self.compression is not None or self.backend != "mpi" or self._custom_reducer):
@@ -238,6 +257,7 @@ class ParallelTrainer(Trainer):
             "microbatches": self.microbatches, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "overlap": self.overlap,
             **({"zero": self.zero} if self.zero else {}),
+            **(self.precision.config() if self.precision.mixed else {}),
         }  # fmt: skip
 
     @property
@@ -250,13 +270,26 @@ class ParallelTrainer(Trainer):
         Under ZeRO this is collective over dp: the full parameters and optimizer state are
         gathered for the checkpoint (``ZeroReducer.full_shards``)."""
         full = getattr(self.reducer, "full_shards", None)
-        return full(dict(self._shards)) if full is not None else dict(self._shards)
+        if full is not None:
+            return full(dict(self._shards))
+        if self._masters is not None:  # mixed precision: the float32 masters under the serial names
+            return {n: (self._masters[p.name], f, i) for n, (p, f, i) in self._shards.items()}
+        return dict(self._shards)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         after = getattr(self.reducer, "after_load", None)
         if after is not None:  # ZeRO: a checkpoint wrote full tensors; keep this rank's pieces
             after()
+        else:
+            self.sync_params()
+
+    def sync_params(self) -> None:
+        """Mixed precision: round the float32 masters into the parameters (after a load put new
+        masters in, or put the old ones back); nothing otherwise."""
+        if self._masters is not None and not self.zero:
+            for p in self.params:
+                p.data[...] = self._masters[p.name].data
 
     def close(self) -> None:
         """Remove the backward hooks from the model (the trainer can no longer overlap)."""
@@ -281,8 +314,10 @@ class ParallelTrainer(Trainer):
         return k
 
     def _scales(self, batch: Batch) -> list[float]:
-        w = batch.weight_total
-        return [pw / w if w else 0.0 for pw in batch.part_weights]
+        # fp16: each micro-batch's loss gradient carries the loss scale (a power of two: exact);
+        # the step divides the loss and the gradients by it again.
+        w, s = batch.weight_total, self.precision.loss_scale
+        return [pw / w * s if w else 0.0 for pw in batch.part_weights]
 
     def _accumulate(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
         """Micro-batches one after the other, gradients summed locally; the reduction is armed for
@@ -305,7 +340,7 @@ class ParallelTrainer(Trainer):
                     value = self.loss.forward(out, y[part])
                 else:
                     value = self.loss.forward(out, y[part], to_device(w[part], xp))
-                loss_sum += float(value) * scales[i]
+                loss_sum = loss_sum + value * scales[i]  # on the GPU: stays there until the step's one read
                 self.model.backward(self.loss.backward(scales[i]))
             finally:
                 if last and hooks:

@@ -37,7 +37,8 @@ from .schedules import Action
 _ACT, _GRAD, _HEADER = 0, 1, 2
 _MAX_DIMS = 8
 # dtype codes of the shape header (position in this tuple).
-_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "complex64", "complex128")
+_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "complex64", "complex128",
+           "bfloat16")  # (ml_dtypes; mixed precision's activations)
 _LOOKAHEAD = 2  # actions beyond the current one whose receives are already posted
 _MIN_TAG_UB = 32767  # the MPI standard's guaranteed minimum
 
@@ -185,7 +186,9 @@ class PipelineRunner:
         """
         v, p, s = self.v, self.p, self.s
         nv = v * p
-        keys = [((b.stop - b.start, *np.shape(x)[1:]), str(np.asarray(x[:0]).dtype)) for b in parts]
+        # The batch's own dtype: x may be a device array, which never converts to NumPy implicitly.
+        dtype = str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+        keys = [((b.stop - b.start, *np.shape(x)[1:]), dtype) for b in parts]
         recvs: dict[Action, Any] = {}  # action -> (kind, request, buffer)
         sends: list[tuple[Any, Any]] = []  # (request, array kept alive until sent)
         saved: dict[tuple[int, int], Any] = {}  # (chunk, micro-batch) -> (cache, loss grad, input shape)
@@ -270,7 +273,7 @@ class PipelineRunner:
                         yi = to_device(y[parts[i]], xp)
                         wi = None if weight is None else to_device(weight[parts[i]], xp)
                         value = loss.forward(out, yi, wi) if wi is not None else loss.forward(out, yi)
-                        loss_part += float(value) * scales[i]
+                        loss_part = loss_part + value * scales[i]  # on the GPU: read once per step
                         grad_out = loss.backward(scales[i])
                     else:
                         shape = (tuple(out.shape), str(out.dtype))

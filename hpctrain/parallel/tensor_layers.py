@@ -18,9 +18,10 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..nn.layers import Linear
-from ..nn.losses import _per_sample_weight, check_targets
+from ..nn.losses import _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
 from ..nn.module import Module, Parameter
 from ..nn.transformer import causal_attention, causal_attention_backward
+from ..precision import widen
 from .tensor_mappings import copy_to_tp, gather_from_tp, partition, reduce_from_tp, scatter_to_tp
 
 
@@ -251,7 +252,7 @@ class ParallelSelfAttention(Module):
         dy = self._heads(self.proj.backward(grad_out))
         xp, buf = xp_of(dy), self._scratch()
         # dq, dk, dv land in the [q | k | v] column layout of this rank's qkv output gradient.
-        dqkv = buf.get("dqkv", (b, t, 3 * hl * hd), np.result_type(dy.dtype, att.dtype), xp)
+        dqkv = buf.get("dqkv", (b, t, 3 * hl * hd), np.result_type(dy.dtype, q.dtype), xp)  # att may be wider
         parts = dqkv.reshape(b, t, 3, hl, hd).transpose(2, 0, 3, 1, 4)
         causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
         return self.qkv.backward(dqkv)
@@ -321,9 +322,11 @@ class VocabParallelCrossEntropy:
     def __init__(self, comm: Any, start: int, vocab: int) -> None:
         self.comm, self.start, self.vocab = comm, start, vocab
         self.cache = None
+        self._low = None  # the logits' 16-bit dtype under mixed precision
 
     def forward(self, logits: Any, target: Any, weight: Any = None) -> float:
         xp = xp_of(logits)
+        logits, self._low = widen(logits)  # 16-bit logits: the softmax and the loss in float32
         if logits.shape[:-1] != target.shape:
             raise ValueError(
                 f"VocabParallelCrossEntropy: logits {logits.shape} need targets of shape {logits.shape[:-1]}, "
@@ -349,15 +352,18 @@ class VocabParallelCrossEntropy:
         if w is not None:
             nll = nll * w
         self.cache = (exp / sumexp[..., None], safe, mine, w, denom)
-        return float(nll.sum()) / denom if denom else 0.0
+        return batch_mean(nll.sum(), denom)
 
     def backward(self, scale: float = 1.0) -> Any:
         xp = xp_of(self.cache[0])
         probs, safe, mine, w, denom = self.cache
         g = probs.copy()
-        if not denom:
-            return g * 0
-        at = xp.take_along_axis(g, safe[..., None], axis=-1) - mine[..., None]
-        xp.put_along_axis(g, safe[..., None], at, axis=-1)
-        g *= scale / denom
-        return g * w[..., None] if w is not None else g
+        if all_weights_zero(denom):
+            g *= 0
+        else:
+            at = xp.take_along_axis(g, safe[..., None], axis=-1) - mine[..., None]
+            xp.put_along_axis(g, safe[..., None], at, axis=-1)
+            g *= scale / nonzero(denom)
+            if w is not None:
+                g *= w[..., None]
+        return g if self._low is None else g.astype(self._low)

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backend import to_device, xp_of
 from ..comm import sharded
 from ..nn.module import Parameter
 from .reducer import GradReducer
@@ -54,9 +55,9 @@ from .reducer import GradReducer
 STAGES = (0, 1, 2, 3)
 
 
-def placeholder(shape: tuple, dtype: Any) -> np.ndarray:
+def placeholder(shape: tuple, dtype: Any, xp: Any = np) -> Any:
     """A read-only array of ``shape`` that holds one element: a parameter between its uses."""
-    return np.broadcast_to(np.zeros(1, dtype=dtype), shape)
+    return xp.broadcast_to(xp.zeros(1, dtype=dtype), shape)
 
 
 def _units(model: Any, params: list[Any]) -> list[list[Any]]:
@@ -90,20 +91,29 @@ def _owners(model: Any, units: list[list[Any]]) -> list[Any]:
 class ZeroReducer(GradReducer):
     """Reduce-scatter of gradients over dp into owned pieces, sharded update (see module doc)."""
 
-    def __init__(self, params: list[Any], dp: Any, *, model: Any, optimizer: Any, stage: int) -> None:
+    def __init__(self, params: list[Any], dp: Any, *, model: Any, optimizer: Any, stage: int,
+                 masters: dict[str, Parameter] | None = None) -> None:
         super().__init__(params, dp)
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroReducer stage must be 1, 2 or 3, got {stage!r}")
         dtypes = {str(p.dtype) for p in self.params}
         if len(dtypes) > 1:
             raise ValueError(f"zero={stage} needs parameters of one dtype, got {sorted(dtypes)}")
-        if any(type(p.data) is not np.ndarray for p in self.params):
-            raise ValueError(f"zero={stage} supports host (NumPy) parameters only")
+        # Every buffer below lives where the parameters do (NumPy, or CuPy on the GPU).
+        xp = self.xp = xp_of(self.params[0].data) if self.params else np
+        if any(xp_of(p.data) is not xp for p in self.params):
+            raise ValueError(f"zero={stage} needs every parameter on one device (all host or all GPU)")
         self.stage = stage
         self.units = _units(model, self.params)
         self.order = [p for u in self.units for p in u]
         dtype = np.dtype(self.order[0].dtype) if self.order else np.dtype(np.float32)
         self.dtype = dtype
+        # Mixed precision (``masters``: float32 copies by name): the parameters are 16-bit, the
+        # gradients in their own (reduce) dtype, and this rank owns the float32 masters of its
+        # piece and their optimizer state (ZeRO shards the masters).
+        self.masters = masters
+        self.gdtype = np.dtype(self.order[0].grad.dtype) if self.order else dtype
+        self.sdtype = np.dtype(np.float32) if masters is not None else dtype
         self.where: dict[int, tuple[int, int]] = {}
         off = 0
         self.unit_range: list[tuple[int, int]] = []
@@ -127,7 +137,7 @@ class ZeroReducer(GradReducer):
 
         # Parameter storage: the full flat buffer (zero 1, 2) or only this rank's piece (zero 3).
         if stage < 3:
-            self.flat_param = np.empty(n, dtype=dtype)
+            self.flat_param = xp.empty(n, dtype=dtype)
             for p in self.order:
                 a, b = self.where[id(p)]
                 self.flat_param[a:b] = p.data.ravel()
@@ -135,14 +145,18 @@ class ZeroReducer(GradReducer):
             self.shard_param = self.flat_param[self.lo : self.hi]
         else:
             self.flat_param = None
-            self.shard_param = np.empty(self.hi - self.lo, dtype=dtype)
+            self.shard_param = xp.empty(self.hi - self.lo, dtype=dtype)
             for p in self.order:
                 a, b = self.where[id(p)]
                 x, y = max(a, self.lo), min(b, self.hi)
                 if x < y:
                     self.shard_param[x - self.lo : y - self.lo] = p.data.ravel()[x - a : y - a]
-                p.data = placeholder(p.shape, dtype)
-        self.shard_grad = np.zeros(self.hi - self.lo, dtype=dtype)
+                p.data = placeholder(p.shape, dtype, xp)
+        self.shard_grad = xp.zeros(self.hi - self.lo, dtype=self.gdtype)
+        self.shard_master = None
+        if masters is not None:
+            self.shard_master = xp.empty(self.hi - self.lo, dtype=self.sdtype)
+            self._scatter_masters()
         # Gradients reduce-scatter in the association of the all-reduce zero 0 uses (pairwise by
         # rank bits, see ``sharded.PairTree``): every level ends bitwise where zero 0 ends.
         self.tree = sharded.PairTree(dp)
@@ -161,7 +175,8 @@ class ZeroReducer(GradReducer):
             a, b = self.where[id(p)]
             x, y = max(a, self.lo), min(b, self.hi)
             if x < y:
-                sp = Parameter(self.shard_param[x - self.lo : y - self.lo], name=p.name)
+                own = self.shard_param if self.shard_master is None else self.shard_master  # what the update writes
+                sp = Parameter(own[x - self.lo : y - self.lo], name=p.name)
                 sp.grad = self.shard_grad[x - self.lo : y - self.lo]
                 self.pieces.append((p, sp, x - a, y - a))
         self.facade = optimizer
@@ -171,7 +186,7 @@ class ZeroReducer(GradReducer):
         self.inner.state = {}
         for p, _, x, y in self.pieces:
             full = optimizer.state.get(p.name) or {}
-            self.inner.state[p.name] = {k: np.array(np.asarray(v).ravel()[x:y]) for k, v in full.items()}
+            self.inner.state[p.name] = {k: self._piece_of(v, x, y, keep_dtype=True) for k, v in full.items()}
         optimizer.state = {name: {} for name in optimizer.names}
         self._full: dict[str, Any] | None = None
         self._reqs: list[Any] = []
@@ -192,6 +207,16 @@ class ZeroReducer(GradReducer):
         if stage >= 2:
             self._install(model)
 
+    def _scatter_masters(self) -> None:
+        """This rank's piece of the float32 masters (the full copies are then dropped)."""
+        for p in self.order:
+            a, b = self.where[id(p)]
+            x, y = max(a, self.lo), min(b, self.hi)
+            if x < y:
+                self.shard_master[x - self.lo : y - self.lo] = to_device(self.masters[p.name].data,
+                                                                         self.xp).ravel()[x - a : y - a]
+        self.masters = None
+
     # -- gradients ---------------------------------------------------------------------------
 
     def _track(self, nbytes: int) -> None:
@@ -202,7 +227,7 @@ class ZeroReducer(GradReducer):
         if self.unit_grad[u] is not None:
             return
         a, b = self.unit_range[u]
-        buf = self.unit_grad[u] = np.zeros(b - a, dtype=self.dtype)
+        buf = self.unit_grad[u] = self.xp.zeros(b - a, dtype=self.gdtype)
         if self.stage > 1:
             self._track(buf.nbytes)
         for p in self.units[u]:
@@ -214,7 +239,7 @@ class ZeroReducer(GradReducer):
         if buf is not None and self.stage > 1:
             self.transient -= buf.nbytes
         for p in self.units[u]:
-            p.grad = placeholder(p.shape, self.dtype)
+            p.grad = placeholder(p.shape, self.gdtype, self.xp)
 
     @property
     def flat_grad(self) -> list[np.ndarray]:
@@ -333,11 +358,24 @@ class ZeroReducer(GradReducer):
         inner = self.inner
         # The user may change lr or the schedule on the object they hold.
         inner.lr, inner.schedule, inner.step_count = optimizer.lr, optimizer.schedule, optimizer.step_count
+        wide = self.gdtype != self.sdtype  # 16-bit gradients: the update reads their fp32 widening
+        if wide:
+            self._piece_grads(self.shard_grad.astype(self.sdtype))
         inner.step()
+        if wide:
+            self._piece_grads(self.shard_grad)
         optimizer.step_count = inner.step_count
+        if self.shard_master is not None:
+            self.shard_param[...] = self.shard_master  # the masters rounded into the 16-bit piece
         if self.stage < 3:
             piece = self.shard_param.copy()  # MPI buffers must not overlap
             sharded.allgather(self.dp, piece, self.flat_param, self.counts)
+
+    def _piece_grads(self, flat: Any) -> None:
+        """Point the optimizer's pieces' gradients into ``flat`` (laid out as ``shard_grad``)."""
+        for p, sp, x, y in self.pieces:
+            at = self.where[id(p)][0] + x - self.lo
+            sp.grad = flat[at : at + (y - x)]
 
     def describe(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "stage": self.stage}
@@ -349,7 +387,7 @@ class ZeroReducer(GradReducer):
         x, y = max(a, self.lo), min(b, self.hi)
         # A copy: the piece sent must not change while the gather is in flight.
         mine = self.shard_param[x - self.lo : y - self.lo].copy() if x < y else self.shard_param[:0].copy()
-        buf = np.empty(b - a, dtype=self.dtype)
+        buf = self.xp.empty(b - a, dtype=self.dtype)
         self._track(buf.nbytes)
         return sharded.iallgather(self.dp, mine, buf, self.unit_counts[u]), buf
 
@@ -406,7 +444,7 @@ class ZeroReducer(GradReducer):
         if buf is not None and not (pf is not None and pf[2] is buf):
             self.transient -= buf.nbytes
         for p in self.units[u]:
-            p.data = placeholder(p.shape, self.dtype)
+            p.data = placeholder(p.shape, self.dtype, self.xp)
 
     def _step_starts(self) -> None:
         """Zero 3: the gathers recorded since the last step start become the plan of prefetches."""
@@ -465,21 +503,28 @@ class ZeroReducer(GradReducer):
 
     # -- checkpoints and memory --------------------------------------------------------------
 
-    def _gather_flat(self, piece: np.ndarray) -> np.ndarray:
-        full = np.empty(self.n, dtype=piece.dtype)
-        sharded.allgather(self.dp, np.ascontiguousarray(piece), full, self.counts)
+    def _piece_of(self, full: Any, x: int, y: int, keep_dtype: bool = False) -> Any:
+        """Elements ``x:y`` of a full (host or device) array, flat, as an owned array on this
+        device, in the parameters' dtype (``keep_dtype``: the array's own)."""
+        piece = to_device(full, self.xp).ravel()[x:y]
+        return piece.astype(piece.dtype if keep_dtype else self.sdtype, copy=True)
+
+    def _gather_flat(self, piece: Any) -> Any:
+        full = self.xp.empty(self.n, dtype=piece.dtype)
+        sharded.allgather(self.dp, self.xp.ascontiguousarray(piece), full, self.counts)
         return full
 
     def full_shards(self, shards: dict[str, tuple[Any, tuple, tuple]]) -> dict[str, tuple[Any, tuple, tuple]]:
         """``shards`` with full parameters and full optimizer state on the user's optimizer
         (collective over dp): what a checkpoint reads and writes. ``after_load`` puts back."""
         self._step_ends()
-        full_params = self._gather_flat(self.shard_param) if self.stage == 3 else None
+        own = self.shard_param if self.shard_master is None else self.shard_master
+        full_params = self._gather_flat(own) if self.stage == 3 or self.shard_master is not None else None
         keys = sorted({k for st in self.inner.state.values() for k in st})
         keys = sorted(set().union(*map(set, self.dp.allgather_obj(keys))))
         states = {}
         for key in keys:
-            piece = np.zeros(self.hi - self.lo, dtype=self.dtype)
+            piece = self.xp.zeros(self.hi - self.lo, dtype=self.sdtype)
             for p, _, x, y in self.pieces:
                 v = self.inner.state.get(p.name, {}).get(key)
                 if v is not None:
@@ -503,17 +548,21 @@ class ZeroReducer(GradReducer):
         """Take what a checkpoint load wrote (full parameters, full optimizer state on the user's
         optimizer) into this rank's pieces."""
         self._step_ends()
-        if self.stage == 3 and self._full:
+        if (self.stage == 3 or self.shard_master is not None) and self._full:
+            own = self.shard_param if self.shard_master is None else self.shard_master
             for p in self.order:
                 q = self._full.get(p.name)
                 a, b = self.where[id(p)]
                 x, y = max(a, self.lo), min(b, self.hi)
                 if q is not None and x < y:
-                    self.shard_param[x - self.lo : y - self.lo] = np.asarray(q.data).ravel()[x - a : y - a]
+                    own[x - self.lo : y - self.lo] = to_device(q.data, self.xp).ravel()[x - a : y - a]
+            if self.shard_master is not None:
+                self.shard_param[...] = self.shard_master
+                if self.stage < 3:  # every rank's flat copy of the 16-bit parameters
+                    sharded.allgather(self.dp, self.shard_param.copy(), self.flat_param, self.counts)
         for p, _, x, y in self.pieces:
             full = self.facade.state.get(p.name) or {}
-            self.inner.state[p.name] = {k: np.array(np.asarray(v).ravel()[x:y], dtype=self.dtype)
-                                        for k, v in full.items()}  # fmt: skip
+            self.inner.state[p.name] = {k: self._piece_of(v, x, y) for k, v in full.items()}
         self.inner.step_count = self.facade.step_count
         self._drop_full()
 
@@ -528,21 +577,23 @@ class ZeroReducer(GradReducer):
 
         params = [self.flat_param if self.stage < 3 else self.shard_param] + [p.data for p in self.order]
         local = self.flat_grad
+        # Zero 1: the gradients are the full local buffer; the reduced piece is a named buffer.
+        optimizer = optimizer_arrays(self.inner) + ([] if self.shard_master is None else [self.shard_master])
         if self.stage == 1:
-            # The gradients are the full local buffer; the reduced piece is a named buffer.
-            return {"params": params, "grads": local, "optimizer": optimizer_arrays(self.inner),
+            return {"params": params, "grads": local, "optimizer": optimizer,
                     "buffers": [self.shard_grad]}  # fmt: skip
         # Zero 2, 3: the reduced piece is the gradient; local unit gradients and gathered
         # parameters live only within a step: their peak since the last report is a buffer.
         peak, self.transient_peak = self.transient_peak, self.transient
-        return {"params": params, "grads": [self.shard_grad], "optimizer": optimizer_arrays(self.inner),
+        return {"params": params, "grads": [self.shard_grad], "optimizer": optimizer,
                 "buffers": local, "buffers_peak": peak}  # fmt: skip
 
 
-def zero_reducer(model: Any, optimizer: Any, stage: int) -> Any:
-    """A ``reducer=`` factory for ``ParallelTrainer``: ``(params, dp) -> ZeroReducer``."""
+def zero_reducer(model: Any, optimizer: Any, stage: int, masters: dict[str, Parameter] | None = None) -> Any:
+    """A ``reducer=`` factory for ``ParallelTrainer``: ``(params, dp) -> ZeroReducer`` (``masters``:
+    mixed precision's float32 masters by name, sharded with the optimizer state)."""
 
     def make(params: list[Any], dp: Any) -> ZeroReducer:
-        return ZeroReducer(params, dp, model=model, optimizer=optimizer, stage=stage)
+        return ZeroReducer(params, dp, model=model, optimizer=optimizer, stage=stage, masters=masters)
 
     return make

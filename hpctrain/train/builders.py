@@ -129,6 +129,8 @@ def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any
         common["backend"] = c.backend
     if c.zero:
         common["zero"] = c.zero
+    if c.precision != "fp32":
+        common.update(precision=c.precision, grad_reduce_dtype=c.grad_reduce_dtype)
     if c.strategy == "dp":
         opt = build_optimizer(c, model.parameters(), total_steps)
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,

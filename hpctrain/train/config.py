@@ -107,6 +107,12 @@ class Config:
                                                                 "are finished before the job ends)"))
     compression: str | None = field(default=None, metadata=_opt("16-bit gradient all-reduce (dp)",
                                                                 ("fp16", "bf16")))
+    precision: str = field(default="fp32", metadata=_opt("compute in bf16/fp16 with float32 master weights and "
+                                                         "optimizer state (fp16: dynamic loss scaling)",
+                                                         ("fp32", "bf16-mixed", "fp16-mixed")))
+    grad_reduce_dtype: str = field(default="fp32", metadata=_opt("dtype gradients accumulate and are all-reduced "
+                                                                 "in under mixed precision (bf16/fp16 halve the "
+                                                                 "bytes)", ("fp32", "bf16", "fp16")))
     timeout: float | None = field(default=None, metadata=_opt("seconds a wait may last before the job ends "
                                                               "(0 = off; default $HPCTRAIN_TIMEOUT or 300)"))
     on_nonfinite: str = field(default="raise", metadata=_opt("a step with a non-finite loss or gradient: raise, "
@@ -392,6 +398,13 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
                              ("lr_schedule", "constant"), ("warmup", 0)):
             if getattr(c, key) != default:
                 raise ConfigError(f"--strategy ps applies plain SGD steps on the servers: {flag(key)} is not possible")
+    if c.grad_reduce_dtype != "fp32" and c.precision == "fp32":
+        raise ConfigError(f"--grad-reduce-dtype {c.grad_reduce_dtype} needs --precision bf16-mixed or fp16-mixed")
+    if c.precision == "bf16-mixed" and c.grad_reduce_dtype == "fp16":
+        raise ConfigError("--precision bf16-mixed gradients can overflow fp16: --grad-reduce-dtype fp32 or bf16")
+    if c.precision != "fp32" and (strategy == "ps" or c.compression is not None):
+        raise ConfigError(f"--precision {c.precision} works with --strategy dp/tp/pp/hybrid and reduces in "
+                          "--grad-reduce-dtype (not --compression)")
     if c.compression is not None and dp == 1:
         raise ConfigError(f"--compression {c.compression} compresses the data-parallel all-reduce, but dp=1")
     if c.lr_schedule == "cosine" and c.min_lr > c.lr:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigError, HpctrainError
+from ..errors import CheckpointError, ConfigError, ExitStatus, HpctrainError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -140,7 +140,8 @@ def sample(model: Any, prompt: list[int], tokens: int, temperature: float = 1.0,
 
 
 def main(args: argparse.Namespace) -> int:
-    """Entry of ``hpctrain generate``: the prompt and its continuation on stdout; errors exit 2."""
+    """Entry of ``hpctrain generate``: the prompt and its continuation on stdout; a refused
+    checkpoint exits 4, other errors 2."""
     try:
         if args.tokens < 0:
             raise ConfigError(f"--tokens must be >= 0, got {args.tokens}")
@@ -154,6 +155,7 @@ def main(args: argparse.Namespace) -> int:
         ids = sample(model, [table[ch] for ch in args.prompt], args.tokens, args.temperature, args.top_k, args.seed)
     except (HpctrainError, FileNotFoundError) as exc:
         print(f"hpctrain generate: error: {exc}", file=sys.stderr)
-        return 2
+        # A damaged or missing checkpoint is a refusal (4), like every other command's, not usage.
+        return ExitStatus.CONFIG if isinstance(exc, (CheckpointError, FileNotFoundError)) else ExitStatus.USAGE
     print("".join(vocab[i] for i in ids))
     return 0

@@ -1,0 +1,218 @@
+"""Mixed precision: which dtype each kind of array has, and fp16's dynamic loss scaling.
+
+``Precision`` names the four dtypes of a training step (Lightning's names for the policies):
+
+============  ===========  ===========  ==========================  ============
+policy        parameters   compute      gradients (reduced in)      masters
+============  ===========  ===========  ==========================  ============
+fp32          float32      float32      float32                     (none)
+bf16-mixed    bfloat16     bfloat16     float32 (or ``bf16``)       float32
+fp16-mixed    float16      float16      float32 (or ``bf16``/fp16)  float32
+============  ===========  ===========  ==========================  ============
+
+Under a mixed policy the model's parameters hold the 16-bit copy the forward and backward
+compute with; the optimizer (or ZeRO's sharded update) keeps float32 *masters* and its state in
+float32, updates the masters with the float32 gradient and rounds them into the parameters.
+Gradients accumulate in and are all-reduced in ``reduce`` (float32 by default: 16-bit sums over
+many ranks lose the small contributions). Loss, softmax and LayerNorm statistics are computed in
+float32 whatever the compute dtype (``stat_dtype``). fp16 has a narrow exponent range: its
+policy carries a ``DynamicLossScaler`` (the loss gradient is multiplied by the scale; a step
+whose gradients overflow is skipped on every rank and the scale backs off).
+
+bfloat16 on NumPy is ``ml_dtypes.bfloat16`` (what CuPy takes too). NumPy has no 16-bit BLAS:
+``matmul`` multiplies 16-bit operands widened to float32 through BLAS and rounds the result once
+(the numerics of tensor cores). The CPU path is for correctness and CI, not speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP16 = np.dtype(np.float16)
+FP32 = np.dtype(np.float32)
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+_NAMED = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
+
+
+def is_half(dtype: Any) -> bool:
+    """Whether ``dtype`` is a 16-bit float (float16 or bfloat16; bfloat16's NumPy kind is 'V')."""
+    return np.dtype(dtype) in (BF16, FP16)
+
+
+def stat_dtype(dtype: Any) -> np.dtype:
+    """The dtype statistics (softmax, LayerNorm, loss) of ``dtype`` inputs are computed in:
+    float32 for 16-bit floats, the dtype itself otherwise."""
+    return FP32 if is_half(dtype) else np.dtype(dtype)
+
+
+def matmul(xp: Any, a: Any, b: Any, out: Any = None) -> Any:
+    """``xp.matmul(a, b, out=out)``; with a 16-bit float operand on NumPy (which has no 16-bit
+    BLAS: its float16 loop is ~100x slower than float32) the operands are widened to float32,
+    multiplied and accumulated in float32 by BLAS, and the result rounded once into ``out``
+    (or the operands' result dtype): the numerics of tensor cores."""
+    if xp is not np or not (is_half(a.dtype) or is_half(b.dtype)):
+        return xp.matmul(a, b, out=out)
+    product = np.matmul(a.astype(FP32, copy=False), b.astype(FP32, copy=False))
+    if out is None:
+        return product.astype(np.result_type(a.dtype, b.dtype))
+    out[...] = product
+    return out
+
+
+def widen(x: Any) -> tuple[Any, np.dtype | None]:
+    """``(x in float32, its 16-bit dtype)`` for a 16-bit ``x`` (a loss computes in float32 and
+    hands its gradient back in the input's dtype); ``(x, None)`` otherwise."""
+    if is_half(x.dtype):
+        return x.astype(FP32), np.dtype(x.dtype)
+    return x, None
+
+
+class DynamicLossScaler:
+    """fp16's loss scale: multiply the loss gradient by ``scale``; on an overflow (a non-finite
+    gradient on any rank) the step is skipped and the scale multiplied by ``backoff``; after
+    ``interval`` clean steps in a row it is multiplied by ``growth``. Scales stay powers of two
+    so scaling and unscaling are exact.
+
+    Stateful (``state_dict``/``load_state_dict``/``snapshot``/``restore``): the scale and the
+    clean-step count are part of a checkpoint.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
+                 interval: int = 2000, min_scale: float = 1.0) -> None:  # fmt: skip
+        for name, v in (("init_scale", init_scale), ("min_scale", min_scale)):
+            if not (v > 0 and math.isfinite(v) and math.log2(v) == int(math.log2(v))):
+                raise ValueError(f"{name} must be a positive power of two, got {v!r}")
+        if growth not in (2.0, 4.0) or backoff not in (0.5, 0.25):
+            raise ValueError(f"growth must be 2 or 4 and backoff 0.5 or 0.25 (exact), got {growth}, {backoff}")
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"interval must be a positive integer, got {interval!r}")
+        self.scale, self.growth, self.backoff = float(init_scale), float(growth), float(backoff)
+        self.interval, self.min_scale = interval, float(min_scale)
+        self.good_steps = 0
+        self.overflows = 0
+
+    def update(self, overflow: bool) -> None:
+        """After a step (every rank with the same ``overflow``): back off or count towards growth."""
+        if overflow:
+            self.scale = max(self.scale * self.backoff, self.min_scale)
+            self.good_steps = 0
+            self.overflows += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.interval:
+            self.scale *= self.growth
+            self.good_steps = 0
+
+    def config(self) -> dict[str, Any]:
+        return {"growth": self.growth, "backoff": self.backoff, "interval": self.interval,
+                "min_scale": self.min_scale}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        scale = float(state["scale"])
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"loss scaler state has scale {scale!r}")
+        self.scale, self.good_steps = scale, int(state["good_steps"])
+        self.overflows = int(state.get("overflows", 0))
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self.load_state_dict(snap)
+
+
+@dataclass
+class Precision:
+    """The dtypes of a step (see the module docstring) and fp16's loss scaler.
+
+    ``Precision.of("bf16-mixed", grad_reduce_dtype="fp32")``; ``Precision.of(p)`` of a
+    ``Precision`` returns it.
+    """
+
+    name: str = "fp32"
+    grad_reduce_dtype: str = "fp32"
+    scaler: DynamicLossScaler | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.name!r}")
+        if self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"grad_reduce_dtype must be one of {REDUCE_DTYPES}, got {self.grad_reduce_dtype!r}")
+        if self.name == "fp32" and self.grad_reduce_dtype != "fp32":
+            raise ValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} needs a mixed precision; fp32 reduces "
+                             "in fp32 (for 16-bit all-reduces of fp32 gradients use compression=)")  # fmt: skip
+        if self.name == "bf16-mixed" and self.grad_reduce_dtype == "fp16":
+            raise ValueError("bf16-mixed gradients can overflow float16: reduce them in fp32 or bf16")
+        if self.name == "fp16-mixed" and self.scaler is None:
+            self.scaler = DynamicLossScaler()
+
+    @classmethod
+    def of(cls, precision: str | Precision | None, grad_reduce_dtype: str | None = None) -> Precision:
+        if isinstance(precision, Precision):
+            return precision
+        return cls(precision or "fp32", grad_reduce_dtype or "fp32")
+
+    @property
+    def mixed(self) -> bool:
+        return self.name != "fp32"
+
+    @property
+    def param(self) -> np.dtype:
+        """The dtype of the model's parameters (what forward and backward read)."""
+        return {"fp32": FP32, "bf16-mixed": BF16, "fp16-mixed": FP16}[self.name]
+
+    @property
+    def compute(self) -> np.dtype:
+        return self.param
+
+    @property
+    def reduce(self) -> np.dtype:
+        """The dtype gradients accumulate in and are all-reduced in."""
+        return _NAMED[self.grad_reduce_dtype]
+
+    @property
+    def master(self) -> np.dtype:
+        return FP32
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the loss gradient is multiplied by this step (1 without a scaler)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def config(self) -> dict[str, Any]:
+        """Settings every rank must share (and checkpoints record)."""
+        return {"precision": self.name, "grad_reduce_dtype": self.grad_reduce_dtype,
+                **({"loss_scaler": self.scaler.config()} if self.scaler is not None else {})}  # fmt: skip
+
+    def make_masters(self, params: list[Any]) -> dict[str, Any]:
+        """Float32 master copies of ``params`` (by name), then the parameters cast to ``param``
+        and their gradients to ``reduce`` (zeros). Call while the parameters still hold float32
+        values: the masters start from them, not from their 16-bit rounding."""
+        from .nn.module import Parameter
+
+        masters = {}
+        for p in params:
+            if np.dtype(p.dtype) != FP32:
+                raise TypeError(f"precision={self.name!r} starts from float32 parameters; {p.name} is {p.dtype}")
+            master = Parameter(p.data.astype(FP32, copy=True), name=p.name)
+            master.grad = None  # the optimizer lends it the parameter's gradient during an update
+            masters[p.name] = master
+            p.data = p.data.astype(self.param)
+            p.grad = _zeros(p, self.reduce)
+        return masters
+
+
+def _zeros(p: Any, dtype: np.dtype) -> Any:
+    from .backend import xp_of
+
+    return xp_of(p.data).zeros(p.shape, dtype=dtype)

@@ -1,0 +1,330 @@
+"""A strict device stand-in for tests: an array module that behaves like CuPy where it matters.
+
+CI has no GPU, so code that mixes host (NumPy) and device (CuPy) arrays would only fail on a real
+GPU. This module is registered with ``hpctrain.backend.use_device_module`` (test-only) and plays
+CuPy's part: its ``ndarray`` wraps a NumPy array but is *not* one, and
+
+* ``np.asarray(dev)`` / ``np.array(dev)`` raise TypeError, as CuPy's ``__array__`` does: the only
+  ways to the host are ``dev.get()``, ``asnumpy(dev)``, and (for one element) ``float()``,
+  ``int()``, ``bool()``, ``.item()``, ``.tolist()`` — each counted in ``syncs`` (a device->host
+  transfer that waits for the GPU);
+* an operation mixing a NumPy array with a device array (``np_arr + dev``, ``xp.concatenate``
+  of both, ``xp.matmul(dev, np_arr)``) raises TypeError, as CuPy does;
+* results stay on the "device" (ufuncs, methods, indexing: a scalar index gives a 0-d array);
+* it has no buffer protocol, so handing one to MPI directly fails (device buffers are staged).
+
+It is a guard, not a claim: it runs on the CPU and proves nothing about speed or about CUDA
+itself; GPU results are stated only from real GPU runs.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+
+#: device->host reads the host decides on (``float()``, ``.item()``, ``.get()``...: each one waits for
+#: the GPU), buffers copied out for MPI (``.get(out=host)``: the communicator's staging, which
+#: CUDA-aware MPI or NCCL avoid), and host->device copies
+syncs = 0
+staged = 0
+to_device = 0
+
+
+def _sync() -> None:
+    global syncs
+    syncs += 1
+
+
+def _unwrap(obj: Any, what: str) -> Any:
+    """The NumPy arrays inside ``obj`` (recursing into lists/tuples); a NumPy array is refused."""
+    if isinstance(obj, ndarray):
+        return obj._a
+    if isinstance(obj, np.ndarray):
+        raise TypeError(f"{what}: a NumPy array mixed with device arrays (CuPy refuses this: move it with "
+                        "xp.asarray first)")  # fmt: skip
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unwrap(o, what) for o in obj)
+    return obj
+
+
+def _wrap(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return ndarray(obj)
+    if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
+        return ndarray(np.asarray(obj))  # CuPy returns 0-d arrays, never NumPy scalars
+    if isinstance(obj, tuple):
+        return tuple(_wrap(o) for o in obj)
+    if isinstance(obj, list):
+        return [_wrap(o) for o in obj]
+    return obj
+
+
+class ndarray:  # noqa: N801 - the name CuPy's array type has
+    """An array in "device memory": see the module docstring for what it refuses."""
+
+    __slots__ = ("_a",)
+    __array_priority__ = 100
+
+    def __init__(self, a: np.ndarray) -> None:
+        self._a = a
+
+    # -- the boundary ----------------------------------------------------------------------------
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct "
+                        "a NumPy array explicitly.")  # fmt: skip
+
+    def get(self, stream: Any = None, out: np.ndarray | None = None) -> np.ndarray:
+        global staged
+        if out is None:
+            _sync()
+            return self._a.copy()
+        staged += 1
+        np.copyto(out, self._a)
+        return out
+
+    def set(self, arr: np.ndarray, stream: Any = None) -> None:
+        global to_device
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"set() takes a NumPy array, got {type(arr).__name__}")
+        if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
+            raise ValueError(f"set(): {arr.shape}/{arr.dtype} into {self._a.shape}/{self._a.dtype}")
+        to_device += 1
+        np.copyto(self._a, arr)
+
+    def item(self) -> Any:
+        _sync()
+        return self._a.item()
+
+    def tolist(self) -> Any:
+        _sync()
+        return self._a.tolist()
+
+    def __float__(self) -> float:
+        _sync()
+        return float(self._a)
+
+    def __int__(self) -> int:
+        _sync()
+        return int(self._a)
+
+    def __index__(self) -> int:
+        _sync()
+        return self._a.__index__()
+
+    def __bool__(self) -> bool:
+        _sync()
+        return bool(self._a)
+
+    def __complex__(self) -> complex:
+        _sync()
+        return complex(self._a)
+
+    # -- staying on the device -------------------------------------------------------------------
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        what = f"{ufunc.__name__}.{method}"
+        out = kwargs.get("out")
+        if out is not None:
+            kwargs["out"] = _unwrap(out, what)
+        result = getattr(ufunc, method)(*_unwrap(inputs, what), **kwargs)
+        if out is not None:  # in place: the device array(s) themselves, as NumPy returns ``out``
+            return out[0] if len(out) == 1 else out
+        return _wrap(result)
+
+    def __array_function__(self, func: Any, types_: Any, args: Any, kwargs: Any) -> Any:
+        what = func.__name__
+        return _wrap(func(*_unwrap(args, what), **{k: _unwrap(v, what) for k, v in kwargs.items()}))
+
+    def __getitem__(self, key: Any) -> Any:
+        return _wrap(self._a[_index(key)])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        global to_device
+        if isinstance(value, np.ndarray):
+            to_device += 1  # CuPy copies a host value in (a host->device transfer)
+        else:
+            value = _unwrap(value, "__setitem__")
+        self._a[_index(key)] = value
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __iter__(self) -> Any:
+        return (ndarray(np.asarray(v)) if not isinstance(v, np.ndarray) else ndarray(v) for v in self._a)
+
+    def __repr__(self) -> str:
+        return f"devicearray.ndarray({self._a!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__array") or name in ("__buffer__", "__dlpack__", "__cuda_array_interface__"):
+            raise AttributeError(name)
+        attr = getattr(self._a, name)
+        if callable(attr):
+            def method(*args: Any, **kwargs: Any) -> Any:
+                what = f"ndarray.{name}"
+                return _wrap(attr(*_unwrap(args, what), **{k: _unwrap(v, what) for k, v in kwargs.items()}))
+            return method
+        return _wrap(attr) if isinstance(attr, np.ndarray) else attr
+
+    @property
+    def T(self) -> ndarray:  # noqa: N802
+        return ndarray(self._a.T)
+
+    @property
+    def shape(self) -> tuple:
+        return self._a.shape
+
+    @shape.setter
+    def shape(self, value: tuple) -> None:
+        self._a.shape = value
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._a.dtype
+
+    @property
+    def size(self) -> int:
+        return self._a.size
+
+    @property
+    def ndim(self) -> int:
+        return self._a.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return self._a.nbytes
+
+
+def _index(key: Any) -> Any:
+    """An index with device arrays unwrapped (CuPy also takes host integer arrays as indices)."""
+    if isinstance(key, ndarray):
+        return key._a
+    if isinstance(key, tuple):
+        return tuple(k._a if isinstance(k, ndarray) else k for k in key)
+    return key
+
+
+def _binary(ufunc: Any, reflected: bool = False, inplace: bool = False) -> Any:
+    if inplace:
+        def op(self: ndarray, other: Any) -> ndarray:
+            ufunc(self, other, out=(self,))
+            return self
+    elif reflected:
+        def op(self: ndarray, other: Any) -> Any:
+            return ufunc(other, self)
+    else:
+        def op(self: ndarray, other: Any) -> Any:
+            return ufunc(self, other)
+    return op
+
+
+_OPS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
+        "floordiv": np.floor_divide, "mod": np.remainder, "pow": np.power, "matmul": np.matmul,
+        "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}  # fmt: skip
+for _name, _uf in _OPS.items():
+    setattr(ndarray, f"__{_name}__", _binary(_uf))
+    setattr(ndarray, f"__r{_name}__", _binary(_uf, reflected=True))
+    if _name != "matmul":
+        setattr(ndarray, f"__i{_name}__", _binary(_uf, inplace=True))
+for _name, _uf in {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+                   "eq": np.equal, "ne": np.not_equal}.items():  # fmt: skip
+    setattr(ndarray, f"__{_name}__", _binary(_uf))
+ndarray.__hash__ = None  # type: ignore[assignment]
+ndarray.__neg__ = lambda self: np.negative(self)  # type: ignore[attr-defined]
+ndarray.__pos__ = lambda self: np.positive(self)  # type: ignore[attr-defined]
+ndarray.__abs__ = lambda self: np.absolute(self)  # type: ignore[attr-defined]
+ndarray.__invert__ = lambda self: np.invert(self)  # type: ignore[attr-defined]
+
+
+# -- the module's functions ---------------------------------------------------------------------
+
+def asarray(a: Any, dtype: Any = None, order: Any = None) -> ndarray:
+    """``a`` on the device (a host->device copy for NumPy input)."""
+    global to_device
+    if isinstance(a, ndarray):
+        return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    to_device += 1
+    return ndarray(np.array(a, dtype=dtype, order=order or "K", copy=True))
+
+
+def array(a: Any, dtype: Any = None, copy: bool = True, order: Any = None) -> ndarray:
+    if isinstance(a, ndarray):
+        return ndarray(np.array(a._a, dtype=dtype, copy=copy, order=order or "K"))
+    return asarray(a, dtype, order)
+
+
+def asnumpy(a: Any, stream: Any = None, out: np.ndarray | None = None) -> np.ndarray:
+    if isinstance(a, ndarray):
+        return a.get(out=out)
+    return np.asarray(a)
+
+
+def get_array_module(*args: Any) -> types.ModuleType:
+    import sys
+
+    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in args) else np
+
+
+class _Ufunc:
+    """A NumPy ufunc whose results stay on the device (``add.at`` included)."""
+
+    def __init__(self, uf: np.ufunc) -> None:
+        self._uf, self.__name__ = uf, uf.__name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _call(self._uf, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._uf, name)
+        return (lambda *a, **k: _call(fn, a, k)) if callable(fn) else fn
+
+
+def _call(fn: Any, args: tuple, kwargs: dict) -> Any:
+    what = getattr(fn, "__name__", "function")
+    out = fn(*_unwrap(args, what), **{k: _unwrap(v, what) for k, v in kwargs.items()})
+    return _wrap(out)
+
+
+def __getattr__(name: str) -> Any:
+    """Any other NumPy name: dtypes and constants as they are, functions kept on the device."""
+    attr = getattr(np, name)
+    if isinstance(attr, np.ufunc):
+        return _Ufunc(attr)
+    if isinstance(attr, type) or not callable(attr):
+        return attr
+    return lambda *a, **k: _call(attr, a, k)
+
+
+class _Stream:
+    ptr = 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def record(self) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class _Runtime:
+    @staticmethod
+    def getDeviceCount() -> int:  # noqa: N802 - CuPy's name
+        return 1
+
+
+class _Device:
+    def __init__(self, i: int = 0) -> None:
+        self.id = i
+
+    def use(self) -> None:
+        pass
+
+
+cuda = types.SimpleNamespace(get_current_stream=lambda: _Stream(), runtime=_Runtime(), Device=_Device,
+                             Stream=lambda non_blocking=False: _Stream())  # fmt: skip
+random = types.SimpleNamespace(
+    RandomState=lambda seed=None: types.SimpleNamespace(
+        random_sample=lambda size=None: ndarray(np.random.RandomState(seed).random_sample(size))))

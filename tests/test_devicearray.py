@@ -1,0 +1,39 @@
+"""The device stand-in (tests/devicearray.py) refuses what CuPy refuses: otherwise the strategy
+matrix on it would prove nothing. And the package takes it for CuPy once registered."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def test_no_implicit_way_back_to_numpy(standin):
+    dev = standin.asarray(np.arange(6.0).reshape(2, 3))
+    for convert in (np.asarray, np.array, lambda a: np.concatenate([a, np.zeros((1, 3))])):
+        with pytest.raises(TypeError, match="NumPy"):
+            convert(dev)
+    with pytest.raises(TypeError, match="NumPy array mixed"):
+        dev + np.ones(3)  # noqa: B018 - the operation is the test
+    with pytest.raises(TypeError, match="NumPy array mixed"):
+        standin.matmul(dev, np.ones(3))
+    assert np.array_equal(dev.get(), np.arange(6.0).reshape(2, 3))
+
+
+def test_results_stay_on_the_device_and_reads_are_counted(standin):
+    dev = standin.asarray(np.arange(6.0))
+    before = standin.syncs
+    results = [dev * 2, np.exp(dev), dev[1], dev.sum(), standin.concatenate([dev, dev]), dev @ dev]
+    assert all(isinstance(r, standin.ndarray) for r in results)  # a scalar index gives a 0-d array
+    dev += 1
+    assert standin.syncs == before  # nothing was read
+    assert float(dev[0]) == 1.0 and dev.sum().item() == 21.0 and dev.tolist()[5] == 6.0
+    assert standin.syncs == before + 3
+
+
+def test_the_package_takes_it_for_cupy(standin):
+    from hpctrain import backend
+
+    dev = backend.to_device(np.ones(3), backend.get_xp("gpu"))
+    assert backend.is_device_array(dev) and backend.xp_of(dev) is standin
+    assert not backend.is_device_array(np.ones(3)) and not backend.is_real_cupy(standin)
+    assert type(backend.to_host(dev)) is np.ndarray

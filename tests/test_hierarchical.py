@@ -12,11 +12,17 @@ from hpctrain.comm.hierarchical import HierarchicalComm
 from hpctrain.parallel import DataParallelTrainer
 
 # Ranks per claimed node: one node per rank (all leaders), pairs (2x2 at -n 4, 2+1 at -n 3),
-# and everything on one node (no leader all-reduce).
-PER_NODE = [1, 2, 1 << 20]
+# everything on one node (no leader all-reduce), and None: the nodes as measured (one here; two
+# under tests/test_two_nodes.py's network-namespace cluster).
+PER_NODE = [1, 2, 1 << 20, None]
 
 
-def claim(monkeypatch, comm, per_node: int) -> list[str]:
+def claim(monkeypatch, comm, per_node: int | None) -> list[str]:
+    if per_node is None:
+        from hpctrain.comm.nodes import node_names
+
+        monkeypatch.delenv("HPCTRAIN_NODE_NAME", raising=False)
+        return node_names(comm)
     monkeypatch.setenv("HPCTRAIN_NODE_NAME", f"n{comm.rank // per_node}")
     return [f"n{r // per_node}" for r in range(comm.size)]
 
@@ -28,7 +34,7 @@ def test_equals_flat_allreduce_with_many_in_flight(comm, monkeypatch, per_node):
     names = claim(monkeypatch, comm, per_node)
     hier = HierarchicalComm(comm)
     assert hier.names == names and hier.n_nodes == len(set(names))
-    assert hier.is_leader == (comm.rank % min(per_node, comm.size) == 0)
+    assert hier.is_leader == (names.index(names[comm.rank]) == comm.rank)
     rng = np.random.default_rng(comm.rank)
     xs = [rng.standard_normal(n) for n in (1, 7, 1000, 33)] + [rng.standard_normal(50).astype(np.float32)]
     want = [comm.allreduce(x) for x in xs]

@@ -84,3 +84,31 @@ def test_hierarchical_backend_refuses_compression_on_every_rank(comm):
     with pytest.raises(ValueError, match="flat MPI backend"):
         DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=make_opt("sgd", model.parameters()),
                             comm=comm, backend="hierarchical", compression="bf16")
+
+
+_STALL = """
+import time
+import numpy as np
+from hpctrain import Communicator
+from hpctrain.comm.hierarchical import HierarchicalComm
+comm = Communicator()
+hier = HierarchicalComm(comm, [f"n{r // 2}" for r in range(comm.size)])
+if comm.rank == comm.size - 1:
+    time.sleep(60)  # never joins: the others must not wait forever
+hier.iallreduce(np.ones(10), out=None).wait()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_joins_ends_the_job_with_a_stall_report(serial):
+    import subprocess
+    import sys
+
+    from jobs import clean_env, mpiexec
+
+    p = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-c", _STALL], capture_output=True, text=True,
+                       timeout=100, env={**clean_env(), "HPCTRAIN_TIMEOUT": "4"})
+    from hpctrain.comm.watchdog import STALL_EXIT
+
+    assert p.returncode == STALL_EXIT, (p.returncode, p.stderr[-2000:])
+    assert "hierarchical all-reduce" in p.stderr and "StallError" in p.stderr, p.stderr[-2000:]

@@ -19,15 +19,19 @@ from .train import generate as _generate
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--probe", action="store_true", help="also run the CUDA-aware MPI probe")
+    p.add_argument("--probe", action="store_true",
+                   help="also run the CUDA-aware MPI probe and measure each link class (intra-node, inter-node) "
+                        "as latency + bytes / bandwidth from ping-pongs")
 
 
 def _gather_rank_info(comm) -> dict:
+    from .comm.nodes import node_name
+
     cp = backend.cupy()
     local = comm.local_rank
     info = {
         "rank": comm.rank,
-        "host": comm.hostname(),
+        "host": node_name(comm),
         "local_rank": local,
         "gpus_visible": 0,
         "device": None,
@@ -46,12 +50,14 @@ def run_info(args: argparse.Namespace) -> int:
     import mpi4py
     from mpi4py import MPI
 
-    from .comm import Communicator, ulfm
+    from .comm import Communicator, linkprobe, ulfm
     from .comm import cuda_aware as ca
+    from .comm.nodes import describe, node_names
 
     comm = Communicator()
     ranks = comm.gather_obj(_gather_rank_info(comm))
     aware = comm.cuda_aware if (args.probe or backend.cupy() is not None) else False
+    links = linkprobe.probe(comm, node_names(comm)) if args.probe else None
     if comm.rank != 0:
         return 0
     per_node = Counter(r["host"] for r in ranks)
@@ -62,6 +68,7 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"world size       : {comm.size}")
     print(f"nodes            : {len(per_node)}  (ranks per node: "
           + ", ".join(f"{h}={n}" for h, n in sorted(per_node.items())) + ")")
+    print(f"node layout      : {describe([r['host'] for r in ranks])}")
     print(f"CUDA-aware MPI   : {'yes' if aware else 'no'}  (library reports "
           f"{'unknown' if says is None else 'yes' if says else 'no'}; "
           + ("device buffers go to MPI directly)" if aware
@@ -72,6 +79,9 @@ def run_info(args: argparse.Namespace) -> int:
     for r in ranks:
         dev = "-" if r["device"] is None else f"{r['device']} ({r['gpu_name']})"
         print(f"{r['rank']:>4} {r['host']:<20} {r['local_rank']:>5} {r['gpus_visible']:>4}  {dev}")
+    if links is not None:
+        print("links (ping-pong; one-way time = alpha + bytes / beta, least-squares fit):")
+        print(linkprobe.table(links))
     return 0
 
 
@@ -153,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpctrain", description="MPI training for HPC clusters",
                                      epilog="exit statuses: 0 done, 1 failure, 2 usage, 3 stall (watchdog), "
                                             "4 refused (configuration, data, checkpoints, run directory), "
-                                            "75 preempted (checkpoint written; resubmit with --resume)")
+                                            "75 preempted (checkpoint written; resubmit with --resume), "
+                                            "130 interrupted (Ctrl-C twice)")
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     parser.add_argument("--hdf5-locking", choices=("on", "off", "best-effort"), default=None,
                         help="HDF5 file locking (default: $HPCTRAIN_HDF5_LOCKING, else HDF5's own default); "
@@ -201,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     handler = log.to_stream()  # the library's messages, rank 0's, as "hpctrain: ..." lines on stdout
     try:
         return COMMANDS[args.command][2](args)
+    except SystemExit as exc:  # sys.exit in user code (a model factory): on one rank, end the job now
+        if args.command not in NEEDS_MPI:
+            raise
+        from .comm.failure import exited
+
+        return exited(exc, what=f"hpctrain {args.command}")
     finally:
         logging.getLogger(log.ROOT).removeHandler(handler)
 

@@ -89,6 +89,8 @@ class ExitStatus(IntEnum):
     CONFIG = 4
     #: Stopped on a signal with a checkpoint of the step (sysexits' EX_TEMPFAIL: try again).
     PREEMPTED = 75
+    #: Ctrl-C pressed again while stopping: ended at once, no checkpoint (128 + SIGINT).
+    INTERRUPTED = 130
 
 
 class RankLossError(HpctrainError, RuntimeError):

@@ -111,6 +111,15 @@ def data_dir() -> str | None:
     return raw if raw.strip() else None
 
 
+def node_name() -> str | None:
+    """``HPCTRAIN_NODE_NAME``: the node this rank claims to be on, overriding the host name (tests
+    of multi-node layouts on one machine; ``None``: the host's name)."""
+    raw = os.environ.get("HPCTRAIN_NODE_NAME", "").strip()
+    if raw and not raw.isprintable():
+        raise ConfigError(f"HPCTRAIN_NODE_NAME={raw!r} must be a printable name")
+    return raw or None
+
+
 def progress() -> str:
     """How gradient buckets in flight progress during backward: ``HPCTRAIN_PROGRESS`` (``poll``,
     ``thread`` or ``none``; default ``poll``), see ``hpctrain.comm.progress``."""
@@ -137,6 +146,7 @@ PARSERS = {
     "HPCTRAIN_CUDA_AWARE": cuda_aware,
     "HPCTRAIN_DEVICE": device,
     "HPCTRAIN_LOCAL_RANK": local_rank,
+    "HPCTRAIN_NODE_NAME": node_name,
     "HPCTRAIN_DATA": data_dir,
     "HPCTRAIN_PROGRESS": progress,
     "HPCTRAIN_FUSED": fused,

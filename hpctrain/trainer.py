@@ -168,6 +168,11 @@ class Trainer:
         from .comm import watchdog
 
         watchdog.attach(self)
+        # The checkpoints' private communicator, made now while every rank is here: a Dup (a
+        # collective) at the first save would hang, unreported, on a rank stopped before it.
+        from .checkpoint.saving import ckpt_comm
+
+        ckpt_comm(self.comm)
 
     # -- the declared interface ---------------------------------------------------------------
 

@@ -46,6 +46,16 @@ def serial_model(dtype=np.float64, recompute: bool = False) -> Sequential:
     return model
 
 
+_built: list = []  # the test's trainers: closed after it (the parameter server's windows)
+
+
+@pytest.fixture(autouse=True)
+def _close_trainers():
+    yield
+    while _built:
+        _built.pop().close()  # collective: every rank built the same trainers
+
+
 def build(kind: str, comm, clip=None, policy="raise", device=None, momentum=0.0, dtype=np.float64,
           recompute=False):
     """(trainer, dp rank, dp size) for ``kind``; skips when the layout does not fit the world.
@@ -74,6 +84,7 @@ def build(kind: str, comm, clip=None, policy="raise", device=None, momentum=0.0,
         return tr, comm.rank, comm.size
     if kind == "ps":
         tr = ParameterServerTrainer(model=model, loss=loss, lr=LR, comm=comm, mode="sync", on_nonfinite=policy)
+        _built.append(tr)
         return tr, comm.rank, comm.size
     if kind == "tp":
         grid = ProcessGrid(comm, tp=2)

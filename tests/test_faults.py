@@ -112,9 +112,26 @@ def test_same_unhandled_error_on_every_rank_ends_normally_traceback_once(launch)
     p, took = launch("misc.py", "crash-all", env={"HPCTRAIN_TIMEOUT": "300"})
     assert p.returncode == 1 and took < 30, (p.returncode, took, p.stderr)
     assert p.stderr.count("Traceback (most recent call last)") == 1 and "[rank 0] Traceback" in p.stderr
-    assert "[rank 1] ValueError: checking: rank 1: injected on the last rank  (raised on every rank" in p.stderr
+    assert "[rank 0] ValueError: checking: rank 1: injected on the last rank" in p.stderr
+    assert "[rank 0] (raised on all 2 ranks; traceback of rank 0)" in p.stderr
+    assert "[rank 1]" not in p.stderr  # said once, by rank 0
     assert "MPI_Abort" not in p.stderr and "aborting" not in p.stderr
     _whole_rank_lines(p.stderr)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("mode", "status", "says"), [
+    ("raise-all", 1, "RuntimeError: injected on every rank"),
+    ("fail-all", 2, "misc: error: injected on every rank"),
+])
+def test_error_of_every_rank_not_raised_collectively_is_said_once(launch, mode, status, says):
+    # Each rank raises on its own (no collective tagged the error): the ranks meet, rank 0 says it.
+    p, took = launch("misc.py", mode, env={"HPCTRAIN_TIMEOUT": "300"})
+    assert p.returncode == status and took < 30, (p.returncode, took, p.stderr)
+    assert p.stderr.count(says) == 1 and f"[rank 0] {says}" in p.stderr, p.stderr
+    assert "[rank 1]" not in p.stderr and p.stderr.count("Traceback") <= 1, p.stderr
+    assert "aborting" not in p.stderr
 
 
 @pytest.mark.fault
@@ -128,6 +145,17 @@ def test_error_lines_of_ranks_never_run_together(launch):
     assert not bad, bad[:3]
 
 
+@pytest.mark.fault
+@pytest.mark.timeout(90)
+def test_parameter_server_windows_are_freed_at_exit_without_close(launch):
+    # MPI finalized with live windows: UCX warns about every registration it still holds.
+    p, _ = launch("misc.py", "ps-no-close")
+    assert p.returncode == 0, p.stderr
+    for r in (0, 1):
+        assert f"rank {r} windows freed at exit: True" in p.stdout, p.stdout
+    assert "WARN" not in p.stderr, p.stderr
+
+
 # -- hpctrain train with a fault on one rank (issue 21) ----------------------------------------------
 
 
@@ -139,9 +167,10 @@ def _whole_rank_lines(err: str) -> None:
     assert not odd, odd
 
 
-def _train_fault(launch, tmp_path, mode: str, ps_mode: str, timeout: str) -> tuple:
-    return launch("train_fault.py", mode, "1", "3", "--", "--strategy", "ps", "--ps-mode", ps_mode,
-                  "--epochs", "1", "--run-dir", str(tmp_path / "run"),
+def _train_fault(launch, tmp_path, mode: str, ps_mode: str, timeout: str, at: str = "3", rank: str = "1",
+                 extra: tuple = ()) -> tuple:
+    return launch("train_fault.py", mode, rank, at, "--", "--strategy", "ps", "--ps-mode", ps_mode,
+                  "--epochs", "1", "--run-dir", str(tmp_path / "run"), *extra,
                   env={"HPCTRAIN_TIMEOUT": timeout, "HPCTRAIN_DATA": str(tmp_path / "data")}, timeout=100)
 
 
@@ -161,6 +190,47 @@ def test_parameter_server_with_a_stopped_rank_ends_naming_it(launch, tmp_path, p
     _whole_rank_lines(err)
 
 
+SMALL = ("--max-samples", "384", "--batch-size", "32")  # a short epoch: 12 steps of 16 rows per rank
+
+
+def _stall_reported(p, took, *, op: str, bound: float = 60) -> None:
+    """The job ended as the README says a stall ends: exit 3, rank 0's report naming ``op`` and
+    rank 1 as the one that did not arrive nor answer."""
+    assert p.returncode == 3 and took < bound, (p.returncode, took, p.stderr)
+    err = p.stderr
+    assert re.search(rf"\[rank 0\] hpctrain watchdog: StallError on rank 0: {op} #\d+ on ranks \[0, 1\]", err), err
+    assert "NOT arrived: ranks [1]" in err and "rank 1: did not answer within" in err, err
+    _whole_rank_lines(err)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_rank_stopped_while_saving_ends_the_job_and_keeps_the_last_checkpoint(launch, tmp_path):
+    # Rank 1 stops while it writes its part of the step-4 checkpoint: rank 0 waits in the save's
+    # agreement (on the checkpoints' private communicator), which the watchdog must see.
+    run = tmp_path / "run"
+    p, took = launch("train_fault.py", "stop-save", "1", "4", "--", "--epochs", "1", "--checkpoint-every", "2",
+                     *SMALL, "--run-dir", str(run),
+                     env={"HPCTRAIN_TIMEOUT": "3", "HPCTRAIN_DATA": str(tmp_path / "data")}, timeout=100)
+    assert "rank 1: injected stop while saving step 4" in p.stdout, p.stdout
+    _stall_reported(p, took, op="gather_obj")
+    assert "(checkpoint save: the ranks' agreement on what they wrote) has not completed" in p.stderr
+    assert "at step 4" in p.stderr
+    saved = ckpt.list_checkpoints(str(run / "checkpoints"))
+    assert [os.path.basename(s) for s in saved] == ["ckpt-00000002.h5"]  # step 4's was never committed
+    assert "all checksums verified" in ckpt.inspect(saved[-1])
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_async_parameter_server_stopped_at_the_epoch_end_ends_naming_it(launch, tmp_path):
+    # Rank 1 stops at its first epoch's last step; rank 0 runs on alone to the epoch's end and
+    # starts the checkpoint (whose communicator was once made there, by a Dup nobody watched).
+    p, took = _train_fault(launch, tmp_path, "stop", "async", "3", at="-1", extra=SMALL)
+    assert re.search(r"rank 1: injected stop at step \d+", p.stdout), p.stdout
+    _stall_reported(p, took, op="barrier")
+
+
 @pytest.mark.fault
 @pytest.mark.timeout(120)
 def test_error_on_one_rank_ends_the_whole_train_job_with_its_traceback(launch, tmp_path):
@@ -174,6 +244,54 @@ def test_error_on_one_rank_ends_the_whole_train_job_with_its_traceback(launch, t
     assert "[rank 1] hpctrain.errors.StallError: injected on rank 1 at step 3" in err
     assert "[rank 0]" not in err  # rank 0 was waiting, it has nothing to say
     _whole_rank_lines(err)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("who", ["-1", "1"])
+def test_second_ctrl_c_ends_the_job_at_once_with_one_line(launch, tmp_path, who):
+    # who=-1: every rank gets both signals (Ctrl-C under mpiexec); 1: only rank 1 does.
+    p, took = _train_fault(launch, tmp_path, "ctrl-c-twice", "sync", "300", rank=who, extra=SMALL)
+    assert p.returncode == 130 and took < 40, (p.returncode, took, p.stderr)
+    ours = [line for line in p.stderr.splitlines() if "hpctrain" in line]
+    where = "on all 2 ranks" if who == "-1" else "on rank 1 of 2"
+    assert len(ours) == 1 and f"hpctrain: interrupted (Ctrl-C again) {where}; ending the job now" in ours[0], p.stderr
+    assert ours[0].startswith(f"[rank {0 if who == '-1' else 1}]"), ours
+    assert "Traceback" not in p.stderr and "not on every rank" not in p.stderr
+
+
+def _factory(launch, tmp_path, name: str) -> tuple:
+    """``hpctrain train --model tests/faults/factory.py:NAME`` with the watchdog at 300 s."""
+    return launch("train_fault.py", "none", "0", "0", "--", "--model", f"{FAULTS}/factory.py:{name}",
+                  "--epochs", "1", "--run-dir", str(tmp_path / "run"),
+                  env={"HPCTRAIN_TIMEOUT": "300", "HPCTRAIN_DATA": str(tmp_path / "data")}, timeout=100)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["raise_on_last", "raise_everywhere"])
+def test_model_factory_error_names_type_rank_and_shows_one_traceback(launch, tmp_path, name):
+    p, took = _factory(launch, tmp_path, name)
+    assert p.returncode == 4 and took < 40, (p.returncode, took, p.stderr)
+    ranks = "rank 1" if name == "raise_on_last" else "ranks 0-1"
+    assert f"[rank 0] hpctrain train: error: {ranks}: ValueError: injected in the model factory" in p.stderr, p.stderr
+    assert p.stderr.count("Traceback (most recent call last)") == 1, p.stderr  # once, not once per rank
+    first = "1" if name == "raise_on_last" else "0"
+    assert f"[rank {first}] Traceback" in p.stderr and "factory.py\", line" in p.stderr, p.stderr
+    assert f"[rank {first}] ValueError: injected in the model factory" in p.stderr
+    _whole_rank_lines(p.stderr)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_sys_exit_on_one_rank_is_reported_at_once_with_its_status(launch, tmp_path):
+    # The watchdog is at 300 s: only the exit handling can end this job quickly.
+    p, took = _factory(launch, tmp_path, "exit_on_last")
+    assert p.returncode == 3 and took < 40, (p.returncode, took, p.stderr)
+    assert re.search(r"\[rank 1\] hpctrain train: rank 1 of 2 exited with status 3 \(sys.exit at \S+factory.py:\d+ "
+                     r"in exit_on_last\)", p.stderr), p.stderr
+    assert "StallError" not in p.stderr
+    _whole_rank_lines(p.stderr)
 
 
 @pytest.mark.fault

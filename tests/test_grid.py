@@ -80,3 +80,92 @@ def test_grid_disagreement_fails_on_every_rank(comm):
     tp = comm.size if comm.rank == 0 else 1
     with pytest.raises(GridError, match="different process grids"):
         ProcessGrid(comm, tp=tp)
+
+
+# -- node-aware: the node layout as a pure function, then under mpiexec with HPCTRAIN_NODE_NAME --
+
+
+def test_node_layout_of_names():
+    from hpctrain.comm.nodes import describe, local_ranks, nodes, spanning
+
+    names = ["a", "a", "b", "b", "a"]
+    assert nodes(names) == {"a": [0, 1, 4], "b": [2, 3]}
+    assert local_ranks(names) == [0, 1, 0, 1, 2]
+    assert spanning([[0, 1], [2, 3], [3, 4]], names) == [[3, 4]]
+    assert describe(names) == "a: ranks 0,1,4; b: ranks 2-3"
+
+
+@pytest.mark.parametrize("per_node,tp,pp", [(2, 2, 1), (4, 2, 2), (4, 4, 1), (4, 2, 1), (2, 1, 4)])
+def test_block_placement_keeps_tp_inside_nodes_and_dp_across(per_node, tp, pp):
+    from hpctrain.comm.grid import tp_span_problem
+
+    size = 8
+    names = [f"n{r // per_node}" for r in range(size)]
+    assert tp_span_problem(names, tp, pp) is None
+    if tp == per_node and pp == 1:  # one tp group per node: each dp group has one rank on every node
+        for g in layout(size, tp, pp)["dp"]:
+            assert sorted(names[r] for r in g) == sorted(set(names))
+
+
+@pytest.mark.parametrize("names,tp", [(["a", "b", "a", "b"], 2), (["a", "a", "a", "b", "b", "b"], 2),
+                                      (["a", "a", "b", "b"], 4)])
+def test_tp_group_across_nodes_is_named(names, tp):
+    from hpctrain.comm.grid import tp_span_problem
+
+    why = tp_span_problem(names, tp)
+    assert why is not None and f"tp={tp}" in why and "span nodes" in why
+    assert "[0, 1" in why or "[2, 3]" in why
+
+
+def _claim_node(monkeypatch, comm, per_node: int) -> list[str]:
+    """Each rank claims node ``n{rank // per_node}`` through HPCTRAIN_NODE_NAME."""
+    monkeypatch.setenv("HPCTRAIN_NODE_NAME", f"n{comm.rank // per_node}")
+    return [f"n{r // per_node}" for r in range(comm.size)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_grid_measures_the_claimed_nodes(comm, monkeypatch):
+    names = _claim_node(monkeypatch, comm, per_node=2)
+    tp = 2 if comm.size % 2 == 0 else 1
+    grid = ProcessGrid(comm, tp=tp, span="refuse")  # inside nodes: accepted
+    assert grid.nodes == names
+    assert grid.world.allgather_obj(grid.nodes) == [names] * comm.size
+    grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_tp_group_spanning_nodes_is_refused_on_every_rank_or_warned(comm, monkeypatch, caplog):
+    _claim_node(monkeypatch, comm, per_node=1)  # one rank per node: a tp group of all ranks spans them all
+    with pytest.raises(GridError, match="span nodes"):
+        ProcessGrid(comm, tp=comm.size, span="refuse")
+    with caplog.at_level("WARNING", logger="hpctrain.grid"):
+        grid = ProcessGrid(comm, tp=comm.size)
+    warned = [r for r in caplog.records if "span nodes" in r.getMessage()]
+    assert len(warned) == (1 if comm.rank == 0 else 0)
+    assert grid.tp.size == comm.size  # still a working grid
+    grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_bad_span_fails_on_every_rank(comm):
+    with pytest.raises(GridError, match="span must be one of"):
+        ProcessGrid(comm, span="maybe")
+
+
+@pytest.mark.timeout(120)
+def test_info_lists_the_nodes_the_ranks_claim(serial):
+    import subprocess
+    import sys
+
+    from jobs import clean_env, mpiexec
+
+    cmd = [mpiexec()]
+    for node, n in (("alpha", 1), ("beta", 2)):
+        cmd += ["-n", str(n), "-env", "HPCTRAIN_NODE_NAME", node, sys.executable, "-m", "hpctrain", "info", ":"]
+    p = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=100, env=clean_env())
+    assert p.returncode == 0, p.stderr
+    assert "nodes            : 2  (ranks per node: alpha=1, beta=2)" in p.stdout, p.stdout
+    assert "node layout      : alpha: rank 0; beta: ranks 1-2" in p.stdout, p.stdout

@@ -15,7 +15,7 @@ import pytest
 import hpctrain as ht
 from hpctrain import checkpoint as ckpt
 from hpctrain import preempt
-from hpctrain.comm import watchdog
+from hpctrain.comm import failure, watchdog
 from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
 from hpctrain.errors import ExitStatus, Preempted
 from hpctrain.nn import Linear, ReLU, Sequential
@@ -222,4 +222,5 @@ def test_install_routes_signals_to_the_flag_and_uninstall_restores():
 
 def test_exit_statuses_match_the_watchdog():
     assert watchdog.STALL_EXIT == ExitStatus.STALL and watchdog.EXCEPTION_EXIT == ExitStatus.FAILURE
+    assert failure.INTERRUPT_EXIT == ExitStatus.INTERRUPTED
     assert len({int(s) for s in ExitStatus}) == len(ExitStatus)

@@ -94,6 +94,8 @@ def test_bad_flag_value_exits_with_usage(capsys):
         (["--val-fraction", "1.5"], 2, "--val-fraction must be between 0 and 1"),
         (["--resume"], 2, "--resume needs the --run-dir"),
         (["--strategy", "ps", "--ps-mode", "ssp", "--momentum", "0.5"], 2, "needs --ps-mode sync"),
+        (["--backend", "hierarchical", "--compression", "bf16"], 2, "not --backend hierarchical"),
+        (["--strategy", "ps", "--backend", "hierarchical"], 2, "--strategy ps talks through MPI windows"),
     ],
 )
 def test_impossible_settings_refused(argv, world, message):

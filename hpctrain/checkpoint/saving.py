@@ -12,9 +12,12 @@ temporary and raises the same ``CheckpointError`` on every rank; earlier checkpo
 ``asynchronous=True`` takes a host snapshot of this rank's slabs at the call (the only stall) and
 writes this rank's part file in a background thread while training goes on; the thread makes no
 MPI call (MPI's lock would hold up the training's collectives). The next save, load or ``wait``
-(collective) joins the thread and commits: the ranks agree on a private duplicate communicator,
-outside the stall watchdog (a slow disk is not a stalled job), and rank 0 writes the index. So
-an asynchronous checkpoint appears on disk at that next call.
+(collective) joins the thread and commits: the ranks agree on a private duplicate communicator
+(made once, when the trainer is set up) and rank 0 writes the index. So an asynchronous
+checkpoint appears on disk at that next call. Every wait of a save is watched by the stall
+watchdog with the job's timeout: a rank that stops while it saves ends the job with a report
+naming it, and the previous checkpoint stays as it was (the timeout must exceed the slowest
+rank's write).
 """
 
 from __future__ import annotations
@@ -180,19 +183,19 @@ class Job:
     def gather(self) -> None:
         """Collect every rank's written digests (or errors) on rank 0 (collective, on the
         private communicator; every rank takes part whatever failed)."""
-        self._collected(self.raw.gather(self.written, root=0))
+        self._collected(self.raw.gather_obj(self.written, root=0))
 
     def exchange(self, older: str | None) -> str | None:
         """:meth:`gather` that also shares rank 0's ``older`` (the outcome of the commit its
         writer thread ran) with every rank: one allgather for both."""
-        everyone = self.raw.allgather((self.written, older))
+        everyone = self.raw.allgather_obj((self.written, older))
         self._collected([w for w, _ in everyone])
-        if self.raw.Get_rank() != 0:
+        if self.raw.rank != 0:
             _IN_FLIGHT.discard(self.parts_path)  # rank 0 commits (and cleans) it
         return everyone[0][1]
 
     def _collected(self, everyone: list[Any] | None) -> None:
-        if self.raw.Get_rank() == 0:
+        if self.raw.rank == 0:
             errors = [m[1] for m in everyone if isinstance(m, tuple)]
             if errors:
                 self.error = f"cannot write checkpoint {self.path}: " + "; ".join(errors[:4])
@@ -220,9 +223,9 @@ class Job:
     def finish(self) -> None:
         """Agree on the parts, commit (rank 0) and share the outcome (collective)."""
         self.gather()
-        if self.raw.Get_rank() == 0:
+        if self.raw.rank == 0:
             self.commit()
-        self.error = self.raw.bcast(self.error, root=0)
+        self.error = self.raw.bcast_obj(self.error, root=0)
 
     def _commit(self, everyone: list[Any]) -> None:
         import h5py
@@ -325,14 +328,30 @@ def remove(path: str) -> None:
     remove_parts(path)
 
 
+#: The checkpoint communicator of the world, shared by every Communicator of it: tests and
+#: scripts make many world Communicators, and each duplicate holds one of MPI's few context ids.
+_WORLD_CKPT: dict[str, Any] = {}
+
+
 def ckpt_comm(comm: Any) -> Any:
-    """A private duplicate of ``comm``'s MPI communicator for the write phase (collective the
-    first time): unwatched, and separate from the training's own traffic."""
-    raw = getattr(comm, "_checkpoint_mpi", None)
-    if raw is None:
-        raw = comm.mpi.Dup()
-        comm._checkpoint_mpi = raw
-    return raw
+    """The private duplicate of ``comm`` (a ``Communicator``) the write phase agrees on, separate
+    from the training's own traffic; its waits are watched by the stall watchdog like any other.
+
+    Collective the first time: trainers make it at setup (``Trainer.__init__``), where every rank
+    is known to be present, so a save never starts with a ``Dup`` a stopped rank would hang."""
+    from mpi4py import MPI
+
+    own = getattr(comm, "_checkpoint_comm", None)
+    if own is None:
+        world = comm.mpi == MPI.COMM_WORLD
+        own = _WORLD_CKPT.get("world") if world else None
+        if own is None:
+            own = comm.dup()
+            own.purpose = "checkpoint save: the ranks' agreement on what they wrote"
+            if world:
+                _WORLD_CKPT["world"] = own
+        comm._checkpoint_comm = own
+    return own
 
 
 def _join(job: Job) -> str | None:
@@ -349,15 +368,15 @@ def _join(job: Job) -> str | None:
 def wait(trainer: Any) -> str | None:
     """Finish ``trainer``'s background saves, if any (collective: joins the writer thread, the
     ranks agree, rank 0 commits the index); returns the path, or raises the ``CheckpointError``
-    of a failed one on every rank. The waits are not watched by the stall watchdog."""
+    of a failed one on every rank. The waits are watched by the stall watchdog."""
     job: Job | None = getattr(trainer, "_checkpoint_job", None)
     if job is None:
         return None
     trainer._checkpoint_job = None
     older = _join(job)
-    if job.raw.Get_rank() == 0:
+    if job.raw.rank == 0:
         job.commit()
-    job.error = job.raw.bcast(job.error, root=0)
+    job.error = job.raw.bcast_obj(job.error, root=0)
     if older:
         raise CheckpointError(older)
     if job.error:
@@ -374,12 +393,12 @@ def _handover(trainer: Any) -> Job | None:
     trainer._checkpoint_job = None
     older = _join(prev)
     if older:  # an earlier commit failed: finish this one now (rank 0), then report that failure
-        if prev.raw.Get_rank() == 0:
+        if prev.raw.rank == 0:
             prev.commit()
             if prev.error:
                 _log.warning("%s", prev.error)
         raise CheckpointError(older)
-    return prev if prev.raw.Get_rank() == 0 else None
+    return prev if prev.raw.rank == 0 else None
 
 
 def _snapshot(trainer: Any, name: str, data: Any) -> np.ndarray:

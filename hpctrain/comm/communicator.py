@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import weakref
 from collections.abc import Callable
 from threading import get_ident
 from typing import Any
@@ -249,6 +250,31 @@ class Request:
             check()
 
 
+#: Communicators made by ``split``/``dup``, freed when their last reference goes (see ``_owned``).
+_OWNED: dict[int, weakref.finalize] = {}
+
+
+def _owned(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """Free ``comm`` when nothing refers to it any more. A process has a few thousand MPI context
+    ids and every grid, trainer and checkpoint takes some: a test suite or a sweep that builds
+    trainers by the thousand ran out ("Too many communicators") when they were kept until exit.
+    ``MPI_Comm_free`` only marks the handle (pending operations still complete) and the next
+    ``Split`` agrees on ids free on every rank, so ranks may collect at different moments."""
+    key = id(comm)
+    release = weakref.finalize(comm, _release, comm.handle, key)
+    release.atexit = False  # MPI_Finalize releases what is left; the order of exit hooks is not ours
+    _OWNED[key] = release
+    return comm
+
+
+def _release(handle: int, key: int) -> None:
+    _OWNED.pop(key, None)
+    if not MPI.Is_finalized():
+        comm = MPI.Comm.fromhandle(handle)
+        if comm != MPI.COMM_NULL:
+            comm.Free()
+
+
 class Communicator:
     """A group of MPI processes and the operations between them.
 
@@ -271,6 +297,8 @@ class Communicator:
         self._seq = 0
         self._timeout: float | None = None
         self._debug: Any = None  # HPCTRAIN_DEBUG's tracer, None when off (set below)
+        #: What this communicator's waits are for, shown in stall reports (private communicators).
+        self.purpose: str | None = None
         global _world_ready
         if not _world_ready and (comm is None or comm == MPI.COMM_WORLD):
             # The first world Communicator (collective) checks every HPCTRAIN_* setting (a bad one
@@ -689,7 +717,19 @@ class Communicator:
             sub = self.mpi.Split(color, self.rank if key is None else key)
         finally:
             _watch.end(token)
-        return Communicator(sub)
+        return Communicator(_owned(sub))
+
+    def dup(self) -> Communicator:
+        """A communicator of the same ranks whose traffic never matches this one's (collective,
+        watched like every other wait); it keeps this one's ``set_timeout``."""
+        token = self._enter("dup")
+        try:
+            raw = self.mpi.Dup()
+        finally:
+            _watch.end(token)
+        twin = Communicator(_owned(raw))
+        twin._timeout = self._timeout
+        return twin
 
     def barrier(self) -> None:
         """Wait until every rank has called ``barrier``."""
@@ -705,8 +745,12 @@ class Communicator:
         self.mpi.Abort(code)
 
     def free(self) -> None:
-        """Release a communicator made by ``split`` (never the world)."""
-        if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
+        """Release a communicator made by ``split`` or ``dup`` now (never the world); without a
+        call it is released once nothing refers to it any more."""
+        release = _OWNED.pop(id(self.mpi), None)
+        if release is not None:
+            release()
+        elif self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
 
     def hostname(self) -> str:

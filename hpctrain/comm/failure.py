@@ -1,6 +1,6 @@
 """When a rank fails, the whole job ends, and what each rank says is readable.
 
-Three pieces, used by the watchdog, the excepthook and ``hpctrain train``:
+The pieces, used by the watchdog, the excepthook and ``hpctrain train``:
 
 - ``write_lines(text)``: every line goes to stderr in one ``write`` of its own, prefixed with
   ``[rank R]`` in a multi-rank job, so lines of different ranks never run together (``mpiexec``
@@ -9,12 +9,17 @@ Three pieces, used by the watchdog, the excepthook and ``hpctrain train``:
   rank of a world-sized communicator; such an error needs no abort, every rank stops alike.
 - ``fail(exc)`` / the excepthook: an error that stops this rank. If it was raised on every rank
   (tagged, or every rank reaches ``fail`` within a few seconds) the job ends normally with the
-  error said once; if it was raised on some ranks only, this rank prints its traceback and ends
-  the whole job with ``MPI_Abort``, so no rank waits forever for it.
+  error said once, by rank 0 (``say_once``); if it was raised on some ranks only, this rank
+  prints its traceback and ends the whole job with ``MPI_Abort``, so no rank waits forever for it.
+- ``exited(exc)``: a rank that calls ``sys.exit`` while the others go on is reported at once as
+  "rank R exited with status S" and ends the job with that status, instead of leaving the others
+  waiting for the watchdog. A ``KeyboardInterrupt`` (Ctrl-C pressed again while a stop is under
+  way) ends the job with one line and status 130, no traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -25,12 +30,15 @@ from mpi4py import MPI
 
 #: Exit status handed to MPI_Abort after an exception on some ranks only.
 EXCEPTION_EXIT = 1
+#: Exit status of a job ended by Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPT_EXIT = 130
 #: Seconds a failing rank waits for the others to fail alike before it ends the whole job.
 AGREE_GRACE = 3.0
 # MPI_Abort makes the launcher kill every process at once; output still in its forwarding pipes
 # can be lost (seen with MPICH's hydra on a loaded machine). Pause this long after writing first.
 FLUSH_GRACE = 1.0
 
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the hpctrain package
 _fail_comm: MPI.Intracomm | None = None  # private duplicate of COMM_WORLD for the "all failed?" barrier
 _live_size: int | None = None  # after a lost rank (rebind): how many ranks the job has left
 _live_lead = False  # after a lost rank: whether this is the survivors' first rank (it speaks for all)
@@ -113,9 +121,103 @@ def _summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def say_once(text: str) -> None:
+    """Print ``text`` once for the whole job: rank 0 prints it, naming the ranks where the text
+    differs. Collective over the private communicator: call it only once every rank is known to
+    have arrived (after ``_all_failed``)."""
+    from .validate import _ranges
+
+    texts = _fail_comm.gather(text, root=0) if _fail_comm is not None else [text]
+    if texts is None:
+        return
+    by_text: dict[str, list[int]] = {}
+    for r, t in enumerate(texts):
+        by_text.setdefault(t, []).append(r)
+    if len(by_text) == 1:
+        write_lines(text)
+    else:
+        write_lines("\n".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {t}" for t, rs in by_text.items()))
+
+
+def user_traceback(exc: BaseException) -> str | None:
+    """``exc``'s traceback as text when it was raised in code outside hpctrain (a user's model
+    factory, say), where the traceback is the useful part; ``None`` for hpctrain's own errors,
+    whose message says it all."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or frames[-1].filename.startswith(_PKG + os.sep):
+        return None
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+
+
+def first_traceback(comm: Any, text: str | None) -> None:
+    """Print the ``text`` (a traceback, or ``None``) of the lowest rank of ``comm`` that has one,
+    on that rank only: once for the job, not once per rank (collective)."""
+    have = comm.allgather_obj(text is not None)
+    if text is not None and have.index(True) == comm.rank:
+        write_lines(text)
+
+
+def _end_job(code: int) -> None:
+    """Stop the watchdog, let the lines written so far reach the launcher, end every rank."""
+    from . import watchdog
+
+    watchdog.stop()
+    time.sleep(FLUSH_GRACE)
+    MPI.COMM_WORLD.Abort(code)
+
+
+def _call_site(tb: Any) -> str:
+    """``file:line in function`` of the innermost frame of ``tb`` ("unknown" without one)."""
+    frames = traceback.extract_tb(tb)
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "unknown"
+
+
+def exit_status(code: Any) -> int:
+    """The process exit status ``sys.exit(code)`` gives (0 for None, 1 for a message)."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def exited(exc: SystemExit, what: str = "hpctrain") -> int:
+    """A ``SystemExit`` left the job's code on this rank: returns its status when every rank
+    exits alike within ``AGREE_GRACE``; when only some ranks do, says "rank R exited with status
+    S" (and where) at once and ends the whole job with that status (1 for a status 0: the other
+    ranks did not finish), so the others do not wait for the watchdog. In a one-rank job (or
+    before the job's first Communicator) it re-raises ``exc``."""
+    code = exit_status(exc.code)
+    rank, size = _world()
+    if size == 1 or _fail_comm is None:
+        raise exc
+    if _all_failed(AGREE_GRACE):
+        if isinstance(exc.code, str):  # Python would print it: said once
+            say_once(exc.code)
+        return code
+    write_lines(f"{what}: rank {rank} of {size} exited with status {code} (sys.exit at "
+                f"{_call_site(exc.__traceback__)}) while the other ranks went on; aborting the whole job")
+    _end_job(code or EXCEPTION_EXIT)
+    return code  # not reached
+
+
+def interrupted(what: str = "hpctrain") -> None:
+    """Ctrl-C again while the job stops (``KeyboardInterrupt``): one line, said once when every
+    rank was interrupted, and the whole job ends at once with status 130 (no checkpoint)."""
+    rank, size = _world()
+    everyone = size > 1 and _all_failed(AGREE_GRACE)
+    if rank == 0 or not everyone:
+        where = f"on rank {rank} of {size}" if not everyone else f"on all {size} ranks"
+        write_lines(f"{what}: interrupted (Ctrl-C again) {where}; ending the job now, without writing a checkpoint "
+                    "(one Ctrl-C or SIGTERM stops at the next step with one)")
+    if size == 1:
+        return
+    if everyone and rank != 0:
+        time.sleep(FLUSH_GRACE + 5.0)  # rank 0's abort ends this process
+    _end_job(INTERRUPT_EXIT)
+
+
 def abort_job(exc: BaseException, code: int = EXCEPTION_EXIT, head: str = "") -> None:
     """Print this rank's traceback of ``exc`` and end every rank of the job (``MPI_Abort``)."""
-    from . import ulfm, watchdog
+    from . import ulfm
 
     rank, size = _world()
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
@@ -127,9 +229,7 @@ def abort_job(exc: BaseException, code: int = EXCEPTION_EXIT, head: str = "") ->
         + " and not on every rank; aborting the whole job so the other ranks do not wait forever:\n"
         + text
     )
-    watchdog.stop()
-    time.sleep(FLUSH_GRACE)
-    MPI.COMM_WORLD.Abort(code)
+    _end_job(code)
 
 
 def fail(exc: BaseException, *, code: int = 2, what: str = "hpctrain") -> int:
@@ -149,7 +249,7 @@ def fail(exc: BaseException, *, code: int = 2, what: str = "hpctrain") -> int:
             write_lines(f"{what}: error: {exc}")
         return code
     if _all_failed(AGREE_GRACE):
-        write_lines(f"{what}: error: {exc}")  # possibly different on each rank: each says its own
+        say_once(f"{what}: error: {exc}")  # possibly different on each rank: rank 0 names each
         return code
     abort_job(exc, EXCEPTION_EXIT, f"{what}: {type(exc).__name__} on rank {rank} of {size}")
     return code  # not reached
@@ -161,10 +261,16 @@ def _excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
     if exc.__traceback__ is None:
         exc = exc.with_traceback(tb)
     rank, size = _world()
-    if issubclass(exc_type, KeyboardInterrupt) or not (raised_everywhere(exc) or _all_failed(AGREE_GRACE)):
+    if issubclass(exc_type, KeyboardInterrupt):
+        interrupted()
+        return
+    tagged = raised_everywhere(exc)
+    if not (tagged or _all_failed(AGREE_GRACE)):
         abort_job(exc, EXCEPTION_EXIT, f"hpctrain: unhandled {exc_type.__name__} on rank {rank} of {size}")
         return
+    # Every rank raised it: rank 0's traceback, once, then what differs on other ranks (if any).
+    others = [_summary(exc)] * size if tagged else _fail_comm.gather(_summary(exc), root=0)
     if rank == 0:
-        write_lines("".join(traceback.format_exception(exc_type, exc, tb)).rstrip())
-    else:
-        write_lines(f"{_summary(exc)}  (raised on every rank; traceback on rank 0)")
+        lines = ["".join(traceback.format_exception(exc_type, exc, tb)).rstrip()]
+        lines += [f"rank {r}: {t}" for r, t in enumerate(others) if t != others[0]]
+        write_lines("\n".join(lines) + f"\n(raised on all {size} ranks; traceback of rank 0)")

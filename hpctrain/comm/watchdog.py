@@ -200,6 +200,8 @@ class _Dog:
         lead = min([self.world_rank] + [r for r, a in answers.items() if _waits_in(a, mine)])
         step = self.step()
         what = _op_text(op, seq, members, peer)
+        if getattr(comm, "purpose", None):  # a private communicator says what its waits are for
+            what += f" ({comm.purpose})"
         head = (
             f"hpctrain watchdog: StallError on rank {self.world_rank}: {what} has not completed after "
             f"{time.monotonic() - t0:.0f} s (timeout {limit:g} s; HPCTRAIN_TIMEOUT / Trainer(timeout=) / "

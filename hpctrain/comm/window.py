@@ -18,7 +18,9 @@ without calling MPI (MPI Forum issue 635). ``progress()`` pokes this process's p
 owners call it between layers so updates aimed at them land promptly.
 
 A ``Window`` is freed with ``free()`` (collective) or by leaving a ``with`` block; any use after
-that raises ``WindowError``.
+that raises ``WindowError``. Windows still live when the interpreter exits are freed then, before
+MPI is finalized, in the order they were made (the same on every rank: making one is
+collective), so a program that never frees them still leaves MPI cleanly.
 
 Every wait is watched by the stall watchdog like the communicator's calls: the collective
 allocation and freeing, and each access epoch from its ``Lock``/``Lock_all`` to the ``Unlock`` that
@@ -28,6 +30,8 @@ stopped rank ends the job with a report naming it instead of a silent spin).
 
 from __future__ import annotations
 
+import atexit
+import itertools
 from typing import Any
 
 import numpy as np
@@ -39,6 +43,21 @@ from . import watchdog as _watch
 from .communicator import Communicator, _check_dtype
 
 _ACC_OPS = {"sum": MPI.SUM, "replace": MPI.REPLACE, "max": MPI.MAX, "min": MPI.MIN}
+
+# Windows not freed yet, by creation number. Freed at exit rather than when garbage collected:
+# freeing is collective, and the ranks collect garbage at different moments.
+_LIVE: dict[int, Window] = {}
+_numbers = itertools.count()
+
+
+def _free_at_exit() -> None:
+    """Free the windows still live. Registered with ``atexit`` by the first window, after mpi4py
+    initialized MPI and the stall watchdog started: it runs before MPI is finalized (MPI_Finalize
+    with live windows leaks their registrations) and while the watchdog still watches the frees."""
+    if MPI.Is_finalized():
+        return
+    for win in list(_LIVE.values()):
+        win.free()
 
 
 class Window:
@@ -79,6 +98,10 @@ class Window:
         self._poke_comm = MPI.COMM_SELF.Dup()
         self._poke_buf = np.zeros(1, np.uint8)
         self._poke_req = self._poke_comm.Irecv(self._poke_buf, 0, 0)
+        self._number = next(_numbers)
+        if self._number == 0:
+            atexit.register(_free_at_exit)
+        _LIVE[self._number] = self
         with self.locked():
             self._local.fill(0)
         # Nobody touches a piece before its owner has zeroed it.
@@ -93,6 +116,7 @@ class Window:
     def free(self) -> None:
         """Release the window (collective over ``comm``). Freeing twice is a no-op."""
         if self._win is not None:
+            _LIVE.pop(self._number, None)
             self._local = np.empty(0, self.dtype)
             win, self._win = self._win, None
             self._poke_req.Cancel()

@@ -26,7 +26,8 @@ from ..trainer import Batch, Trainer
 from .reducer import AllReduceReducer, BackwardHooks, GradReducer
 from .schedules import get_schedule
 
-BACKENDS = ("mpi", "nccl")  # what reduces the gradients: MPI, or NCCL for CuPy models
+# What reduces the gradients: MPI (flat), MPI by node (hpctrain.comm.hierarchical), or NCCL for CuPy models.
+BACKENDS = ("mpi", "hierarchical", "nccl")
 
 
 def shard_map(model: Any) -> dict[str, tuple[Any, tuple, tuple]]:
@@ -147,6 +148,10 @@ class ParallelTrainer(Trainer):
             optimizer.set_masters(self._masters)
 
         nccl = self._nccl() if backend == "nccl" else None
+        if backend == "hierarchical" and self.dp.size > 1:
+            from ..comm.hierarchical import HierarchicalComm
+
+            nccl = HierarchicalComm(self.dp)  # the buckets' reducer, like NCCL's communicator
         if zero:
             from .zero import zero_reducer
 
@@ -185,8 +190,8 @@ class ParallelTrainer(Trainer):
             return ValueError("zero=1|2|3 is its own reducer: it takes no compression, nccl backend or reducer=")
         if self.backend not in BACKENDS:
             return ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == "nccl" and self.compression is not None:
-            return ValueError("compression is for the MPI backend; NCCL reduces the gradients' own dtype")
+        if self.backend != "mpi" and self.compression is not None:
+            return ValueError(f"compression is for the flat MPI backend, not backend={self.backend!r}")
         if self.compression not in COMPRESSIONS:
             return ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
         if not self.bucket_mb > 0:

@@ -126,8 +126,10 @@ class Config:
     device: str = field(default="auto", metadata=_opt("where the model, batches and optimizer state live: cuda "
                                                       "(each rank the GPU of its local rank), cpu, or auto (cuda "
                                                       "when every rank sees a GPU)", ("auto", "cpu", "cuda")))
-    backend: str = field(default="mpi", metadata=_opt("gradient all-reduce: MPI (CUDA-aware or staged) or NCCL "
-                                                      "(needs --device cuda)", ("mpi", "nccl")))
+    backend: str = field(default="mpi", metadata=_opt("gradient all-reduce: MPI (CUDA-aware or staged), "
+                                                      "hierarchical (MPI by node: reduce inside each node, "
+                                                      "all-reduce across nodes, broadcast back) or NCCL "
+                                                      "(needs --device cuda)", ("mpi", "hierarchical", "nccl")))
 
     # Derived by resolve(): never read from flags or files.
     dp: int | None = field(default=None, metadata=_derived("data-parallel replicas: world / (tp x pp)"))
@@ -414,8 +416,11 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         raise ConfigError(f"--min-lr {c.min_lr:g} must not exceed --lr {c.lr:g}")
     if c.backend == "nccl" and c.device == "cpu":
         raise ConfigError("--backend nccl reduces on GPUs: it needs --device cuda (or auto on GPU nodes)")
-    if c.backend == "nccl" and strategy == "ps":
-        raise ConfigError("--backend nccl is for the gradient all-reduce; --strategy ps talks through MPI windows")
+    if c.backend != "mpi" and strategy == "ps":
+        raise ConfigError(f"--backend {c.backend} is for the gradient all-reduce; --strategy ps talks through MPI "
+                          "windows")
+    if c.backend == "hierarchical" and c.compression is not None:
+        raise ConfigError("--compression is for the flat all-reduce (--backend mpi), not --backend hierarchical")
     c.on_rank_loss = _on_rank_loss(c)
     if c.resume and c.run_dir is None and c.checkpoint_dir is None:
         raise ConfigError("--resume needs the --run-dir (or --checkpoint-dir) of the run to continue")

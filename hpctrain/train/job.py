@@ -37,17 +37,25 @@ def everywhere(comm: Any, fn: Callable[[], T], what: str = "") -> T:
     Setting up (reading files, checking shapes) has no collectives, so one rank failing alone
     would leave the others waiting in the first collective of training.
     """
+    from ..comm.failure import first_traceback, user_traceback
     from ..comm.validate import raise_if_any
 
     result: Any = None
     problem: BaseException | None = None
+    trace: str | None = None
     try:
         result = fn()
     except HpctrainError as exc:
         problem = exc
     except (ValueError, OSError, KeyError) as exc:  # said as a configuration problem: exit status 2
-        problem = ConfigError(str(exc))
-    raise_if_any(comm, problem, what=what)
+        # Raised in user code (a model factory): named with its type, its traceback shown once.
+        trace = user_traceback(exc)
+        problem = ConfigError(f"{type(exc).__name__}: {exc}" if trace else str(exc))
+    try:
+        raise_if_any(comm, problem, what=what)
+    except HpctrainError:
+        first_traceback(comm, trace)
+        raise
     return result
 
 

@@ -6,6 +6,9 @@
     mpiexec -n 2 python tests/faults/misc.py debug-shape  # HPCTRAIN_DEBUG=1: allreduce of different shapes
     mpiexec -n 2 python tests/faults/misc.py crash-all    # every rank raises the same error, unhandled
     mpiexec -n 2 python tests/faults/misc.py lines        # every rank writes many error lines at once
+    mpiexec -n 2 python tests/faults/misc.py ps-no-close  # a parameter server never closed: windows freed at exit
+    mpiexec -n 2 python tests/faults/misc.py raise-all    # every rank raises the same untagged error, unhandled
+    mpiexec -n 2 python tests/faults/misc.py fail-all     # every rank ends with failure.fail of the same error
 """
 
 from __future__ import annotations
@@ -61,6 +64,24 @@ def main(mode: str) -> int:
         except HpctrainError as exc:
             print(f"rank {comm.rank} refused: {type(exc).__name__}: {exc}", flush=True)
             return 2
+    elif mode == "ps-no-close":
+        import atexit
+
+        from hpctrain.parallel import ParameterServerTrainer
+
+        ps: list = []
+        # Registered before the trainer makes its windows, so it runs after their exit-time free.
+        atexit.register(lambda: print(f"rank {comm.rank} windows freed at exit: "
+                                      f"{ps[0]._win.freed and ps[0]._clocks.freed}", flush=True))
+        model = Sequential(Linear(5, 3, rng=np.random.default_rng(0)))
+        ps.append(ParameterServerTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), lr=0.1, comm=comm, mode="async"))
+        ps[0].step(np.ones((4, 5)), np.zeros(4, dtype=np.int64))
+    elif mode == "raise-all":
+        raise RuntimeError("injected on every rank")
+    elif mode == "fail-all":
+        from hpctrain.comm.failure import fail
+
+        return fail(HpctrainError("injected on every rank"), what="misc")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print(f"rank {comm.rank} finished", flush=True)

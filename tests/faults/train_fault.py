@@ -2,19 +2,26 @@
 
     mpiexec -n 2 python tests/faults/train_fault.py stop  RANK STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py raise RANK STEP -- <hpctrain train args>
-    mpiexec -n 2 python tests/faults/train_fault.py kill  RANK STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py none  0 0 -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py stop-save RANK STEP -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py ctrl-c-twice RANK STEP -- <hpctrain train args>
+    mpiexec -n 3 python tests/faults/train_fault.py kill RANKS STEPS -- <hpctrain train args>
+    mpiexec -n 3 python tests/faults/train_fault.py kill-reduce RANKS STEPS -- <hpctrain train args>
 
 stop: rank RANK stops itself (SIGSTOP) when it reaches step STEP: a rank that neither computes
-nor answers, as a frozen node looks to the others. raise: rank RANK raises ``StallError`` at step
-STEP, an error on that rank only (as one trainer's own wait timing out). The fault goes into the
-parameter-server trainer's ``step``, so use ``--strategy ps``. kill: rank RANK kills itself
-(SIGKILL) as its step STEP begins, as a node that dies; for the synchronous strategies.
-kill-reduce: the same while its gradient all-reduces of step STEP are in flight (dp).
+nor answers, as a frozen node looks to the others (STEP -1: the first epoch's last step). raise:
+rank RANK raises ``StallError`` at step STEP, an error on that rank only (as one trainer's own
+wait timing out). ctrl-c-twice: rank RANK (-1: every rank) sends itself SIGINT twice at step
+STEP, an impatient user's Ctrl-C pressed again. These three go into the parameter-server
+trainer's ``step``, so use ``--strategy ps``. stop-save: rank RANK stops itself while it writes
+its part of the checkpoint of step STEP (any strategy). kill: each rank of RANKS kills itself
+(SIGKILL) as its step of STEPS begins (lists: ``kill 2,3 3,8``), as a node that dies; for the
+synchronous strategies. kill-reduce: the same while its gradient all-reduces are in flight (dp).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -27,45 +34,78 @@ from hpctrain.parallel import param_server, reducer
 from hpctrain.trainer import Trainer
 
 
-def _kill_in_reduction(rank: int, at: int) -> None:
-    """SIGKILL this rank as its gradient buckets of step ``at`` are in flight (one reduction per
-    step: no --accum-steps)."""
-    finish, calls = reducer.AllReduceReducer.finish, [0]
+def _kill(mode: str, ranks: str, steps: str) -> None:
+    """kill / kill-reduce: this rank SIGKILLs itself at its step, if it is one of ``ranks``."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    at = dict(zip(map(int, ranks.split(",")), map(int, steps.split(",")))).get(rank)
+    if at is None:
+        return
 
-    def dying(self):
-        calls[0] += 1
-        if calls[0] == at + 1:
-            print(f"rank {rank}: injected kill-reduce at step {at}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return finish(self)
+    def die() -> None:
+        print(f"rank {rank}: injected {mode} at step {at}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    reducer.AllReduceReducer.finish = dying
+    if mode == "kill-reduce":  # one reduction per step (no --accum-steps): the (at+1)-th
+        finish, calls = reducer.AllReduceReducer.finish, [0]
+
+        def dying(self):
+            calls[0] += 1
+            if calls[0] == at + 1:
+                die()
+            return finish(self)
+
+        reducer.AllReduceReducer.finish = dying
+        return
+    step = Trainer.step
+
+    def killed(self, *args, **kwargs):
+        if self.global_step == at:
+            die()
+        return step(self, *args, **kwargs)
+
+    Trainer.step = killed
 
 
 def main() -> int:
-    # RANK and STEP may be lists (kill 2,3 3,8: rank 2 at step 3, rank 3 at step 8).
-    mode, ranks, steps = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+    if sys.argv[1] in ("kill", "kill-reduce"):
+        assert sys.argv[4] == "--", sys.argv
+        _kill(*sys.argv[1:4])
+        return cli.main(["train", *sys.argv[5:]])
+    mode, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     assert sys.argv[4] == "--", sys.argv
-    me = MPI.COMM_WORLD.Get_rank()
-    rank, at = me, dict(zip(map(int, ranks), map(int, steps))).get(me, -1)
-    if mode == "kill-reduce" and at >= 0:
-        _kill_in_reduction(rank, at)
-    elif mode != "none" and at >= 0:
-        owner = Trainer if mode == "kill" else param_server.ParameterServerTrainer
-        step = owner.step
+    if mode == "stop-save" and MPI.COMM_WORLD.Get_rank() == rank:
+        from hpctrain.checkpoint import format as fmt
+        from hpctrain.checkpoint import saving
+
+        write = saving.Job.write
+
+        def stopping(self):
+            if os.path.basename(self.path) == os.path.basename(fmt.checkpoint_path("", at)):
+                print(f"rank {rank}: injected stop while saving step {at}", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return write(self)
+
+        saving.Job.write = stopping
+    elif mode != "none" and rank in (MPI.COMM_WORLD.Get_rank(), -1):
+        step = param_server.ParameterServerTrainer.step
 
         def faulty(self, *args, **kwargs):
-            if self.global_step == at:
-                print(f"rank {rank}: injected {mode} at step {at}", flush=True)
+            # STEP -1: the first epoch's last step (counted from its first batch, a full one).
+            if not hasattr(self, "_fault_at"):
+                self._fault_at = at if at >= 0 else math.ceil(len(self._sampler) / len(args[0])) - 1
+            when = self._fault_at
+            if self.global_step == when:
+                print(f"rank {MPI.COMM_WORLD.Get_rank()}: injected {mode} at step {when}", flush=True)
                 if mode == "stop":
                     os.kill(os.getpid(), signal.SIGSTOP)
-                elif mode == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
+                elif mode == "ctrl-c-twice":
+                    os.kill(os.getpid(), signal.SIGINT)  # the first asks for a stop at the next step
+                    os.kill(os.getpid(), signal.SIGINT)  # the second: out now
                 else:
                     raise StallError(f"injected on rank {rank} at step {at}")
             return step(self, *args, **kwargs)
 
-        owner.step = faulty
+        param_server.ParameterServerTrainer.step = faulty
     return cli.main(["train", *sys.argv[5:]])
 
 

@@ -1,0 +1,52 @@
+"""Which node each rank runs on, and the node-local / across-node structure that follows.
+
+The layout is a pure function of the node names (one per rank, in rank order), so it is
+tested without MPI; ``node_names`` gathers the names once (collective). A rank's node is its
+host name (``SLURMD_NODENAME`` under Slurm), or ``HPCTRAIN_NODE_NAME`` when set: that lets
+tests on one machine run real multi-node layouts (each rank claims a node).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import settings
+
+
+def node_name(comm: Any) -> str:
+    """This rank's node: ``HPCTRAIN_NODE_NAME`` if set, else the host's name."""
+    return settings.node_name() or comm.hostname()
+
+
+def node_names(comm: Any) -> list[str]:
+    """Every rank's node name, in rank order (collective)."""
+    return comm.allgather_obj(node_name(comm))
+
+
+def nodes(names: list[str]) -> dict[str, list[int]]:
+    """``{node: [ranks on it]}``, nodes in the order of their lowest rank, ranks ascending."""
+    out: dict[str, list[int]] = {}
+    for rank, name in enumerate(names):
+        out.setdefault(name, []).append(rank)
+    return out
+
+
+def local_ranks(names: list[str]) -> list[int]:
+    """Each rank's position among the ranks of its node (0..n-1 by rank)."""
+    where = nodes(names)
+    return [where[name].index(rank) for rank, name in enumerate(names)]
+
+
+def spanning(groups: list[list[int]], names: list[str]) -> list[list[int]]:
+    """The groups (lists of ranks) whose members are on more than one node."""
+    return [g for g in groups if len({names[r] for r in g}) > 1]
+
+
+def describe(names: list[str]) -> str:
+    """One line of the node layout: ``a: ranks 0-1; b: ranks 2-3``."""
+    parts = []
+    for name, ranks in nodes(names).items():
+        contiguous = ranks == list(range(ranks[0], ranks[-1] + 1))
+        shown = f"{ranks[0]}-{ranks[-1]}" if contiguous and len(ranks) > 1 else ",".join(map(str, ranks))
+        parts.append(f"{name}: rank{'s' if len(ranks) > 1 else ''} {shown}")
+    return "; ".join(parts)

@@ -1,0 +1,125 @@
+"""Two "nodes" on this machine: network namespaces joined by a veth pair (root only).
+
+Each node is a network namespace with its own address (10.231.7.1 and .2 on the veth pair) and,
+through a UTS namespace per process, its own host name; they share the file system like nodes on
+a shared home. ``tc`` can shape the link (rate with ``tbf``; delay needs the kernel's
+``sch_netem``, which not every kernel has). MPICH's Hydra starts the second node's proxy through
+a small launcher script standing in for ssh (``ip netns exec``), so MPI between the nodes goes
+over TCP on the veth pair; inside a node it uses shared memory as usual. (The PyPI MPICH's
+default UCX netmod sees one machine and would move "inter-node" messages through shared memory,
+never touching the link: ``ENV`` selects the OFI netmod with libfabric's tcp provider, so only
+ranks of one node share memory.)
+
+    with two_nodes(rate="10gbit") as cluster:
+        subprocess.run(cluster.mpiexec(per_node=2, argv=[python, "-m", "hpctrain", "info"]))
+
+Everything is torn down on leaving the block (the namespaces, and with them the veth pair and
+its qdiscs); names carry this process's id so concurrent users do not collide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ADDRESSES = ("10.231.7.1", "10.231.7.2")
+#: MPICH settings that make messages between the nodes cross the veth link (module docstring).
+ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+
+_LAUNCHER = """#!/bin/sh
+# Hydra calls this as it would call ssh: [options] HOST COMMAND... ; run COMMAND on HOST's namespace.
+while [ "${1#-}" != "$1" ]; do shift; done
+host=$1; shift
+case $host in
+%s
+  *) echo "netns launcher: unknown host $host" >&2; exit 1 ;;
+esac
+exec ip netns exec "$ns" unshare --uts sh -c "hostname $name && exec $*"
+"""
+
+
+def why_not() -> str | None:
+    """Why this machine cannot hold the cluster (``None``: it can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed"
+    return None
+
+
+def _sh(*cmd: str) -> None:
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {p.stderr.strip()}")
+
+
+@dataclass
+class Cluster:
+    namespaces: tuple[str, str]
+    hostnames: tuple[str, str]
+    launcher: Path
+    mpiexec_path: str
+
+    def shape(self, rate: str | None = None, delay: str | None = None) -> None:
+        """Shape both directions of the link (``rate`` like "10gbit", ``delay`` like "20us");
+        ``None`` for both removes the shaping. Raises ``RuntimeError`` when the kernel lacks it."""
+        for ns, dev in zip(self.namespaces, ("veth0", "veth1")):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            if delay is not None:
+                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", delay,
+                    *(["rate", rate] if rate else []))
+            elif rate is not None:
+                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                    "burst", "256kb", "latency", "10ms")
+
+    def mpiexec(self, per_node: int, argv: list[str]) -> list[str]:
+        """The command that runs ``argv`` on ``per_node`` ranks of each node (from the first node)."""
+        hosts = ",".join(f"{a}:{per_node}" for a in ADDRESSES)
+        env = [w for k, v in ENV.items() for w in ("-genv", k, v)]
+        inner = " ".join([self.mpiexec_path, "-launcher", "ssh", "-launcher-exec", str(self.launcher),
+                          "-hosts", hosts, *env, "-n", str(2 * per_node), *argv])
+        return ["ip", "netns", "exec", self.namespaces[0], "unshare", "--uts", "sh", "-c",
+                f"hostname {self.hostnames[0]} && exec {inner}"]
+
+
+@contextlib.contextmanager
+def two_nodes(mpiexec: str) -> Iterator[Cluster]:
+    """The two-node cluster for the block (see the module docstring); root only."""
+    why = why_not()
+    if why is not None:
+        raise RuntimeError(f"no two-node cluster here: {why}")
+    tag = f"hw{os.getpid() % 100000}"
+    names = (f"{tag}a", f"{tag}b")
+    hosts = (f"{tag}-node0", f"{tag}-node1")
+    tmp = Path(tempfile.mkdtemp(prefix="netns-cluster-"))
+    made: list[str] = []
+    try:
+        for ns in names:
+            _sh("ip", "netns", "add", ns)
+            made.append(ns)
+        _sh("ip", "link", "add", f"{tag}v0", "type", "veth", "peer", "name", f"{tag}v1")
+        for i, ns in enumerate(names):
+            # Moved into its namespace and renamed there, so cleanup is the namespace's deletion.
+            _sh("ip", "link", "set", f"{tag}v{i}", "netns", ns)
+            _sh("ip", "-n", ns, "link", "set", f"{tag}v{i}", "name", f"veth{i}")
+            _sh("ip", "-n", ns, "addr", "add", f"{ADDRESSES[i]}/24", "dev", f"veth{i}")
+            _sh("ip", "-n", ns, "link", "set", f"veth{i}", "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        cases = "\n".join(f"  {a}) ns={ns}; name={h} ;;" for a, ns, h in zip(ADDRESSES, names, hosts))
+        launcher = tmp / "launcher"
+        launcher.write_text(_LAUNCHER % cases)
+        launcher.chmod(0o755)
+        yield Cluster(names, hosts, launcher, mpiexec)
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        # A veth end still outside (creation failed half way) goes with its own deletion.
+        subprocess.run(["ip", "link", "del", f"{tag}v0"], capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -132,6 +132,8 @@ class Trainer:
     exact_norm: bool = False
     #: ``hpctrain.precision.Precision`` of the step (``None``: the parameters' own dtype).
     precision: Any = None
+    #: ``hpctrain.resilience.RankLoss`` when ``fit`` goes on without lost ranks (``--on-rank-loss shrink``).
+    rank_loss: Any = None
 
     def __init__(
         self,
@@ -634,7 +636,14 @@ class Trainer:
                     else:
                         sampler.set_epoch(epoch)
                 for batch in loader:
-                    stats = self.step(*batch)
+                    if self.rank_loss is not None:
+                        self.rank_loss.before_step(self, batch)
+                    try:
+                        stats = self.step(*batch)
+                    except Exception as exc:
+                        if self.rank_loss is None or not self.rank_loss.recover(self, exc):
+                            raise
+                        continue  # lost ranks: the loader redraws this global batch for the survivors
                     if not stats.memory:
                         stats.memory = self.memory_report(stats)
                     if stats.stop is None:
@@ -740,7 +749,7 @@ class _Logger:
     the plain lines' ``step N/total`` and ETA.
     """
 
-    EXTRA = ("val_loss", "lr", "loss_scale")
+    EXTRA = ("val_loss", "lr", "loss_scale", "rank_loss")
 
     def __init__(self, trainer: Trainer, total: int | None, every: int, metrics_file: str | None,
                  progress: bool | None) -> None:

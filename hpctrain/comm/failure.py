@@ -40,6 +40,8 @@ FLUSH_GRACE = 1.0
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the hpctrain package
 _fail_comm: MPI.Intracomm | None = None  # private duplicate of COMM_WORLD for the "all failed?" barrier
+_live_size: int | None = None  # after a lost rank (rebind): how many ranks the job has left
+_live_lead = False  # after a lost rank: whether this is the survivors' first rank (it speaks for all)
 _hook_installed = False
 _write_lock = threading.Lock()
 
@@ -68,9 +70,18 @@ def write_lines(text: str) -> None:
 def mark_everywhere(exc: BaseException, comm: Any) -> BaseException:
     """Tag ``exc`` as raised on every rank of ``comm`` (it counts for the whole job when ``comm``
     spans the world); returns ``exc``."""
-    if getattr(comm, "size", 0) == MPI.COMM_WORLD.Get_size():
+    if getattr(comm, "size", 0) == (_live_size or MPI.COMM_WORLD.Get_size()):
         exc.hpctrain_everywhere = True  # type: ignore[attr-defined]
     return exc
+
+
+def rebind(comm: MPI.Intracomm) -> None:
+    """After lost ranks (``hpctrain.resilience``): ``comm`` holds every rank left, so an error on
+    all of it counts for the whole job and the "all failed?" barrier runs over it (collective)."""
+    global _fail_comm, _live_size, _live_lead
+    _fail_comm = comm.Dup()
+    _live_size = comm.Get_size()
+    _live_lead = comm.Get_rank() == 0
 
 
 def raised_everywhere(exc: BaseException) -> bool:
@@ -94,12 +105,15 @@ def _all_failed(grace: float) -> bool:
     private communicator, so it never matches a collective the others are waiting in)."""
     if _fail_comm is None:
         return False
-    req = _fail_comm.Ibarrier()
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if req.Test():
-            return True
-        time.sleep(0.01)
+    try:
+        req = _fail_comm.Ibarrier()
+        while time.monotonic() < deadline:
+            if req.Test():
+                return True
+            time.sleep(0.01)
+    except MPI.Exception:  # a rank died (ULFM reports it): not every rank can get here
+        return False
     return False
 
 
@@ -203,8 +217,13 @@ def interrupted(what: str = "hpctrain") -> None:
 
 def abort_job(exc: BaseException, code: int = EXCEPTION_EXIT, head: str = "") -> None:
     """Print this rank's traceback of ``exc`` and end every rank of the job (``MPI_Abort``)."""
+    from . import ulfm
+
     rank, size = _world()
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    if ulfm.is_rank_loss(exc):  # said first: the traceback only shows where this rank noticed
+        write_lines(f"hpctrain: rank {rank} of {size}: another rank of this job died (a lost process: "
+                    f"{exc}); {ulfm.ABORT_HINT}")
     write_lines(
         (head or f"hpctrain: {type(exc).__name__} on rank {rank} of {size}")
         + " and not on every rank; aborting the whole job so the other ranks do not wait forever:\n"
@@ -226,7 +245,7 @@ def fail(exc: BaseException, *, code: int = 2, what: str = "hpctrain") -> int:
         write_lines(f"{what}: error: {exc}")
         return code
     if raised_everywhere(exc):
-        if rank == 0:  # the same message on every rank: said once
+        if (_live_lead if _live_size else rank == 0):  # the same message on every rank: said once
             write_lines(f"{what}: error: {exc}")
         return code
     if _all_failed(AGREE_GRACE):

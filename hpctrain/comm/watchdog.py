@@ -37,6 +37,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .. import settings
+from . import ulfm
 from .failure import EXCEPTION_EXIT, FLUSH_GRACE, write_lines
 
 DEFAULT_TIMEOUT = settings.DEFAULT_TIMEOUT
@@ -108,6 +109,9 @@ class _Dog:
                     if limit > 0 and age > limit:
                         self._fire(rec, age, limit)
             except Exception as exc:  # the watchdog must never take a healthy job down itself
+                if ulfm.is_rank_loss(exc):  # a rank died (ULFM): the side channel is gone, waits still timed
+                    self.side = None
+                    continue
                 _err(f"hpctrain watchdog (rank {self.world_rank}): internal error {exc!r}")
                 time.sleep(1.0)
 

@@ -115,6 +115,11 @@ class Config:
                                                                  "bytes)", ("fp32", "bf16", "fp16")))
     timeout: float | None = field(default=None, metadata=_opt("seconds a wait may last before the job ends "
                                                               "(0 = off; default $HPCTRAIN_TIMEOUT or 300)"))
+    on_rank_loss: str | None = field(default=None, metadata=_opt("a rank lost (killed, its node gone): abort the "
+                                                                 "job, or shrink to the survivors and go on "
+                                                                 "(needs ULFM: Open MPI, mpiexec --with-ft ulfm; "
+                                                                 "pure dp). Default: shrink where possible, "
+                                                                 "else abort", ("abort", "shrink")))
     on_nonfinite: str = field(default="raise", metadata=_opt("a step with a non-finite loss or gradient: raise, "
                                                              "or skip it (nothing changes)", ("raise", "skip")))
     dropout: float = field(default=0.0, metadata=_opt("dropout probability in the model (training only)"))
@@ -416,9 +421,41 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
                           "windows")
     if c.backend == "hierarchical" and c.compression is not None:
         raise ConfigError("--compression is for the flat all-reduce (--backend mpi), not --backend hierarchical")
+    c.on_rank_loss = _on_rank_loss(c)
     if c.resume and c.run_dir is None and c.checkpoint_dir is None:
         raise ConfigError("--resume needs the --run-dir (or --checkpoint-dir) of the run to continue")
     return c
+
+
+def _shrink_unsupported(c: Config) -> str | None:
+    """Why this layout cannot go on without a lost rank yet (``None``: it can)."""
+    if c.strategy != "dp" or c.zero:
+        return f"--strategy {c.strategy}" + (f" --zero {c.zero}" if c.zero else "")
+    if c.backend != "mpi":
+        return f"--backend {c.backend}"
+    if c.precision != "fp32":  # its float32 masters and loss scale are not kept across a loss yet
+        return f"--precision {c.precision}"
+    return None
+
+
+def _on_rank_loss(c: Config) -> str:
+    """``--on-rank-loss`` resolved: ``shrink`` where this launch detects lost ranks (ULFM) and the
+    layout can continue without one, else ``abort``; an explicit ``shrink`` that cannot work is
+    refused here, before anything starts (the same verdict on every rank: a local check)."""
+    from ..comm import ulfm
+
+    unsupported = _shrink_unsupported(c)
+    if c.on_rank_loss is None:
+        return "shrink" if ulfm.available() and unsupported is None else "abort"
+    if c.on_rank_loss == "shrink":
+        if not ulfm.available():
+            raise ConfigError(f"--on-rank-loss shrink: this job cannot survive a lost rank: {ulfm.missing()}; "
+                              "use --on-rank-loss abort")
+        if unsupported is not None:
+            raise ConfigError(f"--on-rank-loss shrink continues pure data-parallel jobs only (--strategy dp, "
+                              f"no --zero, --backend mpi, --precision fp32), not {unsupported}; "
+                              "use --on-rank-loss abort")
+    return c.on_rank_loss
 
 
 def _n_stages_possible(c: Config) -> int:

@@ -312,6 +312,34 @@ def test_raising_step_leaves_the_trainer_ready(comm, kind, device):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "ps"])  # the server's workers check alone
+def test_bad_target_on_one_replica_raises_on_every_rank(comm, kind, device):
+    """A class index out of range on the last replica only: every rank raises the loss's
+    DatasetError (agreed in the step's own all-reduce, no read of its own), nothing changes, and
+    the next steps train as if nothing had happened."""
+    from hpctrain.errors import DatasetError
+
+    on(device)
+    tr, d, dp = build(kind, comm, device=device)
+    ref = Serial()
+    x, y, _ = global_batch(dp, 0)
+    before = {n: host(p.data) for n, (p, _, _) in tr.shards().items()}
+    y_bad = y.copy()
+    y_bad[-1] = C  # the last replica's last sample
+    with pytest.raises(DatasetError, match=r"rank.*: .*target 3 at position \(\d,\) is not a class index in \[0, 3\)"):
+        run(tr, d, dp, x, y_bad)
+    assert tr.global_step == 0
+    for n, (p, _, _) in tr.shards().items():
+        np.testing.assert_array_equal(host(p.data), before[n])
+    for seed in (1, 2):
+        x, y, _ = global_batch(dp, seed)
+        run(tr, d, dp, x, y)
+        ref.step(x, y)
+    assert_same_params(tr, ref)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
 def test_stop_request_on_one_rank_reaches_every_rank(comm, kind, device):
     from hpctrain import preempt
@@ -333,18 +361,17 @@ def test_stop_request_on_one_rank_reaches_every_rank(comm, kind, device):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind, clip", [(k, None) for k in KINDS if k != "ps"] + [("dp", 1e9), ("zero3", 1e9)])
 def test_one_host_read_per_step_on_the_device(comm, kind, clip, standin):
-    """On the device the loss, gradient norm and non-finite check reach the host in one transfer
-    per step (a read per parameter would wait for the GPU each time). The stand-in counts reads:
-    that one, plus the loss's target check, one per micro-batch whose loss this rank computes.
-    (Buffers staged for MPI are counted apart: CUDA-aware MPI or NCCL avoid them.) ``clip=1e9``
-    on float64: the exactly rounded norm, whose gradients ride in that same transfer."""
+    """On the device the loss, gradient norm, non-finite check and the loss's target check reach
+    the host in one transfer per step (a read per parameter or per micro-batch would wait for the
+    GPU each time). The stand-in counts reads. (Buffers staged for MPI are counted apart:
+    CUDA-aware MPI or NCCL avoid them.) ``clip=1e9`` on float64: the exactly rounded norm, whose
+    gradients ride in that same transfer."""
     tr, d, dp = build(kind, comm, clip=clip, device=on(standin))
     grid = getattr(tr, "grid", None)
     last_stage = grid is None or grid.pp.rank == grid.pp.size - 1
     # The one read, on a rank holding a loss or gradients it counts in the norm (a first
     # pipeline stage on dp rank > 0 has neither: it reads nothing).
-    one = 1 if last_stage or tr._counted_grads() else 0
-    expected = one + (getattr(tr, "microbatches", 1) if last_stage else 0)
+    expected = 1 if last_stage or tr._counted_grads() else 0
     counts = []
     for seed in range(3):
         x, y, w = global_batch(dp, seed)

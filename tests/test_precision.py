@@ -368,3 +368,36 @@ def test_16_bit_products_accumulate_in_float32_and_round_once(low):
     x = g.standard_normal((4, 256)).astype(low)
     product = (x.astype(np.float32) @ lin.weight.data.astype(np.float32)).astype(low)
     assert np.array_equal(lin.forward(x), (product + lin.bias.data).astype(low))
+
+
+def _pieces(tr):
+    """This rank's own arrays (under ZeRO its pieces of the parameters, the float32 masters and
+    the optimizer state), copied."""
+    arrays = tr.memory_arrays()
+    return [np.array(a, copy=True) for k in ("params", "optimizer") for a in arrays[k]]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("precision, zero", [("bf16-mixed", 1), ("fp16-mixed", 3), ("fp32", 3)])
+def test_a_failed_load_under_zero_leaves_every_ranks_pieces_as_they_were(comm, shared_dir, precision, zero):
+    """All or nothing under ZeRO: one rank's load fails after the others have taken the new
+    state into their pieces (sharded float32 masters, ZeRO-3 parameter pieces, optimizer state):
+    every rank's pieces are bitwise as before, and training goes on exactly as without the load."""
+    path = os.path.join(shared_dir, "ck.h5")
+    tr, twin = (build(comm, precision, zero=zero) for _ in range(2))
+    for t in (tr, twin):
+        train(t, 2)
+    ht.checkpoint.save(path, tr)
+    for t in (tr, twin):
+        train(t, 2, start=2)
+    before = _pieces(tr)
+    if comm.rank == comm.size - 1:
+        tr.load_state_dict = lambda state: (_ for _ in ()).throw(ValueError("refused on one rank"))
+    with pytest.raises(ht.errors.CheckpointError):
+        ht.checkpoint.load(path, tr)
+    after = _pieces(tr)
+    same = len(before) == len(after) and all(a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+                                             for a, b in zip(before, after))  # fmt: skip
+    assert comm.allgather_obj(same) == [True] * comm.size
+    assert [s.loss for s in train(tr, 2, start=4)] == [s.loss for s in train(twin, 2, start=4)]

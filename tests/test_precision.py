@@ -239,6 +239,26 @@ def test_precision_flags():
     assert resolve(Config(precision="fp16-mixed"), 1).precision == "fp16-mixed"
 
 
+def test_loss_scale_flags_reach_the_scaler_and_only_fp16_takes_them(comm):
+    from hpctrain.errors import ConfigError
+    from hpctrain.train.builders import build_trainer
+    from hpctrain.train.config import Config, resolve
+
+    for other in ("fp32", "bf16-mixed"):
+        with pytest.raises(ConfigError, match=f"--loss-scale-init: only --precision fp16-mixed .* {other}"):
+            resolve(Config(precision=other, loss_scale_init=256.0), 1)
+    with pytest.raises(ConfigError, match="--loss-scale-init: init_scale must be a positive power of two"):
+        resolve(Config(precision="fp16-mixed", loss_scale_init=300.0), 1)
+    with pytest.raises(ConfigError, match="--loss-scale-interval: interval must be a positive integer"):
+        resolve(Config(precision="fp16-mixed", loss_scale_interval=0), 1)
+    c = resolve(Config(precision="fp16-mixed", loss_scale_init=256.0, loss_scale_interval=3), comm.size)
+    tr = build_trainer(c, gpt(), comm)
+    scaler = tr.precision.scaler
+    assert (scaler.scale, scaler.interval) == (256.0, 3)
+    default = build_trainer(resolve(Config(precision="fp16-mixed"), comm.size), gpt(), comm).precision.scaler
+    assert (default.scale, default.interval) == (2.0**16, 2000)
+
+
 def test_bfloat16_crosses_the_communicator(comm):
     r, n = comm.rank, comm.size
     x = np.full(5, r + 1, dtype=ml_dtypes.bfloat16)

@@ -399,14 +399,20 @@ def test_stop_request_on_one_rank_reaches_every_rank(comm, kind, device):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind, clip", [(k, None) for k in KINDS if k != "ps"] + [("dp", 1e9), ("zero3", 1e9)])
-def test_one_host_read_per_step_on_the_device(comm, kind, clip, standin):
+@pytest.mark.parametrize("kind, clip, precision", [(k, None, None) for k in KINDS]
+                         + [("dp", 1e9, None), ("zero3", 1e9, None)]
+                         + [(k, None, p) for k, p in (("dp", "bf16-mixed"), ("pp", "bf16-mixed"),
+                                                      ("tp", "fp16-mixed"), ("zero3", "fp16-mixed"))])  # fmt: skip
+def test_one_host_read_per_step_on_the_device(comm, kind, clip, precision, standin):
     """On the device the loss, gradient norm, non-finite check and the loss's target check reach
     the host in one transfer per step (a read per parameter or per micro-batch would wait for the
     GPU each time). The stand-in counts reads. (Buffers staged for MPI are counted apart:
     CUDA-aware MPI or NCCL avoid them.) ``clip=1e9`` on float64: the exactly rounded norm, whose
-    gradients ride in that same transfer."""
-    tr, d, dp = build(kind, comm, clip=clip, device=on(standin))
+    gradients ride in that same transfer. The parameter server reads its loss, weight, target
+    check and gradients in one transfer too; mixed precision adds none."""
+    dtype = np.float32 if precision else np.float64
+    tr, d, dp = build(kind, comm, clip=clip, device=on(standin), dtype=dtype,
+                      precision=mixed(precision) if precision else None)  # fmt: skip
     grid = getattr(tr, "grid", None)
     last_stage = grid is None or grid.pp.rank == grid.pp.size - 1
     # The one read, on a rank holding a loss or gradients it counts in the norm (a first
@@ -417,7 +423,7 @@ def test_one_host_read_per_step_on_the_device(comm, kind, clip, standin):
         x, y, w = global_batch(dp, seed)
         before = standin.syncs
         # Padding weights on the host, as the loader hands them over: they cost no read.
-        tr.step(share(x, d, dp), share(y, d, dp), w[d * PER_REPLICA : (d + 1) * PER_REPLICA])
+        tr.step(share(x.astype(dtype), d, dp), share(y, d, dp), w[d * PER_REPLICA : (d + 1) * PER_REPLICA])
         counts.append(standin.syncs - before)
     # After every step (an assert inside the loop would leave the other ranks in a collective).
     assert counts[1:] == [expected, expected]  # the first step learns orders and shapes

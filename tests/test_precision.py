@@ -421,3 +421,21 @@ def test_a_failed_load_under_zero_leaves_every_ranks_pieces_as_they_were(comm, s
                                              for a, b in zip(before, after))  # fmt: skip
     assert comm.allgather_obj(same) == [True] * comm.size
     assert [s.loss for s in train(tr, 2, start=4)] == [s.loss for s in train(twin, 2, start=4)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
+def test_mixed_precision_with_the_hierarchical_backend_trains_as_the_flat_one(comm, reduce):
+    """bf16-mixed composes with ``backend="hierarchical"``: float32 gradients go through the
+    node-aware all-reduce, 16-bit ones (``grad_reduce_dtype="bf16"``) through the flat 16-bit
+    sum; either way the run equals the flat backend's."""
+    from hpctrain.comm.hierarchical import HierarchicalComm
+
+    flat = build(comm, "bf16-mixed", grad_reduce_dtype=reduce)
+    hier = build(comm, "bf16-mixed", grad_reduce_dtype=reduce, backend="hierarchical")
+    assert isinstance(hier.reducer.buckets.reducer, HierarchicalComm)
+    want, got = ([s.loss for s in train(t, 3)] for t in (flat, hier))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(flat.params, hier.params):
+        np.testing.assert_allclose(b.data.astype(np.float32), a.data.astype(np.float32), rtol=1e-2, atol=1e-3)

@@ -44,6 +44,10 @@ from .optim.exactsum import digits_value, sumsq_digits
 
 _log = get_logger("trainer")
 
+# The step's all-reduce starts with: loss, squared gradient norm, non-finite flag, stop flag,
+# bad-target flag (then the strategy's extra sums, the exact-norm digits, the overflow flag).
+_HEAD = 5
+
 
 @dataclass
 class StepStats:
@@ -264,6 +268,7 @@ class Trainer:
         """One update from this rank's share ``(x, y[, weight])`` of the global batch (collective)."""
         from . import preempt
         from .guard import raise_nonfinite
+        from .nn.losses import collect_target_checks
 
         t_start = time.perf_counter()
         if self._closed:
@@ -275,7 +280,8 @@ class Trainer:
         scale = scaler.scale if scaler is not None else 1.0
         try:
             self.reducer.zero_grad()
-            loss_part, extra, fb_comm = self._forward_backward(batch)
+            with collect_target_checks() as targets:  # read with the step's one transfer below
+                loss_part, extra, fb_comm = self._forward_backward(batch)
             comm_s += fb_comm + self.reducer.finish()
             t0 = time.perf_counter()
             if scale != 1.0:  # the loss gradient carried the loss scale (a power of two: exact)
@@ -284,7 +290,7 @@ class Trainer:
             # Clipping float64 gradients: the exactly rounded norm, the same whatever the layout
             # cuts the gradients into (optim.exactsum), so every layout scales by the same factor.
             exact = self.clip_norm is not None and self.exact_norm
-            loss_part, sumsq, bad, digits = self._local_sums(loss_part, exact)
+            loss_part, sumsq, bad, digits, bad_targets = self._local_sums(loss_part, exact, targets)
             # With a loss scaler a non-finite gradient is an overflow: the step is skipped and the
             # scale backs off (a non-finite loss still follows on_nonfinite).
             overflow = False
@@ -292,15 +298,20 @@ class Trainer:
                 loss_bad = not math.isfinite(loss_part)
                 overflow, bad = bad and not loss_bad, loss_bad
             reduce_extra = list(extra.pop("_reduce", []))
-            mine = np.array([loss_part, 0.0 if bad or overflow else sumsq, float(bad), float(preempt.requested())]
-                            + reduce_extra + digits + ([float(overflow)] if scaler is not None else []))  # fmt: skip
+            mine = np.array([loss_part, 0.0 if bad or overflow else sumsq, float(bad), float(preempt.requested()),
+                             float(bad_targets)] + reduce_extra + digits
+                            + ([float(overflow)] if scaler is not None else []))  # fmt: skip
             totals = self.comm.allreduce(mine, op="sum")
             overflow = scaler is not None and bool(totals[-1])
             comm_s += time.perf_counter() - t0
-            loss, sumsq, n_bad, stop = (float(v) for v in totals[:4])
+            loss, sumsq, n_bad, stop, n_bad_targets = (float(v) for v in totals[:_HEAD])
+            if n_bad_targets:  # a bad class index somewhere: every rank raises, naming each one found
+                from .comm.validate import raise_if_any
+
+                raise_if_any(self.comm, targets.error(), what=f"{type(self).__name__}.step")
             if exact and not n_bad:
-                sumsq = digits_value(totals[4 + len(reduce_extra) : 4 + len(reduce_extra) + len(digits)])
-            extra = self._finish_extra(extra, totals[4 : 4 + len(reduce_extra)])
+                sumsq = digits_value(totals[_HEAD + len(reduce_extra) : _HEAD + len(reduce_extra) + len(digits)])
+            extra = self._finish_extra(extra, totals[_HEAD : _HEAD + len(reduce_extra)])
             if n_bad and self.on_nonfinite == "raise":
                 raise_nonfinite(self.comm, loss_part if self._loss_lead else 0.0, self.params)
         except BaseException:
@@ -329,12 +340,14 @@ class Trainer:
         """The gradients this rank counts in the global norm (tp-replicated ones on tp rank 0)."""
         return [g for p, g in self.reducer.counted_grads() if not (self._tp_rank and id(p) in self._tp_replicated)]
 
-    def _local_sums(self, loss_part: Any, exact: bool) -> tuple[float, float, bool, list[float]]:
-        """This rank's ``(loss, sum of squared gradients, non-finite?, exact-sum digits)``.
+    def _local_sums(self, loss_part: Any, exact: bool, targets: Any) -> tuple[float, float, bool, list[float], bool]:
+        """This rank's ``(loss, sum of squared gradients, non-finite?, exact-sum digits, bad
+        targets?)``; ``targets``: the step's ``nn.losses.TargetChecks``.
 
-        On the GPU the loss and the squared norms stay on the device until one transfer: a host
-        read per gradient would stall the GPU once per parameter. (The exact digits need the
-        gradients themselves on the host: they ride in that same transfer.)"""
+        On the GPU the loss, the squared norms and the target flag stay on the device until one
+        transfer: a host read per gradient (or per loss call) would stall the GPU each time. (The
+        exact digits need the gradients themselves on the host: they ride in that same
+        transfer.)"""
         grads = self._counted_grads()
         on_device = is_device_array(loss_part) or any(is_device_array(g) for g in grads)
         if not on_device:
@@ -346,15 +359,17 @@ class Trainer:
                 sumsq += sq
             loss_part = float(loss_part) if self._loss_lead else 0.0
             bad = bad or not math.isfinite(loss_part)
-            return loss_part, sumsq, bad, list(sumsq_digits([] if bad else grads)) if exact else []
+            bad_targets = bool(to_host(targets.flag(np))[0])  # host flags (device ones: none here)
+            return loss_part, sumsq, bad, list(sumsq_digits([] if bad else grads)) if exact else [], bad_targets
         xp = xp_of(grads[0]) if grads else xp_of(loss_part)
         flat = [g.astype(np.float64, copy=False).ravel() for g in grads]
         head = [xp.asarray(loss_part if self._loss_lead else 0.0, dtype=np.float64).reshape(1)]
         head.append(xp.stack([g @ g for g in flat]).sum().reshape(1) if flat else xp.zeros(1))
+        head.append(targets.flag(xp))
         host = to_host(xp.concatenate(head + (flat if exact else [])))  # the step's one device->host transfer
-        loss_part, sumsq = float(host[0]), float(host[1])
+        loss_part, sumsq, bad_targets = float(host[0]), float(host[1]), bool(host[2])
         bad = not (math.isfinite(loss_part) and math.isfinite(sumsq))
-        return loss_part, sumsq, bad, list(sumsq_digits([] if bad else [host[2:]])) if exact else []
+        return loss_part, sumsq, bad, list(sumsq_digits([] if bad else [host[3:]])) if exact else [], bad_targets
 
     def _abandon_step(self) -> None:
         """Undo what a raising step did before the update: the reduction and the gradients."""

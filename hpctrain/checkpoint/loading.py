@@ -732,6 +732,8 @@ def _small_state(trainer: Any) -> Any:
     sampler_state = copy.deepcopy(sampler.state_dict()) if hasattr(sampler, "state_dict") else None
     scaler = getattr(getattr(trainer, "precision", None), "scaler", None)  # fp16's loss scale
     scaler_snap = scaler.snapshot() if scaler is not None else None
+    pieces = getattr(getattr(trainer, "reducer", None), "snapshot", None)  # ZeRO's sharded pieces
+    put_pieces_back = pieces() if pieces is not None else None
 
     def restore() -> None:
         for k, v in attrs.items():
@@ -744,6 +746,8 @@ def _small_state(trainer: Any) -> Any:
             sampler.load_state_dict(sampler_state)
         if scaler_snap is not None:
             scaler.restore(scaler_snap)
+        if put_pieces_back is not None:
+            put_pieces_back()
         sync = getattr(trainer, "sync_params", None)
         if sync is not None:  # mixed precision: the compute copy from the masters just put back
             sync()

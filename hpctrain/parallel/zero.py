@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -550,21 +551,49 @@ class ZeroReducer(GradReducer):
         self._step_ends()
         if (self.stage == 3 or self.shard_master is not None) and self._full:
             own = self.shard_param if self.shard_master is None else self.shard_master
+            # Mixed precision below zero 3: every rank's flat copy of the 16-bit parameters is
+            # rounded from the full masters it holds here, not all-gathered: no collective, so a
+            # rank whose load failed before this point leaves no other waiting.
+            whole = self.flat_param if self.shard_master is not None and self.stage < 3 else None
             for p in self.order:
                 q = self._full.get(p.name)
+                if q is None:
+                    continue
                 a, b = self.where[id(p)]
                 x, y = max(a, self.lo), min(b, self.hi)
-                if q is not None and x < y:
-                    own[x - self.lo : y - self.lo] = to_device(q.data, self.xp).ravel()[x - a : y - a]
+                full = to_device(q.data, self.xp).ravel()
+                if x < y:
+                    own[x - self.lo : y - self.lo] = full[x - a : y - a]
+                if whole is not None:
+                    whole[a:b] = full
             if self.shard_master is not None:
                 self.shard_param[...] = self.shard_master
-                if self.stage < 3:  # every rank's flat copy of the 16-bit parameters
-                    sharded.allgather(self.dp, self.shard_param.copy(), self.flat_param, self.counts)
         for p, _, x, y in self.pieces:
             full = self.facade.state.get(p.name) or {}
             self.inner.state[p.name] = {k: self._piece_of(v, x, y) for k, v in full.items()}
         self.inner.step_count = self.facade.step_count
         self._drop_full()
+
+    def snapshot(self) -> Callable[[], None]:
+        """A closure that puts this rank's pieces back as they are now: the flat parameters, the
+        sharded float32 masters, the optimizer state pieces and step count. A checkpoint load
+        takes it before ``after_load`` and calls it when the load fails on some rank, so the
+        ranks whose ``after_load`` already ran are back where they were (all or nothing)."""
+        flat = self.flat_param if self.flat_param is not None else self.shard_param  # (a piece of the flat one)
+        arrays = [a for a in (flat, self.shard_master) if a is not None]
+        saved = [a.copy() for a in arrays]
+        state = {name: {k: v.copy() for k, v in st.items()} for name, st in self.inner.state.items()}
+        step_count = self.inner.step_count
+
+        def restore() -> None:
+            self._step_ends()  # nothing gathered from the pieces being replaced may be used
+            for a, old in zip(arrays, saved):
+                a[...] = old
+            self.inner.state = state
+            self.inner.step_count = step_count
+            self._drop_full()
+
+        return restore
 
     def _drop_full(self) -> None:
         if self._full is not None or any(self.facade.state.values()):

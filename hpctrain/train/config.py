@@ -113,6 +113,11 @@ class Config:
     grad_reduce_dtype: str = field(default="fp32", metadata=_opt("dtype gradients accumulate and are all-reduced "
                                                                  "in under mixed precision (bf16/fp16 halve the "
                                                                  "bytes)", ("fp32", "bf16", "fp16")))
+    loss_scale_init: float | None = field(default=None, metadata=_opt("--precision fp16-mixed: the first loss scale, "
+                                                                      "a power of two (default 65536)"))
+    loss_scale_interval: int | None = field(default=None, metadata=_opt("--precision fp16-mixed: clean steps in a "
+                                                                        "row before the loss scale doubles "
+                                                                        "(default 2000)"))
     timeout: float | None = field(default=None, metadata=_opt("seconds a wait may last before the job ends "
                                                               "(0 = off; default $HPCTRAIN_TIMEOUT or 300)"))
     on_rank_loss: str | None = field(default=None, metadata=_opt("a rank lost (killed, its node gone): abort the "
@@ -162,6 +167,29 @@ def _base_type(hint: Any) -> type:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return next(a for a in typing.get_args(hint) if a is not type(None))
     return hint
+
+
+def _check_loss_scale(c: Config) -> None:
+    """The loss scaler's settings: fp16-mixed only (bf16 and fp32 keep float32's range and scale
+    nothing), and values ``DynamicLossScaler`` takes."""
+    given = [k for k in ("loss_scale_init", "loss_scale_interval") if getattr(c, k) is not None]
+    if not given:
+        return
+    if c.precision != "fp16-mixed":
+        raise ConfigError(f"{', '.join(flag(k) for k in given)}: only --precision fp16-mixed scales the loss "
+                          f"(this run has --precision {c.precision})")
+    try:
+        loss_scaler(c)
+    except ValueError as exc:
+        raise ConfigError(f"{', '.join(flag(k) for k in given)}: {exc}") from None
+
+
+def loss_scaler(c: Config) -> Any:
+    """fp16-mixed's ``DynamicLossScaler`` with the run's settings (defaults where not given)."""
+    from ..precision import DynamicLossScaler
+
+    kw = {"init_scale": c.loss_scale_init, "interval": c.loss_scale_interval}
+    return DynamicLossScaler(**{k: v for k, v in kw.items() if v is not None})
 
 
 def _options() -> tuple[Option, ...]:
@@ -407,6 +435,7 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         raise ConfigError(f"--grad-reduce-dtype {c.grad_reduce_dtype} needs --precision bf16-mixed or fp16-mixed")
     if c.precision == "bf16-mixed" and c.grad_reduce_dtype == "fp16":
         raise ConfigError("--precision bf16-mixed gradients can overflow fp16: --grad-reduce-dtype fp32 or bf16")
+    _check_loss_scale(c)
     if c.precision != "fp32" and (strategy == "ps" or c.compression is not None):
         raise ConfigError(f"--precision {c.precision} works with --strategy dp/tp/pp/hybrid and reduces in "
                           "--grad-reduce-dtype (not --compression)")

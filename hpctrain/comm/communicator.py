@@ -25,9 +25,9 @@ from mpi4py import MPI
 from .. import backend, settings
 from ..errors import BufferError, ConfigError, DtypeError
 from . import cuda_aware as _cuda_aware
-from . import debug as _debug
 from . import failure as _failure
 from . import watchdog as _watch
+from .fingerprint import tracer_from_env
 from .validate import raise_if_any
 
 _OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -308,7 +308,7 @@ class Communicator:
             _watch.start()
             _failure.setup()
             _world_ready = True
-        self._debug = _debug.Tracer.from_env(self)
+        self._debug = tracer_from_env(self)
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size})"

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -42,6 +43,25 @@ _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the hpctra
 _fail_comm: MPI.Intracomm | None = None  # private duplicate of COMM_WORLD for the "all failed?" barrier
 _hook_installed = False
 _write_lock = threading.Lock()
+# What must stop before MPI_Abort (the stall watchdog registers its ``stop``): a registry, so that
+# this module, which the watchdog reports through, imports nothing of the watchdog.
+_before_abort: list[Callable[[], None]] = []
+
+
+def before_abort(hook: Callable[[], None]) -> None:
+    """Call ``hook`` before this module ends the job with ``MPI_Abort`` (once per hook)."""
+    if hook not in _before_abort:
+        _before_abort.append(hook)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(out)
 
 
 def _world() -> tuple[int, int]:
@@ -111,8 +131,6 @@ def say_once(text: str) -> None:
     """Print ``text`` once for the whole job: rank 0 prints it, naming the ranks where the text
     differs. Collective over the private communicator: call it only once every rank is known to
     have arrived (after ``_all_failed``)."""
-    from .validate import _ranges
-
     texts = _fail_comm.gather(text, root=0) if _fail_comm is not None else [text]
     if texts is None:
         return
@@ -145,9 +163,8 @@ def first_traceback(comm: Any, text: str | None) -> None:
 
 def _end_job(code: int) -> None:
     """Stop the watchdog, let the lines written so far reach the launcher, end every rank."""
-    from . import watchdog
-
-    watchdog.stop()
+    for hook in _before_abort:
+        hook()
     time.sleep(FLUSH_GRACE)
     MPI.COMM_WORLD.Abort(code)
 

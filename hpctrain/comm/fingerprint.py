@@ -25,6 +25,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from .. import settings
 from ..errors import CollectiveMismatchError
 from . import watchdog as _watch
 from .debug import Tracer
@@ -47,6 +48,11 @@ _ARG_NAMES = {
     "allreduce": ("op",), "iallreduce": ("op",), "reduce_scatter": ("op",), "bcast": ("root",),
     "bcast_obj": ("root",), "gather_obj": ("root",),
 }  # fmt: skip
+
+
+def tracer_from_env(comm: Any) -> Tracer | None:
+    """The fingerprint tracer when ``HPCTRAIN_DEBUG`` is on, else ``None`` (no tracer at all)."""
+    return FingerprintTracer(comm) if settings.debug() else None
 
 
 class FingerprintTracer(Tracer):

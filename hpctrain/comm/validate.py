@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from ..errors import MismatchError
-from .failure import mark_everywhere
+from .failure import _ranges, mark_everywhere
 
 
 def _canonical(value: Any) -> str:
@@ -68,16 +68,6 @@ def agree(comm: Any, what: str, value: Any) -> None:
         f"{_ranges(ranks_odd)}{' (and others)' if len(groups) > 2 else ''}; first difference "
         f"(rank {ranks_ref[0]} vs rank {odd}): {diff}"
     ), comm)
-
-
-def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    out, start = [], ranks[0]
-    for prev, cur in zip(ranks, ranks[1:] + [None]):
-        if cur != prev + 1 if cur is not None else True:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cur
-    return ",".join(out)
 
 
 def describe_model(model: Any) -> list[list[Any]]:

@@ -37,7 +37,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .. import settings
-from .failure import EXCEPTION_EXIT, FLUSH_GRACE, write_lines
+from .failure import EXCEPTION_EXIT, FLUSH_GRACE, before_abort, write_lines
 
 DEFAULT_TIMEOUT = settings.DEFAULT_TIMEOUT
 #: Exit status handed to MPI_Abort when the watchdog ends a stalled job.
@@ -318,6 +318,9 @@ def stop() -> None:
         if _dog is not None:
             _dog.shutdown()
             _dog = None
+
+
+before_abort(stop)  # failure.py ends the job through MPI_Abort: no stall report may race it
 
 
 def running() -> bool:

@@ -29,6 +29,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from ..protocols import Comm
+
 #: Exit status handed to MPI_Abort after an exception on some ranks only.
 EXCEPTION_EXIT = 1
 #: Exit status of a job ended by Ctrl-C (128 + SIGINT, as a shell reports it).
@@ -85,7 +87,7 @@ def write_lines(text: str) -> None:
                 return
 
 
-def mark_everywhere(exc: BaseException, comm: Any) -> BaseException:
+def mark_everywhere(exc: BaseException, comm: Comm) -> BaseException:
     """Tag ``exc`` as raised on every rank of ``comm`` (it counts for the whole job when ``comm``
     spans the world); returns ``exc``."""
     if getattr(comm, "size", 0) == MPI.COMM_WORLD.Get_size():
@@ -153,7 +155,7 @@ def user_traceback(exc: BaseException) -> str | None:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
-def first_traceback(comm: Any, text: str | None) -> None:
+def first_traceback(comm: Comm, text: str | None) -> None:
     """Print the ``text`` (a traceback, or ``None``) of the lowest rank of ``comm`` that has one,
     on that rank only: once for the job, not once per rank (collective)."""
     have = comm.allgather_obj(text is not None)

@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from .. import settings
 from ..errors import CollectiveMismatchError
+from ..protocols import Comm
 from . import watchdog as _watch
 from .debug import Tracer
 
@@ -50,7 +51,7 @@ _ARG_NAMES = {
 }  # fmt: skip
 
 
-def tracer_from_env(comm: Any) -> Tracer | None:
+def tracer_from_env(comm: Comm) -> Tracer | None:
     """The fingerprint tracer when ``HPCTRAIN_DEBUG`` is on, else ``None`` (no tracer at all)."""
     return FingerprintTracer(comm) if settings.debug() else None
 
@@ -60,7 +61,7 @@ class FingerprintTracer(Tracer):
 
     enabled = True
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.seq = 0
         self.sent: dict[tuple[int, int], int] = {}

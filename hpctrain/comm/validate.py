@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from ..errors import MismatchError
+from ..protocols import Comm
 from .failure import _ranges, mark_everywhere
 
 
@@ -45,7 +46,7 @@ def digest(value: Any) -> str:
     return hashlib.sha1(_canonical(value).encode()).hexdigest()[:16]
 
 
-def agree(comm: Any, what: str, value: Any) -> None:
+def agree(comm: Comm, what: str, value: Any) -> None:
     """Check that every rank of ``comm`` holds the same ``value`` (plain, JSON-able data).
 
     Collective. Costs one ``allgather_obj`` of a 16-character digest; only when the digests
@@ -77,7 +78,7 @@ def describe_model(model: Any) -> list[list[Any]]:
     )
 
 
-def raise_if_any(comm: Any, problem: BaseException | str | None, *, what: str = "", payload: Any = None) -> list[Any]:
+def raise_if_any(comm: Comm, problem: BaseException | str | None, *, what: str = "", payload: Any = None) -> list[Any]:
     """Raise the same error on every rank of ``comm`` if any rank has a ``problem`` (collective).
 
     The one place where "a check failed on some ranks" becomes "every rank raises": each rank

@@ -27,7 +27,7 @@ from . import failure as _failure
 from . import objects as _objects
 from . import watchdog as _watch
 from .fingerprint import tracer_from_env
-from .owned import _OWNED, _owned
+from .owned import _OWNED, _free_dead, _owned
 from .request import Request
 from .staging import _copy_from_host, _copy_to_host, _HostStage
 from .validate import raise_if_any
@@ -82,8 +82,6 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size})"
-
-    # -- properties -------------------------------------------------------------------------
 
     @property
     def cuda_aware(self) -> bool:
@@ -171,13 +169,10 @@ class Communicator:
         arg: Any = _NO_ARG, red: str | None = None, one_buffer: bool = False, peer: int | None = None,
     ) -> None:
         """``call(send, recv)`` on ``x`` (``None``: nothing sent) and ``out`` (``None``: nothing
-        received) in the bracket of ``what`` (point to point with ``peer`` when given).
-
-        Direct: ``send`` is ``MPI.IN_PLACE`` when ``x is out``. Staged (device arrays without
-        CUDA-aware MPI, see ``_staged``): ``x`` is copied into a pooled host buffer, ``out`` is
-        received into one and copied back; ``one_buffer`` (or ``x is out``) reduces in place in a
-        single host buffer (``send`` is then ``MPI.IN_PLACE``).
-        """
+        received) in the bracket of ``what`` (point to point with ``peer`` when given). Direct:
+        ``send`` is ``MPI.IN_PLACE`` when ``x is out``. Staged (``_staged``): ``x`` is copied into a
+        pooled host buffer, ``out`` received into one and copied back; ``one_buffer`` (or ``x is
+        out``) works in place in a single host buffer (``send`` is then ``MPI.IN_PLACE``)."""
         token = self._enter(what, x, arg) if peer is None else self._enter_p2p(what, peer)
         try:
             if not self._staged(out if x is None else x, out, red):
@@ -451,12 +446,14 @@ class Communicator:
 
     def split(self, color: int, key: int | None = None) -> Communicator:
         """Sub-communicators of the ranks sharing ``color``, ordered by ``key`` (default rank)."""
+        _free_dead()
         sub = self._watched("split", None, _NO_ARG, self.mpi.Split, color, self.rank if key is None else key)
         return Communicator(_owned(sub))
 
     def dup(self) -> Communicator:
         """A communicator of the same ranks whose traffic never matches this one's (collective,
         watched like every other wait); it keeps this one's ``set_timeout``."""
+        _free_dead()
         twin = Communicator(_owned(self._watched("dup", None, _NO_ARG, self.mpi.Dup)))
         twin._timeout = self._timeout
         return twin
@@ -475,8 +472,8 @@ class Communicator:
         call it is released once nothing refers to it any more."""
         release = _OWNED.pop(id(self.mpi), None)
         if release is not None:
-            release()
-        elif self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
+            release.detach()
+        if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
 
     def hostname(self) -> str:

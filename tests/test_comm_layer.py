@@ -3,12 +3,15 @@ communicator protocol, and every buffer call through the one staged/direct brack
 
 from __future__ import annotations
 
+import ast
 import gc
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import hpctrain
 from hpctrain import Communicator, Trainer
 from hpctrain.comm import objects, watchdog
 from hpctrain.comm.health import Health
@@ -99,3 +102,33 @@ def test_staged_point_to_point_and_reduce_scatter(comm):
         mine = rows[comm.rank : comm.rank + 1] / (comm.rank + 1) * total
         np.testing.assert_array_equal(staged.reduce_scatter(rows), mine)
     assert staged._stage.pooled <= 4 and not staged._stage._lent
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Modules of ``package`` that ``path`` imports (function-level imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module] if node.module else [a.name for a in node.names]
+            found |= {n.split(".")[0] for n in names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package + "."):
+            found.add(node.module.split(".")[2])
+    return found
+
+
+def test_comm_has_no_import_cycle_and_settings_knows_no_comm():
+    root = Path(hpctrain.__file__).parent
+    graph = {p.stem: _imports(p, "hpctrain.comm") for p in (root / "comm").glob("*.py") if p.stem != "__init__"}
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt in graph and nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    assert not [m for m in graph if m in reach(m)]
+    settings = ast.parse((root / "settings.py").read_text())
+    assert not [n for n in ast.walk(settings) if isinstance(n, ast.ImportFrom) and "comm" in (n.module or "")]

@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import time
+import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from .backend import is_device_array, to_host, xp_of
-from .comm import Communicator
+from .comm import Communicator, watchdog
+from .comm.health import Health
 from .log import get_logger
 from .optim.exactsum import digits_value, sumsq_digits
 
@@ -153,8 +155,10 @@ class Trainer:
             raise ValueError(f"on_nonfinite must be one of {POLICIES}, got {on_nonfinite!r}")
         self.comm = comm if comm is not None else Communicator()
         self.on_nonfinite = on_nonfinite
-        # Seconds any wait may last (0 = off everywhere: watchdog and pipeline waits alike).
-        self.timeout = resolve_timeout(timeout)
+        # Seconds any wait may last (0 = off everywhere: watchdog and pipeline waits alike): held
+        # by the job's Health, which the stall watchdog reads (with the step, for its reports).
+        step = weakref.ref(self)
+        self.health = Health(resolve_timeout(timeout), lambda: getattr(step(), "global_step", None))
         self.global_step = 0
         self.epoch = 0
         self.params = []
@@ -168,15 +172,21 @@ class Trainer:
         self._tp_replicated: set[int] = set()
         self._tp_rank = 0
         self._closed = False
-        # The stall watchdog reads this trainer's timeout and global_step (for its reports).
-        from .comm import watchdog
-
-        watchdog.attach(self)
+        watchdog.attach(self.health)
         # The checkpoints' private communicator, made now while every rank is here: a Dup (a
         # collective) at the first save would hang, unreported, on a rank stopped before it.
         from .checkpoint.saving import ckpt_comm
 
         ckpt_comm(self.comm)
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds any wait may last (``0`` = off): the job's ``Health`` holds it."""
+        return self.health.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self.health.timeout = seconds
 
     # -- the declared interface ---------------------------------------------------------------
 

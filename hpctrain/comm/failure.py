@@ -24,9 +24,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
+
+from ..protocols import Comm
 
 #: Exit status handed to MPI_Abort after an exception on some ranks only.
 EXCEPTION_EXIT = 1
@@ -44,6 +47,25 @@ _live_size: int | None = None  # after a lost rank (rebind): how many ranks the 
 _live_lead = False  # after a lost rank: whether this is the survivors' first rank (it speaks for all)
 _hook_installed = False
 _write_lock = threading.Lock()
+# What must stop before MPI_Abort (the stall watchdog registers its ``stop``): a registry, so that
+# this module, which the watchdog reports through, imports nothing of the watchdog.
+_before_abort: list[Callable[[], None]] = []
+
+
+def before_abort(hook: Callable[[], None]) -> None:
+    """Call ``hook`` before this module ends the job with ``MPI_Abort`` (once per hook)."""
+    if hook not in _before_abort:
+        _before_abort.append(hook)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(out)
 
 
 def _world() -> tuple[int, int]:
@@ -67,7 +89,7 @@ def write_lines(text: str) -> None:
                 return
 
 
-def mark_everywhere(exc: BaseException, comm: Any) -> BaseException:
+def mark_everywhere(exc: BaseException, comm: Comm) -> BaseException:
     """Tag ``exc`` as raised on every rank of ``comm`` (it counts for the whole job when ``comm``
     spans the world); returns ``exc``."""
     if getattr(comm, "size", 0) == (_live_size or MPI.COMM_WORLD.Get_size()):
@@ -125,8 +147,6 @@ def say_once(text: str) -> None:
     """Print ``text`` once for the whole job: rank 0 prints it, naming the ranks where the text
     differs. Collective over the private communicator: call it only once every rank is known to
     have arrived (after ``_all_failed``)."""
-    from .validate import _ranges
-
     texts = _fail_comm.gather(text, root=0) if _fail_comm is not None else [text]
     if texts is None:
         return
@@ -149,7 +169,7 @@ def user_traceback(exc: BaseException) -> str | None:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
-def first_traceback(comm: Any, text: str | None) -> None:
+def first_traceback(comm: Comm, text: str | None) -> None:
     """Print the ``text`` (a traceback, or ``None``) of the lowest rank of ``comm`` that has one,
     on that rank only: once for the job, not once per rank (collective)."""
     have = comm.allgather_obj(text is not None)
@@ -159,9 +179,8 @@ def first_traceback(comm: Any, text: str | None) -> None:
 
 def _end_job(code: int) -> None:
     """Stop the watchdog, let the lines written so far reach the launcher, end every rank."""
-    from . import watchdog
-
-    watchdog.stop()
+    for hook in _before_abort:
+        hook()
     time.sleep(FLUSH_GRACE)
     MPI.COMM_WORLD.Abort(code)
 

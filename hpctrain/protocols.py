@@ -1,12 +1,15 @@
-"""The interfaces hpctrain's parts meet at, declared (``typing.Protocol``) instead of probed.
+"""Declared interfaces (``typing.Protocol``): what each layer may call on the objects of another.
 
-A class implements a protocol by having its methods; nothing needs to subclass these.
+A class implements a protocol by having its methods; nothing needs to inherit from these.
+``getattr`` probing is used only for methods a protocol marks optional.
 """
 
 from __future__ import annotations
 
 import copy
 from typing import Any, Protocol, runtime_checkable
+
+# -- state a checkpoint saves and restores (hpctrain.checkpoint) ---------------------------------
 
 
 @runtime_checkable

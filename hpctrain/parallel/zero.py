@@ -51,6 +51,7 @@ from ..backend import to_device, xp_of
 from ..comm import sharded
 from ..nn.module import Parameter
 from .reducer import GradReducer
+from .zero_state import ZeroState
 
 STAGES = (0, 1, 2, 3)
 
@@ -88,8 +89,9 @@ def _owners(model: Any, units: list[list[Any]]) -> list[Any]:
     return [by_param.get(id(u[0])) for u in units]
 
 
-class ZeroReducer(GradReducer):
-    """Reduce-scatter of gradients over dp into owned pieces, sharded update (see module doc)."""
+class ZeroReducer(ZeroState, GradReducer):
+    """Reduce-scatter of gradients over dp into owned pieces, sharded update (see module doc);
+    its sharded optimizer state is ``Stateful`` (:class:`.zero_state.ZeroState`)."""
 
     def __init__(self, params: list[Any], dp: Any, *, model: Any, optimizer: Any, stage: int,
                  masters: dict[str, Parameter] | None = None) -> None:
@@ -564,48 +566,6 @@ class ZeroReducer(GradReducer):
             full = self.facade.state.get(p.name) or {}
             self.inner.state[p.name] = {k: self._piece_of(v, x, y) for k, v in full.items()}
         self.inner.step_count = self.facade.step_count
-        self._drop_full()
-
-    # -- state (hpctrain.protocols.Stateful) ----------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's sharded optimizer state: ``{"step", "state": {parameter name: {key: this
-        rank's flat piece}}}`` (references). Checkpoints store full tensors instead
-        (:meth:`full_shards`), which load under any layout."""
-        return {"step": self.inner.step_count, "state": self.inner.state}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take the pieces of a :meth:`state_dict` of this layout (copied); refuses pieces of
-        parameters this rank holds none of or of another length, before changing anything."""
-        sizes = {p.name: y - x for p, _, x, y in self.pieces}
-        wrong = [f"{n}: this rank holds none of it" for n in sorted(set(state["state"]) - set(sizes))]
-        wrong += [f"{n}/{k}: expected {sizes[n]} elements, got {int(np.size(v))}"
-                  for n, st in sorted(state["state"].items()) if n in sizes
-                  for k, v in sorted(st.items()) if int(np.size(v)) != sizes[n]]  # fmt: skip
-        if wrong:
-            raise ValueError(f"ZeRO optimizer state does not fit this rank's pieces: {'; '.join(wrong[:6])}")
-        self.inner.step_count = int(state["step"])
-        self.inner.state = {p.name: {k: self._piece_of(v, 0, y - x) for k, v in state["state"].get(p.name, {}).items()}
-                            for p, _, x, y in self.pieces}  # fmt: skip
-
-    def _loaded(self) -> list[Any]:
-        """The arrays :meth:`after_load` writes that a checkpoint's own rollback does not cover
-        (it puts back the parameters ``shards()`` handed out: zero 1 and 2 without masters)."""
-        if self.shard_master is not None:
-            return [self.shard_master, self.flat_param if self.stage < 3 else self.shard_param]
-        return [self.shard_param] if self.stage == 3 else []
-
-    def snapshot(self) -> dict[str, Any]:
-        """The sharded optimizer state (references: a load replaces it), the step count and
-        copies of the pieces a load writes (see :meth:`_loaded`)."""
-        return {"step": self.inner.step_count, "state": dict(self.inner.state),
-                "arrays": [(a, a.copy()) for a in self._loaded()]}  # fmt: skip
-
-    def restore(self, snap: dict[str, Any]) -> None:
-        """Put back what :meth:`snapshot` took; the full state a checkpoint used is dropped."""
-        for a, old in snap["arrays"]:
-            a[...] = old
-        self.inner.state, self.inner.step_count = dict(snap["state"]), snap["step"]
         self._drop_full()
 
     def _drop_full(self) -> None:

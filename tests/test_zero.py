@@ -363,10 +363,21 @@ def test_a_load_refused_on_one_rank_leaves_the_zero_shards_as_they_were(zero, co
         tr.load_state_dict = refuse
     with pytest.raises(ht.errors.CheckpointError, match="refused on one rank"):
         ht.checkpoint.load(path, tr)
-    assert tr.reducer.inner.step_count == ref.reducer.inner.step_count == 4
+    # every rank's pieces (gathered, so a rank that differs fails the test on every rank)
+    assert comm.allgather_obj(tr.reducer.inner.step_count) == [ref.reducer.inner.step_count] * comm.size
     assert run(tr, grid, "mlp", steps=2) == run(ref, grid, "mlp", steps=2)
     mine, theirs = full_params(tr), full_params(ref)
     for name, (a, _) in mine.items():
         assert np.array_equal(a, theirs[name][0]), name
-    tr.close()
     ref.close()
+    # The sharded state on its own (Stateful): this rank's pieces back exactly; a misfit refused.
+    sd = tr.reducer.state_dict()
+    saved = {"step": sd["step"], "state": {n: {k: v.copy() for k, v in st.items()} for n, st in sd["state"].items()}}
+    run(tr, grid, "mlp", steps=1)
+    tr.reducer.load_state_dict(saved)
+    now = tr.reducer.state_dict()
+    assert now["step"] == saved["step"] == 6
+    assert all(np.array_equal(now["state"][n][k], v) for n, st in saved["state"].items() for k, v in st.items())
+    with pytest.raises(ValueError, match="does not fit this rank's pieces"):
+        tr.reducer.load_state_dict({"step": 1, "state": {"no.such": {"exp_avg": np.zeros(1)}}})
+    tr.close()

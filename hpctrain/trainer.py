@@ -25,6 +25,7 @@ counters, the reduction) and ready for the next one.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -42,7 +43,9 @@ from .backend import is_device_array, to_host, xp_of
 from .comm import Communicator, watchdog
 from .comm.health import Health
 from .log import get_logger
+from .nn.rngs import ModuleRngs
 from .optim.exactsum import digits_value, sumsq_digits
+from .protocols import restore_of, snapshot_of
 
 _log = get_logger("trainer")
 
@@ -113,7 +116,10 @@ class Trainer:
     - ``shards()``: ``{serial name: (Parameter, full shape, index)}``, an index being a tuple of
       slices into the full tensor (or ``("flat", start, stop)`` of the raveled tensor);
     - ``layout``: ``{"dp": ..., "tp": ..., "pp": ...}``;
-    - ``state_dict()`` / ``load_state_dict()``: counters, sampler position and RNG states;
+    - ``state_dict()`` / ``load_state_dict()``: counters, sampler position and RNG states, and
+      ``snapshot()`` / ``restore()`` of everything a checkpoint load changes besides the
+      parameters (``hpctrain.protocols.Stateful``: strategies extend them with what they own);
+    - ``checkpointer``: the trainer's ``hpctrain.checkpoint.Checkpointer``;
     - ``close()``: release what the trainer installed or allocated (idempotent).
 
     A strategy supplies ``_forward_backward``, sets ``reducer`` and the replica facts below;
@@ -140,6 +146,10 @@ class Trainer:
     precision: Any = None
     #: ``hpctrain.resilience.RankLoss`` when ``fit`` goes on without lost ranks (``--on-rank-loss shrink``).
     rank_loss: Any = None
+    #: The loader's sampler while ``fit`` runs (saved with the trainer's state).
+    _sampler: Any = None
+    #: The sampler state a load restored, kept until ``fit`` sees the loader's sampler.
+    _pending_sampler: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -173,11 +183,11 @@ class Trainer:
         self._tp_rank = 0
         self._closed = False
         watchdog.attach(self.health)
-        # The checkpoints' private communicator, made now while every rank is here: a Dup (a
-        # collective) at the first save would hang, unreported, on a rank stopped before it.
-        from .checkpoint.saving import ckpt_comm
+        # The checkpoints' machinery with its private communicator, made now while every rank is
+        # here: a Dup (a collective) at the first save would hang, unreported, on a rank stopped before it.
+        from .checkpoint.checkpointer import Checkpointer
 
-        ckpt_comm(self.comm)
+        self.checkpointer = Checkpointer(self.comm)
 
     @property
     def timeout(self) -> float | None:
@@ -483,10 +493,7 @@ class Trainer:
     # -- state ----------------------------------------------------------------------------------
 
     def _modules_with_rng(self) -> list[tuple[str, Any]]:
-        model = self.model
-        if model is None or not hasattr(model, "named_modules"):
-            return []
-        return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "rng", None), np.random.Generator)]
+        return ModuleRngs(self.model).modules()
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the sampler's state (when ``fit`` runs with one) and module RNG states.
@@ -552,6 +559,28 @@ class Trainer:
             if hasattr(sampler, "__len__"):
                 sampler_state["position"] = min(int(sampler_state["position"]), len(sampler))
             sampler.load_state_dict(sampler_state)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a checkpoint load may change besides the parameters (``Stateful``): counters, the
+        pending sampler state, module RNG states, the sampler, the loss scaler and the optimizer.
+        Strategies extend it with what they own. Not collective."""
+        return {
+            "counters": (self.global_step, self.epoch),
+            "pending_sampler": copy.deepcopy(self._pending_sampler),
+            "rngs": ModuleRngs(self.model).snapshot(),
+            "sampler": snapshot_of(self._sampler),
+            "loss_scaler": snapshot_of(getattr(self.precision, "scaler", None)),
+            "optimizer": snapshot_of(self.optimizer),
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Put back what :meth:`snapshot` took (after a load failed on some rank). Not collective."""
+        restore_of(self.optimizer, snap["optimizer"])
+        self.global_step, self.epoch = snap["counters"]
+        self._pending_sampler = snap["pending_sampler"]
+        ModuleRngs(self.model).restore(snap["rngs"])
+        restore_of(self._sampler, snap["sampler"])
+        restore_of(getattr(self.precision, "scaler", None), snap["loss_scaler"])
 
     # -- the loop ---------------------------------------------------------------------------------
 

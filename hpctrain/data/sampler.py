@@ -202,6 +202,15 @@ class ShardedSampler:
         self.seed = int(state["seed"])
         self._finished = False
 
+    def snapshot(self) -> dict[str, Any]:
+        """The position exactly, for an all-or-nothing load (``hpctrain.protocols.Stateful``)."""
+        return {**self.state_dict(), "finished": self._finished}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Put back what :meth:`snapshot` took."""
+        self.epoch, self.position, self.seed = snap["epoch"], snap["position"], snap["seed"]
+        self._finished = snap["finished"]
+
     def __repr__(self) -> str:
         return (
             f"ShardedSampler(num_samples={self.num_samples}, rank={self.rank}, size={self.size}, "

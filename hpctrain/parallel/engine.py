@@ -22,6 +22,7 @@ from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError
 from ..nn.losses import CrossEntropyLoss
 from ..precision import Precision
+from ..protocols import Stateful
 from ..trainer import Batch, Trainer
 from .reducer import AllReduceReducer, BackwardHooks, GradReducer
 from .schedules import get_schedule
@@ -284,6 +285,17 @@ class ParallelTrainer(Trainer):
             after()
         else:
             self.sync_params()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The base snapshot and the reducer's when it keeps state (ZeRO's shards: ``Stateful``)."""
+        reducer = self.reducer if isinstance(self.reducer, Stateful) else None
+        return {**super().snapshot(), "reducer": None if reducer is None else reducer.snapshot()}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        super().restore(snap)
+        if snap["reducer"] is not None:
+            self.reducer.restore(snap["reducer"])
+        self.sync_params()  # mixed precision: the compute copy from the masters just put back
 
     def sync_params(self) -> None:
         """Mixed precision: round the float32 masters into the parameters (after a load put new

@@ -564,6 +564,18 @@ class ParameterServerTrainer(Trainer):
             state["velocity"] = self.comm.allreduce(self._velocity)
         return state
 
+    def snapshot(self) -> dict[str, Any]:
+        """The base snapshot, the clock, the stop agreement and the velocity (``Stateful``)."""
+        return {**super().snapshot(), "clock": self.clock, "stop": (self._stop_at, self._asked),
+                "seen": None if self._seen is None else self._seen.copy(),
+                "velocity": None if self._velocity is None else self._velocity.copy()}  # fmt: skip
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        super().restore(snap)
+        self.clock, (self._stop_at, self._asked), self._seen = snap["clock"], snap["stop"], snap["seen"]
+        if snap["velocity"] is not None:
+            self._velocity[...] = snap["velocity"]
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters and state; the servers take their values from the model's parameters
         (``checkpoint.load`` fills those first). Collective."""

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,6 +51,7 @@ from ..backend import to_device, xp_of
 from ..comm import sharded
 from ..nn.module import Parameter
 from .reducer import GradReducer
+from .zero_state import ZeroState
 
 STAGES = (0, 1, 2, 3)
 
@@ -89,8 +89,9 @@ def _owners(model: Any, units: list[list[Any]]) -> list[Any]:
     return [by_param.get(id(u[0])) for u in units]
 
 
-class ZeroReducer(GradReducer):
-    """Reduce-scatter of gradients over dp into owned pieces, sharded update (see module doc)."""
+class ZeroReducer(ZeroState, GradReducer):
+    """Reduce-scatter of gradients over dp into owned pieces, sharded update (see module doc);
+    its sharded optimizer state is ``Stateful`` (:class:`.zero_state.ZeroState`)."""
 
     def __init__(self, params: list[Any], dp: Any, *, model: Any, optimizer: Any, stage: int,
                  masters: dict[str, Parameter] | None = None) -> None:
@@ -573,27 +574,6 @@ class ZeroReducer(GradReducer):
             self.inner.state[p.name] = {k: self._piece_of(v, x, y) for k, v in full.items()}
         self.inner.step_count = self.facade.step_count
         self._drop_full()
-
-    def snapshot(self) -> Callable[[], None]:
-        """A closure that puts this rank's pieces back as they are now: the flat parameters, the
-        sharded float32 masters, the optimizer state pieces and step count. A checkpoint load
-        takes it before ``after_load`` and calls it when the load fails on some rank, so the
-        ranks whose ``after_load`` already ran are back where they were (all or nothing)."""
-        flat = self.flat_param if self.flat_param is not None else self.shard_param  # (a piece of the flat one)
-        arrays = [a for a in (flat, self.shard_master) if a is not None]
-        saved = [a.copy() for a in arrays]
-        state = {name: {k: v.copy() for k, v in st.items()} for name, st in self.inner.state.items()}
-        step_count = self.inner.step_count
-
-        def restore() -> None:
-            self._step_ends()  # nothing gathered from the pieces being replaced may be used
-            for a, old in zip(arrays, saved):
-                a[...] = old
-            self.inner.state = state
-            self.inner.step_count = step_count
-            self._drop_full()
-
-        return restore
 
     def _drop_full(self) -> None:
         if self._full is not None or any(self.facade.state.values()):

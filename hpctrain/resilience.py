@@ -40,11 +40,9 @@ KEEP = 2
 
 class _Snapshot:
     """What a step changes on this rank, copied before it: parameters, optimizer state, and the
-    small state a checkpoint load also puts back (``checkpoint.loading._small_state``)."""
+    rest of its state (``trainer.snapshot()``, the ``Stateful`` one a checkpoint load uses)."""
 
     def __init__(self, trainer: Any, handed: int) -> None:
-        from .checkpoint.loading import _small_state
-
         # The loader counts a batch as consumed when it hands it out, before the step: the
         # position to go back to is that many samples earlier.
         self.handed = handed
@@ -52,9 +50,10 @@ class _Snapshot:
         opt = trainer.optimizer
         self.opt_state = copy.deepcopy(opt.state) if opt is not None else None
         self.opt_step = getattr(opt, "step_count", None)
-        self.restore_small = _small_state(trainer)
+        self.small = trainer.snapshot()  # its optimizer part holds references: the copies above count
 
     def restore(self, trainer: Any) -> None:
+        trainer.restore(self.small)
         for p, data in zip(trainer.params, self.params):
             p.data[...] = data
             p.grad.fill(0)
@@ -62,7 +61,6 @@ class _Snapshot:
         if opt is not None:
             opt.state = copy.deepcopy(self.opt_state)
             opt.step_count = self.opt_step
-        self.restore_small()
         sampler = getattr(trainer, "_sampler", None)
         if sampler is not None:
             sampler.position -= self.handed
@@ -103,8 +101,9 @@ class RankLoss:
             pass
         comm, lost, step = self._shrink(trainer)
         self._check(comm, lost, step)
-        self._snapshots[step].restore(trainer)
-        self._snapshots = {step: self._snapshots[step]}
+        if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
+            self._snapshots[step].restore(trainer)
+            self._snapshots = {step: self._snapshots[step]}
         self._rebind(trainer, comm)
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
         self.events.append(event)
@@ -126,8 +125,10 @@ class RankLoss:
             lost += gone
             try:
                 step = int(mpi.allreduce(trainer.global_step, op=MPI.MIN))
-                # Every survivor must hold the state from before that step (see the docstring).
-                have = int(mpi.allreduce(int(step in self._snapshots), op=MPI.MIN))
+                # Every survivor must hold the state from before that step (see the docstring), or
+                # be at that step's start: the loss was seen between two steps (a callback's wait).
+                mine = step in self._snapshots or trainer.global_step == step
+                have = int(mpi.allreduce(int(mine), op=MPI.MIN))
                 return Communicator(mpi), sorted(lost), step if have else -1
             except MPI.Exception as again:
                 if not ulfm.is_rank_loss(again):
@@ -162,7 +163,7 @@ class RankLoss:
         if trainer.overlap and grid.dp.size > 1:
             trainer._hooks = BackwardHooks(trainer.model, trainer.reducer)
         trainer._order_learned = False
-        watchdog.attach(trainer)
+        watchdog.attach(trainer.health)
         sampler = self.loader.sampler
         sampler.reshard(comm.rank, comm.size)
         self.loader.batch_size = self.global_batch // comm.size

@@ -67,9 +67,10 @@ class ParallelTrainer(Trainer):
     micro-batch (``step_microbatches``; interleaved: a multiple of the stages), so no step ever
     refuses a short batch and the update still equals one process's. ``clip_norm`` clips the
     global gradient norm (each shard counted once). ``reducer`` is a callable
-    ``(params, dp_comm) -> GradReducer`` (default: bucket all-reduces with ``bucket_mb``,
+    ``(params, dp_comm) -> protocols.Reducer`` (default: bucket all-reduces with ``bucket_mb``,
     ``overlap``, ``compression`` and ``backend``). ``timeout`` (default ``HPCTRAIN_TIMEOUT``;
-    0 = off) bounds every wait.
+    0 = off) bounds every wait. ``preset`` (set by the preset functions) names the trainer in
+    ``config()`` and error messages.
 
     Construction is collective: ranks agree on their parts, the optimizer's and this trainer's
     settings (the same error on every rank otherwise), then each dp replica takes dp rank 0's
@@ -144,7 +145,7 @@ class ParallelTrainer(Trainer):
             # Hooks depend on the model's structure: a rank without them would start its buckets
             # in another order, so the ranks must agree.
             agree(self.comm, "the overlap hooks (module tree)", self._hooks.active)
-        self._order_learned = False
+        self._order_learned = self._learn_order = False
         self._runner = None
         if pp.size > 1 or self.preset.always_schedule:
             self._runner = PipelineRunner(self.chunks, pp, self.timeout)
@@ -389,7 +390,7 @@ class ParallelTrainer(Trainer):
 
     def step(self, x: Any, y: Any, weight: Any = None) -> Any:
         stats = super().step(x, y, weight)
-        if getattr(self, "_learn_order", False) and not self._order_learned:
+        if self._learn_order and not self._order_learned:
             # After the first step: start buckets in the order backward really fills them.
             if self.reducer.buckets is not None:
                 self.reducer.buckets.adopt_order()

@@ -27,7 +27,7 @@ from ..comm.buckets import COMPRESSIONS
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError
 from ..precision import Precision
-from ..protocols import Reducer
+from ..protocols import Reducer, Stateful
 from ..trainer import Batch, Trainer
 from . import reports
 from .pipeline_runner import PipelineRunner, max_microbatches
@@ -191,7 +191,8 @@ class ParallelTrainer(Trainer):
         m, v = self.microbatches, self.virtual_stages
         if getattr(self, "_precision_problem", None) is not None:
             return self._precision_problem
-        if self.precision.mixed and (self.compression is not None or self.backend != "mpi"):
+        # (NCCL's dtype path is not checked with 16-bit buckets; the hierarchical all-reduce is MPI's.)
+        if self.precision.mixed and (self.compression is not None or self.backend == "nccl"):
             return ValueError(f"precision={self.precision.name!r} reduces gradients in grad_reduce_dtype: it takes "
                               "no compression= or the nccl backend")  # fmt: skip
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
@@ -284,6 +285,17 @@ class ParallelTrainer(Trainer):
         super().load_state_dict(state)
         self.reducer.after_load()  # ZeRO: a checkpoint wrote full tensors; keep this rank's pieces
         self.sync_params()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The base snapshot and the reducer's when it keeps state (ZeRO's shards: ``Stateful``)."""
+        reducer = self.reducer if isinstance(self.reducer, Stateful) else None
+        return {**super().snapshot(), "reducer": None if reducer is None else reducer.snapshot()}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        super().restore(snap)
+        if snap["reducer"] is not None:
+            self.reducer.restore(snap["reducer"])
+        self.sync_params()  # mixed precision: the compute copy from the masters just put back
 
     def sync_params(self) -> None:
         """Mixed precision: round the float32 masters into the parameters (after a load put new

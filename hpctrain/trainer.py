@@ -233,9 +233,9 @@ class Trainer:
         """
         from .memory import optimizer_arrays
 
-        own = getattr(getattr(self, "reducer", None), "memory_arrays", None)
+        own = self.reducer.memory_arrays() if self.reducer is not None else None
         if own is not None:  # ZeRO keeps flat pieces and its own optimizer state
-            return own()
+            return own
         model = self._model()
         params = list(getattr(self, "params", None) or (model.parameters() if model is not None else []))
         return {

@@ -321,3 +321,50 @@ class GPT(Module):
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, block_size={self.block_size}"
 
+    # -- plans: how parallel/ may split this model (optional methods of protocols.Module) ------
+
+    def pipeline_cuts(self) -> list[tuple[str, dict[str, Module], Any, Any]]:
+        """The pieces a pipeline may cut between, in forward order: ``(name, {serial module name:
+        module}, forward, backward)`` for the embeddings, each block, the final LayerNorm and
+        the head. Forward and backward look the module up at each call, so wrappers installed
+        later (ZeRO-3 gathers, overlap hooks) are the ones that run."""
+        tok, pos = self.tok_emb, self.pos_emb
+        block_size = self.block_size
+
+        def embed(idx: Any) -> Any:
+            xp = xp_of(pos.weight.data)
+            idx = to_device(idx, xp)
+            if idx.ndim != 2 or idx.shape[1] > block_size:
+                raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={block_size}, got {idx.shape}")
+            return tok.forward(idx) + pos.forward(xp.arange(idx.shape[1]))
+
+        def embed_backward(g: Any) -> None:
+            tok.backward(g)
+            pos.backward(g.sum(axis=0))
+            return None
+
+        def late(m: Any) -> tuple[Any, Any]:
+            return (lambda x: m.forward(x)), (lambda g: m.backward(g))
+
+        pieces = [("embed", {"tok_emb": tok, "pos_emb": pos}, embed, embed_backward)]
+        for name in self.blocks.layer_names:
+            b = getattr(self.blocks, name)
+            pieces.append((f"blocks.{name}", {f"blocks.{name}": b}, *late(b)))
+        for name in ("ln_f", "head"):
+            m = getattr(self, name)
+            pieces.append((name, {name: m}, *late(m)))
+        return pieces
+
+    @staticmethod
+    def pipeline_cut_count(n_layers: int) -> int:
+        """How many pieces ``pipeline_cuts`` gives for ``n_layers`` blocks (a config check's
+        bound on the pipeline stages, before the model exists)."""
+        return n_layers + 3
+
+    def tp_plan(self) -> dict[str, str]:
+        """How the parts that are not generic layers split over tensor-parallel ranks, by module
+        name: the token embedding over the vocabulary, the head column-wise with its logits left
+        split over the vocabulary (the loss is then the vocab-parallel cross-entropy). Blocks'
+        attention and MLP split as those layers always do."""
+        return {"tok_emb": "vocab_embedding", "head": "vocab_head"}
+

@@ -1,17 +1,19 @@
-"""Parallel strategies, one module each: data, tensor, pipeline, param_server."""
+"""Parallel strategies: transforms that cut a model into this rank's part (``parallelize``,
+``tensor_parallel``, ``pipeline_stage``), one runtime that trains it (``ParallelTrainer``, with
+the presets ``DataParallelTrainer``, ``TensorParallelTrainer``, ``PipelineParallelTrainer``),
+and the parameter server."""
 
 from . import schedules
-from .data import DataParallelTrainer
+from .cut import pipeline_stage
 from .engine import ParallelTrainer
 from .parallelize import parallelize
 from .param_server import ParameterServerTrainer
-from .pipeline import PipelineParallelTrainer, pipeline_stage
+from .presets import DataParallelTrainer, PipelineParallelTrainer, TensorParallelTrainer
 from .tensor import (
     ColumnParallelLinear,
     ParallelMLP,
     ParallelSelfAttention,
     RowParallelLinear,
-    TensorParallelTrainer,
     tensor_parallel,
 )
 

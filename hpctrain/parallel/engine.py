@@ -1,17 +1,23 @@
 """``ParallelTrainer``: one trainer for any dp x tp x pp ``ProcessGrid``.
 
 The model it trains is this rank's part of a serial model (``parallelize(model, grid)``, or the
-older ``tensor_parallel`` / ``pipeline_stage``): a pipeline stage (``grid.pp > 1``) whose layers
-may be split over ``grid.tp``. The step is ``Trainer.step``'s template; this class supplies the
-forward/backward (micro-batches with gradient accumulation when ``pp == 1``, a pipeline
-schedule otherwise) and the facts the template needs (who counts a replica's batch and loss
-once, which parameters are replicated over tp). Gradients reduce over ``grid.dp`` through a
-pluggable ``GradReducer`` (``reducer=``; fused bucket all-reduces by default).
+older ``tensor_parallel`` / ``pipeline_stage``: the *transforms*): a pipeline stage
+(``grid.pp > 1``) whose layers may be split over ``grid.tp``. This module is the *runtime*: it
+drives the pipeline runner and the reducer (a ``protocols.Reducer``). The presets
+(``DataParallelTrainer``, ``TensorParallelTrainer``, ``PipelineParallelTrainer``, in ``presets``)
+are functions that build this one class with a layout and a ``Preset`` (their names).
+
+The step is ``Trainer.step``'s template; this class supplies the forward/backward
+(micro-batches with gradient accumulation when ``pp == 1``, a pipeline schedule otherwise) and
+the facts the template needs (who counts a replica's batch and loss once, which parameters are
+replicated over tp). Gradients reduce over ``grid.dp`` through a pluggable reducer (``reducer=``;
+fused bucket all-reduces by default).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,29 +26,33 @@ from ..backend import to_device, xp_of
 from ..comm.buckets import COMPRESSIONS
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError
-from ..nn.losses import CrossEntropyLoss
 from ..precision import Precision
-from ..protocols import Stateful
+from ..protocols import Reducer, Stateful
 from ..trainer import Batch, Trainer
-from .reducer import AllReduceReducer, BackwardHooks, GradReducer
+from . import reports
+from .pipeline_runner import PipelineRunner, max_microbatches
+from .reducer import AllReduceReducer, BackwardHooks
 from .schedules import get_schedule
+from .shards import full_state_dict, shard_map
+from .tensor_layers import parallel_loss
+from .zero import zero_reducer
 
 # What reduces the gradients: MPI (flat), MPI by node (hpctrain.comm.hierarchical), or NCCL for CuPy models.
 BACKENDS = ("mpi", "hierarchical", "nccl")
 
 
-def shard_map(model: Any) -> dict[str, tuple[Any, tuple, tuple]]:
-    """``{serial name: (Parameter, full shape, index)}``; parameters without a ``shard_index``
-    entry in their module are whole (full slices)."""
-    info: dict[str, tuple[tuple, tuple]] = {}
-    for mod_name, m in model.named_modules():
-        for pname, (full, index) in getattr(m, "shard_index", {}).items():
-            info[f"{mod_name}.{pname}" if mod_name else pname] = (tuple(full), tuple(index))
-    out = {}
-    for name, p in model.named_parameters():
-        full, index = info.get(name, (p.shape, tuple(slice(0, n) for n in p.shape)))
-        out[name] = (p, full, index)
-    return out
+__all__ = ["BACKENDS", "ParallelTrainer", "Preset", "shard_map"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What a preset changes of ``ParallelTrainer``: the name its ``config()`` reports (``type``),
+    the names its arguments have there (``{"microbatches": "accum_steps"}``), and whether it runs
+    the pipeline schedule even on one stage (the pipeline preset: its stats and timeline)."""
+
+    name: str = "ParallelTrainer"
+    renames: dict[str, str] = field(default_factory=dict)
+    always_schedule: bool = False
 
 
 class ParallelTrainer(Trainer):
@@ -57,17 +67,15 @@ class ParallelTrainer(Trainer):
     micro-batch (``step_microbatches``; interleaved: a multiple of the stages), so no step ever
     refuses a short batch and the update still equals one process's. ``clip_norm`` clips the
     global gradient norm (each shard counted once). ``reducer`` is a callable
-    ``(params, dp_comm) -> GradReducer`` (default: bucket all-reduces with ``bucket_mb``,
+    ``(params, dp_comm) -> protocols.Reducer`` (default: bucket all-reduces with ``bucket_mb``,
     ``overlap``, ``compression`` and ``backend``). ``timeout`` (default ``HPCTRAIN_TIMEOUT``;
-    0 = off) bounds every wait.
+    0 = off) bounds every wait. ``preset`` (set by the preset functions) names the trainer in
+    ``config()`` and error messages.
 
     Construction is collective: ranks agree on their parts, the optimizer's and this trainer's
     settings (the same error on every rank otherwise), then each dp replica takes dp rank 0's
     parameters.
     """
-
-    #: Run the pipeline schedule even on one stage (the pipeline preset: its stats and timeline).
-    _always_schedule = False
 
     def __init__(
         self,
@@ -80,7 +88,7 @@ class ParallelTrainer(Trainer):
         schedule: str = "1f1b",
         virtual_stages: int | None = None,
         clip_norm: float | None = None,
-        reducer: Callable[[list[Any], Any], GradReducer] | None = None,
+        reducer: Callable[[list[Any], Any], Reducer] | None = None,
         bucket_mb: float = 25.0,
         overlap: bool = True,
         compression: str | None = None,
@@ -90,8 +98,10 @@ class ParallelTrainer(Trainer):
         zero: int = 0,
         precision: str | Precision = "fp32",
         grad_reduce_dtype: str | None = None,
+        preset: Preset | None = None,
     ) -> None:
         super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
+        self.preset = preset if preset is not None else Preset()
         self.zero = zero
         try:
             self.precision = Precision.of(precision, grad_reduce_dtype)
@@ -105,14 +115,9 @@ class ParallelTrainer(Trainer):
         self.chunks = list(getattr(model, "chunks", None) or [model])
         if virtual_stages is None:  # as the part was cut (parallelize(..., virtual_stages=v))
             virtual_stages = self.virtual_stages = len(self.chunks)
-        raise_if_any(self.comm, self._check_args(grid, model, loss), what=f"{type(self).__name__}")
+        self.loss, loss_problem = parallel_loss(model, loss, grid.tp)
+        raise_if_any(self.comm, self._check_args(grid, model) or loss_problem, what=self.preset.name)
         self.model = model
-        vocab = getattr(model, "vocab_parallel", None)
-        if vocab is not None:
-            from .tensor_layers import VocabParallelCrossEntropy
-
-            loss = VocabParallelCrossEntropy(grid.tp, vocab[0], vocab[1])
-        self.loss = loss
         self._shards = shard_map(model)
         self.params = [self._shards[n][0] for n in sorted(self._shards)]
         tp, pp = grid.tp, grid.pp
@@ -120,9 +125,36 @@ class ParallelTrainer(Trainer):
         self._tp_replicated = {id(p) for p, full, _ in self._shards.values() if tuple(full) == p.shape}
         self._batch_lead = tp.rank == 0 and pp.rank == 0
         self._loss_lead = tp.rank == 0 and pp.rank == pp.size - 1
+        self._agree_parts(model, optimizer)
+        # Clipping float64 models by the exactly rounded norm (every rank decides alike).
+        not64 = any(np.dtype(p.dtype) != np.float64 for p in self.params)
+        self.exact_norm = clip_norm is not None and not self.comm.allreduce(np.array([float(not64)]), op="max")[0]
+        if self.dp.size > 1:
+            for p in self.params:  # dp replicas start identical
+                self.dp.bcast(p.data, root=0)
+        # Mixed precision: float32 masters from the (identical) float32 parameters, then the
+        # parameters in the compute dtype and the gradients in the reduce dtype.
+        self._masters = self.precision.make_masters(self.params) if self.precision.mixed else None
+        if self._masters is not None and not zero:
+            optimizer.set_masters(self._masters)
+        self.reducer: Reducer = self._make_reducer(model, optimizer, reducer)
+        agree(self.comm, "the gradient reducer", self.reducer.describe())
+        self._hooks = None
+        if overlap and pp.size == 1 and self.dp.size > 1:
+            self._hooks = BackwardHooks(model, self.reducer)
+            # Hooks depend on the model's structure: a rank without them would start its buckets
+            # in another order, so the ranks must agree.
+            agree(self.comm, "the overlap hooks (module tree)", self._hooks.active)
+        self._order_learned = self._learn_order = False
+        self._runner = None
+        if pp.size > 1 or self.preset.always_schedule:
+            self._runner = PipelineRunner(self.chunks, pp, self.timeout)
 
-        # Everything that must match, before the first array collective.
-        agree(self.comm, f"the {type(self).__name__} configuration", self.config())
+    def _agree_parts(self, model: Any, optimizer: Any) -> None:
+        """Everything that must match, before the first array collective (the same error on
+        every rank otherwise)."""
+        tp, pp = self.grid.tp, self.grid.pp
+        agree(self.comm, f"the {self.preset.name} configuration", self.config())
         agree(self.comm, "the optimizer configuration", optimizer.config())
         agree(self.comm, "the precision", self.precision.config())
         full = sorted([n, list(f), str(p.dtype)] for n, (p, f, _) in self._shards.items())
@@ -136,48 +168,25 @@ class ParallelTrainer(Trainer):
         if {id(p) for p in self.params} != {id(p) for p in optimizer.params}:
             mismatch = "the optimizer does not hold exactly this rank's part of the model"
         raise_if_any(self.comm, MismatchError(mismatch) if mismatch else None)
-        # Clipping float64 models by the exactly rounded norm (every rank decides alike).
-        not64 = any(np.dtype(p.dtype) != np.float64 for p in self.params)
-        self.exact_norm = clip_norm is not None and not self.comm.allreduce(np.array([float(not64)]), op="max")[0]
-        if self.dp.size > 1:
-            for p in self.params:  # dp replicas start identical
-                self.dp.bcast(p.data, root=0)
-        # Mixed precision: float32 masters from the (identical) float32 parameters, then the
-        # parameters in the compute dtype and the gradients in the reduce dtype.
-        self._masters = self.precision.make_masters(self.params) if self.precision.mixed else None
-        if self._masters is not None and not zero:
-            optimizer.set_masters(self._masters)
 
-        nccl = self._nccl() if backend == "nccl" else None
-        if backend == "hierarchical" and self.dp.size > 1:
+    def _make_reducer(self, model: Any, optimizer: Any, factory: Callable[[list[Any], Any], Reducer] | None
+                      ) -> Reducer:
+        """The dp reduction: ZeRO's, the user's ``reducer=`` factory, or bucket all-reduces over
+        MPI, MPI by node or NCCL."""
+        if self.zero:
+            factory = zero_reducer(model, optimizer, self.zero, masters=self._masters)
+            self._masters = None  # ZeRO keeps this rank's piece of them
+        if factory is not None:
+            return factory(self.params, self.dp)
+        nccl = self._nccl() if self.backend == "nccl" else None
+        if self.backend == "hierarchical" and self.dp.size > 1:
             from ..comm.hierarchical import HierarchicalComm
 
             nccl = HierarchicalComm(self.dp)  # the buckets' reducer, like NCCL's communicator
-        if zero:
-            from .zero import zero_reducer
+        return AllReduceReducer(self.params, self.dp, bucket_mb=self.bucket_mb, compression=self.compression,
+                                backend=nccl)  # fmt: skip
 
-            reducer = zero_reducer(model, optimizer, zero, masters=self._masters)
-            self._masters = None  # ZeRO keeps this rank's piece of them
-        if reducer is None:
-            self.reducer = AllReduceReducer(self.params, self.dp, bucket_mb=bucket_mb, compression=compression,
-                                            backend=nccl)  # fmt: skip
-        else:
-            self.reducer = reducer(self.params, self.dp)
-        agree(self.comm, "the gradient reducer", self.reducer.describe())
-        self._hooks = None
-        if overlap and pp.size == 1 and self.dp.size > 1:
-            self._hooks = BackwardHooks(model, self.reducer)
-            # Hooks depend on the model's structure: a rank without them would start its buckets
-            # in another order, so the ranks must agree.
-            agree(self.comm, "the overlap hooks (module tree)", self._hooks.active)
-        self._order_learned = False
-        self._runner = None
-        if pp.size > 1 or self._always_schedule:
-            from .pipeline import PipelineRunner
-
-            self._runner = PipelineRunner(self.chunks, pp, self.timeout)
-
-    def _check_args(self, grid: Any, model: Any, loss: Any) -> Exception | None:
+    def _check_args(self, grid: Any, model: Any) -> Exception | None:
         """This rank's argument problem (raised on every rank by the caller), else ``None``."""
         m, v = self.microbatches, self.virtual_stages
         if getattr(self, "_precision_problem", None) is not None:
@@ -211,8 +220,6 @@ class ParallelTrainer(Trainer):
         except ValueError as exc:
             return ConfigError(str(exc))
         if grid.pp.size > 1:
-            from .pipeline import max_microbatches
-
             if m > max_microbatches(v, grid.pp.size):
                 return ValueError(f"microbatches={m} is too many for MPI tags "
                                   f"(<= {max_microbatches(v, grid.pp.size)})")  # fmt: skip
@@ -233,12 +240,6 @@ class ParallelTrainer(Trainer):
             got = "a serial model" if model_tp is None else f"a model split {model_tp.size} ways"
             return GridError(f"a grid with tp={grid.tp.size} got {got}; build it with parallelize(model, grid) "
                              "(or tensor_parallel(model, grid.tp))")
-        if getattr(model, "vocab_parallel", None) is not None and not isinstance(loss, CrossEntropyLoss):
-            from .tensor_layers import VocabParallelCrossEntropy
-
-            if not isinstance(loss, VocabParallelCrossEntropy):
-                return ValueError("a vocab-parallel GPT's logits are split over the vocabulary; "
-                                  f"train it with CrossEntropyLoss, got {type(loss).__name__}")  # fmt: skip
         return None
 
     def _nccl(self) -> Any:
@@ -254,13 +255,17 @@ class ParallelTrainer(Trainer):
     # -- the declared interface -----------------------------------------------------------------
 
     def config(self) -> dict[str, Any]:
-        return {
-            "type": type(self).__name__, "tp": self.grid.tp.size, "pp": self.grid.pp.size,
+        """Every setting the ranks must share, under the preset's names (``Preset.renames``)."""
+        cfg = {
+            "type": self.preset.name, "tp": self.grid.tp.size, "pp": self.grid.pp.size,
             "microbatches": self.microbatches, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "overlap": self.overlap,
+            "bucket_mb": self.bucket_mb, "compression": self.compression, "backend": self.backend,
+            "loss": type(self.loss).__name__,
             **({"zero": self.zero} if self.zero else {}),
             **(self.precision.config() if self.precision.mixed else {}),
         }  # fmt: skip
+        return {self.preset.renames.get(k, k): v for k, v in cfg.items()}
 
     @property
     def layout(self) -> dict[str, int]:
@@ -270,21 +275,16 @@ class ParallelTrainer(Trainer):
         """``{serial name: (Parameter, full shape, index of the local array in the full tensor)}``.
 
         Under ZeRO this is collective over dp: the full parameters and optimizer state are
-        gathered for the checkpoint (``ZeroReducer.full_shards``)."""
-        full = getattr(self.reducer, "full_shards", None)
-        if full is not None:
-            return full(dict(self._shards))
+        gathered for the checkpoint (``Reducer.full_shards``)."""
+        shards = self.reducer.full_shards(dict(self._shards))
         if self._masters is not None:  # mixed precision: the float32 masters under the serial names
-            return {n: (self._masters[p.name], f, i) for n, (p, f, i) in self._shards.items()}
-        return dict(self._shards)
+            return {n: (self._masters[p.name], f, i) for n, (p, f, i) in shards.items()}
+        return shards
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        after = getattr(self.reducer, "after_load", None)
-        if after is not None:  # ZeRO: a checkpoint wrote full tensors; keep this rank's pieces
-            after()
-        else:
-            self.sync_params()
+        self.reducer.after_load()  # ZeRO: a checkpoint wrote full tensors; keep this rank's pieces
+        self.sync_params()
 
     def snapshot(self) -> dict[str, Any]:
         """The base snapshot and the reducer's when it keeps state (ZeRO's shards: ``Stateful``)."""
@@ -299,8 +299,8 @@ class ParallelTrainer(Trainer):
 
     def sync_params(self) -> None:
         """Mixed precision: round the float32 masters into the parameters (after a load put new
-        masters in, or put the old ones back); nothing otherwise."""
-        if self._masters is not None and not self.zero:
+        masters in, or put the old ones back); nothing otherwise (ZeRO keeps its own)."""
+        if self._masters is not None:
             for p in self.params:
                 p.data[...] = self._masters[p.name].data
 
@@ -308,10 +308,48 @@ class ParallelTrainer(Trainer):
         """Remove the backward hooks from the model (the trainer can no longer overlap)."""
         if self._hooks is not None:
             self._hooks.remove()
-        remove = getattr(self.reducer, "remove", None)
-        if remove is not None:
-            remove()
+        self.reducer.remove()
         super().close()
+
+    # -- what the presets' users read ----------------------------------------------------------
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per step (the data-parallel preset's name for them)."""
+        return self.microbatches
+
+    @property
+    def buckets(self) -> Any:
+        """The reducer's ``GradBuckets`` (``None`` on one rank or with another reducer)."""
+        return self.reducer.buckets
+
+    @property
+    def stage(self) -> Any:
+        """This rank's part of the model (the pipeline preset's name for it)."""
+        return self.model
+
+    @property
+    def stage_id(self) -> int:
+        return self.grid.pp.rank
+
+    @property
+    def last_events(self) -> list[tuple[str, str, float, float]]:
+        """The last step's executed schedule (``timeline`` events; none without a pipeline)."""
+        return self._runner.events if self._runner is not None else []
+
+    def save_timeline(self, directory: str, png: bool = True) -> list[str]:
+        """Write the last step's executed schedule (collective; ``reports.save_timeline``)."""
+        return reports.save_timeline(self, directory, png)
+
+    def check_replicas(self) -> None:
+        """``MismatchError`` on every rank unless each parameter is bitwise identical across its dp
+        group and each tp-replicated one across its tp group (collective; two 8-byte all-reduces
+        per group when all is well)."""
+        reports.check_replicas(self)
+
+    def full_state_dict(self) -> dict[str, np.ndarray]:
+        """Full weights gathered over the tp group (for evaluation with the serial model)."""
+        return full_state_dict(self.model, self.grid.tp)
 
     # -- forward and backward -------------------------------------------------------------------
 
@@ -364,11 +402,10 @@ class ParallelTrainer(Trainer):
 
     def step(self, x: Any, y: Any, weight: Any = None) -> Any:
         stats = super().step(x, y, weight)
-        if getattr(self, "_learn_order", False) and not self._order_learned:
+        if self._learn_order and not self._order_learned:
             # After the first step: start buckets in the order backward really fills them.
-            buckets = getattr(self.reducer, "buckets", None)
-            if buckets is not None:
-                buckets.adopt_order()
+            if self.reducer.buckets is not None:
+                self.reducer.buckets.adopt_order()
             self._order_learned = True
         return stats
 

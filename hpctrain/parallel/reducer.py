@@ -4,7 +4,8 @@ The step template of ``Trainer`` talks to the dp reduction only through the smal
 ``GradReducer`` interface below, so another scheme (ZeRO's reduce-scatter plus a sharded
 optimizer step) plugs in by passing ``reducer=`` to ``ParallelTrainer`` without touching the step.
 
-Per step the template calls, in order::
+The interface is declared as ``hpctrain.protocols.Reducer`` (this base implements every method
+with the one-rank defaults). Per step the template calls, in order::
 
     reducer.zero_grad()                # before forward/backward
     reducer.begin()                    # before the backward that produces the final gradients
@@ -36,6 +37,9 @@ class GradReducer:
     ``dp`` is the data-parallel communicator. The default methods implement "nothing to reduce"
     (dp of size 1): subclasses override what they do differently.
     """
+
+    #: The ``GradBuckets`` the reduction runs through (``None``: none).
+    buckets: Any = None
 
     def __init__(self, params: list[Any], dp: Any) -> None:
         self.params = list(params)
@@ -76,6 +80,20 @@ class GradReducer:
     def describe(self) -> dict[str, Any]:
         """Settings every rank must share (compared across ranks)."""
         return {"type": type(self).__name__}
+
+    def full_shards(self, shards: dict[str, tuple[Any, tuple, tuple]]) -> dict[str, tuple[Any, tuple, tuple]]:
+        """What a checkpoint reads and writes: the trainer's own ``shards`` (no pieces kept here)."""
+        return shards
+
+    def after_load(self) -> None:
+        """Nothing to take back after a load (no pieces kept here)."""
+
+    def remove(self) -> None:
+        """Nothing installed, nothing to free."""
+
+    def memory_arrays(self) -> dict[str, list[Any]] | None:
+        """``None``: the trainer's parameters, gradients and optimizer state are the whole story."""
+        return None
 
 
 class AllReduceReducer(GradReducer):

@@ -6,27 +6,25 @@ versions holding this rank's slice of the weights; everything else (LayerNorms, 
 embeddings, plain Linears) stays replicated. Dotted parameter names stay those of the serial
 model, so checkpoints and optimizer state line up across layouts.
 
-``TensorParallelTrainer`` trains such a model: every rank of a tp group gets the same batch,
-gradients are averaged over the dp group, the gradient norm counts each shard once, and the
-replicated parameters stay identical because every rank of a tp group computes the same gradient
-for them (their inputs and output gradients are replicated by the mappings).
+This is a *transform* (a model in, this rank's part out); ``ParallelTrainer`` (or its preset
+``TensorParallelTrainer``) trains the part. A model says how its non-generic parts split through
+the optional ``tp_plan()`` method of the ``Module`` protocol (``hpctrain.protocols``): the GPT's
+token embedding and head split over the vocabulary. A model without one gets the generic split.
 """
 
 from __future__ import annotations
 
 import copy
-import zlib
 from typing import Any
 
 import numpy as np
 
-from ..backend import to_host
-from ..comm.validate import agree, describe_model, raise_if_any
-from ..errors import GridError, MismatchError
+from ..comm.validate import agree, describe_model
 from ..nn.module import Module, Sequential
 from ..nn.recompute import Recompute
-from ..nn.transformer import GPT, MLP, CausalSelfAttention
-from .engine import ParallelTrainer, shard_map
+from ..nn.transformer import MLP, CausalSelfAttention
+from .presets import TensorParallelTrainer
+from .shards import full_state_dict, shard_map
 from .tensor_layers import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -34,14 +32,15 @@ from .tensor_layers import (
     RowParallelLinear,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
+    parallel_loss,
 )
 from .tensor_mappings import BACKWARD, copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp, traffic
 
 __all__ = [
     "BACKWARD", "ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear",
     "TensorParallelTrainer", "VocabParallelCrossEntropy", "VocabParallelEmbedding", "copy_to_tp",
-    "full_state_dict", "gather_from_tp", "reduce_from_tp", "scatter_to_tp", "shard_map", "tensor_parallel",
-    "traffic",
+    "full_state_dict", "gather_from_tp", "parallel_loss", "reduce_from_tp", "scatter_to_tp", "shard_map",
+    "tensor_parallel", "traffic",
 ]  # fmt: skip
 
 
@@ -65,13 +64,46 @@ def _swap(parent: Module, comm: Any) -> None:
             _swap(child, comm)
 
 
+def _vocab_head(head: Any, tp_comm: Any) -> Module:
+    return ColumnParallelLinear.from_serial(head, tp_comm, gather_output=False)
+
+
+#: What each ``tp_plan()`` kind makes of a serial module.
+PLAN_KINDS = {
+    "vocab_embedding": VocabParallelEmbedding.from_serial,  # rows split over the vocabulary
+    "vocab_head": _vocab_head,  # logits left split over the vocabulary: the loss must match
+    "column": ColumnParallelLinear.from_serial,
+    "row": RowParallelLinear.from_serial,
+    "mlp": ParallelMLP.from_serial,
+    "attention": ParallelSelfAttention.from_serial,
+}
+
+
+def _apply_plan(model: Module, name: str, kind: str, tp_comm: Any) -> None:
+    """Swap ``model``'s module ``name`` (dotted) for its ``kind`` split; a vocab head marks the
+    model ``vocab_parallel = (first vocabulary row of this rank, vocabulary size)``."""
+    if kind not in PLAN_KINDS:
+        raise ValueError(f"tp_plan() of {type(model).__name__} names {name!r} as {kind!r}; "
+                         f"kinds are {sorted(PLAN_KINDS)}")
+    *path, leaf = name.split(".")
+    parent = model
+    for part in path:
+        parent = getattr(parent, part)
+    new = PLAN_KINDS[kind](getattr(parent, leaf), tp_comm)
+    setattr(parent, leaf, new)
+    if kind == "vocab_head":
+        full, index = new.shard_index["weight"]
+        model.vocab_parallel = (index[1].start, int(full[1]))
+
+
 def tensor_parallel(model: Module, tp_comm: Any) -> Module:
     """A copy of ``model`` split over the tensor-parallel group ``tp_comm`` (collective over it).
 
-    ``MLP`` -> ``ParallelMLP``, ``CausalSelfAttention`` -> ``ParallelSelfAttention``; when
-    ``model`` itself is a ``GPT`` its ``tok_emb`` becomes a ``VocabParallelEmbedding`` and its
-    ``head`` a column-parallel Linear whose logits stay split over the vocabulary (train it with
-    ``CrossEntropyLoss``: the trainer swaps in ``VocabParallelCrossEntropy``). The ranks first
+    ``MLP`` -> ``ParallelMLP``, ``CausalSelfAttention`` -> ``ParallelSelfAttention``; then the
+    model's own ``tp_plan()`` if it has one (a ``GPT``: its ``tok_emb`` becomes a
+    ``VocabParallelEmbedding`` and its ``head`` a column-parallel Linear whose logits stay split
+    over the vocabulary; train it with ``CrossEntropyLoss``: the trainer uses
+    ``VocabParallelCrossEntropy``, see ``tensor_layers.parallel_loss``). The ranks first
     agree on the model's structure and take tp rank 0's weights and RNG states. ``model`` is left untouched.
     Sizes that do not split (``n_heads % tp``, hidden sizes) raise ``ValueError`` on every rank.
     """
@@ -92,77 +124,9 @@ def tensor_parallel(model: Module, tp_comm: Any) -> Module:
     else:
         out = model
         _swap(out, tp_comm)
-        if isinstance(out, GPT):
-            out.tok_emb = VocabParallelEmbedding.from_serial(out.tok_emb, tp_comm)
-            out.head = ColumnParallelLinear.from_serial(out.head, tp_comm, gather_output=False)
-            out.vocab_parallel = (out.head.shard_index["weight"][1][1].start, out.vocab_size)
+        plan = out.tp_plan() if callable(getattr(out, "tp_plan", None)) else {}  # optional (protocols.Module)
+        for name, kind in plan.items():
+            _apply_plan(out, name, kind, tp_comm)
     out.tp_comm = tp_comm
     list(out.named_parameters())  # refresh Parameter.name to the serial dotted names
     return out
-
-
-def full_state_dict(model: Module, tp_comm: Any) -> dict[str, np.ndarray]:
-    """The full (unsharded) weights of a tensor-parallel model on every rank of ``tp_comm``.
-
-    For evaluation or export: ``serial_model.load_state_dict(full_state_dict(tp_model, grid.tp))``.
-    One parameter at a time is gathered (collective over ``tp_comm``).
-    """
-    out = {}
-    for name, (p, full, index) in sorted(shard_map(model).items()):
-        if tuple(full) == p.shape:
-            out[name] = to_host(p.data).copy()
-            continue
-        whole = np.empty(full, dtype=p.dtype)
-        for idx, piece in tp_comm.allgather_obj((index, to_host(p.data))):
-            whole[idx] = piece
-        out[name] = whole
-    return out
-
-
-class TensorParallelTrainer(ParallelTrainer):
-    """Train a ``tensor_parallel`` model on a ``ProcessGrid`` of tp x dp ranks (``grid.pp`` must be 1):
-    a preset of ``ParallelTrainer``.
-
-    ``step(x, y, weight=None)`` takes the same batch on every rank of a tp group and this dp
-    replica's share of the global batch across dp groups; the update equals one process training
-    on the global batch. ``clip_norm`` clips the global gradient norm (each shard counted once).
-    Construction is collective: ranks agree on the full parameter shapes, the optimizer's and
-    this trainer's settings, then each dp replica takes dp rank 0's parameters.
-    """
-
-    def __init__(self, *, model: Module, loss: Any, optimizer: Any, grid: Any, clip_norm: float | None = None,
-                 on_nonfinite: str = "raise", timeout: float | None = None, **kw: Any) -> None:
-        problem = None
-        if grid.pp_size != 1:
-            problem = GridError(f"TensorParallelTrainer needs a grid with pp=1, got {grid.sizes}")
-        raise_if_any(grid.world, problem)
-        super().__init__(model=model, loss=loss, optimizer=optimizer, grid=grid, clip_norm=clip_norm,
-                         on_nonfinite=on_nonfinite, timeout=timeout, **kw)  # fmt: skip
-        self._sharded = [p for n, (p, full, _) in sorted(self._shards.items()) if tuple(full) != p.shape]
-        self._replicated = [p for n, (p, full, _) in sorted(self._shards.items()) if tuple(full) == p.shape]
-
-    def config(self) -> dict[str, Any]:
-        return {"type": type(self).__name__, "tp": self.grid.tp_size, "dp": self.grid.dp_size,
-                "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "loss": type(self.loss).__name__}
-
-    def full_state_dict(self) -> dict[str, np.ndarray]:
-        """Full weights gathered over the tp group (for evaluation with the serial model)."""
-        return full_state_dict(self.model, self.grid.tp)
-
-    # -- replicas ------------------------------------------------------------------------------
-
-    def check_replicas(self) -> None:
-        """``MismatchError`` on every rank unless replicated parameters are bitwise identical across
-        the tp group and every shard is identical across its dp group (collective)."""
-        def crcs(ps: list[Any]) -> list[int]:
-            return [zlib.crc32(np.ascontiguousarray(to_host(p.data)).view(np.uint8).reshape(-1)) for p in ps]
-
-        mine = (crcs(self._replicated), crcs(self.params))
-        tp_all = self.grid.tp.allgather_obj(mine[0])
-        dp_all = self.grid.dp.allgather_obj(mine[1])
-        problem = None
-        for group, everyone, ps in (("tp", tp_all, self._replicated), ("dp", dp_all, self.params)):
-            for i, p in enumerate(ps):
-                if len({c[i] for c in everyone}) > 1 and problem is None:
-                    problem = f"{p.name} differs across the {group} group of world rank {self.comm.rank}"
-        raise_if_any(self.comm, MismatchError(problem) if problem else None, what="replicas drifted apart")

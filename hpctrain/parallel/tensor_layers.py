@@ -18,7 +18,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..nn.layers import Linear
-from ..nn.losses import _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
+from ..nn.losses import CrossEntropyLoss, _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
 from ..nn.module import Module, Parameter
 from ..nn.transformer import causal_attention, causal_attention_backward
 from ..precision import widen
@@ -367,3 +367,16 @@ class VocabParallelCrossEntropy:
             if w is not None:
                 g *= w[..., None]
         return g if self._low is None else g.astype(self._low)
+
+
+def parallel_loss(model: Any, loss: Any, tp_comm: Any) -> tuple[Any, Exception | None]:
+    """The loss a split ``model`` trains with, and the problem if it cannot: a model whose head
+    was split over the vocabulary (``vocab_parallel``) computes ``CrossEntropyLoss`` as
+    ``VocabParallelCrossEntropy`` (its logits never exist whole on one rank)."""
+    vocab = getattr(model, "vocab_parallel", None)
+    if vocab is None or isinstance(loss, VocabParallelCrossEntropy):
+        return loss, None
+    if not isinstance(loss, CrossEntropyLoss):
+        return loss, ValueError("a vocab-parallel GPT's logits are split over the vocabulary; "
+                                f"train it with CrossEntropyLoss, got {type(loss).__name__}")
+    return VocabParallelCrossEntropy(tp_comm, vocab[0], vocab[1]), None

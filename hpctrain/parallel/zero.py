@@ -51,14 +51,11 @@ from ..backend import to_device, xp_of
 from ..comm import sharded
 from ..nn.module import Parameter
 from .reducer import GradReducer
+from .zero_gather import ZeroGathers, placeholder
 from .zero_state import ZeroState
 
 STAGES = (0, 1, 2, 3)
-
-
-def placeholder(shape: tuple, dtype: Any, xp: Any = np) -> Any:
-    """A read-only array of ``shape`` that holds one element: a parameter between its uses."""
-    return xp.broadcast_to(xp.zeros(1, dtype=dtype), shape)
+__all__ = ["STAGES", "ZeroReducer", "placeholder", "zero_reducer"]
 
 
 def _units(model: Any, params: list[Any]) -> list[list[Any]]:
@@ -78,20 +75,10 @@ def _units(model: Any, params: list[Any]) -> list[list[Any]]:
     return units
 
 
-def _owners(model: Any, units: list[list[Any]]) -> list[Any]:
-    """The module owning each unit (``None`` where none does)."""
-    by_param: dict[int, Any] = {}
-    if hasattr(model, "named_modules"):
-        for _, m in model.named_modules():
-            for p in m.__dict__.get("_parameters", {}).values():
-                if p is not None:
-                    by_param.setdefault(id(p), m)
-    return [by_param.get(id(u[0])) for u in units]
-
-
-class ZeroReducer(ZeroState, GradReducer):
+class ZeroReducer(ZeroState, ZeroGathers, GradReducer):
     """Reduce-scatter of gradients over dp into owned pieces, sharded update (see module doc);
-    its sharded optimizer state is ``Stateful`` (:class:`.zero_state.ZeroState`)."""
+    its sharded optimizer state is ``Stateful`` (:class:`.zero_state.ZeroState`), its zero-3
+    gathers are :class:`.zero_gather.ZeroGathers`."""
 
     def __init__(self, params: list[Any], dp: Any, *, model: Any, optimizer: Any, stage: int,
                  masters: dict[str, Parameter] | None = None) -> None:
@@ -116,6 +103,35 @@ class ZeroReducer(ZeroState, GradReducer):
         self.masters = masters
         self.gdtype = np.dtype(self.order[0].grad.dtype) if self.order else dtype
         self.sdtype = np.dtype(np.float32) if masters is not None else dtype
+        self._lay_out(dp)
+        self._place_params()
+        self.shard_grad = xp.zeros(self.hi - self.lo, dtype=self.gdtype)
+        self.shard_master = None
+        if masters is not None:
+            self.shard_master = xp.empty(self.hi - self.lo, dtype=self.sdtype)
+            self._scatter_masters()
+        # Gradients reduce-scatter in the association of the all-reduce zero 0 uses (pairwise by
+        # rank bits, see ``sharded.PairTree``): every level ends bitwise where zero 0 ends.
+        self.tree = sharded.PairTree(dp)
+        # Local (unreduced) gradients, one buffer per unit. Zero 1 keeps them all; zero 2 and 3
+        # allocate a unit's buffer just before its backward and free it once its reduce-scatter
+        # completed, so only the units in flight exist at once.
+        self.unit_grad: list[np.ndarray | None] = [None] * len(self.units)
+        self.transient = 0  # bytes of unit gradients and gathered parameters alive now
+        self.transient_peak = 0
+        for u in range(len(self.units)):
+            self._alloc_unit(u) if stage == 1 else self._free_unit(u)
+        self._adopt_optimizer(optimizer)
+        self._full: dict[str, Any] | None = None
+        self._reqs: list[Any] = []
+        self._active = False
+        self.max_inflight = 2  # zero 2, 3: unit reductions in flight before the oldest is waited on
+        self._init_gathers()
+        if stage >= 2:
+            self._install(model)
+
+    def _lay_out(self, dp: Any) -> None:
+        """The flat order's ranges: each parameter's, each unit's, and each dp rank's piece."""
         self.where: dict[int, tuple[int, int]] = {}
         off = 0
         self.unit_range: list[tuple[int, int]] = []
@@ -137,9 +153,11 @@ class ZeroReducer(ZeroState, GradReducer):
             [max(0, min(b, bounds[i + 1]) - max(a, bounds[i])) for i in range(size)] for a, b in self.unit_range
         ]
 
-        # Parameter storage: the full flat buffer (zero 1, 2) or only this rank's piece (zero 3).
-        if stage < 3:
-            self.flat_param = xp.empty(n, dtype=dtype)
+    def _place_params(self) -> None:
+        """Parameter storage: the full flat buffer (zero 1, 2) or only this rank's piece (zero 3)."""
+        xp, dtype = self.xp, self.dtype
+        if self.stage < 3:
+            self.flat_param = xp.empty(self.n, dtype=dtype)
             for p in self.order:
                 a, b = self.where[id(p)]
                 self.flat_param[a:b] = p.data.ravel()
@@ -154,23 +172,9 @@ class ZeroReducer(ZeroState, GradReducer):
                 if x < y:
                     self.shard_param[x - self.lo : y - self.lo] = p.data.ravel()[x - a : y - a]
                 p.data = placeholder(p.shape, dtype, xp)
-        self.shard_grad = xp.zeros(self.hi - self.lo, dtype=self.gdtype)
-        self.shard_master = None
-        if masters is not None:
-            self.shard_master = xp.empty(self.hi - self.lo, dtype=self.sdtype)
-            self._scatter_masters()
-        # Gradients reduce-scatter in the association of the all-reduce zero 0 uses (pairwise by
-        # rank bits, see ``sharded.PairTree``): every level ends bitwise where zero 0 ends.
-        self.tree = sharded.PairTree(dp)
-        # Local (unreduced) gradients, one buffer per unit. Zero 1 keeps them all; zero 2 and 3
-        # allocate a unit's buffer just before its backward and free it once its reduce-scatter
-        # completed, so only the units in flight exist at once.
-        self.unit_grad: list[np.ndarray | None] = [None] * len(self.units)
-        self.transient = 0  # bytes of unit gradients and gathered parameters alive now
-        self.transient_peak = 0
-        for u in range(len(self.units)):
-            self._alloc_unit(u) if stage == 1 else self._free_unit(u)
 
+    def _adopt_optimizer(self, optimizer: Any) -> None:
+        """An inner copy of the user's optimizer over this rank's pieces, with its state cut to them."""
         # The pieces the optimizer updates: (full parameter, piece parameter, start, stop in it).
         self.pieces: list[tuple[Any, Parameter, int, int]] = []
         for p in self.order:
@@ -190,24 +194,6 @@ class ZeroReducer(ZeroState, GradReducer):
             full = optimizer.state.get(p.name) or {}
             self.inner.state[p.name] = {k: self._piece_of(v, x, y, keep_dtype=True) for k, v in full.items()}
         optimizer.state = {name: {} for name in optimizer.names}
-        self._full: dict[str, Any] | None = None
-        self._reqs: list[Any] = []
-        self._active = False
-        self._hooked: list[Any] = []
-        # Zero 3: gathered units in use, the order of gathers in the last step (the plan), the
-        # one prefetch in flight (unit, request or None when kept, buffer).
-        self.prefetch = True
-        # Zero 3 gathers so far: started ahead while another unit computed, kept from the use
-        # just before, or started when needed.
-        self.gathers = {"prefetched": 0, "kept": 0, "on_demand": 0}
-        self.max_inflight = 2  # zero 2, 3: unit reductions in flight before the oldest is waited on
-        self._buf: dict[int, np.ndarray] = {}
-        self._trace: list[int] = []
-        self._plan: list[int] | None = None
-        self._pf: tuple[int, Any, np.ndarray] | None = None
-        self._in_step = False
-        if stage >= 2:
-            self._install(model)
 
     def _scatter_masters(self) -> None:
         """This rank's piece of the float32 masters (the full copies are then dropped)."""
@@ -381,127 +367,6 @@ class ZeroReducer(ZeroState, GradReducer):
 
     def describe(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "stage": self.stage}
-
-    # -- zero 3: gather around each use, the next one prefetched -------------------------------
-
-    def _start_gather(self, u: int) -> tuple[Any, np.ndarray]:
-        a, b = self.unit_range[u]
-        x, y = max(a, self.lo), min(b, self.hi)
-        # A copy: the piece sent must not change while the gather is in flight.
-        mine = self.shard_param[x - self.lo : y - self.lo].copy() if x < y else self.shard_param[:0].copy()
-        buf = self.xp.empty(b - a, dtype=self.dtype)
-        self._track(buf.nbytes)
-        return sharded.iallgather(self.dp, mine, buf, self.unit_counts[u]), buf
-
-    def _drop_prefetch(self) -> None:
-        """Complete and free a prefetched unit nobody used (every rank drops the same one)."""
-        pf, self._pf = self._pf, None
-        if pf is not None:
-            if pf[1] is not None:
-                pf[1].wait()
-            if not any(b is pf[2] for b in self._buf.values()):  # a kept unit still in use stays
-                self.transient -= pf[2].nbytes
-
-    def _gather(self, u: int) -> None:
-        # The order of gathers in a step repeats from step to step (every dp rank runs the same
-        # forward, backward and recomputations): the previous step's order names the next unit,
-        # whose gather starts now and completes while this unit computes.
-        k = len(self._trace)
-        if self._in_step:  # calls outside a step (an evaluation) are not part of the order
-            self._trace.append(u)
-        pf = self._pf
-        if pf is not None and pf[0] == u:
-            self._pf = None
-            req, buf = pf[1], pf[2]
-            if req is not None:
-                req.wait()
-            self.gathers["prefetched" if req is not None else "kept"] += 1
-        else:
-            self._drop_prefetch()
-            req, buf = self._start_gather(u)
-            req.wait()
-            self.gathers["on_demand"] += 1
-        for p in self.units[u]:
-            pa, pb = self.where[id(p)]
-            a = self.unit_range[u][0]
-            p.data = buf[pa - a : pb - a].reshape(p.shape)
-        self._buf[u] = buf
-        plan = self._plan
-        if not self._in_step:
-            return
-        if plan is None or k + 1 >= len(plan) or plan[k] != u:
-            self._plan = None  # off the learned order (another schedule): no more prefetches
-            return
-        nxt = plan[k + 1]
-        if nxt == u:
-            self._pf = (u, None, buf)  # used again next: keep it (``_release`` leaves it)
-        elif self.prefetch:
-            self._pf = (nxt, *self._start_gather(nxt))
-
-    def _release(self, u: int) -> None:
-        buf = self._buf.pop(u, None)
-        pf = self._pf
-        if pf is not None and pf[1] is not None:
-            pf[1].test()  # MPI progresses non-blocking collectives only inside MPI calls
-        if buf is not None and not (pf is not None and pf[2] is buf):
-            self.transient -= buf.nbytes
-        for p in self.units[u]:
-            p.data = placeholder(p.shape, self.dtype, self.xp)
-
-    def _step_starts(self) -> None:
-        """Zero 3: the gathers recorded since the last step start become the plan of prefetches."""
-        self._drop_prefetch()
-        if self._trace:
-            self._plan, self._trace = self._trace, []
-        self._in_step = True
-
-    def _step_ends(self) -> None:
-        # Parameters change now (update, load): nothing gathered before may be used after.
-        self._drop_prefetch()
-        self._in_step = False
-
-    def _install(self, model: Any) -> None:
-        for u, m in enumerate(_owners(model, self.units)):
-            if m is None:
-                if self.stage == 3:
-                    raise ValueError("zero=3 needs every parameter owned by a Module of the model")
-                self.remove()  # zero 2 without a module tree: every unit's gradient from the start
-                return
-            self._wrap(m, u)
-
-    def _wrap(self, m: Any, u: int) -> None:
-        fwd, bwd = m.forward, m.backward
-
-        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.stage < 3:
-                return fwd(x, *args, **kwargs)
-            self._gather(u)
-            try:
-                return fwd(x, *args, **kwargs)
-            finally:
-                self._release(u)
-
-        def backward(g: Any, *args: Any, **kwargs: Any) -> Any:
-            self._alloc_unit(u)
-            if self.stage < 3:
-                return bwd(g, *args, **kwargs)
-            self._gather(u)
-            try:
-                return bwd(g, *args, **kwargs)
-            finally:
-                self._release(u)
-
-        m.__dict__["forward"], m.__dict__["backward"] = forward, backward
-        self._hooked.append(m)
-
-    def remove(self) -> None:
-        """Take the zero-3 gathers off the model (it can no longer compute); free the reduction's
-        sub-communicators."""
-        self.tree.free()
-        for m in self._hooked:
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop("backward", None)
-        self._hooked = []
 
     # -- checkpoints and memory --------------------------------------------------------------
 

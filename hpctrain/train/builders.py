@@ -142,14 +142,10 @@ def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any
     grid = ProcessGrid(comm, tp=c.tp, pp=c.pp)
     part = parallel.parallelize(model, grid)  # this rank's pipeline stage, split over tp
     opt = build_optimizer(c, part.parameters(), total_steps)
-    if c.pp > 1:
-        # A pipeline's micro-batches already accumulate: --accum-steps multiplies them.
-        cls = parallel.ParallelTrainer if c.tp > 1 else parallel.PipelineParallelTrainer
-        part_arg = {"model": part} if c.tp > 1 else {"stage": part}
-        return cls(**part_arg, loss=loss, optimizer=opt, grid=grid, microbatches=c.microbatches * c.accum_steps,
-                   schedule=c.schedule, **common)
-    return parallel.TensorParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid,
-                                          microbatches=c.accum_steps, **common)
+    # A pipeline's micro-batches already accumulate: --accum-steps multiplies them.
+    microbatches = c.microbatches * c.accum_steps if c.pp > 1 else c.accum_steps
+    return parallel.ParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid, microbatches=microbatches,
+                                    schedule=c.schedule, **common)
 
 
 def with_recompute(model: Any) -> Any:

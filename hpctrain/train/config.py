@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from ..nn.transformer import GPT
 
 
 def _opt(help: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -488,7 +489,7 @@ def _on_rank_loss(c: Config) -> str:
 
 
 def _n_stages_possible(c: Config) -> int:
-    """Layers a pipeline can be cut between (see build_model)."""
-    return 3 + 2 * c.n_layers if c.model == "mlp" else c.n_layers + 3
+    """Layers a pipeline can be cut between (see build_model; the GPT says how many it has)."""
+    return 3 + 2 * c.n_layers if c.model == "mlp" else GPT.pipeline_cut_count(c.n_layers)
 
 

@@ -21,12 +21,13 @@ import hpctrain as ht
 import hpctrain.log
 from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
 from hpctrain.nn import Linear, ReLU, Sequential
-from hpctrain.parallel import DataParallelTrainer
+from hpctrain.parallel import ParallelTrainer
+from hpctrain.parallel.presets import DATA
 
 N, D_IN, D_OUT, BATCH = 48, 5, 3, 4
 
 
-class FaultyTrainer(DataParallelTrainer):
+class FaultyTrainer(ParallelTrainer):
     """Kills or stalls one rank at the start of a chosen step."""
 
     kill: tuple[int, int] | None = None
@@ -64,8 +65,9 @@ def main() -> int:
         FaultyTrainer.kill = (args.kill_rank, args.kill_step)
     if args.stall_rank is not None:
         FaultyTrainer.stall = (args.stall_rank, args.stall_step)
-    trainer = FaultyTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=opt, comm=comm,
-                            bucket_mb=1e-4, timeout=args.timeout)
+    # The data-parallel preset's trainer, subclassed (the preset itself is a function).
+    trainer = FaultyTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), optimizer=opt, grid=ht.ProcessGrid(comm),
+                            preset=DATA, bucket_mb=1e-4, timeout=args.timeout)
     g = np.random.default_rng(5)
     data = ArrayDataset(g.normal(size=(N, D_IN)), g.integers(0, D_OUT, N))
     loader = DataLoader(data, batch_size=BATCH, sampler=ShardedSampler(N, comm.rank, comm.size, seed=3))

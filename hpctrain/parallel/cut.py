@@ -1,0 +1,170 @@
+"""Cutting a model into pipeline stages: a *transform* (a model in, this rank's part out).
+
+A model is cut between its *pieces*: a ``Sequential``'s layers, or the pieces a model names
+itself through the optional ``pipeline_cuts()`` method of the ``Module`` protocol
+(``hpctrain.protocols``; the GPT's embeddings, blocks, final LayerNorm and head). Stages are
+balanced by parameter count. Nothing here runs a schedule: ``pipeline_runner`` does.
+
+A piece is ``(name, {serial module name: module}, forward, backward)``: the modules it owns
+(registered under those names in the stage) and the functions that run it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..comm import Communicator
+from ..nn.module import Module, Sequential
+
+
+class Piece(NamedTuple):
+    """One unit a pipeline may cut between (see the module docstring)."""
+
+    name: str
+    modules: dict[str, Module]
+    forward: Callable[[Any], Any]
+    backward: Callable[[Any], Any]
+
+
+def _late(m: Any) -> tuple[Any, Any]:
+    """``m``'s forward and backward looked up at each call, so wrappers installed on the module
+    later (ZeRO-3 gathers, overlap hooks) are the ones that run."""
+    return (lambda x: m.forward(x)), (lambda g: m.backward(g))
+
+
+def pipeline_pieces(model: Any) -> list[Piece]:
+    """The pieces of ``model`` in forward order (``TypeError`` for a model that has none).
+
+    A model's own plan comes first (``pipeline_cuts()``; ``pipeline_pieces()``, its older name),
+    then the generic cut of a ``Sequential`` between its layers."""
+    for plan in ("pipeline_cuts", "pipeline_pieces"):  # optional methods of the Module protocol
+        if callable(getattr(model, plan, None)):
+            return [Piece(*p) for p in getattr(model, plan)()]
+    if isinstance(model, Sequential):
+        return [Piece(n, {n: m}, *_late(m)) for n, m in zip(model.layer_names, model)]
+    raise TypeError(f"a pipeline cuts a Sequential, a GPT or a model with pipeline_cuts(); "
+                    f"got {type(model).__name__}")
+
+
+def piece_cost(piece: Piece) -> int:
+    """Parameter count, plus one so parameter-free layers (activations) still weigh something."""
+    return 1 + sum(int(np.prod(p.shape)) for m in piece.modules.values() for p in m.parameters())
+
+
+def balance_by_cost(costs: list[int], stages: int) -> list[int]:
+    """Layer counts per stage for ``stages`` contiguous parts minimising the largest part's cost.
+
+    Ties are broken towards even parts (smaller sum of squared part costs), which keeps a stage
+    from being left with only parameter-free layers when a better-spread cut is as good.
+    """
+    n = len(costs)
+    if stages > n:
+        raise ValueError(f"cannot cut {n} layers into {stages} pipeline stages: need at least one layer per stage")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + int(c))
+    inf = (float("inf"), float("inf"))
+    # best[k][j]: (largest part, sum of squared parts) of the best cut of the first j layers into k parts.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                part = prefix[j] - prefix[i]
+                v = (max(best[k - 1][i][0], part), best[k - 1][i][1] + part * part)
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    counts, j = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][j]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]
+
+
+class Stage(Module):
+    """Consecutive pieces of a model: their modules under their serial names, run in order."""
+
+    def __init__(self, pieces: list[Piece]) -> None:
+        for piece in pieces:
+            for name, m in piece.modules.items():
+                setattr(self, name, m)
+        self.__dict__["_pieces"] = list(pieces)
+        self.piece_names = [p.name for p in pieces]
+
+    def forward(self, x: Any) -> Any:
+        for piece in self._pieces:
+            x = piece.forward(x)
+        return x
+
+    def backward(self, grad_out: Any) -> Any:
+        for piece in reversed(self._pieces):
+            grad_out = piece.backward(grad_out)
+        return grad_out
+
+    def extra_repr(self) -> str:
+        return ", ".join(self.piece_names)
+
+
+class Chunks(Module):
+    """An interleaved pipeline rank's part: ``chunks[c]`` is virtual stage ``c * pp + rank``.
+
+    Holds every chunk's modules (so ``named_parameters`` lists all of this rank's parameters);
+    the pipeline runs the chunks, never this container.
+    """
+
+    def __init__(self, chunks: list[Stage]) -> None:
+        for stage in chunks:
+            for name, m in stage.__dict__.get("_modules", {}).items():
+                setattr(self, name, m)
+        self.__dict__["chunks"] = list(chunks)
+
+    def forward(self, x: Any) -> Any:
+        raise RuntimeError("an interleaved pipeline part runs chunk by chunk (ParallelTrainer does that)")
+
+    def backward(self, grad_out: Any) -> Any:
+        raise RuntimeError("an interleaved pipeline part runs chunk by chunk (ParallelTrainer does that)")
+
+
+def cut(model: Any, stages: int, balance: list[int] | None = None,
+        costs: list[int] | None = None) -> tuple[list[Piece], list[int]]:
+    """``model``'s pieces and the piece counts of ``stages`` contiguous stages (balanced by
+    ``costs``, default the pieces' parameter counts, unless ``balance`` gives them)."""
+    pieces = pipeline_pieces(model)
+    n = len(pieces)
+    if balance is None:
+        counts = balance_by_cost(costs if costs is not None else [piece_cost(p) for p in pieces], stages)
+    else:
+        counts = [int(c) for c in balance]
+        if len(counts) != stages or any(c < 1 for c in counts) or sum(counts) != n:
+            raise ValueError(f"balance={list(balance)} must give {stages} positive piece counts (one per "
+                             f"stage) summing to {n} pieces")  # fmt: skip
+    return pieces, counts
+
+
+def pipeline_stage(model: Any, pp_comm: Communicator, balance: list[int] | None = None) -> Module:
+    """This rank's contiguous slice of ``model`` for a pipeline over ``pp_comm``.
+
+    ``model`` is a ``Sequential`` (the slice is a ``Sequential`` keeping the full model's layer
+    names: ``3.weight`` stays ``3.weight``), a ``GPT`` (cut between its embeddings, blocks, final
+    LayerNorm and head; names stay ``tok_emb.weight``, ``blocks.1.attn.qkv.weight``...) or a
+    model with ``pipeline_cuts()``. Stages are balanced by parameter count unless ``balance``
+    gives the number of layers (pieces) of each stage. The slice carries
+    ``stage.pipeline = {"stage", "stages", "counts", "layers"}``. Every rank computes the same cut,
+    so a bad request raises the same ``ValueError`` everywhere. (``parallelize`` does this and
+    tensor parallelism in one call.)
+    """
+    p = pp_comm.size
+    pieces, counts = cut(model, p, balance)
+    start = sum(counts[: pp_comm.rank])
+    if isinstance(model, Sequential):
+        stage: Module = model[start : start + counts[pp_comm.rank]]
+    else:
+        stage = Stage(pieces[start : start + counts[pp_comm.rank]])
+    stage.pipeline = {"stage": pp_comm.rank, "stages": p, "counts": counts, "layers": [q.name for q in pieces]}
+    list(stage.named_parameters())  # refresh Parameter.name to the serial dotted names
+    return stage

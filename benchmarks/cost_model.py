@@ -73,8 +73,10 @@ class Sizes(NamedTuple):
 
 
 def link_of(group: Any, my_node: str, links: dict[str, Any]) -> Any:
-    """The link class a group's collectives pay: inter-node when its ranks span nodes (collective)."""
-    return links["inter-node" if len(set(group.allgather_obj(my_node))) > 1 else "intra-node"]
+    """The link class a group's collectives pay: inter-node when its ranks span nodes (collective).
+    A one-rank group pays nothing on any link (with one rank per node there is no intra-node fit)."""
+    spans = len(set(group.allgather_obj(my_node))) > 1
+    return links["inter-node"] if spans or group.size == 1 else links["intra-node"]
 
 
 def predict_comm(lay: Layout, grid: Any, my_node: str, links: dict[str, Any], local_bytes: int,

@@ -250,29 +250,37 @@ class Request:
             check()
 
 
-#: Communicators made by ``split``/``dup``, freed when their last reference goes (see ``_owned``).
+#: Communicators made by ``split``/``dup`` and still referred to (see ``_owned``).
 _OWNED: dict[int, weakref.finalize] = {}
+#: Handles of owned communicators nothing refers to any more: the next ``split``/``dup`` frees them.
+_DEAD: list[int] = []
 
 
 def _owned(comm: MPI.Intracomm) -> MPI.Intracomm:
-    """Free ``comm`` when nothing refers to it any more. A process has a few thousand MPI context
+    """Free ``comm`` once nothing refers to it any more. A process has a few thousand MPI context
     ids and every grid, trainer and checkpoint takes some: a test suite or a sweep that builds
     trainers by the thousand ran out ("Too many communicators") when they were kept until exit.
-    ``MPI_Comm_free`` only marks the handle (pending operations still complete) and the next
-    ``Split`` agrees on ids free on every rank, so ranks may collect at different moments."""
+
+    The free itself waits for the next ``split``/``dup`` on the thread that makes communicators:
+    the collector runs wherever an allocation triggers it (the watchdog's thread, in the middle
+    of another rank's collective), and ``MPI_Comm_free`` there hung MPICH."""
     key = id(comm)
-    release = weakref.finalize(comm, _release, comm.handle, key)
-    release.atexit = False  # MPI_Finalize releases what is left; the order of exit hooks is not ours
+    release = weakref.finalize(comm, _dead, comm.handle, key)
+    release.atexit = False  # MPI_Finalize releases what is left
     _OWNED[key] = release
     return comm
 
 
-def _release(handle: int, key: int) -> None:
+def _dead(handle: int, key: int) -> None:
     _OWNED.pop(key, None)
-    if not MPI.Is_finalized():
-        comm = MPI.Comm.fromhandle(handle)
-        if comm != MPI.COMM_NULL:
-            comm.Free()
+    _DEAD.append(handle)
+
+
+def _free_dead() -> None:
+    """Free the communicators the collector found unused (``MPI_Comm_free`` only marks a handle:
+    pending operations still complete, and the next ``Split`` agrees on ids free everywhere)."""
+    while _DEAD and not MPI.Is_finalized():
+        MPI.Comm.fromhandle(_DEAD.pop()).Free()
 
 
 class Communicator:
@@ -712,6 +720,7 @@ class Communicator:
 
     def split(self, color: int, key: int | None = None) -> Communicator:
         """Sub-communicators of the ranks sharing ``color``, ordered by ``key`` (default rank)."""
+        _free_dead()
         token = self._enter("split")
         try:
             sub = self.mpi.Split(color, self.rank if key is None else key)
@@ -722,6 +731,7 @@ class Communicator:
     def dup(self) -> Communicator:
         """A communicator of the same ranks whose traffic never matches this one's (collective,
         watched like every other wait); it keeps this one's ``set_timeout``."""
+        _free_dead()
         token = self._enter("dup")
         try:
             raw = self.mpi.Dup()
@@ -749,8 +759,8 @@ class Communicator:
         call it is released once nothing refers to it any more."""
         release = _OWNED.pop(id(self.mpi), None)
         if release is not None:
-            release()
-        elif self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
+            release.detach()
+        if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
 
     def hostname(self) -> str:

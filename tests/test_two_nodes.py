@@ -4,15 +4,19 @@ the hierarchical all-reduce equal to the flat one over a real TCP link. Root onl
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from netns_cluster import kill_all, pids, two_nodes, why_not
+from netns_cluster import ADDRESSES, ENV, kill_all, pids, two_nodes, why_not
+from test_slurm import DAEMONS, Cluster, _sbatch_and_wait, _slurm_conf, _which
 
 from jobs import REPO, clean_env, mpiexec
 
@@ -130,3 +134,98 @@ def test_every_process_of_a_node_killed_ends_the_job_at_once(serial, tmp_path):
         assert p.returncode != 0
         assert took < 30, f"the job took {took:.0f} s to end after its node was lost (the watchdog's 120 s?)"
         assert not _left_on(cluster.namespaces[0]), "a process of the surviving node is left"
+
+
+class TwoNodeSlurm(Cluster):
+    """test_slurm's one-node Slurm made two: slurmctld and one slurmd in the first namespace node,
+    a slurmd in the second, each under its node's host name. ``nsenter --net`` rather than ``ip
+    netns exec``: the latter remounts /sys, and slurmd needs the host's cgroup mounts there."""
+
+    def __init__(self, tmp: Path, net) -> None:
+        super().__init__(tmp)
+        self.net = net
+
+    def _in(self, i: int, command: str) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.net.namespaces[i]}", "unshare", "--uts", "sh", "-c",
+                f"hostname {self.net.hostnames[i]} && {command}"]
+
+    def start(self) -> None:
+        conf = _slurm_conf(self.tmp, "unused", 2)
+        nodes = "\n".join(f"NodeName={h} NodeAddr={a} CPUs=2 State=UNKNOWN"
+                          for h, a in zip(self.net.hostnames, ADDRESSES))
+        conf = re.sub(r"(?m)^SlurmctldHost=.*$", f"SlurmctldHost={self.net.hostnames[0]}({ADDRESSES[0]})", conf)
+        conf = re.sub(r"(?m)^NodeName=.*$", nodes, conf)
+        for key in ("SlurmdSpoolDir", "SlurmdPidFile", "SlurmdLogFile"):  # one of each per node: %n
+            conf = re.sub(rf"(?m)^({key}=.*?)(\.pid|\.log)?$", lambda m: f"{m.group(1)}.%n{m.group(2) or ''}", conf)
+        (self.tmp / "slurm.conf").write_text(conf)
+        munge = self.tmp / "munge"
+        munge.mkdir(mode=0o700)
+        key = munge / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        (self.tmp / "ctld").mkdir()
+        self._spawn("munged", [_which("munged"), "--foreground", "--force", f"--key-file={key}",
+                               f"--socket={munge}/munge.socket", f"--pid-file={munge}/munged.pid",
+                               f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"])
+        self._wait(lambda: (munge / "munge.socket").exists(), 20, "munged to open its socket")
+        self._spawn("slurmctld", self._in(0, f"exec {_which('slurmctld')} -D -i -f {self.tmp}/slurm.conf"))
+        self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 60, "slurmctld to answer")
+        for i, host in enumerate(self.net.hostnames):
+            spool = self.tmp / f"slurmd.{host}"
+            spool.mkdir()
+            self._spawn(f"slurmd-{i}", self._in(i, f"exec {_which('slurmd')} -D -N {host} -f {self.tmp}/slurm.conf"))
+        self._wait(lambda: self.node_state().split() == ["idle", "idle"], 90, "both nodes to become idle")
+
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        # Clients talk to slurmctld from the first node (the controller's address is only there).
+        return subprocess.run(["nsenter", f"--net=/run/netns/{self.net.namespaces[0]}", *argv], env=self.env,
+                              capture_output=True, text=True, check=check, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def slurm2(tmp_path_factory):
+    why = why_not() or next((f"{d} is not installed (make test-slurm installs Slurm)" for d in DAEMONS
+                             if _which(d) is None), None) or (None if shutil.which("nsenter") else "no nsenter")
+    if why is not None:
+        pytest.skip(why)
+    with two_nodes(mpiexec()) as net:
+        c = TwoNodeSlurm(tmp_path_factory.mktemp("slurm2"), net)
+        try:
+            c.start()
+            c.env.update(ENV)  # MPICH over TCP between the nodes (netns_cluster's docstring)
+            yield c
+        finally:
+            c.stop()
+
+
+@pytest.mark.timeout(600)
+def test_train_sbatch_on_two_slurm_nodes(slurm2, tmp_path):
+    """train.sbatch with --nodes=2: one MPI world across both nodes trains and leaves a checkpoint."""
+    run_dir = tmp_path / "run"
+    slurm2.env["HPCTRAIN_RUN_DIR"] = str(run_dir)
+    state, out = _sbatch_and_wait(slurm2, tmp_path, REPO / "slurm" / "train.sbatch", "--epochs", "2",
+                                  options=("--nodes=2", "--ntasks-per-node=1"))
+    assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{slurm2.logs()}"
+    a, b = slurm2.net.hostnames
+    assert f"nodes            : 2  (ranks per node: {a}=1, {b}=1)" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 1} and summary["steps"] > 0, summary
+    assert Path(summary["checkpoint"]).exists(), summary
+
+
+@pytest.mark.timeout(600)
+def test_hybrid_sbatch_on_two_slurm_nodes_keeps_tp_inside_a_node(slurm2, tmp_path):
+    """hybrid.sbatch with --nodes=2, 2 tasks per node and TP=2: tp inside each node, dp across."""
+    run_dir = tmp_path / "run"
+    slurm2.env.update(HPCTRAIN_RUN_DIR=str(run_dir), TP="2", PP="1")
+    small = ("--n-layers", "1", "--d-model", "32", "--n-heads", "4", "--block-size", "16", "--batch-size", "16",
+             "--max-samples", "128", "--epochs", "1")
+    state, out = _sbatch_and_wait(slurm2, tmp_path, REPO / "slurm" / "hybrid.sbatch", *small,
+                                  options=("--nodes=2", "--ntasks-per-node=2"))
+    assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{slurm2.logs()}"
+    a, b = slurm2.net.hostnames
+    assert f"nodes            : 2  (ranks per node: {a}=2, {b}=2)" in out, out
+    assert "4 ranks = tp 2 x pp 1 x dp 2" in out, out
+    assert "tensor-parallel group(s) of tp=2 span nodes" not in out, out  # the grid's warning
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"] == {"dp": 2, "tp": 2, "pp": 1}, summary

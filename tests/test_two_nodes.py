@@ -1,6 +1,8 @@
-"""Across two "nodes" of network namespaces (tests/netns_cluster.py): the node layout measured and
-the hierarchical all-reduce equal to the flat one over a real TCP link. Root only, and opt-in
-(``HPCTRAIN_TEST_NETNS=1``): it builds network namespaces, which a plain ``make test`` must not."""
+"""Across two "nodes" of network namespaces (tests/netns_cluster.py): the node layout measured,
+the hierarchical all-reduce equal to the flat one over a real TCP link, a node lost mid-run, and
+a two-node Slurm running the sbatch scripts with --nodes=2 (marked slurm: ``make test-slurm``).
+Root only, and opt-in (``HPCTRAIN_TEST_NETNS=1``): it builds network namespaces, which a plain
+``make test`` must not."""
 
 from __future__ import annotations
 
@@ -198,6 +200,7 @@ def slurm2(tmp_path_factory):
             c.stop()
 
 
+@pytest.mark.slurm
 @pytest.mark.timeout(600)
 def test_train_sbatch_on_two_slurm_nodes(slurm2, tmp_path):
     """train.sbatch with --nodes=2: one MPI world across both nodes trains and leaves a checkpoint."""
@@ -213,6 +216,7 @@ def test_train_sbatch_on_two_slurm_nodes(slurm2, tmp_path):
     assert Path(summary["checkpoint"]).exists(), summary
 
 
+@pytest.mark.slurm
 @pytest.mark.timeout(600)
 def test_hybrid_sbatch_on_two_slurm_nodes_keeps_tp_inside_a_node(slurm2, tmp_path):
     """hybrid.sbatch with --nodes=2, 2 tasks per node and TP=2: tp inside each node, dp across."""

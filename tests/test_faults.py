@@ -23,7 +23,7 @@ from hpctrain import checkpoint as ckpt
 from hpctrain.errors import MismatchError, NonFiniteError
 from hpctrain.nn import Linear, ReLU, Sequential
 from hpctrain.parallel import DataParallelTrainer
-from jobs import LAUNCHER_ENV, mpiexec
+from jobs import mpiexec, without_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAULTS = os.path.join(HERE, "faults")
@@ -35,7 +35,7 @@ def launch(comm):
         pytest.skip("fault tests start their own mpiexec; they run in the serial pass")
 
     def run(script: str, *args: str, env: dict | None = None, timeout: float = 60) -> tuple:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
+        clean = without_launcher(dict(os.environ))
         clean.update(env or {})
         t0 = time.monotonic()
         p = subprocess.run([mpiexec(), "-n", "2", sys.executable, os.path.join(FAULTS, script), *args],

@@ -20,15 +20,15 @@ def dcomm(comm):
 
 
 def test_debug_env_selects_fingerprint_tracer(monkeypatch, comm):
-    from hpctrain.comm.debug import Tracer
+    from hpctrain.comm.fingerprint import tracer_from_env
 
     monkeypatch.setenv("HPCTRAIN_DEBUG", "1")
-    assert isinstance(Tracer.from_env(comm), FingerprintTracer)
+    assert isinstance(tracer_from_env(comm), FingerprintTracer)
     monkeypatch.setenv("HPCTRAIN_DEBUG", "0")
-    assert Tracer.from_env(comm) is None  # off: no tracer at all on the hot path
+    assert tracer_from_env(comm) is None  # off: no tracer at all on the hot path
     monkeypatch.setenv("HPCTRAIN_DEBUG", "maybe")
     with pytest.raises(ConfigError, match="HPCTRAIN_DEBUG='maybe' must be 0 or 1"):
-        Tracer.from_env(comm)
+        tracer_from_env(comm)
 
 
 def test_matching_calls_pass(dcomm):

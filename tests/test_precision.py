@@ -239,6 +239,26 @@ def test_precision_flags():
     assert resolve(Config(precision="fp16-mixed"), 1).precision == "fp16-mixed"
 
 
+def test_loss_scale_flags_reach_the_scaler_and_only_fp16_takes_them(comm):
+    from hpctrain.errors import ConfigError
+    from hpctrain.train.builders import build_trainer
+    from hpctrain.train.config import Config, resolve
+
+    for other in ("fp32", "bf16-mixed"):
+        with pytest.raises(ConfigError, match=f"--loss-scale-init: only --precision fp16-mixed .* {other}"):
+            resolve(Config(precision=other, loss_scale_init=256.0), 1)
+    with pytest.raises(ConfigError, match="--loss-scale-init: init_scale must be a positive power of two"):
+        resolve(Config(precision="fp16-mixed", loss_scale_init=300.0), 1)
+    with pytest.raises(ConfigError, match="--loss-scale-interval: interval must be a positive integer"):
+        resolve(Config(precision="fp16-mixed", loss_scale_interval=0), 1)
+    c = resolve(Config(precision="fp16-mixed", loss_scale_init=256.0, loss_scale_interval=3), comm.size)
+    tr = build_trainer(c, gpt(), comm)
+    scaler = tr.precision.scaler
+    assert (scaler.scale, scaler.interval) == (256.0, 3)
+    default = build_trainer(resolve(Config(precision="fp16-mixed"), comm.size), gpt(), comm).precision.scaler
+    assert (default.scale, default.interval) == (2.0**16, 2000)
+
+
 def test_bfloat16_crosses_the_communicator(comm):
     r, n = comm.rank, comm.size
     x = np.full(5, r + 1, dtype=ml_dtypes.bfloat16)
@@ -368,3 +388,54 @@ def test_16_bit_products_accumulate_in_float32_and_round_once(low):
     x = g.standard_normal((4, 256)).astype(low)
     product = (x.astype(np.float32) @ lin.weight.data.astype(np.float32)).astype(low)
     assert np.array_equal(lin.forward(x), (product + lin.bias.data).astype(low))
+
+
+def _pieces(tr):
+    """This rank's own arrays (under ZeRO its pieces of the parameters, the float32 masters and
+    the optimizer state), copied."""
+    arrays = tr.memory_arrays()
+    return [np.array(a, copy=True) for k in ("params", "optimizer") for a in arrays[k]]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("precision, zero", [("bf16-mixed", 1), ("fp16-mixed", 3), ("fp32", 3)])
+def test_a_failed_load_under_zero_leaves_every_ranks_pieces_as_they_were(comm, shared_dir, precision, zero):
+    """All or nothing under ZeRO: one rank's load fails after the others have taken the new
+    state into their pieces (sharded float32 masters, ZeRO-3 parameter pieces, optimizer state):
+    every rank's pieces are bitwise as before, and training goes on exactly as without the load."""
+    path = os.path.join(shared_dir, "ck.h5")
+    tr, twin = (build(comm, precision, zero=zero) for _ in range(2))
+    for t in (tr, twin):
+        train(t, 2)
+    ht.checkpoint.save(path, tr)
+    for t in (tr, twin):
+        train(t, 2, start=2)
+    before = _pieces(tr)
+    if comm.rank == comm.size - 1:
+        tr.load_state_dict = lambda state: (_ for _ in ()).throw(ValueError("refused on one rank"))
+    with pytest.raises(ht.errors.CheckpointError):
+        ht.checkpoint.load(path, tr)
+    after = _pieces(tr)
+    same = len(before) == len(after) and all(a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+                                             for a, b in zip(before, after))  # fmt: skip
+    assert comm.allgather_obj(same) == [True] * comm.size
+    assert [s.loss for s in train(tr, 2, start=4)] == [s.loss for s in train(twin, 2, start=4)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
+def test_mixed_precision_with_the_hierarchical_backend_trains_as_the_flat_one(comm, reduce):
+    """bf16-mixed composes with ``backend="hierarchical"``: float32 gradients go through the
+    node-aware all-reduce, 16-bit ones (``grad_reduce_dtype="bf16"``) through the flat 16-bit
+    sum; either way the run equals the flat backend's."""
+    from hpctrain.comm.hierarchical import HierarchicalComm
+
+    flat = build(comm, "bf16-mixed", grad_reduce_dtype=reduce)
+    hier = build(comm, "bf16-mixed", grad_reduce_dtype=reduce, backend="hierarchical")
+    assert isinstance(hier.reducer.buckets.reducer, HierarchicalComm)
+    want, got = ([s.loss for s in train(t, 3)] for t in (flat, hier))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(flat.params, hier.params):
+        np.testing.assert_allclose(b.data.astype(np.float32), a.data.astype(np.float32), rtol=1e-2, atol=1e-3)

@@ -291,7 +291,7 @@ def test_async_checkpoint_flag_writes_in_the_background(solo, tmp_path, monkeypa
 
     def spy(path, trainer, *, asynchronous=False, after=None):
         out = real(path, trainer, asynchronous=asynchronous, after=after)
-        job = getattr(trainer, "_checkpoint_job", None)
+        job = trainer.checkpointer.job
         calls.append((trainer.global_step, asynchronous, job is not None and job.thread is not None))
         return out
 

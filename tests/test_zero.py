@@ -337,3 +337,47 @@ def test_zero3_prefetches_in_the_learned_order_and_survives_leaving_it():
         out.append((losses, full_params(tr)))
         tr.close()
     compare(out[0], out[1])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_load_refused_on_one_rank_leaves_the_zero_shards_as_they_were(zero, comm, shared_dir):
+    """The other ranks take the checkpoint into their shards (``after_load``), then the last rank
+    refuses: every rank puts its sharded optimizer state and parameter pieces back, so training
+    goes on exactly as a trainer that never tried the load."""
+    import os
+
+    path = os.path.join(shared_dir, f"zero{zero}.h5")
+    (tr, grid), (ref, _) = build("mlp", comm, zero), build("mlp", comm, zero)
+    run(tr, grid, "mlp", steps=2)
+    run(ref, grid, "mlp", steps=2)
+    ht.checkpoint.save(path, tr)
+    run(tr, grid, "mlp", steps=2)
+    run(ref, grid, "mlp", steps=2)
+    if comm.rank == comm.size - 1:
+
+        def refuse(state):
+            raise ValueError("refused on one rank")
+
+        tr.load_state_dict = refuse
+    with pytest.raises(ht.errors.CheckpointError, match="refused on one rank"):
+        ht.checkpoint.load(path, tr)
+    # every rank's pieces (gathered, so a rank that differs fails the test on every rank)
+    assert comm.allgather_obj(tr.reducer.inner.step_count) == [ref.reducer.inner.step_count] * comm.size
+    assert run(tr, grid, "mlp", steps=2) == run(ref, grid, "mlp", steps=2)
+    mine, theirs = full_params(tr), full_params(ref)
+    for name, (a, _) in mine.items():
+        assert np.array_equal(a, theirs[name][0]), name
+    ref.close()
+    # The sharded state on its own (Stateful): this rank's pieces back exactly; a misfit refused.
+    sd = tr.reducer.state_dict()
+    saved = {"step": sd["step"], "state": {n: {k: v.copy() for k, v in st.items()} for n, st in sd["state"].items()}}
+    run(tr, grid, "mlp", steps=1)
+    tr.reducer.load_state_dict(saved)
+    now = tr.reducer.state_dict()
+    assert now["step"] == saved["step"] == 6
+    assert all(np.array_equal(now["state"][n][k], v) for n, st in saved["state"].items() for k, v in st.items())
+    with pytest.raises(ValueError, match="does not fit this rank's pieces"):
+        tr.reducer.load_state_dict({"step": 1, "state": {"no.such": {"exp_avg": np.zeros(1)}}})
+    tr.close()

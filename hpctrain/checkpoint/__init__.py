@@ -7,9 +7,14 @@ trainer's own state (counters, RNG states, sampler position), configuration and 
 ``load(path, trainer)`` restores it under any layout (dp, tp, pp, tp x pp, flat ZeRO ranges) or
 changes nothing. ``save_in``/``load_latest`` manage a directory of ``ckpt-<step>.h5`` files.
 
-Modules: :mod:`.format` (names, index, checksums), :mod:`.saving` (parallel, async),
-:mod:`.loading` (the transaction), :mod:`.summary` (``inspect``), :mod:`.seal` (whole-file
-digests, verified before HDF5 reads a file).
+Each trainer holds a :class:`Checkpointer` (``trainer.checkpointer``): its background save in
+flight, its snapshot buffers and its private communicator. The trainer's state is saved and
+restored only through the ``hpctrain.protocols.Stateful`` protocol.
+
+Modules: :mod:`.format` (names, index, checksums), :mod:`.checkpointer` (``save``, ``wait``),
+:mod:`.saving` (the plan and the parallel, asynchronous writes), :mod:`.header` (the index file),
+:mod:`.reader` (verified slab reads), :mod:`.loading` (the transaction), :mod:`.summary`
+(``inspect``), :mod:`.seal` (whole-file digests, verified before HDF5 reads a file).
 """
 
 from __future__ import annotations
@@ -20,13 +25,15 @@ from typing import Any
 from ..errors import CheckpointError
 from ..log import get_logger
 from . import seal
+from .checkpointer import Checkpointer, save, wait
 from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
-from .loading import load, load_weights, read_header
-from .saving import busy, remove, save, wait
+from .header import read_header
+from .loading import load, load_weights
+from .saving import busy, remove
 from .summary import inspect, verify
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "beyond_keep", "checkpoint_path", "copy", "inspect", "list_checkpoints",
+    "Checkpointer", "FORMAT", "FORMAT_VERSION", "beyond_keep", "checkpoint_path", "copy", "inspect", "list_checkpoints",
     "load", "load_latest", "load_weights", "read_header", "remove", "save", "save_in", "verify", "wait",
 ]
 

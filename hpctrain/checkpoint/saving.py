@@ -13,8 +13,8 @@ temporary and raises the same ``CheckpointError`` on every rank; earlier checkpo
 writes this rank's part file in a background thread while training goes on; the thread makes no
 MPI call (MPI's lock would hold up the training's collectives). The next save, load or ``wait``
 (collective) joins the thread and commits: the ranks agree on a private duplicate communicator
-(made once, when the trainer is set up) and rank 0 writes the index. So an asynchronous
-checkpoint appears on disk at that next call. Every wait of a save is watched by the stall
+(made once, when the trainer's :class:`~.checkpointer.Checkpointer` is set up) and rank 0 writes
+the index. So an asynchronous checkpoint appears on disk at that next call. Every wait of a save is watched by the stall
 watchdog with the job's timeout: a rank that stops while it saves ends the job with a report
 naming it, and the previous checkpoint stays as it was (the timeout must exceed the slowest
 rank's write).
@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from ..backend import to_host
 from ..errors import CheckpointError
 from ..log import get_logger
 from . import format as fmt
@@ -49,13 +48,9 @@ SPLIT_BYTES = 1 << 20
 # -- what this rank holds --------------------------------------------------------------------
 
 
-def optimizer_of(trainer: Any) -> Any:
-    return getattr(trainer, "optimizer", None)
-
-
 def local_pieces(trainer: Any) -> dict[str, tuple[Any, tuple, tuple]]:
     """{tensor key: (local array, full shape, normalized index)} for parameters and optimizer state."""
-    opt = optimizer_of(trainer)
+    opt = trainer.optimizer
     pieces: dict[str, tuple[Any, tuple, tuple]] = {}
     for name, (param, full_shape, index) in trainer.shards().items():
         full_shape = tuple(int(n) for n in full_shape)
@@ -113,6 +108,57 @@ def make_plan(everyone: list[dict[str, tuple]]) -> tuple[dict[str, tuple], dict[
     return shapes, slabs
 
 
+def describe(trainer: Any, comm: Any) -> tuple[dict[str, tuple], dict[str, tuple], dict[str, str],
+                                              dict[str, np.ndarray], BaseException | None]:
+    """What this rank saves: ``(pieces, meta {key: (full shape, dtype, boxes)}, header attributes,
+    state arrays, this rank's problem or None)``. Calls the trainer's ``state_dict()`` (collective:
+    RNG states are gathered) on every rank, even after a problem, so no rank is left waiting."""
+    pieces: dict[str, tuple[Any, tuple, tuple]] = {}
+    meta: dict[str, tuple] = {}
+    extra: dict[str, np.ndarray] = {}
+    attrs: dict[str, str] = {}
+    problem: BaseException | None = None
+    try:
+        pieces = local_pieces(trainer)
+        meta = {k: (full, str(np.dtype(a.dtype)), [b for b, _ in fmt.boxes(idx, full)])
+                for k, (a, full, idx) in pieces.items()}
+        opt = trainer.optimizer
+        opt_sd = {} if opt is None else opt.state_dict()  # references only: step, config, state
+        attrs = {
+            "format": fmt.FORMAT,
+            "format_version": str(fmt.FORMAT_VERSION),
+            "hpctrain_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "layout": fmt.dumps(trainer.layout),
+            "config": fmt.dumps(trainer.config()),
+            "trainer_state": "",
+            "optimizer": fmt.dumps({} if opt is None else {"step": opt_sd["step"], "config": opt_sd["config"]}),
+        }
+    except Exception as exc:
+        problem = CheckpointError(f"{type(exc).__name__}: {exc}") if not isinstance(exc, CheckpointError) else exc
+    try:
+        attrs["trainer_state"] = fmt.dumps(fmt.to_json(trainer.state_dict(), extra))
+    except Exception as exc:
+        problem = problem or CheckpointError(f"state_dict(): {type(exc).__name__}: {exc}")
+    return pieces, meta, attrs, extra, problem
+
+
+def agree(path: str, comm: Any, problem: BaseException | None,
+          meta: dict[str, tuple]) -> tuple[dict[str, tuple], dict[str, list], str]:
+    """One exchange: every rank's problem (raised on every rank), file name and pieces, and rank
+    0's token for the part directory. Returns the plan (``make_plan``) and the token."""
+    from ..comm.validate import raise_if_any
+
+    token = f"{time.time_ns():x}{uuid.uuid4().hex[:6]}" if comm.rank == 0 else None
+    everyone = raise_if_any(comm, problem, what=f"cannot save checkpoint {path}",
+                            payload=(os.path.abspath(path), meta, token))
+    paths = sorted({p for p, _, _ in everyone})
+    if len(paths) > 1:  # e.g. asynchronous workers stopping at different steps: never half a checkpoint
+        raise CheckpointError(f"cannot save checkpoint: the ranks name different files ({', '.join(paths[:4])})")
+    shapes, slabs = make_plan([m for _, m, _ in everyone])
+    return shapes, slabs, everyone[0][2]
+
+
 # -- writing ---------------------------------------------------------------------------------
 
 
@@ -159,6 +205,24 @@ class Job:
         self.everyone: list[Any] | None = None
         self.previous: Job | None = None  # rank 0: an earlier job whose commit this job's thread runs
 
+    def start(self, previous: Job | None) -> None:
+        """Write this rank's part in a background thread, which first commits ``previous`` (rank
+        0's handed-over save, see :meth:`.checkpointer.Checkpointer.save`)."""
+        self.previous = previous
+        _IN_FLIGHT.add(self.parts_path)
+        self.thread = threading.Thread(target=self.run, name="hpctrain-checkpoint", daemon=False)
+        self.thread.start()
+
+    def join(self) -> str | None:
+        """Join the writer thread and exchange what every rank wrote (collective). Returns the
+        agreed failure of the save whose commit that thread ran (rank 0's), if any."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        older = self.previous.error if self.previous is not None else None
+        self.previous = None
+        return self.exchange(older)
+
     def run(self) -> None:
         """The background thread: commit the previous save (rank 0), then write this rank's part."""
         try:
@@ -177,7 +241,7 @@ class Job:
                 mine = write_part(os.path.join(self.parts_path, fmt.part_file(self.comm.rank)), self.items)
         except BaseException as exc:
             mine = ("error", f"rank {self.comm.rank}: {why(exc)}")
-        self.items = []  # the snapshot is on disk (or lost); its buffers stay with the trainer
+        self.items = []  # the snapshot is on disk (or lost); its buffers stay with the checkpointer
         self.written = mine
 
     def gather(self) -> None:
@@ -326,192 +390,3 @@ def remove(path: str) -> None:
     except FileNotFoundError:
         pass
     remove_parts(path)
-
-
-#: The checkpoint communicator of the world, shared by every Communicator of it: tests and
-#: scripts make many world Communicators, and each duplicate holds one of MPI's few context ids.
-_WORLD_CKPT: dict[str, Any] = {}
-
-
-def ckpt_comm(comm: Any) -> Any:
-    """The private duplicate of ``comm`` (a ``Communicator``) the write phase agrees on, separate
-    from the training's own traffic; its waits are watched by the stall watchdog like any other.
-
-    Collective the first time: trainers make it at setup (``Trainer.__init__``), where every rank
-    is known to be present, so a save never starts with a ``Dup`` a stopped rank would hang."""
-    from mpi4py import MPI
-
-    own = getattr(comm, "_checkpoint_comm", None)
-    if own is None:
-        world = comm.mpi == MPI.COMM_WORLD
-        own = _WORLD_CKPT.get("world") if world else None
-        if own is None:
-            own = comm.dup()
-            own.purpose = "checkpoint save: the ranks' agreement on what they wrote"
-            if world:
-                _WORLD_CKPT["world"] = own
-        comm._checkpoint_comm = own
-    return own
-
-
-def _join(job: Job) -> str | None:
-    """Join ``job``'s writer thread and exchange what every rank wrote (collective). Returns the
-    agreed failure of the save whose commit that thread ran (rank 0's), if any."""
-    if job.thread is not None:
-        job.thread.join()
-        job.thread = None
-    older = job.previous.error if job.previous is not None else None
-    job.previous = None
-    return job.exchange(older)
-
-
-def wait(trainer: Any) -> str | None:
-    """Finish ``trainer``'s background saves, if any (collective: joins the writer thread, the
-    ranks agree, rank 0 commits the index); returns the path, or raises the ``CheckpointError``
-    of a failed one on every rank. The waits are watched by the stall watchdog."""
-    job: Job | None = getattr(trainer, "_checkpoint_job", None)
-    if job is None:
-        return None
-    trainer._checkpoint_job = None
-    older = _join(job)
-    if job.raw.rank == 0:
-        job.commit()
-    job.error = job.raw.bcast_obj(job.error, root=0)
-    if older:
-        raise CheckpointError(older)
-    if job.error:
-        raise CheckpointError(job.error)
-    return job.result
-
-
-def _handover(trainer: Any) -> Job | None:
-    """For an asynchronous save: finish the previous one's writing (join, agree) and return it
-    on rank 0, whose next writer thread commits it; ``None`` elsewhere or when there is none."""
-    prev: Job | None = getattr(trainer, "_checkpoint_job", None)
-    if prev is None:
-        return None
-    trainer._checkpoint_job = None
-    older = _join(prev)
-    if older:  # an earlier commit failed: finish this one now (rank 0), then report that failure
-        if prev.raw.rank == 0:
-            prev.commit()
-            if prev.error:
-                _log.warning("%s", prev.error)
-        raise CheckpointError(older)
-    return prev if prev.raw.rank == 0 else None
-
-
-def _snapshot(trainer: Any, name: str, data: Any) -> np.ndarray:
-    """A host copy of ``data`` that the next steps cannot change, in a buffer kept on the
-    trainer across saves (allocated once: first-touch page faults cost more than the copy)."""
-    host = to_host(data)
-    if not (isinstance(data, np.ndarray) and np.may_share_memory(host, data)):
-        return np.ascontiguousarray(host)  # already a fresh copy (from a device)
-    buffers = trainer.__dict__.setdefault("_checkpoint_buffers", {})
-    buf = buffers.get(name)
-    if buf is None or buf.shape != host.shape or buf.dtype != host.dtype:
-        buf = buffers[name] = rawio.aligned_empty(host.shape, host.dtype)  # page-aligned: written by DMA
-    np.copyto(buf, host)
-    return buf
-
-
-def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable[[], None] | None = None) -> str:
-    """Write ``trainer``'s whole state to ``path`` (collective: every rank of the job calls it).
-
-    Returns the path. The previous file at ``path`` (if any) is replaced only once the new one is
-    complete on disk. ``after`` runs on rank 0 once the checkpoint is committed.
-
-    With ``asynchronous=True`` the call returns after a host snapshot of this rank's slabs (into
-    buffers the trainer keeps for the next save) and a background thread writes them. The next
-    save joins that thread and agrees on what was written (one small exchange); rank 0's next
-    writer thread then commits it, so the checkpoint appears on disk during the following save's
-    writing. :func:`wait` (also called by a blocking save and by load) finishes everything now.
-    A failure is raised, on every rank, by the call that agrees on it.
-    """
-    if not asynchronous:
-        wait(trainer)
-    comm = trainer.comm
-    raw = ckpt_comm(comm)
-    from ..comm.validate import raise_if_any
-
-    pieces: dict[str, tuple[Any, tuple, tuple]] = {}
-    meta: dict[str, tuple] = {}
-    extra: dict[str, np.ndarray] = {}
-    attrs: dict[str, str] = {}
-    problem: BaseException | None = None
-    try:
-        pieces = local_pieces(trainer)
-        meta = {k: (full, str(np.dtype(a.dtype)), [b for b, _ in fmt.boxes(idx, full)])
-                for k, (a, full, idx) in pieces.items()}
-        opt = optimizer_of(trainer)
-        attrs = {
-            "format": fmt.FORMAT,
-            "format_version": str(fmt.FORMAT_VERSION),
-            "hpctrain_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "layout": fmt.dumps(getattr(trainer, "layout", {"dp": comm.size})),
-            "config": fmt.dumps(trainer.config()),
-            "trainer_state": "",
-            "optimizer": fmt.dumps({} if opt is None else {"step": opt.step_count, "config": opt.config()}),
-        }
-    except Exception as exc:
-        problem = CheckpointError(f"{type(exc).__name__}: {exc}") if not isinstance(exc, CheckpointError) else exc
-    # state_dict is collective (RNG states are gathered): every rank calls it, even after a problem.
-    try:
-        state_json = fmt.dumps(fmt.to_json(trainer.state_dict(), extra))
-    except Exception as exc:
-        state_json, problem = "", problem or CheckpointError(f"state_dict(): {type(exc).__name__}: {exc}")
-    # One exchange: every rank's problem, file name and pieces, and rank 0's token for the parts.
-    token = f"{time.time_ns():x}{uuid.uuid4().hex[:6]}" if comm.rank == 0 else None
-    everyone = raise_if_any(comm, problem, what=f"cannot save checkpoint {path}",
-                            payload=(os.path.abspath(path), meta, token))
-    attrs["trainer_state"] = state_json
-    paths = sorted({p for p, _, _ in everyone})
-    if len(paths) > 1:  # e.g. asynchronous workers stopping at different steps: never half a checkpoint
-        raise CheckpointError(f"cannot save checkpoint: the ranks name different files ({', '.join(paths[:4])})")
-    shapes, slabs = make_plan([m for _, m, _ in everyone])
-    token = everyone[0][2]
-
-    job = Job(path, comm, raw, token)
-    job.attrs, job.state_arrays, job.after = attrs, extra, after
-    job.attrs["parts"] = job.parts
-    # The previous background save's snapshot buffers are reused below: its writing must be done.
-    previous = _handover(trainer) if asynchronous else None
-    views = {k: fmt.boxes(idx, full) for k, (_, full, idx) in pieces.items()}
-    try:
-        for key in sorted(slabs):
-            full, dtype = shapes[key]
-            entry = job.index[key] = {"shape": list(full), "dtype": dtype, "slabs": []}
-            for i, (box, writer) in enumerate(slabs[key]):
-                name = f"{key}/{i}"
-                entry["slabs"].append([writer, name, [list(b) for b in box], None])
-                if writer != comm.rank:
-                    continue
-                src_box, view = next((b, v) for b, v in views[key] if fmt.intersect(b, box) == box)
-                data = view(pieces[key][0])[fmt.rel(box, src_box)]
-                # A background save must not see the next step's updates: copy now.
-                job.items.append((name, _snapshot(trainer, name, data) if asynchronous
-                                  else np.ascontiguousarray(to_host(data))))
-    except Exception as exc:
-        job.items = []
-        job.error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
-    try:
-        raise_if_any(comm, job.error, what=f"cannot save checkpoint {path}")
-    except BaseException:
-        if previous is not None:  # not lost: committed now, its failure (if any) logged
-            previous.commit()
-            if previous.error:
-                _log.warning("%s", previous.error)
-        raise
-    if asynchronous:
-        job.previous = previous
-        _IN_FLIGHT.add(job.parts_path)
-        job.thread = threading.Thread(target=job.run, name="hpctrain-checkpoint", daemon=False)
-        trainer._checkpoint_job = job
-        job.thread.start()
-        return path
-    job.write()
-    job.finish()
-    if job.error:
-        raise CheckpointError(job.error)
-    return path

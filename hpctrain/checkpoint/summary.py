@@ -7,7 +7,8 @@ from typing import Any
 
 from ..errors import CheckpointError
 from . import format as fmt
-from .loading import Reader, read_header
+from .header import read_header
+from .reader import Reader
 
 
 def verify(path: str) -> dict[str, Any]:

@@ -13,70 +13,25 @@ from __future__ import annotations
 
 import os
 import socket
-import weakref
 from collections.abc import Callable
 from threading import get_ident
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
 from .. import backend, settings
-from ..errors import BufferError, ConfigError, DtypeError
+from ..errors import BufferError, ConfigError
 from . import cuda_aware as _cuda_aware
-from . import debug as _debug
 from . import failure as _failure
+from . import objects as _objects
 from . import watchdog as _watch
+from .fingerprint import tracer_from_env
+from .owned import _OWNED, _free_dead, _owned
+from .request import Request
+from .staging import _copy_from_host, _copy_to_host, _HostStage
 from .validate import raise_if_any
-
-_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-
-# Types with an MPI datatype that MPICH and Open MPI both reduce. float16 works on MPICH >= 4
-# and Open MPI >= 5 (MPIX_C_FLOAT16); it is checked once on first use.
-_DTYPES = frozenset(
-    np.dtype(t)
-    for t in (
-        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float16", "float32", "float64", "complex64", "complex128",
-    )
-)  # fmt: skip
-
-
-# The 16-bit float sums: values travel as their uint16 bits and a NumPy user operation adds them
-# (bfloat16 has no MPI type; MPI's own float16 sum crawls on subnormal values).
-_OPS16 = ("sum_fp16", "sum_bf16")
-_OP_NAMES = (*_OPS, *_OPS16)
-
-
-def _op(op: str, dtype: np.dtype) -> MPI.Op:
-    if op in _OPS16:
-        if dtype != np.uint16:
-            raise DtypeError(f"op={op!r} sums 16-bit floats carried as uint16 bits; got dtype {dtype}")
-        from .half import sum16_op
-
-        return sum16_op(op[4:])
-    try:
-        mpi_op = _OPS[op]
-    except (KeyError, TypeError):
-        raise ValueError(f"op must be one of {list(_OP_NAMES)}, got {op!r}") from None
-    if op == "mean" and dtype.kind not in "fc":
-        raise DtypeError(f"op='mean' needs a floating dtype, got {dtype}; reduce with 'sum'")
-    if op in ("max", "min") and dtype.kind == "c":
-        raise DtypeError(f"op={op!r} is not defined for complex dtype {dtype}")
-    return mpi_op
-
-
-# op -> dtype -> MPI.Op for every valid pair of the built-in ops: the hot path checks op and
-# dtype with this one lookup (plus the buffer tests in ``allreduce``).
-_FAST_OPS: dict[str, dict[np.dtype, MPI.Op]] = {}
-for _name in _OPS:
-    for _dt in _DTYPES:
-        try:
-            _FAST_OPS.setdefault(_name, {})[_dt] = _op(_name, _dt)
-        except DtypeError:
-            pass
-
+from .wire import _BF16, _FAST_OPS, _OPS16, _as_array, _bf16_op, _bits, _check_dtype, _check_out, _op, _send_ready
 
 _NO_ARG = object()  # _enter's "no argument" (None is a value a fingerprint may show)
 _world_ready = False  # the first world Communicator has done its one-time collective setup
@@ -88,199 +43,6 @@ def _environment_problem() -> ConfigError | None:
     except ConfigError as exc:
         return exc
     return None
-
-
-def _as_array(x: Any) -> Any:
-    return x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
-
-
-# bfloat16 (``ml_dtypes``, mixed precision) has no MPI type: it moves as its uint16 bits and is
-# summed by the 16-bit sum ("sum_bf16"); no other reduction of it is offered.
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _bits(x: Any) -> Any:
-    """A bfloat16 array's uint16 view (what MPI moves), other arrays as they are."""
-    return x.view(np.uint16) if getattr(x, "dtype", None) == _BF16 else x
-
-
-def _bf16_op(op: str) -> str:
-    if op != "sum":
-        raise DtypeError(f"bfloat16 arrays reduce with op='sum' only (as their bits), got op={op!r}")
-    return "sum_bf16"
-
-
-def _check_dtype(x: Any) -> None:
-    if np.dtype(x.dtype) not in _DTYPES:
-        names = ", ".join(sorted(str(d) for d in _DTYPES))
-        raise DtypeError(f"dtype {x.dtype} cannot be communicated; use one of: {names}")
-
-
-def _send_ready(x: Any) -> Any:
-    """``x`` as a contiguous array MPI can read (a copy only if ``x`` is strided)."""
-    x = _as_array(x)
-    _check_dtype(x)
-    if not x.flags.c_contiguous:
-        x = backend.xp_of(x).ascontiguousarray(x)
-    return x
-
-
-def _check_out(out: Any, shape: tuple, dtype: np.dtype, what: str) -> None:
-    if not hasattr(out, "flags"):
-        raise BufferError(f"{what}: out must be an array, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape):
-        raise BufferError(f"{what}: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
-    if np.dtype(out.dtype) != np.dtype(dtype):
-        raise DtypeError(f"{what}: out has dtype {out.dtype}, expected {dtype}")
-    if not out.flags.c_contiguous:
-        raise BufferError(f"{what}: out must be C-contiguous to receive in place")
-
-
-class _HostStage:
-    """Pinned host buffers for staging device arrays through a non-CUDA-aware MPI.
-
-    Buffers are pooled by byte size and handed out one per outstanding operation, so two
-    non-blocking transfers never share one; after warm-up a training step allocates nothing.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._lent: dict[int, np.ndarray] = {}
-
-    def take(self, shape: tuple, dtype: Any) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        pool = self._free.get(nbytes)
-        raw = pool.pop() if pool else self._alloc(nbytes)
-        view = raw[:nbytes].view(dtype).reshape(shape)
-        self._lent[id(view)] = raw
-        return view
-
-    def give(self, view: np.ndarray) -> None:
-        raw = self._lent.pop(id(view))
-        self._free.setdefault(raw.nbytes - 1, []).append(raw)
-
-    @property
-    def pooled(self) -> int:
-        """Buffers allocated so far (lent or free): constant once a workload has warmed up."""
-        return len(self._lent) + sum(len(v) for v in self._free.values())
-
-    @staticmethod
-    def _alloc(nbytes: int) -> np.ndarray:
-        # One spare byte so zero-length arrays still get a real buffer to view.
-        cp = backend.cupy()
-        if backend.is_real_cupy(cp):
-            import cupyx
-
-            return cupyx.empty_pinned((nbytes + 1,), dtype=np.uint8)
-        return np.empty(nbytes + 1, dtype=np.uint8)
-
-
-def _copy_to_host(src: Any, host: np.ndarray) -> None:
-    if backend.is_device_array(src):
-        backend.transfer_counts["to_host"] += 1
-        src.get(out=host)
-    else:
-        np.copyto(host, src)
-
-
-def _copy_from_host(host: np.ndarray, dst: Any) -> None:
-    if backend.is_device_array(dst):
-        backend.transfer_counts["to_device"] += 1
-        dst.set(host)
-    else:
-        np.copyto(dst, host)
-
-
-class Request:
-    """A pending non-blocking operation. ``wait()`` completes it and returns its result."""
-
-    def __init__(
-        self,
-        req: MPI.Request,
-        result: Any,
-        finish: Callable[[], None] | None = None,
-        watch: tuple | None = None,
-        check: Callable[[], None] | None = None,
-    ):
-        self._req = req
-        self._result = result
-        self._finish = finish
-        self._done = False
-        # (communicator, op, peer, seq) for the stall watchdog; check: HPCTRAIN_DEBUG's receive-side test.
-        self._watch = watch
-        self._check = check
-
-    def wait(self) -> Any:
-        if not self._done:
-            if self._check is not None:
-                # HPCTRAIN_DEBUG: compare the sender's fingerprint before taking the data.
-                check, self._check = self._check, None
-                try:
-                    check()
-                except Exception:
-                    self._req.Cancel()
-                    try:
-                        self._req.Wait()
-                    except Exception:  # a truncated message: the mismatch is the error to report
-                        pass
-                    self._done = True
-                    raise
-            token = _watch.begin(*self._watch) if self._watch is not None else None
-            try:
-                self._req.Wait()
-            finally:
-                _watch.end(token)
-            self._complete()
-        return self._result
-
-    def test(self) -> bool:
-        """Drive progress; True once the operation has completed (then ``wait`` is free)."""
-        if not self._done and self._req.Test():
-            self._complete()
-        return self._done
-
-    def _complete(self) -> None:
-        self._done = True
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
-        if self._check is not None:
-            check, self._check = self._check, None
-            check()
-
-
-#: Communicators made by ``split``/``dup`` and still referred to (see ``_owned``).
-_OWNED: dict[int, weakref.finalize] = {}
-#: Handles of owned communicators nothing refers to any more: the next ``split``/``dup`` frees them.
-_DEAD: list[int] = []
-
-
-def _owned(comm: MPI.Intracomm) -> MPI.Intracomm:
-    """Free ``comm`` once nothing refers to it any more. A process has a few thousand MPI context
-    ids and every grid, trainer and checkpoint takes some: a test suite or a sweep that builds
-    trainers by the thousand ran out ("Too many communicators") when they were kept until exit.
-
-    The free itself waits for the next ``split``/``dup`` on the thread that makes communicators:
-    the collector runs wherever an allocation triggers it (the watchdog's thread, in the middle
-    of another rank's collective), and ``MPI_Comm_free`` there hung MPICH."""
-    key = id(comm)
-    release = weakref.finalize(comm, _dead, comm.handle, key)
-    release.atexit = False  # MPI_Finalize releases what is left
-    _OWNED[key] = release
-    return comm
-
-
-def _dead(handle: int, key: int) -> None:
-    _OWNED.pop(key, None)
-    _DEAD.append(handle)
-
-
-def _free_dead() -> None:
-    """Free the communicators the collector found unused (``MPI_Comm_free`` only marks a handle:
-    pending operations still complete, and the next ``Split`` agrees on ids free everywhere)."""
-    while _DEAD and not MPI.Is_finalized():
-        MPI.Comm.fromhandle(_DEAD.pop()).Free()
 
 
 class Communicator:
@@ -316,12 +78,10 @@ class Communicator:
             _watch.start(self)
             _failure.setup()
             _world_ready = True
-        self._debug = _debug.Tracer.from_env(self)
+        self._debug = tracer_from_env(self)
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size})"
-
-    # -- properties -------------------------------------------------------------------------
 
     @property
     def cuda_aware(self) -> bool:
@@ -371,10 +131,11 @@ class Communicator:
 
     # -- the bracket around every call ---------------------------------------------------------
 
-    # Every blocking call is ``token = self._enter(...)``, then ``try: <MPI call> finally:
-    # _watch.end(token)``: the HPCTRAIN_DEBUG fingerprint (an attribute test when off), the
-    # sequence number and the watchdog's record. Argument checks come before it; ``allreduce``
-    # inlines its own for host arrays (the hot path of tensor-parallel layers).
+    # Every blocking call goes through ``_watched`` (any MPI call) or ``_moved`` (a call on array
+    # buffers, staged through host memory where needed): the HPCTRAIN_DEBUG fingerprint (an
+    # attribute test when off), the sequence number and the watchdog's record around the MPI
+    # operation handed in, as mpi4py's ``util.pkl5`` hands its helpers ``Comm.Send`` or
+    # ``Comm.Bcast``. Argument checks come before it.
 
     def _enter(self, op: str, x: Any = None, arg: Any = _NO_ARG) -> int | None:
         """Open the bracket of collective ``op``: debug fingerprint, sequence number, watchdog
@@ -393,6 +154,69 @@ class Communicator:
         """Open the bracket of a blocking point-to-point ``op`` with ``peer`` (fingerprints are
         exchanged by the callers: a send and a receive check differently)."""
         return _watch.begin(self, op, peer)
+
+    def _watched(self, what: str, x: Any, arg: Any, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` inside the bracket of collective ``what`` (``x``/``arg``: what the
+        debug fingerprint shows); returns its result."""
+        token = self._enter(what, x, arg)
+        try:
+            return call(*args)
+        finally:
+            _watch.end(token)
+
+    def _moved(
+        self, what: str, call: Callable[[Any, Any], Any], x: Any, out: Any, *,
+        arg: Any = _NO_ARG, red: str | None = None, one_buffer: bool = False, peer: int | None = None,
+    ) -> None:
+        """``call(send, recv)`` on ``x`` (``None``: nothing sent) and ``out`` (``None``: nothing
+        received) in the bracket of ``what`` (point to point with ``peer`` when given). Direct:
+        ``send`` is ``MPI.IN_PLACE`` when ``x is out``. Staged (``_staged``): ``x`` is copied into a
+        pooled host buffer, ``out`` received into one and copied back; ``one_buffer`` (or ``x is
+        out``) works in place in a single host buffer (``send`` is then ``MPI.IN_PLACE``)."""
+        token = self._enter(what, x, arg) if peer is None else self._enter_p2p(what, peer)
+        try:
+            if not self._staged(out if x is None else x, out, red):
+                call(MPI.IN_PLACE if x is out else x, out)
+                return
+            host_in = None if x is None else self._in(x)
+            if host_in is not None and (one_buffer or x is out):
+                host_out = host_in
+                call(MPI.IN_PLACE, host_out)
+            else:
+                host_out = None if out is None else self._stage.take(out.shape, out.dtype)
+                call(host_in, host_out)
+            if host_out is not None:
+                _copy_from_host(host_out, out)
+            for host in (host_in, host_out) if host_out is not host_in else (host_in,):
+                if host is not None:
+                    self._stage.give(host)
+        finally:
+            _watch.end(token)
+
+    def _start(
+        self, start: Callable[[Any, Any], MPI.Request], x: Any, out: Any, watch: tuple, *,
+        red: str | None = None, after: Callable[[], Any] | None = None, check: Callable[[], None] | None = None,
+    ) -> Request:
+        """A ``Request`` for ``start(send, recv)``, the non-blocking twin of ``_moved`` (waited
+        for in ``Request.wait``'s bracket): staged buffers are copied back and returned to the
+        pool when it completes, then ``after`` runs. ``x`` and ``out`` both given reduce in place."""
+        if not self._staged(out if x is None else x, out, red):
+            return Request(start(MPI.IN_PLACE if x is out else x, out), out, after, watch, check)
+        host_in = None if x is None else self._in(x)
+        if host_in is not None and out is not None:
+            host_out, req = host_in, start(MPI.IN_PLACE, host_in)
+        else:
+            host_out = None if out is None else self._stage.take(out.shape, out.dtype)
+            req = start(host_in, host_out)
+
+        def finish() -> None:
+            if host_out is not None:
+                _copy_from_host(host_out, out)
+            self._stage.give(host_out if host_out is not None else host_in)
+            if after is not None:
+                after()
+
+        return Request(req, out, finish, watch, check)
 
     @property
     def _force_staging(self) -> bool:
@@ -456,28 +280,15 @@ class Communicator:
             send = x
         else:
             return self._allreduce_general(x, op, out)
-        token = self._enter("allreduce", x, op)
-        try:
-            self.mpi.Allreduce(send, out, mpi_op)
-        finally:
-            _watch.end(token)
+        self._watched("allreduce", x, op, self.mpi.Allreduce, send, out, mpi_op)
         if op == "mean":
             out /= self.size
         return out
 
     def _allreduce_general(self, x: Any, op: str, out: Any) -> Any:
-        x, out, mpi_op, inplace = self._reduce_args("allreduce", x, op, out)
-        token = self._enter("allreduce", x, op)
-        try:
-            if self._staged(x, out, op):
-                host = self._in(x)
-                self.mpi.Allreduce(MPI.IN_PLACE, host, mpi_op)
-                _copy_from_host(host, out)
-                self._stage.give(host)
-            else:
-                self.mpi.Allreduce(MPI.IN_PLACE if inplace else x, out, mpi_op)
-        finally:
-            _watch.end(token)
+        x, out, mpi_op, _ = self._reduce_args("allreduce", x, op, out)
+        self._moved("allreduce", lambda s, r: self.mpi.Allreduce(s, r, mpi_op), x, out, arg=op, red=op,
+                    one_buffer=True)
         if op == "mean":
             out /= self.size
         return out
@@ -509,25 +320,14 @@ class Communicator:
             req = self.iallreduce(wire, op=_bf16_op(op), out=wire)
             req._result = res
             return req
-        x, out, mpi_op, inplace = self._reduce_args("iallreduce", x, op, out)
+        x, out, mpi_op, _ = self._reduce_args("iallreduce", x, op, out)
         if self._debug is not None:
             self._debug.enter("iallreduce", x, op)
-        scale = self.size if op == "mean" else None
         self._seq += 1
-        watch = (self, "iallreduce", None, self._seq)
-        if self._staged(x, out, op):
-            host = self._in(x)
-            req = self.mpi.Iallreduce(MPI.IN_PLACE, host, mpi_op)
-
-            def finish() -> None:
-                _copy_from_host(host, out)
-                self._stage.give(host)
-                if scale:
-                    out.__itruediv__(scale)
-
-            return Request(req, out, finish, watch)
-        req = self.mpi.Iallreduce(MPI.IN_PLACE if inplace else x, out, mpi_op)
-        return Request(req, out, (lambda: out.__itruediv__(scale)) if scale else None, watch)
+        scale = self.size if op == "mean" else None
+        return self._start(lambda s, r: self.mpi.Iallreduce(s, r, mpi_op), x, out,
+                           (self, "iallreduce", None, self._seq), red=op,
+                           after=(lambda: out.__itruediv__(scale)) if scale else None)
 
     def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None) -> Any:
         """Reduce ``x`` over ranks and give rank r block r of the result along axis 0.
@@ -546,18 +346,7 @@ class Communicator:
         if out is None:
             out = backend.xp_of(x).empty(shape, dtype=x.dtype)
         _check_out(out, shape, x.dtype, "reduce_scatter")
-        token = self._enter("reduce_scatter", x, op)
-        try:
-            if self._staged(x, out):
-                host_in, host_out = self._in(x), self._stage.take(shape, x.dtype)
-                self.mpi.Reduce_scatter_block(host_in, host_out, mpi_op)
-                _copy_from_host(host_out, out)
-                self._stage.give(host_in)
-                self._stage.give(host_out)
-            else:
-                self.mpi.Reduce_scatter_block(x, out, mpi_op)
-        finally:
-            _watch.end(token)
+        self._moved("reduce_scatter", lambda s, r: self.mpi.Reduce_scatter_block(s, r, mpi_op), x, out, arg=op)
         if op == "mean":
             out /= self.size
         return out
@@ -572,17 +361,7 @@ class Communicator:
             return x
         _check_dtype(x)
         _check_out(x, x.shape, x.dtype, "bcast")
-        token = self._enter("bcast", x, root)
-        try:
-            if self._staged(x):
-                host = self._in(x)
-                self.mpi.Bcast(host, root)
-                _copy_from_host(host, x)
-                self._stage.give(host)
-            else:
-                self.mpi.Bcast(x, root)
-        finally:
-            _watch.end(token)
+        self._moved("bcast", lambda s, r: self.mpi.Bcast(r, root), x, x, arg=root)
         return x
 
     def allgather(self, x: Any, out: Any = None) -> Any:
@@ -594,18 +373,7 @@ class Communicator:
         if out is None:
             out = backend.xp_of(x).empty(shape, dtype=x.dtype)
         _check_out(out, shape, x.dtype, "allgather")
-        token = self._enter("allgather", x)
-        try:
-            if self._staged(x, out):
-                host_in, host_out = self._in(x), self._stage.take(shape, x.dtype)
-                self.mpi.Allgather(host_in, host_out)
-                _copy_from_host(host_out, out)
-                self._stage.give(host_in)
-                self._stage.give(host_out)
-            else:
-                self.mpi.Allgather(x, out)
-        finally:
-            _watch.end(token)
+        self._moved("allgather", self.mpi.Allgather, x, out)
         return out
 
     # -- point to point ---------------------------------------------------------------------
@@ -616,16 +384,7 @@ class Communicator:
         x = _send_ready(_bits(_as_array(x)))
         if self._debug is not None:
             self._debug.enter_p2p("send", x, dest, tag)
-        token = self._enter_p2p("send", dest)
-        try:
-            if self._staged(x):
-                host = self._in(x)
-                self.mpi.Send(host, dest, tag)
-                self._stage.give(host)
-            else:
-                self.mpi.Send(x, dest, tag)
-        finally:
-            _watch.end(token)
+        self._moved("send", lambda s, r: self.mpi.Send(s, dest, tag), x, None, peer=dest)
 
     def recv(self, out: Any, source: int, tag: int = 0) -> Any:
         """Blocking receive into ``out`` (its shape and dtype define the message); returns it."""
@@ -640,17 +399,7 @@ class Communicator:
             check = self._debug.enter_recv("recv", out, source, tag)
             if check is not None:
                 check()
-        token = self._enter_p2p("recv", source)
-        try:
-            if self._staged(out):
-                host = self._stage.take(out.shape, out.dtype)
-                self.mpi.Recv(host, source, tag, status)
-                _copy_from_host(host, out)
-                self._stage.give(host)
-            else:
-                self.mpi.Recv(out, source, tag, status)
-        finally:
-            _watch.end(token)
+        self._moved("recv", lambda s, r: self.mpi.Recv(r, source, tag, status), None, out, peer=source)
         self._check_count(status, out, source, tag)
         return out
 
@@ -660,11 +409,7 @@ class Communicator:
         x = _send_ready(_bits(_as_array(x)))
         if self._debug is not None:
             self._debug.enter_p2p("isend", x, dest, tag)
-        watch = (self, "isend.wait", dest, None)
-        if self._staged(x):
-            host = self._in(x)
-            return Request(self.mpi.Isend(host, dest, tag), None, lambda: self._stage.give(host), watch)
-        return Request(self.mpi.Isend(x, dest, tag), None, None, watch)
+        return self._start(lambda s, r: self.mpi.Isend(s, dest, tag), x, None, (self, "isend.wait", dest, None))
 
     def irecv(self, out: Any, source: int, tag: int = 0) -> Request:
         """Start receiving into ``out``; ``req.wait()`` returns ``out`` once it has arrived."""
@@ -675,79 +420,47 @@ class Communicator:
         self._check_peer(source, "source")
         _check_dtype(out)
         _check_out(out, out.shape, out.dtype, "irecv")
-        watch = (self, "irecv.wait", source, None)
         check = None if self._debug is None else self._debug.enter_recv("irecv", out, source, tag)
-        if self._staged(out):
-            host = self._stage.take(out.shape, out.dtype)
-            req = self.mpi.Irecv(host, source, tag)
-
-            def finish() -> None:
-                _copy_from_host(host, out)
-                self._stage.give(host)
-
-            return Request(req, out, finish, watch, check)
-        return Request(self.mpi.Irecv(out, source, tag), out, None, watch, check)
+        return self._start(lambda s, r: self.mpi.Irecv(r, source, tag), None, out,
+                           (self, "irecv.wait", source, None), check=check)
 
     # -- objects ----------------------------------------------------------------------------
 
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
-        """Broadcast a picklable object from ``root``; returns it on every rank."""
+        """Broadcast a picklable object from ``root``; returns it on every rank (large arrays in
+        it travel out of band, see ``hpctrain.comm.objects``)."""
         self._check_peer(root, "root")
-        token = self._enter("bcast_obj", None, root)
-        try:
-            return self.mpi.bcast(obj, root)
-        finally:
-            _watch.end(token)
+        return self._watched("bcast_obj", None, root, _objects.bcast, self.mpi, obj, root)
 
     def allgather_obj(self, obj: Any) -> list:
-        """A list of every rank's (picklable) ``obj``, in rank order."""
-        token = self._enter("allgather_obj", None)
-        try:
-            return self.mpi.allgather(obj)
-        finally:
-            _watch.end(token)
+        """A list of every rank's (picklable) ``obj``, in rank order (large arrays out of band)."""
+        return self._watched("allgather_obj", None, _NO_ARG, _objects.allgather, self.mpi, obj)
 
     def gather_obj(self, obj: Any, root: int = 0) -> list | None:
-        """Every rank's ``obj`` as a list on ``root``, ``None`` elsewhere."""
+        """Every rank's ``obj`` as a list on ``root``, ``None`` elsewhere (an in-band pickle: what
+        is gathered to one rank is small, reports and lists of files)."""
         self._check_peer(root, "root")
-        token = self._enter("gather_obj", None, root)
-        try:
-            return self.mpi.gather(obj, root)
-        finally:
-            _watch.end(token)
+        return self._watched("gather_obj", None, root, self.mpi.gather, obj, root)
 
     # -- structure --------------------------------------------------------------------------
 
     def split(self, color: int, key: int | None = None) -> Communicator:
         """Sub-communicators of the ranks sharing ``color``, ordered by ``key`` (default rank)."""
         _free_dead()
-        token = self._enter("split")
-        try:
-            sub = self.mpi.Split(color, self.rank if key is None else key)
-        finally:
-            _watch.end(token)
+        sub = self._watched("split", None, _NO_ARG, self.mpi.Split, color, self.rank if key is None else key)
         return Communicator(_owned(sub))
 
     def dup(self) -> Communicator:
         """A communicator of the same ranks whose traffic never matches this one's (collective,
         watched like every other wait); it keeps this one's ``set_timeout``."""
         _free_dead()
-        token = self._enter("dup")
-        try:
-            raw = self.mpi.Dup()
-        finally:
-            _watch.end(token)
-        twin = Communicator(_owned(raw))
+        twin = Communicator(_owned(self._watched("dup", None, _NO_ARG, self.mpi.Dup)))
         twin._timeout = self._timeout
         return twin
 
     def barrier(self) -> None:
         """Wait until every rank has called ``barrier``."""
-        token = self._enter("barrier", None)
-        try:
-            self.mpi.Barrier()
-        finally:
-            _watch.end(token)
+        self._watched("barrier", None, _NO_ARG, self.mpi.Barrier)
 
     def abort(self, code: int = 1) -> None:
         """End every process of the job (``MPI_Abort``)."""

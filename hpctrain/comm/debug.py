@@ -1,29 +1,19 @@
 """Hooks every communication call passes through (HPCTRAIN_DEBUG fingerprinting lives here).
 
-With ``HPCTRAIN_DEBUG`` unset there is no tracer at all (``from_env`` returns ``None``): the
-communicator's hot path then pays one attribute test for debugging, nothing else.
+With ``HPCTRAIN_DEBUG`` unset there is no tracer at all (``fingerprint.tracer_from_env`` returns
+``None``): the communicator's hot path then pays one attribute test for debugging, nothing else.
+This module holds only the base class, so the tracers depend on it and never the other way.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .. import settings
-
 
 class Tracer:
     """Base of the tracers (what a communicator calls around each call when debugging)."""
 
     enabled = False
-
-    @staticmethod
-    def from_env(comm: Any) -> Tracer | None:
-        """The fingerprint tracer when ``HPCTRAIN_DEBUG`` is on, else ``None``."""
-        if settings.debug():
-            from .fingerprint import FingerprintTracer
-
-            return FingerprintTracer(comm)
-        return None
 
     def enter(self, op: str, x: Any, *args: Any) -> None:
         """Called before a collective starts."""

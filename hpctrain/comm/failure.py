@@ -24,9 +24,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
+
+from ..protocols import Comm
 
 #: Exit status handed to MPI_Abort after an exception on some ranks only.
 EXCEPTION_EXIT = 1
@@ -40,8 +43,29 @@ FLUSH_GRACE = 1.0
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the hpctrain package
 _fail_comm: MPI.Intracomm | None = None  # private duplicate of COMM_WORLD for the "all failed?" barrier
+_live_size: int | None = None  # after a lost rank (rebind): how many ranks the job has left
+_live_lead = False  # after a lost rank: whether this is the survivors' first rank (it speaks for all)
 _hook_installed = False
 _write_lock = threading.Lock()
+# What must stop before MPI_Abort (the stall watchdog registers its ``stop``): a registry, so that
+# this module, which the watchdog reports through, imports nothing of the watchdog.
+_before_abort: list[Callable[[], None]] = []
+
+
+def before_abort(hook: Callable[[], None]) -> None:
+    """Call ``hook`` before this module ends the job with ``MPI_Abort`` (once per hook)."""
+    if hook not in _before_abort:
+        _before_abort.append(hook)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(out)
 
 
 def _world() -> tuple[int, int]:
@@ -65,12 +89,21 @@ def write_lines(text: str) -> None:
                 return
 
 
-def mark_everywhere(exc: BaseException, comm: Any) -> BaseException:
+def mark_everywhere(exc: BaseException, comm: Comm) -> BaseException:
     """Tag ``exc`` as raised on every rank of ``comm`` (it counts for the whole job when ``comm``
     spans the world); returns ``exc``."""
-    if getattr(comm, "size", 0) == MPI.COMM_WORLD.Get_size():
+    if getattr(comm, "size", 0) == (_live_size or MPI.COMM_WORLD.Get_size()):
         exc.hpctrain_everywhere = True  # type: ignore[attr-defined]
     return exc
+
+
+def rebind(comm: MPI.Intracomm) -> None:
+    """After lost ranks (``hpctrain.resilience``): ``comm`` holds every rank left, so an error on
+    all of it counts for the whole job and the "all failed?" barrier runs over it (collective)."""
+    global _fail_comm, _live_size, _live_lead
+    _fail_comm = comm.Dup()
+    _live_size = comm.Get_size()
+    _live_lead = comm.Get_rank() == 0
 
 
 def raised_everywhere(exc: BaseException) -> bool:
@@ -94,12 +127,15 @@ def _all_failed(grace: float) -> bool:
     private communicator, so it never matches a collective the others are waiting in)."""
     if _fail_comm is None:
         return False
-    req = _fail_comm.Ibarrier()
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if req.Test():
-            return True
-        time.sleep(0.01)
+    try:
+        req = _fail_comm.Ibarrier()
+        while time.monotonic() < deadline:
+            if req.Test():
+                return True
+            time.sleep(0.01)
+    except MPI.Exception:  # a rank died (ULFM reports it): not every rank can get here
+        return False
     return False
 
 
@@ -111,8 +147,6 @@ def say_once(text: str) -> None:
     """Print ``text`` once for the whole job: rank 0 prints it, naming the ranks where the text
     differs. Collective over the private communicator: call it only once every rank is known to
     have arrived (after ``_all_failed``)."""
-    from .validate import _ranges
-
     texts = _fail_comm.gather(text, root=0) if _fail_comm is not None else [text]
     if texts is None:
         return
@@ -135,7 +169,7 @@ def user_traceback(exc: BaseException) -> str | None:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
-def first_traceback(comm: Any, text: str | None) -> None:
+def first_traceback(comm: Comm, text: str | None) -> None:
     """Print the ``text`` (a traceback, or ``None``) of the lowest rank of ``comm`` that has one,
     on that rank only: once for the job, not once per rank (collective)."""
     have = comm.allgather_obj(text is not None)
@@ -145,9 +179,8 @@ def first_traceback(comm: Any, text: str | None) -> None:
 
 def _end_job(code: int) -> None:
     """Stop the watchdog, let the lines written so far reach the launcher, end every rank."""
-    from . import watchdog
-
-    watchdog.stop()
+    for hook in _before_abort:
+        hook()
     time.sleep(FLUSH_GRACE)
     MPI.COMM_WORLD.Abort(code)
 
@@ -203,8 +236,13 @@ def interrupted(what: str = "hpctrain") -> None:
 
 def abort_job(exc: BaseException, code: int = EXCEPTION_EXIT, head: str = "") -> None:
     """Print this rank's traceback of ``exc`` and end every rank of the job (``MPI_Abort``)."""
+    from . import ulfm
+
     rank, size = _world()
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    if ulfm.is_rank_loss(exc):  # said first: the traceback only shows where this rank noticed
+        write_lines(f"hpctrain: rank {rank} of {size}: another rank of this job died (a lost process: "
+                    f"{exc}); {ulfm.ABORT_HINT}")
     write_lines(
         (head or f"hpctrain: {type(exc).__name__} on rank {rank} of {size}")
         + " and not on every rank; aborting the whole job so the other ranks do not wait forever:\n"
@@ -226,7 +264,7 @@ def fail(exc: BaseException, *, code: int = 2, what: str = "hpctrain") -> int:
         write_lines(f"{what}: error: {exc}")
         return code
     if raised_everywhere(exc):
-        if rank == 0:  # the same message on every rank: said once
+        if (_live_lead if _live_size else rank == 0):  # the same message on every rank: said once
             write_lines(f"{what}: error: {exc}")
         return code
     if _all_failed(AGREE_GRACE):

@@ -25,7 +25,9 @@ from typing import Any
 
 from mpi4py import MPI
 
+from .. import settings
 from ..errors import CollectiveMismatchError
+from ..protocols import Comm
 from . import watchdog as _watch
 from .debug import Tracer
 
@@ -49,12 +51,17 @@ _ARG_NAMES = {
 }  # fmt: skip
 
 
+def tracer_from_env(comm: Comm) -> Tracer | None:
+    """The fingerprint tracer when ``HPCTRAIN_DEBUG`` is on, else ``None`` (no tracer at all)."""
+    return FingerprintTracer(comm) if settings.debug() else None
+
+
 class FingerprintTracer(Tracer):
     """Checks that the ranks involved in each call made the same call (see module docstring)."""
 
     enabled = True
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.seq = 0
         self.sent: dict[tuple[int, int], int] = {}

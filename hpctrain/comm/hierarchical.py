@@ -21,8 +21,10 @@ import numpy as np
 from mpi4py import MPI
 
 from . import watchdog as _watch
-from .communicator import Communicator, _copy_from_host, _copy_to_host, _op
+from .communicator import Communicator
 from .nodes import local_ranks, node_names, nodes
+from .staging import _copy_from_host, _copy_to_host
+from .wire import _op
 
 _STAGES = ("node reduce", "leader all-reduce", "node broadcast")
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from ..protocols import Comm
 from .nodes import nodes
 
 #: Message sizes of the probe (bytes): latency-bound to bandwidth-bound.
@@ -77,7 +77,7 @@ def pairs(names: list[str]) -> dict[str, tuple[int, int] | None]:
     return {"intra-node": intra, "inter-node": inter}
 
 
-def _ping_pong(comm: Any, a: int, b: int, nbytes: int, iters: int) -> float | None:
+def _ping_pong(comm: Comm, a: int, b: int, nbytes: int, iters: int) -> float | None:
     """One-way seconds of ``nbytes`` between ranks ``a`` and ``b`` (on ``a``; ``None`` elsewhere)."""
     buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
     if comm.rank not in (a, b):
@@ -97,7 +97,7 @@ def _ping_pong(comm: Any, a: int, b: int, nbytes: int, iters: int) -> float | No
     return best if comm.rank == a else None
 
 
-def probe(comm: Any, names: list[str], sizes: tuple[int, ...] = SIZES) -> dict[str, Link | None]:
+def probe(comm: Comm, names: list[str], sizes: tuple[int, ...] = SIZES) -> dict[str, Link | None]:
     """Measure and fit every link class of this layout (collective); the same result on every rank."""
     out: dict[str, Link | None] = {}
     for cls, pair in pairs(names).items():

@@ -8,17 +8,16 @@ tests on one machine run real multi-node layouts (each rank claims a node).
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import settings
+from ..protocols import Comm
 
 
-def node_name(comm: Any) -> str:
+def node_name(comm: Comm) -> str:
     """This rank's node: ``HPCTRAIN_NODE_NAME`` if set, else the host's name."""
     return settings.node_name() or comm.hostname()
 
 
-def node_names(comm: Any) -> list[str]:
+def node_names(comm: Comm) -> list[str]:
     """Every rank's node name, in rank order (collective)."""
     return comm.allgather_obj(node_name(comm))
 

@@ -23,7 +23,9 @@ import atexit
 import threading
 import time
 
-PROGRESS = ("poll", "thread", "none")
+from ..settings import PROGRESS
+
+__all__ = ["INTERVAL", "PROGRESS", "begin", "check", "end"]
 
 #: Seconds between two pokes of the progress thread.
 INTERVAL = 0.0005

@@ -16,7 +16,10 @@ import numpy as np
 
 from ..backend import xp_of
 from .buckets import _HALF
-from .communicator import Communicator, Request, _bits, _copy_from_host, _op
+from .communicator import Communicator
+from .request import Request
+from .staging import _copy_from_host
+from .wire import _bits, _op
 
 
 def _watch(comm: Communicator, op: str) -> tuple:

@@ -12,7 +12,8 @@ import json
 from typing import Any
 
 from ..errors import MismatchError
-from .failure import mark_everywhere
+from ..protocols import Comm
+from .failure import _ranges, mark_everywhere
 
 
 def _canonical(value: Any) -> str:
@@ -45,7 +46,7 @@ def digest(value: Any) -> str:
     return hashlib.sha1(_canonical(value).encode()).hexdigest()[:16]
 
 
-def agree(comm: Any, what: str, value: Any) -> None:
+def agree(comm: Comm, what: str, value: Any) -> None:
     """Check that every rank of ``comm`` holds the same ``value`` (plain, JSON-able data).
 
     Collective. Costs one ``allgather_obj`` of a 16-character digest; only when the digests
@@ -70,16 +71,6 @@ def agree(comm: Any, what: str, value: Any) -> None:
     ), comm)
 
 
-def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    out, start = [], ranks[0]
-    for prev, cur in zip(ranks, ranks[1:] + [None]):
-        if cur != prev + 1 if cur is not None else True:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cur
-    return ",".join(out)
-
-
 def describe_model(model: Any) -> list[list[Any]]:
     """[[name, shape, dtype], ...] of a model's parameters, sorted by name."""
     return sorted(
@@ -87,7 +78,7 @@ def describe_model(model: Any) -> list[list[Any]]:
     )
 
 
-def raise_if_any(comm: Any, problem: BaseException | str | None, *, what: str = "", payload: Any = None) -> list[Any]:
+def raise_if_any(comm: Comm, problem: BaseException | str | None, *, what: str = "", payload: Any = None) -> list[Any]:
     """Raise the same error on every rank of ``comm`` if any rank has a ``problem`` (collective).
 
     The one place where "a check failed on some ranks" becomes "every rank raises": each rank

@@ -17,9 +17,10 @@ the blocking operation it is in (or none: the rank is running Python code, and w
 completed operation and the training step. A rank that does not answer within a few seconds is
 reported as dead or stuck without releasing the GIL.
 
-Timeouts: ``Communicator.set_timeout(s)`` for one communicator, else the ``timeout`` of the live
-``Trainer`` (``Trainer(timeout=s)``), else ``HPCTRAIN_TIMEOUT`` (seconds, default 300), all read
-through ``hpctrain.settings.resolve_timeout``; ``0`` means off (that wait is not bounded).
+Timeouts: ``Communicator.set_timeout(s)`` for one communicator, else the ``timeout`` of the
+job's ``Health`` (``hpctrain.comm.health``; ``Trainer(timeout=s)`` sets its own), else
+``HPCTRAIN_TIMEOUT`` (seconds, default 300), all read through ``hpctrain.settings.resolve_timeout``;
+``0`` means off (that wait is not bounded).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ from typing import Any
 from mpi4py import MPI
 
 from .. import settings
-from .failure import EXCEPTION_EXIT, FLUSH_GRACE, write_lines
+from ..protocols import Comm
+from . import ulfm
+from .failure import EXCEPTION_EXIT, FLUSH_GRACE, before_abort, write_lines
+from .health import Health
 from .nodes import describe, node_name, nodes
 
 DEFAULT_TIMEOUT = settings.DEFAULT_TIMEOUT
@@ -69,7 +73,7 @@ class _Dog:
         self._since: dict[int, tuple] = {}  # thread id -> (record, monotonic time first seen)
         self._last_seen: tuple | None = None
         self.last_end = time.monotonic()  # about when ``last`` completed
-        self.trainer: Any = None  # weakref to the live Trainer (step, timeout)
+        self.health: Any = None  # weakref to the job's Health (timeout, step), see ``attach``
         self.main_ident = threading.main_thread().ident
         self.world_rank = MPI.COMM_WORLD.Get_rank()
         self.world_size = MPI.COMM_WORLD.Get_size()
@@ -87,18 +91,18 @@ class _Dog:
 
     # -- timeouts and context ---------------------------------------------------------------
 
-    def timeout_of(self, comm: Any) -> float:
+    def timeout_of(self, comm: Comm) -> float:
         own = getattr(comm, "_timeout", None)
         if own is not None:
             return own
-        trainer = self.trainer() if self.trainer is not None else None
-        if trainer is not None and getattr(trainer, "timeout", None) is not None:
-            return settings.resolve_timeout(trainer.timeout)
+        health = self.health() if self.health is not None else None
+        if health is not None and health.timeout is not None:
+            return settings.resolve_timeout(health.timeout)
         return self.default
 
     def step(self) -> int | None:
-        trainer = self.trainer() if self.trainer is not None else None
-        return getattr(trainer, "global_step", None) if trainer is not None else None
+        health = self.health() if self.health is not None else None
+        return health.step() if health is not None else None
 
     # -- the thread -------------------------------------------------------------------------
 
@@ -111,6 +115,9 @@ class _Dog:
                     if limit > 0 and age > limit:
                         self._fire(rec, age, limit)
             except Exception as exc:  # the watchdog must never take a healthy job down itself
+                if ulfm.is_rank_loss(exc):  # a rank died (ULFM): the side channel is gone, waits still timed
+                    self.side = None
+                    continue
                 _err(f"hpctrain watchdog (rank {self.world_rank}): internal error {exc!r}")
                 time.sleep(1.0)
 
@@ -251,7 +258,7 @@ def _err(text: str) -> None:
     write_lines(text)
 
 
-def _members(comm: Any) -> tuple[int, ...] | None:
+def _members(comm: Comm) -> tuple[int, ...] | None:
     """World ranks of ``comm``'s members, in its rank order (cached on the Communicator)."""
     if comm is None:
         return None
@@ -337,17 +344,21 @@ def stop() -> None:
             _dog = None
 
 
+before_abort(stop)  # failure.py ends the job through MPI_Abort: no stall report may race it
+
+
 def running() -> bool:
     return _dog is not None
 
 
-def attach(trainer: Any) -> None:
-    """Make ``trainer`` the source of the step shown in reports and of the default timeout."""
+def attach(health: Health) -> None:
+    """Make the job's ``health`` the source of the default timeout and of the step shown in
+    reports (held weakly: once its owner is gone, ``HPCTRAIN_TIMEOUT`` applies again)."""
     if _dog is not None:
-        _dog.trainer = weakref.ref(trainer)
+        _dog.health = weakref.ref(health)
 
 
-def begin(comm: Any, op: str, peer: int | None = None, seq: int | None = None) -> int | None:
+def begin(comm: Comm, op: str, peer: int | None = None, seq: int | None = None) -> int | None:
     """Record that this thread starts a blocking wait; returns a token for ``end``.
 
     ``peer`` is the rank (in ``comm``) waited for, ``None`` for a collective (``seq`` numbers it).

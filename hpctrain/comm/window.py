@@ -40,7 +40,8 @@ from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..errors import BufferError, WindowError
 from . import watchdog as _watch
-from .communicator import Communicator, _check_dtype
+from .communicator import Communicator
+from .wire import _check_dtype
 
 _ACC_OPS = {"sum": MPI.SUM, "replace": MPI.REPLACE, "max": MPI.MAX, "min": MPI.MIN}
 

@@ -91,6 +91,18 @@ class DataLoader:
         start = sampler.begin_pass()
         if hasattr(self.dataset, "set_epoch"):  # e.g. TokenDataset's random window offsets per epoch
             self.dataset.set_epoch(sampler.epoch)
+        while True:
+            # Resharded while the caller held a batch (the survivors of a lost rank): the pass
+            # goes on from the sampler's restored position with this rank's new share.
+            if not (yield from self._pass(start)):
+                return
+            start = sampler.position
+
+    def _pass(self, start: int) -> Iterator[tuple[Any, ...]]:
+        """Batches from ``start`` to the end of the epoch; returns True if the sampler was
+        resharded meanwhile (the rest of the epoch is then another set of indices)."""
+        sampler = self.sampler
+        layout = (sampler.rank, sampler.size)
         idx = sampler.indices()
         weights = sampler.weights() if sampler.masked else None
         host = self._batches(idx, weights, start)
@@ -103,10 +115,13 @@ class DataLoader:
                 # Counted as handed out the moment the caller gets it.
                 sampler.advance(len(batch[0]))
                 yield batch
+                if (sampler.rank, sampler.size) != layout:
+                    return True
         finally:
             close = getattr(source, "close", None)
             if close is not None:
                 close()
+        return False
 
     def _prefetched(self, host: Iterator[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
         """Run ``host`` in a daemon thread, at most two batches ahead; stop it when the caller stops."""

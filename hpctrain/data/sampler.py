@@ -152,6 +152,22 @@ class ShardedSampler:
         if pos == self._per_rank:
             self._finished = True
 
+    def reshard(self, rank: int, size: int) -> None:
+        """Share the rest of this epoch among ``size`` ranks, this one being ``rank`` (after a
+        lost rank). What all ranks consumed so far (``position`` x the old size) stays consumed,
+        so the epoch's order goes on without repeats or gaps; it must split evenly over ``size``
+        (it does when the global batch does)."""
+        rank, size = int(rank), int(size)
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"rank {rank} of size {size} is not a rank of a group")
+        consumed = self.position * self.size
+        if consumed % size:
+            raise ValueError(f"{consumed} samples consumed this epoch do not split over {size} ranks")
+        self.rank, self.size = rank, size
+        self._per_rank = self.num_samples // size if self.drop_last else -(-self.num_samples // size)
+        self.position = min(consumed // size, self._per_rank)
+        self._finished = False
+
     @property
     def remaining(self) -> int:
         """Indices of this epoch not yet handed out."""
@@ -185,6 +201,15 @@ class ShardedSampler:
         self.position = position
         self.seed = int(state["seed"])
         self._finished = False
+
+    def snapshot(self) -> dict[str, Any]:
+        """The position exactly, for an all-or-nothing load (``hpctrain.protocols.Stateful``)."""
+        return {**self.state_dict(), "finished": self._finished}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Put back what :meth:`snapshot` took."""
+        self.epoch, self.position, self.seed = snap["epoch"], snap["position"], snap["seed"]
+        self._finished = snap["finished"]
 
     def __repr__(self) -> str:
         return (

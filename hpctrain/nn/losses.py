@@ -9,7 +9,11 @@ added, 1 otherwise): the loss is then ``sum(w * l) / sum(w)``, so padded samples
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import numpy as np
 
 from ..backend import is_device_array, xp_of
 from ..errors import DatasetError
@@ -50,20 +54,81 @@ def nonzero(denom: Any) -> Any:
     return denom + (denom == 0) if is_device_array(denom) else denom
 
 
-def check_targets(target: Any, n_classes: int, who: str) -> None:
-    """Refuse class indices outside ``[0, n_classes)`` (``DatasetError`` naming the first one).
+class TargetChecks:
+    """A step's deferred target checks (``collect_target_checks``): one flag per loss call.
+
+    Reading ``bad.any()`` in every loss call would be a device->host read per micro-batch (each
+    one waits for the GPU); the trainer instead reads ``flag()`` with the step's one transfer and,
+    once every rank knows some target was bad, ``error()`` names this rank's first one.
+    """
+
+    def __init__(self) -> None:
+        self._found: list[tuple[Any, Any, int, str]] = []  # (any bad?, target, n_classes, who)
+
+    def add(self, bad: Any, target: Any, n_classes: int, who: str) -> None:
+        self._found.append((bad.any(), target, n_classes, who))
+
+    def flag(self, xp: Any) -> Any:
+        """1.0 when some checked target was out of range, else 0.0: a shape-(1,) float64 array of
+        ``xp`` (on the device: not read here)."""
+        if not self._found:
+            return xp.zeros(1)
+        return xp.stack([xp.asarray(b) for b, *_ in self._found]).any().astype(np.float64).reshape(1)
+
+    def error(self) -> DatasetError | None:
+        """The error for this rank's first bad target (host reads only on this error path)."""
+        for _, target, n_classes, who in self._found:
+            problem = _target_error(target, n_classes, who)
+            if problem is not None:
+                return problem
+        return None
+
+
+_collecting: list[TargetChecks] = []  # the innermost ``collect_target_checks`` in force
+
+
+@contextmanager
+def collect_target_checks() -> Iterator[TargetChecks]:
+    """While in force, ``check_targets`` records its finding instead of reading it (see
+    ``TargetChecks``); the caller must raise ``error()`` when the flag is set."""
+    checks = TargetChecks()
+    _collecting.append(checks)
+    try:
+        yield checks
+    finally:
+        _collecting.remove(checks)
+
+
+def _target_error(target: Any, n_classes: int, who: str) -> DatasetError | None:
+    """``DatasetError`` naming the first class index outside ``[0, n_classes)`` (``None``: none)."""
+    xp = xp_of(target)
+    bad = (target < 0) | (target >= n_classes)
+    if not (target.size and bool(bad.any())):
+        return None
+    where = tuple(int(i) for i in xp.argwhere(bad)[0])
+    value = int(target[where])
+    return DatasetError(f"{who}: target {value} at position {where} is not a class index in "
+                        f"[0, {n_classes}) (the logits have {n_classes} classes)")
+
+
+def check_targets(target: Any, n_classes: int, who: str) -> Any:
+    """Refuse class indices outside ``[0, n_classes)`` (``DatasetError`` naming the first one);
+    returns the targets to index the logits with.
 
     Without this a negative target silently picks a class from the end (``take_along_axis``
     wraps) and a too-large one fails deep in NumPy. One reduction over the targets, tiny next to
-    the logits.
+    the logits. Under ``collect_target_checks`` (a trainer's step) nothing is read: the finding
+    is recorded and the returned targets are clamped into range so the forward runs to the
+    step's agreement, which raises on every rank before any update.
     """
-    xp = xp_of(target)
-    bad = (target < 0) | (target >= n_classes)
-    if target.size and bool(bad.any()):
-        where = tuple(int(i) for i in xp.argwhere(bad)[0])
-        value = int(target[where])
-        raise DatasetError(f"{who}: target {value} at position {where} is not a class index in "
-                           f"[0, {n_classes}) (the logits have {n_classes} classes)")
+    if _collecting:
+        bad = (target < 0) | (target >= n_classes)
+        _collecting[-1].add(bad, target, n_classes, who)
+        return xp_of(target).where(bad, 0, target)
+    problem = _target_error(target, n_classes, who)
+    if problem is not None:
+        raise problem
+    return target
 
 
 class MSELoss:
@@ -112,7 +177,7 @@ class CrossEntropyLoss:
             )
         if target.dtype.kind not in "iu":
             raise TypeError(f"CrossEntropyLoss needs integer targets, got {target.dtype}")
-        check_targets(target, logits.shape[-1], "CrossEntropyLoss")
+        target = check_targets(target, logits.shape[-1], "CrossEntropyLoss")
         buf = self._buffers
         row = (*logits.shape[:-1], 1)
         # The reference's operations in its order, into reused buffers (bitwise equal).

@@ -115,6 +115,19 @@ class Optimizer:
             self.state[name] = {k: to_device(v, xp).astype(dtype, copy=True) for k, v in src.items()}
 
 
+    def snapshot(self) -> dict[str, Any]:
+        """The step count and each parameter's state dict (``hpctrain.protocols.Stateful``).
+        References, not copies: a load replaces a parameter's state dict whole and never writes
+        into its arrays, so they are what :meth:`restore` puts back."""
+        return {"step": self.step_count, "state": dict(self.state)}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Put back what :meth:`snapshot` took."""
+        self.step_count = snap["step"]
+        self.state.clear()
+        self.state.update(snap["state"])
+
+
 def _describe(schedule: Callable[[int], float] | None) -> Any:
     """A JSON-able description of a schedule: its ``config()`` if it has one, else its name."""
     if schedule is None:

@@ -22,6 +22,7 @@ from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError
 from ..nn.losses import CrossEntropyLoss
 from ..precision import Precision
+from ..protocols import Stateful
 from ..trainer import Batch, Trainer
 from .reducer import AllReduceReducer, BackwardHooks, GradReducer
 from .schedules import get_schedule
@@ -181,7 +182,8 @@ class ParallelTrainer(Trainer):
         m, v = self.microbatches, self.virtual_stages
         if getattr(self, "_precision_problem", None) is not None:
             return self._precision_problem
-        if self.precision.mixed and (self.compression is not None or self.backend != "mpi"):
+        # (NCCL's dtype path is not checked with 16-bit buckets; the hierarchical all-reduce is MPI's.)
+        if self.precision.mixed and (self.compression is not None or self.backend == "nccl"):
             return ValueError(f"precision={self.precision.name!r} reduces gradients in grad_reduce_dtype: it takes "
                               "no compression= or the nccl backend")  # fmt: skip
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
@@ -283,6 +285,17 @@ class ParallelTrainer(Trainer):
             after()
         else:
             self.sync_params()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The base snapshot and the reducer's when it keeps state (ZeRO's shards: ``Stateful``)."""
+        reducer = self.reducer if isinstance(self.reducer, Stateful) else None
+        return {**super().snapshot(), "reducer": None if reducer is None else reducer.snapshot()}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        super().restore(snap)
+        if snap["reducer"] is not None:
+            self.reducer.restore(snap["reducer"])
+        self.sync_params()  # mixed precision: the compute copy from the masters just put back
 
     def sync_params(self) -> None:
         """Mixed precision: round the float32 masters into the parameters (after a load put new

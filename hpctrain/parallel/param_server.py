@@ -62,12 +62,13 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_device, to_host, xp_of
+from ..backend import is_device_array, to_device, to_host, xp_of
 from ..comm import Communicator, Window
 from ..comm import watchdog as _watch
 from ..comm.validate import agree, describe_model, raise_if_any
 from ..errors import MismatchError, NonFiniteError, WindowError
 from ..guard import check_finite
+from ..nn.losses import collect_target_checks
 from ..trainer import StepStats, Trainer
 
 MODES = ("sync", "async", "ssp")
@@ -216,9 +217,28 @@ class ParameterServerTrainer(Trainer):
         for (off, n), p in zip(self._offsets, self.params):
             self._flat[off : off + n] = to_host(p.data).reshape(-1)
 
-    def _pack_grads(self) -> None:
-        for (off, n), p in zip(self._offsets, self.params):
-            self._gflat[off : off + n] = to_host(p.grad).reshape(-1)
+    def _read_step(self, loss: Any, weight: Any, targets: Any) -> tuple[float, float]:
+        """This step's ``(loss, local sample weight)``, every gradient into ``_gflat`` and the
+        loss's target check (raised here, on this worker, before any communication). On the
+        device all of it is one device->host transfer: a read per parameter (or for the loss,
+        the weight, the target check) would wait for the GPU each time."""
+        grads = [p.grad for p in self.params]
+        if not (is_device_array(loss) or any(is_device_array(g) for g in grads)):
+            for (off, n), g in zip(self._offsets, grads):
+                self._gflat[off : off + n] = g.reshape(-1)
+            bad_targets = bool(targets.flag(np)[0])
+            n_local = float(to_host(weight).sum()) if weight is not None else None
+        else:
+            xp = xp_of(grads[0]) if grads else xp_of(loss)
+            w = xp.zeros(1) if weight is None else to_device(weight, xp).astype(np.float64).sum().reshape(1)
+            head = [xp.asarray(loss, dtype=np.float64).reshape(1), w, targets.flag(xp)]
+            host = to_host(xp.concatenate(head + [g.astype(np.float64).ravel() for g in grads]))  # the one read
+            self._gflat[...] = host[3:]  # float64 holds every float32 exactly: no rounding either way
+            loss, bad_targets = float(host[0]), bool(host[2])
+            n_local = float(host[1]) if weight is not None else None
+        if bad_targets:
+            raise targets.error()
+        return float(loss), n_local
 
     def _unpack_params(self) -> None:
         for (off, n), p in zip(self._offsets, self.params):
@@ -384,10 +404,11 @@ class ParameterServerTrainer(Trainer):
         t0 = time.perf_counter()
         self.model.zero_grad()
         pred = self._forward(x)
-        loss = float(self.loss.forward(pred, y, weight))
+        with collect_target_checks() as targets:  # read with the gradients below
+            loss = self.loss.forward(pred, y, weight)
         self._backward(self.loss.backward())
-        n_local = float(to_host(weight).sum()) if weight is not None else float(len(x))
-        self._pack_grads()
+        loss, n_local = self._read_step(loss, weight, targets)
+        n_local = float(len(x)) if n_local is None else n_local
         if self.mode == "sync":
             stats = self._step_sync(loss, n_local, t0)
         else:
@@ -403,7 +424,8 @@ class ParameterServerTrainer(Trainer):
         tot = self.comm.allreduce(np.array([loss * n_local, n_local, float(requested())]))
         n_total = float(tot[1])
         gloss = float(tot[0]) / n_total if n_total else 0.0
-        skip = check_finite(self.comm, gloss, self.params, policy=self.on_nonfinite) or n_total == 0
+        finite = bool(np.isfinite(self._gflat).all())  # the host copy: no read per parameter
+        skip = check_finite(self.comm, gloss, self.params, policy=self.on_nonfinite, finite=finite) or n_total == 0
         norm = float("nan")
         if not skip:
             g = self._gflat
@@ -541,6 +563,18 @@ class ParameterServerTrainer(Trainer):
             # Only the sum of the workers' velocities matters (momentum is linear): store it whole.
             state["velocity"] = self.comm.allreduce(self._velocity)
         return state
+
+    def snapshot(self) -> dict[str, Any]:
+        """The base snapshot, the clock, the stop agreement and the velocity (``Stateful``)."""
+        return {**super().snapshot(), "clock": self.clock, "stop": (self._stop_at, self._asked),
+                "seen": None if self._seen is None else self._seen.copy(),
+                "velocity": None if self._velocity is None else self._velocity.copy()}  # fmt: skip
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        super().restore(snap)
+        self.clock, (self._stop_at, self._asked), self._seen = snap["clock"], snap["stop"], snap["seen"]
+        if snap["velocity"] is not None:
+            self._velocity[...] = snap["velocity"]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters and state; the servers take their values from the model's parameters

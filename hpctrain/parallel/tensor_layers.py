@@ -334,7 +334,7 @@ class VocabParallelCrossEntropy:
             )
         if target.dtype.kind not in "iu":
             raise TypeError(f"cross-entropy needs integer targets, got {target.dtype}")
-        check_targets(target, self.vocab, "VocabParallelCrossEntropy")
+        target = check_targets(target, self.vocab, "VocabParallelCrossEntropy")
         n_local = logits.shape[-1]
         gmax = logits.max(axis=-1)
         if self.comm.size > 1:

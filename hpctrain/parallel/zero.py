@@ -51,6 +51,7 @@ from ..backend import to_device, xp_of
 from ..comm import sharded
 from ..nn.module import Parameter
 from .reducer import GradReducer
+from .zero_state import ZeroState
 
 STAGES = (0, 1, 2, 3)
 
@@ -88,8 +89,9 @@ def _owners(model: Any, units: list[list[Any]]) -> list[Any]:
     return [by_param.get(id(u[0])) for u in units]
 
 
-class ZeroReducer(GradReducer):
-    """Reduce-scatter of gradients over dp into owned pieces, sharded update (see module doc)."""
+class ZeroReducer(ZeroState, GradReducer):
+    """Reduce-scatter of gradients over dp into owned pieces, sharded update (see module doc);
+    its sharded optimizer state is ``Stateful`` (:class:`.zero_state.ZeroState`)."""
 
     def __init__(self, params: list[Any], dp: Any, *, model: Any, optimizer: Any, stage: int,
                  masters: dict[str, Parameter] | None = None) -> None:
@@ -550,16 +552,23 @@ class ZeroReducer(GradReducer):
         self._step_ends()
         if (self.stage == 3 or self.shard_master is not None) and self._full:
             own = self.shard_param if self.shard_master is None else self.shard_master
+            # Mixed precision below zero 3: every rank's flat copy of the 16-bit parameters is
+            # rounded from the full masters it holds here, not all-gathered: no collective, so a
+            # rank whose load failed before this point leaves no other waiting.
+            whole = self.flat_param if self.shard_master is not None and self.stage < 3 else None
             for p in self.order:
                 q = self._full.get(p.name)
+                if q is None:
+                    continue
                 a, b = self.where[id(p)]
                 x, y = max(a, self.lo), min(b, self.hi)
-                if q is not None and x < y:
-                    own[x - self.lo : y - self.lo] = to_device(q.data, self.xp).ravel()[x - a : y - a]
+                full = to_device(q.data, self.xp).ravel()
+                if x < y:
+                    own[x - self.lo : y - self.lo] = full[x - a : y - a]
+                if whole is not None:
+                    whole[a:b] = full
             if self.shard_master is not None:
                 self.shard_param[...] = self.shard_master
-                if self.stage < 3:  # every rank's flat copy of the 16-bit parameters
-                    sharded.allgather(self.dp, self.shard_param.copy(), self.flat_param, self.counts)
         for p, _, x, y in self.pieces:
             full = self.facade.state.get(p.name) or {}
             self.inner.state[p.name] = {k: self._piece_of(v, x, y) for k, v in full.items()}

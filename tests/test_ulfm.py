@@ -1,0 +1,267 @@
+"""Surviving a lost rank (issue 30): what the MPI library and the launch allow (``hpctrain.comm.ulfm``).
+
+Under MPICH (``make test``) a lost rank ends the job; under Open MPI launched with
+``mpiexec --with-ft ulfm`` (``make test-openmpi``) it can be survived. The tests derive what they
+expect from the library this interpreter runs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from hpctrain.comm import ulfm
+from jobs import REPO, clean_env, hpctrain, ulfm_flags
+
+
+def test_available_needs_the_library_and_the_launch(monkeypatch):
+    # Every rank: the verdict is local (no communication) and follows the launch's MCA parameter.
+    monkeypatch.setenv(ulfm.FT_PARAM, "1")
+    assert ulfm.available() == ulfm.library_has_ulfm()
+    assert ulfm.describe().startswith("yes" if ulfm.library_has_ulfm() else "no (this MPI library has no ULFM")
+    for off in ("0", "false", ""):
+        monkeypatch.setenv(ulfm.FT_PARAM, off)
+        assert not ulfm.available()
+    monkeypatch.delenv(ulfm.FT_PARAM)
+    assert not ulfm.available() and ulfm.describe().startswith("no (")
+
+
+def _survives_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if line.startswith("survives a lost rank: ")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_info_says_whether_a_lost_rank_is_survived(serial):
+    plain = hpctrain("info", n=2)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    if not ulfm.library_has_ulfm():  # MPICH: no launch flag can help
+        assert "no (this MPI library has no ULFM" in _survives_line(plain.stdout)
+        return
+    assert "not launched with mpiexec --with-ft ulfm" in _survives_line(plain.stdout)
+    ft = hpctrain("info", n=2, launch=ulfm_flags())
+    assert ft.returncode == 0, ft.stdout + ft.stderr
+    assert _survives_line(ft.stdout) == "survives a lost rank: yes (ULFM: mpiexec --with-ft ulfm)"
+
+
+# -- --on-rank-loss (resolved like every setting: the same verdict on every rank, before training) --
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_on_rank_loss_default_is_shrink_only_where_it_can_work(monkeypatch, launched):
+    from hpctrain.train.config import resolve
+
+    if launched:
+        monkeypatch.setenv(ulfm.FT_PARAM, "1")
+    else:
+        monkeypatch.delenv(ulfm.FT_PARAM, raising=False)
+    can = launched and ulfm.library_has_ulfm()
+    assert resolve({}, 4).on_rank_loss == ("shrink" if can else "abort")
+    # Layouts that cannot go on without a rank yet keep today's behaviour by default.
+    assert resolve({"zero": 1}, 4).on_rank_loss == "abort"
+    assert resolve({"tp": 2}, 4).on_rank_loss == "abort"
+    assert resolve({"precision": "bf16-mixed"}, 4).on_rank_loss == "abort"
+    assert resolve({"on_rank_loss": "abort"}, 4).on_rank_loss == "abort"
+
+
+def test_on_rank_loss_shrink_refused_where_it_cannot_work(monkeypatch):
+    from hpctrain.errors import ConfigError
+    from hpctrain.train.config import resolve
+
+    monkeypatch.delenv(ulfm.FT_PARAM, raising=False)
+    with pytest.raises(ConfigError, match=r"--on-rank-loss shrink: this job cannot survive a lost rank: .*"
+                                          r"; use --on-rank-loss abort"):
+        resolve({"on_rank_loss": "shrink"}, 4)
+    monkeypatch.setenv(ulfm.FT_PARAM, "1")
+    if not ulfm.library_has_ulfm():  # MPICH: the launch variable alone changes nothing
+        with pytest.raises(ConfigError, match="no ULFM failure detection"):
+            resolve({"on_rank_loss": "shrink"}, 4)
+        return
+    assert resolve({"on_rank_loss": "shrink"}, 4).on_rank_loss == "shrink"
+    with pytest.raises(ConfigError, match=r"pure data-parallel jobs only .* not --strategy dp --zero 2"):
+        resolve({"on_rank_loss": "shrink", "zero": 2}, 4)
+
+
+@pytest.mark.timeout(120)
+def test_train_refuses_shrink_without_ulfm_before_starting(serial, tmp_path):
+    # Launched without --with-ft ulfm (or under MPICH): refused on every rank, exit 4, nothing written.
+    p = hpctrain("train", "--on-rank-loss", "shrink", "--run-dir", str(tmp_path / "run"), n=2)
+    assert p.returncode == 4, p.stdout + p.stderr
+    assert "hpctrain train: error: ranks 0-1: --on-rank-loss shrink: this job cannot survive a lost rank" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# -- a rank SIGKILLed while hpctrain train runs (tests/faults/train_fault.py kill) -----------------
+
+# 20 steps of a global batch of 12 (it splits over 4, 3, 2 and 1 ranks); one checkpoint, at the end.
+KILL_RUN = ("--max-samples", "240", "--batch-size", "12", "--epochs", "1", "--d-model", "16", "--log-every", "50")
+FAULT = ("tests/faults/train_fault.py",)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run every killed one must end like: the same global batch, 2 ranks, nothing lost."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() > 1 or not ulfm.library_has_ulfm():
+        pytest.skip("needs an MPI library with ULFM (Open MPI 5, make test-openmpi); starts its own jobs")
+    base = tmp_path_factory.mktemp("uninterrupted")
+    ref = hpctrain("train", *KILL_RUN, "--run-dir", str(base / "run"), n=2,
+                   env=clean_env(HPCTRAIN_DATA=str(base / "data")))
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    assert json.loads((base / "run" / "summary.json").read_text())["rank_loss"] == []
+    return base
+
+
+def _final_params(run, last: bool = False) -> dict[str, np.ndarray]:
+    """The parameters of the run's checkpoint: its only one (none was read), or with ``last`` its newest."""
+    found = sorted((run / "checkpoints").glob("ckpt-*.h5"))
+    (path,) = found[-1:] if last else found
+    with h5py.File(path, "r") as f:
+        return {name: f["model"][name][()] for name in f["model"]}
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize(("n", "kills", "where"), [(3, 1, "kill"), (4, 1, "kill"), (4, 3, "kill"),
+                                                   (3, 1, "kill-reduce")])
+def test_dp_goes_on_without_killed_ranks(serial, uninterrupted, tmp_path, n, kills, where):
+    # World rank 0 holds the run directory: the victims are others, each at a random step, as
+    # the step begins or while its gradient buckets are in flight.
+    pick = random.Random()
+    victims, steps = pick.sample(range(1, n), kills), sorted(pick.sample(range(1, 19), kills))
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
+    t0 = time.monotonic()
+    p = hpctrain(where, ",".join(map(str, victims)), ",".join(map(str, steps)), "--", *KILL_RUN,
+                 "--run-dir", str(tmp_path / "run"), n=n, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    took = time.monotonic() - t0
+    said = f"(victims {victims}, steps {steps}, {took:.0f} s)\n{p.stdout}{p.stderr}"
+    assert p.returncode == 0, said
+    for k, (victim, step) in enumerate(zip(victims, steps)):
+        assert f"rank {victim}: injected {where} at step {step}" in p.stdout, said
+        assert (f"hpctrain: lost rank(s) [{victim}] in step {step + 1}: going on with {n - 1 - k} rank(s), "
+                f"{12 // (n - 1 - k)} sample(s) each") in p.stdout, said
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [(e["step"], e["ranks"]) for e in summary["rank_loss"]] == [(s + 1, [v]) for v, s in zip(victims, steps)]
+    assert all(0 < e["seconds"] < took for e in summary["rank_loss"]), said
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 21)), said  # every step once: the global batch kept
+    assert [m["step"] for m in metrics if "rank_loss" in m] == [s + 1 for s in steps], said
+    assert all(m["samples"] == 12 for m in metrics), said
+    want, got = _final_params(uninterrupted / "run"), _final_params(tmp_path / "run")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{name} {said}")
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_a_killed_rank_ends_the_job_naming_it_without_shrink(serial, tmp_path):
+    # MPICH (no ULFM): the launcher ends the job and names the killed process, as before issue 30.
+    # Open MPI with ULFM and --on-rank-loss abort: the survivors end it, saying a rank died.
+    env = clean_env(HPCTRAIN_DATA=str(tmp_path / "data"))
+    t0 = time.monotonic()
+    p = hpctrain("kill", "1", "3", "--", *KILL_RUN, "--on-rank-loss", "abort", "--run-dir", str(tmp_path / "run"),
+                 n=3, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    took = time.monotonic() - t0
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and took < 60, (p.returncode, took, out)
+    assert "rank 1: injected kill at step 3" in p.stdout, out
+    if ulfm.library_has_ulfm():
+        assert re.search(r"\[rank (\d)\] hpctrain: rank \1 of 3: another rank of this job died \(a lost process: "
+                         r"MPI_ERR_PROC_FAILED", p.stderr), out
+        assert "--on-rank-loss shrink goes on with the survivors" in p.stderr, out
+    else:
+        assert "Killed (signal 9)" in out, out
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+# -- the survivors' share of the data: the same epoch order, without repeats or gaps -------------
+
+
+def _global_order(size: int, handed: list[list[np.ndarray]]) -> list[int]:
+    """Interleave the ranks' batches back into the global order (rank r holds positions r, r+size, ...)."""
+    out: list[int] = []
+    for batches in zip(*handed):
+        out += np.stack(batches, axis=1).ravel().tolist()
+    return out
+
+
+def test_reshard_hands_the_rest_of_the_epoch_to_the_survivors():
+    # Three ranks take 3 steps of a global batch of 12, then one dies: the two survivors reshard
+    # (as RankLoss does) and their running loaders go on with 6 samples each.
+    from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
+
+    n, batch, steps = 240, 12, 3
+    rows = ArrayDataset(np.arange(n, dtype=np.float64)[:, None], np.arange(n))
+    samplers = [ShardedSampler(n, r, 3, seed=7, pad="mask") for r in range(3)]
+    loaders = [DataLoader(rows, batch // 3, s) for s in samplers]
+    running = [iter(ld) for ld in loaders]
+    first = [[next(it)[1] for _ in range(steps)] for it in running]
+    for r in range(2):
+        samplers[r].reshard(r, 2)
+        loaders[r].batch_size = batch // 2
+    rest = [[b[1] for b in running[r]] for r in range(2)]  # the same iterators, in the new layout
+    assert [len(x) for x in rest] == [n // batch - steps] * 2
+    assert all(len(b) == batch // 2 for x in rest for b in x)
+    order = samplers[0].order().tolist()
+    assert _global_order(3, first) + _global_order(2, rest) == order  # no repeats, no gaps
+    one_step = ShardedSampler(n, 0, 3, seed=7, pad="mask")
+    one_step.advance(batch // 3)
+    with pytest.raises(ValueError, match="12 samples consumed this epoch do not split over 5 ranks"):
+        one_step.reshard(0, 5)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("victim", "batch", "why"), [
+    (0, "12", "rank 0 was lost: it holds the run directory and writes the metrics and the summary"),
+    (2, "9", "the global batch 9 does not split over the 2 ranks left"),
+])
+def test_a_loss_the_job_cannot_go_on_from_ends_it_naming_why(serial, tmp_path, victim, batch, why):
+    if not ulfm.library_has_ulfm():
+        pytest.skip("needs an MPI library with ULFM (Open MPI 5): make test-openmpi")
+    args = ("--max-samples", "180", "--batch-size", batch, "--epochs", "1", "--d-model", "16")
+    p = hpctrain("kill", str(victim), "3", "--", *args, "--run-dir", str(tmp_path / "run"), n=3,
+                 env=clean_env(HPCTRAIN_DATA=str(tmp_path / "data")), launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    lines = [line for line in p.stderr.splitlines() if "hpctrain" in line]
+    assert p.returncode == 1, p.stdout + p.stderr
+    # Said once, by the first survivor, on every survivor's behalf.
+    assert lines == [f"[rank {1 if victim == 0 else 0}] hpctrain train: error: lost rank(s) [{victim}]; "
+                     f"cannot go on: {why}" + ("" if victim == 0 else "; a global batch that is a multiple "
+                                               "of every survivor count goes on")], p.stdout + p.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+def test_a_checkpoint_written_after_a_shrink_resumes_under_another_layout(serial, uninterrupted, tmp_path):
+    # 3 ranks lose rank 2 in step 5; step 10's checkpoint is the survivors' (dp=2). A new 3-rank job
+    # resumes from it and ends where the uninterrupted run ends.
+    from ckpt_tools import copy_checkpoint
+
+    from hpctrain import checkpoint
+
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
+    run = tmp_path / "run"
+    p = hpctrain("kill", "2", "4", "--", *KILL_RUN, "--checkpoint-every", "10", "--run-dir", str(run), n=3, env=env,
+                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    mid = run / "checkpoints" / "ckpt-00000010.h5"
+    assert "saved from layout {'dp': 2, 'tp': 1, 'pp': 1}" in checkpoint.inspect(str(mid))
+    again = tmp_path / "again"
+    copy_checkpoint(str(mid), str(again / "checkpoints"))
+    (again / "config.json").write_text((run / "config.json").read_text())
+    p = hpctrain("train", *KILL_RUN, "--run-dir", str(again), "--resume", n=3, env=env)
+    assert p.returncode == 0 and "at step 10" in p.stdout, p.stdout + p.stderr
+    want = _final_params(uninterrupted / "run")
+    got = _final_params(again, last=True)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from netns_cluster import ADDRESSES, ENV, kill_all, pids, two_nodes, why_not
-from test_slurm import DAEMONS, Cluster, _sbatch_and_wait, _slurm_conf, _which
+from test_slurm import DAEMONS, Cluster, _sbatch_and_wait, _slurm_conf, _which, preempt_and_requeue
 
 from jobs import REPO, clean_env, mpiexec
 
@@ -233,3 +233,11 @@ def test_hybrid_sbatch_on_two_slurm_nodes_keeps_tp_inside_a_node(slurm2, tmp_pat
     assert "tensor-parallel group(s) of tp=2 span nodes" not in out, out  # the grid's warning
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["layout"] == {"dp": 2, "tp": 2, "pp": 1}, summary
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_preempted_two_node_job_is_requeued_and_resumes(slurm2, tmp_path):
+    """train.sbatch on the two nodes (one rank each) preempted mid-run: it stops with a checkpoint,
+    requeues itself, resumes and ends bitwise where an uninterrupted 2-rank run ends."""
+    preempt_and_requeue(slurm2, tmp_path, nodes=2, per_node=1)

@@ -77,6 +77,8 @@ test-slurm: venv
 	  else echo "Slurm is not installed and this is not root with apt-get: the test will skip"; fi; \
 	fi
 	HPCTRAIN_TEST_SLURM=1 $(PY) -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm.py
+	# Two nodes: network namespaces on this machine, one slurmd each (root; skips without, saying why).
+	HPCTRAIN_TEST_NETNS=1 $(PY) -m pytest -q -p no:cacheprovider -m slurm tests/test_two_nodes.py
 
 # The main job: an MLP classifier on the built-in HDF5 set, data parallel on 2 ranks.
 demo: venv

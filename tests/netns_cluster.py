@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -89,6 +90,21 @@ class Cluster:
                 f"hostname {self.hostnames[0]} && exec {inner}"]
 
 
+def pids(ns: str) -> list[int]:
+    """The processes in network namespace ``ns``."""
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    return [int(q) for q in out.split()]
+
+
+def kill_all(ns: str) -> list[int]:
+    """SIGKILL every process in network namespace ``ns`` (a node lost at once); returns their ids."""
+    found = pids(ns)
+    for q in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(q, signal.SIGKILL)
+    return found
+
+
 @contextlib.contextmanager
 def two_nodes(mpiexec: str) -> Iterator[Cluster]:
     """The two-node cluster for the block (see the module docstring); root only."""
@@ -119,6 +135,9 @@ def two_nodes(mpiexec: str) -> Iterator[Cluster]:
         yield Cluster(names, hosts, launcher, mpiexec)
     finally:
         for ns in made:
+            # Deleting a namespace does not end the processes in it (a job a test left, or one
+            # whose node was cut off): they go first.
+            kill_all(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         # A veth end still outside (creation failed half way) goes with its own deletion.
         subprocess.run(["ip", "link", "del", f"{tag}v0"], capture_output=True)

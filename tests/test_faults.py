@@ -87,6 +87,20 @@ def test_stalled_rank_is_named_and_job_aborts(launch):
 
 @pytest.mark.fault
 @pytest.mark.timeout(90)
+def test_frozen_node_is_named_in_the_stall_report(launch):
+    """Each rank claims a node of its own (HPCTRAIN_NODE_NAME) and the last one freezes: the
+    report lists the nodes and names the one none of whose ranks answered (tests/test_two_nodes.py
+    cuts a real namespace node off)."""
+    p, took = launch("misc.py", "node-stop")
+    assert p.returncode != 0 and took < 40, (p.returncode, took, p.stderr)
+    last = 1  # launch starts 2 ranks
+    assert "NOT arrived: ranks [1]" in p.stderr, p.stderr
+    assert f"nodes: claimed0: rank 0; claimed{last}: rank {last}" in p.stderr, p.stderr
+    assert f"node claimed{last} lost? none of its ranks [{last}] answered" in p.stderr, p.stderr
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(90)
 def test_stalled_peer_in_recv(launch):
     p, took = launch("misc.py", "recv-stall")
     assert p.returncode != 0 and took < 30, (p.returncode, took, p.stderr)

@@ -36,6 +36,17 @@ def test_fit_refuses_what_it_cannot_fit(sizes, seconds, words):
         fit(sizes, seconds)
 
 
+def test_collectives_priced_from_alpha_and_beta():
+    link = Link((0, 2), 2e-5, 1e8, ())
+    # p = 4: two rounds of latency; every rank moves 3/4 of the bytes once (reduce-scatter) or twice.
+    assert link.gather_seconds(4e6, 4) == pytest.approx(2 * 2e-5 + 0.75 * 4e6 / 1e8, rel=1e-12)
+    assert link.allreduce_seconds(4e6, 4) == pytest.approx(2 * link.gather_seconds(4e6, 4), rel=1e-12)
+    assert link.gather_seconds(1e6, 3) == pytest.approx(2 * 2e-5 + (2 / 3) * 1e6 / 1e8, rel=1e-12)  # ceil(log2 3)
+    assert link.allreduce_seconds(1e9, 1) == 0.0  # one rank: nothing crosses a link
+    with pytest.raises(ValueError, match="at least one rank"):
+        link.allreduce_seconds(8, 0)
+
+
 def test_pairs_by_node_layout():
     assert pairs(["a", "a", "b", "b"]) == {"intra-node": (0, 1), "inter-node": (0, 2)}
     assert pairs(["a", "b", "b"]) == {"intra-node": (1, 2), "inter-node": (0, 1)}

@@ -293,12 +293,17 @@ def test_preempted_job_is_requeued_and_ends_where_an_uninterrupted_run_ends(clus
     """``scancel --batch --signal=USR1`` (what ``--signal=B:USR1@N`` sends at the time limit) mid-run:
     the script forwards it, the ranks stop with a checkpoint (exit 75), the script requeues the job,
     and the requeued job resumes and finishes with the loss an uninterrupted run ends with."""
+    preempt_and_requeue(cluster, tmp_path)
+
+
+def preempt_and_requeue(cluster: Cluster, tmp_path: Path, nodes: int = 1, per_node: int = 2) -> None:
+    """The preemption test on ``nodes`` x ``per_node`` tasks (test_two_nodes runs it on two nodes)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPIR_", "SLURM_"))}
     env.update(OMP_NUM_THREADS="1")  # the same BLAS threading in both runs: bitwise comparable
     ref_dir = tmp_path / "ref"
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    ref = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "hpctrain", "train", "--strategy", "dp",
-                          *_SMALL_GPT, "--run-dir", str(ref_dir)],
+    ref = subprocess.run([mpiexec, "-n", str(nodes * per_node), sys.executable, "-m", "hpctrain", "train",
+                          "--strategy", "dp", *_SMALL_GPT, "--run-dir", str(ref_dir)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     want = json.loads((ref_dir / "summary.json").read_text())
@@ -307,8 +312,8 @@ def test_preempted_job_is_requeued_and_ends_where_an_uninterrupted_run_ends(clus
     cluster.env.update(HPCTRAIN_RUN_DIR=str(run_dir), OMP_NUM_THREADS="1")
     cluster.env["HPCTRAIN_VENV"] = os.environ.get("HPCTRAIN_VENV", str(Path(sys.executable).parents[1]))
     out_file = tmp_path / "job.out"
-    sub = cluster.run("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-                      f"--chdir={tmp_path}", f"--output={out_file}", "--time=10",
+    sub = cluster.run("sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
+                      "--cpus-per-task=1", f"--chdir={tmp_path}", f"--output={out_file}", "--time=10",
                       str(REPO / "slurm" / "train.sbatch"), *_SMALL_GPT)
     job = sub.stdout.strip().split(";")[0]
     deadline = time.monotonic() + 400

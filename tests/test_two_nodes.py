@@ -1,15 +1,24 @@
-"""Across two "nodes" of network namespaces (tests/netns_cluster.py): the node layout measured and
-the hierarchical all-reduce equal to the flat one over a real TCP link. Root only, and opt-in
-(``HPCTRAIN_TEST_NETNS=1``): it builds network namespaces, which a plain ``make test`` must not."""
+"""Across two "nodes" of network namespaces (tests/netns_cluster.py): the node layout measured,
+the hierarchical all-reduce equal to the flat one over a real TCP link, a node lost mid-run, and
+a two-node Slurm running the sbatch scripts with --nodes=2 (marked slurm: ``make test-slurm``).
+Root only, and opt-in (``HPCTRAIN_TEST_NETNS=1``): it builds network namespaces, which a plain
+``make test`` must not."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
-from netns_cluster import two_nodes, why_not
+from netns_cluster import ADDRESSES, ENV, kill_all, pids, two_nodes, why_not
+from test_slurm import DAEMONS, Cluster, _sbatch_and_wait, _slurm_conf, _which, preempt_and_requeue
 
 from jobs import REPO, clean_env, mpiexec
 
@@ -35,3 +44,200 @@ def test_hierarchical_allreduce_across_two_namespace_nodes(serial):
                            cwd=REPO)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         assert "7 passed" in p.stdout, p.stdout[-3000:]
+
+
+# Every rank all-reduces in a loop; rank 0 says each step (so the test knows the job is running).
+_LOOP = ("import time, numpy as np; from hpctrain import Communicator; c = Communicator(); x = np.ones(1000)\n"
+         "for i in range(100000):\n    c.allreduce(x); print('step', i, flush=True) if c.rank == 0 else None; "
+         "time.sleep(0.02)")
+
+
+def _start_loop(cluster, tmp_path, timeout: str) -> subprocess.Popen:
+    """The all-reduce loop on 2 ranks of each node; returns once rank 0 printed a few steps."""
+    env = {**clean_env(), "HPCTRAIN_TIMEOUT": timeout}
+    script = tmp_path / "loop.py"  # a file: the launcher passes the command through a shell
+    script.write_text(_LOOP)
+    p = subprocess.Popen(cluster.mpiexec(2, [sys.executable, str(script)]), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    for line in p.stdout:
+        if line.startswith("step 5"):
+            return p
+    raise AssertionError(f"the loop did not start: {p.communicate(timeout=30)}")
+
+
+def _left_on(ns: str, grace: float = 15.0) -> list[int]:
+    """The processes still in ``ns`` after up to ``grace`` seconds (a killed job takes a moment)."""
+    deadline = time.monotonic() + grace
+    while pids(ns) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return pids(ns)
+
+
+@pytest.mark.timeout(300)
+def test_a_node_cut_off_ends_the_job_with_a_report_naming_it(serial, tmp_path):
+    """Node 1's link goes down mid-run (as a node that loses power or its network: silence, no
+    connection reset): the watchdog on node 0 reports the stall and names node 1 as the lost node,
+    then ends the job."""
+    why = why_not()
+    if why is not None:
+        pytest.skip(why)
+    with two_nodes(mpiexec()) as cluster:
+        p = _start_loop(cluster, tmp_path, timeout="10")
+        try:
+            subprocess.run(["ip", "-n", cluster.namespaces[1], "link", "set", "veth1", "down"], check=True)
+            err = _stderr_until(p, "aborting the whole job", limit=90)
+        finally:
+            kill_all(cluster.namespaces[1])  # its processes wait on a dead link: nothing else ends them
+            try:
+                p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+        lost = cluster.hostnames[1]
+        assert re.search(r"StallError on rank \d: i?allreduce", err), err
+        assert f"node {lost} lost? none of its ranks [2, 3] answered" in err, err
+        assert f"nodes: {cluster.hostnames[0]}: ranks 0-1; {lost}: ranks 2-3" in err, err
+        assert p.returncode != 0
+        assert not _left_on(cluster.namespaces[0]), "a process of the surviving node is left"
+
+
+def _stderr_until(p: subprocess.Popen, text: str, limit: float) -> str:
+    """Lines of ``p``'s stderr until one holds ``text`` (or ``limit`` seconds pass, or it ends)."""
+    out: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        for line in p.stderr:
+            out.append(line)
+            if text in line:
+                break
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    done.wait(limit)
+    return "".join(out)
+
+
+@pytest.mark.timeout(300)
+def test_every_process_of_a_node_killed_ends_the_job_at_once(serial, tmp_path):
+    """SIGKILL to every process of node 1 (its Hydra proxy too) mid-run: MPICH's mpiexec ends the
+    whole job at once (its own message, "control_cb ... assert (!closed) failed": it names no node,
+    and the survivors are killed before any of our code could), nothing is left on node 0."""
+    why = why_not()
+    if why is not None:
+        pytest.skip(why)
+    with two_nodes(mpiexec()) as cluster:
+        p = _start_loop(cluster, tmp_path, timeout="120")
+        t0 = time.monotonic()
+        killed = kill_all(cluster.namespaces[1])
+        _, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+        assert len(killed) >= 3, killed  # the proxy and two ranks
+        assert p.returncode != 0
+        assert took < 30, f"the job took {took:.0f} s to end after its node was lost (the watchdog's 120 s?)"
+        assert not _left_on(cluster.namespaces[0]), "a process of the surviving node is left"
+
+
+class TwoNodeSlurm(Cluster):
+    """test_slurm's one-node Slurm made two: slurmctld and one slurmd in the first namespace node,
+    a slurmd in the second, each under its node's host name. ``nsenter --net`` rather than ``ip
+    netns exec``: the latter remounts /sys, and slurmd needs the host's cgroup mounts there."""
+
+    def __init__(self, tmp: Path, net) -> None:
+        super().__init__(tmp)
+        self.net = net
+
+    def _in(self, i: int, command: str) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.net.namespaces[i]}", "unshare", "--uts", "sh", "-c",
+                f"hostname {self.net.hostnames[i]} && {command}"]
+
+    def start(self) -> None:
+        conf = _slurm_conf(self.tmp, "unused", 2)
+        nodes = "\n".join(f"NodeName={h} NodeAddr={a} CPUs=2 State=UNKNOWN"
+                          for h, a in zip(self.net.hostnames, ADDRESSES))
+        conf = re.sub(r"(?m)^SlurmctldHost=.*$", f"SlurmctldHost={self.net.hostnames[0]}({ADDRESSES[0]})", conf)
+        conf = re.sub(r"(?m)^NodeName=.*$", nodes, conf)
+        for key in ("SlurmdSpoolDir", "SlurmdPidFile", "SlurmdLogFile"):  # one of each per node: %n
+            conf = re.sub(rf"(?m)^({key}=.*?)(\.pid|\.log)?$", lambda m: f"{m.group(1)}.%n{m.group(2) or ''}", conf)
+        (self.tmp / "slurm.conf").write_text(conf)
+        munge = self.tmp / "munge"
+        munge.mkdir(mode=0o700)
+        key = munge / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        (self.tmp / "ctld").mkdir()
+        self._spawn("munged", [_which("munged"), "--foreground", "--force", f"--key-file={key}",
+                               f"--socket={munge}/munge.socket", f"--pid-file={munge}/munged.pid",
+                               f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"])
+        self._wait(lambda: (munge / "munge.socket").exists(), 20, "munged to open its socket")
+        self._spawn("slurmctld", self._in(0, f"exec {_which('slurmctld')} -D -i -f {self.tmp}/slurm.conf"))
+        self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 60, "slurmctld to answer")
+        for i, host in enumerate(self.net.hostnames):
+            spool = self.tmp / f"slurmd.{host}"
+            spool.mkdir()
+            self._spawn(f"slurmd-{i}", self._in(i, f"exec {_which('slurmd')} -D -N {host} -f {self.tmp}/slurm.conf"))
+        self._wait(lambda: self.node_state().split() == ["idle", "idle"], 90, "both nodes to become idle")
+
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        # Clients talk to slurmctld from the first node (the controller's address is only there).
+        return subprocess.run(["nsenter", f"--net=/run/netns/{self.net.namespaces[0]}", *argv], env=self.env,
+                              capture_output=True, text=True, check=check, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def slurm2(tmp_path_factory):
+    why = why_not() or next((f"{d} is not installed (make test-slurm installs Slurm)" for d in DAEMONS
+                             if _which(d) is None), None) or (None if shutil.which("nsenter") else "no nsenter")
+    if why is not None:
+        pytest.skip(why)
+    with two_nodes(mpiexec()) as net:
+        c = TwoNodeSlurm(tmp_path_factory.mktemp("slurm2"), net)
+        try:
+            c.start()
+            c.env.update(ENV)  # MPICH over TCP between the nodes (netns_cluster's docstring)
+            yield c
+        finally:
+            c.stop()
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_train_sbatch_on_two_slurm_nodes(slurm2, tmp_path):
+    """train.sbatch with --nodes=2: one MPI world across both nodes trains and leaves a checkpoint."""
+    run_dir = tmp_path / "run"
+    slurm2.env["HPCTRAIN_RUN_DIR"] = str(run_dir)
+    state, out = _sbatch_and_wait(slurm2, tmp_path, REPO / "slurm" / "train.sbatch", "--epochs", "2",
+                                  options=("--nodes=2", "--ntasks-per-node=1"))
+    assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{slurm2.logs()}"
+    a, b = slurm2.net.hostnames
+    assert f"nodes            : 2  (ranks per node: {a}=1, {b}=1)" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 1} and summary["steps"] > 0, summary
+    assert Path(summary["checkpoint"]).exists(), summary
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_hybrid_sbatch_on_two_slurm_nodes_keeps_tp_inside_a_node(slurm2, tmp_path):
+    """hybrid.sbatch with --nodes=2, 2 tasks per node and TP=2: tp inside each node, dp across."""
+    run_dir = tmp_path / "run"
+    slurm2.env.update(HPCTRAIN_RUN_DIR=str(run_dir), TP="2", PP="1")
+    small = ("--n-layers", "1", "--d-model", "32", "--n-heads", "4", "--block-size", "16", "--batch-size", "16",
+             "--max-samples", "128", "--epochs", "1")
+    state, out = _sbatch_and_wait(slurm2, tmp_path, REPO / "slurm" / "hybrid.sbatch", *small,
+                                  options=("--nodes=2", "--ntasks-per-node=2"))
+    assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{slurm2.logs()}"
+    a, b = slurm2.net.hostnames
+    assert f"nodes            : 2  (ranks per node: {a}=2, {b}=2)" in out, out
+    assert "4 ranks = tp 2 x pp 1 x dp 2" in out, out
+    assert "tensor-parallel group(s) of tp=2 span nodes" not in out, out  # the grid's warning
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"] == {"dp": 2, "tp": 2, "pp": 1}, summary
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_preempted_two_node_job_is_requeued_and_resumes(slurm2, tmp_path):
+    """train.sbatch on the two nodes (one rank each) preempted mid-run: it stops with a checkpoint,
+    requeues itself, resumes and ends bitwise where an uninterrupted 2-rank run ends."""
+    preempt_and_requeue(slurm2, tmp_path, nodes=2, per_node=1)

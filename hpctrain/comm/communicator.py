@@ -75,7 +75,7 @@ class Communicator:
             # refused on every rank alike), starts the stall watchdog and makes an exception
             # raised on some ranks only end the whole job.
             raise_if_any(self, _environment_problem(), what="hpctrain environment")
-            _watch.start()
+            _watch.start(self)
             _failure.setup()
             _world_ready = True
         self._debug = tracer_from_env(self)

@@ -4,7 +4,8 @@ A message of ``n`` bytes takes ``alpha + n / beta`` seconds one way: ``alpha`` t
 ``beta`` the bandwidth. ``probe`` times ping-pongs at a few sizes between two ranks of one node
 and between the first ranks of two nodes (by the node layout, ``hpctrain.comm.nodes``) and fits
 both by least squares (``fit``, a pure function). ``hpctrain info --probe`` prints the table; a
-cost model of a layout's step time builds on it.
+``Link`` prices collectives too (``allreduce_seconds``, ``gather_seconds``), which the cost model
+of a layout's step time (benchmarks/cost_model.py) builds on.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ class Link:
     def seconds(self, nbytes: float) -> float:
         """Predicted one-way time of an ``nbytes`` message."""
         return self.alpha + nbytes / self.beta
+
+    def gather_seconds(self, nbytes: float, p: int) -> float:
+        """Predicted reduce-scatter (or all-gather) of ``nbytes`` over ``p`` ranks on this link:
+        ``ceil(log2 p)`` rounds of latency, each rank moving ``(p-1)/p`` of the bytes."""
+        if p < 1:
+            raise ValueError(f"a collective needs at least one rank, got p={p}")
+        return 0.0 if p == 1 else math.ceil(math.log2(p)) * self.alpha + (p - 1) / p * nbytes / self.beta
+
+    def allreduce_seconds(self, nbytes: float, p: int) -> float:
+        """Predicted all-reduce of ``nbytes`` over ``p`` ranks: a reduce-scatter then an all-gather."""
+        return 2 * self.gather_seconds(nbytes, p)
 
 
 def fit(sizes: list[int] | tuple[int, ...], seconds: list[float] | tuple[float, ...]) -> tuple[float, float]:

@@ -42,6 +42,7 @@ from ..protocols import Comm
 from . import ulfm
 from .failure import EXCEPTION_EXIT, FLUSH_GRACE, before_abort, write_lines
 from .health import Health
+from .nodes import describe, node_name, nodes
 
 DEFAULT_TIMEOUT = settings.DEFAULT_TIMEOUT
 #: Exit status handed to MPI_Abort when the watchdog ends a stalled job.
@@ -62,7 +63,7 @@ def env_timeout() -> float:
 class _Dog:
     """Process-wide watchdog state and its thread."""
 
-    def __init__(self, default: float) -> None:
+    def __init__(self, default: float, comm: Any = None) -> None:
         self.default = default
         # The hot path only stores and pops records; this thread times them. A record is new when
         # it is not the object seen before (each begin makes a new tuple), so an age is exact to
@@ -79,6 +80,8 @@ class _Dog:
         self.side: MPI.Intracomm | None = None
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             self.side = MPI.COMM_WORLD.Dup()  # collective: every rank creates its first Communicator
+        # Every rank's node, known before anything fails: a lost node cannot say its name then.
+        self.nodes: list[str] | None = MPI.COMM_WORLD.allgather(node_name(comm)) if comm is not None else None
         self.pending: list[MPI.Request] = []
         self.qid = 0
         self.stop = threading.Event()
@@ -218,7 +221,8 @@ class _Dog:
         elif peer is not None:
             peer_rank = members[peer] if members is not None else peer
             _err(f"{head}\n  peer rank {peer_rank}: {_state_text(answers.get(peer_rank))}"
-                 "\n  aborting the whole job (MPI_Abort)")
+                 + "".join(f"\n  {line}" for line in self._node_lines([peer_rank], answers))
+                 + "\n  aborting the whole job (MPI_Abort)")
         else:
             lines = [head]
             arrived = [self.world_rank] + sorted(r for r, a in answers.items() if _waits_in(a, mine))
@@ -228,9 +232,21 @@ class _Dog:
                 lines.append(f"  NOT arrived: ranks {missing}")
             for r in missing:
                 lines.append(f"    rank {r}: {_state_text(answers.get(r))}")
+            lines += [f"  {line}" for line in self._node_lines(missing, answers)]
             if self.side is None:
                 lines.append("  (other ranks' states unknown: MPI runs without MPI_THREAD_MULTIPLE)")
             _err("\n".join(lines) + "\n  aborting the whole job (MPI_Abort)")
+
+    def _node_lines(self, missing: list[int], answers: dict[int, dict]) -> list[str]:
+        """With ranks on several nodes: the layout, and a line for each other node none of whose
+        ranks answered though every one was asked (a node that crashed, hangs or was cut from
+        the network looks like that)."""
+        if not self.nodes or len(set(self.nodes)) < 2:
+            return []
+        silent = {r for r in missing if answers.get(r) is None}
+        lost = [f"node {name} lost? none of its ranks {ranks} answered" for name, ranks in nodes(self.nodes).items()
+                if name != self.nodes[self.world_rank] and set(ranks) <= silent]
+        return [f"nodes: {describe(self.nodes)}", *lost]
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -306,15 +322,16 @@ _dog: _Dog | None = None
 _lock = threading.Lock()
 
 
-def start() -> None:
-    """Start the watchdog (idempotent). Collective over COMM_WORLD the first time."""
+def start(comm: Any = None) -> None:
+    """Start the watchdog (idempotent). Collective over COMM_WORLD the first time; with ``comm``
+    (the first world Communicator) it also learns every rank's node, for its reports."""
     global _dog
     with _lock:
         if _dog is not None or MPI.COMM_WORLD.Get_size() < 2:
             return
         # Started even when HPCTRAIN_TIMEOUT=0 (a default of "off"): a Trainer(timeout=) or
         # comm.set_timeout() given later still bounds its waits. An idle look costs microseconds.
-        _dog = _Dog(env_timeout())
+        _dog = _Dog(env_timeout(), comm)
         atexit.register(_dog.shutdown)  # before mpi4py finalizes MPI
 
 

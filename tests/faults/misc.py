@@ -9,10 +9,13 @@
     mpiexec -n 2 python tests/faults/misc.py ps-no-close  # a parameter server never closed: windows freed at exit
     mpiexec -n 2 python tests/faults/misc.py raise-all    # every rank raises the same untagged error, unhandled
     mpiexec -n 2 python tests/faults/misc.py fail-all     # every rank ends with failure.fail of the same error
+    mpiexec -n 2 python tests/faults/misc.py node-stop    # each rank claims a node; the last freezes (SIGSTOP)
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -25,6 +28,10 @@ from hpctrain.parallel import DataParallelTrainer
 
 
 def main(mode: str) -> int:
+    if mode == "node-stop":  # a node of its own per rank, claimed before the first Communicator
+        from mpi4py import MPI
+
+        os.environ["HPCTRAIN_NODE_NAME"] = f"claimed{MPI.COMM_WORLD.Get_rank()}"
     comm = ht.Communicator()
     last = comm.size - 1
     comm.allreduce(np.ones(2))
@@ -78,6 +85,11 @@ def main(mode: str) -> int:
         ps[0].step(np.ones((4, 5)), np.zeros(4, dtype=np.int64))
     elif mode == "raise-all":
         raise RuntimeError("injected on every rank")
+    elif mode == "node-stop":
+        comm.set_timeout(3)
+        if comm.rank == last:  # neither computes nor answers: a node that hangs or is cut off
+            os.kill(os.getpid(), signal.SIGSTOP)
+        comm.allreduce(np.ones(2))
     elif mode == "fail-all":
         from hpctrain.comm.failure import fail
 

@@ -55,8 +55,10 @@ def test_sigterm_to_the_job_checkpoints_its_step_and_resume_ends_bitwise(serial,
     through its clock window; its resume starts from that checkpoint but does not retrace an
     uninterrupted run bitwise (the workers' pushes interleave as they happen to): for it the resumed
     run must end with every step once, and no reference run is made."""
-    args = (*SMALL_GPT, *strategy)
     exact = not strategy
+    # Long enough (dp: ~1,100 steps, a few seconds on a quiet machine) to still be training after
+    # the two refused jobs below have started; at 171 steps a quick machine finished first.
+    args = (*SMALL_GPT, *strategy, *(("--epochs", "20") if exact else ()))
     if exact:
         ref = hpctrain("train", *args, "--run-dir", str(tmp_path / "ref"), n=2)
         assert ref.returncode == 0, ref.stdout + ref.stderr

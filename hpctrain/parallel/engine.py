@@ -333,6 +333,12 @@ class ParallelTrainer(Trainer):
         return self.grid.pp.rank
 
     @property
+    def runs_schedule(self) -> bool:
+        """Whether steps run a pipeline schedule (pp > 1, or a preset that always does): the same
+        on every rank, so callers may decide collective work (``save_timeline``) on it."""
+        return self._runner is not None
+
+    @property
     def last_events(self) -> list[tuple[str, str, float, float]]:
         """The last step's executed schedule (``timeline`` events; none without a pipeline)."""
         return self._runner.events if self._runner is not None else []

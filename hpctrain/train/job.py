@@ -359,7 +359,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     comm = trainer.comm  # the survivors, when ranks were lost (--on-rank-loss shrink)
     memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
     timeline.write(comm, trace)
-    if hasattr(trainer, "save_timeline"):  # the pipeline's executed schedule of its last step
+    if getattr(trainer, "runs_schedule", False):  # the pipeline's executed schedule of its last step
         trainer.save_timeline(c.run_dir, png=False)
     if hasattr(trainer, "close"):  # the parameter server: final pull, windows freed on every rank
         trainer.close()

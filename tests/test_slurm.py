@@ -99,22 +99,27 @@ class Cluster:
         self.host = socket.gethostname().split(".")[0]
 
     def start(self) -> None:
+        (self.tmp / "slurmd").mkdir()
+        (self.tmp / "slurm.conf").write_text(_slurm_conf(self.tmp, self.host, os.cpu_count() or 1))
+        self._start_munge()
+        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.tmp / "slurm.conf")])
+        self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 60, "slurmctld to answer")
+        self._spawn("slurmd", [_which("slurmd"), "-D", "-N", self.host, "-f", str(self.tmp / "slurm.conf")])
+        self._wait(lambda: self.node_state().startswith("idle"), 90, "the node to become idle")
+
+    def _start_munge(self) -> None:
+        """A munged of this cluster's own (a fresh key, its own socket) and slurmctld's state
+        directory: what every Slurm daemon of the cluster needs before it starts."""
         munge = self.tmp / "munge"
         munge.mkdir(mode=0o700)
         key = munge / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         (self.tmp / "ctld").mkdir()
-        (self.tmp / "slurmd").mkdir()
-        (self.tmp / "slurm.conf").write_text(_slurm_conf(self.tmp, self.host, os.cpu_count() or 1))
         self._spawn("munged", [_which("munged"), "--foreground", "--force", f"--key-file={key}",
                                f"--socket={munge}/munge.socket", f"--pid-file={munge}/munged.pid",
                                f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"])
         self._wait(lambda: (munge / "munge.socket").exists(), 20, "munged to open its socket")
-        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.tmp / "slurm.conf")])
-        self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 60, "slurmctld to answer")
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-N", self.host, "-f", str(self.tmp / "slurm.conf")])
-        self._wait(lambda: self.node_state().startswith("idle"), 90, "the node to become idle")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.tmp / f"{name}.stdout", "w")  # noqa: SIM115 - closed with the process

@@ -160,16 +160,7 @@ class TwoNodeSlurm(Cluster):
         for key in ("SlurmdSpoolDir", "SlurmdPidFile", "SlurmdLogFile"):  # one of each per node: %n
             conf = re.sub(rf"(?m)^({key}=.*?)(\.pid|\.log)?$", lambda m: f"{m.group(1)}.%n{m.group(2) or ''}", conf)
         (self.tmp / "slurm.conf").write_text(conf)
-        munge = self.tmp / "munge"
-        munge.mkdir(mode=0o700)
-        key = munge / "munge.key"
-        key.write_bytes(os.urandom(1024))
-        key.chmod(0o400)
-        (self.tmp / "ctld").mkdir()
-        self._spawn("munged", [_which("munged"), "--foreground", "--force", f"--key-file={key}",
-                               f"--socket={munge}/munge.socket", f"--pid-file={munge}/munged.pid",
-                               f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"])
-        self._wait(lambda: (munge / "munge.socket").exists(), 20, "munged to open its socket")
+        self._start_munge()
         self._spawn("slurmctld", self._in(0, f"exec {_which('slurmctld')} -D -i -f {self.tmp}/slurm.conf"))
         self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 60, "slurmctld to answer")
         for i, host in enumerate(self.net.hostnames):

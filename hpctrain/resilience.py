@@ -17,8 +17,10 @@ Under ULFM (``hpctrain.comm.ulfm``) a collective with a dead member fails on the
    the next finished step), a log line, and ``rank_loss`` in that step's metrics.
 
 The trainer's ``fit`` then redoes the step (the loader redraws the interrupted global batch for
-the new layout). Pure data parallelism only (no ZeRO, tensor or pipeline groups): every survivor
-holds the whole model, so nothing is lost with a rank and no checkpoint is read.
+the new layout). Under pure data parallelism every survivor holds the whole model, so nothing is
+lost with a rank and no checkpoint is read. Under ZeRO the lost rank's pieces come back from the
+copy its buddy (the next dp rank) holds (``resilience_shards.Buddies``, refreshed before each
+step), and the reducer is built anew over the survivors. No tensor or pipeline groups.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from mpi4py import MPI
 from .comm import Communicator, failure, ulfm, watchdog
 from .errors import RankLossError
 from .log import get_logger
+from .resilience_shards import Buddies
 
 _log = get_logger("resilience")
 #: Pre-step states kept: the step a survivor is in and the one before (see the module docstring).
@@ -42,15 +45,20 @@ class _Snapshot:
     """What a step changes on this rank, copied before it: parameters, optimizer state, and the
     rest of its state (``trainer.snapshot()``, the ``Stateful`` one a checkpoint load uses)."""
 
-    def __init__(self, trainer: Any, handed: int) -> None:
+    def __init__(self, trainer: Any, handed: int, sharded: bool) -> None:
         # The loader counts a batch as consumed when it hands it out, before the step: the
         # position to go back to is that many samples earlier.
         self.handed = handed
-        self.params = [p.data.copy() for p in trainer.params]
+        # ZeRO: the parameters and the optimizer state are in its pieces, which ``Buddies`` copies
+        # and puts back into a new reducer (the old one, over the lost rank, is not restored).
+        self.sharded = sharded
+        self.params = [] if sharded else [p.data.copy() for p in trainer.params]
         opt = trainer.optimizer
-        self.opt_state = copy.deepcopy(opt.state) if opt is not None else None
+        self.opt_state = copy.deepcopy(opt.state) if opt is not None and not sharded else None
         self.opt_step = getattr(opt, "step_count", None)
         self.small = trainer.snapshot()  # its optimizer part holds references: the copies above count
+        if sharded:
+            self.small["reducer"] = None
 
     def restore(self, trainer: Any) -> None:
         trainer.restore(self.small)
@@ -58,7 +66,7 @@ class _Snapshot:
             p.data[...] = data
             p.grad.fill(0)
         opt = trainer.optimizer
-        if opt is not None:
+        if opt is not None and not self.sharded:
             opt.state = copy.deepcopy(self.opt_state)
             opt.step_count = self.opt_step
         sampler = getattr(trainer, "_sampler", None)
@@ -80,13 +88,22 @@ class RankLoss:
         self.events: list[dict[str, Any]] = []
         self._snapshots: dict[int, _Snapshot] = {}
         self._pending: dict[str, Any] | None = None  # the loss waiting for its next finished step
+        self.buddies: Buddies | None = None  # ZeRO's redundant pieces (made at the first step)
 
     def before_step(self, trainer: Any, batch: Any) -> None:
         """Keep the state from before the step on ``batch`` (and the one before it)."""
         step = trainer.global_step
-        self._snapshots[step] = _Snapshot(trainer, len(batch[0]))
+        sharded = bool(getattr(trainer, "zero", 0))
+        self._snapshots[step] = _Snapshot(trainer, len(batch[0]), sharded)
         for old in [s for s in self._snapshots if s <= step - KEEP]:
             del self._snapshots[old]
+        if sharded:
+            self.buddies = self.buddies or Buddies()
+            self.buddies.refresh(trainer, step)  # collective: a loss here is recovered from as in the step
+
+    def memory_arrays(self) -> list[Any]:
+        """The redundant copies kept to survive a loss (ZeRO's pieces; none for pure dp)."""
+        return self.buddies.arrays() if self.buddies is not None else []
 
     def recover(self, trainer: Any, exc: BaseException) -> bool:
         """Go on with the survivors after ``exc`` if it is a lost rank (collective over them);
@@ -99,12 +116,13 @@ class RankLoss:
             trainer._abandon_step()
         except MPI.Exception:  # its in-flight buckets fail with the loss: the reducer is replaced below
             pass
+        old_dp = trainer.dp.mpi
         comm, lost, step = self._shrink(trainer)
         self._check(comm, lost, step)
         if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
             self._snapshots[step].restore(trainer)
             self._snapshots = {step: self._snapshots[step]}
-        self._rebind(trainer, comm)
+        self._rebind(trainer, comm, old_dp, lost, step)
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
         self.events.append(event)
         self._pending = {"event": event, "t0": t0}
@@ -148,8 +166,9 @@ class RankLoss:
         if problem is not None:
             raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}"), comm)
 
-    def _rebind(self, trainer: Any, comm: Communicator) -> None:
-        """Point the trainer, its gradient reduction and its data at the survivors' communicator."""
+    def _rebind(self, trainer: Any, comm: Communicator, old_dp: MPI.Intracomm, lost: list[int], step: int) -> None:
+        """Point the trainer, its gradient reduction and its data at the survivors' communicator
+        (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``)."""
         from .comm.grid import ProcessGrid
         from .parallel.reducer import AllReduceReducer, BackwardHooks
 
@@ -157,8 +176,20 @@ class RankLoss:
             trainer._hooks.remove()
         trainer.grid = grid = ProcessGrid(comm)
         trainer.comm, trainer.dp = grid.world, grid.dp
-        trainer.reducer = AllReduceReducer(trainer.params, grid.dp, bucket_mb=trainer.bucket_mb,
-                                           compression=trainer.compression)
+        if self.buddies is not None:
+            try:
+                trainer.reducer.remove()  # zero 2, 3: its hooks off the model before the new one's
+            except MPI.Exception:  # its sub-communicators include the lost rank
+                pass
+            problem = self.buddies.rebuild(trainer, old_dp, comm, step)
+            if problem is not None:
+                last = trainer.last_checkpoint
+                hint = f"resume from {last} with --resume" if last else "no checkpoint was written yet"
+                raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}; "
+                                                            f"{hint}"), comm)
+        else:
+            trainer.reducer = AllReduceReducer(trainer.params, grid.dp, bucket_mb=trainer.bucket_mb,
+                                               compression=trainer.compression)
         trainer._hooks = None
         if trainer.overlap and grid.dp.size > 1:
             trainer._hooks = BackwardHooks(trainer.model, trainer.reducer)

@@ -234,15 +234,17 @@ class Trainer:
         from .memory import optimizer_arrays
 
         own = self.reducer.memory_arrays() if self.reducer is not None else None
-        if own is not None:  # ZeRO keeps flat pieces and its own optimizer state
-            return own
-        model = self._model()
-        params = list(getattr(self, "params", None) or (model.parameters() if model is not None else []))
-        return {
-            "params": [p.data for p in params],
-            "grads": [p.grad for p in params],
-            "optimizer": optimizer_arrays(getattr(self, "optimizer", None)),
-        }
+        if own is None:  # (ZeRO keeps flat pieces and its own optimizer state)
+            model = self._model()
+            params = list(getattr(self, "params", None) or (model.parameters() if model is not None else []))
+            own = {
+                "params": [p.data for p in params],
+                "grads": [p.grad for p in params],
+                "optimizer": optimizer_arrays(getattr(self, "optimizer", None)),
+            }
+        if self.rank_loss is not None:  # the redundant copies kept to survive a lost rank
+            own["buffers"] = [*own.get("buffers", []), *self.rank_loss.memory_arrays()]
+        return own
 
     def memory_report(self, stats: StepStats | None = None) -> dict[str, int]:
         """This rank's memory now (bytes), with the activation peak since the last report.
@@ -690,9 +692,9 @@ class Trainer:
                     else:
                         sampler.set_epoch(epoch)
                 for batch in loader:
-                    if self.rank_loss is not None:
-                        self.rank_loss.before_step(self, batch)
                     try:
+                        if self.rank_loss is not None:  # in the try: ZeRO's copies are exchanged here
+                            self.rank_loss.before_step(self, batch)
                         stats = self.step(*batch)
                     except Exception as exc:
                         if self.rank_loss is None or not self.rank_loss.recover(self, exc):

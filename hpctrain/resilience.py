@@ -31,8 +31,9 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import resilience_groups as groups
 from .comm import Communicator, failure, ulfm, watchdog
-from .errors import RankLossError
+from .errors import Preempted, RankLossError, ReplicaLeft
 from .log import get_logger
 from .resilience_shards import Buddies
 
@@ -116,28 +117,30 @@ class RankLoss:
             trainer._abandon_step()
         except MPI.Exception:  # its in-flight buckets fail with the loss: the reducer is replaced below
             pass
-        old_dp = trainer.dp.mpi
+        old_dp, old_world = trainer.dp.mpi, ulfm.world_ranks(trainer.comm.mpi)
         comm, lost, step = self._shrink(trainer)
-        self._check(comm, lost, step)
+        replica, whole = groups.replicas(trainer.grid, old_world, lost)
+        self._check(trainer, comm, lost, step, whole, replica[old_world[0]])
         if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
             self._snapshots[step].restore(trainer)
             self._snapshots = {step: self._snapshots[step]}
+        comm = self._leave_broken(trainer, comm, lost, replica[MPI.COMM_WORLD.Get_rank()] in whole, len(whole))
         self._rebind(trainer, comm, old_dp, lost, step)
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
         self.events.append(event)
         self._pending = {"event": event, "t0": t0}
         if comm.rank == 0:
-            _log.warning("lost rank(s) %s in step %d: going on with %d rank(s), %d sample(s) each per step, "
-                         "from the state before that step", lost, step + 1, comm.size,
-                         self.global_batch // comm.size)
+            dp = trainer.dp.size
+            each = "each" if dp == comm.size else f"each of the {dp} whole replica(s)"
+            _log.warning("lost rank(s) %s in step %d: going on with %d rank(s), %d sample(s) %s per step, "
+                         "from the state before that step", lost, step + 1, comm.size, self.global_batch // dp, each)
         return True
 
     def _shrink(self, trainer: Any) -> tuple[Communicator, list[int], int]:
         """The survivors' communicator, every world rank lost, and the step to redo. More ranks
         may die meanwhile: then the survivors shrink again."""
         mpi, lost = trainer.comm.mpi, []
-        if trainer.dp.mpi is not mpi:  # a survivor blocked in a gradient bucket returns from it too
-            ulfm.revoke(trainer.dp.mpi)
+        groups.revoke(trainer.grid)  # a survivor blocked in a gradient bucket (or a tp wait) returns too
         while True:
             mpi, gone = ulfm.shrink(mpi)
             lost += gone
@@ -152,29 +155,55 @@ class RankLoss:
                 if not ulfm.is_rank_loss(again):
                     raise
 
-    def _check(self, comm: Communicator, lost: list[int], step: int) -> None:
-        """Refuse, on every survivor alike, what this job cannot go on from."""
+    def _check(self, trainer: Any, comm: Communicator, lost: list[int], step: int, whole: list[int],
+               first: int) -> None:
+        """Refuse, on every survivor alike, what this job cannot go on from; end it as a preempted
+        one (exit 75, its last checkpoint kept) when no whole dp replica is left. ``whole``: the
+        whole replicas; ``first``: the replica of the rank that holds the run directory."""
         failure.rebind(comm.mpi)  # an error now ends the survivors normally, said once
+        if not whole:
+            trainer.comm = comm  # the survivors: what the job's closing collectives run over
+            if comm.rank == 0:
+                _log.warning("lost rank(s) %s in step %d: no whole dp replica is left (each lost a tensor- or "
+                             "pipeline-parallel member); ending with the last checkpoint %s", lost, step + 1,
+                             trainer.last_checkpoint or "(none written)")
+            raise Preempted(step, trainer.last_checkpoint, f"lost rank(s) {lost}: no whole dp replica left")
         problem = None
         if step < 0:
             problem = "the survivors do not all hold the state from before the interrupted step"
         elif 0 in lost:
             problem = "rank 0 was lost: it holds the run directory and writes the metrics and the summary"
-        elif self.global_batch % comm.size:
-            problem = (f"the global batch {self.global_batch} does not split over the {comm.size} ranks left; "
+        elif first not in whole:
+            problem = ("rank 0's tensor- or pipeline-parallel group lost a member: rank 0 holds the run directory "
+                       "and writes the metrics and the summary")
+        elif self.global_batch % len(whole):
+            problem = (f"the global batch {self.global_batch} does not split over the {len(whole)} "
+                       f"{'ranks' if len(whole) == comm.size else 'whole dp replicas'} left; "
                        f"a global batch that is a multiple of every survivor count goes on")
         if problem is not None:
             raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}"), comm)
 
+    def _leave_broken(self, trainer: Any, comm: Communicator, lost: list[int], whole: bool, n: int) -> Communicator:
+        """The communicator of the whole replicas' members (collective over the survivors); on
+        the members of a broken replica, ``ReplicaLeft`` after a log line."""
+        if trainer.grid.tp_size * trainer.grid.pp_size == 1:
+            return comm
+        mine = groups.whole_replicas(comm, whole)
+        if mine is None:
+            _log.warning("rank %d leaves the job: its tensor/pipeline-parallel group lost rank(s) %s; %d whole "
+                         "replica(s) go on", MPI.COMM_WORLD.Get_rank(), lost, n)
+            raise ReplicaLeft(f"its dp replica lost rank(s) {lost}; {n} whole replica(s) go on")
+        failure.rebind(mine.mpi)
+        return mine
+
     def _rebind(self, trainer: Any, comm: Communicator, old_dp: MPI.Intracomm, lost: list[int], step: int) -> None:
         """Point the trainer, its gradient reduction and its data at the survivors' communicator
         (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``)."""
-        from .comm.grid import ProcessGrid
         from .parallel.reducer import AllReduceReducer, BackwardHooks
 
         if trainer._hooks is not None:
             trainer._hooks.remove()
-        trainer.grid = grid = ProcessGrid(comm)
+        trainer.grid = grid = groups.regrid(trainer.grid, comm)
         trainer.comm, trainer.dp = grid.world, grid.dp
         if self.buddies is not None:
             try:
@@ -191,13 +220,13 @@ class RankLoss:
             trainer.reducer = AllReduceReducer(trainer.params, grid.dp, bucket_mb=trainer.bucket_mb,
                                                compression=trainer.compression)
         trainer._hooks = None
-        if trainer.overlap and grid.dp.size > 1:
+        if trainer.overlap and grid.dp.size > 1 and grid.pp.size == 1:
             trainer._hooks = BackwardHooks(trainer.model, trainer.reducer)
         trainer._order_learned = False
         watchdog.attach(trainer.health)
         sampler = self.loader.sampler
-        sampler.reshard(comm.rank, comm.size)
-        self.loader.batch_size = self.global_batch // comm.size
+        sampler.reshard(grid.dp.rank, grid.dp.size)  # tp and pp ranks of a replica share its batches
+        self.loader.batch_size = self.global_batch // grid.dp.size
 
     # -- as a fit callback -------------------------------------------------------------------------
 

@@ -353,7 +353,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
                               keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
                               callbacks=hooks, max_steps=c.max_steps, async_checkpoint=c.async_checkpoint)
     except Preempted:  # every rank stopped at the same step: the trace keeps this job's part too
-        timeline.write(comm, trace)
+        timeline.write(trainer.comm, trace)  # (after lost ranks: the survivors')
         raise
     wall = time.perf_counter() - t0
     comm = trainer.comm  # the survivors, when ranks were lost (--on-rank-loss shrink)
@@ -459,7 +459,7 @@ def main(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     from .. import preempt
     from ..comm import Communicator
-    from ..errors import ExitStatus, GridError, MismatchError, Preempted
+    from ..errors import ExitStatus, GridError, MismatchError, Preempted, ReplicaLeft
     from ..log import world_rank
 
     flags = {k: v for k, v in vars(args).items() if k in _BY_NAME}
@@ -472,6 +472,9 @@ def _main(args: argparse.Namespace) -> int:
         # Read on every rank, verdict shared: a file missing on one node fails the whole job.
         cfg = everywhere(comm, lambda: merge(read_config(args.config) if args.config else {}, flags))
         run(cfg, comm)
+    except ReplicaLeft as left:  # its tp/pp group lost a member: the whole replicas go on without it
+        print(f"[rank {world_rank()}] hpctrain train: this rank leaves the job: {left}", flush=True)
+        return ExitStatus.OK
     except Preempted as stop:
         if world_rank() == 0:
             print(f"hpctrain train: {stop}; resubmit with --resume to continue", flush=True)

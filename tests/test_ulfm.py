@@ -65,8 +65,10 @@ def test_on_rank_loss_default_is_shrink_only_where_it_can_work(monkeypatch, laun
     can = launched and ulfm.library_has_ulfm()
     assert resolve({}, 4).on_rank_loss == ("shrink" if can else "abort")
     assert resolve({"zero": 1}, 4).on_rank_loss == ("shrink" if can else "abort")  # a buddy keeps its pieces
+    assert resolve({"tp": 2}, 4).on_rank_loss == ("shrink" if can else "abort")  # whole replicas go on
     # Layouts that cannot go on without a rank yet keep today's behaviour by default.
-    assert resolve({"tp": 2}, 4).on_rank_loss == "abort"
+    assert resolve({"strategy": "ps"}, 4).on_rank_loss == "abort"
+    assert resolve({"tp": 2, "zero": 1}, 4).on_rank_loss == "abort"
     assert resolve({"precision": "bf16-mixed"}, 4).on_rank_loss == "abort"
     assert resolve({"on_rank_loss": "abort"}, 4).on_rank_loss == "abort"
 
@@ -86,8 +88,9 @@ def test_on_rank_loss_shrink_refused_where_it_cannot_work(monkeypatch):
         return
     assert resolve({"on_rank_loss": "shrink"}, 4).on_rank_loss == "shrink"
     assert resolve({"on_rank_loss": "shrink", "zero": 2}, 4).on_rank_loss == "shrink"
-    with pytest.raises(ConfigError, match=r"data-parallel jobs only .* not --strategy hybrid"):
-        resolve({"on_rank_loss": "shrink", "tp": 2}, 4)
+    assert resolve({"on_rank_loss": "shrink", "tp": 2}, 4).on_rank_loss == "shrink"
+    with pytest.raises(ConfigError, match=r"data-parallel replicas only .* not --strategy ps"):
+        resolve({"on_rank_loss": "shrink", "strategy": "ps"}, 4)
 
 
 @pytest.mark.timeout(120)
@@ -270,3 +273,53 @@ def test_a_checkpoint_written_after_a_shrink_resumes_under_another_layout(serial
     got = _final_params(again, last=True)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# -- dp x tp: a broken tensor-parallel group leaves as a whole replica ------------------------------
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+def test_a_broken_tp_group_leaves_and_the_whole_replicas_go_on(serial, uninterrupted, tmp_path):
+    # tp=2 x dp=2: replica 1 is world ranks 2 and 3 (rank 0's replica holds the run directory).
+    # One of them is killed at a random step: its partner leaves saying so (exit 0), replica 0
+    # goes on alone with the whole global batch and ends where the uninterrupted run ends.
+    pick = random.Random()
+    victim, step = pick.choice([2, 3]), pick.randrange(1, 19)
+    partner = 5 - victim
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
+    p = hpctrain("kill", str(victim), str(step), "--", *KILL_RUN, "--tp", "2", "--run-dir", str(tmp_path / "run"),
+                 n=4, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    said = f"(victim {victim}, step {step})\n{p.stdout}{p.stderr}"
+    assert p.returncode == 0, said
+    assert (f"[rank {partner}] hpctrain train: this rank leaves the job: its dp replica lost rank(s) [{victim}]; "
+            "1 whole replica(s) go on") in p.stdout, said
+    assert (f"hpctrain: lost rank(s) [{victim}] in step {step + 1}: going on with 2 rank(s), 12 sample(s) each of "
+            "the 1 whole replica(s)") in p.stdout, said
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [(e["step"], e["ranks"]) for e in summary["rank_loss"]] == [(step + 1, [victim])], said
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 21)) and all(m["samples"] == 12 for m in metrics), said
+    want, got = _final_params(uninterrupted / "run"), _final_params(tmp_path / "run")
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{name} {said}")
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+def test_no_whole_replica_left_ends_with_the_last_checkpoint_and_75(serial, tmp_path):
+    # tp=2 x dp=2 loses a member of each replica in step 8: nothing can go on. The job ends as a
+    # preempted one (75) and step 5's checkpoint, the last committed, stays and loads.
+    from hpctrain import checkpoint
+
+    if not ulfm.library_has_ulfm():
+        pytest.skip("needs an MPI library with ULFM (Open MPI 5): make test-openmpi")
+    run = tmp_path / "run"
+    p = hpctrain("kill", "1,2", "7,7", "--", *KILL_RUN, "--tp", "2", "--checkpoint-every", "5", "--run-dir", str(run),
+                 n=4, env=clean_env(HPCTRAIN_DATA=str(tmp_path / "data")), launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    out = p.stdout + p.stderr
+    assert p.returncode == 75, out
+    assert "no whole dp replica is left" in out and "resubmit with --resume" in out, out
+    assert sorted(x.name for x in (run / "checkpoints").glob("ckpt-*.h5")) == ["ckpt-00000005.h5"], out
+    assert "step 5" in checkpoint.inspect(str(run / "checkpoints" / "ckpt-00000005.h5"))
+    assert not (run / "summary.json").exists()

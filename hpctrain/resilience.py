@@ -120,12 +120,13 @@ class RankLoss:
         old_dp, old_world = trainer.dp.mpi, ulfm.world_ranks(trainer.comm.mpi)
         comm, lost, step = self._shrink(trainer)
         replica, whole = groups.replicas(trainer.grid, old_world, lost)
-        self._check(trainer, comm, lost, step, whole, replica[old_world[0]])
+        self._check(trainer, comm, lost, step, whole)
         if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
             self._snapshots[step].restore(trainer)
             self._snapshots = {step: self._snapshots[step]}
         comm = self._leave_broken(trainer, comm, lost, replica[MPI.COMM_WORLD.Get_rank()] in whole, len(whole))
         self._rebind(trainer, comm, old_dp, lost, step)
+        ulfm.set_leader(comm.mpi)
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
         self.events.append(event)
         self._pending = {"event": event, "t0": t0}
@@ -155,14 +156,14 @@ class RankLoss:
                 if not ulfm.is_rank_loss(again):
                     raise
 
-    def _check(self, trainer: Any, comm: Communicator, lost: list[int], step: int, whole: list[int],
-               first: int) -> None:
+    def _check(self, trainer: Any, comm: Communicator, lost: list[int], step: int, whole: list[int]) -> None:
         """Refuse, on every survivor alike, what this job cannot go on from; end it as a preempted
-        one (exit 75, its last checkpoint kept) when no whole dp replica is left. ``whole``: the
-        whole replicas; ``first``: the replica of the rank that holds the run directory."""
+        one (exit 75, its last checkpoint kept) when no whole dp replica is left (``whole``). A lost
+        rank 0 is no problem: the survivors' rank 0 writes the metrics and the summary on."""
         failure.rebind(comm.mpi)  # an error now ends the survivors normally, said once
         if not whole:
             trainer.comm = comm  # the survivors: what the job's closing collectives run over
+            ulfm.set_leader(comm.mpi)
             if comm.rank == 0:
                 _log.warning("lost rank(s) %s in step %d: no whole dp replica is left (each lost a tensor- or "
                              "pipeline-parallel member); ending with the last checkpoint %s", lost, step + 1,
@@ -171,11 +172,6 @@ class RankLoss:
         problem = None
         if step < 0:
             problem = "the survivors do not all hold the state from before the interrupted step"
-        elif 0 in lost:
-            problem = "rank 0 was lost: it holds the run directory and writes the metrics and the summary"
-        elif first not in whole:
-            problem = ("rank 0's tensor- or pipeline-parallel group lost a member: rank 0 holds the run directory "
-                       "and writes the metrics and the summary")
         elif self.global_batch % len(whole):
             problem = (f"the global batch {self.global_batch} does not split over the {len(whole)} "
                        f"{'ranks' if len(whole) == comm.size else 'whole dp replicas'} left; "

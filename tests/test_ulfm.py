@@ -134,17 +134,21 @@ def _final_params(run, last: bool = False) -> dict[str, np.ndarray]:
 
 @pytest.mark.fault
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize(("n", "kills", "where", "zero"), [
-    (3, 1, "kill", 0), (4, 1, "kill", 0), (4, 3, "kill", 0), (3, 1, "kill-reduce", 0),
-    (3, 1, "kill", 1), (4, 1, "kill", 2), (3, 1, "kill", 3), (4, 3, "kill", 3),
+@pytest.mark.parametrize(("n", "kills", "where", "zero", "rank0"), [
+    (3, 1, "kill", 0, False), (4, 1, "kill", 0, False), (4, 3, "kill", 0, False), (3, 1, "kill-reduce", 0, False),
+    (3, 1, "kill", 0, True), (3, 1, "kill", 1, False), (4, 1, "kill", 2, False), (3, 1, "kill", 3, False),
+    (4, 3, "kill", 3, True),
 ])
-def test_dp_goes_on_without_killed_ranks(serial, uninterrupted, tmp_path, n, kills, where, zero):
-    # World rank 0 holds the run directory: the victims are others, each at a random step, as
-    # the step begins or while its gradient buckets are in flight. Under ZeRO the lost rank's
+def test_dp_goes_on_without_killed_ranks(serial, uninterrupted, tmp_path, n, kills, where, zero, rank0):
+    # Each victim dies at a random step, as the step begins or while its gradient buckets are in
+    # flight. With rank0, world rank 0 (which holds the run directory) is one of them: the
+    # survivors' rank 0 writes the metrics, the log and the summary on. Under ZeRO the lost rank's
     # pieces come back from its buddy's copy (two neighbours killed at once would lose them: the
     # victims here die at different steps).
     pick = random.Random()
-    victims, steps = pick.sample(range(1, n), kills), sorted(pick.sample(range(1, 19), kills))
+    victims = pick.sample(range(1, n), kills - rank0) + [0] * rank0
+    pick.shuffle(victims)
+    steps = sorted(pick.sample(range(1, 19), kills))
     env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
     t0 = time.monotonic()
     p = hpctrain(where, ",".join(map(str, victims)), ",".join(map(str, steps)), "--", *KILL_RUN, "--zero", str(zero),
@@ -229,22 +233,26 @@ def test_reshard_hands_the_rest_of_the_epoch_to_the_survivors():
 
 @pytest.mark.fault
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("victim", "batch", "why"), [
-    (0, "12", "rank 0 was lost: it holds the run directory and writes the metrics and the summary"),
-    (2, "9", "the global batch 9 does not split over the 2 ranks left"),
+@pytest.mark.parametrize(("n", "victims", "batch", "extra", "why"), [
+    (3, [2], "9", (), "the global batch 9 does not split over the 2 ranks left; a global batch that is a "
+                      "multiple of every survivor count goes on"),
+    # ZeRO: rank 2 keeps rank 1's pieces; both die at once, and rank 1's pieces with them.
+    (4, [1, 2], "12", ("--zero", "1"), "no copy of the ZeRO pieces of dp rank(s) [1] (world [1]) survived: a rank "
+                                       "and its buddy (the next dp rank) were lost together; no checkpoint was "
+                                       "written yet"),
 ])
-def test_a_loss_the_job_cannot_go_on_from_ends_it_naming_why(serial, tmp_path, victim, batch, why):
+def test_a_loss_the_job_cannot_go_on_from_ends_it_naming_why(serial, tmp_path, n, victims, batch, extra, why):
     if not ulfm.library_has_ulfm():
         pytest.skip("needs an MPI library with ULFM (Open MPI 5): make test-openmpi")
-    args = ("--max-samples", "180", "--batch-size", batch, "--epochs", "1", "--d-model", "16")
-    p = hpctrain("kill", str(victim), "3", "--", *args, "--run-dir", str(tmp_path / "run"), n=3,
-                 env=clean_env(HPCTRAIN_DATA=str(tmp_path / "data")), launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    args = ("--max-samples", "180", "--batch-size", batch, "--epochs", "1", "--d-model", "16", *extra)
+    p = hpctrain("kill", ",".join(map(str, victims)), ",".join(["3"] * len(victims)), "--", *args,
+                 "--run-dir", str(tmp_path / "run"), n=n, env=clean_env(HPCTRAIN_DATA=str(tmp_path / "data")),
+                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
     lines = [line for line in p.stderr.splitlines() if "hpctrain" in line]
     assert p.returncode == 1, p.stdout + p.stderr
     # Said once, by the first survivor, on every survivor's behalf.
-    assert lines == [f"[rank {1 if victim == 0 else 0}] hpctrain train: error: lost rank(s) [{victim}]; "
-                     f"cannot go on: {why}" + ("" if victim == 0 else "; a global batch that is a multiple "
-                                               "of every survivor count goes on")], p.stdout + p.stderr
+    assert lines == [f"[rank 0] hpctrain train: error: lost rank(s) {victims}; cannot go on: {why}"], \
+        p.stdout + p.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
 
 

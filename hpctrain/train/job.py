@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import rundir
-from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted
+from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted, ReplicaLeft
 from ..evaluation import evaluate
 from ..log import get_logger
 from .builders import build_loss, build_model, build_trainer, data_rank
@@ -201,6 +201,9 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     everywhere(comm, lambda: _acquire(locks) if comm.rank == 0 else None)
     try:
         return _run_locked(c, given, comm, callbacks, device, locks[1] if len(locks) > 1 else None)
+    except ReplicaLeft:  # rank 0's replica left (--on-rank-loss shrink): the job goes on in this directory
+        locks = []
+        raise
     finally:
         if comm.rank == 0:
             for lock in reversed(locks):
@@ -458,8 +461,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from .. import preempt
-    from ..comm import Communicator
-    from ..errors import ExitStatus, GridError, MismatchError, Preempted, ReplicaLeft
+    from ..comm import Communicator, ulfm
+    from ..errors import ExitStatus, GridError, MismatchError
     from ..log import world_rank
 
     flags = {k: v for k, v in vars(args).items() if k in _BY_NAME}
@@ -476,7 +479,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"[rank {world_rank()}] hpctrain train: this rank leaves the job: {left}", flush=True)
         return ExitStatus.OK
     except Preempted as stop:
-        if world_rank() == 0:
+        if world_rank() == ulfm.leader():  # rank 0, or the survivors' rank 0 if it was lost
             print(f"hpctrain train: {stop}; resubmit with --resume to continue", flush=True)
         return ExitStatus.PREEMPTED
     except HpctrainError as exc:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -100,7 +101,21 @@ class RankLoss:
             del self._snapshots[old]
         if sharded:
             self.buddies = self.buddies or Buddies()
-            self.buddies.refresh(trainer, step)  # collective: a loss here is recovered from as in the step
+            if step not in self.buddies.mine:  # (a save at this step refreshed them already)
+                self.buddies.refresh(trainer, step)  # collective: a loss here is recovered from as in the step
+
+    def save(self, trainer: Any, write: Callable[[], str]) -> str:
+        """``write()`` a checkpoint (collective); when ranks are lost meanwhile, the survivors go on
+        without them and write it again. A checkpoint is committed only once every rank wrote its
+        part, so the interrupted one never is: the last committed one stays what a resume reads."""
+        while True:
+            try:
+                if self.buddies is not None:  # ZeRO: copies of the pieces at this step, for a loss mid-save
+                    self.buddies.refresh(trainer, trainer.global_step)
+                return write()
+            except Exception as exc:
+                if not self.recover(trainer, exc):
+                    raise
 
     def memory_arrays(self) -> list[Any]:
         """The redundant copies kept to survive a loss (ZeRO's pieces; none for pure dp)."""

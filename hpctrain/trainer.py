@@ -672,7 +672,11 @@ class Trainer:
         def save(last: bool = False) -> str:
             # keep= deletes older checkpoints once this one is committed (save_in's commit hook),
             # never before: an asynchronous save is committed only by the next save or wait.
-            path = ckpt.save_in(checkpoint_dir, self, keep=keep, asynchronous=async_checkpoint and not last)
+            def write() -> str:
+                return ckpt.save_in(checkpoint_dir, self, keep=keep, asynchronous=async_checkpoint and not last)
+
+            # Ranks lost mid-save: the survivors write it again (the interrupted one was never committed).
+            path = write() if self.rank_loss is None else self.rank_loss.save(self, write)
             self.last_checkpoint = path
             return path
 

@@ -331,3 +331,40 @@ def test_no_whole_replica_left_ends_with_the_last_checkpoint_and_75(serial, tmp_
     assert sorted(x.name for x in (run / "checkpoints").glob("ckpt-*.h5")) == ["ckpt-00000005.h5"], out
     assert "step 5" in checkpoint.inspect(str(run / "checkpoints" / "ckpt-00000005.h5"))
     assert not (run / "summary.json").exists()
+
+
+# -- losses at awkward times: mid-save, during the recovery itself ----------------------------------
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize(("where", "n", "victims", "zero"), [
+    ("kill-save", 3, [2], 0), ("kill-save", 3, [1], 2),  # while writing its part of step 10's checkpoint
+    ("kill-recover", 4, [1, 3], 0), ("kill-recover", 4, [3, 1], 1),  # the second one while shrinking
+])
+def test_a_loss_mid_save_or_mid_recovery_is_survived(serial, uninterrupted, tmp_path, where, n, victims, zero):
+    from hpctrain import checkpoint
+
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
+    run = tmp_path / "run"
+    at = ["10"] if where == "kill-save" else ["6"] * len(victims)
+    p = hpctrain(where, ",".join(map(str, victims)), ",".join(at), "--", *KILL_RUN, "--zero", str(zero),
+                 "--checkpoint-every", "5", "--run-dir", str(run), n=n, env=env, launch=ulfm_flags(), entry=FAULT,
+                 cwd=REPO)
+    said = p.stdout + p.stderr
+    assert p.returncode == 0, said
+    summary = json.loads((run / "summary.json").read_text())
+    assert [(e["step"], e["ranks"]) for e in summary["rank_loss"]] == [(int(at[0]) + 1, sorted(victims))], said
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 21)), said
+    # The survivors wrote step 10 again: committed whole, in their layout; the interrupted write
+    # never was (nothing but the committed files and their parts are left).
+    saved = sorted(x.name for x in (run / "checkpoints").glob("ckpt-*.h5"))
+    assert saved == ["ckpt-00000010.h5", "ckpt-00000015.h5", "ckpt-00000020.h5"], said
+    assert f"saved from layout {{'dp': {n - len(victims)}," in checkpoint.inspect(
+        str(run / "checkpoints" / "ckpt-00000010.h5"))
+    assert len(list((run / "checkpoints").iterdir())) == 2 * len(saved), sorted(x.name for x in
+                                                                               (run / "checkpoints").iterdir())
+    want, got = _final_params(uninterrupted / "run"), _final_params(run, last=True)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{name} {said}")

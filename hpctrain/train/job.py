@@ -25,6 +25,7 @@ from ..log import get_logger
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .config import _BY_NAME, Config, merge, read_config, resolve
 from .data import data_path, open_data
+from .sections import nccl_problem
 from .timeline import Timeline
 
 T = TypeVar("T")
@@ -156,8 +157,9 @@ def pick_device(c: Config, comm: Any) -> str:
     has_gpu = backend.gpu_available()
     if c.device == "auto":
         if not all(comm.allgather_obj(has_gpu)):
-            if c.backend == "nccl":
-                raise ConfigError("--backend nccl needs a GPU on every rank; --device auto found ranks without")
+            problem = nccl_problem(c, gpus_everywhere=False)
+            if problem is not None:
+                raise ConfigError(problem)
             return "cpu"
     elif c.device == "cpu":
         return "cpu"

@@ -2,9 +2,10 @@
 
 Each :class:`Section` owns some settings (every option belongs to exactly one section), fills
 their defaults and derived values, and checks their rules: each rule in one place, the section of
-the setting it refuses. ``resolve`` (:mod:`.config`) runs the sections in order, each on the
-config the earlier ones settled: the model's sizes are checked before the layout divides them,
-the layout (``strategy``, ``tp``, ``pp``, ``dp``) before the optimizer's defaults depend on it.
+the setting it refuses. ``resolve`` (:mod:`.config`) checks every section's values, then runs
+their rules in order, each on the config the earlier ones settled: the layout (``strategy``,
+``tp``, ``pp``, ``dp``) first, then the model's sizes against it, the optimizer's defaults (which
+depend on the strategy), and so on.
 
 A section's check is a pure function of the config and the world size, so every rank reaches
 the same verdict without talking.
@@ -56,7 +57,7 @@ def _model_values(c: Config) -> None:
 
 
 def _model(c: Config, world: int) -> None:
-    """The model's name and sizes (a GPT's heads must divide its width)."""
+    """The model's name and sizes, and what the layout (settled by the parallel section) must divide."""
     if c.recompute and c.strategy == "ps":
         raise ConfigError("--recompute is for the synchronous strategies, not --strategy ps")
     if c.model not in models.BUILTIN and ":" not in c.model:
@@ -67,6 +68,21 @@ def _model(c: Config, world: int) -> None:
     if c.model == "gpt" and c.d_model % c.n_heads:
         raise ConfigError(f"--n-heads {c.n_heads} must divide --d-model {c.d_model}")
     _model_splits(c)
+
+
+def _model_splits(c: Config) -> None:
+    """The layout against the built-in model's sizes, as the model states them (``models.splits``)."""
+    s = models.splits(c)
+    if s is None:  # a user's model: its trainer checks the split when it is built
+        return
+    if c.tp > 1:
+        if "n_heads" in s.tp_sizes and s.tp_sizes["n_heads"] % c.tp:
+            raise ConfigError(f"tp={c.tp} must divide --n-heads {c.n_heads} (heads are split across ranks)")
+        if s.tp_sizes["hidden"] % c.tp:
+            raise ConfigError(f"tp={c.tp} must divide the hidden width 4 x d_model = {s.tp_sizes['hidden']}")
+    if c.pp > 1 and c.pp > s.pipeline_pieces:
+        raise ConfigError(f"pp={c.pp} stages but the {c.model} model has only {s.pipeline_pieces} layers "
+                          f"to cut: use fewer stages or more --n-layers")
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -115,21 +131,6 @@ def _batch(c: Config) -> None:
         raise ConfigError(f"the per-replica batch {c.local_batch} does not split into "
                           f"--microbatches {c.microbatches}" + (f" x --accum-steps {c.accum_steps}"
                                                                  if c.accum_steps > 1 else ""))
-
-
-def _model_splits(c: Config) -> None:
-    """The layout against the built-in model's sizes, as the model states them (``models.splits``)."""
-    s = models.splits(c)
-    if s is None:  # a user's model: its trainer checks the split when it is built
-        return
-    if c.tp > 1:
-        if "n_heads" in s.tp_sizes and s.tp_sizes["n_heads"] % c.tp:
-            raise ConfigError(f"tp={c.tp} must divide --n-heads {c.n_heads} (heads are split across ranks)")
-        if s.tp_sizes["hidden"] % c.tp:
-            raise ConfigError(f"tp={c.tp} must divide the hidden width 4 x d_model = {s.tp_sizes['hidden']}")
-    if c.pp > 1 and c.pp > s.pipeline_pieces:
-        raise ConfigError(f"pp={c.pp} stages but the {c.model} model has only {s.pipeline_pieces} layers "
-                          f"to cut: use fewer stages or more --n-layers")
 
 
 def nccl_problem(c: Config, gpus_everywhere: bool | None = None) -> str | None:

@@ -69,8 +69,9 @@ def test_a_refusal_reads_the_same_from_flags_and_from_toml(comm, tmp_path, capsy
     path = tmp_path / "bad.toml"
     path.write_text(toml)
     said = []
+    common = ["--run-dir", str(tmp_path / "run"), "--batch-size", str(8 * comm.size)]  # splits over any world
     for args in (argv, ["--config", str(path)]):
-        assert cli_main(["train", "--run-dir", str(tmp_path / "run"), *args]) == ExitStatus.CONFIG
+        assert cli_main(["train", *common, *args]) == ExitStatus.CONFIG
         said.append(capsys.readouterr().err)
     if comm.rank == 0:  # the error is said once, by rank 0
         assert all(message in s for s in said), said

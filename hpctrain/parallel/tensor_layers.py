@@ -49,8 +49,9 @@ def _index_of(ranges: list[tuple[int, int]]) -> Any:
 class ColumnParallelLinear(TapedModule):
     """``y = x @ W + b`` with ``W`` split by output columns: rank r holds ``W[:, cols_r]``, ``b[cols_r]``.
 
-    The input is replicated (``copy_to_tp``: its gradient is all-reduced); the output stays split
-    unless ``gather_output`` (then an all-gather, which needs ``d_out % tp == 0``).
+    The input is replicated (``CopyToTP``: its gradient is all-reduced); the output stays split
+    unless ``gather_output`` (``GatherFromTP``, which needs ``d_out % tp == 0``). ``linear`` (an
+    ``nn.Linear`` over the slice, sharing ``weight`` and ``bias``) computes.
     """
 
     def __init__(self, d_in: int, d_out: int, comm: Comm, bias: bool = True, gather_output: bool = False,
@@ -103,8 +104,9 @@ class ColumnParallelLinear(TapedModule):
 class RowParallelLinear(TapedModule):
     """``y = x @ W + b`` with ``W`` split by input rows: rank r holds ``W[rows_r, :]``; ``b`` is replicated.
 
-    The input arrives split along its last axis (``input_is_parallel``; otherwise it is scattered
-    here); partial products are all-reduced and the bias is added once, after the reduction.
+    The input arrives split along its last axis (``input_is_parallel``; otherwise ``ScatterToTP``
+    here); ``linear`` (an ``nn.Linear`` over the rows, without bias) computes the partial product,
+    ``ReduceFromTP`` sums it and the bias is added once, after the reduction.
     """
 
     def __init__(self, d_in: int, d_out: int, comm: Comm, bias: bool = True, input_is_parallel: bool = True,
@@ -272,7 +274,7 @@ class VocabParallelEmbedding(TapedModule):
         return tape.map(ReduceFromTP, out)
 
     def _scatter_grad(self, grad_out: Any, local: Any, mine: Any) -> None:
-        """The rows' gradients into this rank's rows (nn's scatter: fused, in row order)."""
+        """The rows' gradients into this rank's rows with the serial Embedding's scatter (nn.layers)."""
         scatter_add(self.weight.grad, local[mine], grad_out[mine].reshape(-1, self.weight.shape[1]))
         return None
 

@@ -141,4 +141,6 @@ def data_rank(c: Config, comm: Any) -> tuple[int, int]:
     """(rank, size) the sampler shards by: the dp coordinate; tp and pp groups share batches."""
     if c.strategy == "ps":
         return comm.rank, comm.size
-    return (comm.rank // c.tp) % c.dp, c.dp
+    from ..comm.grid import coords
+
+    return coords(comm.rank, comm.size, c.tp, c.pp).dp, c.dp

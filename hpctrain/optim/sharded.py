@@ -123,10 +123,15 @@ class FlatLayout:
 
 
 def is_elementwise(optimizer: Any) -> bool:
-    """Whether the class that defines ``optimizer``'s ``update`` declares it elementwise."""
+    """Whether ``optimizer``'s update rule is declared elementwise: by the nearest class (in its
+    MRO) that sets ``elementwise`` or defines ``update``; one that defines ``update`` without
+    declaring it is not (a subclass that changes the rule does not inherit its parent's word)."""
     for klass in type(optimizer).__mro__:
-        if "update" in vars(klass):
-            return bool(vars(klass).get("elementwise", False))
+        own = vars(klass)
+        if "elementwise" in own:
+            return bool(own["elementwise"])
+        if "update" in own:
+            return False
     return False
 
 
@@ -154,12 +159,20 @@ class ShardedOptimizer:
         self.master: Any = None
         if masters is not None:
             self.master = self._cut(masters, np.float32)
-        self.step_count = optimizer.step_count
         self.flat_state: dict[str, Any] = {}
-        self.load_full(optimizer.state, step=optimizer.step_count)  # any state the user's holds
+        self.load_full(optimizer.state)  # any state the user's optimizer holds
         self._piece = Parameter(self.owned, name="piece")  # the update's view of the piece
         self._piece.grad = None  # lent the gradient piece during a step only
         self._scratch: Any = None
+
+    @property
+    def step_count(self) -> int:
+        """Updates made so far: the user's optimizer's count (one counter, kept current there)."""
+        return self.optimizer.step_count
+
+    @step_count.setter
+    def step_count(self, n: int) -> None:
+        self.optimizer.step_count = int(n)
 
     @property
     def owned(self) -> Any:
@@ -178,7 +191,7 @@ class ShardedOptimizer:
         widened), at the user's optimizer's current lr and schedule; its ``step_count`` advances."""
         opt = self.optimizer
         lr = opt.current_lr
-        self.step_count = opt.step_count + 1
+        self.step_count += 1
         owned = self.owned
         if owned.size:  # a rank may hold no piece at all (more ranks than elements)
             p = self._piece
@@ -187,7 +200,6 @@ class ShardedOptimizer:
                 self._scratch = self.xp.empty(owned.size, dtype=owned.dtype)
             opt.update(p, self.flat_state, lr, self.step_count, scratch=self._scratch)
             p.grad = None
-        opt.step_count = self.step_count
         if self.master is not None:
             self.params[...] = self.master  # round to nearest even into the compute copy
 
@@ -251,7 +263,7 @@ class ShardedOptimizer:
                   step: int | None = None) -> None:  # fmt: skip
         """Take this piece of full tensors (host or device): the optimizer ``state`` by parameter
         name, the parameters (the masters under mixed precision; ``None``: leave them) and the
-        step count (``None``: the user's optimizer's). New state and master arrays replace the
+        step count (``None``: leave it). New state and master arrays replace the
         old ones (see :meth:`snapshot`); the parameter piece is written in place."""
         flat = self._flat({r.name: {k: (r, v) for k, v in state.get(r.name, {}).items()} for r in self.ranges},
                           full=True)  # fmt: skip
@@ -262,7 +274,8 @@ class ShardedOptimizer:
             else:
                 self.params[...] = self._cut(params, self.dtype)
         self.flat_state = flat
-        self.step_count = self.optimizer.step_count if step is None else int(step)
+        if step is not None:
+            self.step_count = step
 
     # -- pieces (rebuilding after a lost rank) ---------------------------------------------------
 

@@ -81,12 +81,13 @@ class Optimizer:
             m.grad = None  # no second gradient kept between steps
             p.data[...] = m.data  # round to nearest even into the compute copy
 
-    def update(self, p: Parameter, state: dict[str, Any], lr: float, step: int, scratch: Any = None) -> None:
+    def update(self, p: Parameter, state: dict[str, Any], lr: float, step: int,
+               scratch: dict[str, Any] | None = None) -> None:
         """Update ``p.data`` in place from ``p.grad`` and ``state`` (its arrays created on first
         use) by this optimizer's rule, as step number ``step`` (1 for the first) with learning rate
         ``lr``. It reads only the hyper-parameters of ``self``, so ``optim.sharded`` applies it to
-        pieces of parameters. ``scratch``: a flat array of ``p``'s dtype with at least ``p.data.size``
-        elements the rule may overwrite (``None``: the optimizer's own)."""
+        pieces of parameters. ``scratch``: a dict in which the rule may keep work arrays between
+        calls (``None``: on the optimizer itself, sized for its largest parameter)."""
         raise NotImplementedError
 
     def config(self) -> dict[str, Any]:
@@ -214,7 +215,7 @@ class Adam(Optimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         # The reference's operations in its order, in place and through one scratch array shared
         # by all parameters (bitwise equal to the formulas, no temporaries).
-        s = self._scratch_like(p.data, xp) if scratch is None else scratch[: p.data.size].reshape(p.shape)
+        s = self._scratch_like(p.data, xp, scratch)
         m *= b1
         m += xp.multiply(g, 1 - b1, out=s)
         v *= b2
@@ -252,13 +253,18 @@ class Adam(Optimizer):
                               lr / (1 - b1**t)))
         return True
 
-    def _scratch_like(self, a: Any, xp: Any) -> Any:
-        """A scratch view shaped like ``a`` from one flat array sized for the largest parameter."""
-        flat = self.__dict__.get("_scratch")
+    def _scratch_like(self, a: Any, xp: Any, cache: dict[str, Any] | None = None) -> Any:
+        """A scratch view shaped like ``a`` from one flat array kept in ``cache``: sized for ``a``,
+        or (``None``: on this optimizer) for the largest parameter."""
+        own = cache is None
+        cache = self.__dict__ if own else cache
+        flat = cache.get("_scratch")
         if flat is None or flat.dtype != a.dtype or xp_of(flat) is not xp or flat.size < a.size:
-            pool = self.masters.values() if self.masters else self.params  # what the update runs on
-            size = max(int(q.data.size) for q in pool if q.data.dtype == a.dtype)
-            flat = self.__dict__["_scratch"] = xp.empty(size, dtype=a.dtype)
+            size = a.size
+            if own:
+                pool = self.masters.values() if self.masters else self.params  # what the update runs on
+                size = max(int(q.data.size) for q in pool if q.data.dtype == a.dtype)
+            flat = cache["_scratch"] = xp.empty(size, dtype=a.dtype)
         return flat[: a.size].reshape(a.shape)
 
     def config(self) -> dict[str, Any]:

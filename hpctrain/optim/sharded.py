@@ -163,7 +163,7 @@ class ShardedOptimizer:
         self.load_full(optimizer.state)  # any state the user's optimizer holds
         self._piece = Parameter(self.owned, name="piece")  # the update's view of the piece
         self._piece.grad = None  # lent the gradient piece during a step only
-        self._scratch: Any = None
+        self._work: dict[str, Any] = {}  # the rule's work arrays (Adam's scratch), made on first use
 
     @property
     def step_count(self) -> int:
@@ -196,9 +196,7 @@ class ShardedOptimizer:
         if owned.size:  # a rank may hold no piece at all (more ranks than elements)
             p = self._piece
             p.data, p.grad = owned, grads if grads.dtype == owned.dtype else grads.astype(owned.dtype)
-            if self._scratch is None:
-                self._scratch = self.xp.empty(owned.size, dtype=owned.dtype)
-            opt.update(p, self.flat_state, lr, self.step_count, scratch=self._scratch)
+            opt.update(p, self.flat_state, lr, self.step_count, scratch=self._work)
             p.grad = None
         if self.master is not None:
             self.params[...] = self.master  # round to nearest even into the compute copy

@@ -159,6 +159,7 @@ class ZeroReducer(GradReducer):
         self.scatter.abort()
 
     def counted_grads(self) -> list[tuple[Any, Any]]:
+        # Each parameter with its range's view of this rank's piece of the reduced gradient.
         by_name = {p.name: p for p in self.order}
         return [(by_name[r.name], self.shard_grad[r.local]) for r in self.ranges]
 
@@ -166,7 +167,7 @@ class ZeroReducer(GradReducer):
         self.scatter.piece *= factor
 
     def apply(self, optimizer: Any) -> None:
-        self.inner.step(self.shard_grad)
+        self.inner.step(self.shard_grad)  # reads lr, schedule, step count of the user's ``optimizer``
         if self.stage < 3:
             piece = self.shard_param.copy()  # MPI buffers must not overlap
             sharded.allgather(self.dp, piece, self.flat_param, self.units.layout.counts)

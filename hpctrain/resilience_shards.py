@@ -4,15 +4,15 @@ Under ZeRO each dp rank alone holds its piece of the optimizer state (and at zer
 parameters): a lost rank takes its piece with it. ``Buddies`` keeps a redundant copy in memory:
 before each step every rank copies its own pieces and sends the copy to the next dp rank (a
 ring), which keeps it. After a loss the survivors put the state from before the interrupted
-step together from their own copies and the buddies' copies of the lost ranks' pieces, in the
-form a checkpoint load uses (full parameters and full optimizer state on the user's
-optimizer), and build the reducer anew over the survivors: it re-partitions them as it does
-after a load under another layout. When a lost rank's buddy is lost too (two neighbours at
+step together from their own copies and the buddies' copies of the lost ranks' pieces (the full
+tensors a checkpoint load under another layout gives), and build the reducer anew over the
+survivors, which takes its pieces of them. When a lost rank's buddy is lost too (two neighbours at
 once) its piece is gone: the survivors end the job naming the last checkpoint to resume from.
 
-What this module reads of the reducer: ``state_dict()`` (its ``Stateful`` sharded optimizer
-state) and ``pieces`` (which elements of each parameter this rank holds); what it writes: the
-full parameters and the user's optimizer state, then ``ParallelTrainer._make_reducer``.
+What this module uses of the ZeRO reducer: ``export_pieces()`` (a copy of this rank's pieces as
+named ranges), ``optim.sharded.assemble`` (every rank's export into full tensors) and
+``load_full()`` (this rank's pieces of full tensors, under any dp size), with
+``ParallelTrainer._make_reducer`` to build the reducer over the survivors.
 """
 
 from __future__ import annotations
@@ -24,25 +24,28 @@ from mpi4py import MPI
 
 from .backend import to_host
 
-#: ``{parameter name: (start, stop, parameter piece, {state key: state piece})}``: one rank's pieces
-#: (elements ``start:stop`` of the raveled parameter), with the inner optimizer's step count.
+#: One rank's ``ZeroReducer.export_pieces()``, on the host (it travels pickled to the buddy).
 Pieces = dict[str, Any]
 
 
 def own_pieces(reducer: Any) -> Pieces:
-    """Copies (on the host) of this rank's pieces of the parameters and their optimizer state."""
-    state = reducer.state_dict()
-    out: dict[str, Any] = {}
-    for full, piece, x, y in reducer.pieces:
-        st = state["state"].get(full.name, {})
-        out[full.name] = (int(x), int(y), np.array(to_host(piece.data), copy=True),
-                          {k: np.array(to_host(v), copy=True) for k, v in st.items()})
-    return {"step": int(state["step"]), "pieces": out}
+    """A host copy of this rank's pieces of the parameters and their optimizer state."""
+    out = reducer.export_pieces()
+    out["params"] = np.array(to_host(out["params"]), copy=True)
+    out["state"] = {k: np.array(to_host(v), copy=True) for k, v in out["state"].items()}
+    return out
 
 
-def nbytes(pieces: Pieces) -> list[np.ndarray]:
+def _owned(got: Pieces) -> Pieces:
+    """``got`` with arrays that own their memory (unpickled ones may view the message buffer,
+    and the memory report counts owners)."""
+    return {**got, "params": np.array(got["params"], copy=True),
+            "state": {k: np.array(v, copy=True) for k, v in got["state"].items()}}
+
+
+def arrays_of(pieces: Pieces) -> list[np.ndarray]:
     """The arrays of ``pieces`` (what ``memory_arrays`` counts)."""
-    return [a for _, _, p, st in pieces["pieces"].values() for a in (p, *st.values())]
+    return [pieces["params"], *pieces["state"].values()]
 
 
 class Buddies:
@@ -67,14 +70,11 @@ class Buddies:
         dp = trainer.dp
         if dp.size > 1:
             got = dp.mpi.sendrecv(mine, dest=(dp.rank + 1) % dp.size, source=(dp.rank - 1) % dp.size)
-            # Owned copies: unpickled arrays may view the message's buffer (memory counts owners).
-            self.left[step] = {"step": got["step"], "pieces": {
-                n: (x, y, np.array(p, copy=True), {k: np.array(v, copy=True) for k, v in st.items()})
-                for n, (x, y, p, st) in got["pieces"].items()}}
+            self.left[step] = _owned(got)
 
     def arrays(self) -> list[np.ndarray]:
         """Every array held (``buffers`` in the memory report: the cost of surviving a loss)."""
-        return [a for kept in (self.mine, self.left) for p in kept.values() for a in nbytes(p)]
+        return [a for kept in (self.mine, self.left) for p in kept.values() for a in arrays_of(p)]
 
     def rebuild(self, trainer: Any, old_dp: MPI.Intracomm, comm: Any, step: int) -> str | None:
         """Put the state from before ``step`` back on the survivors (``comm``) and rebuild the ZeRO
@@ -110,23 +110,14 @@ def _world(comm: MPI.Intracomm) -> list[int]:
 
 
 def _install(trainer: Any, parts: list[Pieces]) -> None:
-    """Full parameters and full optimizer state from every old rank's pieces, then a new reducer
-    over ``trainer.dp`` (which cuts them into the survivors' pieces, as after a checkpoint load)."""
+    """The full parameters and optimizer state from every old rank's pieces, and a new reducer over
+    ``trainer.dp`` that takes its pieces of them (as after a checkpoint load under another layout)."""
     from .backend import to_device, xp_of
+    from .optim.sharded import assemble
 
-    opt, xp = trainer.optimizer, xp_of(trainer.params[0].data)
-    opt.state = {name: {} for name in opt.names}
-    for p in trainer.params:
-        full, state = np.empty(int(np.prod(p.shape)), dtype=p.dtype), opt.state.setdefault(p.name, {})
-        for part in parts:
-            if p.name not in part["pieces"]:
-                continue
-            x, y, values, st = part["pieces"][p.name]
-            full[x:y] = values
-            for k, v in st.items():
-                state.setdefault(k, np.empty(full.size, dtype=v.dtype))[x:y] = v
-        p.data = to_device(full.reshape(p.shape), xp)
-        p.grad = xp.zeros(p.shape, dtype=np.dtype(p.grad.dtype))
-        opt.state[p.name] = {k: to_device(v.reshape(p.shape), xp) for k, v in state.items()}
-    opt.step_count = parts[0]["step"]
-    trainer.reducer = trainer._make_reducer(trainer.model, opt, None)
+    full = assemble(parts)
+    xp = xp_of(trainer.params[0].data)
+    for p in trainer.params:  # the reducer lays out what the parameters hold (zero 3: placeholders now)
+        p.data = to_device(full["params"][p.name].reshape(p.shape), xp)
+    trainer.reducer = trainer._make_reducer(trainer.model, trainer.optimizer, None)
+    trainer.reducer.load_full(full)

@@ -8,7 +8,7 @@ MPI=openmpi``); under ``make bench``'s ``mpiexec`` only its rank 0 works. One da
 (``tests/faults/train_fault.py``):
 
 - shrink: ``mpiexec --with-ft ulfm``, ``--on-rank-loss shrink``: the survivors redo the step;
-- restart: ``--on-rank-loss abort``: the job ends; it is relaunched with ``--resume`` on the same
+- restart: ``--on-rank-loss abort``, launched without ULFM: the job ends; it is relaunched with ``--resume`` on the same
   ranks, loads the last checkpoint and catches up to the step that was interrupted.
 
 Both are timed from the kill (when step KILL - 1 finished, from metrics.jsonl: the victim dies as
@@ -78,7 +78,8 @@ def measure(venv: Path, n: int, steps: int, every: int, kill_step: int, tmp: Pat
                  "1", f"{ordinary * 1000:.0f}", _buffers(run)])
 
     run = tmp / f"restart{zero}"
-    p = _job(venv, n, [*base, "--run-dir", str(run), "--on-rank-loss", "abort"], env, True, (n - 1, kill_step), 600)
+    # Launched without ULFM, as a job that cannot survive the loss is: the launcher ends it.
+    p = _job(venv, n, [*base, "--run-dir", str(run), "--on-rank-loss", "abort"], env, False, (n - 1, kill_step), 600)
     if p.returncode == 0:
         raise SystemExit("the abort run did not end on the lost rank")
     killed_at = _times(run)[kill_step]
@@ -112,14 +113,15 @@ def main() -> int:
         rows = [r for zero in (0, 3) for r in measure(venv, args.np, steps, every, kill_step, Path(tmp), zero)]
     emit(title, ["layout", "recovery", "kill to interrupted step done (s)", "detected to step done (s)",
                  "steps redone", "ordinary step (ms)", "buffers (KiB)"], rows, args.markdown,
-         notes=["The restart's time includes the first job ending (the survivors notice the loss and "
-                "MPI_Abort), a fresh mpiexec, start-up (imports, data, model), the checkpoint load and "
-                "the steps since that checkpoint; shrink's includes noticing the loss, shrinking, "
-                f"putting back the state from before the step and redoing it with {args.np - 1} ranks. "
-                "Under ZeRO, shrink also puts the lost rank's pieces back from its buddy's copy and "
-                "re-partitions them; buffers (the largest rank's named buffers, from summary.json) include "
-                "those copies (this rank's pieces and its neighbour's, for the last two steps), which the "
-                "restarted run (--on-rank-loss abort) does not keep."])
+         notes=[" ".join([
+             "The restart's time includes the first job ending (launched without --with-ft ulfm: mpiexec",
+             "ends it on the lost process), a fresh mpiexec, start-up (imports, data, model), the checkpoint",
+             "load and the steps since that checkpoint; shrink's includes noticing the loss, shrinking,",
+             f"putting back the state from before the step and redoing it with {args.np - 1} ranks. Under",
+             "ZeRO, shrink also puts the lost rank's pieces back from its buddy's copy and re-partitions",
+             "them; buffers (the largest rank's named buffers, from summary.json) include those copies",
+             "(this rank's pieces and its neighbour's, for the last two steps), which the restarted run",
+             "(--on-rank-loss abort) does not keep."])])
     return 0
 
 

@@ -347,15 +347,17 @@ def test_a_loss_mid_save_or_mid_recovery_is_survived(serial, uninterrupted, tmp_
     env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
     run = tmp_path / "run"
     at = ["10"] if where == "kill-save" else ["6"] * len(victims)
+    # (--eval-every: the validation passes after the loss run over the survivors)
     p = hpctrain(where, ",".join(map(str, victims)), ",".join(at), "--", *KILL_RUN, "--zero", str(zero),
-                 "--checkpoint-every", "5", "--run-dir", str(run), n=n, env=env, launch=ulfm_flags(), entry=FAULT,
-                 cwd=REPO)
+                 "--checkpoint-every", "5", "--eval-every", "5", "--run-dir", str(run), n=n, env=env,
+                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
     said = p.stdout + p.stderr
     assert p.returncode == 0, said
     summary = json.loads((run / "summary.json").read_text())
     assert [(e["step"], e["ranks"]) for e in summary["rank_loss"]] == [(int(at[0]) + 1, sorted(victims))], said
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 21)), said
+    assert [m["step"] for m in metrics if "val_loss" in m] == [5, 10, 15, 20], said
     # The survivors wrote step 10 again: committed whole, in their layout; the interrupted write
     # never was (nothing but the committed files and their parts are left).
     saved = sorted(x.name for x in (run / "checkpoints").glob("ckpt-*.h5"))

@@ -110,7 +110,8 @@ class Validation:
 
         load_full_weights(trainer, self.model)
         if self.loss is None:  # cross-entropy: every rank its share of the batches
-            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=self.comm)["loss"]
+            # Over the trainer's ranks now: the survivors after lost ranks (--on-rank-loss shrink).
+            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=trainer.comm)["loss"]
         else:  # another loss: each rank evaluates the whole set alike (same weights, same data)
             stats.extra["val_loss"] = evaluate(self.model, self.data, self.loss)["loss"]
         self.model.train()

@@ -287,15 +287,18 @@ def test_a_checkpoint_written_after_a_shrink_resumes_under_another_layout(serial
 
 @pytest.mark.fault
 @pytest.mark.timeout(170)
-def test_a_broken_tp_group_leaves_and_the_whole_replicas_go_on(serial, uninterrupted, tmp_path):
-    # tp=2 x dp=2: replica 1 is world ranks 2 and 3 (rank 0's replica holds the run directory).
-    # One of them is killed at a random step: its partner leaves saying so (exit 0), replica 0
-    # goes on alone with the whole global batch and ends where the uninterrupted run ends.
+@pytest.mark.parametrize(("layout", "replica"), [
+    (("--tp", "2"), [2, 3]), (("--pp", "2", "--microbatches", "2"), [1, 3]),
+])
+def test_a_broken_tp_group_leaves_and_the_whole_replicas_go_on(serial, uninterrupted, tmp_path, layout, replica):
+    # tp=2 (or pp=2) x dp=2: ``replica`` is the world ranks of dp replica 1. One of them is
+    # killed at a random step: its partner leaves saying so (exit 0), replica 0 goes on alone with
+    # the whole global batch and ends where the uninterrupted run ends.
     pick = random.Random()
-    victim, step = pick.choice([2, 3]), pick.randrange(1, 19)
-    partner = 5 - victim
+    victim, step = pick.choice(replica), pick.randrange(1, 19)
+    (partner,) = set(replica) - {victim}
     env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
-    p = hpctrain("kill", str(victim), str(step), "--", *KILL_RUN, "--tp", "2", "--run-dir", str(tmp_path / "run"),
+    p = hpctrain("kill", str(victim), str(step), "--", *KILL_RUN, *layout, "--run-dir", str(tmp_path / "run"),
                  n=4, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
     said = f"(victim {victim}, step {step})\n{p.stdout}{p.stderr}"
     assert p.returncode == 0, said

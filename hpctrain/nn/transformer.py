@@ -306,7 +306,7 @@ class GPT(Module):
         if n_heads < 1 or d_model % n_heads:
             raise ValueError(f"n_heads={n_heads} must be positive and divide d_model={d_model}")
         g = as_rng(rng)
-        d_hidden = 4 * d_model if d_hidden is None else d_hidden
+        d_hidden = self.tp_sizes(d_model, n_heads, d_hidden)["hidden"]
         self.vocab_size, self.block_size = vocab_size, block_size
         self.tok_emb = Embedding(vocab_size, d_model, std=0.02, rng=g, dtype=dtype)
         self.pos_emb = Embedding(block_size, d_model, std=0.02, rng=g, dtype=dtype)
@@ -379,6 +379,12 @@ class GPT(Module):
         """How many pieces ``pipeline_cuts`` gives for ``n_layers`` blocks (a config check's
         bound on the pipeline stages, before the model exists)."""
         return n_layers + 3
+
+    @staticmethod
+    def tp_sizes(d_model: int, n_heads: int, d_hidden: int | None = None) -> dict[str, int]:
+        """The sizes a tensor-parallel group splits: the attention's heads and the MLPs' hidden
+        width (``d_hidden``, default ``4 * d_model``), for a config check before the model exists."""
+        return {"n_heads": n_heads, "hidden": 4 * d_model if d_hidden is None else d_hidden}
 
     def tp_plan(self) -> dict[str, str]:
         """How the parts that are not generic layers split over tensor-parallel ranks, by module

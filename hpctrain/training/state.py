@@ -34,6 +34,30 @@ class TrainerState:
     _sampler: Any = None
     #: The sampler state a load restored, kept until ``fit`` sees the loader's sampler.
     _pending_sampler: dict[str, Any] | None = None
+    #: The user's objects saved with the trainer's state (``track``), by name.
+    _tracked: dict[str, Any] | None = None
+
+    def track(self, name: str, obj: Any) -> None:
+        """Save ``obj`` (a ``hpctrain.protocols.Stateful``, or any object with ``state_dict`` and
+        ``load_state_dict``) with the trainer's state from now on, under ``name``: checkpoints
+        write it, loads restore it (all or nothing, with the rest of the trainer), and a
+        shrink after a lost rank puts it back with the step it redoes.
+
+        Rank 0's ``state_dict()`` is saved, so the object must hold the same state on every
+        rank (a metric of the agreed loss, a schedule, an early-stopping counter). A checkpoint
+        written before ``obj`` was tracked leaves it as it is; a checkpoint's objects this
+        trainer does not track are ignored.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"track: name must be a non-empty string, got {name!r}")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"track({name!r}): {type(obj).__name__} has no state_dict()/load_state_dict() "
+                            "(see hpctrain.protocols.Stateful)")  # fmt: skip
+        tracked = self._tracked if self._tracked is not None else {}
+        if name in tracked:
+            raise ValueError(f"track: {name!r} is already tracked ({type(tracked[name]).__name__})")
+        tracked[name] = obj
+        self._tracked = tracked
 
     def attach_sampler(self, sampler: Any) -> None:
         """Save ``sampler``'s state (its position in the epoch) with the trainer's from now on."""
@@ -71,6 +95,8 @@ class TrainerState:
             state["sampler"] = sampler.state_dict()
         if self.precision.scaler is not None:
             state["loss_scaler"] = self.precision.scaler.state_dict()
+        if self._tracked:
+            state["tracked"] = {name: obj.state_dict() for name, obj in self._tracked.items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -82,6 +108,10 @@ class TrainerState:
         scaler = self.precision.scaler
         if scaler is not None and state.get("loss_scaler") is not None:
             scaler.load_state_dict(state["loss_scaler"])  # first: it validates (nothing changed yet)
+        saved = state.get("tracked") or {}
+        for name, obj in (self._tracked or {}).items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
         self._load_rngs(state)
@@ -130,6 +160,7 @@ class TrainerState:
             "sampler": snapshot_of(self._sampler),
             "loss_scaler": snapshot_of(self.precision.scaler),
             "optimizer": snapshot_of(self.optimizer),
+            "tracked": {name: snapshot_of(obj) for name, obj in (self._tracked or {}).items()},
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -140,3 +171,5 @@ class TrainerState:
         ModuleRngs(self.model).restore(snap["rngs"])
         restore_of(self._sampler, snap["sampler"])
         restore_of(self.precision.scaler, snap["loss_scaler"])
+        for name, obj in (self._tracked or {}).items():
+            restore_of(obj, snap.get("tracked", {}).get(name))

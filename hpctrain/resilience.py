@@ -20,7 +20,9 @@ The trainer's ``fit`` then redoes the step (the loader redraws the interrupted g
 the new layout). Under pure data parallelism every survivor holds the whole model, so nothing is
 lost with a rank and no checkpoint is read. Under ZeRO the lost rank's pieces come back from the
 copy its buddy (the next dp rank) holds (``resilience_shards.Buddies``, refreshed before each
-step), and the reducer is built anew over the survivors. No tensor or pipeline groups.
+step and at each save), and the reducer is built anew over the survivors; pieces lost with their
+buddy come from the last checkpoint, which the survivors read. Under dp x tp x pp a replica that
+lost a member leaves (``resilience_groups``) and the whole ones go on.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class RankLoss:
         self._snapshots: dict[int, _Snapshot] = {}
         self._pending: dict[str, Any] | None = None  # the loss waiting for its next finished step
         self.buddies: Buddies | None = None  # ZeRO's redundant pieces (made at the first step)
+        self._fallback: str | None = None  # why the last checkpoint is read (a piece lost with its buddy)
 
     def before_step(self, trainer: Any, batch: Any) -> None:
         """Keep the state from before the step on ``batch`` (and the one before it)."""
@@ -140,7 +143,7 @@ class RankLoss:
             self._snapshots[step].restore(trainer)
             self._snapshots = {step: self._snapshots[step]}
         comm = self._leave_broken(trainer, comm, lost, replica[MPI.COMM_WORLD.Get_rank()] in whole, len(whole))
-        self._rebind(trainer, comm, old_dp, lost, step)
+        read = self._rebind(trainer, comm, old_dp, lost, step)
         ulfm.set_leader(comm.mpi)
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
         self.events.append(event)
@@ -148,8 +151,10 @@ class RankLoss:
         if comm.rank == 0:
             dp = trainer.dp.size
             each = "each" if dp == comm.size else f"each of the {dp} whole replica(s)"
-            _log.warning("lost rank(s) %s in step %d: going on with %d rank(s), %d sample(s) %s per step, "
-                         "from the state before that step", lost, step + 1, comm.size, self.global_batch // dp, each)
+            start = ("the state before that step" if read is None
+                     else f"the last checkpoint (step {trainer.global_step})")
+            _log.warning("lost rank(s) %s in step %d: going on with %d rank(s), %d sample(s) %s per step, from %s",
+                         lost, step + 1, comm.size, self.global_batch // dp, each, start)
         return True
 
     def _shrink(self, trainer: Any) -> tuple[Communicator, list[int], int]:
@@ -207,9 +212,11 @@ class RankLoss:
         failure.rebind(mine.mpi)
         return mine
 
-    def _rebind(self, trainer: Any, comm: Communicator, old_dp: MPI.Intracomm, lost: list[int], step: int) -> None:
+    def _rebind(self, trainer: Any, comm: Communicator, old_dp: MPI.Intracomm, lost: list[int],
+                step: int) -> str | None:
         """Point the trainer, its gradient reduction and its data at the survivors' communicator
-        (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``)."""
+        (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``;
+        the checkpoint read instead, when pieces were lost with their buddy, is returned)."""
         from .parallel.reducer import AllReduceReducer, BackwardHooks
 
         if trainer._hooks is not None:
@@ -223,10 +230,11 @@ class RankLoss:
                 pass
             problem = self.buddies.rebuild(trainer, old_dp, comm, step)
             if problem is not None:
-                last = trainer.last_checkpoint
-                hint = f"resume from {last} with --resume" if last else "no checkpoint was written yet"
-                raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}; "
-                                                            f"{hint}"), comm)
+                if trainer.last_checkpoint is None:
+                    raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}; "
+                                                                "no checkpoint was written yet"), comm)
+                self._fallback = problem  # read the last checkpoint once the rest is rebuilt (below)
+                trainer.reducer = self.buddies.empty_reducer(trainer)
         else:
             trainer.reducer = AllReduceReducer(trainer.params, grid.dp, bucket_mb=trainer.bucket_mb,
                                                compression=trainer.compression)
@@ -238,6 +246,23 @@ class RankLoss:
         sampler = self.loader.sampler
         sampler.reshard(grid.dp.rank, grid.dp.size)  # tp and pp ranks of a replica share its batches
         self.loader.batch_size = self.global_batch // grid.dp.size
+        return self._read_last(trainer, comm, lost) if self._fallback is not None else None
+
+    def _read_last(self, trainer: Any, comm: Communicator, lost: list[int]) -> str:
+        """ZeRO pieces lost with their buddy: the survivors read the last checkpoint (collective;
+        the loader then goes on from its position, in the same epoch) or end naming it. Its path."""
+        from . import checkpoint
+
+        path, epoch, problem, self._fallback = trainer.last_checkpoint, trainer.epoch, self._fallback, None
+        if comm.rank == 0:
+            _log.warning("lost rank(s) %s: %s; reading the last checkpoint %s", lost, problem, path)
+        checkpoint.load(path, trainer)
+        self._snapshots, self.buddies = {}, None
+        if trainer.epoch != epoch:
+            raise failure.mark_everywhere(RankLossError(
+                f"lost rank(s) {lost}; cannot go on: {problem}; the last checkpoint {path} is of an earlier "
+                f"epoch: resume from it with --resume"), comm)
+        return path
 
     # -- as a fit callback -------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ ring), which keeps it. After a loss the survivors put the state from before the 
 step together from their own copies and the buddies' copies of the lost ranks' pieces (the full
 tensors a checkpoint load under another layout gives), and build the reducer anew over the
 survivors, which takes its pieces of them. When a lost rank's buddy is lost too (two neighbours at
-once) its piece is gone: the survivors end the job naming the last checkpoint to resume from.
+once) its piece is gone: the survivors read the last checkpoint (``RankLoss`` does), or end the
+job when there is none.
 
 What this module uses of the ZeRO reducer: ``export_pieces()`` (a copy of this rank's pieces as
 named ranges), ``optim.sharded.assemble`` (every rank's export into full tensors) and
@@ -90,6 +91,17 @@ class Buddies:
         _install(trainer, [found[r] for r in range(size)])
         self.mine, self.left = {}, {}
         return None
+
+    def empty_reducer(self, trainer: Any) -> Any:
+        """A ZeRO reducer over ``trainer.dp`` with zeros for the parameters (what a checkpoint load
+        then fills: the pieces were lost)."""
+        from .backend import xp_of
+
+        xp = xp_of(trainer.params[0].data)
+        for p in trainer.params:  # (zero 3: read-only placeholders now)
+            p.data = xp.zeros(p.shape, dtype=p.dtype)
+        self.mine, self.left = {}, {}
+        return trainer._make_reducer(trainer.model, trainer.optimizer, None)
 
     def _held(self, old_dp: MPI.Intracomm, comm: Any, step: int) -> dict[int, Pieces]:
         """The pieces from before ``step`` this survivor holds: its own, and its left neighbour's

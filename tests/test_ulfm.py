@@ -235,7 +235,8 @@ def test_reshard_hands_the_rest_of_the_epoch_to_the_survivors():
 @pytest.mark.parametrize(("n", "victims", "batch", "extra", "why"), [
     (3, [2], "9", (), "the global batch 9 does not split over the 2 ranks left; a global batch that is a "
                       "multiple of every survivor count goes on"),
-    # ZeRO: rank 2 keeps rank 1's pieces; both die at once, and rank 1's pieces with them.
+    # ZeRO: rank 2 keeps rank 1's pieces; both die at once, and rank 1's pieces with them (with no
+    # checkpoint to read instead: see the next test for one).
     (4, [1, 2], "12", ("--zero", "1"), "no copy of the ZeRO pieces of dp rank(s) [1] (world [1]) survived: a rank "
                                        "and its buddy (the next dp rank) were lost together; no checkpoint was "
                                        "written yet"),
@@ -369,6 +370,26 @@ def test_a_loss_mid_save_or_mid_recovery_is_survived(serial, uninterrupted, tmp_
         str(run / "checkpoints" / "ckpt-00000010.h5"))
     assert len(list((run / "checkpoints").iterdir())) == 2 * len(saved), sorted(x.name for x in
                                                                                (run / "checkpoints").iterdir())
+    want, got = _final_params(uninterrupted / "run"), _final_params(run, last=True)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{name} {said}")
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+def test_zero_pieces_lost_with_their_buddy_come_from_the_last_checkpoint(serial, uninterrupted, tmp_path):
+    # 4 ranks, --zero 3: rank 2 keeps rank 1's pieces, and both die in step 8. The survivors read
+    # step 5's checkpoint, redo steps 6 and 7 over dp=2 and end where the uninterrupted run ends.
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
+    run = tmp_path / "run"
+    p = hpctrain("kill", "1,2", "7,7", "--", *KILL_RUN, "--zero", "3", "--checkpoint-every", "5", "--run-dir",
+                 str(run), n=4, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    said = p.stdout + p.stderr
+    assert p.returncode == 0, said
+    assert f"reading the last checkpoint {run / 'checkpoints' / 'ckpt-00000005.h5'}" in p.stdout, said
+    assert "going on with 2 rank(s), 6 sample(s) each per step, from the last checkpoint (step 5)" in p.stdout, said
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [*range(1, 8), *range(6, 21)], said  # 6 and 7 redone
     want, got = _final_params(uninterrupted / "run"), _final_params(run, last=True)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{name} {said}")

@@ -95,3 +95,9 @@ class ExitStatus(IntEnum):
 
 class RankLossError(HpctrainError, RuntimeError):
     """Ranks were lost (``--on-rank-loss shrink``) and the job cannot go on with the survivors."""
+
+
+class ReplicaLeft(HpctrainError, RuntimeError):
+    """Raised on the survivors of a tensor- or pipeline-parallel group that lost a member
+    (``--on-rank-loss shrink``): their replica is incomplete, so they leave the job (the main job
+    exits 0 on them) while the whole replicas go on."""

@@ -60,7 +60,11 @@ class RankFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = world_rank()
-        return self.ranks is None or record.rank in self.ranks
+        if self.ranks is None or record.rank in self.ranks:
+            return True
+        # Rank 0 lost (--on-rank-loss shrink): the survivors' rank 0 speaks in its place.
+        ulfm = sys.modules.get("hpctrain.comm.ulfm")
+        return 0 in self.ranks and ulfm is not None and record.rank == ulfm.leader() != 0
 
 
 def to_stream(stream: IO[str] | None = None, *, ranks: Iterable[int] | None = (0,), level: int = logging.INFO,

@@ -17,21 +17,28 @@ Under ULFM (``hpctrain.comm.ulfm``) a collective with a dead member fails on the
    the next finished step), a log line, and ``rank_loss`` in that step's metrics.
 
 The trainer's ``fit`` then redoes the step (the loader redraws the interrupted global batch for
-the new layout). Pure data parallelism only (no ZeRO, tensor or pipeline groups): every survivor
-holds the whole model, so nothing is lost with a rank and no checkpoint is read.
+the new layout). Under pure data parallelism every survivor holds the whole model, so nothing is
+lost with a rank and no checkpoint is read. Under ZeRO the lost rank's pieces come back from the
+copy its buddy (the next dp rank) holds (``resilience_shards.Buddies``, refreshed before each
+step and at each save), and the reducer is built anew over the survivors; pieces lost with their
+buddy come from the last checkpoint, which the survivors read. Under dp x tp x pp a replica that
+lost a member leaves (``resilience_groups``) and the whole ones go on.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
 
+from . import resilience_groups as groups
 from .comm import Communicator, failure, ulfm, watchdog
-from .errors import RankLossError
+from .errors import Preempted, RankLossError, ReplicaLeft
 from .log import get_logger
+from .resilience_shards import Buddies
 
 _log = get_logger("resilience")
 #: Pre-step states kept: the step a survivor is in and the one before (see the module docstring).
@@ -42,15 +49,20 @@ class _Snapshot:
     """What a step changes on this rank, copied before it: parameters, optimizer state, and the
     rest of its state (``trainer.snapshot()``, the ``Stateful`` one a checkpoint load uses)."""
 
-    def __init__(self, trainer: Any, handed: int) -> None:
+    def __init__(self, trainer: Any, handed: int, sharded: bool) -> None:
         # The loader counts a batch as consumed when it hands it out, before the step: the
         # position to go back to is that many samples earlier.
         self.handed = handed
-        self.params = [p.data.copy() for p in trainer.params]
+        # ZeRO: the parameters and the optimizer state are in its pieces, which ``Buddies`` copies
+        # and puts back into a new reducer (the old one, over the lost rank, is not restored).
+        self.sharded = sharded
+        self.params = [] if sharded else [p.data.copy() for p in trainer.params]
         opt = trainer.optimizer
-        self.opt_state = copy.deepcopy(opt.state) if opt is not None else None
+        self.opt_state = copy.deepcopy(opt.state) if opt is not None and not sharded else None
         self.opt_step = getattr(opt, "step_count", None)
         self.small = trainer.snapshot()  # its optimizer part holds references: the copies above count
+        if sharded:
+            self.small["reducer"] = None
 
     def restore(self, trainer: Any) -> None:
         trainer.restore(self.small)
@@ -58,7 +70,7 @@ class _Snapshot:
             p.data[...] = data
             p.grad.fill(0)
         opt = trainer.optimizer
-        if opt is not None:
+        if opt is not None and not self.sharded:
             opt.state = copy.deepcopy(self.opt_state)
             opt.step_count = self.opt_step
         sampler = getattr(trainer, "_sampler", None)
@@ -80,13 +92,37 @@ class RankLoss:
         self.events: list[dict[str, Any]] = []
         self._snapshots: dict[int, _Snapshot] = {}
         self._pending: dict[str, Any] | None = None  # the loss waiting for its next finished step
+        self.buddies: Buddies | None = None  # ZeRO's redundant pieces (made at the first step)
+        self._fallback: str | None = None  # why the last checkpoint is read (a piece lost with its buddy)
 
     def before_step(self, trainer: Any, batch: Any) -> None:
         """Keep the state from before the step on ``batch`` (and the one before it)."""
         step = trainer.global_step
-        self._snapshots[step] = _Snapshot(trainer, len(batch[0]))
+        sharded = bool(getattr(trainer, "zero", 0))
+        self._snapshots[step] = _Snapshot(trainer, len(batch[0]), sharded)
         for old in [s for s in self._snapshots if s <= step - KEEP]:
             del self._snapshots[old]
+        if sharded:
+            self.buddies = self.buddies or Buddies()
+            if step not in self.buddies.mine:  # (a save at this step refreshed them already)
+                self.buddies.refresh(trainer, step)  # collective: a loss here is recovered from as in the step
+
+    def save(self, trainer: Any, write: Callable[[], str]) -> str:
+        """``write()`` a checkpoint (collective); when ranks are lost meanwhile, the survivors go on
+        without them and write it again. A checkpoint is committed only once every rank wrote its
+        part, so the interrupted one never is: the last committed one stays what a resume reads."""
+        while True:
+            try:
+                if self.buddies is not None:  # ZeRO: copies of the pieces at this step, for a loss mid-save
+                    self.buddies.refresh(trainer, trainer.global_step)
+                return write()
+            except Exception as exc:
+                if not self.recover(trainer, exc):
+                    raise
+
+    def memory_arrays(self) -> list[Any]:
+        """The redundant copies kept to survive a loss (ZeRO's pieces; none for pure dp)."""
+        return self.buddies.arrays() if self.buddies is not None else []
 
     def recover(self, trainer: Any, exc: BaseException) -> bool:
         """Go on with the survivors after ``exc`` if it is a lost rank (collective over them);
@@ -99,27 +135,33 @@ class RankLoss:
             trainer._abandon_step()
         except MPI.Exception:  # its in-flight buckets fail with the loss: the reducer is replaced below
             pass
+        old_dp, old_world = trainer.dp.mpi, ulfm.world_ranks(trainer.comm.mpi)
         comm, lost, step = self._shrink(trainer)
-        self._check(comm, lost, step)
+        replica, whole = groups.replicas(trainer.grid, old_world, lost)
+        self._check(trainer, comm, lost, step, whole)
         if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
             self._snapshots[step].restore(trainer)
             self._snapshots = {step: self._snapshots[step]}
-        self._rebind(trainer, comm)
+        comm = self._leave_broken(trainer, comm, lost, replica[MPI.COMM_WORLD.Get_rank()] in whole, len(whole))
+        read = self._rebind(trainer, comm, old_dp, lost, step)
+        ulfm.set_leader(comm.mpi)
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
         self.events.append(event)
         self._pending = {"event": event, "t0": t0}
         if comm.rank == 0:
-            _log.warning("lost rank(s) %s in step %d: going on with %d rank(s), %d sample(s) each per step, "
-                         "from the state before that step", lost, step + 1, comm.size,
-                         self.global_batch // comm.size)
+            dp = trainer.dp.size
+            each = "each" if dp == comm.size else f"each of the {dp} whole replica(s)"
+            start = ("the state before that step" if read is None
+                     else f"the last checkpoint (step {trainer.global_step})")
+            _log.warning("lost rank(s) %s in step %d: going on with %d rank(s), %d sample(s) %s per step, from %s",
+                         lost, step + 1, comm.size, self.global_batch // dp, each, start)
         return True
 
     def _shrink(self, trainer: Any) -> tuple[Communicator, list[int], int]:
         """The survivors' communicator, every world rank lost, and the step to redo. More ranks
         may die meanwhile: then the survivors shrink again."""
         mpi, lost = trainer.comm.mpi, []
-        if trainer.dp.mpi is not mpi:  # a survivor blocked in a gradient bucket returns from it too
-            ulfm.revoke(trainer.dp.mpi)
+        groups.revoke(trainer.grid)  # a survivor blocked in a gradient bucket (or a tp wait) returns too
         while True:
             mpi, gone = ulfm.shrink(mpi)
             lost += gone
@@ -134,39 +176,93 @@ class RankLoss:
                 if not ulfm.is_rank_loss(again):
                     raise
 
-    def _check(self, comm: Communicator, lost: list[int], step: int) -> None:
-        """Refuse, on every survivor alike, what this job cannot go on from."""
+    def _check(self, trainer: Any, comm: Communicator, lost: list[int], step: int, whole: list[int]) -> None:
+        """Refuse, on every survivor alike, what this job cannot go on from; end it as a preempted
+        one (exit 75, its last checkpoint kept) when no whole dp replica is left (``whole``). A lost
+        rank 0 is no problem: the survivors' rank 0 writes the metrics and the summary on."""
         failure.rebind(comm.mpi)  # an error now ends the survivors normally, said once
+        if not whole:
+            trainer.comm = comm  # the survivors: what the job's closing collectives run over
+            ulfm.set_leader(comm.mpi)
+            if comm.rank == 0:
+                _log.warning("lost rank(s) %s in step %d: no whole dp replica is left (each lost a tensor- or "
+                             "pipeline-parallel member); ending with the last checkpoint %s", lost, step + 1,
+                             trainer.last_checkpoint or "(none written)")
+            raise Preempted(step, trainer.last_checkpoint, f"lost rank(s) {lost}: no whole dp replica left")
         problem = None
         if step < 0:
             problem = "the survivors do not all hold the state from before the interrupted step"
-        elif 0 in lost:
-            problem = "rank 0 was lost: it holds the run directory and writes the metrics and the summary"
-        elif self.global_batch % comm.size:
-            problem = (f"the global batch {self.global_batch} does not split over the {comm.size} ranks left; "
+        elif self.global_batch % len(whole):
+            problem = (f"the global batch {self.global_batch} does not split over the {len(whole)} "
+                       f"{'ranks' if len(whole) == comm.size else 'whole dp replicas'} left; "
                        f"a global batch that is a multiple of every survivor count goes on")
         if problem is not None:
             raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}"), comm)
 
-    def _rebind(self, trainer: Any, comm: Communicator) -> None:
-        """Point the trainer, its gradient reduction and its data at the survivors' communicator."""
-        from .comm.grid import ProcessGrid
+    def _leave_broken(self, trainer: Any, comm: Communicator, lost: list[int], whole: bool, n: int) -> Communicator:
+        """The communicator of the whole replicas' members (collective over the survivors); on
+        the members of a broken replica, ``ReplicaLeft`` after a log line."""
+        if trainer.grid.tp_size * trainer.grid.pp_size == 1:
+            return comm
+        mine = groups.whole_replicas(comm, whole)
+        if mine is None:
+            _log.warning("rank %d leaves the job: its tensor/pipeline-parallel group lost rank(s) %s; %d whole "
+                         "replica(s) go on", MPI.COMM_WORLD.Get_rank(), lost, n)
+            raise ReplicaLeft(f"its dp replica lost rank(s) {lost}; {n} whole replica(s) go on")
+        failure.rebind(mine.mpi)
+        return mine
+
+    def _rebind(self, trainer: Any, comm: Communicator, old_dp: MPI.Intracomm, lost: list[int],
+                step: int) -> str | None:
+        """Point the trainer, its gradient reduction and its data at the survivors' communicator
+        (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``;
+        the checkpoint read instead, when pieces were lost with their buddy, is returned)."""
         from .parallel.reducer import AllReduceReducer, BackwardHooks
 
         if trainer._hooks is not None:
             trainer._hooks.remove()
-        trainer.grid = grid = ProcessGrid(comm)
+        trainer.grid = grid = groups.regrid(trainer.grid, comm)
         trainer.comm, trainer.dp = grid.world, grid.dp
-        trainer.reducer = AllReduceReducer(trainer.params, grid.dp, bucket_mb=trainer.bucket_mb,
-                                           compression=trainer.compression)
+        if self.buddies is not None:
+            try:
+                trainer.reducer.remove()  # zero 2, 3: its hooks off the model before the new one's
+            except MPI.Exception:  # its sub-communicators include the lost rank
+                pass
+            problem = self.buddies.rebuild(trainer, old_dp, comm, step)
+            if problem is not None:
+                if trainer.last_checkpoint is None:
+                    raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}; "
+                                                                "no checkpoint was written yet"), comm)
+                self._fallback = problem  # read the last checkpoint once the rest is rebuilt (below)
+                trainer.reducer = self.buddies.empty_reducer(trainer)
+        else:
+            trainer.reducer = AllReduceReducer(trainer.params, grid.dp, bucket_mb=trainer.bucket_mb,
+                                               compression=trainer.compression)
         trainer._hooks = None
-        if trainer.overlap and grid.dp.size > 1:
+        if trainer.overlap and grid.dp.size > 1 and grid.pp.size == 1:
             trainer._hooks = BackwardHooks(trainer.model, trainer.reducer)
         trainer._order_learned = False
         watchdog.attach(trainer.health)
         sampler = self.loader.sampler
-        sampler.reshard(comm.rank, comm.size)
-        self.loader.batch_size = self.global_batch // comm.size
+        sampler.reshard(grid.dp.rank, grid.dp.size)  # tp and pp ranks of a replica share its batches
+        self.loader.batch_size = self.global_batch // grid.dp.size
+        return self._read_last(trainer, comm, lost) if self._fallback is not None else None
+
+    def _read_last(self, trainer: Any, comm: Communicator, lost: list[int]) -> str:
+        """ZeRO pieces lost with their buddy: the survivors read the last checkpoint (collective;
+        the loader then goes on from its position, in the same epoch) or end naming it. Its path."""
+        from . import checkpoint
+
+        path, epoch, problem, self._fallback = trainer.last_checkpoint, trainer.epoch, self._fallback, None
+        if comm.rank == 0:
+            _log.warning("lost rank(s) %s: %s; reading the last checkpoint %s", lost, problem, path)
+        checkpoint.load(path, trainer)
+        self._snapshots, self.buddies = {}, None
+        if trainer.epoch != epoch:
+            raise failure.mark_everywhere(RankLossError(
+                f"lost rank(s) {lost}; cannot go on: {problem}; the last checkpoint {path} is of an earlier "
+                f"epoch: resume from it with --resume"), comm)
+        return path
 
     # -- as a fit callback -------------------------------------------------------------------------
 

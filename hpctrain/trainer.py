@@ -123,15 +123,17 @@ class Trainer(TrainerState, TrainStep):
         from .memory import optimizer_arrays
 
         own = self.reducer.memory_arrays() if self.reducer is not None else None
-        if own is not None:  # ZeRO keeps flat pieces and its own optimizer state
-            return own
-        model = self.model
-        params = list(self.params or (model.parameters() if model is not None else []))
-        return {
-            "params": [p.data for p in params],
-            "grads": [p.grad for p in params],
-            "optimizer": optimizer_arrays(self.optimizer),
-        }
+        if own is None:  # (ZeRO keeps flat pieces and its own optimizer state)
+            model = self.model
+            params = list(self.params or (model.parameters() if model is not None else []))
+            own = {
+                "params": [p.data for p in params],
+                "grads": [p.grad for p in params],
+                "optimizer": optimizer_arrays(self.optimizer),
+            }
+        if self.rank_loss is not None:  # the redundant copies kept to survive a lost rank
+            own["buffers"] = [*own.get("buffers", []), *self.rank_loss.memory_arrays()]
+        return own
 
     def memory_report(self, stats: StepStats | None = None) -> dict[str, int]:
         """This rank's memory now (bytes), with the activation peak since the last report.

@@ -64,9 +64,11 @@ def test_on_rank_loss_default_is_shrink_only_where_it_can_work(monkeypatch, laun
         monkeypatch.delenv(ulfm.FT_PARAM, raising=False)
     can = launched and ulfm.library_has_ulfm()
     assert resolve({}, 4).on_rank_loss == ("shrink" if can else "abort")
+    assert resolve({"zero": 1}, 4).on_rank_loss == ("shrink" if can else "abort")  # a buddy keeps its pieces
+    assert resolve({"tp": 2}, 4).on_rank_loss == ("shrink" if can else "abort")  # whole replicas go on
     # Layouts that cannot go on without a rank yet keep today's behaviour by default.
-    assert resolve({"zero": 1}, 4).on_rank_loss == "abort"
-    assert resolve({"tp": 2}, 4).on_rank_loss == "abort"
+    assert resolve({"strategy": "ps"}, 4).on_rank_loss == "abort"
+    assert resolve({"tp": 2, "zero": 1}, 4).on_rank_loss == "abort"
     assert resolve({"precision": "bf16-mixed"}, 4).on_rank_loss == "abort"
     assert resolve({"on_rank_loss": "abort"}, 4).on_rank_loss == "abort"
 
@@ -85,8 +87,10 @@ def test_on_rank_loss_shrink_refused_where_it_cannot_work(monkeypatch):
             resolve({"on_rank_loss": "shrink"}, 4)
         return
     assert resolve({"on_rank_loss": "shrink"}, 4).on_rank_loss == "shrink"
-    with pytest.raises(ConfigError, match=r"pure data-parallel jobs only .* not --strategy dp --zero 2"):
-        resolve({"on_rank_loss": "shrink", "zero": 2}, 4)
+    assert resolve({"on_rank_loss": "shrink", "zero": 2}, 4).on_rank_loss == "shrink"
+    assert resolve({"on_rank_loss": "shrink", "tp": 2}, 4).on_rank_loss == "shrink"
+    with pytest.raises(ConfigError, match=r"data-parallel replicas only .* not --strategy ps"):
+        resolve({"on_rank_loss": "shrink", "strategy": "ps"}, 4)
 
 
 @pytest.mark.timeout(120)
@@ -130,16 +134,23 @@ def _final_params(run, last: bool = False) -> dict[str, np.ndarray]:
 
 @pytest.mark.fault
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize(("n", "kills", "where"), [(3, 1, "kill"), (4, 1, "kill"), (4, 3, "kill"),
-                                                   (3, 1, "kill-reduce")])
-def test_dp_goes_on_without_killed_ranks(serial, uninterrupted, tmp_path, n, kills, where):
-    # World rank 0 holds the run directory: the victims are others, each at a random step, as
-    # the step begins or while its gradient buckets are in flight.
+@pytest.mark.parametrize(("n", "kills", "where", "zero", "rank0"), [
+    (3, 1, "kill", 0, False), (4, 1, "kill", 0, False), (4, 3, "kill", 0, True), (3, 1, "kill-reduce", 0, False),
+    (3, 1, "kill", 1, True), (4, 1, "kill", 2, False), (3, 1, "kill", 3, False), (4, 3, "kill", 3, False),
+])
+def test_dp_goes_on_without_killed_ranks(serial, uninterrupted, tmp_path, n, kills, where, zero, rank0):
+    # Each victim dies at a random step, as the step begins or while its gradient buckets are in
+    # flight. With rank0, world rank 0 (which holds the run directory) is one of them: the
+    # survivors' rank 0 writes the metrics, the log and the summary on. Under ZeRO the lost rank's
+    # pieces come back from its buddy's copy (two neighbours killed at once would lose them: the
+    # victims here die at different steps).
     pick = random.Random()
-    victims, steps = pick.sample(range(1, n), kills), sorted(pick.sample(range(1, 19), kills))
+    victims = pick.sample(range(1, n), kills - rank0) + [0] * rank0
+    pick.shuffle(victims)
+    steps = sorted(pick.sample(range(1, 19), kills))
     env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
     t0 = time.monotonic()
-    p = hpctrain(where, ",".join(map(str, victims)), ",".join(map(str, steps)), "--", *KILL_RUN,
+    p = hpctrain(where, ",".join(map(str, victims)), ",".join(map(str, steps)), "--", *KILL_RUN, "--zero", str(zero),
                  "--run-dir", str(tmp_path / "run"), n=n, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
     took = time.monotonic() - t0
     said = f"(victims {victims}, steps {steps}, {took:.0f} s)\n{p.stdout}{p.stderr}"
@@ -221,22 +232,27 @@ def test_reshard_hands_the_rest_of_the_epoch_to_the_survivors():
 
 @pytest.mark.fault
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("victim", "batch", "why"), [
-    (0, "12", "rank 0 was lost: it holds the run directory and writes the metrics and the summary"),
-    (2, "9", "the global batch 9 does not split over the 2 ranks left"),
+@pytest.mark.parametrize(("n", "victims", "batch", "extra", "why"), [
+    (3, [2], "9", (), "the global batch 9 does not split over the 2 ranks left; a global batch that is a "
+                      "multiple of every survivor count goes on"),
+    # ZeRO: rank 2 keeps rank 1's pieces; both die at once, and rank 1's pieces with them (with no
+    # checkpoint to read instead: see the next test for one).
+    (4, [1, 2], "12", ("--zero", "1"), "no copy of the ZeRO pieces of dp rank(s) [1] (world [1]) survived: a rank "
+                                       "and its buddy (the next dp rank) were lost together; no checkpoint was "
+                                       "written yet"),
 ])
-def test_a_loss_the_job_cannot_go_on_from_ends_it_naming_why(serial, tmp_path, victim, batch, why):
+def test_a_loss_the_job_cannot_go_on_from_ends_it_naming_why(serial, tmp_path, n, victims, batch, extra, why):
     if not ulfm.library_has_ulfm():
         pytest.skip("needs an MPI library with ULFM (Open MPI 5): make test-openmpi")
-    args = ("--max-samples", "180", "--batch-size", batch, "--epochs", "1", "--d-model", "16")
-    p = hpctrain("kill", str(victim), "3", "--", *args, "--run-dir", str(tmp_path / "run"), n=3,
-                 env=clean_env(HPCTRAIN_DATA=str(tmp_path / "data")), launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    args = ("--max-samples", "180", "--batch-size", batch, "--epochs", "1", "--d-model", "16", *extra)
+    p = hpctrain("kill", ",".join(map(str, victims)), ",".join(["3"] * len(victims)), "--", *args,
+                 "--run-dir", str(tmp_path / "run"), n=n, env=clean_env(HPCTRAIN_DATA=str(tmp_path / "data")),
+                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
     lines = [line for line in p.stderr.splitlines() if "hpctrain" in line]
     assert p.returncode == 1, p.stdout + p.stderr
     # Said once, by the first survivor, on every survivor's behalf.
-    assert lines == [f"[rank {1 if victim == 0 else 0}] hpctrain train: error: lost rank(s) [{victim}]; "
-                     f"cannot go on: {why}" + ("" if victim == 0 else "; a global batch that is a multiple "
-                                               "of every survivor count goes on")], p.stdout + p.stderr
+    assert lines == [f"[rank 0] hpctrain train: error: lost rank(s) {victims}; cannot go on: {why}"], \
+        p.stdout + p.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
@@ -265,3 +281,115 @@ def test_a_checkpoint_written_after_a_shrink_resumes_under_another_layout(serial
     got = _final_params(again, last=True)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# -- dp x tp: a broken tensor-parallel group leaves as a whole replica ------------------------------
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize(("layout", "replica"), [
+    (("--tp", "2"), [2, 3]), (("--pp", "2", "--microbatches", "2"), [1, 3]),
+])
+def test_a_broken_tp_group_leaves_and_the_whole_replicas_go_on(serial, uninterrupted, tmp_path, layout, replica):
+    # tp=2 (or pp=2) x dp=2: ``replica`` is the world ranks of dp replica 1. One of them is
+    # killed at a random step: its partner leaves saying so (exit 0), replica 0 goes on alone with
+    # the whole global batch and ends where the uninterrupted run ends.
+    pick = random.Random()
+    victim, step = pick.choice(replica), pick.randrange(1, 19)
+    (partner,) = set(replica) - {victim}
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
+    p = hpctrain("kill", str(victim), str(step), "--", *KILL_RUN, *layout, "--run-dir", str(tmp_path / "run"),
+                 n=4, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    said = f"(victim {victim}, step {step})\n{p.stdout}{p.stderr}"
+    assert p.returncode == 0, said
+    assert (f"[rank {partner}] hpctrain train: this rank leaves the job: its dp replica lost rank(s) [{victim}]; "
+            "1 whole replica(s) go on") in p.stdout, said
+    assert (f"hpctrain: lost rank(s) [{victim}] in step {step + 1}: going on with 2 rank(s), 12 sample(s) each of "
+            "the 1 whole replica(s)") in p.stdout, said
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [(e["step"], e["ranks"]) for e in summary["rank_loss"]] == [(step + 1, [victim])], said
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 21)) and all(m["samples"] == 12 for m in metrics), said
+    want, got = _final_params(uninterrupted / "run"), _final_params(tmp_path / "run")
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{name} {said}")
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+def test_no_whole_replica_left_ends_with_the_last_checkpoint_and_75(serial, tmp_path):
+    # tp=2 x dp=2 loses a member of each replica in step 8: nothing can go on. The job ends as a
+    # preempted one (75) and step 5's checkpoint, the last committed, stays and loads.
+    from hpctrain import checkpoint
+
+    if not ulfm.library_has_ulfm():
+        pytest.skip("needs an MPI library with ULFM (Open MPI 5): make test-openmpi")
+    run = tmp_path / "run"
+    p = hpctrain("kill", "1,2", "7,7", "--", *KILL_RUN, "--tp", "2", "--checkpoint-every", "5", "--run-dir", str(run),
+                 n=4, env=clean_env(HPCTRAIN_DATA=str(tmp_path / "data")), launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    out = p.stdout + p.stderr
+    assert p.returncode == 75, out
+    assert "no whole dp replica is left" in out and "resubmit with --resume" in out, out
+    assert sorted(x.name for x in (run / "checkpoints").glob("ckpt-*.h5")) == ["ckpt-00000005.h5"], out
+    assert "step 5" in checkpoint.inspect(str(run / "checkpoints" / "ckpt-00000005.h5"))
+    assert not (run / "summary.json").exists()
+
+
+# -- losses at awkward times: mid-save, during the recovery itself ----------------------------------
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize(("where", "n", "victims", "zero"), [
+    ("kill-save", 3, [2], 0), ("kill-save", 3, [1], 2),  # while writing its part of step 10's checkpoint
+    ("kill-recover", 4, [3, 1], 1),  # the second one while the survivors shrink
+])
+def test_a_loss_mid_save_or_mid_recovery_is_survived(serial, uninterrupted, tmp_path, where, n, victims, zero):
+    from hpctrain import checkpoint
+
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
+    run = tmp_path / "run"
+    at = ["10"] if where == "kill-save" else ["6"] * len(victims)
+    # (--eval-every: the validation passes after the loss run over the survivors)
+    p = hpctrain(where, ",".join(map(str, victims)), ",".join(at), "--", *KILL_RUN, "--zero", str(zero),
+                 "--checkpoint-every", "5", "--eval-every", "5", "--run-dir", str(run), n=n, env=env,
+                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    said = p.stdout + p.stderr
+    assert p.returncode == 0, said
+    summary = json.loads((run / "summary.json").read_text())
+    assert [(e["step"], e["ranks"]) for e in summary["rank_loss"]] == [(int(at[0]) + 1, sorted(victims))], said
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 21)), said
+    assert [m["step"] for m in metrics if "val_loss" in m] == [5, 10, 15, 20], said
+    # The survivors wrote step 10 again: committed whole, in their layout; the interrupted write
+    # never was (nothing but the committed files and their parts are left).
+    saved = sorted(x.name for x in (run / "checkpoints").glob("ckpt-*.h5"))
+    assert saved == ["ckpt-00000010.h5", "ckpt-00000015.h5", "ckpt-00000020.h5"], said
+    assert f"saved from layout {{'dp': {n - len(victims)}," in checkpoint.inspect(
+        str(run / "checkpoints" / "ckpt-00000010.h5"))
+    assert len(list((run / "checkpoints").iterdir())) == 2 * len(saved), sorted(x.name for x in
+                                                                               (run / "checkpoints").iterdir())
+    want, got = _final_params(uninterrupted / "run"), _final_params(run, last=True)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{name} {said}")
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+def test_zero_pieces_lost_with_their_buddy_come_from_the_last_checkpoint(serial, uninterrupted, tmp_path):
+    # 4 ranks, --zero 3: rank 2 keeps rank 1's pieces, and both die in step 8. The survivors read
+    # step 5's checkpoint, redo steps 6 and 7 over dp=2 and end where the uninterrupted run ends.
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
+    run = tmp_path / "run"
+    p = hpctrain("kill", "1,2", "7,7", "--", *KILL_RUN, "--zero", "3", "--checkpoint-every", "5", "--run-dir",
+                 str(run), n=4, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    said = p.stdout + p.stderr
+    assert p.returncode == 0, said
+    assert f"reading the last checkpoint {run / 'checkpoints' / 'ckpt-00000005.h5'}" in p.stdout, said
+    assert "going on with 2 rank(s), 6 sample(s) each per step, from the last checkpoint (step 5)" in p.stdout, said
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [*range(1, 8), *range(6, 21)], said  # 6 and 7 redone
+    want, got = _final_params(uninterrupted / "run"), _final_params(run, last=True)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{name} {said}")

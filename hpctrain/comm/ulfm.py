@@ -27,6 +27,7 @@ FT_PARAM = "OMPI_MCA_mpi_ft_enable"
 ABORT_HINT = ("--on-rank-loss shrink goes on with the survivors (pure data parallelism, Open MPI launched "
               f"with {LAUNCH_HINT}); otherwise resubmit with --resume from the last checkpoint")
 _lost: list[int] = []  # world ranks this process has gone on without (``shrink``)
+_leader = [0]  # the world rank that is rank 0 of the job going on (after a lost rank 0: another)
 _ULFM_CALLS = ("Revoke", "Agree", "Shrink", "Get_failed", "Ack_failed")
 
 
@@ -141,3 +142,13 @@ def end_process(status: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(int(status))
+
+
+def set_leader(comm: MPI.Comm) -> None:
+    """After lost ranks: ``comm``'s rank 0 now speaks for the job (logs, metrics, summary)."""
+    _leader[0] = world_ranks(comm)[0]
+
+
+def leader() -> int:
+    """The world rank that is rank 0 of the job going on: 0 unless it was lost (``set_leader``)."""
+    return _leader[0]

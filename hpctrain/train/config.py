@@ -152,7 +152,8 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
 
 def _shrink_unsupported(c: Config) -> str | None:
     """Why this layout cannot go on without a lost rank yet (``None``: it can)."""
-    if c.strategy != "dp" or c.zero:
+    if c.strategy not in ("dp", "hybrid") or (c.zero and c.strategy != "dp"):
+        # (dp x tp x pp: a broken replica leaves, the whole ones go on; ZeRO's buddies are over dp)
         return f"--strategy {c.strategy}" + (f" --zero {c.zero}" if c.zero else "")
     if c.backend != "mpi":
         return f"--backend {c.backend}"
@@ -175,8 +176,8 @@ def _on_rank_loss(c: Config) -> str:
             raise ConfigError(f"--on-rank-loss shrink: this job cannot survive a lost rank: {ulfm.missing()}; "
                               "use --on-rank-loss abort")
         if unsupported is not None:
-            raise ConfigError(f"--on-rank-loss shrink continues pure data-parallel jobs only (--strategy dp, "
-                              f"no --zero, --backend mpi, --precision fp32), not {unsupported}; "
-                              "use --on-rank-loss abort")
+            raise ConfigError(f"--on-rank-loss shrink continues data-parallel replicas only (--strategy dp "
+                              f"with --zero 0-3, or hybrid: dp x tp x pp; --backend mpi, --precision fp32), "
+                              f"not {unsupported}; use --on-rank-loss abort")
     return c.on_rank_loss
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import rundir
-from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted
+from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted, ReplicaLeft
 from ..evaluation import evaluate
 from ..log import get_logger
 from . import summary as _report
@@ -110,7 +110,8 @@ class Validation:
 
         load_full_weights(trainer, self.model)
         if self.loss is None:  # cross-entropy: every rank its share of the batches
-            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=self.comm)["loss"]
+            # Over the trainer's ranks now: the survivors after lost ranks (--on-rank-loss shrink).
+            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=trainer.comm)["loss"]
         else:  # another loss: each rank evaluates the whole set alike (same weights, same data)
             stats.extra["val_loss"] = evaluate(self.model, self.data, self.loss)["loss"]
         self.model.train()
@@ -194,6 +195,9 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     everywhere(comm, lambda: _acquire(locks) if comm.rank == 0 else None)
     try:
         return _run_locked(c, given, comm, callbacks, device, locks[1] if len(locks) > 1 else None)
+    except ReplicaLeft:  # rank 0's replica left (--on-rank-loss shrink): the job goes on in this directory
+        locks = []
+        raise
     finally:
         if comm.rank == 0:
             for lock in reversed(locks):
@@ -366,7 +370,7 @@ def _fit(c: Config, comm: Any, setup: _Setup, hooks: list[Any], metrics: str, ti
                               log_every=c.log_every, metrics_file=metrics, callbacks=hooks, max_steps=c.max_steps,
                               async_checkpoint=c.async_checkpoint)
     except Preempted:  # every rank stopped at the same step: the trace keeps this job's part too
-        timeline.write(comm, trace)
+        timeline.write(trainer.comm, trace)  # (after lost ranks: the survivors')
         raise
     return history, time.perf_counter() - t0
 
@@ -448,8 +452,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from .. import preempt
-    from ..comm import Communicator
-    from ..errors import ExitStatus, GridError, MismatchError, Preempted
+    from ..comm import Communicator, ulfm
+    from ..errors import ExitStatus, GridError, MismatchError
     from ..log import world_rank
 
     flags = {k: v for k, v in vars(args).items() if k in _BY_NAME}
@@ -462,8 +466,11 @@ def _main(args: argparse.Namespace) -> int:
         # Read on every rank, verdict shared: a file missing on one node fails the whole job.
         cfg = everywhere(comm, lambda: merge(read_config(args.config) if args.config else {}, flags))
         run(cfg, comm)
+    except ReplicaLeft as left:  # its tp/pp group lost a member: the whole replicas go on without it
+        print(f"[rank {world_rank()}] hpctrain train: this rank leaves the job: {left}", flush=True)
+        return ExitStatus.OK
     except Preempted as stop:
-        if world_rank() == 0:
+        if world_rank() == ulfm.leader():  # rank 0, or the survivors' rank 0 if it was lost
             print(f"hpctrain train: {stop}; resubmit with --resume to continue", flush=True)
         return ExitStatus.PREEMPTED
     except HpctrainError as exc:

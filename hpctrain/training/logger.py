@@ -29,6 +29,7 @@ class ProgressLogger:
         self.every = max(1, int(every))
         self.on = trainer.comm.rank == 0
         self.metrics = None
+        self.metrics_file = metrics_file  # appended to by the next rank 0 when rank 0 is lost
         self.bar = None
         self.window: list[StepStats] = []
         self.val_loss: float | None = None  # the newest validation loss a callback reported
@@ -54,6 +55,11 @@ class ProgressLogger:
                 self.bar = None
 
     def on_step_end(self, trainer: Any, s: StepStats) -> None:
+        if not self.on and trainer.comm.rank == 0:  # rank 0 was lost (--on-rank-loss shrink): this one writes on
+            from ..rundir import open_append
+
+            self.on = True
+            self.metrics = open_append(self.metrics_file) if self.metrics_file else None
         if not self.on:
             return
         t = self.trainer

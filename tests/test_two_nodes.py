@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from netns_cluster import ADDRESSES, ENV, kill_all, pids, two_nodes, why_not
-from test_slurm import DAEMONS, Cluster, _sbatch_and_wait, _slurm_conf, _which, preempt_and_requeue
+from test_slurm import DAEMONS, Cluster, _job_state, _sbatch_and_wait, _slurm_conf, _which, preempt_and_requeue
 
 from jobs import REPO, clean_env, mpiexec
 
@@ -121,8 +121,10 @@ def _stderr_until(p: subprocess.Popen, text: str, limit: float) -> str:
 @pytest.mark.timeout(300)
 def test_every_process_of_a_node_killed_ends_the_job_at_once(serial, tmp_path):
     """SIGKILL to every process of node 1 (its Hydra proxy too) mid-run: MPICH's mpiexec ends the
-    whole job at once (its own message, "control_cb ... assert (!closed) failed": it names no node,
-    and the survivors are killed before any of our code could), nothing is left on node 0."""
+    whole job at once, exit status 255, with its own lines only ("control_cb ... assert (!closed)
+    failed", then "process manager error waiting for completion"): it names no node, and node 0's
+    proxy kills the survivors before any of our code could report (under srun they get the chance:
+    test_a_slurm_node_lost_is_named_by_the_survivors). Nothing is left on node 0."""
     why = why_not()
     if why is not None:
         pytest.skip(why)
@@ -133,7 +135,9 @@ def test_every_process_of_a_node_killed_ends_the_job_at_once(serial, tmp_path):
         _, err = p.communicate(timeout=60)
         took = time.monotonic() - t0
         assert len(killed) >= 3, killed  # the proxy and two ranks
-        assert p.returncode != 0
+        assert p.returncode == 255, (p.returncode, err)
+        assert "assert (!closed) failed" in err and "process manager error waiting for completion" in err, err
+        assert "hpctrain" not in err, err  # no report of ours: the survivors had no chance
         assert took < 30, f"the job took {took:.0f} s to end after its node was lost (the watchdog's 120 s?)"
         assert not _left_on(cluster.namespaces[0]), "a process of the surviving node is left"
 
@@ -171,6 +175,14 @@ class TwoNodeSlurm(Cluster):
             spool.mkdir()
             self._spawn(f"slurmd-{i}", self._in(i, f"exec {_which('slurmd')} -D -N {host} -f {self.tmp}/slurm.conf"))
         self._wait(lambda: self.node_state().split() == ["idle", "idle"], 90, "both nodes to become idle")
+
+    def revive(self, i: int) -> None:
+        """Start node ``i``'s slurmd again (after a test killed the node) and wait until both
+        nodes are idle, so the module's later tests find the cluster whole."""
+        self.procs = [(name, p) for name, p in self.procs if name != f"slurmd-{i}"]
+        self._spawn(f"slurmd-{i}", self._in(i, f"exec {_which('slurmd')} -D -N {self.net.hostnames[i]} "
+                                               f"-f {self.tmp}/slurm.conf"))
+        self._wait(lambda: self.node_state().split() == ["idle", "idle"], 90, "both nodes to become idle again")
 
     def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
         # Clients talk to slurmctld from the first node (the controller's address is only there).
@@ -290,3 +302,45 @@ def test_train_sbatch_under_open_mpi_on_two_slurm_nodes(slurm2, tmp_path, monkey
     assert f"nodes            : 2  (ranks per node: {a}=1, {b}=1)" in out, out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 1} and Path(summary["checkpoint"]).exists(), summary
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_a_slurm_node_lost_is_named_by_the_survivors(slurm2, tmp_path):
+    """Every process of node 1 (its slurmd, slurmstepd and ranks) SIGKILLed mid-run under srun:
+    srun keeps the step until Slurm declares the node failed (SlurmdTimeout), so the ranks of
+    node 0 stall in their all-reduce; asking the lost ranks blocks inside MPICH, and the watchdog
+    still reports, naming node 1, and ends the job step (srun exits 137) before Slurm notices."""
+    script = tmp_path / "loop.py"
+    script.write_text(_LOOP)
+    job_sh = tmp_path / "job.sh"
+    job_sh.write_text(f"#!/bin/bash\nexport OMP_NUM_THREADS=1 HPCTRAIN_TIMEOUT=5\n"
+                      f"srun --mpi=pmi2 {sys.executable} {script}\necho \"srun exit status $?\"\n")
+    out_file = tmp_path / "job.out"
+    job = slurm2.run("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--no-requeue", "--time=5",
+                     f"--chdir={tmp_path}", f"--output={out_file}", str(job_sh)).stdout.strip().split(";")[0]
+    try:
+        deadline = time.monotonic() + 120
+        while "step 20" not in (out_file.read_text() if out_file.exists() else ""):
+            assert time.monotonic() < deadline, f"the loop did not start\n{slurm2.logs()}"
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        killed = kill_all(slurm2.net.namespaces[1])
+        while "srun exit status" not in out_file.read_text(errors="replace"):
+            assert time.monotonic() - t0 < 120, f"srun still runs\n{out_file.read_text(errors='replace')}"
+            time.sleep(0.5)
+        took = time.monotonic() - t0
+        # The job itself then waits for Slurm to declare node 1 failed (it held node 1 too).
+        while (state := _job_state(slurm2, job)[0]) in ("RUNNING", "COMPLETING", "CONFIGURING"):
+            assert time.monotonic() - t0 < 120, f"job {job} still {state}"
+            time.sleep(0.5)
+    finally:
+        slurm2.run("scancel", job, check=False)
+        slurm2.revive(1)
+    out = out_file.read_text(errors="replace")
+    lost = slurm2.net.hostnames[1]
+    assert len(killed) >= 4, killed  # slurmd, slurmstepd and the two ranks
+    assert f"node {lost} lost? none of its ranks [2, 3] answered" in out, out
+    assert "blocked inside MPI (a peer that is gone?)" in out, out
+    assert "srun exit status 137" in out, out
+    assert took < 30, f"srun ended {took:.0f} s after the node was lost (SlurmdTimeout is 30 s)\n{out}"

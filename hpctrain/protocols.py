@@ -61,6 +61,24 @@ class Comm(Protocol):
     def free(self) -> None: ...
     def hostname(self) -> str: ...
 
+@runtime_checkable
+class Agreement(Protocol):
+    """A group of ranks that reaches one verdict: what the layers that know no ``comm`` (``data``)
+    use of a communicator (``hpctrain.comm.Communicator`` is one; its methods are those of
+    ``hpctrain.comm.validate``). Collective: every rank of the group calls the same methods."""
+
+    rank: int
+    size: int
+
+    def allgather_obj(self, obj: Any) -> list[Any]: ...
+    def raise_if_any(self, problem: BaseException | str | None, *, what: str = "",
+                     payload: Any = None) -> list[Any]:
+        """Raise the same error on every rank if any rank has a ``problem``; else every payload."""
+
+    def agree(self, what: str, value: Any) -> None:
+        """Raise ``MismatchError`` on every rank unless every rank holds the same ``value``."""
+
+
 # -- state a checkpoint saves and restores (hpctrain.checkpoint) ---------------------------------
 
 

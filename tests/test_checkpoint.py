@@ -361,6 +361,66 @@ def test_a_new_stateful_object_is_saved_loaded_and_rolled_back(solo, tmp_path):
     assert (t.counter.count, t.global_step) == (9, 7)  # put back through the trainer's restore
 
 
+class PickyCounter(Counter):
+    """Refuses a load on the last rank only, after it changed (the others took theirs)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__()
+        self.comm, self.refuse = comm, False
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        if self.refuse and self.comm.rank == self.comm.size - 1:
+            raise ValueError("the last rank refuses the counter")
+
+
+def _dp_trainer(comm: Communicator):
+    from conftest import make_mlp
+
+    from hpctrain.nn import MSELoss
+    from hpctrain.parallel.presets import DataParallelTrainer
+
+    model = make_mlp(3, 2, width=4)
+    return DataParallelTrainer(model=model, loss=MSELoss(), optimizer=Adam(model.parameters(), lr=0.01), comm=comm)
+
+
+@pytest.mark.timeout(120)
+def test_a_tracked_object_is_saved_loaded_and_rolled_back_on_every_rank(comm, shared_dir):
+    """``Trainer.track``: a user's stateful object joins the trainer's state without a subclass and
+    without an edit of the checkpoint code; a load one rank refuses leaves it as it was everywhere."""
+    t = _dp_trainer(comm)
+    t.track("counter", counter := PickyCounter(comm))
+    counter.count, t.global_step = 5, 3
+    path = checkpoint.save(os.path.join(shared_dir, "t.h5"), t)
+    counter.count, t.global_step = 9, 7
+    checkpoint.load(path, t)
+    assert (counter.count, t.global_step) == (5, 3)
+    counter.count, t.global_step, counter.refuse = 9, 7, True
+    with pytest.raises(CheckpointError, match="the last rank refuses the counter"):
+        checkpoint.load(path, t)
+    assert (counter.count, t.global_step) == (9, 7)
+    fresh = _dp_trainer(comm)  # a trainer that does not track it loads the rest
+    checkpoint.load(path, fresh)
+    assert fresh.global_step == 3
+    later = _dp_trainer(comm)
+    later.track("counter", newer := Counter())
+    newer.count = 11
+    old = checkpoint.save(os.path.join(shared_dir, "old.h5"), fresh)  # written without it
+    checkpoint.load(old, later)
+    assert (newer.count, later.global_step) == (11, 3)
+
+
+def test_track_refuses_what_it_cannot_save(solo):
+    t = _dp_trainer(solo)
+    with pytest.raises(TypeError, match=r"track\('x'\): object has no state_dict\(\)"):
+        t.track("x", object())
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        t.track("", Counter())
+    t.track("c", Counter())
+    with pytest.raises(ValueError, match="'c' is already tracked"):
+        t.track("c", Counter())
+
+
 def test_the_checkpointer_keeps_the_job_buffers_and_communicator(solo, tmp_path):
     """An asynchronous save's job and snapshot buffers are the trainer's checkpointer's; nothing is
     parked on the trainer or the communicator; trainers on one communicator share its duplicate."""

@@ -416,3 +416,31 @@ def test_a_validation_stream_file_declaring_a_billion_tokens_is_not_read_whole(t
                                  f"t, v, m = s({path!r}, 8, max_samples=1000); print(len(v), m['vocab_size'])")
     assert printed == [24, 5]
     assert peak_kib < 400 * 1024, f"peak memory {peak_kib / 1024:.0f} MiB"
+
+
+def test_data_nn_and_optim_know_no_comm_or_parallel():
+    # The layers (ARCHITECTURE.md): data, nn and optim reach one verdict through the communicator
+    # they are handed (protocols.Agreement), never by importing comm or parallel; function-level
+    # imports count.
+    import ast
+    from pathlib import Path
+
+    import hpctrain
+
+    root = Path(hpctrain.__file__).parent
+    found = []
+    for layer in ("data", "nn", "optim"):
+        for path in sorted((root / layer).rglob("*.py")):
+            package = ["hpctrain", *path.relative_to(root).parent.parts]
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                    module = ".".join(p for p in (base, node.module) if p)
+                    targets = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                else:
+                    continue
+                found += [f"{path.relative_to(root)}:{node.lineno} {t}" for t in targets
+                          if t.startswith(("hpctrain.comm", "hpctrain.parallel", "mpi4py"))]
+    assert not found

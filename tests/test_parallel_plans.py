@@ -104,3 +104,56 @@ def test_presets_are_one_trainer_with_one_config(comm):
     pp.step(g.normal(size=(8, 4)), g.integers(0, 4, 8))
     pp.check_replicas()
     pp.close()
+
+
+class RankOrderReducer(GradReducer):
+    """A reducer of the test's own: every rank all-gathers the flat gradient and sums the ranks'
+    parts in rank order (the same association everywhere). It plugs in through ``reducer=`` with
+    no edit of parallel/'s runtime or the checkpoint code."""
+
+    def finish(self) -> float:
+        flat = np.concatenate([p.grad.ravel() for p in self.params])
+        parts = self.dp.allgather(flat).reshape(self.dp.size, -1)
+        total, at = parts.sum(axis=0), 0
+        for p in self.params:
+            p.grad[...] = total[at : at + p.grad.size].reshape(p.grad.shape)
+            at += p.grad.size
+        return 0.0
+
+    def counted_grads(self) -> list[tuple]:
+        return [(p, p.grad) for p in self.params] if self.dp.rank == 0 else []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_reducer_of_ones_own_trains_like_one_process_and_checkpoints(comm, shared_dir):
+    from hpctrain import checkpoint
+    from hpctrain.nn import MSELoss
+
+    def mlp():
+        return Sequential(Linear(3, 5, rng=1, dtype=np.float64), Linear(5, 2, rng=2, dtype=np.float64))
+
+    model, serial = mlp(), mlp()
+    tr = ParallelTrainer(model=model, loss=MSELoss(), optimizer=SGD(model.parameters(), lr=LR),
+                         grid=ProcessGrid(comm), reducer=RankOrderReducer)  # fmt: skip
+    assert isinstance(tr.reducer, RankOrderReducer) and isinstance(tr.reducer, Reducer)
+    ref_opt, ref_loss = SGD(serial.parameters(), lr=LR), MSELoss()
+    g, per = np.random.default_rng(5), 3
+    for _ in range(3):
+        x, y = g.normal(size=(per * comm.size, 3)), g.normal(size=(per * comm.size, 2))
+        mine = slice(comm.rank * per, (comm.rank + 1) * per)
+        stats = tr.step(x[mine], y[mine])
+        serial.zero_grad()
+        want = ref_loss.forward(serial.forward(x), y)
+        serial.backward(ref_loss.backward())
+        ref_opt.step()
+        assert stats.loss == pytest.approx(float(want), rel=1e-12)
+    for (name, p), q in zip(model.named_parameters(), serial.parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=1e-12, atol=1e-14, err_msg=name)
+    path = checkpoint.save(f"{shared_dir}/own.h5", tr)
+    before = [p.data.copy() for p in model.parameters()]
+    for p in model.parameters():
+        p.data[...] = 0
+    checkpoint.load(path, tr)
+    for p, b in zip(model.parameters(), before):
+        np.testing.assert_array_equal(p.data, b)

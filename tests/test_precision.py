@@ -251,11 +251,14 @@ def test_loss_scale_flags_reach_the_scaler_and_only_fp16_takes_them(comm):
         resolve(Config(precision="fp16-mixed", loss_scale_init=300.0), 1)
     with pytest.raises(ConfigError, match="--loss-scale-interval: interval must be a positive integer"):
         resolve(Config(precision="fp16-mixed", loss_scale_interval=0), 1)
-    c = resolve(Config(precision="fp16-mixed", loss_scale_init=256.0, loss_scale_interval=3), comm.size)
+    batch = 16 * comm.size  # splits over any world size
+    c = resolve(Config(precision="fp16-mixed", batch_size=batch, loss_scale_init=256.0, loss_scale_interval=3),
+                comm.size)
     tr = build_trainer(c, gpt(), comm)
     scaler = tr.precision.scaler
     assert (scaler.scale, scaler.interval) == (256.0, 3)
-    default = build_trainer(resolve(Config(precision="fp16-mixed"), comm.size), gpt(), comm).precision.scaler
+    plain = resolve(Config(precision="fp16-mixed", batch_size=batch), comm.size)
+    default = build_trainer(plain, gpt(), comm).precision.scaler
     assert (default.scale, default.interval) == (2.0**16, 2000)
 
 

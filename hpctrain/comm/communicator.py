@@ -30,7 +30,7 @@ from .fingerprint import tracer_from_env
 from .owned import _OWNED, _free_dead, _owned
 from .request import Request
 from .staging import _copy_from_host, _copy_to_host, _HostStage
-from .validate import raise_if_any
+from .validate import Agreeing, raise_if_any
 from .wire import _BF16, _FAST_OPS, _OPS16, _as_array, _bf16_op, _bits, _check_dtype, _check_out, _op, _send_ready
 
 _NO_ARG = object()  # _enter's "no argument" (None is a value a fingerprint may show)
@@ -45,7 +45,7 @@ def _environment_problem() -> ConfigError | None:
     return None
 
 
-class Communicator:
+class Communicator(Agreeing):
     """A group of MPI processes and the operations between them.
 
     ``Communicator()`` wraps ``MPI.COMM_WORLD``; ``Communicator(comm)`` wraps any mpi4py

@@ -113,3 +113,18 @@ def raise_if_any(comm: Comm, problem: BaseException | str | None, *, what: str =
     except Exception:
         exc = RuntimeError(message)
     raise mark_everywhere(exc, comm)
+
+
+class Agreeing:
+    """:func:`raise_if_any` and :func:`agree` as methods of a communicator (``Communicator`` has
+    them): layers that know no ``comm`` (``data``) reach one verdict on every rank through the
+    object they are handed (``protocols.Agreement``), not by importing this module."""
+
+    def raise_if_any(self: Any, problem: BaseException | str | None, *, what: str = "",
+                     payload: Any = None) -> list[Any]:
+        """:func:`raise_if_any` over this communicator (collective)."""
+        return raise_if_any(self, problem, what=what, payload=payload)
+
+    def agree(self: Any, what: str, value: Any) -> None:
+        """:func:`agree` over this communicator (collective)."""
+        agree(self, what, value)

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DatasetError
+from ..protocols import Agreement
 from .datasets import HDF5Dataset, TokenDataset
 
 #: Bytes of one key read at once by a check.
@@ -196,7 +197,7 @@ def _scan_local(dset: Any, spans: list[tuple[int, int]], kind: str, where: str, 
 
 
 def scan(dset: Any, spans: list[tuple[int, int]], kind: str, where: str, limit: int = 0,
-         comm: Any = None) -> Finding:
+         comm: Agreement | None = None) -> Finding:
     """Check rows ``spans`` of an h5py dataset in chunks of at most ``CHUNK_BYTES``.
 
     ``kind`` is ``"labels"`` or ``"tokens"`` (integers in ``[0, limit)``; returns their range) or
@@ -206,8 +207,6 @@ def scan(dset: Any, spans: list[tuple[int, int]], kind: str, where: str, limit: 
     spans = _merge_spans(spans)
     if comm is None:
         return _scan_local(dset, spans, kind, where, limit)
-    from ..comm.validate import raise_if_any
-
     problem, found = None, Finding()
     try:
         found = _scan_local(dset, _share(spans, comm.rank, comm.size), kind, where, limit)
@@ -215,7 +214,7 @@ def scan(dset: Any, spans: list[tuple[int, int]], kind: str, where: str, limit: 
         problem = exc
     except Exception as exc:  # anything else must still reach every rank, not leave them waiting
         problem = DatasetError(f"{where}: {type(exc).__name__}: {exc}")
-    raise_if_any(comm, problem)
+    comm.raise_if_any(problem)
     total = Finding()
     for f in comm.allgather_obj(found):
         total = total.merge(f)
@@ -249,7 +248,7 @@ def _check_key(ds: HDF5Dataset, key: str, ndim: int | None, kinds: str, what: st
     return dset
 
 
-def _agreed(comm: Any, ds: HDF5Dataset, fn: Any) -> Any:
+def _agreed(comm: Agreement | None, ds: HDF5Dataset, fn: Any) -> Any:
     """``fn()`` on every rank; a DatasetError on any rank is raised on every rank (file closed)."""
     problem = result = None
     try:
@@ -257,10 +256,8 @@ def _agreed(comm: Any, ds: HDF5Dataset, fn: Any) -> Any:
     except DatasetError as exc:
         problem = exc
     if comm is not None:
-        from ..comm.validate import raise_if_any
-
         try:
-            raise_if_any(comm, problem)
+            comm.raise_if_any(problem)
         except DatasetError:
             ds.close()
             raise
@@ -279,12 +276,12 @@ def _closed_on_error(ds: HDF5Dataset) -> Iterator[None]:
         raise
 
 
-def _open(path: str, keys: tuple[str, ...], comm: Any) -> HDF5Dataset:
+def _open(path: str, keys: tuple[str, ...], comm: Agreement | None) -> HDF5Dataset:
     return HDF5Dataset(path, keys, comm=comm)
 
 
 def open_classification(path: str | os.PathLike, *, val_fraction: float, max_samples: int | None = None,
-                        comm: Any = None, x_key: str = "x", y_key: str = "y",
+                        comm: Agreement | None = None, x_key: str = "x", y_key: str = "y",
                         loss: str = "ce") -> tuple[Rows, Rows, dict[str, Any]]:
     """Train and validation rows of a file of inputs ``x_key`` (N, D) and targets ``y_key``, and
     ``meta = {"n_in", "x_shape", "path"}`` plus ``n_classes`` (``loss="ce"``: integer labels (N,),
@@ -364,7 +361,7 @@ def _vocab(ds: HDF5Dataset) -> tuple[int, str | None]:
 
 
 def open_tokens(path: str | os.PathLike, *, block_size: int, val_fraction: float, max_samples: int | None = None,
-                comm: Any = None, key: str = "tokens") -> tuple[Rows, Rows, dict[str, Any]]:
+                comm: Agreement | None = None, key: str = "tokens") -> tuple[Rows, Rows, dict[str, Any]]:
     """Train and validation windows of a token file (key ``tokens`` (N,), optional root attribute
     ``vocab``): sample i is ``tokens[i*B : (i+1)*B]`` with the next tokens as its targets
     (``B = block_size``, windows that do not overlap); ``meta = {"vocab_size", "path"}`` and
@@ -406,7 +403,7 @@ def _has_keys(path: str, *keys: str) -> bool:
 
 
 def open_token_streams(path: str | os.PathLike, *, block_size: int, seed: int = 0, max_samples: int | None = None,
-                       comm: Any = None, key: str = "tokens",
+                       comm: Agreement | None = None, key: str = "tokens",
                        val_key: str = "val_tokens") -> tuple[Any, Any, dict[str, Any]] | None:
     """For a token file with its own validation stream (``val_key``, as ``hpctrain data make``
     writes it): ``(train windows, validation windows, meta)``, the training windows at a random

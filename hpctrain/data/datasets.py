@@ -16,6 +16,7 @@ import numpy as np
 
 from ..backend import xp_of
 from ..errors import DatasetError
+from ..protocols import Agreement
 
 
 def _as_index(idx: Any) -> np.ndarray:
@@ -85,11 +86,12 @@ class HDF5Dataset:
 
     A missing file, a missing key, a key that is not a dataset, or keys of different lengths raise
     :class:`~hpctrain.errors.DatasetError` naming the file and the key. With ``comm`` (a
-    Communicator) the opening is collective: if any rank fails, every rank raises, and ranks that
-    see different shapes raise ``MismatchError``.
+    Communicator, or any ``protocols.Agreement``) the opening is collective: if any rank fails,
+    every rank raises, and ranks that see different shapes raise ``MismatchError``.
     """
 
-    def __init__(self, path: str | os.PathLike, keys: str | Sequence[str] = ("x", "y"), comm: Any = None) -> None:
+    def __init__(self, path: str | os.PathLike, keys: str | Sequence[str] = ("x", "y"),
+                 comm: Agreement | None = None) -> None:
         self.path = os.fspath(path)
         self.keys = (keys,) if isinstance(keys, str) else tuple(keys)
         self.reads = 0
@@ -99,21 +101,19 @@ class HDF5Dataset:
             return
         # Collective: a file that only some ranks cannot open (a node-local path, a stale mount)
         # must fail on every rank, not leave the others waiting in the trainer's first collective.
-        from ..comm.validate import agree, raise_if_any
-
         try:
             self._open()
             problem = None
         except DatasetError as exc:
             problem = exc
         try:
-            raise_if_any(comm, problem, what="cannot use the dataset")
+            comm.raise_if_any(problem, what="cannot use the dataset")
         except DatasetError:
             if problem is None:
                 self.close()
             raise
 
-        agree(comm, f"the shapes of {self.path}", {k: list(v) for k, v in self.shapes.items()})
+        comm.agree(f"the shapes of {self.path}", {k: list(v) for k, v in self.shapes.items()})
 
     def _open(self) -> None:
         """Open the file and check the keys; DatasetError naming file and key on any problem."""

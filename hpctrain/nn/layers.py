@@ -9,6 +9,7 @@ import numpy as np
 from ..backend import to_device, xp_of
 from ..precision import is_half, matmul
 from . import fused
+from .buffers import Buffers
 from .module import Module, Parameter, as_rng
 
 # sqrt(2 / pi), the constant of GPT-2's tanh approximation of GELU.
@@ -35,6 +36,14 @@ def row_ones(n: int, dtype: Any, xp: Any) -> Any:
 #: core's L2 cache while several passes run over them (one pass over arrays in L3 or memory each
 #: time costs up to twice as much).
 CHUNK = 1 << 17
+
+
+def add_bias_grad(bias: Parameter, g2: Any, buffers: Buffers, dtype: Any) -> None:
+    """``bias.grad +=`` the column sums of the ``(rows, d)`` gradient ``g2``, as a vector-matrix
+    product (BLAS) into ``buffers``' array of ``dtype``."""
+    xp = xp_of(g2)
+    ones = row_ones(g2.shape[0], g2.dtype, xp)
+    bias.grad += matmul(xp, ones, g2, out=buffers.get("gb", (g2.shape[1],), dtype, xp))
 
 
 def row_chunks(xp: Any, *arrays: Any) -> Any:
@@ -75,6 +84,17 @@ class Linear(Module):
         self.bias = Parameter(g.uniform(-bound, bound, (d_out,)).astype(dtype)) if bias else None
         self.cache = None
 
+    @classmethod
+    def borrowing(cls, weight: Parameter, bias: Parameter | None) -> Linear:
+        """A Linear that computes with ``weight`` ``(d_in, d_out)`` and ``bias`` that another module
+        owns and registers under its own names (a tensor-parallel layer holds its slice under the
+        serial names): shared, not copied, and not listed among this Linear's parameters."""
+        lin = cls.__new__(cls)
+        d = lin.__dict__  # past Module.__setattr__: no registration here
+        d["weight"], d["bias"], d["cache"] = weight, bias, None
+        d["d_in"], d["d_out"] = weight.shape
+        return lin
+
     def forward(self, x: Any) -> Any:
         if x.shape[-1] != self.d_in:
             raise ValueError(f"Linear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
@@ -96,9 +116,8 @@ class Linear(Module):
         g2 = grad_out.reshape(-1, self.d_out)
         gw = buf.get("gw", w.shape, np.result_type(x.dtype, grad_out.dtype), xp)
         self.weight.grad += matmul(xp, x2.T, g2, out=gw)  # x2.T is a view: BLAS reads it transposed
-        if self.bias is not None:  # the column sums as a vector-matrix product (BLAS)
-            ones = row_ones(g2.shape[0], g2.dtype, xp)
-            self.bias.grad += matmul(xp, ones, g2, out=buf.get("gb", (self.d_out,), gw.dtype, xp))
+        if self.bias is not None:
+            add_bias_grad(self.bias, g2, buf, gw.dtype)
         gx = buf.get("gx", (*grad_out.shape[:-1], self.d_in), np.result_type(grad_out.dtype, w.dtype), xp)
         matmul(xp, g2, w.T, out=gx.reshape(-1, self.d_in))
         return gx
@@ -319,7 +338,7 @@ class LayerNorm(Module):
         return f"{self.d}, eps={self.eps}"
 
 
-def _scatter_add(target: Any, index: Any, values: Any) -> None:
+def scatter_add(target: Any, index: Any, values: Any) -> None:
     """``target[index] += values`` with repeated indices accumulated (numpy or cupy).
 
     On NumPy the rows are summed per distinct index first (a stable sort, then one ``reduceat``
@@ -390,7 +409,7 @@ class Embedding(Module):
 
     def backward(self, grad_out: Any) -> None:
         idx = self.cache
-        _scatter_add(self.weight.grad, idx.reshape(-1), grad_out.reshape(-1, self.d))
+        scatter_add(self.weight.grad, idx.reshape(-1), grad_out.reshape(-1, self.d))
         return None
 
     def extra_repr(self) -> str:

@@ -2,9 +2,10 @@
 
 Composite modules keep no state of their own between forward and backward: everything lives in
 their leaf layers' ``cache`` (and the attention core's), so ``Module.get_cache``/``set_cache``
-swap a whole micro-batch. The attention core is also exposed as two functions
-(``causal_attention``, ``causal_attention_backward``) on ``(B, H, T, hd)`` arrays so a
-tensor-parallel attention that holds only some heads can reuse it.
+swap a whole micro-batch. The attention core is two functions (``causal_attention``,
+``causal_attention_backward``) on ``(B, H, T, hd)`` arrays; ``SelfAttentionBase`` runs them
+between its ``qkv`` and ``proj`` sublayers on the heads it computes, so a tensor-parallel
+attention that holds only some heads is the same code with other sublayers.
 """
 
 from __future__ import annotations
@@ -163,7 +164,51 @@ class MLP(Module):
         return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)))
 
 
-class CausalSelfAttention(Module):
+class SelfAttentionBase(Module):
+    """Causal multi-head self-attention on ``(B, T, d_model)`` through two sublayers: ``qkv``, whose
+    output columns are ``[q | k | v]`` of the heads this module computes (``heads_here()``; head
+    ``h`` of each is columns ``h*hd:(h+1)*hd``, hd = d_model // n_heads), and ``proj``, which
+    takes those heads' outputs. ``CausalSelfAttention`` computes every head; a tensor-parallel
+    attention (``hpctrain.parallel``) computes its rank's heads with this same code.
+    """
+
+    d_model: int
+    n_heads: int
+    qkv: Module
+    proj: Module
+
+    def heads_here(self) -> int:
+        """How many heads this module computes: all ``n_heads`` unless a subclass holds fewer."""
+        return self.n_heads
+
+    def forward(self, x: Any) -> Any:
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"{type(self).__name__}({self.d_model}) needs (B, T, {self.d_model}), got {x.shape}")
+        b, t, _ = x.shape
+        h, hd = self.heads_here(), self.d_model // self.n_heads
+        # (B, T, 3, H, hd) -> (3, B, H, T, hd): q, k, v as strided views of the qkv output (no copy)
+        qkv = self.qkv.forward(x).reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        xp, buf = xp_of(x), self._scratch()
+        # The heads' outputs go straight into the (B, T, H*hd) layout the projection reads.
+        y = buf.get("y", (b, t, h * hd), np.result_type(q.dtype, v.dtype), xp)
+        _, att = causal_attention(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
+        self.cache = (q, k, v, att)
+        return self.proj.forward(y)
+
+    def backward(self, grad_out: Any) -> Any:
+        q, k, v, att = self.cache
+        b, h, t, hd = q.shape
+        dy = self.proj.backward(grad_out).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
+        xp, buf = xp_of(dy), self._scratch()
+        # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
+        dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)  # att may be wider
+        parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
+        causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
+        return self.qkv.backward(dqkv)
+
+
+class CausalSelfAttention(SelfAttentionBase):
     """Multi-head causal self-attention on ``(B, T, d_model)``.
 
     ``qkv`` = Linear(d_model, 3 d_model) with output columns ``[q | k | v]``; head ``h`` of each is
@@ -180,32 +225,6 @@ class CausalSelfAttention(Module):
         self.qkv = Linear(d_model, 3 * d_model, rng=g, dtype=dtype)
         self.proj = Linear(d_model, d_model, rng=g, dtype=dtype)
         self.cache = None
-
-    def forward(self, x: Any) -> Any:
-        if x.ndim != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"CausalSelfAttention({self.d_model}) needs (B, T, {self.d_model}), got {x.shape}")
-        b, t, d = x.shape
-        h, hd = self.n_heads, d // self.n_heads
-        # (B, T, 3, H, hd) -> (3, B, H, T, hd): q, k, v as strided views of the qkv output (no copy)
-        qkv = self.qkv.forward(x).reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        xp, buf = xp_of(x), self._scratch()
-        # The heads' outputs go straight into the (B, T, H*hd) layout the projection reads.
-        y = buf.get("y", (b, t, d), np.result_type(q.dtype, v.dtype), xp)
-        _, att = causal_attention(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
-        self.cache = (q, k, v, att)
-        return self.proj.forward(y)
-
-    def backward(self, grad_out: Any) -> Any:
-        q, k, v, att = self.cache
-        b, h, t, hd = q.shape
-        dy = self.proj.backward(grad_out).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
-        xp, buf = xp_of(dy), self._scratch()
-        # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
-        dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)  # att may be wider
-        parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
-        causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
-        return self.qkv.backward(dqkv)
 
     def extra_repr(self) -> str:
         return f"{self.d_model}, n_heads={self.n_heads}"
@@ -287,7 +306,7 @@ class GPT(Module):
         if n_heads < 1 or d_model % n_heads:
             raise ValueError(f"n_heads={n_heads} must be positive and divide d_model={d_model}")
         g = as_rng(rng)
-        d_hidden = 4 * d_model if d_hidden is None else d_hidden
+        d_hidden = self.tp_sizes(d_model, n_heads, d_hidden)["hidden"]
         self.vocab_size, self.block_size = vocab_size, block_size
         self.tok_emb = Embedding(vocab_size, d_model, std=0.02, rng=g, dtype=dtype)
         self.pos_emb = Embedding(block_size, d_model, std=0.02, rng=g, dtype=dtype)
@@ -360,6 +379,12 @@ class GPT(Module):
         """How many pieces ``pipeline_cuts`` gives for ``n_layers`` blocks (a config check's
         bound on the pipeline stages, before the model exists)."""
         return n_layers + 3
+
+    @staticmethod
+    def tp_sizes(d_model: int, n_heads: int, d_hidden: int | None = None) -> dict[str, int]:
+        """The sizes a tensor-parallel group splits: the attention's heads and the MLPs' hidden
+        width (``d_hidden``, default ``4 * d_model``), for a config check before the model exists."""
+        return {"n_heads": n_heads, "hidden": 4 * d_model if d_hidden is None else d_hidden}
 
     def tp_plan(self) -> dict[str, str]:
         """How the parts that are not generic layers split over tensor-parallel ranks, by module

@@ -20,6 +20,10 @@ class Optimizer:
     """Base: holds parameters, the step count and per-parameter state."""
 
     state_keys: tuple[str, ...] = ()
+    #: Whether ``update`` is elementwise: a slice of a parameter updated with the same slice of its
+    #: gradient and state gives that slice of the whole update (``optim.sharded`` updates pieces).
+    #: Declared by the class that defines ``update``; a subclass overriding it declares it again.
+    elementwise: bool = False
 
     def __init__(
         self,
@@ -68,16 +72,22 @@ class Optimizer:
         masters = self.masters
         for name, p in zip(self.names, self.params):
             if masters is None:
-                self._update(p, self.state[name], lr)
+                self.update(p, self.state[name], lr, self.step_count)
                 continue
             m = masters[name]
             g = p.grad  # a 16-bit gradient widens exactly; the update itself is the fp32 one
             m.grad = g if g.dtype == m.data.dtype else g.astype(m.data.dtype)
-            self._update(m, self.state[name], lr)
+            self.update(m, self.state[name], lr, self.step_count)
             m.grad = None  # no second gradient kept between steps
             p.data[...] = m.data  # round to nearest even into the compute copy
 
-    def _update(self, p: Parameter, state: dict[str, Any], lr: float) -> None:
+    def update(self, p: Parameter, state: dict[str, Any], lr: float, step: int,
+               scratch: dict[str, Any] | None = None) -> None:
+        """Update ``p.data`` in place from ``p.grad`` and ``state`` (its arrays created on first
+        use) by this optimizer's rule, as step number ``step`` (1 for the first) with learning rate
+        ``lr``. It reads only the hyper-parameters of ``self``, so ``optim.sharded`` applies it to
+        pieces of parameters. ``scratch``: a dict in which the rule may keep work arrays between
+        calls (``None``: on the optimizer itself, sized for its largest parameter)."""
         raise NotImplementedError
 
     def config(self) -> dict[str, Any]:
@@ -141,6 +151,7 @@ class SGD(Optimizer):
     """SGD with momentum, Nesterov and (L2) weight decay, as in the common reference."""
 
     state_keys = ("momentum_buffer",)
+    elementwise = True
 
     def __init__(self, params, lr: float, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, schedule=None) -> None:
@@ -151,7 +162,7 @@ class SGD(Optimizer):
             raise ValueError("nesterov=True needs momentum > 0")
         self.momentum, self.nesterov, self.weight_decay = momentum, nesterov, weight_decay
 
-    def _update(self, p, state, lr) -> None:
+    def update(self, p, state, lr, step, scratch=None) -> None:
         g = p.grad
         if self.weight_decay:
             g = g + self.weight_decay * p.data
@@ -175,6 +186,7 @@ class Adam(Optimizer):
 
     state_keys = ("exp_avg", "exp_avg_sq")
     decoupled = False
+    elementwise = True
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, schedule=None) -> None:
@@ -185,12 +197,12 @@ class Adam(Optimizer):
             raise ValueError(f"eps and weight_decay must be >= 0, got {eps} and {weight_decay}")
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
 
-    def _update(self, p, state, lr) -> None:
+    def update(self, p, state, lr, step, scratch=None) -> None:
         b1, b2 = self.betas
-        t = self.step_count
+        t = step
         g = p.grad
         xp = xp_of(p.data)
-        if self._fused_update(p, state, lr):
+        if self._fused_update(p, state, lr, step):
             return
         if self.weight_decay:
             if self.decoupled:
@@ -203,7 +215,7 @@ class Adam(Optimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         # The reference's operations in its order, in place and through one scratch array shared
         # by all parameters (bitwise equal to the formulas, no temporaries).
-        s = self._scratch_like(p.data, xp)
+        s = self._scratch_like(p.data, xp, scratch)
         m *= b1
         m += xp.multiply(g, 1 - b1, out=s)
         v *= b2
@@ -218,7 +230,7 @@ class Adam(Optimizer):
         s *= step_size
         p.data -= s
 
-    def _fused_update(self, p: Parameter, state: dict[str, Any], lr: float) -> bool:
+    def _fused_update(self, p: Parameter, state: dict[str, Any], lr: float, step: int) -> bool:
         """The whole update in one pass (``hpctrain.nn.fused``; bitwise the NumPy code's result)
         when the kernels are on and the arrays suit them; ``False`` leaves it to the NumPy code."""
         if not isinstance(p.data, np.ndarray):
@@ -232,7 +244,7 @@ class Adam(Optimizer):
             m = state["exp_avg"] = np.zeros_like(p.data)
             v = state["exp_avg_sq"] = np.zeros_like(p.data)
         b1, b2 = self.betas
-        t = self.step_count
+        t = step
         wd = self.weight_decay
         decay = 1 - lr * wd if wd and self.decoupled else 1.0
         l2 = wd if wd and not self.decoupled else 0.0
@@ -241,13 +253,18 @@ class Adam(Optimizer):
                               lr / (1 - b1**t)))
         return True
 
-    def _scratch_like(self, a: Any, xp: Any) -> Any:
-        """A scratch view shaped like ``a`` from one flat array sized for the largest parameter."""
-        flat = self.__dict__.get("_scratch")
+    def _scratch_like(self, a: Any, xp: Any, cache: dict[str, Any] | None = None) -> Any:
+        """A scratch view shaped like ``a`` from one flat array kept in ``cache``: sized for ``a``,
+        or (``None``: on this optimizer) for the largest parameter."""
+        own = cache is None
+        cache = self.__dict__ if own else cache
+        flat = cache.get("_scratch")
         if flat is None or flat.dtype != a.dtype or xp_of(flat) is not xp or flat.size < a.size:
-            pool = self.masters.values() if self.masters else self.params  # what the update runs on
-            size = max(int(q.data.size) for q in pool if q.data.dtype == a.dtype)
-            flat = self.__dict__["_scratch"] = xp.empty(size, dtype=a.dtype)
+            size = a.size
+            if own:
+                pool = self.masters.values() if self.masters else self.params  # what the update runs on
+                size = max(int(q.data.size) for q in pool if q.data.dtype == a.dtype)
+            flat = cache["_scratch"] = xp.empty(size, dtype=a.dtype)
         return flat[: a.size].reshape(a.shape)
 
     def config(self) -> dict[str, Any]:

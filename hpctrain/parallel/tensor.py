@@ -23,6 +23,7 @@ from ..comm.validate import agree, describe_model
 from ..nn.module import Module, Sequential
 from ..nn.recompute import Recompute
 from ..nn.transformer import MLP, CausalSelfAttention
+from ..protocols import Comm
 from .presets import TensorParallelTrainer
 from .shards import full_state_dict, shard_map
 from .tensor_layers import (
@@ -34,13 +35,29 @@ from .tensor_layers import (
     VocabParallelEmbedding,
     parallel_loss,
 )
-from .tensor_mappings import BACKWARD, copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp, traffic
+from .tensor_mappings import (
+    BACKWARD,
+    PAIRS,
+    CopyToTP,
+    GatherFromTP,
+    ReduceFromTP,
+    ScatterToTP,
+    Tape,
+    TapedModule,
+    TPMapping,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    scatter_to_tp,
+    traffic,
+)
 
 __all__ = [
-    "BACKWARD", "ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear",
-    "TensorParallelTrainer", "VocabParallelCrossEntropy", "VocabParallelEmbedding", "copy_to_tp",
-    "full_state_dict", "gather_from_tp", "parallel_loss", "reduce_from_tp", "scatter_to_tp", "shard_map",
-    "tensor_parallel", "traffic",
+    "BACKWARD", "PAIRS", "ColumnParallelLinear", "CopyToTP", "GatherFromTP", "ParallelMLP",
+    "ParallelSelfAttention", "ReduceFromTP", "RowParallelLinear", "ScatterToTP", "TPMapping", "Tape",
+    "TapedModule", "TensorParallelTrainer", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
+    "copy_to_tp", "full_state_dict", "gather_from_tp", "parallel_loss", "reduce_from_tp", "scatter_to_tp",
+    "shard_map", "tensor_parallel", "traffic",
 ]  # fmt: skip
 
 
@@ -50,7 +67,7 @@ def _structure(model: Module) -> list[list[Any]]:
     return [describe_model(model), mods]
 
 
-def _swap(parent: Module, comm: Any) -> None:
+def _swap(parent: Module, comm: Comm) -> None:
     for name, child in list(parent.__dict__.get("_modules", {}).items()):
         if isinstance(child, MLP):
             setattr(parent, name, ParallelMLP.from_serial(child, comm))
@@ -64,7 +81,7 @@ def _swap(parent: Module, comm: Any) -> None:
             _swap(child, comm)
 
 
-def _vocab_head(head: Any, tp_comm: Any) -> Module:
+def _vocab_head(head: Any, tp_comm: Comm) -> Module:
     return ColumnParallelLinear.from_serial(head, tp_comm, gather_output=False)
 
 
@@ -79,7 +96,7 @@ PLAN_KINDS = {
 }
 
 
-def _apply_plan(model: Module, name: str, kind: str, tp_comm: Any) -> None:
+def _apply_plan(model: Module, name: str, kind: str, tp_comm: Comm) -> None:
     """Swap ``model``'s module ``name`` (dotted) for its ``kind`` split; a vocab head marks the
     model ``vocab_parallel = (first vocabulary row of this rank, vocabulary size)``."""
     if kind not in PLAN_KINDS:
@@ -96,7 +113,7 @@ def _apply_plan(model: Module, name: str, kind: str, tp_comm: Any) -> None:
         model.vocab_parallel = (index[1].start, int(full[1]))
 
 
-def tensor_parallel(model: Module, tp_comm: Any) -> Module:
+def tensor_parallel(model: Module, tp_comm: Comm) -> Module:
     """A copy of ``model`` split over the tensor-parallel group ``tp_comm`` (collective over it).
 
     ``MLP`` -> ``ParallelMLP``, ``CausalSelfAttention`` -> ``ParallelSelfAttention``; then the

@@ -3,7 +3,12 @@
 Each layer holds this rank's slice of the serial layer's parameters under the serial attribute
 names (``weight``, ``bias``, ``fc1``, ``qkv`` ...) so dotted names stay those of the serial model,
 and records in ``shard_index`` where each local array sits in the full tensor (``full_shape`` and
-an index). Communication goes only through the paired mappings of ``tensor_mappings``.
+an index). The computation is nn's: the linear layers hold an ``nn.Linear`` over their slice
+(``Linear.borrowing``: their parameters, its fast path and precision handling), the attention is
+``nn.transformer.SelfAttentionBase`` on this rank's heads, the embedding's gradient goes through
+``nn.layers.scatter_add``. Communication goes only through the mapping pairs of
+``tensor_mappings``, applied on a ``Tape`` in forward; ``TapedModule``'s backward replays the tape,
+so the layers here write no backward of their own that could forget a twin.
 
 Shapes that do not split are refused with a ``ValueError`` when the layer is built; every rank
 builds from the same serial model, so every rank refuses alike.
@@ -17,12 +22,21 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
-from ..nn.layers import Linear
+from ..nn.layers import Linear, add_bias_grad, scatter_add
 from ..nn.losses import CrossEntropyLoss, _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
 from ..nn.module import Module, Parameter
-from ..nn.transformer import causal_attention, causal_attention_backward
+from ..nn.transformer import SelfAttentionBase
 from ..precision import widen
-from .tensor_mappings import copy_to_tp, gather_from_tp, partition, reduce_from_tp, scatter_to_tp
+from ..protocols import Comm
+from .tensor_mappings import (
+    CopyToTP,
+    GatherFromTP,
+    ReduceFromTP,
+    ScatterToTP,
+    TapedModule,
+    partition,
+    reduce_from_tp,
+)
 
 
 def _index_of(ranges: list[tuple[int, int]]) -> Any:
@@ -32,26 +46,27 @@ def _index_of(ranges: list[tuple[int, int]]) -> Any:
     return np.concatenate([np.arange(a, b) for a, b in ranges])
 
 
-class ColumnParallelLinear(Module):
+class ColumnParallelLinear(TapedModule):
     """``y = x @ W + b`` with ``W`` split by output columns: rank r holds ``W[:, cols_r]``, ``b[cols_r]``.
 
-    The input is replicated (``copy_to_tp``: its gradient is all-reduced); the output stays split
-    unless ``gather_output`` (then an all-gather, which needs ``d_out % tp == 0``).
+    The input is replicated (``CopyToTP``: its gradient is all-reduced); the output stays split
+    unless ``gather_output`` (``GatherFromTP``, which needs ``d_out % tp == 0``). ``linear`` (an
+    ``nn.Linear`` over the slice, sharing ``weight`` and ``bias``) computes.
     """
 
-    def __init__(self, d_in: int, d_out: int, comm: Any, bias: bool = True, gather_output: bool = False,
+    def __init__(self, d_in: int, d_out: int, comm: Comm, bias: bool = True, gather_output: bool = False,
                  rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
         self._setup(Linear(d_in, d_out, bias=bias, rng=rng, dtype=dtype), comm, gather_output, None)
 
     @classmethod
-    def from_serial(cls, linear: Linear, comm: Any, gather_output: bool = False,
+    def from_serial(cls, linear: Linear, comm: Comm, gather_output: bool = False,
                     columns: list[tuple[int, int]] | None = None) -> ColumnParallelLinear:
         """Slice ``linear``'s columns for this rank (``columns``: explicit ``[start, stop)`` ranges)."""
         obj = cls.__new__(cls)
         obj._setup(linear, comm, gather_output, columns)
         return obj
 
-    def _setup(self, linear: Linear, comm: Any, gather_output: bool, columns: list | None) -> None:
+    def _setup(self, linear: Linear, comm: Comm, gather_output: bool, columns: list | None) -> None:
         d_in, d_out = linear.weight.shape
         if columns is None:
             if gather_output and d_out % comm.size:
@@ -72,52 +87,41 @@ class ColumnParallelLinear(Module):
         self.shard_index = {"weight": ((d_in, d_out), (slice(None), idx))}
         if self.bias is not None:
             self.shard_index["bias"] = ((d_out,), (idx,))
+        self.linear = Linear.borrowing(self.weight, self.bias)  # computes; lists no parameters
         self.cache = None
 
     def forward(self, x: Any) -> Any:
         if x.shape[-1] != self.d_in:
             raise ValueError(f"ColumnParallelLinear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
-        x = copy_to_tp(x, self.comm)
-        self.cache = x
-        y = x @ self.weight.data
-        if self.bias is not None:
-            y += self.bias.data
-        return gather_from_tp(y, self.comm) if self.gather_output else y
-
-    def backward(self, grad_out: Any) -> Any:
-        if self.gather_output:
-            grad_out = scatter_to_tp(grad_out, self.comm)
-        x2 = self.cache.reshape(-1, self.d_in)
-        g2 = grad_out.reshape(-1, self.d_local)
-        self.weight.grad += x2.T @ g2
-        if self.bias is not None:
-            self.bias.grad += g2.sum(axis=0)
-        return reduce_from_tp(grad_out @ self.weight.data.T, self.comm)  # twin of copy_to_tp
+        tape = self.record()
+        y = tape.run(self.linear, tape.map(CopyToTP, x))
+        return tape.map(GatherFromTP, y) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return f"{self.d_in}, {self.d_out} (local {self.d_local}), tp={self.comm.size}"
 
 
-class RowParallelLinear(Module):
+class RowParallelLinear(TapedModule):
     """``y = x @ W + b`` with ``W`` split by input rows: rank r holds ``W[rows_r, :]``; ``b`` is replicated.
 
-    The input arrives split along its last axis (``input_is_parallel``; otherwise it is scattered
-    here); partial products are all-reduced and the bias is added once, after the reduction.
+    The input arrives split along its last axis (``input_is_parallel``; otherwise ``ScatterToTP``
+    here); ``linear`` (an ``nn.Linear`` over the rows, without bias) computes the partial product,
+    ``ReduceFromTP`` sums it and the bias is added once, after the reduction.
     """
 
-    def __init__(self, d_in: int, d_out: int, comm: Any, bias: bool = True, input_is_parallel: bool = True,
+    def __init__(self, d_in: int, d_out: int, comm: Comm, bias: bool = True, input_is_parallel: bool = True,
                  rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
         self._setup(Linear(d_in, d_out, bias=bias, rng=rng, dtype=dtype), comm, input_is_parallel, None)
 
     @classmethod
-    def from_serial(cls, linear: Linear, comm: Any, input_is_parallel: bool = True,
+    def from_serial(cls, linear: Linear, comm: Comm, input_is_parallel: bool = True,
                     rows: tuple[int, int] | None = None) -> RowParallelLinear:
         """Slice ``linear``'s rows for this rank (``rows``: an explicit ``[start, stop)``)."""
         obj = cls.__new__(cls)
         obj._setup(linear, comm, input_is_parallel, rows)
         return obj
 
-    def _setup(self, linear: Linear, comm: Any, input_is_parallel: bool, rows: tuple | None) -> None:
+    def _setup(self, linear: Linear, comm: Comm, input_is_parallel: bool, rows: tuple | None) -> None:
         d_in, d_out = linear.weight.shape
         if rows is None:
             if not input_is_parallel and d_in % comm.size:
@@ -135,33 +139,31 @@ class RowParallelLinear(Module):
         self.bias = Parameter(linear.bias.data.copy()) if linear.bias is not None else None
         self.d_local = self.weight.shape[0]
         self.shard_index = {"weight": ((d_in, d_out), (slice(*rows), slice(None)))}
+        # The bias stays out of the Linear: it is added once, after the reduction.
+        self.linear = Linear.borrowing(self.weight, None)
         self.cache = None
 
     def forward(self, x: Any) -> Any:
         if not self.input_is_parallel:
             if x.shape[-1] != self.d_in:
                 raise ValueError(f"RowParallelLinear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
-            x = scatter_to_tp(x, self.comm)
         elif x.shape[-1] != self.d_local:
             raise ValueError(
                 f"RowParallelLinear({self.d_in}, {self.d_out}) expects this rank's {self.d_local} input "
                 f"columns, got input of shape {x.shape}"
             )
-        self.cache = x
-        y = reduce_from_tp(x @ self.weight.data, self.comm)
+        tape = self.record()
+        if not self.input_is_parallel:
+            x = tape.map(ScatterToTP, x)
+        y = tape.map(ReduceFromTP, tape.run(self.linear, x))
         if self.bias is not None:
-            y += self.bias.data  # once, after the reduction
+            y += self.bias.data
+            tape.local("bias", self._bias_backward)
         return y
 
-    def backward(self, grad_out: Any) -> Any:
-        # reduce_from_tp's twin is the identity: grad_out is the same full gradient on every rank.
-        x2 = self.cache.reshape(-1, self.d_local)
-        g2 = grad_out.reshape(-1, self.d_out)
-        self.weight.grad += x2.T @ g2
-        if self.bias is not None:
-            self.bias.grad += g2.sum(axis=0)
-        gx = grad_out @ self.weight.data.T
-        return gx if self.input_is_parallel else gather_from_tp(gx, self.comm)
+    def _bias_backward(self, grad_out: Any) -> Any:
+        add_bias_grad(self.bias, grad_out.reshape(-1, self.d_out), self._scratch(), grad_out.dtype)
+        return grad_out
 
     def extra_repr(self) -> str:
         return f"{self.d_in} (local {self.d_local}), {self.d_out}, tp={self.comm.size}"
@@ -174,7 +176,7 @@ class ParallelMLP(Module):
         self.fc1, self.act, self.fc2 = fc1, act, fc2
 
     @classmethod
-    def from_serial(cls, mlp: Any, comm: Any) -> ParallelMLP:
+    def from_serial(cls, mlp: Any, comm: Comm) -> ParallelMLP:
         """Split a serial ``MLP`` (``fc1``, ``act``, ``fc2``) over ``comm``."""
         d_hidden = mlp.fc1.weight.shape[1]
         if d_hidden % comm.size:
@@ -191,15 +193,15 @@ class ParallelMLP(Module):
         return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)))
 
 
-class ParallelSelfAttention(Module):
+class ParallelSelfAttention(SelfAttentionBase):
     """Causal multi-head self-attention with the heads split across the tensor-parallel group.
 
     ``qkv`` is column-parallel (rank r holds the q, k and v columns of its heads), the attention
-    of those heads runs locally and ``proj`` is row-parallel: one all-reduce forward, one backward.
-    Needs ``n_heads % tp == 0``.
+    of those heads is ``SelfAttentionBase``'s (the serial code on ``n_local_heads`` heads) and
+    ``proj`` is row-parallel: one all-reduce forward, one backward. Needs ``n_heads % tp == 0``.
     """
 
-    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, n_heads: int, comm: Any) -> None:
+    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, n_heads: int, comm: Comm) -> None:
         self.qkv, self.proj = qkv, proj
         self.n_heads, self.comm = n_heads, comm
         self.n_local_heads = n_heads // comm.size
@@ -207,8 +209,11 @@ class ParallelSelfAttention(Module):
         self.head_dim = self.d_model // n_heads
         self.cache = None
 
+    def heads_here(self) -> int:
+        return self.n_local_heads
+
     @classmethod
-    def from_serial(cls, attn: Any, comm: Any) -> ParallelSelfAttention:
+    def from_serial(cls, attn: Any, comm: Comm) -> ParallelSelfAttention:
         """Split a serial ``CausalSelfAttention`` (``qkv``, ``proj``, ``n_heads``) by heads over ``comm``."""
         n_heads = int(attn.n_heads)
         d = attn.proj.weight.shape[1]
@@ -226,48 +231,17 @@ class ParallelSelfAttention(Module):
         proj = RowParallelLinear.from_serial(attn.proj, comm, rows=(start, start + dl))
         return cls(qkv, proj, n_heads, comm)
 
-    def _heads(self, a: Any) -> Any:
-        b, t, _ = a.shape
-        return a.reshape(b, t, self.n_local_heads, self.head_dim).transpose(0, 2, 1, 3)
-
-    def forward(self, x: Any) -> Any:
-        if x.ndim != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"ParallelSelfAttention expects (B, T, {self.d_model}), got {x.shape}")
-        b, t, _ = x.shape
-        hl, hd = self.n_local_heads, self.head_dim
-        dl = hl * hd
-        # q, k, v as strided views of the qkv output, the heads' outputs written straight into the
-        # (B, T, local d) layout the projection reads: the serial core's no-copy path.
-        qkv = self.qkv.forward(x).reshape(b, t, 3, hl, hd).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        xp, buf = xp_of(x), self._scratch()
-        y = buf.get("y", (b, t, dl), np.result_type(q.dtype, v.dtype), xp)
-        _, att = causal_attention(q, k, v, out=self._heads(y), buffers=buf)
-        self.cache = (q, k, v, att)
-        return self.proj.forward(y)
-
-    def backward(self, grad_out: Any) -> Any:
-        q, k, v, att = self.cache
-        b, hl, t, hd = q.shape
-        dy = self._heads(self.proj.backward(grad_out))
-        xp, buf = xp_of(dy), self._scratch()
-        # dq, dk, dv land in the [q | k | v] column layout of this rank's qkv output gradient.
-        dqkv = buf.get("dqkv", (b, t, 3 * hl * hd), np.result_type(dy.dtype, q.dtype), xp)  # att may be wider
-        parts = dqkv.reshape(b, t, 3, hl, hd).transpose(2, 0, 3, 1, 4)
-        causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
-        return self.qkv.backward(dqkv)
-
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads} (local {self.n_local_heads}), tp={self.comm.size}"
 
 
-class VocabParallelEmbedding(Module):
+class VocabParallelEmbedding(TapedModule):
     """An ``Embedding`` whose rows (the vocabulary) are split: rank r looks up only its own ids.
 
     Ids owned by other ranks give zeros locally; one all-reduce assembles the full embeddings.
     """
 
-    def __init__(self, weight: Any, n: int, comm: Any, rows: tuple[int, int]) -> None:
+    def __init__(self, weight: Any, n: int, comm: Comm, rows: tuple[int, int]) -> None:
         self.comm, self.n = comm, n
         self.start, self.stop = rows
         self.weight = Parameter(weight)
@@ -275,7 +249,7 @@ class VocabParallelEmbedding(Module):
         self.cache = None
 
     @classmethod
-    def from_serial(cls, emb: Any, comm: Any) -> VocabParallelEmbedding:
+    def from_serial(cls, emb: Any, comm: Comm) -> VocabParallelEmbedding:
         n = emb.weight.shape[0]
         if n < comm.size:
             raise ValueError(f"VocabParallelEmbedding: {n} rows < tensor-parallel size {comm.size}")
@@ -295,14 +269,13 @@ class VocabParallelEmbedding(Module):
         mine = (idx >= self.start) & (idx < self.stop)
         local = xp.where(mine, idx - self.start, 0)
         out = self.weight.data[local] * mine[..., None]
-        self.cache = (local, mine)
-        return reduce_from_tp(out, self.comm)
+        tape = self.record()
+        tape.local("lookup", self._scatter_grad, local, mine)
+        return tape.map(ReduceFromTP, out)
 
-    def backward(self, grad_out: Any) -> None:
-        xp = xp_of(grad_out)
-        local, mine = self.cache
-        d = self.weight.shape[1]
-        xp.add.at(self.weight.grad, local[mine], grad_out[mine].reshape(-1, d))
+    def _scatter_grad(self, grad_out: Any, local: Any, mine: Any) -> None:
+        """The rows' gradients into this rank's rows with the serial Embedding's scatter (nn.layers)."""
+        scatter_add(self.weight.grad, local[mine], grad_out[mine].reshape(-1, self.weight.shape[1]))
         return None
 
     def extra_repr(self) -> str:
@@ -319,7 +292,7 @@ class VocabParallelCrossEntropy:
     #: Target dtypes kinds it accepts (the step refuses others before any forward, on every rank).
     target_kinds = "iu"
 
-    def __init__(self, comm: Any, start: int, vocab: int) -> None:
+    def __init__(self, comm: Comm, start: int, vocab: int) -> None:
         self.comm, self.start, self.vocab = comm, start, vocab
         self.cache = None
         self._low = None  # the logits' 16-bit dtype under mixed precision
@@ -369,7 +342,7 @@ class VocabParallelCrossEntropy:
         return g if self._low is None else g.astype(self._low)
 
 
-def parallel_loss(model: Any, loss: Any, tp_comm: Any) -> tuple[Any, Exception | None]:
+def parallel_loss(model: Any, loss: Any, tp_comm: Comm) -> tuple[Any, Exception | None]:
     """The loss a split ``model`` trains with, and the problem if it cannot: a model whose head
     was split over the vocabulary (``vocab_parallel``) computes ``CrossEntropyLoss`` as
     ``VocabParallelCrossEntropy`` (its logits never exist whole on one rank)."""

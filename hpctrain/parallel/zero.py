@@ -1,17 +1,18 @@
 """ZeRO over the data-parallel group: optimizer state (1), gradients (2), parameters (3) sharded.
 
-``ZeroReducer`` plugs into ``ParallelTrainer``'s step template as its dp ``GradReducer``
+``ZeroReducer`` plugs into ``ParallelTrainer``'s step template as its dp ``Reducer``
 (``ParallelTrainer(..., zero=N)``). This rank's parameters (its tp/pp part of the model) are laid
 end to end in one flat order, module by module (a module's own parameters are contiguous: a
-"unit"). The flat range ``[0, n)`` is cut into ``dp.size`` contiguous pieces; dp rank r owns
+"unit"), on an ``optim.sharded.FlatLayout`` cut into ``dp.size`` contiguous pieces; dp rank r owns
 piece r: the reduced gradient, the optimizer state and (zero 3) the parameters of that piece.
 
-- zero 1: gradients accumulate in a full local buffer; each unit's gradient is reduce-scattered
-  into the owners' pieces as backward finishes it (overlap, through the trainer's backward
-  hooks); the optimizer updates this rank's piece; the parameters are all-gathered back.
-- zero 2: the same, but the full local gradient buffer exists only from the step's start to the
-  end of its reduction (then freed): between steps a rank holds only its piece of the reduced
-  gradient, and no rank ever holds a fully reduced gradient.
+- zero 1: gradients accumulate in full local unit buffers; each unit's gradient is
+  reduce-scattered into the owners' pieces as backward finishes it (overlap, through the
+  trainer's backward hooks); the sharded optimizer updates this rank's piece; the parameters are
+  all-gathered back.
+- zero 2: the same, but a unit's local gradient exists only from just before its backward to the
+  end of its reduction: between steps a rank holds only its piece of the reduced gradient, and no
+  rank ever holds a fully reduced gradient.
 - zero 3: a rank keeps only its piece of the parameters; a unit's parameters are all-gathered
   just before the unit's forward and its backward (and a recomputation's forward) and freed
   right after; outside those calls ``p.data`` is a zero-stride placeholder of the right shape
@@ -24,25 +25,24 @@ piece r: the reduced gradient, the optimizer state and (zero 3) the parameters o
   prefetching for its rest; nothing gathered survives an update or a load. ``prefetch = False``
   (the same on every rank) turns it off; ``gathers`` counts how each gather was served.
 
-Gradients reduce-scatter in the association of the all-reduce zero 0 uses (``sharded.PairTree``:
-pairwise by rank bits on power-of-two groups), and clipping of float64 models uses the exactly
-rounded norm (``optim.exactsum``): the sharded update is bitwise zero 0's. Zero 2 and 3 keep at
-most ``max_inflight`` unit reductions in flight (the oldest is waited on before another starts),
-so the local unit gradients never pile up to a full gradient when MPI progresses slowly.
+One concern per class: ``zero_scatter.GradScatter`` (unit gradients, their reduce-scatter),
+``zero_gather.ParamGathers`` and ``UnitHooks`` (zero 3's gathers, the module hooks),
+``optim.sharded.ShardedOptimizer`` (``inner``: the update, optimizer state and float32 masters of
+this rank's piece); this class composes them, all-gathers the updated parameters and moves full
+tensors for checkpoints. Gradients reduce-scatter in the association of the all-reduce zero 0 uses
+(``sharded.PairTree``), and clipping of float64 models uses the exactly rounded norm
+(``optim.exactsum``): the sharded update is bitwise zero 0's.
 
-The update is the user's optimizer applied to per-parameter pieces (1-D slices of the flat
-piece, named like the parameter): SGD, Adam and AdamW are elementwise, so a piece's update is
-exactly that piece of the full update. The trainer's ``optimizer`` stays the user's object (its
-``step_count`` kept current) and holds full-shape state only while a checkpoint is written or
-read: ``full_shards`` gathers full tensors for ``shards()`` and ``after_load`` scatters what a
-checkpoint put back. Clipping and the non-finite check count each rank's reduced piece
-(``counted_grads``), so the global norm counts every element once.
+The trainer's ``optimizer`` stays the user's object (its ``step_count`` kept current) and holds
+full-shape state only while a checkpoint is written or read: ``full_shards`` gathers full tensors
+for ``shards()`` and ``after_load`` takes back what a checkpoint put there. Clipping and the
+non-finite check count each rank's reduced piece (``counted_grads``), so the global norm counts
+every element once. ``export_pieces`` / ``optim.sharded.assemble`` / ``load_full`` rebuild the
+state from every rank's piece without a checkpoint (a lost rank's piece from a buddy's copy).
 """
 
 from __future__ import annotations
 
-import copy
-import time
 from typing import Any
 
 import numpy as np
@@ -50,417 +50,267 @@ import numpy as np
 from ..backend import to_device, xp_of
 from ..comm import sharded
 from ..nn.module import Parameter
+from ..optim.sharded import ShardedOptimizer
 from .reducer import GradReducer
-from .zero_gather import ZeroGathers, placeholder
-from .zero_state import ZeroState
+from .zero_gather import ParamGathers, UnitHooks
+from .zero_scatter import GradScatter
+from .zero_units import Transient, Units, module_units, placeholder
 
 STAGES = (0, 1, 2, 3)
 __all__ = ["STAGES", "ZeroReducer", "placeholder", "zero_reducer"]
 
 
-def _units(model: Any, params: list[Any]) -> list[list[Any]]:
-    """``params`` grouped by the module that owns them directly, in module order; parameters no
-    module owns (a model that is not a ``Module`` tree) form one unit each."""
-    wanted = {id(p): p for p in params}
-    units: list[list[Any]] = []
-    seen: set[int] = set()
-    if hasattr(model, "named_modules"):
-        for _, m in model.named_modules():
-            own = [p for p in m.__dict__.get("_parameters", {}).values()
-                   if p is not None and id(p) in wanted and id(p) not in seen]  # fmt: skip
-            if own:
-                seen.update(id(p) for p in own)
-                units.append(own)
-    units += [[p] for p in params if id(p) not in seen]
-    return units
-
-
-class ZeroReducer(ZeroState, ZeroGathers, GradReducer):
-    """Reduce-scatter of gradients over dp into owned pieces, sharded update (see module doc);
-    its sharded optimizer state is ``Stateful`` (:class:`.zero_state.ZeroState`), its zero-3
-    gathers are :class:`.zero_gather.ZeroGathers`."""
+class ZeroReducer(GradReducer):
+    """Reduce-scatter of gradients over dp into owned pieces, sharded update, parameter
+    all-gathers (see the module docstring). ``Stateful``: its state is the sharded optimizer's."""
 
     def __init__(self, params: list[Any], dp: Any, *, model: Any, optimizer: Any, stage: int,
                  masters: dict[str, Parameter] | None = None) -> None:
         super().__init__(params, dp)
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeroReducer stage must be 1, 2 or 3, got {stage!r}")
+        self.stage, self.facade = stage, optimizer
+        self.xp = self._check()
+        self.units = Units(module_units(model, self.params), dp.size, dp.rank)
+        self.order = self.units.params
+        self.lo, self.hi = self.units.lo, self.units.hi
+        self.ranges = self.units.layout.ranges(dp.rank)  # this rank's named ranges
+        self.dtype = np.dtype(self.order[0].dtype) if self.order else np.dtype(np.float32)
+        self.gdtype = np.dtype(self.order[0].grad.dtype) if self.order else self.dtype
+        self.meter = Transient()
+        self._place_params()
+        # Mixed precision (``masters``: float32 copies by name): the parameters are 16-bit, the
+        # gradients in their own (reduce) dtype, and the sharded optimizer owns the float32
+        # masters of this rank's piece and their state (ZeRO shards the masters).
+        full = None if masters is None else {n: m.data for n, m in masters.items()}
+        self.inner = ShardedOptimizer(optimizer, self.units.layout, dp.rank, self.shard_param, masters=full)
+        self._full: dict[str, Any] | None = None
+        self._drop_full()  # the user's optimizer's state (if any) lives in the pieces now
+        self._point_params()  # nothing above changed the model: a refusal leaves it whole
+        self.scatter = GradScatter(self.units, dp, stage=stage, gdtype=self.gdtype, xp=self.xp, meter=self.meter)
+        self.gather = None
+        if stage == 3:
+            self.gather = ParamGathers(self.units, dp, self.shard_param, dtype=self.dtype, xp=self.xp,
+                                       meter=self.meter)  # fmt: skip
+        self.hooks = UnitHooks(model, self.units, self.scatter.alloc, self.gather) if stage >= 2 else None
+
+    def _check(self) -> Any:
+        """The parameters' array module, after the checks every rank makes alike."""
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeroReducer stage must be 1, 2 or 3, got {self.stage!r}")
         dtypes = {str(p.dtype) for p in self.params}
         if len(dtypes) > 1:
-            raise ValueError(f"zero={stage} needs parameters of one dtype, got {sorted(dtypes)}")
-        # Every buffer below lives where the parameters do (NumPy, or CuPy on the GPU).
-        xp = self.xp = xp_of(self.params[0].data) if self.params else np
+            raise ValueError(f"zero={self.stage} needs parameters of one dtype, got {sorted(dtypes)}")
+        xp = xp_of(self.params[0].data) if self.params else np
         if any(xp_of(p.data) is not xp for p in self.params):
-            raise ValueError(f"zero={stage} needs every parameter on one device (all host or all GPU)")
-        self.stage = stage
-        self.units = _units(model, self.params)
-        self.order = [p for u in self.units for p in u]
-        dtype = np.dtype(self.order[0].dtype) if self.order else np.dtype(np.float32)
-        self.dtype = dtype
-        # Mixed precision (``masters``: float32 copies by name): the parameters are 16-bit, the
-        # gradients in their own (reduce) dtype, and this rank owns the float32 masters of its
-        # piece and their optimizer state (ZeRO shards the masters).
-        self.masters = masters
-        self.gdtype = np.dtype(self.order[0].grad.dtype) if self.order else dtype
-        self.sdtype = np.dtype(np.float32) if masters is not None else dtype
-        self._lay_out(dp)
-        self._place_params()
-        self.shard_grad = xp.zeros(self.hi - self.lo, dtype=self.gdtype)
-        self.shard_master = None
-        if masters is not None:
-            self.shard_master = xp.empty(self.hi - self.lo, dtype=self.sdtype)
-            self._scatter_masters()
-        # Gradients reduce-scatter in the association of the all-reduce zero 0 uses (pairwise by
-        # rank bits, see ``sharded.PairTree``): every level ends bitwise where zero 0 ends.
-        self.tree = sharded.PairTree(dp)
-        # Local (unreduced) gradients, one buffer per unit. Zero 1 keeps them all; zero 2 and 3
-        # allocate a unit's buffer just before its backward and free it once its reduce-scatter
-        # completed, so only the units in flight exist at once.
-        self.unit_grad: list[np.ndarray | None] = [None] * len(self.units)
-        self.transient = 0  # bytes of unit gradients and gathered parameters alive now
-        self.transient_peak = 0
-        for u in range(len(self.units)):
-            self._alloc_unit(u) if stage == 1 else self._free_unit(u)
-        self._adopt_optimizer(optimizer)
-        self._full: dict[str, Any] | None = None
-        self._reqs: list[Any] = []
-        self._active = False
-        self.max_inflight = 2  # zero 2, 3: unit reductions in flight before the oldest is waited on
-        self._init_gathers()
-        if stage >= 2:
-            self._install(model)
-
-    def _lay_out(self, dp: Any) -> None:
-        """The flat order's ranges: each parameter's, each unit's, and each dp rank's piece."""
-        self.where: dict[int, tuple[int, int]] = {}
-        off = 0
-        self.unit_range: list[tuple[int, int]] = []
-        self.unit_of: dict[int, int] = {}
-        for u, ps in enumerate(self.units):
-            start = off
-            for p in ps:
-                self.where[id(p)] = (off, off + int(np.prod(p.shape)))
-                self.unit_of[id(p)] = u
-                off += int(np.prod(p.shape))
-            self.unit_range.append((start, off))
-        n = self.n = off
-        size, r = dp.size, dp.rank
-        per = -(-n // size) if n else 0
-        bounds = [min(i * per, n) for i in range(size + 1)]
-        self.lo, self.hi = bounds[r], bounds[r + 1]
-        self.counts = [bounds[i + 1] - bounds[i] for i in range(size)]
-        self.unit_counts = [
-            [max(0, min(b, bounds[i + 1]) - max(a, bounds[i])) for i in range(size)] for a, b in self.unit_range
-        ]
+            raise ValueError(f"zero={self.stage} needs every parameter on one device (all host or all GPU)")
+        return xp
 
     def _place_params(self) -> None:
-        """Parameter storage: the full flat buffer (zero 1, 2) or only this rank's piece (zero 3)."""
-        xp, dtype = self.xp, self.dtype
+        """Parameter storage: the full flat buffer (zero 1, 2) or only this rank's piece (zero 3),
+        filled from the parameters (which still hold their arrays: see :meth:`_point_params`)."""
+        xp, layout = self.xp, self.units.layout
+        data = {p.name: p.data for p in self.order}
         if self.stage < 3:
-            self.flat_param = xp.empty(self.n, dtype=dtype)
-            for p in self.order:
-                a, b = self.where[id(p)]
-                self.flat_param[a:b] = p.data.ravel()
-                p.data = self.flat_param[a:b].reshape(p.shape)
+            self.flat_param = xp.empty(layout.n, dtype=self.dtype)
+            for name, view in layout.views(self.flat_param).items():
+                view[...] = data[name]
             self.shard_param = self.flat_param[self.lo : self.hi]
         else:
             self.flat_param = None
-            self.shard_param = xp.empty(self.hi - self.lo, dtype=dtype)
-            for p in self.order:
-                a, b = self.where[id(p)]
-                x, y = max(a, self.lo), min(b, self.hi)
-                if x < y:
-                    self.shard_param[x - self.lo : y - self.lo] = p.data.ravel()[x - a : y - a]
-                p.data = placeholder(p.shape, dtype, xp)
+            self.shard_param = xp.empty(self.hi - self.lo, dtype=self.dtype)
+            for r in self.ranges:
+                self.shard_param[r.local] = data[r.name].ravel()[r.part]
 
-    def _adopt_optimizer(self, optimizer: Any) -> None:
-        """An inner copy of the user's optimizer over this rank's pieces, with its state cut to them."""
-        # The pieces the optimizer updates: (full parameter, piece parameter, start, stop in it).
-        self.pieces: list[tuple[Any, Parameter, int, int]] = []
+    def _point_params(self) -> None:
+        """The parameters' arrays become views of the flat buffer (zero 1, 2) or placeholders."""
+        views = self.units.layout.views(self.flat_param) if self.stage < 3 else {}
         for p in self.order:
-            a, b = self.where[id(p)]
-            x, y = max(a, self.lo), min(b, self.hi)
-            if x < y:
-                own = self.shard_param if self.shard_master is None else self.shard_master  # what the update writes
-                sp = Parameter(own[x - self.lo : y - self.lo], name=p.name)
-                sp.grad = self.shard_grad[x - self.lo : y - self.lo]
-                self.pieces.append((p, sp, x - a, y - a))
-        self.facade = optimizer
-        self.inner = copy.copy(optimizer)
-        self.inner.params = [sp for _, sp, _, _ in self.pieces]
-        self.inner.names = [p.name for p, _, _, _ in self.pieces]
-        self.inner.state = {}
-        for p, _, x, y in self.pieces:
-            full = optimizer.state.get(p.name) or {}
-            self.inner.state[p.name] = {k: self._piece_of(v, x, y, keep_dtype=True) for k, v in full.items()}
-        optimizer.state = {name: {} for name in optimizer.names}
+            p.data = views[p.name] if self.stage < 3 else placeholder(p.shape, self.dtype, self.xp)
 
-    def _scatter_masters(self) -> None:
-        """This rank's piece of the float32 masters (the full copies are then dropped)."""
-        for p in self.order:
-            a, b = self.where[id(p)]
-            x, y = max(a, self.lo), min(b, self.hi)
-            if x < y:
-                self.shard_master[x - self.lo : y - self.lo] = to_device(self.masters[p.name].data,
-                                                                         self.xp).ravel()[x - a : y - a]
-        self.masters = None
-
-    # -- gradients ---------------------------------------------------------------------------
-
-    def _track(self, nbytes: int) -> None:
-        self.transient += nbytes
-        self.transient_peak = max(self.transient_peak, self.transient)
-
-    def _alloc_unit(self, u: int) -> None:
-        if self.unit_grad[u] is not None:
-            return
-        a, b = self.unit_range[u]
-        buf = self.unit_grad[u] = self.xp.zeros(b - a, dtype=self.gdtype)
-        if self.stage > 1:
-            self._track(buf.nbytes)
-        for p in self.units[u]:
-            pa, pb = self.where[id(p)]
-            p.grad = buf[pa - a : pb - a].reshape(p.shape)
-
-    def _free_unit(self, u: int) -> None:
-        buf, self.unit_grad[u] = self.unit_grad[u], None
-        if buf is not None and self.stage > 1:
-            self.transient -= buf.nbytes
-        for p in self.units[u]:
-            p.grad = placeholder(p.shape, self.gdtype, self.xp)
+    # -- the step (protocols.Reducer) ----------------------------------------------------------
 
     @property
-    def flat_grad(self) -> list[np.ndarray]:
+    def shard_grad(self) -> Any:
+        """This rank's piece of the reduced gradient."""
+        return self.scatter.piece
+
+    @property
+    def flat_grad(self) -> list[Any]:
         """The local gradient buffers alive now."""
-        return [g for g in self.unit_grad if g is not None]
+        return self.scatter.local()
 
     def zero_grad(self) -> None:
-        if self.stage == 3:
-            self._step_starts()
-        for u, g in enumerate(self.unit_grad):
-            if self.stage == 1:
-                g.fill(0)
-            elif g is not None:
-                self._free_unit(u)
-        if self.stage > 1 and not self._hooked:
-            for u in range(len(self.units)):  # no pre-backward signal: every unit from the start
-                self._alloc_unit(u)
-        self.shard_grad.fill(0)
+        if self.gather is not None:
+            self.gather.step_starts()
+        self.scatter.zero_grad(hooked=self.hooks is not None and self.hooks.active)
         self._drop_full()
 
     def begin(self) -> None:
-        self._pending = [len(u) for u in self.units]
-        self._ready: set[int] = set()
-        self._next = 0
-        self._reqs = []
-        self._inflight: list[tuple[Any, int]] = []
-        self._active = True
-        self.comm_seconds = 0.0
+        self.scatter.begin()
 
     def mark_ready(self, params: Any) -> None:
-        if not self._active:
-            return
-        for p in params:
-            u = self.unit_of.get(id(p))
-            if u is not None and id(p) not in self._ready:
-                self._ready.add(id(p))
-                self._pending[u] -= 1
-        self._launch(force=False)
-        t0 = time.perf_counter()
-        for r in self._reqs:
-            r.test()  # MPI progresses non-blocking collectives only inside MPI calls
-        self._release_done()
-        self.comm_seconds += time.perf_counter() - t0
-
-    def _release_done(self) -> None:
-        # Zero 2, 3: a unit's local gradient goes as soon as its reduce-scatter completed.
-        if self.stage == 1:
-            return
-        left = []
-        for r, u in self._inflight:
-            if r.test():
-                self._free_unit(u)
-            else:
-                left.append((r, u))
-        self._inflight = left
-
-    def _launch(self, force: bool) -> None:
-        # Every rank starts units in the same fixed order (the reverse of the flat order, the way
-        # backward produces them); a unit never starts before those ahead of it.
-        total = len(self.units)
-        while self._next < total:
-            u = total - 1 - self._next
-            if self._pending[u] > 0 and not force:
-                return
-            a, b = self.unit_range[u]
-            x, y = max(a, self.lo), min(b, self.hi)
-            out = self.shard_grad[x - self.lo : y - self.lo] if x < y else self.shard_grad[:0]
-            if self.unit_grad[u] is None:
-                self._alloc_unit(u)  # no backward reached it: zeros
-            t0 = time.perf_counter()
-            req = self.tree.start(self.unit_grad[u], out, self.unit_counts[u], on_bytes=self._track)
-            self._reqs.append(req)
-            self._inflight.append((req, u))
-            if self.stage > 1:
-                # MPI may complete a reduction only when waited on: bound the local unit
-                # gradients alive at once instead of letting them pile up to the full gradient.
-                while len(self._inflight) > self.max_inflight:
-                    r, v = self._inflight.pop(0)
-                    r.wait()
-                    self._free_unit(v)
-            self.comm_seconds += time.perf_counter() - t0
-            self._next += 1
+        self.scatter.mark_ready(params)
 
     def finish(self) -> float:
         self._step_ends()
-        if not self._active:
-            self.begin()
-        self._launch(force=True)
-        t0 = time.perf_counter()
-        for r in self._reqs:
-            r.wait()
-        self.comm_seconds += time.perf_counter() - t0
-        self._reqs = []
-        self._active = False
-        if self.stage >= 2:
-            for u in range(len(self.units)):
-                self._free_unit(u)  # only this rank's piece of the reduced gradient stays
-        self._inflight = []
-        return self.comm_seconds
+        return self.scatter.finish()
 
     def abort(self) -> None:
         self._step_ends()
-        # Started reductions were started by every rank (same order): wait so none still writes.
-        for r in self._reqs:
-            r.wait()
-        self._reqs = []
-        self._active = False
+        self.scatter.abort()
 
     def counted_grads(self) -> list[tuple[Any, Any]]:
-        return [(p, sp.grad) for p, sp, _, _ in self.pieces]
+        # Each parameter with its range's view of this rank's piece of the reduced gradient.
+        by_name = {p.name: p for p in self.order}
+        return [(by_name[r.name], self.shard_grad[r.local]) for r in self.ranges]
 
     def scale_grads(self, factor: float) -> None:
-        self.shard_grad *= factor
+        self.scatter.piece *= factor
 
     def apply(self, optimizer: Any) -> None:
-        inner = self.inner
-        # The user may change lr or the schedule on the object they hold.
-        inner.lr, inner.schedule, inner.step_count = optimizer.lr, optimizer.schedule, optimizer.step_count
-        wide = self.gdtype != self.sdtype  # 16-bit gradients: the update reads their fp32 widening
-        if wide:
-            self._piece_grads(self.shard_grad.astype(self.sdtype))
-        inner.step()
-        if wide:
-            self._piece_grads(self.shard_grad)
-        optimizer.step_count = inner.step_count
-        if self.shard_master is not None:
-            self.shard_param[...] = self.shard_master  # the masters rounded into the 16-bit piece
+        self.inner.step(self.shard_grad)  # reads lr, schedule, step count of the user's ``optimizer``
         if self.stage < 3:
             piece = self.shard_param.copy()  # MPI buffers must not overlap
-            sharded.allgather(self.dp, piece, self.flat_param, self.counts)
-
-    def _piece_grads(self, flat: Any) -> None:
-        """Point the optimizer's pieces' gradients into ``flat`` (laid out as ``shard_grad``)."""
-        for p, sp, x, y in self.pieces:
-            at = self.where[id(p)][0] + x - self.lo
-            sp.grad = flat[at : at + (y - x)]
+            sharded.allgather(self.dp, piece, self.flat_param, self.units.layout.counts)
 
     def describe(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "stage": self.stage}
 
-    # -- checkpoints and memory --------------------------------------------------------------
+    def remove(self) -> None:
+        """Take the hooks off the model (zero 3: it can no longer compute); free the reduction's
+        sub-communicators."""
+        self.scatter.tree.free()
+        if self.hooks is not None:
+            self.hooks.remove()
 
-    def _piece_of(self, full: Any, x: int, y: int, keep_dtype: bool = False) -> Any:
-        """Elements ``x:y`` of a full (host or device) array, flat, as an owned array on this
-        device, in the parameters' dtype (``keep_dtype``: the array's own)."""
-        piece = to_device(full, self.xp).ravel()[x:y]
-        return piece.astype(piece.dtype if keep_dtype else self.sdtype, copy=True)
+    def _step_ends(self) -> None:
+        if self.gather is not None:
+            self.gather.step_ends()
+
+    # -- what tests and benchmarks read --------------------------------------------------------
+
+    @property
+    def gathers(self) -> dict[str, int]:
+        """Zero 3's gathers so far by how they were served (prefetched, kept, on demand)."""
+        return self.gather.counts if self.gather is not None else {"prefetched": 0, "kept": 0, "on_demand": 0}
+
+    @property
+    def prefetch(self) -> bool:
+        return self.gather is not None and self.gather.prefetch
+
+    @prefetch.setter
+    def prefetch(self, on: bool) -> None:
+        if self.gather is not None:
+            self.gather.prefetch = bool(on)
+
+    @property
+    def max_inflight(self) -> int:
+        return self.scatter.max_inflight
+
+    @max_inflight.setter
+    def max_inflight(self, n: int) -> None:
+        self.scatter.max_inflight = n
+
+    @property
+    def transient(self) -> int:
+        """Bytes of unit gradients and gathered parameters alive now."""
+        return self.meter.now
+
+    # -- checkpoints: full tensors in, full tensors out ----------------------------------------
 
     def _gather_flat(self, piece: Any) -> Any:
-        full = self.xp.empty(self.n, dtype=piece.dtype)
-        sharded.allgather(self.dp, self.xp.ascontiguousarray(piece), full, self.counts)
+        full = self.xp.empty(self.units.layout.n, dtype=piece.dtype)
+        sharded.allgather(self.dp, self.xp.ascontiguousarray(piece), full, self.units.layout.counts)
         return full
 
     def full_shards(self, shards: dict[str, tuple[Any, tuple, tuple]]) -> dict[str, tuple[Any, tuple, tuple]]:
         """``shards`` with full parameters and full optimizer state on the user's optimizer
         (collective over dp): what a checkpoint reads and writes. ``after_load`` puts back."""
         self._step_ends()
-        own = self.shard_param if self.shard_master is None else self.shard_master
-        full_params = self._gather_flat(own) if self.stage == 3 or self.shard_master is not None else None
-        keys = sorted({k for st in self.inner.state.values() for k in st})
-        keys = sorted(set().union(*map(set, self.dp.allgather_obj(keys))))
-        states = {}
-        for key in keys:
-            piece = self.xp.zeros(self.hi - self.lo, dtype=self.sdtype)
-            for p, _, x, y in self.pieces:
-                v = self.inner.state.get(p.name, {}).get(key)
-                if v is not None:
-                    a = self.where[id(p)][0] + x - self.lo
-                    piece[a : a + (y - x)] = v
-            states[key] = self._gather_flat(piece)
+        full_params = None
+        if self.stage == 3 or self.inner.master is not None:
+            full_params = self.inner.full_params(self._gather_flat)
+        keys = sorted(set().union(*map(set, self.dp.allgather_obj(sorted(self.inner.flat_state)))))
+        self.facade.state = self.inner.full_state(self._gather_flat, keys)
         out: dict[str, tuple[Any, tuple, tuple]] = {}
         self._full = {}
         for name, (p, shape, index) in shards.items():
-            a, b = self.where[id(p)]
             if full_params is not None:
-                q = Parameter(full_params[a:b].reshape(p.shape), name=p.name)
-                self._full[p.name] = q
+                q = self._full[p.name] = Parameter(full_params[p.name], name=p.name)
                 out[name] = (q, shape, index)
             else:
                 out[name] = (p, shape, index)
-            self.facade.state[p.name] = {k: full[a:b].reshape(p.shape) for k, full in states.items()}
         return out
 
     def after_load(self) -> None:
         """Take what a checkpoint load wrote (full parameters, full optimizer state on the user's
         optimizer) into this rank's pieces."""
         self._step_ends()
-        if (self.stage == 3 or self.shard_master is not None) and self._full:
-            own = self.shard_param if self.shard_master is None else self.shard_master
-            # Mixed precision below zero 3: every rank's flat copy of the 16-bit parameters is
-            # rounded from the full masters it holds here, not all-gathered: no collective, so a
-            # rank whose load failed before this point leaves no other waiting.
-            whole = self.flat_param if self.shard_master is not None and self.stage < 3 else None
-            for p in self.order:
-                q = self._full.get(p.name)
-                if q is None:
-                    continue
-                a, b = self.where[id(p)]
-                x, y = max(a, self.lo), min(b, self.hi)
-                full = to_device(q.data, self.xp).ravel()
-                if x < y:
-                    own[x - self.lo : y - self.lo] = full[x - a : y - a]
-                if whole is not None:
-                    whole[a:b] = full
-            if self.shard_master is not None:
-                self.shard_param[...] = self.shard_master
-        for p, _, x, y in self.pieces:
-            full = self.facade.state.get(p.name) or {}
-            self.inner.state[p.name] = {k: self._piece_of(v, x, y) for k, v in full.items()}
-        self.inner.step_count = self.facade.step_count
+        params = {n: q.data for n, q in self._full.items()} if self._full else None
+        self.load_full({"step": self.facade.step_count, "params": params, "state": self.facade.state})
+
+    def load_full(self, full: dict[str, Any]) -> None:
+        """Take this rank's pieces of full tensors: ``{"step", "params": {name: full array} or
+        ``None`` (leave the parameters), "state": {name: {key: full array}}}`` (what
+        ``optim.sharded.assemble`` returns). Not collective: every rank's flat copy of the
+        parameters (zero 1, 2) is written from the full ones it is given here."""
+        params = full.get("params")
+        self.inner.load_full(full["state"], params=params, step=full["step"])
+        if params is not None and self.stage < 3:
+            views = self.units.layout.views(self.flat_param)
+            for name, v in views.items():
+                v[...] = to_device(params[name], self.xp).reshape(v.shape)  # rounded to 16 bits with masters
         self._drop_full()
+
+    def export_pieces(self) -> dict[str, Any]:
+        """This rank's pieces (named ranges, full-precision parameters, optimizer state: copies);
+        ``optim.sharded.assemble`` of every dp rank's export gives what :meth:`load_full` takes,
+        under any dp size."""
+        return self.inner.export_pieces()
 
     def _drop_full(self) -> None:
         if self._full is not None or any(self.facade.state.values()):
             self.facade.state = {name: {} for name in self.facade.names}
             self._full = None
 
+    # -- Stateful: the sharded optimizer's state -----------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's sharded optimizer state (``ShardedOptimizer.state_dict``: its pieces by
+        parameter name). Checkpoints store full tensors instead (:meth:`full_shards`)."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The sharded optimizer's snapshot, and a copy of the flat parameters when a load
+        rewrites all of them from float32 masters (mixed precision below zero 3)."""
+        whole = self.flat_param if self.stage < 3 and self.inner.master is not None else None
+        return {"inner": self.inner.snapshot(), "flat": None if whole is None else whole.copy()}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Put back what :meth:`snapshot` took; the full state a checkpoint used is dropped."""
+        self._step_ends()  # nothing gathered from the pieces being replaced may be used
+        self.inner.restore(snap["inner"])
+        if snap["flat"] is not None:
+            self.flat_param[...] = snap["flat"]
+        self._drop_full()
+
+    # -- memory ----------------------------------------------------------------------------------
+
     def memory_arrays(self) -> dict[str, list[Any]]:
         """The arrays this reducer keeps, by ``hpctrain.memory`` category."""
-        from ..memory import optimizer_arrays
-
         params = [self.flat_param if self.stage < 3 else self.shard_param] + [p.data for p in self.order]
         local = self.flat_grad
+        optimizer = self.inner.arrays()
         # Zero 1: the gradients are the full local buffer; the reduced piece is a named buffer.
-        optimizer = optimizer_arrays(self.inner) + ([] if self.shard_master is None else [self.shard_master])
         if self.stage == 1:
             return {"params": params, "grads": local, "optimizer": optimizer,
                     "buffers": [self.shard_grad]}  # fmt: skip
         # Zero 2, 3: the reduced piece is the gradient; local unit gradients and gathered
         # parameters live only within a step: their peak since the last report is a buffer.
-        peak, self.transient_peak = self.transient_peak, self.transient
         return {"params": params, "grads": [self.shard_grad], "optimizer": optimizer,
-                "buffers": local, "buffers_peak": peak}  # fmt: skip
+                "buffers": local, "buffers_peak": self.meter.take_peak()}  # fmt: skip
 
 
 def zero_reducer(model: Any, optimizer: Any, stage: int, masters: dict[str, Parameter] | None = None) -> Any:

@@ -5,12 +5,13 @@
     mpiexec -n 4 hpctrain train --model gpt --strategy pp --pp 2 --epochs 1
     hpctrain train --config run.toml --lr 1e-3                  # flags override the file
 
-The pieces: :mod:`.config` (the :class:`Config` dataclass, flags, TOML/JSON files, ``resolve``),
-:mod:`.data` (opening the HDF5 data), :mod:`.builders` (model, optimizer, trainer) and
-:mod:`.job` (the run itself). The run directory holds ``config.json`` (accepted back by
-``--config``), ``metrics.jsonl`` (one line per step), ``trace.json`` (per-rank timeline of the
-steps for https://ui.perfetto.dev), ``checkpoints/`` and ``summary.json``; ``hpctrain plot RUN``
-draws the curves.
+The pieces: :mod:`.options` (the :class:`Config` dataclass), :mod:`.config` (flags, TOML/JSON
+files, ``resolve``), :mod:`.sections` (the rules, one section per concern), :mod:`.models` (the
+built-in models), :mod:`.data` (opening the HDF5 data), :mod:`.builders` (model, optimizer,
+trainer), :mod:`.job` (the run itself) and :mod:`.summary` (its closing report). The run
+directory holds ``config.json`` (accepted back by ``--config``), ``metrics.jsonl`` (one line per
+step), ``trace.json`` (per-rank timeline of the steps for https://ui.perfetto.dev),
+``checkpoints/`` and ``summary.json``; ``hpctrain plot RUN`` draws the curves.
 """
 
 from .builders import build_model, build_optimizer, build_trainer, data_rank

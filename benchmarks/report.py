@@ -42,6 +42,7 @@ KNOWN = [
     ("guard", "Watchdog and debug fingerprints: per-call cost vs raw mpi4py"),
     ("memory", "Memory: ZeRO 1/2/3 bytes per rank vs the paper's formulas, recomputation, largest GPT in a budget"),
     ("rank_loss", "A lost rank: going on with the survivors (ULFM) vs restarting from the last checkpoint"),
+    ("dp_overlap", "Data-parallel step: buckets overlapped with backward or not, flat or hierarchical"),
 ]
 
 

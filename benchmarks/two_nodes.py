@@ -1,5 +1,7 @@
 """Two nodes on one machine (network namespaces, tests/netns_cluster.py): the link probe and the
-hierarchical vs flat vs raw mpi4py all-reduce across them, on the plain and on a shaped link.
+hierarchical vs flat vs raw mpi4py all-reduce across them, and a dp step with its buckets
+overlapped with backward or not, flat or hierarchical (benchmarks/dp_overlap.py), on the plain and
+on a shaped link.
 
     python benchmarks/two_nodes.py [--per-node 2] [--rate 10gbit] [--quick] [--markdown REPORT.md]
 
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         publish(f"### {title}\n\nSkipped: {why}.", args.markdown)
         return 0
     py = sys.executable
-    bench = [py, str(HERE / "hierarchical.py")] + (["--quick"] if args.quick else [])
+    quick = ["--quick"] if args.quick else []
+    benches = [[py, str(HERE / name), *quick] for name in ("hierarchical.py", "dp_overlap.py")]
     with two_nodes(mpiexec()) as cluster:
         for label, shaping in (("plain veth (no shaping)", {}), (_label(args), {"rate": args.rate,
                                                                                  "delay": args.delay})):
@@ -58,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                 probe = _run(cluster.mpiexec(args.per_node, [py, "-m", "hpctrain", "info", "--probe"]))
                 links = "\n".join(line for line in probe.splitlines()
                                   if line.startswith(("link ", "intra-node", "inter-node")))
-                _run(cluster.mpiexec(args.per_node, [*bench, "--markdown", str(table)]))
+                for bench in benches:
+                    _run(cluster.mpiexec(args.per_node, [*bench, "--markdown", str(table)]))
                 publish(f"### {title}: link {label}\n\n`hpctrain info --probe` across the nodes:\n\n```\n{links}\n```\n"
                         + table.read_text(), args.markdown)
     return 0

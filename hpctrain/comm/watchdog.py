@@ -52,6 +52,7 @@ _QUERY, _ANSWER = 1, 2
 _POLL = 0.2  # seconds between two looks of the watchdog thread
 _ANSWER_WAIT = 5.0  # how long a stalled rank waits for the others to describe themselves
 _FLUSH_GRACE = FLUSH_GRACE  # pause between the report and MPI_Abort (see failure.py)
+_REPORT_GRACE = 5.0  # beyond _ANSWER_WAIT: a report not done by then is stuck inside MPI
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -86,6 +87,7 @@ class _Dog:
         self.qid = 0
         self.stop = threading.Event()
         self.fired = False
+        self.asked = threading.Event()  # set once the stall report has the peers' answers (or gave up)
         self.thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
         self.thread.start()
 
@@ -184,13 +186,49 @@ class _Dog:
         if self.fired:
             return
         self.fired = True
-        try:
-            self._report(rec, age, limit)
-        except BaseException as exc:  # whatever happens while reporting, the job must end
-            _err(f"hpctrain watchdog (rank {self.world_rank}): stall report failed ({exc!r})")
-        finally:
-            time.sleep(_FLUSH_GRACE)
-            MPI.COMM_WORLD.Abort(STALL_EXIT)
+        done = threading.Event()
+
+        def report() -> None:
+            try:
+                self._report(rec, age, limit)
+            except BaseException as exc:  # whatever happens while reporting, the job must end
+                _err(f"hpctrain watchdog (rank {self.world_rank}): stall report failed ({exc!r})")
+            finally:
+                self.asked.set()
+                done.set()
+
+        # Asking the peers can itself block inside MPI: a send to a rank whose whole node is gone
+        # stays in connecting (MPICH's ofi/tcp under srun, which keeps the job until Slurm
+        # declares the node failed). Then this rank reports what it knows alone, naming the nodes
+        # none of whose ranks it heard from, rather than nothing.
+        self.asked.clear()
+        threading.Thread(target=report, name="hpctrain-stall-report", daemon=True).start()
+        if self.asked.wait(_ANSWER_WAIT + _REPORT_GRACE):
+            done.wait()  # the rest of the report makes no MPI call; a non-lead rank waits for the lead
+        else:
+            self._report_alone(rec, age, limit)
+        time.sleep(_FLUSH_GRACE)
+        MPI.COMM_WORLD.Abort(STALL_EXIT)
+
+    def _report_alone(self, rec: tuple, age: float, limit: float) -> None:
+        """The stall report without the peers' answers (asking them blocked)."""
+        members = _members(rec[1])
+        others = [r for r in (members or []) if r != self.world_rank]
+        lines = [self._head(rec, age, limit), "  asking the other ranks what they do blocked inside MPI (a peer "
+                 "that is gone?); none answered"]
+        lines += [f"  {line}" for line in self._node_lines(others, {})]
+        _err("\n".join(lines) + "\n  aborting the whole job (MPI_Abort)")
+
+    def _head(self, rec: tuple, age: float, limit: float) -> str:
+        """The report's first line: which rank waits in what, for how long, at which step."""
+        op, comm, peer, seq = rec
+        what = _op_text(op, seq, _members(comm), peer)
+        if getattr(comm, "purpose", None):  # a private communicator says what its waits are for
+            what += f" ({comm.purpose})"
+        step = self.step()
+        return (f"hpctrain watchdog: StallError on rank {self.world_rank}: {what} has not completed after "
+                f"{age:.0f} s (timeout {limit:g} s; HPCTRAIN_TIMEOUT / Trainer(timeout=) / comm.set_timeout)"
+                + (f" at step {step}" if step is not None else ""))
 
     def _report(self, rec: tuple, age: float, limit: float) -> None:
         """Ask the peers what they do and print the stall report (the lead rank prints it all)."""
@@ -200,19 +238,12 @@ class _Dog:
         involved = [members[peer]] if peer is not None and members is not None else list(members or [])
         others = [r for r in involved if r != self.world_rank]
         answers = self._ask(others)
+        self.asked.set()
         mine = (op, members, peer, seq)
         # Only the lowest rank that waits in this same operation prints the full report; the
         # others say one line and abort a little later in case that rank cannot.
         lead = min([self.world_rank] + [r for r, a in answers.items() if _waits_in(a, mine)])
-        step = self.step()
-        what = _op_text(op, seq, members, peer)
-        if getattr(comm, "purpose", None):  # a private communicator says what its waits are for
-            what += f" ({comm.purpose})"
-        head = (
-            f"hpctrain watchdog: StallError on rank {self.world_rank}: {what} has not completed after "
-            f"{time.monotonic() - t0:.0f} s (timeout {limit:g} s; HPCTRAIN_TIMEOUT / Trainer(timeout=) / "
-            f"comm.set_timeout)" + (f" at step {step}" if step is not None else "")
-        )
+        head = self._head(rec, time.monotonic() - t0, limit)
         if lead != self.world_rank:
             _err(f"{head}; rank {lead} reports the details; aborting the job")
             # Give the lead time to reach its own timeout and report (it may have arrived later).

@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import ConfigError, DatasetError
+from ..log import get_logger
 
 VERSION = 1
 CLASSIFICATION_SHAPE = (4096, 20)
@@ -71,6 +72,7 @@ def _write_atomic(path: Path, fill: Callable[[Any], None]) -> None:
         with h5py.File(tmp, "w") as f:
             fill(f)
         os.replace(tmp, path)
+        get_logger("data").info("wrote the built-in data set %s", path)
     except OSError as exc:
         # h5py's OSError carries the errno and a long internal message: say the errno's meaning.
         why = os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0]

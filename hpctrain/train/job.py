@@ -269,6 +269,18 @@ class _Setup:
     trainer: Any
 
 
+def write_builtin(c: Config, comm: Any) -> None:
+    """Write the built-in data set before any rank opens it, by one rank of each node at most:
+    rank 0 first, then the first rank of every other node, which finds rank 0's file where the
+    cache is shared and writes its node's copy where it is node-local (``$HPCTRAIN_DATA`` on
+    scratch) while its node's other ranks wait. Collective; a failure is raised on every rank."""
+    from ..comm.nodes import local_ranks, node_names
+
+    first_of_node = local_ranks(node_names(comm))[comm.rank] == 0
+    everywhere(comm, lambda: data_path(c) if comm.rank == 0 else None)
+    everywhere(comm, lambda: data_path(c) if first_of_node and comm.rank != 0 else None)
+
+
 def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str,
                 ckpt_lock: rundir.RunLock | None) -> dict[str, Any]:
     """The job once its directories are locked: claim them, build, train (resuming inside
@@ -299,9 +311,7 @@ def _build(c: Config, comm: Any, device: str) -> _Setup:
     """Open the data (checked on every rank, one verdict), build the serial model with the same
     seed everywhere, and the strategy's trainer around it (collective)."""
     if c.data in (None, "shakespeare"):
-        # Rank 0 writes the built-in set first; the others then find it (or, on node-local
-        # disks, write their own identical copy) instead of all writing at once.
-        everywhere(comm, lambda: data_path(c) if comm.rank == 0 else None)
+        write_builtin(c, comm)
 
     # Collective from here: every rank checks its share of the data and all get one verdict.
     train_set, val_set, meta = open_data(c, comm, everywhere(comm, lambda: data_path(c)))

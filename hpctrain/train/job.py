@@ -363,7 +363,7 @@ def _hooks(c: Config, given: dict[str, Any], comm: Any, setup: _Setup, callbacks
     if c.on_rank_loss == "shrink" and comm.size > 1:
         from ..resilience import RankLoss
 
-        setup.trainer.rank_loss = RankLoss(setup.loader)
+        setup.trainer.rank_loss = RankLoss(setup.loader, c.checkpoint_dir)
         hooks.append(setup.trainer.rank_loss)  # times and marks the first step after a loss
     return hooks
 

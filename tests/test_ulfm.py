@@ -245,9 +245,11 @@ def test_a_loss_the_job_cannot_go_on_from_ends_it_naming_why(serial, tmp_path, n
     if not ulfm.library_has_ulfm():
         pytest.skip("needs an MPI library with ULFM (Open MPI 5): make test-openmpi")
     args = ("--max-samples", "180", "--batch-size", batch, "--epochs", "1", "--d-model", "16", *extra)
+    # FAULT_SLOW_SAY: rank 0, which says why, is the last to get there (as under load, where the
+    # line was once lost: the other survivors ended, and Open MPI's launcher ended rank 0 with them).
     p = hpctrain("kill", ",".join(map(str, victims)), ",".join(["3"] * len(victims)), "--", *args,
-                 "--run-dir", str(tmp_path / "run"), n=n, env=clean_env(HPCTRAIN_DATA=str(tmp_path / "data")),
-                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+                 "--run-dir", str(tmp_path / "run"), n=n, launch=ulfm_flags(), entry=FAULT, cwd=REPO,
+                 env=clean_env(HPCTRAIN_DATA=str(tmp_path / "data"), FAULT_SLOW_SAY="3"))
     lines = [line for line in p.stderr.splitlines() if "hpctrain" in line]
     assert p.returncode == 1, p.stdout + p.stderr
     # Said once, by the first survivor, on every survivor's behalf.

@@ -273,7 +273,7 @@ class RankLoss:
                 trainer.reducer.remove()  # zero 2, 3: its hooks off the model before the new one's
             except MPI.Exception:  # its sub-communicators include the lost rank
                 pass
-            problem = self.buddies.rebuild(trainer, old_dp, comm, step)
+            problem = self.buddies.rebuild(trainer, old_dp, step)
             if problem is not None:
                 if trainer.last_checkpoint is None:
                     raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}; "

@@ -66,9 +66,9 @@ def test_on_rank_loss_default_is_shrink_only_where_it_can_work(monkeypatch, laun
     assert resolve({}, 4).on_rank_loss == ("shrink" if can else "abort")
     assert resolve({"zero": 1}, 4).on_rank_loss == ("shrink" if can else "abort")  # a buddy keeps its pieces
     assert resolve({"tp": 2}, 4).on_rank_loss == ("shrink" if can else "abort")  # whole replicas go on
+    assert resolve({"tp": 2, "zero": 1}, 4).on_rank_loss == ("shrink" if can else "abort")  # and their pieces
     # Layouts that cannot go on without a rank yet keep today's behaviour by default.
     assert resolve({"strategy": "ps"}, 4).on_rank_loss == "abort"
-    assert resolve({"tp": 2, "zero": 1}, 4).on_rank_loss == "abort"
     assert resolve({"precision": "bf16-mixed"}, 4).on_rank_loss == "abort"
     assert resolve({"on_rank_loss": "abort"}, 4).on_rank_loss == "abort"
 
@@ -291,12 +291,14 @@ def test_a_checkpoint_written_after_a_shrink_resumes_under_another_layout(serial
 @pytest.mark.fault
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize(("layout", "replica"), [
-    (("--tp", "2"), [2, 3]), (("--pp", "2", "--microbatches", "2"), [1, 3]),
+    (("--tp", "2"), [2, 3]), (("--pp", "2", "--microbatches", "2"), [1, 3]), (("--tp", "2", "--zero", "1"), [2, 3]),
 ])
 def test_a_broken_tp_group_leaves_and_the_whole_replicas_go_on(serial, uninterrupted, tmp_path, layout, replica):
     # tp=2 (or pp=2) x dp=2: ``replica`` is the world ranks of dp replica 1. One of them is
     # killed at a random step: its partner leaves saying so (exit 0), replica 0 goes on alone with
-    # the whole global batch and ends where the uninterrupted run ends.
+    # the whole global batch and ends where the uninterrupted run ends. With --zero 1 each tp rank
+    # of replica 0 held the optimizer-state pieces of its dp partner in replica 1 as its buddy:
+    # they come back from that copy (the leaving partner's and the lost rank's alike).
     pick = random.Random()
     victim, step = pick.choice(replica), pick.randrange(1, 19)
     (partner,) = set(replica) - {victim}

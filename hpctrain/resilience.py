@@ -22,7 +22,9 @@ lost with a rank and no checkpoint is read. Under ZeRO the lost rank's pieces co
 copy its buddy (the next dp rank) holds (``resilience_shards.Buddies``, refreshed before each
 step and at each save), and the reducer is built anew over the survivors; pieces lost with their
 buddy come from the last checkpoint, which the survivors read. Under dp x tp x pp a replica that
-lost a member leaves (``resilience_groups``) and the whole ones go on.
+lost a member leaves (``resilience_groups``) and the whole ones go on (with ZeRO, each tp x pp
+part's dp group puts its pieces together on its own); when none is whole, the survivors write the
+state from before the step if one of them holds each tp x pp part, and the job ends (exit 75).
 """
 
 from __future__ import annotations

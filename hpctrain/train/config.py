@@ -177,7 +177,7 @@ def _on_rank_loss(c: Config) -> str:
                               "use --on-rank-loss abort")
         if unsupported is not None:
             raise ConfigError(f"--on-rank-loss shrink continues data-parallel replicas only (--strategy dp "
-                              f"with --zero 0-3, or hybrid: dp x tp x pp; --backend mpi, --precision fp32), "
+                              f"or hybrid: dp x tp x pp, with --zero 0-3; --backend mpi, --precision fp32), "
                               f"not {unsupported}; use --on-rank-loss abort")
     return c.on_rank_loss
 

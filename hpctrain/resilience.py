@@ -80,6 +80,14 @@ class _Snapshot:
             sampler.position -= self.handed
 
 
+def _drop_reducer(trainer: Any) -> None:
+    """ZeRO 2, 3: the old reducer's hooks off the model before a new reducer's go on."""
+    try:
+        trainer.reducer.remove()
+    except MPI.Exception:  # its sub-communicators include the lost rank
+        pass
+
+
 class RankLoss:
     """Survive lost ranks in ``Trainer.fit`` over ``loader`` (pure data parallelism).
 
@@ -208,29 +216,40 @@ class RankLoss:
                     old_world: list[int]) -> tuple[str | None, str | None]:
         """Write the state from before ``step`` from one survivor of each tp x pp part (collective
         over the survivors): ``(its path, None)``, or ``(None, why not)``, the same on every survivor."""
-        from . import checkpoint
-
         if self.checkpoint_dir is None:
             return None, "no checkpoint directory"
         if step < 0:
             return None, "the survivors do not all hold the state from before the interrupted step"
-        if self.buddies is not None:  # its pieces are spread over the dp ranks, broken replicas' too
-            return None, "the ZeRO pieces are not put together without a whole replica"
         part, lead, missing = groups.cover(comm, trainer.grid, old_world)
         if missing:
             return None, f"no survivor holds the (tp, pp) part(s) {missing} of the model"
         result = None
         if part is not None:
             try:
-                if step in self._snapshots:  # else this survivor is at that step's start already
-                    self._snapshots[step].restore(trainer)
-                trainer.grid = grid = groups.regrid(trainer.grid, part)
-                trainer.comm, trainer.dp = grid.world, grid.dp
-                self.loader.sampler.reshard(0, 1)  # one replica now: it consumed what all of them did
-                result = (checkpoint.save_in(self.checkpoint_dir, trainer, keep=0), None)
+                result = self._write_part(trainer, part, step)
             except Exception as exc:  # said in the exit line; the last committed checkpoint stays
                 result = (None, f"writing the survivors' checkpoint failed ({type(exc).__name__}: {exc})")
         return comm.bcast_obj(result, root=lead)
+
+    def _write_part(self, trainer: Any, part: Communicator, step: int) -> tuple[str | None, str | None]:
+        """On one survivor of each tp x pp part (collective over them, ``part``): the state from
+        before ``step`` as one replica (dp=1) over ``part``, written as a checkpoint; under ZeRO
+        with the pieces put together from this survivor's own and its buddy copies."""
+        from . import checkpoint
+
+        old_dp = trainer.dp.mpi
+        if step in self._snapshots:  # else this survivor is at that step's start already
+            self._snapshots[step].restore(trainer)
+        trainer.grid = grid = groups.regrid(trainer.grid, part)
+        trainer.comm, trainer.dp = grid.world, grid.dp
+        self.loader.sampler.reshard(0, 1)  # one replica now: it consumed what all of them did
+        if self.buddies is not None:
+            _drop_reducer(trainer)
+            problem = self.buddies.rebuild(trainer, old_dp, step)
+            problem = next((p for p in part.allgather_obj(problem) if p is not None), None)  # one verdict
+            if problem is not None:
+                return None, problem
+        return checkpoint.save_in(self.checkpoint_dir, trainer, keep=0), None
 
     def _check(self, trainer: Any, comm: Communicator, lost: list[int], step: int, whole: list[int]) -> None:
         """Refuse, on every survivor alike, what this job cannot go on from. A lost rank 0 is no
@@ -271,10 +290,7 @@ class RankLoss:
         trainer.grid = grid = groups.regrid(trainer.grid, comm)
         trainer.comm, trainer.dp = grid.world, grid.dp
         if self.buddies is not None:
-            try:
-                trainer.reducer.remove()  # zero 2, 3: its hooks off the model before the new one's
-            except MPI.Exception:  # its sub-communicators include the lost rank
-                pass
+            _drop_reducer(trainer)
             problem = self.buddies.rebuild(trainer, old_dp, step)
             if problem is not None:
                 if trainer.last_checkpoint is None:

@@ -322,19 +322,20 @@ def test_a_broken_tp_group_leaves_and_the_whole_replicas_go_on(serial, uninterru
 
 @pytest.mark.fault
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize(("victims", "saved"), [("1,2", 7), ("0,2", 5)])
-def test_no_whole_replica_left_ends_with_a_checkpoint_and_75(serial, uninterrupted, tmp_path, victims, saved):
+@pytest.mark.parametrize(("victims", "saved", "zero"), [("1,2", 7, "0"), ("1,2", 7, "1"), ("0,2", 5, "1")])
+def test_no_whole_replica_left_ends_with_a_checkpoint_and_75(serial, uninterrupted, tmp_path, victims, saved, zero):
     # tp=2 x dp=2 (replicas [0, 1] and [2, 3]) loses a member of each replica in step 8: nothing
     # can go on, and the job ends as a preempted one (75). With 1 and 2 lost, ranks 0 and 3 still
-    # hold tp parts 0 and 1 between them: they write the state from before step 8 (step 7), and a
-    # resume under another layout ends where the uninterrupted run ends. With 0 and 2 lost, tp part
-    # 0 is gone: step 5's checkpoint, the last committed, stays, and the exit line says why.
+    # hold tp parts 0 and 1 between them (under ZeRO each also holds its lost dp partner's pieces,
+    # as its buddy): they write the state from before step 8 (step 7), and a resume under another
+    # layout ends where the uninterrupted run ends. With 0 and 2 lost, tp part 0 is gone: step 5's
+    # checkpoint, the last committed, stays, and the exit line says why.
     from hpctrain import checkpoint
 
     env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
     run = tmp_path / "run"
-    p = hpctrain("kill", victims, "7,7", "--", *KILL_RUN, "--tp", "2", "--checkpoint-every", "5", "--run-dir",
-                 str(run), n=4, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    p = hpctrain("kill", victims, "7,7", "--", *KILL_RUN, "--tp", "2", "--zero", zero, "--checkpoint-every", "5",
+                 "--run-dir", str(run), n=4, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
     out = p.stdout + p.stderr
     assert p.returncode == 75, out
     last = run / "checkpoints" / f"ckpt-{saved:08d}.h5"

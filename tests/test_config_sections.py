@@ -197,9 +197,12 @@ def test_the_flags_choices_are_the_librarys_names():
     from hpctrain.guard import POLICIES
     from hpctrain.parallel.engine import BACKENDS
     from hpctrain.parallel.ps_args import MODES
+    from hpctrain.parallel.schedules import get_schedule
     from hpctrain.precision import PRECISIONS, REDUCE_DTYPES
 
     choices = {o.name: o.choices for o in OPTIONS}
     assert choices["backend"] == BACKENDS and choices["ps_mode"] == MODES and choices["on_nonfinite"] == POLICIES
     assert choices["compression"] == tuple(c for c in COMPRESSIONS if c is not None)
     assert choices["precision"] == PRECISIONS and choices["grad_reduce_dtype"] == REDUCE_DTYPES
+    for name in choices["schedule"]:  # the flag offers the schedules that need no --virtual-stages
+        get_schedule(name)

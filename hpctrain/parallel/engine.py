@@ -53,7 +53,8 @@ def compression_problem(compression: str | None, backend: str, say: Say = as_arg
     if compression not in COMPRESSIONS:
         return f"{say('compression')} must be one of {COMPRESSIONS}, got {compression!r}"
     if backend != "mpi" and compression is not None:
-        return f"{say('compression')} is for the flat all-reduce ({say('backend', 'mpi')}), not {say('backend', backend)}"
+        return (f"{say('compression')} is for the flat all-reduce ({say('backend', 'mpi')}), "
+                f"not {say('backend', backend)}")
     return None
 
 
@@ -65,7 +66,8 @@ def mixed_reduce_problem(precision: str, compression: str | None, backend: str, 
     if precision == "fp32":
         return None
     if compression is not None:
-        return f"{say('precision', precision)} reduces gradients in {say('grad_reduce_dtype')} (not {say('compression')})"
+        return (f"{say('precision', precision)} reduces gradients in {say('grad_reduce_dtype')} "
+                f"(not {say('compression')})")
     if backend == "nccl":
         return (f"{say('precision', precision)} reduces gradients in {say('grad_reduce_dtype')} over MPI "
                 f"(not {say('backend', 'nccl')})")

@@ -363,7 +363,7 @@ def _hooks(c: Config, given: dict[str, Any], comm: Any, setup: _Setup, callbacks
     if c.on_rank_loss == "shrink" and comm.size > 1:
         from ..resilience import RankLoss
 
-        setup.trainer.rank_loss = RankLoss(setup.loader)
+        setup.trainer.rank_loss = RankLoss(setup.loader, c.checkpoint_dir)
         hooks.append(setup.trainer.rank_loss)  # times and marks the first step after a loss
     return hooks
 
@@ -452,10 +452,12 @@ def main(args: argparse.Namespace) -> int:
     refusals (configuration, data, checkpoints, run directory) are 4; any other hpctrain error 1.
     A job that went on without lost ranks (``--on-rank-loss shrink``) ends its processes here.
     """
-    from ..comm import ulfm
+    from ..comm import failure, ulfm
 
     status = _main(args)
     if ulfm.lost_ranks():
+        if status != 0:  # (a broken replica's member leaves alone, 0, with its own line)
+            failure.settle()  # the survivors' rank 0 said why before any survivor ends (and the job with it)
         ulfm.end_process(status)  # MPI_Finalize could wait for the dead
     return status
 

@@ -130,8 +130,8 @@ class Config:
     on_rank_loss: str | None = field(default=None, metadata=_opt("a rank lost (killed, its node gone): abort the "
                                                                  "job, or shrink to the survivors and go on "
                                                                  "(needs ULFM: Open MPI, mpiexec --with-ft ulfm; "
-                                                                 "pure dp). Default: shrink where possible, "
-                                                                 "else abort", ("abort", "shrink")))
+                                                                 "dp, ZeRO, dp x tp x pp). Default: shrink where "
+                                                                 "possible, else abort", ("abort", "shrink")))
     on_nonfinite: str = field(default="raise", metadata=_opt("a step with a non-finite loss or gradient: raise, "
                                                              "or skip it (nothing changes)", POLICIES))
     dropout: float = field(default=0.0, metadata=_opt("dropout probability in the model (training only)"))

@@ -53,6 +53,7 @@ def _slurm_conf(tmp: Path, host: str, cpus: int) -> str:
     # linuxproc/none: no cgroups needed, so it runs in containers; cons_tres allocates cores.
     return f"""\
 ClusterName=hpctrain-test
+FirstJobId={_first_job_id()}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
@@ -89,15 +90,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 """
 
 
-def _remove_stale_mpich_segments() -> None:
-    """MPICH under srun names its node's shared memory ``/dev/shm/mpich_shm_<pid hex>_0`` and leaves it
-    behind when a job's ranks are killed; a later srun job whose process gets that pid again fails
-    in MPI_Init ("MPIDI_POSIX_comm_bootstrap: Out of memory"). Seen once on a long-lived machine:
-    remove the segments of pids that no longer run."""
-    for seg in Path("/dev/shm").glob("mpich_shm_*_0"):
-        pid = re.fullmatch(r"mpich_shm_([0-9a-f]{1,7})_0", seg.name)
-        if pid and not Path(f"/proc/{int(pid.group(1), 16)}").exists():
-            seg.unlink(missing_ok=True)
+def _first_job_id() -> int:
+    """Job ids that no earlier test cluster on this machine used. MPICH under srun names a job
+    step's shared memory after its PMI job and step (``/dev/shm/mpich_shm_<hash>_0``) and leaves it
+    behind when the step's ranks die; a later cluster counting from job 1 again reached the same
+    name and failed in MPI_Init ("MPIDI_POSIX_comm_bootstrap: Out of memory"), every run after."""
+    return 1 + int(time.time() * 10) % 60_000_000
 
 
 class Cluster:
@@ -121,7 +119,6 @@ class Cluster:
     def _start_munge(self) -> None:
         """A munged of this cluster's own (a fresh key, its own socket) and slurmctld's state
         directory: what every Slurm daemon of the cluster needs before it starts."""
-        _remove_stale_mpich_segments()
         munge = self.tmp / "munge"
         munge.mkdir(mode=0o700)
         key = munge / "munge.key"

@@ -484,6 +484,35 @@ def test_a_tracked_state_that_differs_between_ranks_or_fails_on_one_is_refused_e
     assert checkpoint.list_checkpoints(shared_dir) == []
 
 
+class Stubborn(Held):
+    """No snapshot/restore (so a rollback loads its old state_dict back) and a load_state_dict that
+    the last rank refuses every time: its rollback fails too."""
+
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__({"n": 1})
+        self.comm = comm
+
+    def load_state_dict(self, state):
+        if self.comm.rank == self.comm.size - 1:
+            raise ValueError("the last rank refuses any state")
+        self.state = state
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_tracked_object_refusing_its_rollback_on_one_rank_is_an_error_everywhere_not_a_hang(comm, shared_dir):
+    """Before, the rollback's second refusal escaped on the last rank alone, and the others waited
+    in the load's final exchange until the watchdog killed the job (as fit's resume did)."""
+    t = _dp_trainer(comm)
+    t.track("s", Stubborn(comm))
+    t.global_step = 4
+    path = checkpoint.save(os.path.join(shared_dir, "s.h5"), t)
+    t.global_step = 6
+    with pytest.raises(CheckpointError, match=r"the last rank refuses any state; putting the trainer back failed too"):
+        checkpoint.load(path, t)
+    assert t.global_step == 6  # the rollback that did not fail (the counters come before the tracked objects)
+
+
 def test_the_checkpointer_keeps_the_job_buffers_and_communicator(solo, tmp_path):
     """An asynchronous save's job and snapshot buffers are the trainer's checkpointer's; nothing is
     parked on the trainer or the communicator; trainers on one communicator share its duplicate."""

@@ -7,7 +7,20 @@ Each subclasses the builtin a caller would catch anyway (``ValueError`` for bad 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum
+from typing import Any
+
+#: How a refusal names an argument, alone (``say("zero")``) or with its value (``say("zero", 5)``).
+#: A rule's pure check function (``zero_problem``, ``precision_problem``, ...) takes one, so the
+#: rule is written once and reads in its caller's names: the library's arguments by default
+#: (:func:`as_argument`), ``hpctrain train``'s flags from the configuration (``options.as_flag``).
+Say = Callable[..., str]
+
+
+def as_argument(name: str, value: Any = ...) -> str:
+    """A library argument as a refusal names it: ``zero``, or with its value ``zero=5``."""
+    return name if value is ... else f"{name}={value!r}"
 
 
 class HpctrainError(Exception):

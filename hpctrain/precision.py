@@ -33,12 +33,31 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .errors import Say, as_argument
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP16 = np.dtype(np.float16)
 FP32 = np.dtype(np.float32)
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 _NAMED = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
+# What a refusal of fp32 with a 16-bit reduce adds for a library caller (the flags have no compression=).
+_REDUCE_HINT = ("a 16-bit reduce needs a mixed precision: fp32 reduces in fp32; for 16-bit all-reduces of fp32 "
+                "gradients use compression=")
+
+
+def precision_problem(name: str, grad_reduce_dtype: str, say: Say = as_argument) -> str | None:
+    """Why ``Precision(name, grad_reduce_dtype)`` is refused (``None``: it is not), in ``say``'s
+    names: the one place of these rules (``hpctrain train``'s config asks it with its flags)."""
+    if name not in PRECISIONS:
+        return f"{say('precision')} must be one of {PRECISIONS}, got {name!r}"
+    if grad_reduce_dtype not in REDUCE_DTYPES:
+        return f"{say('grad_reduce_dtype')} must be one of {REDUCE_DTYPES}, got {grad_reduce_dtype!r}"
+    if name == "fp32" and grad_reduce_dtype != "fp32":
+        return f"{say('grad_reduce_dtype', grad_reduce_dtype)} needs {say('precision')} bf16-mixed or fp16-mixed"
+    if name == "bf16-mixed" and grad_reduce_dtype == "fp16":
+        return f"{say('precision', name)} gradients can overflow fp16: {say('grad_reduce_dtype')} fp32 or bf16"
+    return None
 
 
 def is_half(dtype: Any) -> bool:
@@ -144,15 +163,10 @@ class Precision:
     scaler: DynamicLossScaler | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.name not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.name!r}")
-        if self.grad_reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"grad_reduce_dtype must be one of {REDUCE_DTYPES}, got {self.grad_reduce_dtype!r}")
-        if self.name == "fp32" and self.grad_reduce_dtype != "fp32":
-            raise ValueError(f"grad_reduce_dtype={self.grad_reduce_dtype!r} needs a mixed precision; fp32 reduces "
-                             "in fp32 (for 16-bit all-reduces of fp32 gradients use compression=)")  # fmt: skip
-        if self.name == "bf16-mixed" and self.grad_reduce_dtype == "fp16":
-            raise ValueError("bf16-mixed gradients can overflow float16: reduce them in fp32 or bf16")
+        problem = precision_problem(self.name, self.grad_reduce_dtype)
+        if problem is not None:
+            fp32_with_16bit = self.name == "fp32" and self.grad_reduce_dtype in REDUCE_DTYPES
+            raise ValueError(f"{problem} ({_REDUCE_HINT})" if fp32_with_16bit else problem)
         if self.name == "fp16-mixed" and self.scaler is None:
             self.scaler = DynamicLossScaler()
 

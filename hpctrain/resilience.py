@@ -22,7 +22,9 @@ lost with a rank and no checkpoint is read. Under ZeRO the lost rank's pieces co
 copy its buddy (the next dp rank) holds (``resilience_shards.Buddies``, refreshed before each
 step and at each save), and the reducer is built anew over the survivors; pieces lost with their
 buddy come from the last checkpoint, which the survivors read. Under dp x tp x pp a replica that
-lost a member leaves (``resilience_groups``) and the whole ones go on.
+lost a member leaves (``resilience_groups``) and the whole ones go on (with ZeRO, each tp x pp
+part's dp group puts its pieces together on its own); when none is whole, the survivors write the
+state from before the step if one of them holds each tp x pp part, and the job ends (exit 75).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from mpi4py import MPI
 
@@ -78,6 +80,14 @@ class _Snapshot:
             sampler.position -= self.handed
 
 
+def _drop_reducer(trainer: Any) -> None:
+    """ZeRO 2, 3: the old reducer's hooks off the model before a new reducer's go on."""
+    try:
+        trainer.reducer.remove()
+    except MPI.Exception:  # its sub-communicators include the lost rank
+        pass
+
+
 class RankLoss:
     """Survive lost ranks in ``Trainer.fit`` over ``loader`` (pure data parallelism).
 
@@ -85,8 +95,11 @@ class RankLoss:
     a ``fit`` callback it times and marks the first step finished after a loss.
     """
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, checkpoint_dir: str | None = None) -> None:
         self.loader = loader
+        # Where the job's checkpoints go: when no whole replica is left, the survivors write the
+        # state from before the interrupted step there if they hold all of it between them.
+        self.checkpoint_dir = checkpoint_dir
         sampler = loader.sampler
         self.global_batch = loader.batch_size * sampler.size
         self.events: list[dict[str, Any]] = []
@@ -138,6 +151,8 @@ class RankLoss:
         old_dp, old_world = trainer.dp.mpi, ulfm.world_ranks(trainer.comm.mpi)
         comm, lost, step = self._shrink(trainer)
         replica, whole = groups.replicas(trainer.grid, old_world, lost)
+        if not whole:
+            self._end_without_replica(trainer, comm, lost, step, old_world)
         self._check(trainer, comm, lost, step, whole)
         if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
             self._snapshots[step].restore(trainer)
@@ -176,19 +191,70 @@ class RankLoss:
                 if not ulfm.is_rank_loss(again):
                     raise
 
-    def _check(self, trainer: Any, comm: Communicator, lost: list[int], step: int, whole: list[int]) -> None:
-        """Refuse, on every survivor alike, what this job cannot go on from; end it as a preempted
-        one (exit 75, its last checkpoint kept) when no whole dp replica is left (``whole``). A lost
-        rank 0 is no problem: the survivors' rank 0 writes the metrics and the summary on."""
+    def _end_without_replica(self, trainer: Any, comm: Communicator, lost: list[int], step: int,
+                             old_world: list[int]) -> NoReturn:
+        """No whole dp replica is left (each lost a tensor- or pipeline-parallel member): end the job
+        as a preempted one (exit 75) on every survivor, with a checkpoint of the state from before
+        the interrupted step when the survivors hold all of it between them, else with the last
+        committed one; the exit line says which."""
         failure.rebind(comm.mpi)  # an error now ends the survivors normally, said once
-        if not whole:
-            trainer.comm = comm  # the survivors: what the job's closing collectives run over
-            ulfm.set_leader(comm.mpi)
-            if comm.rank == 0:
-                _log.warning("lost rank(s) %s in step %d: no whole dp replica is left (each lost a tensor- or "
-                             "pipeline-parallel member); ending with the last checkpoint %s", lost, step + 1,
-                             trainer.last_checkpoint or "(none written)")
-            raise Preempted(step, trainer.last_checkpoint, f"lost rank(s) {lost}: no whole dp replica left")
+        ulfm.set_leader(comm.mpi)
+        path, missing = self._save_parts(trainer, comm, step, old_world)
+        trainer.comm = comm  # the survivors: what the job's closing collectives run over
+        if path is not None:
+            trainer.last_checkpoint = path
+            how = f"the state before step {step + 1} saved from the survivors' parts"
+        else:
+            how = f"{missing}: the last committed checkpoint is kept"
+        if comm.rank == 0:
+            _log.warning("lost rank(s) %s in step %d: no whole dp replica is left (each lost a tensor- or "
+                         "pipeline-parallel member); %s: %s", lost, step + 1, how,
+                         trainer.last_checkpoint or "(none written)")
+        raise Preempted(step, trainer.last_checkpoint, f"lost rank(s) {lost}: no whole dp replica left, {how}")
+
+    def _save_parts(self, trainer: Any, comm: Communicator, step: int,
+                    old_world: list[int]) -> tuple[str | None, str | None]:
+        """Write the state from before ``step`` from one survivor of each tp x pp part (collective
+        over the survivors): ``(its path, None)``, or ``(None, why not)``, the same on every survivor."""
+        if self.checkpoint_dir is None:
+            return None, "no checkpoint directory"
+        if step < 0:
+            return None, "the survivors do not all hold the state from before the interrupted step"
+        part, lead, missing = groups.cover(comm, trainer.grid, old_world)
+        if missing:
+            return None, f"no survivor holds the (tp, pp) part(s) {missing} of the model"
+        result = None
+        if part is not None:
+            try:
+                result = self._write_part(trainer, part, step)
+            except Exception as exc:  # said in the exit line; the last committed checkpoint stays
+                result = (None, f"writing the survivors' checkpoint failed ({type(exc).__name__}: {exc})")
+        return comm.bcast_obj(result, root=lead)
+
+    def _write_part(self, trainer: Any, part: Communicator, step: int) -> tuple[str | None, str | None]:
+        """On one survivor of each tp x pp part (collective over them, ``part``): the state from
+        before ``step`` as one replica (dp=1) over ``part``, written as a checkpoint; under ZeRO
+        with the pieces put together from this survivor's own and its buddy copies."""
+        from . import checkpoint
+
+        old_dp = trainer.dp.mpi
+        if step in self._snapshots:  # else this survivor is at that step's start already
+            self._snapshots[step].restore(trainer)
+        trainer.grid = grid = groups.regrid(trainer.grid, part)
+        trainer.comm, trainer.dp = grid.world, grid.dp
+        self.loader.sampler.reshard(0, 1)  # one replica now: it consumed what all of them did
+        if self.buddies is not None:
+            _drop_reducer(trainer)
+            problem = self.buddies.rebuild(trainer, old_dp, step)
+            problem = next((p for p in part.allgather_obj(problem) if p is not None), None)  # one verdict
+            if problem is not None:
+                return None, problem
+        return checkpoint.save_in(self.checkpoint_dir, trainer, keep=0), None
+
+    def _check(self, trainer: Any, comm: Communicator, lost: list[int], step: int, whole: list[int]) -> None:
+        """Refuse, on every survivor alike, what this job cannot go on from. A lost rank 0 is no
+        problem: the survivors' rank 0 writes the metrics and the summary on."""
+        failure.rebind(comm.mpi)  # an error now ends the survivors normally, said once
         problem = None
         if step < 0:
             problem = "the survivors do not all hold the state from before the interrupted step"
@@ -224,11 +290,8 @@ class RankLoss:
         trainer.grid = grid = groups.regrid(trainer.grid, comm)
         trainer.comm, trainer.dp = grid.world, grid.dp
         if self.buddies is not None:
-            try:
-                trainer.reducer.remove()  # zero 2, 3: its hooks off the model before the new one's
-            except MPI.Exception:  # its sub-communicators include the lost rank
-                pass
-            problem = self.buddies.rebuild(trainer, old_dp, comm, step)
+            _drop_reducer(trainer)
+            problem = self.buddies.rebuild(trainer, old_dp, step)
             if problem is not None:
                 if trainer.last_checkpoint is None:
                     raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}; "

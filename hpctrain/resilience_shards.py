@@ -77,12 +77,18 @@ class Buddies:
         """Every array held (``buffers`` in the memory report: the cost of surviving a loss)."""
         return [a for kept in (self.mine, self.left) for p in kept.values() for a in arrays_of(p)]
 
-    def rebuild(self, trainer: Any, old_dp: MPI.Intracomm, comm: Any, step: int) -> str | None:
-        """Put the state from before ``step`` back on the survivors (``comm``) and rebuild the ZeRO
-        reducer over them; what is missing when it cannot be done (the same on every survivor)."""
-        held = self._held(old_dp, comm, step)
+    def rebuild(self, trainer: Any, old_dp: MPI.Intracomm, step: int) -> str | None:
+        """Put the state from before ``step`` back on the survivors of this rank's dp group
+        (``trainer.dp``, rebuilt over them) and rebuild the ZeRO reducer over them; what is missing
+        when it cannot be done (the same on every survivor of the group).
+
+        Under dp x tp x pp each tp x pp part has its own dp group, and its pieces: the groups
+        rebuild side by side. A broken replica's members have left (``resilience_groups``): their
+        pieces come from their buddies, as a lost rank's do."""
+        dp = trainer.dp
+        held = self._held(old_dp, dp, step)
         size = old_dp.Get_size()
-        found = {r: p for part in comm.allgather_obj(held) for r, p in part.items()}
+        found = {r: p for part in dp.allgather_obj(held) for r, p in part.items()}
         missing = [r for r in range(size) if r not in found]
         if missing:
             return (f"no copy of the ZeRO pieces of dp rank(s) {missing} (world "
@@ -103,10 +109,11 @@ class Buddies:
         self.mine, self.left = {}, {}
         return trainer._make_reducer(trainer.model, trainer.optimizer, None)
 
-    def _held(self, old_dp: MPI.Intracomm, comm: Any, step: int) -> dict[int, Pieces]:
+    def _held(self, old_dp: MPI.Intracomm, dp: Any, step: int) -> dict[int, Pieces]:
         """The pieces from before ``step`` this survivor holds: its own, and its left neighbour's
-        when that one is lost (keyed by old dp rank)."""
-        world, alive = _world(old_dp), set(_world(comm.mpi))
+        when that one is not in the new dp group ``dp`` (lost, or left with its replica); keyed
+        by old dp rank."""
+        world, alive = _world(old_dp), set(_world(dp.mpi))
         rank, size = world.index(MPI.COMM_WORLD.Get_rank()), len(world)
         held = {rank: self.mine[step]} if step in self.mine else {}
         left = (rank - 1) % size

@@ -4,6 +4,7 @@ is checked by one section only, and a refusal reads the same from a flag and fro
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -11,9 +12,11 @@ import pytest
 from hpctrain import errors, nn
 from hpctrain.cli import main as cli_main
 from hpctrain.errors import ExitStatus
+from hpctrain.precision import Precision
 from hpctrain.train import OPTIONS, read_config, resolve
 from hpctrain.train.config import ALL_SECTIONS
 from hpctrain.train.models import build_classifier, classifier_pieces, splits
+from hpctrain.train.options import as_flag
 
 # (owning section, flags, the same settings as TOML, a valid config to start from, message)
 CASES = [
@@ -96,3 +99,110 @@ def test_the_layout_checks_ask_the_models_what_they_split(n_layers):
     widths = {m.fc1.weight.shape[1] for _, m in mlp.named_modules() if isinstance(m, nn.MLP)}
     assert widths == {s.tp_sizes["hidden"]}
     assert np.isfinite(mlp.forward(np.zeros((2, 5), np.float32))).all()
+
+
+# -- each rule in one place: the library owns it, the command line asks it with its flags ---------
+
+
+def _engine(comm, **kw):
+    from hpctrain.comm.grid import ProcessGrid
+    from hpctrain.optim import SGD
+    from hpctrain.parallel import ParallelTrainer
+
+    model = nn.Sequential(nn.Linear(4, 3, rng=0))
+    return ParallelTrainer(model=model, loss=nn.MSELoss(), optimizer=SGD(model.parameters(), lr=0.1),
+                           grid=ProcessGrid(comm), **kw)
+
+
+def _ps(comm, **kw):
+    from hpctrain.parallel import ParameterServerTrainer
+
+    return ParameterServerTrainer(model=nn.Sequential(nn.Linear(4, 3, rng=0)), loss=nn.MSELoss(), lr=0.1, comm=comm,
+                                  **kw)
+
+
+def _tp(comm, module):
+    from hpctrain.parallel import tensor_parallel
+
+    return tensor_parallel(module, comm)
+
+
+def _heads(comm):
+    return comm.size + 1  # never divisible by the tensor-parallel size
+
+
+# (rule, the library refusing it (comm -> raises), the settings `hpctrain train` refuses for it, the
+# world resolve() takes (None: the comm's), the argument names the two word differently)
+SAME_RULE = [
+    ("zero stage", lambda comm: _engine(comm, zero=5), lambda comm: {"zero": 5}, 2, ("zero",)),
+    ("zero reduces alone (compression)", lambda comm: _engine(comm, zero=1, compression="bf16"),
+     lambda comm: {"zero": 1, "compression": "bf16"}, 2, ("zero", "compression")),
+    ("zero reduces alone (backend)", lambda comm: _engine(comm, zero=2, backend="hierarchical"),
+     lambda comm: {"zero": 2, "backend": "hierarchical"}, 2, ("zero", "backend")),
+    ("compression is flat MPI's", lambda comm: _engine(comm, compression="bf16", backend="hierarchical"),
+     lambda comm: {"compression": "bf16", "backend": "hierarchical"}, 2, ("compression", "backend")),
+    ("mixed precision takes no compression", lambda comm: _engine(comm, precision="bf16-mixed", compression="fp16"),
+     lambda comm: {"precision": "bf16-mixed", "compression": "fp16"}, 2,
+     ("precision", "grad_reduce_dtype", "compression")),
+    ("clip norm", lambda comm: _engine(comm, clip_norm=0.0), lambda comm: {"clip_norm": 0.0}, 2, ("clip_norm",)),
+    ("16-bit reduce needs mixed precision", lambda comm: Precision("fp32", "bf16"),
+     lambda comm: {"grad_reduce_dtype": "bf16"}, 2, ("precision", "grad_reduce_dtype", "compression")),
+    ("bf16 gradients overflow fp16", lambda comm: Precision("bf16-mixed", "fp16"),
+     lambda comm: {"precision": "bf16-mixed", "grad_reduce_dtype": "fp16"}, 2, ("precision", "grad_reduce_dtype")),
+    ("ssp staleness", lambda comm: _ps(comm, mode="ssp", staleness=-1),
+     lambda comm: {"strategy": "ps", "ps_mode": "ssp", "staleness": -1}, 2, ("staleness",)),
+    ("server momentum", lambda comm: _ps(comm, mode="ssp", momentum=0.5),
+     lambda comm: {"strategy": "ps", "ps_mode": "ssp", "momentum": 0.5}, 2, ("momentum", "mode")),
+    ("heads divide the width", lambda comm: nn.CausalSelfAttention(30, 4, rng=0),
+     lambda comm: {"model": "gpt", "d_model": 30, "n_heads": 4}, 2, ("n_heads", "d_model")),
+    ("dropout", lambda comm: nn.Dropout(1.0), lambda comm: {"dropout": 1.0}, 2, ("dropout",)),
+    ("tp divides the heads", lambda comm: _tp(comm, nn.TransformerBlock(4 * _heads(comm), _heads(comm), 8, rng=0)),
+     lambda comm: {"model": "gpt", "strategy": "tp", "n_heads": _heads(comm), "d_model": 4 * _heads(comm),
+                   "batch_size": 8}, None, ("n_heads",)),
+]
+
+
+def _in_common_words(text, names, flags):
+    """``text`` with each argument name as ``<name>``: ``zero=5`` (the library's) and ``--zero 5``
+    (the command line's) both read ``<zero> 5``."""
+    for name in names:
+        if flags:
+            text = text.replace(as_flag(name), f"<{name}>")
+        else:
+            text = re.sub(rf"(?<![\w<-]){name}(?:=('?)([^'\s,):]+)\1)?(?![\w-])",
+                          lambda m, n=name: f"<{n}>" + (f" {m.group(2)}" if m.group(2) else ""), text)
+    return text
+
+
+@pytest.mark.parametrize("rule, library, settings, world, names", SAME_RULE, ids=[r[0] for r in SAME_RULE])
+def test_the_library_and_the_command_line_refuse_a_rule_in_the_same_words(comm, rule, library, settings, world,
+                                                                          names):
+    # One check function per rule, next to its class; the configuration asks the same function with
+    # its flags' names (as_flag). So the command line's refusal, names aside, is the library's
+    # words: a rule reworded (or re-checked) on one side only fails here.
+    if world is None and comm.size < 2:
+        pytest.skip("a tensor-parallel refusal needs a group of 2 or more ranks")
+    with pytest.raises(ValueError) as lib:
+        library(comm)
+    with pytest.raises(errors.ConfigError) as cli:
+        resolve(settings(comm), comm.size if world is None else world)
+    said = _in_common_words(str(cli.value), names, flags=True)
+    assert said in _in_common_words(str(lib.value), names, flags=False), (str(cli.value), str(lib.value))
+    assert "--" not in str(lib.value)  # the library speaks of its arguments, not of flags
+
+
+def test_the_flags_choices_are_the_librarys_names():
+    # Choices the config cannot import without starting MPI are written out: they must stay the library's.
+    from hpctrain.comm.buckets import COMPRESSIONS
+    from hpctrain.guard import POLICIES
+    from hpctrain.parallel.engine import BACKENDS
+    from hpctrain.parallel.ps_args import MODES
+    from hpctrain.parallel.schedules import get_schedule
+    from hpctrain.precision import PRECISIONS, REDUCE_DTYPES
+
+    choices = {o.name: o.choices for o in OPTIONS}
+    assert choices["backend"] == BACKENDS and choices["ps_mode"] == MODES and choices["on_nonfinite"] == POLICIES
+    assert choices["compression"] == tuple(c for c in COMPRESSIONS if c is not None)
+    assert choices["precision"] == PRECISIONS and choices["grad_reduce_dtype"] == REDUCE_DTYPES
+    for name in choices["schedule"]:  # the flag offers the schedules that need no --virtual-stages
+        get_schedule(name)

@@ -288,9 +288,10 @@ def _steps_logged(run_dir: Path) -> int:
         return 0
 
 
-# A small GPT on the built-in corpus: ~10 s of training on 2 ranks here, long enough to interrupt.
+# A small GPT on the built-in corpus: 912 steps, 4-10 s of training on 2-4 ranks here, long enough to
+# interrupt even on a quiet machine (4 epochs once ended in 0.8 s, before the USR1 reached it).
 _SMALL_GPT = ("--model", "gpt", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--block-size", "32",
-              "--batch-size", "16", "--epochs", "4", "--max-samples", "1600", "--checkpoint-every", "25",
+              "--batch-size", "16", "--epochs", "16", "--max-samples", "1600", "--checkpoint-every", "25",
               "--log-every", "50")
 
 
@@ -326,17 +327,17 @@ def preempt_and_requeue(cluster: Cluster, tmp_path: Path, nodes: int = 1, per_no
     state, restarts = "", 0
     while time.monotonic() < deadline:
         state, restarts = _job_state(cluster, job)
-        if not signalled and state == "RUNNING" and _steps_logged(run_dir) >= 30:
+        if not signalled and state == "RUNNING" and _steps_logged(run_dir) >= 10:
             cluster.run("scancel", "--batch", "--signal=USR1", job)
             signalled = True
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             break
-        time.sleep(0.5)
+        time.sleep(0.1)
     else:
         cluster.run("scancel", job, check=False)
         pytest.fail(f"job {job} still {state} after 400 s\n{cluster.logs()}")
     out = out_file.read_text(errors="replace") if out_file.exists() else "(no output file)"
-    assert signalled, f"the job ended ({state}) before it logged 30 steps\n{out}"
+    assert signalled, f"the job ended ({state}) before it logged 10 steps\n{out}"
     assert state == "COMPLETED" and restarts == 1, f"job {job}: {state}, {restarts} restarts\n{out}\n{cluster.logs()}"
     # --open-mode=append: both runs of the job in one output file.
     assert "job " + job + " (restart 0)" in out and "job " + job + " (restart 1)" in out, out

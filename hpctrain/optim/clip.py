@@ -9,7 +9,16 @@ from typing import Any
 import numpy as np
 
 from ..backend import xp_of
+from ..errors import Say, as_argument
 from ..nn.module import Parameter
+
+
+def clip_norm_problem(clip_norm: float | None, say: Say = as_argument) -> str | None:
+    """Why ``clip_norm`` is not a norm to clip to (``None``: it is, or no clipping), in ``say``'s
+    names: the one place of this rule (the trainers and ``hpctrain train``'s ``--clip-norm`` ask it)."""
+    if clip_norm is not None and not clip_norm > 0:
+        return f"{say('clip_norm')} must be > 0, got {clip_norm!r}"
+    return None
 
 
 def grad_norm(params: Iterable[Parameter]) -> float:

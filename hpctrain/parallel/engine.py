@@ -25,7 +25,8 @@ import numpy as np
 from ..backend import to_device, xp_of
 from ..comm.buckets import COMPRESSIONS
 from ..comm.validate import agree, raise_if_any
-from ..errors import ConfigError, GridError, MismatchError
+from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
+from ..optim.clip import clip_norm_problem
 from ..precision import Precision
 from ..protocols import Reducer, Stateful
 from ..trainer import Batch, Trainer
@@ -35,13 +36,42 @@ from .reducer import AllReduceReducer, BackwardHooks
 from .schedules import get_schedule
 from .shards import full_state_dict, shard_map
 from .tensor_layers import parallel_loss
-from .zero import zero_reducer
+from .zero import zero_problem, zero_reducer, zero_reducer_problem
 
 # What reduces the gradients: MPI (flat), MPI by node (hpctrain.comm.hierarchical), or NCCL for CuPy models.
 BACKENDS = ("mpi", "hierarchical", "nccl")
 
 
-__all__ = ["BACKENDS", "ParallelTrainer", "Preset", "shard_map"]
+__all__ = ["BACKENDS", "ParallelTrainer", "Preset", "compression_problem", "mixed_reduce_problem", "shard_map"]
+
+
+def compression_problem(compression: str | None, backend: str, say: Say = as_argument) -> str | None:
+    """Why the gradients cannot reduce through ``backend`` with ``compression`` (``None``: they
+    can), in ``say``'s names: the one place of these rules (``hpctrain train`` asks with its flags)."""
+    if backend not in BACKENDS:
+        return f"{say('backend')} must be one of {BACKENDS}, got {backend!r}"
+    if compression not in COMPRESSIONS:
+        return f"{say('compression')} must be one of {COMPRESSIONS}, got {compression!r}"
+    if backend != "mpi" and compression is not None:
+        return (f"{say('compression')} is for the flat all-reduce ({say('backend', 'mpi')}), "
+                f"not {say('backend', backend)}")
+    return None
+
+
+def mixed_reduce_problem(precision: str, compression: str | None, backend: str, say: Say = as_argument
+                         ) -> str | None:
+    """Why mixed ``precision`` cannot reduce this way (``None``: it can): it reduces in
+    ``grad_reduce_dtype``, so it takes no 16-bit ``compression``, and over MPI (NCCL's dtype path
+    is not checked with 16-bit buckets; the hierarchical all-reduce is MPI's)."""
+    if precision == "fp32":
+        return None
+    if compression is not None:
+        return (f"{say('precision', precision)} reduces gradients in {say('grad_reduce_dtype')} "
+                f"(not {say('compression')})")
+    if backend == "nccl":
+        return (f"{say('precision', precision)} reduces gradients in {say('grad_reduce_dtype')} over MPI "
+                f"(not {say('backend', 'nccl')})")
+    return None
 
 
 @dataclass(frozen=True)
@@ -191,24 +221,14 @@ class ParallelTrainer(Trainer):
         m, v = self.microbatches, self.virtual_stages
         if getattr(self, "_precision_problem", None) is not None:
             return self._precision_problem
-        # (NCCL's dtype path is not checked with 16-bit buckets; the hierarchical all-reduce is MPI's.)
-        if self.precision.mixed and (self.compression is not None or self.backend == "nccl"):
-            return ValueError(f"precision={self.precision.name!r} reduces gradients in grad_reduce_dtype: it takes "
-                              "no compression= or the nccl backend")  # fmt: skip
-        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
-            return ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.zero and (self.compression is not None or self.backend != "mpi" or self._custom_reducer):
-            return ValueError("zero=1|2|3 is its own reducer: it takes no compression, nccl backend or reducer=")
-        if self.backend not in BACKENDS:
-            return ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend != "mpi" and self.compression is not None:
-            return ValueError(f"compression is for the flat MPI backend, not backend={self.backend!r}")
-        if self.compression not in COMPRESSIONS:
-            return ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        problem = (zero_problem(self.zero) or compression_problem(self.compression, self.backend)
+                   or mixed_reduce_problem(self.precision.name, self.compression, self.backend)
+                   or zero_reducer_problem(self.zero, self.compression, self.backend, self._custom_reducer)
+                   or clip_norm_problem(self.clip_norm))
+        if problem is not None:
+            return ValueError(problem)
         if not self.bucket_mb > 0:
             return ValueError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            return ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             return ValueError(f"microbatches must be a positive integer, got {m!r}")
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -69,9 +69,8 @@ from ..errors import MismatchError, NonFiniteError, WindowError
 from ..guard import check_finite
 from ..nn.losses import collect_target_checks
 from ..trainer import StepStats, Trainer
+from .ps_args import MODES, momentum_problem, staleness_problem
 from .ps_clocks import _DONE, _STOP, WorkerClocks
-
-MODES = ("sync", "async", "ssp")
 
 
 class ParameterServerTrainer(WorkerClocks, Trainer):
@@ -176,14 +175,11 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
     def _validate(self) -> str | None:
         if self.mode not in MODES:
             return f"mode must be one of {MODES}, got {self.mode!r}"
-        if self.staleness < 0:
-            return f"staleness must be >= 0, got {self.staleness}"
+        problem = staleness_problem(self.staleness) or momentum_problem(self.mode, self.momentum)
+        if problem is not None:
+            return problem
         if not self.lr >= 0 or not math.isfinite(self.lr):
             return f"lr must be a finite number >= 0, got {self.lr}"
-        if self.momentum and self.mode != "sync":
-            return f"momentum is supported only with mode='sync' (got mode={self.mode!r}, momentum={self.momentum})"
-        if not 0 <= self.momentum < 1:
-            return f"momentum must be in [0, 1), got {self.momentum}"
         size = self.comm.size
         if not self.servers or len(set(self.servers)) != len(self.servers) or any(
             not 0 <= s < size for s in self.servers

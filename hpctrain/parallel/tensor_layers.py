@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
+from ..errors import Say, as_argument
 from ..nn.layers import Linear, add_bias_grad, scatter_add
 from ..nn.losses import CrossEntropyLoss, _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
 from ..nn.module import Module, Parameter
@@ -37,6 +38,22 @@ from .tensor_mappings import (
     partition,
     reduce_from_tp,
 )
+
+
+def tp_heads_problem(n_heads: int, tp: int, say: Say = as_argument) -> str | None:
+    """Why ``n_heads`` attention heads do not split over ``tp`` ranks (``None``: they do), in
+    ``say``'s names: the one place of this rule (``ParallelSelfAttention`` and ``hpctrain train``'s
+    layout check ask it)."""
+    if n_heads % tp:
+        return f"tp={tp} must divide {say('n_heads', n_heads)} (the heads are split across ranks)"
+    return None
+
+
+def tp_hidden_problem(d_hidden: int, tp: int) -> str | None:
+    """Why an MLP's hidden width ``d_hidden`` does not split over ``tp`` ranks (``None``: it does)."""
+    if d_hidden % tp:
+        return f"tp={tp} must divide the hidden width {d_hidden} (it is split across ranks)"
+    return None
 
 
 def _index_of(ranges: list[tuple[int, int]]) -> Any:
@@ -179,10 +196,9 @@ class ParallelMLP(Module):
     def from_serial(cls, mlp: Any, comm: Comm) -> ParallelMLP:
         """Split a serial ``MLP`` (``fc1``, ``act``, ``fc2``) over ``comm``."""
         d_hidden = mlp.fc1.weight.shape[1]
-        if d_hidden % comm.size:
-            raise ValueError(
-                f"ParallelMLP: hidden size {d_hidden} is not divisible by the tensor-parallel size {comm.size}"
-            )
+        problem = tp_hidden_problem(d_hidden, comm.size)
+        if problem is not None:
+            raise ValueError(f"ParallelMLP: hidden size {d_hidden} is not divisible: {problem}")
         return cls(ColumnParallelLinear.from_serial(mlp.fc1, comm), copy.deepcopy(mlp.act),  # own cache
                    RowParallelLinear.from_serial(mlp.fc2, comm))
 
@@ -217,11 +233,10 @@ class ParallelSelfAttention(SelfAttentionBase):
         """Split a serial ``CausalSelfAttention`` (``qkv``, ``proj``, ``n_heads``) by heads over ``comm``."""
         n_heads = int(attn.n_heads)
         d = attn.proj.weight.shape[1]
-        if n_heads % comm.size:
-            raise ValueError(
-                f"ParallelSelfAttention: n_heads={n_heads} is not divisible by the tensor-parallel size "
-                f"{comm.size}; choose tp among the divisors of n_heads"
-            )
+        problem = tp_heads_problem(n_heads, comm.size)
+        if problem is not None:  # (the first words are what callers have matched since round one)
+            raise ValueError(f"ParallelSelfAttention: n_heads={n_heads} is not divisible by the tensor-parallel "
+                             f"size {comm.size}: {problem}")
         if attn.qkv.weight.shape != (d, 3 * d):
             raise ValueError(f"ParallelSelfAttention: qkv weight must be ({d}, {3 * d}), got {attn.qkv.weight.shape}")
         dl = d // comm.size

@@ -49,6 +49,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..comm import sharded
+from ..errors import Say, as_argument
 from ..nn.module import Parameter
 from ..optim.sharded import ShardedOptimizer
 from .reducer import GradReducer
@@ -57,7 +58,7 @@ from .zero_scatter import GradScatter
 from .zero_units import Transient, Units, module_units, placeholder
 
 STAGES = (0, 1, 2, 3)
-__all__ = ["STAGES", "ZeroReducer", "placeholder", "zero_reducer"]
+__all__ = ["STAGES", "ZeroReducer", "placeholder", "zero_problem", "zero_reducer", "zero_reducer_problem"]
 
 
 class ZeroReducer(GradReducer):
@@ -321,3 +322,26 @@ def zero_reducer(model: Any, optimizer: Any, stage: int, masters: dict[str, Para
         return ZeroReducer(params, dp, model=model, optimizer=optimizer, stage=stage, masters=masters)
 
     return make
+
+
+def zero_problem(zero: Any, say: Say = as_argument) -> str | None:
+    """Why ``zero`` is not a ZeRO stage (``None``: it is), in ``say``'s names: the one place of
+    this rule (``ParallelTrainer`` and ``hpctrain train``'s ``--zero`` ask it)."""
+    if zero not in STAGES or isinstance(zero, bool):
+        return f"{say('zero')} must be 0, 1, 2 or 3, got {zero!r}"
+    return None
+
+
+def zero_reducer_problem(zero: int, compression: str | None = None, backend: str = "mpi",
+                         custom_reducer: bool = False, say: Say = as_argument) -> str | None:
+    """Why ZeRO stage ``zero`` cannot reduce with these settings (``None``: it can): it is its
+    own reducer, over MPI, with full-precision values on the wire."""
+    if not zero:
+        return None
+    if compression is not None:
+        return f"{say('zero', zero)} is its own reducer: it takes no {say('compression')}"
+    if backend != "mpi":
+        return f"{say('zero', zero)} is its own reducer, over MPI: it takes no {say('backend', backend)}"
+    if custom_reducer:
+        return f"{say('zero', zero)} is its own reducer: it takes no {say('reducer')}"
+    return None

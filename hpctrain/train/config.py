@@ -157,9 +157,9 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
 
 def _shrink_unsupported(c: Config) -> str | None:
     """Why this layout cannot go on without a lost rank yet (``None``: it can)."""
-    if c.strategy not in ("dp", "hybrid") or (c.zero and c.strategy != "dp"):
+    if c.strategy not in ("dp", "hybrid"):
         # (dp x tp x pp: a broken replica leaves, the whole ones go on; ZeRO's buddies are over dp)
-        return f"--strategy {c.strategy}" + (f" --zero {c.zero}" if c.zero else "")
+        return f"--strategy {c.strategy}"
     if c.backend != "mpi":
         return f"--backend {c.backend}"
     if c.precision != "fp32":  # its float32 masters and loss scale are not kept across a loss yet
@@ -182,7 +182,7 @@ def _on_rank_loss(c: Config) -> str:
                               "use --on-rank-loss abort")
         if unsupported is not None:
             raise ConfigError(f"--on-rank-loss shrink continues data-parallel replicas only (--strategy dp "
-                              f"with --zero 0-3, or hybrid: dp x tp x pp; --backend mpi, --precision fp32), "
+                              f"or hybrid: dp x tp x pp, with --zero 0-3; --backend mpi, --precision fp32), "
                               f"not {unsupported}; use --on-rank-loss abort")
     return c.on_rank_loss
 

@@ -363,7 +363,7 @@ def _hooks(c: Config, given: dict[str, Any], comm: Any, setup: _Setup, callbacks
     if c.on_rank_loss == "shrink" and comm.size > 1:
         from ..resilience import RankLoss
 
-        setup.trainer.rank_loss = RankLoss(setup.loader)
+        setup.trainer.rank_loss = RankLoss(setup.loader, c.checkpoint_dir)
         hooks.append(setup.trainer.rank_loss)  # times and marks the first step after a loss
     return hooks
 
@@ -446,16 +446,16 @@ def _layout_text(c: Config) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Entry of ``hpctrain train``: merge file and flags, then run; returns an ``ExitStatus``.
-
-    SIGTERM, SIGUSR1 and SIGINT stop the job at the next step with a checkpoint (75, preempted);
-    refusals (configuration, data, checkpoints, run directory) are 4; any other hpctrain error 1.
-    A job that went on without lost ranks (``--on-rank-loss shrink``) ends its processes here.
-    """
-    from ..comm import ulfm
+    """Entry of ``hpctrain train``: merge file and flags, then run; returns an ``ExitStatus``:
+    75 stopped by SIGTERM/SIGUSR1/SIGINT at a step with a checkpoint; 4 a refusal (configuration,
+    data, checkpoints, run directory); 1 any other hpctrain error. A job that went on without lost
+    ranks (``--on-rank-loss shrink``) ends its processes here."""
+    from ..comm import failure, ulfm
 
     status = _main(args)
     if ulfm.lost_ranks():
+        if status != 0:  # the survivors' rank 0 says why before any survivor ends the job (leavers exit 0)
+            failure.settle()
         ulfm.end_process(status)  # MPI_Finalize could wait for the dead
     return status
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from ..guard import POLICIES
+from ..precision import PRECISIONS, REDUCE_DTYPES
 
 
 def _opt(help: str, choices: tuple[str, ...] | None = None, *, at_least: int | None = None,
@@ -85,7 +87,7 @@ class Config:
                                                          "block / MLP block keeps only its input)"))
     schedule: str = field(default="1f1b", metadata=_opt("pipeline schedule (pp)", ("1f1b", "gpipe")))
     ps_mode: str = field(default="sync", metadata=_opt("parameter-server mode (ps)", ("sync", "async", "ssp")))
-    staleness: int = field(default=2, metadata=_opt("bound on how far a worker may run ahead (ps, ssp)", at_least=0))
+    staleness: int = field(default=2, metadata=_opt("bound on how far a worker may run ahead (ps, ssp)"))
     max_samples: int | None = field(default=None, metadata=_opt("train on only the first N samples "
                                                                 "(quick runs, tests)", at_least=1))
     val_fraction: float = field(default=0.1, metadata=_opt("share of the data held out for the final evaluation",
@@ -115,10 +117,10 @@ class Config:
                                                                 ("fp16", "bf16")))
     precision: str = field(default="fp32", metadata=_opt("compute in bf16/fp16 with float32 master weights and "
                                                          "optimizer state (fp16: dynamic loss scaling)",
-                                                         ("fp32", "bf16-mixed", "fp16-mixed")))
+                                                         PRECISIONS))
     grad_reduce_dtype: str = field(default="fp32", metadata=_opt("dtype gradients accumulate and are all-reduced "
                                                                  "in under mixed precision (bf16/fp16 halve the "
-                                                                 "bytes)", ("fp32", "bf16", "fp16")))
+                                                                 "bytes)", REDUCE_DTYPES))
     loss_scale_init: float | None = field(default=None, metadata=_opt("--precision fp16-mixed: the first loss scale, "
                                                                       "a power of two (default 65536)"))
     loss_scale_interval: int | None = field(default=None, metadata=_opt("--precision fp16-mixed: clean steps in a "
@@ -129,10 +131,10 @@ class Config:
     on_rank_loss: str | None = field(default=None, metadata=_opt("a rank lost (killed, its node gone): abort the "
                                                                  "job, or shrink to the survivors and go on "
                                                                  "(needs ULFM: Open MPI, mpiexec --with-ft ulfm; "
-                                                                 "pure dp). Default: shrink where possible, "
-                                                                 "else abort", ("abort", "shrink")))
+                                                                 "dp, ZeRO, dp x tp x pp). Default: shrink where "
+                                                                 "possible, else abort", ("abort", "shrink")))
     on_nonfinite: str = field(default="raise", metadata=_opt("a step with a non-finite loss or gradient: raise, "
-                                                             "or skip it (nothing changes)", ("raise", "skip")))
+                                                             "or skip it (nothing changes)", POLICIES))
     dropout: float = field(default=0.0, metadata=_opt("dropout probability in the model (training only)"))
     device: str = field(default="auto", metadata=_opt("where the model, batches and optimizer state live: cuda "
                                                       "(each rank the GPU of its local rank), cpu, or auto (cuda "
@@ -194,6 +196,18 @@ DERIVED = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata.get
 def flag(name: str) -> str:
     """``--batch-size`` for ``batch_size``."""
     return "--" + name.replace("_", "-")
+
+
+#: Library argument names whose flag is named otherwise (``ParameterServerTrainer(mode=)``: ``--ps-mode``).
+_FLAG_OF = {"mode": "ps_mode"}
+
+
+def as_flag(name: str, value: Any = ...) -> str:
+    """A library argument as the command line names it: ``--zero``, or with its value ``--zero 1``.
+    The ``say`` the configuration passes to the library's rule functions (``errors.Say``), so a
+    rule refused by the library and by a flag reads the same but for the names."""
+    f = flag(_FLAG_OF.get(name, name))
+    return f if value is ... else f"{f} {value}"
 
 
 def check_bounds(c: Config, names: tuple[str, ...]) -> None:

@@ -18,8 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..nn.layers import dropout_problem
+from ..nn.transformer import heads_problem
+from ..optim.clip import clip_norm_problem
+from ..precision import precision_problem
 from . import models
-from .options import Config, check_bounds, flag
+from .options import Config, as_flag, check_bounds, flag
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,17 @@ def _no_rules(c: Config, world: int) -> None:
     """A section whose settings need no other."""
 
 
+def _refuse(problem: str | None) -> None:
+    """A library rule's refusal (asked with the flags' names, ``as_flag``) as the command line's."""
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 # -- model -------------------------------------------------------------------------------------
 
 
 def _model_values(c: Config) -> None:
-    if not 0.0 <= c.dropout < 1.0:
-        raise ConfigError(f"--dropout must be in [0, 1), got {c.dropout}")
+    _refuse(dropout_problem(c.dropout, as_flag))
 
 
 def _model(c: Config, world: int) -> None:
@@ -65,8 +74,8 @@ def _model(c: Config, world: int) -> None:
                           f"(or path/to/file.py:factory)")
     if c.model == "gpt" and c.loss != "ce":
         raise ConfigError("--model gpt predicts the next token: it trains with --loss ce")
-    if c.model == "gpt" and c.d_model % c.n_heads:
-        raise ConfigError(f"--n-heads {c.n_heads} must divide --d-model {c.d_model}")
+    if c.model == "gpt":
+        _refuse(heads_problem(c.d_model, c.n_heads, as_flag))
     _model_splits(c)
 
 
@@ -76,10 +85,11 @@ def _model_splits(c: Config) -> None:
     if s is None:  # a user's model: its trainer checks the split when it is built
         return
     if c.tp > 1:
-        if "n_heads" in s.tp_sizes and s.tp_sizes["n_heads"] % c.tp:
-            raise ConfigError(f"tp={c.tp} must divide --n-heads {c.n_heads} (heads are split across ranks)")
-        if s.tp_sizes["hidden"] % c.tp:
-            raise ConfigError(f"tp={c.tp} must divide the hidden width 4 x d_model = {s.tp_sizes['hidden']}")
+        from ..parallel.tensor_layers import tp_heads_problem, tp_hidden_problem  # (see _parallel_values)
+
+        if "n_heads" in s.tp_sizes:
+            _refuse(tp_heads_problem(s.tp_sizes["n_heads"], c.tp, as_flag))
+        _refuse(tp_hidden_problem(s.tp_sizes["hidden"], c.tp))
     if c.pp > 1 and c.pp > s.pipeline_pieces:
         raise ConfigError(f"pp={c.pp} stages but the {c.model} model has only {s.pipeline_pieces} layers "
                           f"to cut: use fewer stages or more --n-layers")
@@ -158,13 +168,21 @@ def _reduction(c: Config, world: int) -> None:
     if c.backend != "mpi" and c.strategy == "ps":
         raise ConfigError(f"--backend {c.backend} is for the gradient all-reduce; --strategy ps talks through MPI "
                           "windows")
-    if c.backend == "hierarchical" and c.compression is not None:
-        raise ConfigError("--compression is for the flat all-reduce (--backend mpi), not --backend hierarchical")
+    from ..parallel.engine import compression_problem  # (see _parallel_values)
+    from ..parallel.zero import zero_reducer_problem
+
+    _refuse(compression_problem(c.compression, c.backend, as_flag))
+    _refuse(zero_reducer_problem(c.zero, c.compression, c.backend, say=as_flag))
 
 
 def _parallel_values(c: Config) -> None:
-    if c.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {c.zero}")
+    # The parallel package's rules are imported when a config is checked, not with this module:
+    # importing parallel starts MPI, which `hpctrain --help` and the tools that need none must not.
+    from ..parallel.ps_args import staleness_problem
+    from ..parallel.zero import zero_problem
+
+    _refuse(zero_problem(c.zero, as_flag))
+    _refuse(staleness_problem(c.staleness, as_flag))
 
 
 def _parallel(c: Config, world: int) -> None:
@@ -195,17 +213,16 @@ def _ps_optimizer(c: Config) -> None:
         raise ConfigError(f"--strategy ps applies SGD on the servers: --optimizer {c.optimizer} is not possible")
     if c.weight_decay:
         raise ConfigError("--strategy ps applies plain SGD (with --momentum): --weight-decay is not possible")
-    if c.ps_mode != "sync" and c.momentum:
-        raise ConfigError(f"--ps-mode {c.ps_mode} applies plain SGD: --momentum {c.momentum} "
-                          "needs --ps-mode sync")
+    from ..parallel.ps_args import momentum_problem  # (see _parallel_values)
+
+    _refuse(momentum_problem(c.ps_mode, c.momentum or 0.0, as_flag))  # (None: its default, filled below)
     for key, neutral in _NOT_ON_PS:
         if getattr(c, key) != neutral:
             raise ConfigError(f"--strategy ps applies plain SGD steps on the servers: {flag(key)} is not possible")
 
 
 def _optim_values(c: Config) -> None:
-    if c.clip_norm is not None and not c.clip_norm > 0:
-        raise ConfigError(f"--clip-norm must be > 0, got {c.clip_norm}")
+    _refuse(clip_norm_problem(c.clip_norm, as_flag))
 
 
 def _optim(c: Config, world: int) -> None:
@@ -255,14 +272,13 @@ def _loss_scale(c: Config) -> None:
 
 def _precision(c: Config, world: int) -> None:
     """Mixed precision: what the gradients reduce in, the loss scale, the strategies it works with."""
-    if c.grad_reduce_dtype != "fp32" and c.precision == "fp32":
-        raise ConfigError(f"--grad-reduce-dtype {c.grad_reduce_dtype} needs --precision bf16-mixed or fp16-mixed")
-    if c.precision == "bf16-mixed" and c.grad_reduce_dtype == "fp16":
-        raise ConfigError("--precision bf16-mixed gradients can overflow fp16: --grad-reduce-dtype fp32 or bf16")
+    _refuse(precision_problem(c.precision, c.grad_reduce_dtype, as_flag))
     _loss_scale(c)
-    if c.precision != "fp32" and (c.strategy == "ps" or c.compression is not None):
-        raise ConfigError(f"--precision {c.precision} works with --strategy dp/tp/pp/hybrid and reduces in "
-                          "--grad-reduce-dtype (not --compression)")
+    if c.precision != "fp32" and c.strategy == "ps":
+        raise ConfigError(f"--precision {c.precision} works with --strategy dp/tp/pp/hybrid, not --strategy ps")
+    from ..parallel.engine import mixed_reduce_problem  # (see _parallel_values)
+
+    _refuse(mixed_reduce_problem(c.precision, c.compression, c.backend, as_flag))
 
 
 # -- checkpoint --------------------------------------------------------------------------------

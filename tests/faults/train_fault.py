@@ -22,6 +22,9 @@ as a node that dies mid-save. kill: each rank of RANKS kills itself
 synchronous strategies. kill-reduce: the same while its gradient all-reduces are in flight (dp).
 kill-recover: the same, except that the last rank of RANKS dies as it starts to recover from the
 others' loss (a second loss during the shrink).
+
+With ``FAULT_SLOW_SAY=S`` in the environment, world rank 0 waits S seconds before each line it
+reports through ``hpctrain.comm.failure`` (a loaded node): the others must not end the job first.
 """
 
 from __future__ import annotations
@@ -79,7 +82,26 @@ def _kill(mode: str, ranks: str, steps: str) -> None:
     Trainer.step = killed
 
 
+def _slow_say(seconds: float) -> None:
+    """World rank 0 reports its errors ``seconds`` late (``FAULT_SLOW_SAY``)."""
+    import time
+
+    from hpctrain.comm import failure
+
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return
+    write = failure.write_lines
+
+    def slow(text: str) -> None:
+        time.sleep(seconds)
+        write(text)
+
+    failure.write_lines = slow
+
+
 def main() -> int:
+    if os.environ.get("FAULT_SLOW_SAY"):
+        _slow_say(float(os.environ["FAULT_SLOW_SAY"]))
     if sys.argv[1] in ("kill", "kill-reduce", "kill-recover"):
         assert sys.argv[4] == "--", sys.argv
         _kill(*sys.argv[1:4])

@@ -452,14 +452,16 @@ def test_a_tracked_state_of_arrays_nested_dicts_and_nonfinite_numbers_comes_back
     ({"by_epoch": {1: 0.5}}, r"at /by_epoch: key 1 is int; only string keys are saved"),
     ({"seen": {1, 2}}, r"at /seen: a value of type 'set' is not saved"),
     ({"raw": b"abc"}, r"at /raw: a value of type 'bytes' is not saved"),
-    ({"a/b": np.ones(2), "a": {"b": np.zeros(2)}}, r"both be saved as '/a/b'"),
+    ({"a/b": np.ones(2), "a": {"b": np.zeros(2)}}, r"key 'a/b' leads to an array"),
+    ({"a//b": np.ones(2)}, r"key 'a//b' leads to an array"),
     ({"__array__": "/w"}, r"only key is '__array__' is reserved"),
     ({"names": np.array(["ab", "c"])}, r"at /names: an array of dtype <U2 is not saved"),
 ])
 def test_a_tracked_state_that_would_not_come_back_as_it_was_is_refused_at_the_save(comm, shared_dir, state, message):
     """Before, int keys came back as strings, a key holding '/' overwrote another array, and a
-    dict keyed '__array__' saved a checkpoint no load could read; sets and bytes were refused
-    without naming the object. Now each is one error on every rank, and nothing is written."""
+    dict keyed '__array__' or an array under 'a//b' saved a checkpoint no load could read; sets and
+    bytes were refused without naming the object. Now each is one error on every rank, and nothing
+    is written."""
     t = _dp_trainer(comm)
     t.track("h", Held(state))
     with pytest.raises(CheckpointError, match=r"track\('h'\).*" + message):

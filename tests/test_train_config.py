@@ -83,6 +83,25 @@ def test_a_non_finite_min_lr_is_refused(tmp_path, value):
         resolve(merge(read_toml(str(path)), {}), world=2)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_config_that_is_not_a_regular_file_is_refused(serial, tmp_path, kind):
+    """Before, --config naming a FIFO blocked in open() for good (even timeout's SIGTERM waited on
+    it), so the check runs in a process of its own with a time limit."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "run.toml"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    code = "import sys; from hpctrain.train import read_toml; read_toml(sys.argv[1])"
+    try:
+        p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"reading a config that is a {kind} hung")
+    what = "a FIFO" if kind == "fifo" else "a directory"
+    assert f"ConfigError: config file {path} is {what}, not a regular file" in p.stderr, p.stderr
+
+
 def test_missing_toml_refused(tmp_path):
     with pytest.raises(errors.ConfigError, match="does not exist"):
         read_toml(str(tmp_path / "nope.toml"))

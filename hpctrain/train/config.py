@@ -42,8 +42,11 @@ def read_config(path: str) -> dict[str, Any]:
     Keys are checked against the options (a misspelt key is refused with the closest name);
     a JSON file may also hold the derived fields a run wrote, which are dropped.
     """
+    from ..h5safe import regular_file
+
     is_json = path.endswith(".json")
     try:
+        regular_file(path, f"config file {path}", ConfigError)  # a FIFO's open blocks, SIGTERM or not
         if is_json:
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
@@ -59,6 +62,8 @@ def read_config(path: str) -> dict[str, Any]:
                 raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except ConfigError:  # regular_file's, said as it is (a ValueError too)
+        raise
     except (ValueError, UnicodeDecodeError) as exc:  # TOMLDecodeError and JSONDecodeError are ValueErrors
         raise ConfigError(f"config file {path} is not valid {'JSON' if is_json else 'TOML'}: {exc}") from None
     except OSError as exc:  # a directory, no permission

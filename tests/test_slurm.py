@@ -89,6 +89,17 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 """
 
 
+def _remove_stale_mpich_segments() -> None:
+    """MPICH under srun names its node's shared memory ``/dev/shm/mpich_shm_<pid hex>_0`` and leaves it
+    behind when a job's ranks are killed; a later srun job whose process gets that pid again fails
+    in MPI_Init ("MPIDI_POSIX_comm_bootstrap: Out of memory"). Seen once on a long-lived machine:
+    remove the segments of pids that no longer run."""
+    for seg in Path("/dev/shm").glob("mpich_shm_*_0"):
+        pid = re.fullmatch(r"mpich_shm_([0-9a-f]{1,7})_0", seg.name)
+        if pid and not Path(f"/proc/{int(pid.group(1), 16)}").exists():
+            seg.unlink(missing_ok=True)
+
+
 class Cluster:
     """The daemons of a one-node Slurm; ``stop()`` ends exactly the processes it started."""
 
@@ -110,6 +121,7 @@ class Cluster:
     def _start_munge(self) -> None:
         """A munged of this cluster's own (a fresh key, its own socket) and slurmctld's state
         directory: what every Slurm daemon of the cluster needs before it starts."""
+        _remove_stale_mpich_segments()
         munge = self.tmp / "munge"
         munge.mkdir(mode=0o700)
         key = munge / "munge.key"

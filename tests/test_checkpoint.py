@@ -421,6 +421,100 @@ def test_track_refuses_what_it_cannot_save(solo):
         t.track("c", Counter())
 
 
+class Held:
+    """A tracked object whose state is whatever the test puts in ``state``."""
+
+    def __init__(self, state) -> None:
+        self.state, self.loaded = state, None
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+@pytest.mark.timeout(120)
+def test_a_tracked_state_of_arrays_nested_dicts_and_nonfinite_numbers_comes_back(comm, shared_dir):
+    state = {"w": np.arange(6.0).reshape(2, 3), "deep": {"m": [np.eye(2, dtype=np.float32), {"n": 1}]},
+             "x": float("nan"), "y": np.float32(2.5), "hist": [0.5] * 20000}
+    t, fresh = _dp_trainer(comm), _dp_trainer(comm)
+    t.track("h", Held(state))
+    fresh.track("h", back := Held(None))
+    checkpoint.load(checkpoint.save(os.path.join(shared_dir, "a.h5"), t), fresh)
+    np.testing.assert_array_equal(back.loaded["w"], state["w"])
+    assert back.loaded["deep"]["m"][0].dtype == np.float32 and back.loaded["deep"]["m"][1] == {"n": 1}
+    assert np.isnan(back.loaded["x"]) and back.loaded["y"] == 2.5 and back.loaded["hist"] == state["hist"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("state, message", [
+    ({"by_epoch": {1: 0.5}}, r"at /by_epoch: key 1 is int; only string keys are saved"),
+    ({"seen": {1, 2}}, r"at /seen: a value of type 'set' is not saved"),
+    ({"raw": b"abc"}, r"at /raw: a value of type 'bytes' is not saved"),
+    ({"a/b": np.ones(2), "a": {"b": np.zeros(2)}}, r"key 'a/b' leads to an array"),
+    ({"a//b": np.ones(2)}, r"key 'a//b' leads to an array"),
+    ({"__array__": "/w"}, r"only key is '__array__' is reserved"),
+    ({"names": np.array(["ab", "c"])}, r"at /names: an array of dtype <U2 is not saved"),
+])
+def test_a_tracked_state_that_would_not_come_back_as_it_was_is_refused_at_the_save(comm, shared_dir, state, message):
+    """Before, int keys came back as strings, a key holding '/' overwrote another array, and a
+    dict keyed '__array__' or an array under 'a//b' saved a checkpoint no load could read; sets and
+    bytes were refused without naming the object. Now each is one error on every rank, and nothing
+    is written."""
+    t = _dp_trainer(comm)
+    t.track("h", Held(state))
+    with pytest.raises(CheckpointError, match=r"track\('h'\).*" + message):
+        checkpoint.save(os.path.join(shared_dir, "bad.h5"), t)
+    comm.barrier()
+    assert checkpoint.list_checkpoints(shared_dir) == []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_tracked_state_that_differs_between_ranks_or_fails_on_one_is_refused_everywhere(comm, shared_dir):
+    """Rank 0's state alone is saved: a state that differs elsewhere was lost without a word."""
+    t = _dp_trainer(comm)
+    t.track("h", held := Held({"rank": comm.rank}))
+    with pytest.raises(CheckpointError, match=r"track\('h'\): state_dict\(\) differs between ranks \(rank\(s\) "
+                       + str(list(range(1, comm.size))).replace("[", r"\[").replace("]", r"\]")):
+        checkpoint.save(os.path.join(shared_dir, "differs.h5"), t)
+    held.state = {"set": {1}} if comm.rank == comm.size - 1 else {"set": []}  # not saveable on one rank
+    with pytest.raises(CheckpointError, match=rf"rank {comm.size - 1}: track\('h'\).* 'set' is not saved"):
+        checkpoint.save(os.path.join(shared_dir, "one.h5"), t)
+    comm.barrier()
+    assert checkpoint.list_checkpoints(shared_dir) == []
+
+
+class Stubborn(Held):
+    """No snapshot/restore (so a rollback loads its old state_dict back) and a load_state_dict that
+    the last rank refuses every time: its rollback fails too."""
+
+    def __init__(self, comm: Communicator) -> None:
+        super().__init__({"n": 1})
+        self.comm = comm
+
+    def load_state_dict(self, state):
+        if self.comm.rank == self.comm.size - 1:
+            raise ValueError("the last rank refuses any state")
+        self.state = state
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_tracked_object_refusing_its_rollback_on_one_rank_is_an_error_everywhere_not_a_hang(comm, shared_dir):
+    """Before, the rollback's second refusal escaped on the last rank alone, and the others waited
+    in the load's final exchange until the watchdog killed the job (as fit's resume did)."""
+    t = _dp_trainer(comm)
+    t.track("s", Stubborn(comm))
+    t.global_step = 4
+    path = checkpoint.save(os.path.join(shared_dir, "s.h5"), t)
+    t.global_step = 6
+    with pytest.raises(CheckpointError, match=r"the last rank refuses any state; putting the trainer back failed too"):
+        checkpoint.load(path, t)
+    assert t.global_step == 6  # the rollback that did not fail (the counters come before the tracked objects)
+
+
 def test_the_checkpointer_keeps_the_job_buffers_and_communicator(solo, tmp_path):
     """An asynchronous save's job and snapshot buffers are the trainer's checkpointer's; nothing is
     parked on the trainer or the communicator; trainers on one communicator share its duplicate."""

@@ -72,6 +72,42 @@ def test_layer_written_with_the_tape_gets_the_serial_gradient(comm):
     np.testing.assert_allclose(par.weight.grad, serial.weight.grad[:, lo:hi], rtol=1e-12)
 
 
+class FailingMidway(GatheredLinear):
+    """``GatheredLinear`` whose forward raises after its local product when ``fail`` is set: the
+    tape holds half a forward (a user's layer hitting a bad batch, say)."""
+
+    fail = False
+
+    def forward(self, x):
+        tape = self.record()
+        h = tape.run(self.linear, tape.map(CopyToTP, x))
+        if self.fail:
+            raise ValueError("bad batch")
+        return tape.map(GatherFromTP, h)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_forward_that_raised_midway_leaves_no_tape_to_replay(comm):
+    """Before, a backward after such a forward replayed the half tape and gave a gradient of the
+    wrong shape without a word; the next step must still match the serial layer."""
+    serial = Linear(5, 2 * comm.size, bias=False, rng=0, dtype=np.float64)
+    par = FailingMidway(serial, comm)
+    rng = np.random.default_rng(3)
+    x, g = rng.standard_normal((3, 5)), rng.standard_normal((3, 2 * comm.size))
+    par.fail = True
+    with pytest.raises(ValueError, match="bad batch"):
+        par.forward(x)
+    with pytest.raises(RuntimeError, match="FailingMidway.backward called without a forward"):
+        par.backward(g[:, :2])
+    assert not par.weight.grad.any()
+    par.fail = False
+    np.testing.assert_allclose(par.forward(x), serial.forward(x), rtol=1e-12)
+    np.testing.assert_allclose(par.backward(g), serial.backward(g), rtol=1e-12)
+    lo, hi = partition(serial.d_out, comm.size, comm.rank)
+    np.testing.assert_allclose(par.weight.grad, serial.weight.grad[:, lo:hi], rtol=1e-12)
+
+
 def _one_rank_layers():
     one = Communicator(MPI.COMM_SELF)
     return {

@@ -61,6 +61,47 @@ def test_bad_toml_refused(tmp_path, text, message):
     assert message in str(exc.value) and str(path) in str(exc.value)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("batch-size = 8\nbatch_size = 16\n", "'batch-size' and 'batch_size' both set batch_size: keep one"),
+    ("epochs = 2\n[train]\nepochs = 5\n", "'epochs' and 'train.epochs' both set epochs: keep one"),
+])
+def test_a_setting_given_twice_in_one_file_is_refused(tmp_path, text, message):
+    """Before, the later spelling won without a word (the user's other value silently ignored)."""
+    path = tmp_path / "twice.toml"
+    path.write_text(text)
+    with pytest.raises(errors.ConfigError, match=message):
+        read_toml(str(path))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_min_lr_is_refused(tmp_path, value):
+    """A NaN --min-lr passed the config's checks (NaN < 0 and NaN > lr are false) and was refused
+    only when the job built its schedule, as a ValueError after the start, not a config refusal."""
+    path = tmp_path / "lr.toml"
+    path.write_text(f'min_lr = {value}\nlr_schedule = "cosine"\n')
+    with pytest.raises(errors.ConfigError, match=f"--min-lr {value} is not a finite number"):
+        resolve(merge(read_toml(str(path)), {}), world=2)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_config_that_is_not_a_regular_file_is_refused(serial, tmp_path, kind):
+    """Before, --config naming a FIFO blocked in open() for good (even timeout's SIGTERM waited on
+    it), so the check runs in a process of its own with a time limit."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "run.toml"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    code = "import sys; from hpctrain.train import read_toml; read_toml(sys.argv[1])"
+    try:
+        p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"reading a config that is a {kind} hung")
+    what = "a FIFO" if kind == "fifo" else "a directory"
+    assert f"ConfigError: config file {path} is {what}, not a regular file" in p.stderr, p.stderr
+
+
 def test_missing_toml_refused(tmp_path):
     with pytest.raises(errors.ConfigError, match="does not exist"):
         read_toml(str(tmp_path / "nope.toml"))

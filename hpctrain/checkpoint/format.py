@@ -236,6 +236,52 @@ def to_json(obj: Any, arrays: dict[str, np.ndarray], path: str = "") -> Any:
     return obj
 
 
+def check_saveable(obj: Any, where: str, path: str = "") -> bool:
+    """Refuse (``TypeError`` naming ``where`` and the path in ``obj``) what :func:`to_json` and
+    :func:`from_json` would not give back as it was: a key that is not a string (JSON would turn
+    it into one), a dict whose only key is ``"__array__"`` (read back as an array reference), a
+    value JSON cannot hold (a set, bytes, an object), an array HDF5 cannot (strings, objects) and
+    a key on the way to an array that is no HDF5 name (``""``, ``"."``, one holding ``/``: the
+    array is stored under its path of keys). Tuples come back as lists. True if ``obj`` holds an
+    array."""
+    at = f"{where}{' at ' + path if path else ''}"
+    if isinstance(obj, dict):
+        if set(obj) == {"__array__"}:
+            raise TypeError(f"{at}: a dict whose only key is '__array__' is reserved (an array's reference)")
+        holds = False
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{at}: key {k!r} is {type(k).__name__}; only string keys are saved (JSON)")
+            if check_saveable(v, where, f"{path}/{k}"):
+                if k in ("", ".") or "/" in k:
+                    raise TypeError(f"{at}: key {k!r} leads to an array, which is stored under its path of "
+                                    "keys: such a key must be a name (not empty, not '.', no '/')")
+                holds = True
+        return holds
+    if isinstance(obj, (list, tuple)):
+        return any([check_saveable(v, where, f"{path}/{i}") for i, v in enumerate(obj)])
+    if hasattr(obj, "__array__") and not np.isscalar(obj):
+        if np.dtype(getattr(obj, "dtype", object)).kind not in "biufc":
+            raise TypeError(f"{at}: an array of dtype {getattr(obj, 'dtype', '?')} is not saved (numbers only)")
+        return True
+    if not (obj is None or isinstance(obj, (str, bool, int, float))
+            or isinstance(obj, np.generic) and np.dtype(obj.dtype).kind in "biuf"):
+        raise TypeError(f"{at}: a value of type {type(obj).__name__!r} is not saved (JSON values, dicts with "
+                        "string keys, lists and numeric arrays are)")
+    return False
+
+
+def state_digest(obj: Any) -> str:
+    """A checksum of ``obj`` as :func:`to_json` saves it (its arrays' bytes, dtypes and shapes included)."""
+    arrays: dict[str, np.ndarray] = {}
+    h = xxhash.xxh3_64(dumps(to_json(obj, arrays)).encode())
+    for key in sorted(arrays):
+        a = arrays[key]
+        h.update(f"{key}:{a.dtype.str}:{a.shape}".encode())
+        h.update(as_bytes(a))
+    return h.hexdigest()
+
+
 def from_json(obj: Any, arrays: dict[str, np.ndarray]) -> Any:
     if isinstance(obj, dict):
         if set(obj) == {"__array__"}:

@@ -201,9 +201,14 @@ def commit(trainer: Any, staged: dict[str, Any], state: Any, header: dict[str, A
             param.data = old
         else:
             param.data[...] = old
+    problem = problem if problem is not None else CheckpointError("another rank failed")
     if snap is not None:
-        trainer.restore(snap)
-    return problem if problem is not None else CheckpointError("another rank failed")
+        try:
+            trainer.restore(snap)
+        except Exception as exc:  # a user's object refusing its own old state: say so, never leave alone
+            problem = CheckpointError(f"{problem}; putting the trainer back failed too on this rank, which "
+                                      f"keeps part of the checkpoint's state ({type(exc).__name__}: {exc})")
+    return problem
 
 
 def _put(trainer: Any, shards: dict[str, tuple], staged: dict[str, Any], header: dict[str, Any],

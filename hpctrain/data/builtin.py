@@ -41,21 +41,49 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "hpctrain"
 
 
-def _is_current(path: Path, name: str) -> bool:
-    """True if ``path`` holds built-in set ``name`` of this VERSION; raises if it is someone else's file."""
+def _is_current(path: Path, name: str, expect: dict[str, tuple[tuple[int, ...], str]] | None = None) -> bool:
+    """True if ``path`` holds built-in set ``name`` of this VERSION; raises if it is someone
+    else's file, or ours damaged: a dataset of ``expect`` (``{key: (shape, dtype)}``) missing or
+    of another shape or dtype (a half-written or edited cache would otherwise train on whatever
+    it holds)."""
     import h5py
 
+    from ..h5safe import regular_file
+
+    where = f"{path} (the built-in {name!r} set's cache)"
+    regular_file(path, where)  # a FIFO there would block the open (every rank waits on it)
     try:
         with h5py.File(path, "r") as f:
             tag = f.attrs.get("hpctrain_builtin")
             version = f.attrs.get("version")
+            if isinstance(tag, bytes):
+                tag = tag.decode()
+            misfits = _misfits(f, expect or {}, where) if tag == name and version == VERSION else []
     except OSError as exc:
         raise DatasetError(f"{path}: exists but is not readable HDF5 ({exc}); remove it to rebuild {name!r}") from exc
-    if isinstance(tag, bytes):
-        tag = tag.decode()
     if tag != name:
         raise DatasetError(f"{path}: exists but is not hpctrain's built-in {name!r} set; choose another path")
+    if misfits:
+        raise DatasetError(f"{path}: the built-in {name!r} set is damaged ({'; '.join(misfits)}); "
+                           "remove it to rebuild it")
     return version == VERSION
+
+
+def _misfits(f: Any, expect: dict[str, tuple[tuple[int, ...], str]], where: str) -> list[str]:
+    """What in ``f`` differs from ``expect`` (``{key: (shape, dtype)}``), one line each."""
+    from ..h5safe import hard_dataset
+
+    out = []
+    for key, (shape, dtype) in expect.items():
+        try:
+            d = hard_dataset(f, key, f"{where}: {key!r}")
+        except KeyError:
+            d = None
+        if d is None:
+            out.append(f"no dataset {key!r}")
+        elif d.shape != shape or d.dtype != np.dtype(dtype):
+            out.append(f"{key!r} is {d.dtype} {d.shape}, expected {np.dtype(dtype)} {shape}")
+    return out
 
 
 def _write_atomic(path: Path, fill: Callable[[Any], None]) -> None:
@@ -88,11 +116,13 @@ def _write_atomic(path: Path, fill: Callable[[Any], None]) -> None:
 
 
 def _ensure(path: str | os.PathLike | None, default_name: str, name: str, fill: Callable[[Any], None],
-            rewrite: Callable[[Path], bool] | None = None) -> Path:
+            rewrite: Callable[[Path], bool] | None = None,
+            expect: dict[str, tuple[tuple[int, ...], str]] | None = None) -> Path:
     """The set's path, written first when absent or of another VERSION, or when ``rewrite(path)``
-    says the current file is to be replaced (``hpctrain data make --force``, a fallback corpus)."""
+    says the current file is to be replaced (``hpctrain data make --force``, a fallback corpus).
+    ``expect``: the datasets a current file must hold (``_is_current``)."""
     target = Path(path).expanduser() if path is not None else cache_dir() / default_name
-    if not (target.exists() and _is_current(target, name)) or (rewrite is not None and rewrite(target)):
+    if not (target.exists() and _is_current(target, name, expect)) or (rewrite is not None and rewrite(target)):
         _write_atomic(target, fill)
     return target
 
@@ -141,7 +171,8 @@ def classification(path: str | os.PathLike | None = None) -> Path:
         f.attrs.update(hpctrain_builtin="classification", version=VERSION, classes=CLASSIFICATION_CLASSES,
                        description="teacher-network labels: tanh MLP 20-32-6, low-margin samples left out")
 
-    return _ensure(path, "classification.h5", "classification", fill)
+    expect = {"x": (CLASSIFICATION_SHAPE, "float32"), "y": (CLASSIFICATION_SHAPE[:1], "int64")}
+    return _ensure(path, "classification.h5", "classification", fill, expect=expect)
 
 
 def corpus_text() -> str:
@@ -173,7 +204,7 @@ def corpus(path: str | os.PathLike | None = None) -> Path:
         f.attrs.update(hpctrain_builtin="corpus", version=VERSION, vocab=vocab,
                        source="Shakespeare, Coriolanus Act I (public domain)")
 
-    return _ensure(path, "corpus.h5", "corpus", fill)
+    return _ensure(path, "corpus.h5", "corpus", fill, expect={"tokens": ((len(corpus_text()),), "int64")})
 
 
 def read_vocab(path: str | os.PathLike) -> str:

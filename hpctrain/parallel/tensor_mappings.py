@@ -26,6 +26,7 @@ measured volume with the expected one.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -212,6 +213,11 @@ class TapedModule(Module):
 
     comm: Comm
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:
+            cls.forward = _dropping_a_partial_tape(cls.__dict__["forward"])
+
     def record(self) -> Tape:
         """A new tape for this forward, kept as the layer's cache."""
         self.cache = Tape(self.comm, type(self).__name__)
@@ -223,3 +229,19 @@ class TapedModule(Module):
             raise RuntimeError(f"{type(self).__name__}.backward called without a forward "
                                "(no tape recorded: its mappings' twins are unknown)")
         return tape.backward(grad_out)
+
+
+def _dropping_a_partial_tape(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` that forgets its tape when it raises: the steps recorded before the exception
+    are half a forward, and a backward replaying them would give a wrong gradient without a word
+    (now it raises, as a backward without a forward does)."""
+
+    @functools.wraps(forward)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(self, *args, **kwargs)
+        except BaseException:
+            self.cache = None
+            raise
+
+    return wrapped

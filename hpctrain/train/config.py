@@ -42,8 +42,11 @@ def read_config(path: str) -> dict[str, Any]:
     Keys are checked against the options (a misspelt key is refused with the closest name);
     a JSON file may also hold the derived fields a run wrote, which are dropped.
     """
+    from ..h5safe import regular_file
+
     is_json = path.endswith(".json")
     try:
+        regular_file(path, f"config file {path}", ConfigError)  # a FIFO's open blocks, SIGTERM or not
         if is_json:
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
@@ -59,19 +62,26 @@ def read_config(path: str) -> dict[str, Any]:
                 raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except ConfigError:  # regular_file's, said as it is (a ValueError too)
+        raise
     except (ValueError, UnicodeDecodeError) as exc:  # TOMLDecodeError and JSONDecodeError are ValueErrors
         raise ConfigError(f"config file {path} is not valid {'JSON' if is_json else 'TOML'}: {exc}") from None
     except OSError as exc:  # a directory, no permission
         raise ConfigError(f"config file {path} cannot be read: {exc}") from None
+    items = list(raw.items())
     if isinstance(raw.get("train"), dict):
-        raw = {**{k: v for k, v in raw.items() if k != "train"}, **raw["train"]}
-    out = {}
-    for key, value in raw.items():
-        name = key.replace("-", "_")
+        items = [(k, v) for k, v in items if k != "train"] + [(f"train.{k}", v) for k, v in raw["train"].items()]
+    out: dict[str, Any] = {}
+    keys: dict[str, str] = {}
+    for key, value in items:
+        name = key.removeprefix("train.").replace("-", "_")
         if name not in _BY_NAME:
             close = difflib.get_close_matches(name, _BY_NAME, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{path}: unknown key {key!r}{hint}")
+        if name in keys:  # 'batch-size' and 'batch_size', or a key at the top and in [train]: which one?
+            raise ConfigError(f"{path}: {keys[name]!r} and {key!r} both set {name}: keep one")
+        keys[name] = key
         out[name] = _coerce(_BY_NAME[name], value, f"{path}: {key}", allow_none=is_json)
     return out
 

@@ -100,7 +100,8 @@ class Config:
                                                                "(cosine: down to --min-lr at the last step)",
                                                                ("constant", "cosine")))
     warmup: int = field(default=0, metadata=_opt("steps of linear learning-rate warm-up", at_least=0))
-    min_lr: float = field(default=0.0, metadata=_opt("learning rate the cosine schedule ends at", at_least=0))
+    min_lr: float = field(default=0.0, metadata=_opt("learning rate the cosine schedule ends at", at_least=0,
+                                                     finite=True))
     clip_norm: float | None = field(default=None, metadata=_opt("clip the global gradient norm to this value"))
     accum_steps: int = field(default=1, metadata=_opt("split each replica's batch into this many micro-batches "
                                                       "whose gradients accumulate (same update, less memory)",

@@ -44,7 +44,10 @@ class TrainerState:
         shrink after a lost rank puts it back with the step it redoes.
 
         Rank 0's ``state_dict()`` is saved, so the object must hold the same state on every
-        rank (a metric of the agreed loss, a schedule, an early-stopping counter). A checkpoint
+        rank (a metric of the agreed loss, a schedule, an early-stopping counter): a save where
+        it differs is refused on every rank. The state may hold JSON values, dicts with string
+        keys, lists (tuples come back as lists) and numeric arrays; anything else is refused at
+        the save, naming where it is (``checkpoint.format.check_saveable``). A checkpoint
         written before ``obj`` was tracked leaves it as it is; a checkpoint's objects this
         trainer does not track are ignored.
         """
@@ -80,9 +83,12 @@ class TrainerState:
         """
         rngs: dict[str, list[Any]] = {}
         mine = {n: m.rng.bit_generator.state for n, m in self._modules_with_rng()}
-        for d, states in self.comm.allgather_obj((self.dp.rank, mine)):
+        tracked, checks = self._tracked_states()
+        everyone = self.comm.allgather_obj((self.dp.rank, mine, checks))
+        for d, states, _ in everyone:
             for k, v in states.items():
                 rngs.setdefault(k, [None] * self.dp.size)[d] = v
+        _agree_tracked([c for _, _, c in everyone])
         state: dict[str, Any] = {
             "global_step": self.global_step,
             "epoch": self.epoch,
@@ -95,9 +101,27 @@ class TrainerState:
             state["sampler"] = sampler.state_dict()
         if self.precision.scaler is not None:
             state["loss_scaler"] = self.precision.scaler.state_dict()
-        if self._tracked:
-            state["tracked"] = {name: obj.state_dict() for name, obj in self._tracked.items()}
+        if tracked:
+            state["tracked"] = tracked
         return state
+
+    def _tracked_states(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """The tracked objects' states, and per name a checksum of it or the problem with it
+        (``"error: ..."``): caught, so every rank reaches the exchange that compares them."""
+        from ..checkpoint.format import check_saveable, state_digest
+
+        states: dict[str, Any] = {}
+        checks: dict[str, str] = {}
+        for name, obj in (self._tracked or {}).items():
+            try:
+                states[name] = obj.state_dict()
+                check_saveable(states[name], f"track({name!r}): state_dict()")
+                checks[name] = state_digest(states[name])
+            except TypeError as exc:  # check_saveable's, which names the object
+                checks[name] = f"error: {exc}"
+            except Exception as exc:
+                checks[name] = f"error: track({name!r}): {type(exc).__name__}: {exc}"
+        return states, checks
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved, under this trainer's layout.
@@ -173,3 +197,17 @@ class TrainerState:
         restore_of(self.precision.scaler, snap["loss_scaler"])
         for name, obj in (self._tracked or {}).items():
             restore_of(obj, snap.get("tracked", {}).get(name))
+
+
+def _agree_tracked(checks: list[dict[str, str]]) -> None:
+    """Raise, the same on every rank (``checks``: each rank's, from ``_tracked_states``), when a
+    tracked object's state could not be taken or saved on some rank, or differs between ranks:
+    rank 0's alone is saved, so another rank's would be lost without a word."""
+    for name in checks[0]:
+        for rank, mine in enumerate(checks):
+            if mine[name].startswith("error: "):
+                raise TypeError(f"rank {rank}: {mine[name][7:]}")
+        differ = [r for r, mine in enumerate(checks) if mine[name] != checks[0][name]]
+        if differ:
+            raise RuntimeError(f"track({name!r}): state_dict() differs between ranks (rank(s) {differ[:8]} from "
+                               "rank 0); a tracked object must hold the same state on every rank (rank 0's is saved)")

@@ -40,6 +40,15 @@ class TinyLM(Module):
         return {"tok_emb": "vocab_embedding", "head": "vocab_head"}
 
 
+def _serial_step(serial, opt, loss, x, y) -> float:
+    """One step of the single-process reference on the whole global batch; its loss."""
+    serial.zero_grad()
+    want = loss.forward(serial.forward(x), y)
+    serial.backward(loss.backward())
+    opt.step()
+    return float(want)
+
+
 def test_every_reducer_declares_the_protocol(comm):
     model = Sequential(Linear(3, 4, rng=0), Linear(4, 2, rng=1))
     params = model.parameters()
@@ -75,11 +84,7 @@ def test_a_model_with_its_own_tp_plan_splits_and_trains_like_one_process(comm):
         y = g.integers(0, V, (per * grid.dp_size, T))
         mine = slice(grid.dp.rank * per, (grid.dp.rank + 1) * per)
         stats = tr.step(x[mine], y[mine])
-        serial.zero_grad()
-        want = ref_loss.forward(serial.forward(x), y)
-        serial.backward(ref_loss.backward())
-        ref_opt.step()
-        assert stats.loss == pytest.approx(float(want), rel=1e-12)
+        assert stats.loss == pytest.approx(_serial_step(serial, ref_opt, ref_loss, x, y), rel=1e-12)
     full = full_state_dict(part, grid.tp)
     for name, p in serial.named_parameters():
         np.testing.assert_allclose(full[name], p.data, rtol=1e-12, atol=1e-14)
@@ -143,11 +148,7 @@ def test_a_reducer_of_ones_own_trains_like_one_process_and_checkpoints(comm, sha
         x, y = g.normal(size=(per * comm.size, 3)), g.normal(size=(per * comm.size, 2))
         mine = slice(comm.rank * per, (comm.rank + 1) * per)
         stats = tr.step(x[mine], y[mine])
-        serial.zero_grad()
-        want = ref_loss.forward(serial.forward(x), y)
-        serial.backward(ref_loss.backward())
-        ref_opt.step()
-        assert stats.loss == pytest.approx(float(want), rel=1e-12)
+        assert stats.loss == pytest.approx(_serial_step(serial, ref_opt, ref_loss, x, y), rel=1e-12)
     for (name, p), q in zip(model.named_parameters(), serial.parameters()):
         np.testing.assert_allclose(p.data, q.data, rtol=1e-12, atol=1e-14, err_msg=name)
     path = checkpoint.save(f"{shared_dir}/own.h5", tr)

@@ -99,7 +99,7 @@ def test_a_config_that_is_not_a_regular_file_is_refused(serial, tmp_path, kind):
     except subprocess.TimeoutExpired:
         pytest.fail(f"reading a config that is a {kind} hung")
     what = "a FIFO" if kind == "fifo" else "a directory"
-    assert f"ConfigError: config file {path} is {what}, not a regular file" in p.stderr, p.stderr
+    assert f"ConfigError: config file {path} cannot be read: it is {what}, not a regular file" in p.stderr, p.stderr
 
 
 def test_missing_toml_refused(tmp_path):

@@ -46,7 +46,7 @@ def read_config(path: str) -> dict[str, Any]:
 
     is_json = path.endswith(".json")
     try:
-        regular_file(path, f"config file {path}", ConfigError)  # a FIFO's open blocks, SIGTERM or not
+        regular_file(path, f"config file {path} cannot be read: it", ConfigError)  # a FIFO's open blocks
         if is_json:
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)

@@ -169,7 +169,8 @@ def _in_common_words(text, names, flags):
         if flags:
             text = text.replace(as_flag(name), f"<{name}>")
         else:
-            text = re.sub(rf"(?<![\w<-]){name}(?:=('?)([^'\s,):]+)\1)?(?![\w-])",
+            # (not a name in prose: "the flat MPI backend" stays words on both sides)
+            text = re.sub(rf"(?<![\w<-])(?<!MPI ){name}(?:=('?)([^'\s,):]+)\1)?(?![\w-])",
                           lambda m, n=name: f"<{n}>" + (f" {m.group(2)}" if m.group(2) else ""), text)
     return text
 

@@ -53,7 +53,7 @@ def compression_problem(compression: str | None, backend: str, say: Say = as_arg
     if compression not in COMPRESSIONS:
         return f"{say('compression')} must be one of {COMPRESSIONS}, got {compression!r}"
     if backend != "mpi" and compression is not None:
-        return (f"{say('compression')} is for the flat all-reduce ({say('backend', 'mpi')}), "
+        return (f"{say('compression')} is for the flat MPI backend ({say('backend', 'mpi')}), "
                 f"not {say('backend', backend)}")
     return None
 

@@ -212,7 +212,8 @@ def _stall_reported(p, took, *, op: str, bound: float = 60) -> None:
     rank 1 as the one that did not arrive nor answer."""
     assert p.returncode == 3 and took < bound, (p.returncode, took, p.stderr)
     err = p.stderr
-    assert re.search(rf"\[rank 0\] hpctrain watchdog: StallError on rank 0: {op} #\d+ on ranks \[0, 1\]", err), err
+    head = r"\[rank 0\] hpctrain watchdog: StallError on rank 0: "
+    assert re.search(rf"{head}(?:{op})(?: #\d+)? on ranks \[0, 1\]", err), err
     assert "NOT arrived: ranks [1]" in err and "rank 1: did not answer within" in err, err
     _whole_rank_lines(err)
 
@@ -240,9 +241,11 @@ def test_rank_stopped_while_saving_ends_the_job_and_keeps_the_last_checkpoint(la
 def test_async_parameter_server_stopped_at_the_epoch_end_ends_naming_it(launch, tmp_path):
     # Rank 1 stops at its first epoch's last step; rank 0 runs on alone to the epoch's end and
     # starts the checkpoint (whose communicator was once made there, by a Dup nobody watched).
+    # On a loaded machine rank 0 may still be in the clock window's epoch when the timeout
+    # passes (seen in CI twice): either wait is named, with rank 1 as the one missing.
     p, took = _train_fault(launch, tmp_path, "stop", "async", "3", at="-1", extra=SMALL)
     assert re.search(r"rank 1: injected stop at step \d+", p.stdout), p.stdout
-    _stall_reported(p, took, op="barrier")
+    _stall_reported(p, took, op=r"barrier|window lock_all epoch \(one-sided, every target\)")
 
 
 @pytest.mark.fault

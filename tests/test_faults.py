@@ -242,7 +242,7 @@ def test_async_parameter_server_stopped_at_the_epoch_end_ends_naming_it(launch, 
     # Rank 1 stops at its first epoch's last step; rank 0 runs on alone to the epoch's end and
     # starts the checkpoint (whose communicator was once made there, by a Dup nobody watched).
     # On a loaded machine rank 0 may still be in the clock window's epoch when the timeout
-    # passes (seen in CI twice): either wait is named, with rank 1 as the one missing.
+    # passes (seen twice under load): either wait is named, with rank 1 as the one missing.
     p, took = _train_fault(launch, tmp_path, "stop", "async", "3", at="-1", extra=SMALL)
     assert re.search(r"rank 1: injected stop at step \d+", p.stdout), p.stdout
     _stall_reported(p, took, op=r"barrier|window lock_all epoch \(one-sided, every target\)")

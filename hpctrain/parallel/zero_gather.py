@@ -141,24 +141,21 @@ class UnitHooks:
     def _wrap(self, m: Any, u: int, alloc: Any, gathers: ParamGathers | None) -> None:
         fwd, bwd = m.forward, m.backward
 
-        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+        def gathered(call: Any, *args: Any, **kwargs: Any) -> Any:
             if gathers is None:
-                return fwd(x, *args, **kwargs)
+                return call(*args, **kwargs)
             gathers.gather(u)
             try:
-                return fwd(x, *args, **kwargs)
+                return call(*args, **kwargs)
             finally:
                 gathers.release(u)
 
-        def backward(g: Any, *args: Any, **kwargs: Any) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return gathered(fwd, *args, **kwargs)
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
             alloc(u)
-            if gathers is None:
-                return bwd(g, *args, **kwargs)
-            gathers.gather(u)
-            try:
-                return bwd(g, *args, **kwargs)
-            finally:
-                gathers.release(u)
+            return gathered(bwd, *args, **kwargs)
 
         m.__dict__["forward"], m.__dict__["backward"] = forward, backward
         self._hooked.append(m)

@@ -21,7 +21,9 @@ except ImportError as exc:  # pragma: no cover - said to whoever imports us with
 
 from .checkpoint import Loaded, load, save, wait
 from .ddp import DistributedDataParallel
+from .loop import FitResult, fit
 from .sampler import ShardedSampler
 from .zero import ZeroRedundancyOptimizer
 
-__all__ = ["DistributedDataParallel", "Loaded", "ShardedSampler", "ZeroRedundancyOptimizer", "load", "save", "wait"]
+__all__ = ["DistributedDataParallel", "FitResult", "Loaded", "ShardedSampler", "ZeroRedundancyOptimizer", "fit", "load",
+           "save", "wait"]

@@ -263,11 +263,12 @@ def comm_of(objects: dict[str, Any], comm: Communicator | None) -> Communicator:
     return _WORLD[0]
 
 
-def _bundle(comm: Communicator, objects: dict[str, Any], step: int = 0, *, saving: bool = False) -> _Bundle:
+def _bundle(comm: Communicator, objects: dict[str, Any], step: int = 0, epoch: int = 0, *,
+            saving: bool = False) -> _Bundle:
     """The bundle (``saving``: prepared for a save), or the same error on every rank (collective)."""
     bundle, problem = None, None
     try:
-        bundle = _Bundle(comm, objects, step)
+        bundle = _Bundle(comm, objects, step, epoch)
     except (TypeError, ValueError) as exc:
         problem = exc
     comm.raise_if_any(problem, what="hpctrain.torch")
@@ -280,22 +281,24 @@ def _bundle(comm: Communicator, objects: dict[str, Any], step: int = 0, *, savin
     return bundle
 
 
-def save(path: str, *, step: int | None = None, keep: int = 0, asynchronous: bool = False,
+def save(path: str, *, step: int | None = None, epoch: int = 0, keep: int = 0, asynchronous: bool = False,
          comm: Communicator | None = None, **objects: Any) -> str:
     """Save ``objects`` (by keyword: ``model=``, ``optimizer=``, ``sampler=``, any module, optimizer
     or object with ``state_dict``/``load_state_dict``) to ``path``; collective over ``comm``
     (default: the group of a ``DistributedDataParallel`` among them, else every rank).
 
     With ``step``, ``path`` is a directory and the file ``ckpt-<step>.h5`` in it; ``keep=N`` then
-    deletes all but the newest N once it is committed. ``asynchronous=True`` returns after a host
+    deletes all but the newest N once it is committed (``step`` and ``epoch`` are recorded; :func:`load`
+    returns them). ``asynchronous=True`` returns after a host
     snapshot; the file appears at the next save, load or :func:`wait` (call it before exiting).
     Returns the file's path.
     """
     if step is None and keep:
         raise ValueError("keep= prunes a directory of ckpt-<step>.h5 files: give step= too")
-    if step is not None and (not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
-    bundle = _bundle(comm_of(objects, comm), objects, step or 0, saving=True)
+    for name, value in (("step", step), ("epoch", epoch), ("keep", keep)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    bundle = _bundle(comm_of(objects, comm), objects, step or 0, epoch, saving=True)
     if step is not None:
         return ckpt.save_in(path, bundle, keep=keep, asynchronous=asynchronous)
     return ckpt.save(path, bundle, asynchronous=asynchronous)

@@ -109,8 +109,8 @@ class DistributedDataParallel(torch.nn.Module):
                                  "DistributedDataParallel has nothing to reduce")
         devices = {p.device for _, p in self._named}
         if problem is None and len(devices) > 1:
-            problem = ValueError(f"the module's trainable parameters are on several devices {sorted(map(str, devices))}; "
-                                 "DistributedDataParallel needs them on one")
+            problem = ValueError(f"the module's trainable parameters are on several devices "
+                                 f"{sorted(map(str, devices))}; DistributedDataParallel needs them on one")
         for name, p in self._named:
             try:
                 tensors.check_dtype(p, f"parameter {name}")
@@ -131,14 +131,18 @@ class DistributedDataParallel(torch.nn.Module):
                 else:
                     c = t.detach().contiguous()
                     self.comm.bcast(tensors.as_array(c), root=0)
+                    tensors.handed_back(c)
                     t.copy_(c)
+            if state:
+                tensors.handed_back(state[0])
 
     def _build(self) -> None:
         """Buckets over ``self.comm`` and a post-accumulate hook on every trainable parameter."""
         slots = [_Slot(n, p) for n, p in self._named]
         first = slots[0].param
-        self.buckets = GradBuckets(slots, self.comm, bucket_mb=self.bucket_mb, order="given",
-                                   before_start=functools.partial(tensors.sync, first) if first.is_cuda else None)
+        with tensors.device_scope(first):  # CuPy allocates the buckets on the parameters' GPU
+            self.buckets = GradBuckets(slots, self.comm, bucket_mb=self.bucket_mb, order="given",
+                                       before_start=functools.partial(tensors.sync, first) if first.is_cuda else None)
         with torch.no_grad():
             for s in slots:
                 s.tensor = tensors.as_tensor(s.grad)
@@ -235,6 +239,7 @@ class DistributedDataParallel(torch.nn.Module):
             nowhere = self._unused_everywhere(unused)
             before = self.buckets.comm_seconds
             self.buckets.finish()
+            tensors.handed_back(self._slots[0].param)
             self.comm_seconds = self.buckets.comm_seconds - before
             for s in nowhere:
                 s.param.grad = None

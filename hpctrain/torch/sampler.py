@@ -17,6 +17,7 @@ import torch.utils.data
 
 from ..comm import Communicator
 from ..data.sampler import ShardedSampler as _Sharded
+from ..data.sampler import rescaled_position
 
 
 class ShardedSampler(_Sharded, torch.utils.data.Sampler):
@@ -25,8 +26,9 @@ class ShardedSampler(_Sharded, torch.utils.data.Sampler):
 
     ``shuffle``, ``seed`` (the same on every rank), ``drop_last`` and ``pad="wrap"`` as
     ``hpctrain.data.ShardedSampler``; call ``set_epoch(e)`` before each epoch, as with torch's
-    ``DistributedSampler``. Padding masked by weight (``pad="mask"``) needs weights a torch
-    ``DataLoader`` does not carry: it is refused.
+    ``DistributedSampler``. Its state records the number of ranks, so a checkpoint resumes under
+    another one (the samples consumed spread over the new ranks). Padding masked by weight
+    (``pad="mask"``) needs weights a torch ``DataLoader`` does not carry: it is refused.
     """
 
     def __init__(self, dataset: Any, comm: Communicator | None = None, *, rank: int | None = None,
@@ -44,3 +46,14 @@ class ShardedSampler(_Sharded, torch.utils.data.Sampler):
             raise ValueError("pad='mask' weighs padding by 0, and a torch DataLoader carries no weights; "
                              "use drop_last=True or pad='wrap'")
         _Sharded.__init__(self, n, rank, size, shuffle=shuffle, seed=seed, drop_last=drop_last, pad=pad)
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "position", "seed", "size"}``."""
+        return {**super().state_dict(), "size": self.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``, saved under any number of ranks."""
+        state = dict(state)
+        if "size" in state:
+            state["position"] = rescaled_position(state["position"], state.pop("size"), self.size)
+        super().load_state_dict(state)

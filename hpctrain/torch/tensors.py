@@ -10,6 +10,7 @@ its own CUDA stream: ``sync`` waits for it before MPI reads or writes the memory
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import ml_dtypes
@@ -70,12 +71,28 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
 
 def zeros_like(t: torch.Tensor) -> Any:
     """A zeroed host or device array of ``t``'s shape and dtype (where a bucket lays it out)."""
-    xp = np
+    if not t.is_cuda:
+        return np.zeros(tuple(t.shape), dtype=numpy_dtype(t.dtype))
+    with device_scope(t):
+        return backend.cupy().zeros(tuple(t.shape), dtype=numpy_dtype(t.dtype))
+
+
+def device_scope(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """CuPy's current device made ``t``'s while the block runs (what CuPy allocates lands beside
+    the tensor); nothing for a CPU tensor."""
+    if not t.is_cuda:
+        return contextlib.nullcontext()
+    cp = backend.cupy()
+    if cp is None:
+        raise RuntimeError(_CUPY_HINT)
+    return cp.cuda.Device(t.device.index)
+
+
+def handed_back(t: torch.Tensor) -> None:
+    """After MPI (or CuPy's staging copies) wrote into ``t``'s memory: wait for CuPy's stream before
+    torch reads it; nothing for CPU tensors."""
     if t.is_cuda:
-        xp = backend.cupy()
-        if xp is None:
-            raise RuntimeError(_CUPY_HINT)
-    return xp.zeros(tuple(t.shape), dtype=numpy_dtype(t.dtype) if not t.is_cuda else str(t.dtype)[6:])
+        backend.synchronize()
 
 
 def sync(t: torch.Tensor | None = None) -> None:

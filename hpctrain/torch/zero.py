@@ -125,6 +125,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         piece = self.flat[lo:hi].clone()  # MPI's send and receive buffers must not overlap
         tensors.sync(self.flat)
         sharded.allgather(self.comm, tensors.as_array(piece), tensors.as_array(self.flat), self.layout.counts)
+        tensors.handed_back(self.flat)
 
     # -- full state (checkpoints) ---------------------------------------------------------------
 
@@ -163,6 +164,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         full = torch.empty_like(self.flat)
         tensors.sync(piece)
         sharded.allgather(self.comm, tensors.as_array(piece), tensors.as_array(full), self.layout.counts)
+        tensors.handed_back(full)
         return full
 
     def _groups_with_indices(self) -> list[dict[str, Any]]:
@@ -186,8 +188,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             saved = state_dict["state"].get(int(r.name)) or state_dict["state"].get(r.name)
             if saved is None:
                 continue
-            local_state[index[id(shard)]] = {
-                k: (v.detach().reshape(-1)[r.start:r.stop].clone() if torch.is_tensor(v) and v.shape == p.shape else v)
+            local_state[index[id(shard)]] = {  # copies: nothing shared with the caller's dict
+                k: (v.detach().reshape(-1)[r.start:r.stop].clone() if torch.is_tensor(v) and v.shape == p.shape
+                    else v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
                 for k, v in saved.items()}
         local_groups = [{**{k: v for k, v in g.items() if k != "params"},
                          "params": [index[id(s)] for s in lg["params"]]}

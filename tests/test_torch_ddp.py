@@ -205,3 +205,21 @@ def test_bad_arguments_are_refused_before_any_communication():
     with pytest.raises(RuntimeError, match="sparse gradient"):
         ddp(torch.tensor([1, 2])).sum().backward()
 
+
+
+@pytest.mark.mpi(min_size=2)
+def test_settings_differing_across_ranks_are_refused_on_every_rank(comm):
+    # Another bucket size packs other buckets (their all-reduces would not match): refused.
+    with pytest.raises(MismatchError, match=r"and settings: .*first difference .*: bucket_mb: 1.0 != 2.0"):
+        htt.DistributedDataParallel(mlp(), comm, bucket_mb=1.0 if comm.rank == 0 else 2.0)
+    with pytest.raises(MismatchError, match="find_unused_parameters: False != True"):
+        htt.DistributedDataParallel(mlp(), comm, find_unused_parameters=comm.rank != 0)
+
+
+def test_a_module_cast_after_wrapping_is_said():
+    model = mlp()
+    ddp = htt.DistributedDataParallel(model)
+    model.float()
+    with pytest.raises(RuntimeError, match=r"parameter 4.bias has a torch.float32 gradient on cpu, its bucket is "
+                                           r"torch.float64 on cpu: move or cast the module before wrapping it"):
+        ddp(torch.ones(2, 6)).sum().backward()

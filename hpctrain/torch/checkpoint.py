@@ -185,6 +185,9 @@ class _Bundle:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Everything but the tensors (written by the load already) and the optimizers' staged
         per-element state, put into the objects."""
+        if (self.optimizers or self.others) and "optimizers" not in state:
+            raise ValueError("the checkpoint was not written by hpctrain.torch: it holds no torch optimizers or "
+                             "objects (load its weights alone: model=...)")
         for kw, opt in self.optimizers.items():
             saved = state["optimizers"].get(kw)
             if saved is None:
@@ -194,7 +197,7 @@ class _Bundle:
             if kw not in state["objects"]:
                 raise ValueError(f"the checkpoint holds no {kw!r} (it has {sorted(state['objects'])})")
             obj.load_state_dict(_unplain(state["objects"][kw]))
-        self.global_step, self.epoch = int(state["global_step"]), int(state["epoch"])
+        self.global_step, self.epoch = int(state.get("global_step", 0)), int(state.get("epoch", 0))
         backend.synchronize()  # CuPy wrote into CUDA tensors: done before torch reads them
 
     def _optimizer_sd(self, kw: str, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,8 @@ from ..comm.buckets import GradBuckets
 from . import tensors
 
 #: What the agreement across ranks is about, in its error message.
-_WHAT = "DistributedDataParallel's module (trainable parameters and buffers: name, shape, dtype, in registration order)"
+_WHAT = ("DistributedDataParallel's module (trainable parameters and buffers: name, shape, dtype, in registration "
+         "order) and settings")
 
 
 class _Slot:
@@ -117,7 +118,11 @@ class DistributedDataParallel(torch.nn.Module):
             except TypeError as exc:
                 problem = problem or exc
         self.comm.raise_if_any(problem, what="DistributedDataParallel")
-        self.comm.agree(_WHAT, _describe(self.module, self._named))
+        # The settings too: another bucket size packs other buckets, and find_unused_parameters
+        # makes one more collective per step; either would hang or mix up the reduction.
+        self.comm.agree(_WHAT, {**_describe(self.module, self._named), "bucket_mb": self.bucket_mb,
+                                "broadcast_buffers": self.broadcast_buffers,
+                                "find_unused_parameters": self.find_unused_parameters})
 
     def _broadcast(self, state: list[torch.Tensor]) -> None:
         """Rank 0's values of ``state`` on every rank (in place)."""
@@ -221,6 +226,10 @@ class DistributedDataParallel(torch.nn.Module):
             elif g.is_sparse:
                 raise RuntimeError(f"parameter {slot.name} has a sparse gradient; DistributedDataParallel reduces "
                                    "dense ones (nn.Embedding(sparse=False))")
+            elif g.device != view.device or g.dtype != view.dtype:
+                raise RuntimeError(f"parameter {slot.name} has a {g.dtype} gradient on {g.device}, its bucket is "
+                                   f"{view.dtype} on {view.device}: move or cast the module before wrapping it in "
+                                   "DistributedDataParallel")
             elif g is view:
                 if size > 1:
                     view.mul_(1.0 / size)

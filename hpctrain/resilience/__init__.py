@@ -19,10 +19,10 @@ Under ULFM (``hpctrain.comm.ulfm``) a collective with a dead member fails on the
 The trainer's ``fit`` then redoes the step (the loader redraws the interrupted global batch for
 the new layout). Under pure data parallelism every survivor holds the whole model, so nothing is
 lost with a rank and no checkpoint is read. Under ZeRO the lost rank's pieces come back from the
-copy its buddy (the next dp rank) holds (``resilience_shards.Buddies``, refreshed before each
+copy its buddy (the next dp rank) holds (``buddies.Buddies``, refreshed before each
 step and at each save), and the reducer is built anew over the survivors; pieces lost with their
 buddy come from the last checkpoint, which the survivors read. Under dp x tp x pp a replica that
-lost a member leaves (``resilience_groups``) and the whole ones go on (with ZeRO, each tp x pp
+lost a member leaves (``groups``) and the whole ones go on (with ZeRO, each tp x pp
 part's dp group puts its pieces together on its own); when none is whole, the survivors write the
 state from before the step if one of them holds each tp x pp part, and the job ends (exit 75).
 """
@@ -36,11 +36,11 @@ from typing import Any, NoReturn
 
 from mpi4py import MPI
 
-from . import resilience_groups as groups
-from .comm import Communicator, failure, ulfm, watchdog
-from .errors import Preempted, RankLossError, ReplicaLeft
-from .log import get_logger
-from .resilience_shards import Buddies
+from ..comm import Communicator, failure, ulfm, watchdog
+from ..errors import Preempted, RankLossError, ReplicaLeft
+from ..log import get_logger
+from . import groups
+from .buddies import Buddies
 
 _log = get_logger("resilience")
 #: Pre-step states kept: the step a survivor is in and the one before (see the module docstring).
@@ -235,7 +235,7 @@ class RankLoss:
         """On one survivor of each tp x pp part (collective over them, ``part``): the state from
         before ``step`` as one replica (dp=1) over ``part``, written as a checkpoint; under ZeRO
         with the pieces put together from this survivor's own and its buddy copies."""
-        from . import checkpoint
+        from .. import checkpoint
 
         old_dp = trainer.dp.mpi
         if step in self._snapshots:  # else this survivor is at that step's start already
@@ -283,7 +283,7 @@ class RankLoss:
         """Point the trainer, its gradient reduction and its data at the survivors' communicator
         (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``;
         the checkpoint read instead, when pieces were lost with their buddy, is returned)."""
-        from .parallel.reducer import AllReduceReducer, BackwardHooks
+        from ..parallel.reducer import AllReduceReducer, BackwardHooks
 
         if trainer._hooks is not None:
             trainer._hooks.remove()
@@ -314,7 +314,7 @@ class RankLoss:
     def _read_last(self, trainer: Any, comm: Communicator, lost: list[int]) -> str:
         """ZeRO pieces lost with their buddy: the survivors read the last checkpoint (collective;
         the loader then goes on from its position, in the same epoch) or end naming it. Its path."""
-        from . import checkpoint
+        from .. import checkpoint
 
         path, epoch, problem, self._fallback = trainer.last_checkpoint, trainer.epoch, self._fallback, None
         if comm.rank == 0:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .backend import to_host
+from ..backend import to_host
 
 #: One rank's ``ZeroReducer.export_pieces()``, on the host (it travels pickled to the buddy).
 Pieces = dict[str, Any]
@@ -83,7 +83,7 @@ class Buddies:
         when it cannot be done (the same on every survivor of the group).
 
         Under dp x tp x pp each tp x pp part has its own dp group, and its pieces: the groups
-        rebuild side by side. A broken replica's members have left (``resilience_groups``): their
+        rebuild side by side. A broken replica's members have left (``resilience.groups``): their
         pieces come from their buddies, as a lost rank's do."""
         dp = trainer.dp
         held = self._held(old_dp, dp, step)
@@ -101,7 +101,7 @@ class Buddies:
     def empty_reducer(self, trainer: Any) -> Any:
         """A ZeRO reducer over ``trainer.dp`` with zeros for the parameters (what a checkpoint load
         then fills: the pieces were lost)."""
-        from .backend import xp_of
+        from ..backend import xp_of
 
         xp = xp_of(trainer.params[0].data)
         for p in trainer.params:  # (zero 3: read-only placeholders now)
@@ -123,7 +123,7 @@ class Buddies:
 
 
 def _world(comm: MPI.Intracomm) -> list[int]:
-    from .comm import ulfm
+    from ..comm import ulfm
 
     return ulfm.world_ranks(comm)
 
@@ -131,8 +131,8 @@ def _world(comm: MPI.Intracomm) -> list[int]:
 def _install(trainer: Any, parts: list[Pieces]) -> None:
     """The full parameters and optimizer state from every old rank's pieces, and a new reducer over
     ``trainer.dp`` that takes its pieces of them (as after a checkpoint load under another layout)."""
-    from .backend import to_device, xp_of
-    from .optim.sharded import assemble
+    from ..backend import to_device, xp_of
+    from ..optim.sharded import assemble
 
     full = assemble(parts)
     xp = xp_of(trainer.params[0].data)

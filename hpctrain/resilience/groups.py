@@ -16,8 +16,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .comm import Communicator, ulfm
-from .comm.grid import Coords, ProcessGrid, coords, rank_of
+from ..comm import Communicator, ulfm
+from ..comm.grid import Coords, ProcessGrid, coords, rank_of
 
 
 def revoke(grid: Any) -> None:

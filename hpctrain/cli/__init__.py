@@ -47,10 +47,7 @@ def _gather_rank_info(comm) -> dict:
 
 def run_info(args: argparse.Namespace) -> int:
     """One report for the whole job, printed by rank 0."""
-    import mpi4py
-    from mpi4py import MPI
-
-    from ..comm import Communicator, linkprobe, ulfm
+    from ..comm import Communicator, library, linkprobe, ulfm
     from ..comm import cuda_aware as ca
     from ..comm.nodes import describe, node_names
 
@@ -61,10 +58,10 @@ def run_info(args: argparse.Namespace) -> int:
     if comm.rank != 0:
         return 0
     per_node = Counter(r["host"] for r in ranks)
-    lib = MPI.Get_library_version().splitlines()[0].strip()
+    mpi = library.versions()
     says = ca.library_says()
-    print(f"hpctrain {__version__}  (Python {platform.python_version()}, mpi4py {mpi4py.__version__})")
-    print(f"MPI library      : {lib}  (MPI standard {'.'.join(map(str, MPI.Get_version()))})")
+    print(f"hpctrain {__version__}  (Python {platform.python_version()}, mpi4py {mpi['mpi4py']})")
+    print(f"MPI library      : {mpi['library']}  (MPI standard {mpi['standard']})")
     print(f"world size       : {comm.size}")
     print(f"nodes            : {len(per_node)}  (ranks per node: "
           + ", ".join(f"{h}={n}" for h, n in sorted(per_node.items())) + ")")

@@ -34,8 +34,6 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from mpi4py import MPI
-
 from ..comm import Communicator, failure, ulfm, watchdog
 from ..errors import Preempted, RankLossError, ReplicaLeft
 from ..log import get_logger
@@ -84,7 +82,7 @@ def _drop_reducer(trainer: Any) -> None:
     """ZeRO 2, 3: the old reducer's hooks off the model before a new reducer's go on."""
     try:
         trainer.reducer.remove()
-    except MPI.Exception:  # its sub-communicators include the lost rank
+    except ulfm.Error:  # its sub-communicators include the lost rank
         pass
 
 
@@ -146,7 +144,7 @@ class RankLoss:
         t0 = time.monotonic()
         try:
             trainer._abandon_step()
-        except MPI.Exception:  # its in-flight buckets fail with the loss: the reducer is replaced below
+        except ulfm.Error:  # its in-flight buckets fail with the loss: the reducer is replaced below
             pass
         old_dp, old_world = trainer.dp.mpi, ulfm.world_ranks(trainer.comm.mpi)
         comm, lost, step = self._shrink(trainer)
@@ -157,7 +155,7 @@ class RankLoss:
         if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
             self._snapshots[step].restore(trainer)
             self._snapshots = {step: self._snapshots[step]}
-        comm = self._leave_broken(trainer, comm, lost, replica[MPI.COMM_WORLD.Get_rank()] in whole, len(whole))
+        comm = self._leave_broken(trainer, comm, lost, replica[ulfm.world_rank()] in whole, len(whole))
         read = self._rebind(trainer, comm, old_dp, lost, step)
         ulfm.set_leader(comm.mpi)
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
@@ -181,13 +179,13 @@ class RankLoss:
             mpi, gone = ulfm.shrink(mpi)
             lost += gone
             try:
-                step = int(mpi.allreduce(trainer.global_step, op=MPI.MIN))
+                step = ulfm.min_over(mpi, trainer.global_step)
                 # Every survivor must hold the state from before that step (see the docstring), or
                 # be at that step's start: the loss was seen between two steps (a callback's wait).
                 mine = step in self._snapshots or trainer.global_step == step
-                have = int(mpi.allreduce(int(mine), op=MPI.MIN))
+                have = ulfm.min_over(mpi, int(mine))
                 return Communicator(mpi), sorted(lost), step if have else -1
-            except MPI.Exception as again:
+            except ulfm.Error as again:
                 if not ulfm.is_rank_loss(again):
                     raise
 
@@ -273,12 +271,12 @@ class RankLoss:
         mine = groups.whole_replicas(comm, whole)
         if mine is None:
             _log.warning("rank %d leaves the job: its tensor/pipeline-parallel group lost rank(s) %s; %d whole "
-                         "replica(s) go on", MPI.COMM_WORLD.Get_rank(), lost, n)
+                         "replica(s) go on", ulfm.world_rank(), lost, n)
             raise ReplicaLeft(f"its dp replica lost rank(s) {lost}; {n} whole replica(s) go on")
         failure.rebind(mine.mpi)
         return mine
 
-    def _rebind(self, trainer: Any, comm: Communicator, old_dp: MPI.Intracomm, lost: list[int],
+    def _rebind(self, trainer: Any, comm: Communicator, old_dp: ulfm.Handle, lost: list[int],
                 step: int) -> str | None:
         """Point the trainer, its gradient reduction and its data at the survivors' communicator
         (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``;

@@ -1,6 +1,6 @@
-"""``Trainer``: the step, the state and the loop composed (``hpctrain.training``).
+"""``Trainer``: the step, the state and the loop composed.
 
-The pieces live apart (see ARCHITECTURE.md, "training/"):
+The pieces live apart in this package (see ARCHITECTURE.md, "training/"):
 
 - ``training.step.TrainStep``: the numerics of one update (batch check, forward/backward, the
   reduction, the one host read, skip/clip/update) and ``StepStats``;
@@ -9,8 +9,8 @@ The pieces live apart (see ARCHITECTURE.md, "training/"):
 - ``training.loop``: ``fit`` (callbacks, checkpoint cadence, preemption, the rank-loss hook).
 
 This class adds what a whole job needs around them: the job's ``Health`` (timeouts, the stall
-watchdog), the ``Checkpointer``, memory metering and the declared interface below. The names
-other modules import from here (``Trainer``, ``StepStats``, ``Batch``, ``planned_steps``) stay.
+watchdog), the ``Checkpointer``, memory metering and the declared interface below. ``hpctrain.Trainer`` and
+``hpctrain.StepStats`` are this module's.
 """
 
 from __future__ import annotations

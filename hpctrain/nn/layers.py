@@ -6,9 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_device, xp_of
+from ..backend import is_half, matmul, to_device, xp_of
 from ..errors import Say, as_argument
-from ..precision import is_half, matmul
 from . import fused
 from .buffers import Buffers
 from .module import Module, Parameter, as_rng

@@ -134,7 +134,7 @@ class MemoryMeter:
         self.peak_layers = max(self.peak_layers, act + owned_bytes(self._pools(), counted))
 
     def install(self) -> MemoryMeter:
-        from .nn.recompute import observers
+        from ..nn.recompute import observers
 
         if self.installed or self.model is None or not hasattr(self.model, "backward"):
             return self
@@ -155,7 +155,7 @@ class MemoryMeter:
         self.measure()
 
     def remove(self) -> None:
-        from .nn.recompute import observers
+        from ..nn.recompute import observers
 
         if self.installed:
             self.model.__dict__.pop("backward", None)

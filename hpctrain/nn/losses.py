@@ -41,7 +41,10 @@ def batch_mean(total: Any, denom: Any) -> Any:
     read here."""
     if not (is_device_array(total) or is_device_array(denom)):
         return float(total) / denom if denom else 0.0
-    return xp_of(total).where(denom == 0, 0.0, total / (denom + (denom == 0)))
+    if not is_device_array(denom):  # a host count (no weights): decided here, nothing read back
+        return total / denom if denom else total * 0
+    # CuPy's where takes arrays only (a Python bool has no ``astype``): the condition is device-side.
+    return xp_of(denom).where(denom == 0, 0.0, total / (denom + (denom == 0)))
 
 
 def all_weights_zero(denom: Any) -> bool:

@@ -129,6 +129,8 @@ def check_targets(target: Any, n_classes: int, who: str) -> Any:
         bad = (target < 0) | (target >= n_classes)
         _collecting[-1].add(bad, target, n_classes, who)
         return xp_of(target).where(bad, 0, target)
+    if gpu.capturing:  # a CUDA graph reads nothing back; its warm-up step checked these targets
+        return target
     problem = _target_error(target, n_classes, who)
     if problem is not None:
         raise problem

@@ -147,3 +147,12 @@ def update_one(opt: Any, p: Any, state: dict, lr: float, step_count: int, scratc
         return False
     _launch(opt.__dict__ if scratch is None else scratch, rule, rows, hyper(opt, rule, lr, step_count))
     return True
+
+
+def advance(opt: Any) -> None:
+    """What ``opt.step()`` does on the host when its launches are replayed from a CUDA graph: the
+    step count and the step's scalars uploaded for the captured kernels to read."""
+    lr = opt.current_lr
+    opt.step_count += 1
+    for launch in opt.__dict__.get("_mt", {}).values():
+        launch.hp[:9 if launch.rule == "adam" else 4].set(hyper(opt, launch.rule, lr, opt.step_count))

@@ -97,11 +97,12 @@ class Check:
 
     # -- the parts ---------------------------------------------------------------------------------
     def machine(self) -> None:
-        rc, text = self.run([PY, "-c", "import numpy, mpi4py; from mpi4py import MPI; import hpctrain.backend as b; "
-                             "cp = b.cupy(); print('numpy', numpy.__version__, '| mpi4py', mpi4py.__version__, '|', "
-                             "MPI.Get_library_version().splitlines()[0]); print('cupy', cp.__version__ if cp else None, "
-                             "cp.cuda.runtime.getDeviceProperties(0)['name'].decode() if cp else 'no GPU')"],
-                            60, "machine")  # fmt: skip
+        probe = ("import numpy, mpi4py; from mpi4py import MPI; import hpctrain.backend as b; cp = b.cupy(); "
+                 "print('numpy', numpy.__version__, '| mpi4py', mpi4py.__version__, '|', "
+                 "MPI.Get_library_version().splitlines()[0]); "
+                 "print('cupy', cp.__version__ if cp else None, "
+                 "cp.cuda.runtime.getDeviceProperties(0)['name'].decode() if cp else 'no GPU')")
+        rc, text = self.run([PY, "-c", probe], 60, "machine")
         self.row("machine", "ok" if rc == 0 else f"FAIL (exit {rc})", " / ".join(text.strip().splitlines()[-2:])[:200])
 
     def kernels(self) -> None:

@@ -210,14 +210,12 @@ class Check:
 
 
 def install_wheels() -> None:
-    """The wheels the GPU machine lacks (no internet there), from ``.whl/``, only when mpi4py is missing."""
+    """The wheels the GPU machine lacks (no internet there), from ``.whl/``: always when there are
+    any (the image's mpi4py may have no MPI library beside it, and pytest-mpi is not there)."""
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        if wheels:
-            subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", *wheels],
-                           timeout=120, check=False)
+    if wheels:
+        subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", *wheels],
+                       timeout=120, check=False)
 
 
 def main() -> int:

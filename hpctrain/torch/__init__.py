@@ -21,9 +21,9 @@ except ImportError as exc:  # pragma: no cover - said to whoever imports us with
 
 from .checkpoint import Loaded, load, save, wait
 from .ddp import DistributedDataParallel
-from .loop import FitResult, fit
-from .sampler import ShardedSampler
-from .zero import ZeroRedundancyOptimizer
+from .fitting import FitResult, fit
+from .sharding import ShardedSampler
+from .zero_optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["DistributedDataParallel", "FitResult", "Loaded", "ShardedSampler", "ZeroRedundancyOptimizer", "fit", "load",
            "save", "wait"]

@@ -35,7 +35,7 @@ from ..log import get_logger
 from ..protocols import restore_of, snapshot_of
 from . import tensors
 from .ddp import DistributedDataParallel
-from .zero import ZeroRedundancyOptimizer
+from .zero_optimizer import ZeroRedundancyOptimizer
 
 _log = get_logger("torch")
 _TORCH = "__torch__"  # marks a tensor in JSON state, so a load gives a tensor back
@@ -239,7 +239,9 @@ _WORLD: list[Communicator] = []
 
 
 def _key(comm: Communicator) -> int:
-    return int(comm.mpi.py2f())
+    """One key per group: every Communicator of the world wraps the one COMM_WORLD object (the
+    checkpointer keeps its communicator, so the object outlives its entry)."""
+    return id(comm.mpi)
 
 
 def _checkpointer(comm: Communicator) -> ckpt.Checkpointer:

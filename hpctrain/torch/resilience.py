@@ -26,7 +26,7 @@ from ..errors import RankLossError
 from ..log import get_logger
 from ..protocols import restore_of, snapshot_of
 from .ddp import DistributedDataParallel
-from .zero import ZeroRedundancyOptimizer
+from .zero_optimizer import ZeroRedundancyOptimizer
 
 _log = get_logger("torch")
 #: Pre-step states kept: the step a survivor is in and the one before.

@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; went on without lost rank(s) {[e['ranks'] for e in result.rank_loss]}"
                  if result.rank_loss else ""),
               flush=True)
+    if result.rank_loss:  # Open MPI's MPI_Finalize may wait for the dead: the survivors end here
+        from hpctrain.comm import ulfm
+
+        ulfm.end_process(0)
     return 0
 
 

@@ -130,6 +130,7 @@ class _Bundle:
                 self.tensors[prefix + name] = t
         self._names = {id(t): n for n, t in self.tensors.items()}
         self.optimizer = _OptimizerView({}, {kw: type(o).__name__ for kw, o in self.optimizers.items()})
+        self.optimizer.step_count = self.global_step  # what `hpctrain ckpt inspect` shows
         for kw, opt in self.optimizers.items():
             missing = [p for p in _opt_params(opt) if id(p) not in self._names]
             if missing:

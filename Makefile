@@ -95,7 +95,7 @@ bench: venv
 	$(PY) benchmarks/report.py --mpiexec $(MPIEXEC) --out benchmarks/REPORT.md $(BENCHFLAGS)
 
 lint: venv
-	$(VENV)/bin/ruff check hpctrain tests benchmarks
+	$(VENV)/bin/ruff check hpctrain tests benchmarks examples
 
 clean:
 	rm -rf .venv .venv-openmpi *.egg-info .pytest_cache

@@ -11,7 +11,9 @@ import pytest
 from hpctrain import errors
 from hpctrain.train import resolve, run
 
-USER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "user_model.py") + ":build"
+# The example users copy (examples/custom_model.py): the tests train exactly what the docs show.
+USER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "custom_model.py")
+USER += ":build"
 SMALL = {"model": USER, "max_samples": 128, "batch_size": 32, "epochs": 1, "d_model": 16, "log_every": 1000}
 
 

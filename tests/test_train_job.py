@@ -357,8 +357,8 @@ def test_default_run_directories_of_one_second_differ(comm, tmp_path, capsys, mo
 # -- exit statuses, python -m hpctrain, tools without MPI ------------------------------------------
 
 
-def test_exit_statuses_are_documented_in_the_readme():
-    text = (REPO / "README.md").read_text()
+def test_exit_statuses_are_documented():
+    text = (REPO / "docs" / "reference" / "command-line.md").read_text()
     table = dict(re.findall(r"^\| (\d+) \| (\w+)", text, flags=re.M))
     assert {int(k): v for k, v in table.items()} == {
         0: "done", 1: "failure", 2: "usage", 3: "stall", 4: "refused", 75: "preempted", 130: "interrupted"}

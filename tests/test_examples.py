@@ -69,3 +69,12 @@ def test_the_readme_is_a_landing_page():
     for heading in ("## Install", "## The two commands", "### 1. The command line", "### 2. Your own model",
                     "### 3. hpctrain inside your code"):
         assert heading in readme
+
+
+def test_hybrid_sbatch_says_tp_and_pp_combine():
+    """slurm/hybrid.sbatch once said tp with pp is refused; they compose (tests/test_parallelize.py
+    trains dp=2 x tp=2 x pp=2), and its header shows how to ask for it."""
+    header = "".join(line for line in (REPO / "slurm" / "hybrid.sbatch").read_text().splitlines(True)
+                     if line.startswith("#") and not line.startswith("#SBATCH"))
+    assert "refused with a clear message before any training" not in header
+    assert "tp with pp" in header and "TP=2 PP=2 sbatch" in header

@@ -19,7 +19,7 @@ from .options import _BY_NAME, DERIVED, OPTIONS, Config, Option, flag
 from .sections import SECTIONS, Section, loss_scaler
 
 __all__ = ["DERIVED", "OPTIONS", "SECTIONS", "Config", "Option", "Section", "add_arguments", "as_config", "flag",
-           "loss_scaler", "merge", "read_config", "read_toml", "resolve"]
+           "loss_scaler", "merge", "read_config", "read_settings", "read_toml", "resolve"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,6 +113,32 @@ def merge(file_values: dict[str, Any], flags: dict[str, Any]) -> Config:
         if k in _BY_NAME:
             values[k] = _coerce(_BY_NAME[k], v, flag(k), allow_none=True)
     return Config(**values)
+
+
+#: Settings of a run's config.json a resume does not take over: what this job itself asks.
+NOT_INHERITED = ("resume", "restart")
+
+
+def read_settings(config_file: str | None, flags: dict[str, Any]) -> tuple[Config, dict[str, tuple[Any, Any]] | None]:
+    """The job's settings: defaults < the run's ``config.json`` < ``--config FILE`` < the flags.
+
+    The run's ``config.json`` counts only for ``--resume`` with a run directory that has one: a
+    resume continues the run as it was last configured, and what this job changes (listed in the
+    returned ``{name: (run's value, this job's value)}``; ``None`` when not resuming) is written
+    back to ``config.json`` by the job, so the next resume keeps it.
+    """
+    import os
+
+    file_values = read_config(config_file) if config_file else {}
+    given = {**file_values, **{k: v for k, v in flags.items() if k in _BY_NAME}}
+    saved = os.path.join(given["run_dir"], "config.json") if given.get("resume") and given.get("run_dir") else None
+    if saved is None or not os.path.exists(saved):
+        return merge(file_values, flags), None
+    base = {k: v for k, v in read_config(saved).items() if k not in NOT_INHERITED}
+    cfg = merge({**base, **file_values}, flags)
+    before, now = merge(base, {}).to_dict(), cfg.to_dict()
+    changed = {k: (before[k], now[k]) for k in given if k not in NOT_INHERITED and now[k] != before[k]}
+    return cfg, changed
 
 
 def as_config(cfg: Config | dict[str, Any]) -> Config:

@@ -55,8 +55,9 @@ def build_gpt(c: Config, meta: dict[str, Any]) -> nn.GPT:
 
 
 def build_classifier(c: Config, meta: dict[str, Any]) -> nn.Sequential:
-    """``--model mlp``, a classifier (``--loss ce``) or a regressor (``--loss mse``): a flat Sequential so a pipeline can cut it anywhere; MLP blocks so tensor
-    parallelism has something to shard (fc1 column-wise, fc2 row-wise).
+    """``--model mlp``, a classifier (``--loss ce``) or a regressor (``--loss mse``): a flat
+    Sequential so a pipeline can cut it anywhere; MLP blocks so tensor parallelism has something to
+    shard (fc1 column-wise, fc2 row-wise).
 
     With ``--dropout``, a Dropout after each hidden activation, seeded from a generator of its
     own so the weights are the same with and without it.

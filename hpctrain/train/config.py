@@ -22,17 +22,51 @@ __all__ = ["DERIVED", "OPTIONS", "SECTIONS", "Config", "Option", "Section", "add
            "loss_scaler", "merge", "read_config", "read_settings", "read_toml", "resolve"]
 
 
+#: ``hpctrain train --help``: the sections' flags under these headings, in this order.
+HELP_SECTIONS = {
+    "model": "model: what is trained",
+    "data": "data: what it trains on (--data FILE.h5, or the built-in sets)",
+    "parallel": "parallel layout: how the job is split over the ranks (dp is what tp x pp leaves)",
+    "optim": "optimizer and learning rate",
+    "runtime": "length, device, progress and failures",
+    "checkpoint": "run directory, checkpoints, resume",
+    "precision": "precision (mixed 16-bit training)",
+    "reduction": "gradient all-reduce",
+}
+
+#: The end of ``hpctrain train --help`` (tests/test_train_config.py parses each line).
+EXAMPLES = """examples:
+  mpiexec -n 2 hpctrain train                                    # MLP classifier on the built-in set, dp=2
+  mpiexec -n 2 hpctrain train --dry-run                          # try everything once, say what a run would do
+  mpiexec -n 4 hpctrain train --strategy hybrid --tp 2           # tensor parallel x data parallel
+  mpiexec -n 4 hpctrain train --model gpt --pp 2 --epochs 1      # a GPT in 2 pipeline stages x 2 replicas
+  mpiexec -n 2 hpctrain train --data mine.h5 --x-key inputs --y-key targets --loss mse   # your regression
+  mpiexec -n 2 hpctrain train --model examples/custom_model.py:build                     # your model
+  mpiexec -n 2 hpctrain train --config recipes/gpt_shakespeare.toml --lr 1e-3            # a file; flags win
+  mpiexec -n 2 hpctrain train --run-dir runs/a --resume          # continue runs/a as its config.json says
+  mpiexec -n 2 hpctrain train --run-dir runs/a --resume --epochs 6   # ... to 6 epochs in all (kept)
+more: docs/tutorials/first-run.md and docs/reference/training-controls.md"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``hpctrain train``: ``--config FILE`` plus one per option (unset unless given)."""
+    """The flags of ``hpctrain train``: ``--config FILE`` plus one per option (unset unless given),
+    grouped by the configuration's sections, then examples."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the examples keep their lines
+    p.epilog = EXAMPLES
+    p.usage = "%(prog)s [-h] [--config FILE] [--FLAG VALUE ...]   (flags by section below)"
     p.add_argument("--config", metavar="FILE",
-                   help="TOML file with the same keys as the flags, or the config.json a run wrote")
+                   help="TOML file with the same keys as the flags, or the config.json a run wrote "
+                        "(--resume reads the run's config.json itself)")
+    section_of = {name: s.name for s in ALL_SECTIONS for name in s.fields}
+    groups = {name: p.add_argument_group(title) for name, title in HELP_SECTIONS.items()}
     for o in OPTIONS:
+        g = groups[section_of[o.name]]
         default = "" if o.default is None else f" [{o.default}]"
         if o.type is bool:
-            p.add_argument(flag(o.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+            g.add_argument(flag(o.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=o.help + default)
         else:
-            p.add_argument(flag(o.name), type=o.type, choices=o.choices, default=argparse.SUPPRESS,
+            g.add_argument(flag(o.name), type=o.type, choices=o.choices, default=argparse.SUPPRESS,
                            metavar=o.name.upper() if o.choices is None else None, help=o.help + default)
 
 
@@ -167,7 +201,7 @@ def _runtime(c: Config, world: int) -> None:
 ALL_SECTIONS: tuple[Section, ...] = (
     *SECTIONS,
     Section("runtime", ("epochs", "max_steps", "log_every", "eval_every", "timeout", "on_rank_loss", "on_nonfinite",
-                        "device"), _runtime, _runtime_values),
+                        "device", "dry_run"), _runtime, _runtime_values),
 )
 
 

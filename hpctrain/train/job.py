@@ -182,6 +182,10 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     agree(comm, "hpctrain train configuration", c.to_dict())
     device = pick_device(c, comm)
     limit_blas_threads(comm)
+    if c.dry_run:  # one of everything, nothing written to the run directory
+        from .dryrun import dry_run
+
+        return dry_run(c, comm, device)
     if c.run_dir is None:  # a new directory nobody else can get, even starting in the same second
         c.run_dir = comm.bcast_obj(everywhere(comm, lambda: rundir.new_run_dir("runs") if comm.rank == 0 else None))
     # config.json keeps the setting as given, so a run started from it with another --run-dir

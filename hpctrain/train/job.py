@@ -327,6 +327,10 @@ def _hooks(c: Config, given: dict[str, Any], comm: Any, setup: _Setup, callbacks
     ]
     if c.eval_every:
         hooks.insert(1 + len(callbacks), Validation(c, setup.meta, setup.val_set, comm, c.eval_every))
+    if c.logger == "tensorboard":  # after the callbacks that add the lr and the validation loss
+        from ..training.tensorboard import TensorBoardLogger
+
+        hooks.append(TensorBoardLogger(os.path.join(c.run_dir, "tensorboard")))
     if c.on_rank_loss == "shrink" and comm.size > 1:
         from ..resilience import RankLoss
 

@@ -97,6 +97,9 @@ class Config:
     val_fraction: float = field(default=0.1, metadata=_opt("share of the data held out for the final evaluation",
                                                            finite=True))
     log_every: int = field(default=20, metadata=_opt("steps between progress lines", at_least=1))
+    logger: str = field(default="jsonl", metadata=_opt("jsonl: the metrics in RUN_DIR/metrics.jsonl; tensorboard: "
+                                                       "also TensorBoard event files in RUN_DIR/tensorboard, from "
+                                                       "rank 0 (needs tensorboardX)", ("jsonl", "tensorboard")))
     # Training controls.
     max_steps: int | None = field(default=None, metadata=_opt("stop after this many steps in all (the epochs "
                                                               "stay an upper bound)", at_least=1))

@@ -6,7 +6,7 @@
 
 With an installed wheel, copy this file (the documentation shows it whole) and name your copy.
 
-The factory takes the job's ``hpctrain.train.Config`` (every flag as a typed field; ``config.info``
+The factory takes the job's ``hpctrain.job.Config`` (every flag as a typed field; ``config.info``
 holds the data's facts: ``n_in``, ``x_shape``, ``n_classes`` with ``--loss ce`` or ``n_out`` with
 ``--loss mse``, ``vocab_size`` for token windows) and returns an ``hpctrain.nn.Module``. It is
 called on every rank and must build the same model there (seed it from ``config.seed``).

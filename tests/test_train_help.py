@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.train.config import ALL_SECTIONS, EXAMPLES, HELP_SECTIONS, OPTIONS, flag
+from hpctrain.job.config import ALL_SECTIONS, EXAMPLES, HELP_SECTIONS, OPTIONS, flag
 
 TINY = ("--max-samples", "288", "--batch-size", "48", "--epochs", "2", "--d-model", "16", "--n-layers", "1",
         "--log-every", "1000")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hpctrain import errors
-from hpctrain.train import resolve, run
+from hpctrain.job import resolve, run
 
 # The example users copy (examples/custom_model.py): the tests train exactly what the docs show.
 USER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "custom_model.py")

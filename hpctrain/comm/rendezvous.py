@@ -45,6 +45,11 @@ class Rendezvous:
         self._broken = False
 
     @property
+    def library(self) -> str:
+        """The MPI library's first line of ``MPI_Get_library_version``, spaces folded."""
+        return " ".join(MPI.Get_library_version().splitlines()[0].split())
+
+    @property
     def usable(self) -> bool:
         """False after a meeting some rank missed (its messages are still in flight)."""
         return not self._broken

@@ -6,11 +6,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_device, xp_of
-from ..errors import Say, as_argument
-from ..precision import is_half, matmul
-from . import fused
+from ..backend import is_half, matmul, to_device, xp_of
+from . import fused, gpu
 from .buffers import Buffers
+from .dropout import Dropout, dropout_problem  # noqa: F401 - their home was here
 from .module import Module, Parameter, as_rng
 
 # sqrt(2 / pi), the constant of GPT-2's tanh approximation of GELU.
@@ -96,7 +95,9 @@ class Linear(Module):
         d["d_in"], d["d_out"] = weight.shape
         return lin
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, add_bias: bool = True) -> Any:
+        """``x @ weight + bias``; ``add_bias=False`` leaves the bias to the caller (the MLP adds it
+        inside the GELU kernel on the GPU); the backward is the same either way."""
         if x.shape[-1] != self.d_in:
             raise ValueError(f"Linear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
         self.cache = x
@@ -105,7 +106,7 @@ class Linear(Module):
         # product would be one small product per batch entry.
         y = self._scratch().get("y", (*x.shape[:-1], self.d_out), np.result_type(x.dtype, w.dtype), xp)
         matmul(xp, x.reshape(-1, self.d_in), w, out=y.reshape(-1, self.d_out))
-        if self.bias is not None:
+        if self.bias is not None and add_bias:
             y += self.bias.data
         return y
 
@@ -152,9 +153,18 @@ class GELU(Module):
         # rng and dtype are accepted so every layer shares one constructor signature; unused.
         self.cache = None
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, bias: Any = None) -> Any:
+        """GELU of ``x`` (of ``x + bias`` with a bias: a GPU kernel path only, see ``MLP``)."""
         xp = xp_of(x)
         buf = self._scratch()
+        k = gpu.usable(x, *(() if bias is None else (bias,)))
+        if k is not None:  # one kernel; backward recomputes the tanh from x (nothing else kept)
+            y = buf.like("y", x)
+            k.gelu_forward(x, bias, y)
+            self.cache = (x, None)
+            return y
+        if bias is not None:
+            x = x + bias
         t = buf.like("t", x)
         y = buf.like("y", x)
         self.cache = (x, t)
@@ -187,6 +197,9 @@ class GELU(Module):
         buf = self._scratch()
         # d/dx = 0.5 ((1 + t) + x (1 - t^2) c (1 + 3 * 0.044715 x^2)), by row chunks as forward.
         a = buf.get("gx", x.shape, np.result_type(x.dtype, grad_out.dtype), xp)
+        if t is None:  # the GPU kernel's forward kept x only
+            g = grad_out if grad_out.dtype == x.dtype else grad_out.astype(x.dtype)
+            return gpu.usable(x).gelu_backward(x, xp.ascontiguousarray(g), a.astype(x.dtype, copy=False))
         k = fused.usable(x, t, grad_out, a) if grad_out.shape == x.shape else None
         if k is not None:  # one pass instead of ten
             k.gelu_backward(x.reshape(-1), t.reshape(-1), grad_out.reshape(-1), a.reshape(-1),
@@ -252,6 +265,12 @@ class LayerNorm(Module):
         if x.shape[-1] != self.d:
             raise ValueError(f"LayerNorm({self.d}) got input of shape {x.shape}")
         w, b = self.weight.data, self.bias.data
+        k = gpu.usable(x, w, b) if x.dtype == w.dtype == b.dtype else None
+        if k is not None:  # one block per row, float32 statistics; x, mean and rstd kept
+            y = self._scratch().like("y", x)
+            mean, rstd = k.layernorm_forward(x.reshape(-1, self.d), w, b, self.eps, y.reshape(-1, self.d))
+            self.cache = (x, mean, rstd)
+            return y
         if is_half(x.dtype):  # mixed precision: statistics in float32, the output rounded back
             return self._forward(x.astype(np.float32), w.astype(np.float32), b.astype(np.float32)).astype(x.dtype)
         return self._forward(x, w, b)
@@ -294,6 +313,15 @@ class LayerNorm(Module):
 
     def backward(self, grad_out: Any) -> Any:
         w = self.weight.data
+        if len(self.cache) == 3:  # the GPU kernels' forward
+            x, mean, rstd = self.cache
+            g = grad_out if grad_out.dtype == x.dtype else grad_out.astype(x.dtype)
+            g = xp_of(g).ascontiguousarray(g)
+            gx = self._scratch().like("gx", x)
+            k = gpu.usable(x, g, self.weight.grad, self.bias.grad)
+            k.layernorm_backward(g.reshape(-1, self.d), x.reshape(-1, self.d), w, mean, rstd, gx.reshape(-1, self.d),
+                                 self.weight.grad, self.bias.grad)
+            return gx
         if is_half(grad_out.dtype):  # as forward: in float32, the input gradient rounded back
             return self._backward(grad_out.astype(np.float32), w.astype(np.float32)).astype(grad_out.dtype)
         return self._backward(grad_out, w)
@@ -362,6 +390,10 @@ def scatter_add(target: Any, index: Any, values: Any) -> None:
         sums = np.add.reduceat(values[order], starts, axis=0)
         target[ids[starts]] += sums
         return
+    k = gpu.usable(target, values) if target.dtype == np.float32 and values.ndim == 2 else None
+    if k is not None and index.dtype == np.int64 and index.shape == values.shape[:1]:
+        k.embedding_backward(xp.ascontiguousarray(index), values, target)  # float32 atomics
+        return
     add_at = getattr(xp.add, "at", None)  # CuPy >= 13
     if add_at is not None:
         add_at(target, index, values)
@@ -398,7 +430,8 @@ class Embedding(Module):
         idx = to_device(idx, xp)
         if idx.dtype.kind not in "iu":
             raise TypeError(f"Embedding needs integer indices, got {idx.dtype}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.n):
+        # (a CUDA graph's capture reads nothing back: the indices were checked in its warm-up step)
+        if idx.size and not gpu.capturing and (int(idx.min()) < 0 or int(idx.max()) >= self.n):
             raise IndexError(
                 f"Embedding({self.n}, {self.d}): indices must be in [0, {self.n}), "
                 f"got range [{int(idx.min())}, {int(idx.max())}]"
@@ -415,50 +448,3 @@ class Embedding(Module):
 
     def extra_repr(self) -> str:
         return f"{self.n}, {self.d}"
-
-
-def dropout_problem(p: float, say: Say = as_argument) -> str | None:
-    """Why ``p`` is not a dropout probability (``None``: it is), in ``say``'s names: the one place
-    of this rule (``Dropout`` and ``hpctrain train``'s ``--dropout``)."""
-    if not 0.0 <= p < 1.0:
-        return f"{say('dropout')} must be in [0, 1), got {p}"
-    return None
-
-
-class Dropout(Module):
-    """Zeroes each element with probability ``p`` and scales the rest by ``1 / (1 - p)``.
-
-    Identity in eval mode or when ``p == 0``. ``self.rng`` (a ``numpy.random.Generator``, which
-    trainers checkpoint) is the only random state: on NumPy it draws the mask, on CuPy it draws a
-    seed for a device generator, so the mask is made on the GPU (no host-to-device copy) and runs
-    stay reproducible from the seed on either device (the two devices draw different masks).
-    """
-
-    def __init__(self, p: float = 0.5, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
-        # dtype is accepted for a uniform constructor signature; the mask takes the input's dtype.
-        problem = dropout_problem(p)
-        if problem is not None:
-            raise ValueError(f"Dropout probability: {problem}")
-        self.p = p
-        self.rng = as_rng(rng)
-        self.cache = None
-
-    def forward(self, x: Any) -> Any:
-        if not self.training or self.p == 0.0:
-            self.cache = None
-            return x
-        xp = xp_of(x)
-        if xp is np:
-            u = self.rng.random(x.shape)
-        else:
-            u = xp.random.RandomState(int(self.rng.integers(2**63))).random_sample(x.shape)
-        mask = (u >= self.p).astype(x.dtype) * (1.0 / (1.0 - self.p))
-        self.cache = mask
-        return x * mask
-
-    def backward(self, grad_out: Any) -> Any:
-        mask = self.cache
-        return grad_out if mask is None else grad_out * mask
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"

@@ -133,10 +133,7 @@ class Agreement:
                            if type(p).__module__ == "pytest_mpi" and hasattr(p, "_is_testing_mpi")), None)
         if self.config.option.verbose < 1 and getattr(mpi_plugin, "_is_testing_mpi", False):
             mpi_plugin._is_testing_mpi = False
-            from mpi4py import MPI
-
-            library = " ".join(MPI.Get_library_version().splitlines()[0].split())
-            terminalreporter.write_line(f"MPI: {self.size} ranks, {library}")
+            terminalreporter.write_line(f"MPI: {self.size} ranks, {self.meeting.library}")
 
     def pytest_sessionfinish(self, exitstatus: int) -> None:
         self.exitstatus = int(exitstatus)

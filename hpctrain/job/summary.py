@@ -1,0 +1,76 @@
+"""The closing report of ``hpctrain train``: the figures of ``summary.json`` read from the run's
+metrics and history, written as valid JSON, and said in a few aligned lines."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``None`` (JSON has no NaN or inf)."""
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+#: Steps the summary's final training loss averages: recent enough to say where training ended,
+#: long enough to smooth one batch's noise.
+FINAL_LOSS_STEPS = 50
+
+
+def final_loss(path: str) -> tuple[float | None, int]:
+    """Mean training loss of the last ``FINAL_LOSS_STEPS`` steps in ``metrics.jsonl`` (skipped
+    steps left out), and how many it averaged: over the whole run (this job and the ones it
+    resumed), so a resumed job that made only a few steps itself still reports a full window."""
+    recent: list[float] = []
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if not rec.get("skipped"):
+                recent = [*recent[1 - FINAL_LOSS_STEPS :], rec["loss"]]
+    return (sum(recent) / len(recent) if recent else None), len(recent)
+
+
+def steady_rates(history: Sequence[Any]) -> tuple[float | None, float | None]:
+    """Samples per second and the communication share of step time over this job's steps after
+    its first (the warm-up: first calls, buffers, connections); ``None`` without such steps."""
+    steady = history[1:]
+    seconds = sum(s.seconds for s in steady)
+    if seconds <= 0:
+        return None, None
+    return sum(s.samples for s in steady) / seconds, sum(s.comm_seconds for s in steady) / seconds
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The closing report of a run, a few aligned lines."""
+    lay = s["layout"]
+    final = "-" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
+    rate = "-" if s["samples_per_s"] is None else f"{s['samples_per_s']:,.0f} samples/s"
+    share = "-" if s["comm_share"] is None else f"{100 * s['comm_share']:.0f}% of step time"
+    lines = [
+        f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
+        f"{s['strategy']} dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}",
+        f"  final loss      {final} (training, mean of the last {s.get('final_loss_steps', 0)} steps)",
+        f"  validation      loss {s['val_loss']:.4f}"
+        + ("" if s["val_accuracy"] is None else f", accuracy {100 * s['val_accuracy']:.1f}%")
+        + f" ({s['val_samples']:,} held-out samples)",
+        f"  throughput      {rate} (the first step, a warm-up, left out)",
+        f"  communication   {share}",
+        *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "
+           f"{s['memory']['params'] / 2**20:,.1f}, grads {s['memory']['grads'] / 2**20:,.1f}, optimizer "
+           f"{s['memory']['optimizer'] / 2**20:,.1f}, activations {s['memory']['activations_peak'] / 2**20:,.1f}; "
+           f"peak RSS {s['memory']['rss_peak'] / 2**20:,.0f}"
+           + (f"; GPU pool peak {s['memory']['device_pool_peak'] / 2**20:,.0f}"
+              if s["memory"].get("device_pool_peak") else "") + ")"] if s.get("memory") else []),
+        f"  checkpoint      {s['checkpoint'] or '-'}",
+        f"  metrics         {s['metrics']}  (hpctrain plot {s['run_dir']})",
+        f"  trace           {s['trace']}  (open in https://ui.perfetto.dev)",
+    ]
+    return "\n".join(lines)

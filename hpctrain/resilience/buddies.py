@@ -1,0 +1,140 @@
+"""ZeRO's pieces across a lost rank (``--on-rank-loss shrink --zero 1|2|3``, issue 30).
+
+Under ZeRO each dp rank alone holds its piece of the optimizer state (and at zero 3 of the
+parameters): a lost rank takes its piece with it. ``Buddies`` keeps a redundant copy in memory:
+before each step every rank copies its own pieces and sends the copy to the next dp rank (a
+ring), which keeps it. After a loss the survivors put the state from before the interrupted
+step together from their own copies and the buddies' copies of the lost ranks' pieces (the full
+tensors a checkpoint load under another layout gives), and build the reducer anew over the
+survivors, which takes its pieces of them. When a lost rank's buddy is lost too (two neighbours at
+once) its piece is gone: the survivors read the last checkpoint (``RankLoss`` does), or end the
+job when there is none.
+
+What this module uses of the ZeRO reducer: ``export_pieces()`` (a copy of this rank's pieces as
+named ranges), ``optim.sharded.assemble`` (every rank's export into full tensors) and
+``load_full()`` (this rank's pieces of full tensors, under any dp size), with
+``ParallelTrainer._make_reducer`` to build the reducer over the survivors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..backend import to_host
+from ..comm import ulfm
+
+#: One rank's ``ZeroReducer.export_pieces()``, on the host (it travels pickled to the buddy).
+Pieces = dict[str, Any]
+
+
+def own_pieces(reducer: Any) -> Pieces:
+    """A host copy of this rank's pieces of the parameters and their optimizer state."""
+    out = reducer.export_pieces()
+    out["params"] = np.array(to_host(out["params"]), copy=True)
+    out["state"] = {k: np.array(to_host(v), copy=True) for k, v in out["state"].items()}
+    return out
+
+
+def _owned(got: Pieces) -> Pieces:
+    """``got`` with arrays that own their memory (unpickled ones may view the message buffer,
+    and the memory report counts owners)."""
+    return {**got, "params": np.array(got["params"], copy=True),
+            "state": {k: np.array(v, copy=True) for k, v in got["state"].items()}}
+
+
+def arrays_of(pieces: Pieces) -> list[np.ndarray]:
+    """The arrays of ``pieces`` (what ``memory_arrays`` counts)."""
+    return [pieces["params"], *pieces["state"].values()]
+
+
+class Buddies:
+    """The redundant copies of one rank: its own pieces and its left dp neighbour's, by step."""
+
+    #: Steps kept (as ``resilience.KEEP``: a survivor may be one step ahead of another).
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self.mine: dict[int, Pieces] = {}
+        self.left: dict[int, Pieces] = {}  # the pieces of dp rank (rank - 1) % size
+
+    def refresh(self, trainer: Any, step: int) -> None:
+        """Copy this rank's pieces from before ``step`` and swap copies around the dp ring.
+
+        Collective over dp (one ``sendrecv`` of pickled pieces); a lost neighbour raises here as
+        in any collective, and the trainer recovers from it."""
+        for kept in (self.mine, self.left):
+            for old in [s for s in kept if s <= step - self.KEEP]:
+                del kept[old]
+        mine = self.mine[step] = own_pieces(trainer.reducer)
+        dp = trainer.dp
+        if dp.size > 1:
+            got = ulfm.exchange(dp.mpi, mine, dest=(dp.rank + 1) % dp.size, source=(dp.rank - 1) % dp.size)
+            self.left[step] = _owned(got)
+
+    def arrays(self) -> list[np.ndarray]:
+        """Every array held (``buffers`` in the memory report: the cost of surviving a loss)."""
+        return [a for kept in (self.mine, self.left) for p in kept.values() for a in arrays_of(p)]
+
+    def rebuild(self, trainer: Any, old_dp: ulfm.Handle, step: int) -> str | None:
+        """Put the state from before ``step`` back on the survivors of this rank's dp group
+        (``trainer.dp``, rebuilt over them) and rebuild the ZeRO reducer over them; what is missing
+        when it cannot be done (the same on every survivor of the group).
+
+        Under dp x tp x pp each tp x pp part has its own dp group, and its pieces: the groups
+        rebuild side by side. A broken replica's members have left (``resilience.groups``): their
+        pieces come from their buddies, as a lost rank's do."""
+        dp = trainer.dp
+        held = self._held(old_dp, dp, step)
+        size = len(_world(old_dp))
+        found = {r: p for part in dp.allgather_obj(held) for r, p in part.items()}
+        missing = [r for r in range(size) if r not in found]
+        if missing:
+            return (f"no copy of the ZeRO pieces of dp rank(s) {missing} (world "
+                    f"{[_world(old_dp)[r] for r in missing]}) survived: a rank and its buddy (the next dp rank) "
+                    "were lost together")
+        _install(trainer, [found[r] for r in range(size)])
+        self.mine, self.left = {}, {}
+        return None
+
+    def empty_reducer(self, trainer: Any) -> Any:
+        """A ZeRO reducer over ``trainer.dp`` with zeros for the parameters (what a checkpoint load
+        then fills: the pieces were lost)."""
+        from ..backend import xp_of
+
+        xp = xp_of(trainer.params[0].data)
+        for p in trainer.params:  # (zero 3: read-only placeholders now)
+            p.data = xp.zeros(p.shape, dtype=p.dtype)
+        self.mine, self.left = {}, {}
+        return trainer._make_reducer(trainer.model, trainer.optimizer, None)
+
+    def _held(self, old_dp: ulfm.Handle, dp: Any, step: int) -> dict[int, Pieces]:
+        """The pieces from before ``step`` this survivor holds: its own, and its left neighbour's
+        when that one is not in the new dp group ``dp`` (lost, or left with its replica); keyed
+        by old dp rank."""
+        world, alive = _world(old_dp), set(_world(dp.mpi))
+        rank, size = world.index(ulfm.world_rank()), len(world)
+        held = {rank: self.mine[step]} if step in self.mine else {}
+        left = (rank - 1) % size
+        if world[left] not in alive and step in self.left:
+            held[left] = self.left[step]
+        return held
+
+
+def _world(comm: ulfm.Handle) -> list[int]:
+    return ulfm.world_ranks(comm)
+
+
+def _install(trainer: Any, parts: list[Pieces]) -> None:
+    """The full parameters and optimizer state from every old rank's pieces, and a new reducer over
+    ``trainer.dp`` that takes its pieces of them (as after a checkpoint load under another layout)."""
+    from ..backend import to_device, xp_of
+    from ..optim.sharded import assemble
+
+    full = assemble(parts)
+    xp = xp_of(trainer.params[0].data)
+    for p in trainer.params:  # the reducer lays out what the parameters hold (zero 3: placeholders now)
+        p.data = to_device(full["params"][p.name].reshape(p.shape), xp)
+    trainer.reducer = trainer._make_reducer(trainer.model, trainer.optimizer, None)
+    trainer.reducer.load_full(full)

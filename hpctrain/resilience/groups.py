@@ -1,0 +1,83 @@
+"""Tensor- and pipeline-parallel groups across a lost rank (``--on-rank-loss shrink``, issue 30).
+
+A dp replica of a dp x tp x pp grid is the tp x pp ranks that hold one copy of the model between
+them. A lost rank breaks its replica: the model part it held is nowhere else in that replica, so
+the replica's survivors leave the job (``ReplicaLeft``: the main job exits 0 on them, saying so)
+and the whole replicas go on as a smaller dp, with the same global batch. When no whole replica
+is left the job ends as a preempted one (exit 75): when the survivors hold every tp x pp part of
+the model between them (tp rank 0 of one replica and tp rank 1 of another, say), one survivor of
+each part (``cover``) writes a checkpoint of the state from before the interrupted step, else the
+last committed checkpoint is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..comm import Communicator, ulfm
+from ..comm.grid import Coords, ProcessGrid, coords, rank_of
+
+
+def revoke(grid: Any) -> None:
+    """Revoke the grid's group communicators, so that no survivor stays blocked in one (a tp
+    all-reduce waiting for a partner that is shrinking the world, say)."""
+    for group in (grid.dp, grid.tp, grid.pp):
+        if group.mpi is not grid.world.mpi:
+            ulfm.revoke(group.mpi)
+
+
+def replicas(grid: Any, old_world: list[int], lost: list[int]) -> tuple[dict[int, int], list[int]]:
+    """Each member's dp replica (world rank -> the grid's dp coordinate) and the whole replicas
+    (no member lost). ``old_world``: the grid's world ranks (``COMM_WORLD`` numbers) in its rank
+    order. Local: every survivor computes the same answer from the same ``lost``."""
+    size, tp, pp = len(old_world), grid.tp_size, grid.pp_size
+    replica = {w: coords(i, size, tp, pp).dp for i, w in enumerate(old_world)}
+    broken = {replica[w] for w in lost if w in replica}
+    return replica, sorted(set(replica.values()) - broken)
+
+
+def whole_replicas(comm: Communicator, mine_whole: bool) -> Communicator | None:
+    """The members of whole replicas (collective over the survivors ``comm``); ``None`` on the
+    others. Ordered as in ``comm``, so each replica keeps its members' tp and pp order."""
+    return _split(comm, mine_whole, comm.rank)
+
+
+def _split(comm: Communicator, member: bool, key: int) -> Communicator | None:
+    """The members' communicator, ordered by ``key`` (collective over ``comm``); ``None`` elsewhere."""
+    new = ulfm.split(comm.mpi, member, key)
+    return None if new is None else Communicator(new)
+
+
+def cover(comm: Communicator, grid: Any, old_world: list[int]) -> tuple[Communicator | None, int, list[tuple]]:
+    """One survivor of each tp x pp part of the model, as one replica of tp x pp ranks (no whole
+    replica is left, but between them the survivors may still hold every part).
+
+    Returns ``(communicator, lead, missing)``: the chosen survivors' communicator, ordered as a
+    replica's members are (``None`` on the others), the ``comm`` rank of its rank 0, and the
+    ``(tp, pp)`` parts no survivor holds (then nothing is split and the rest is ``None, -1``).
+    Collective over ``comm`` when nothing is missing; every survivor decides alike, locally."""
+    size, tp, pp = len(old_world), grid.tp_size, grid.pp_size
+    part = {w: coords(i, size, tp, pp) for i, w in enumerate(old_world)}
+    chosen: dict[tuple[int, int], int] = {}  # (tp, pp) -> the comm rank of its first survivor
+    for r, w in enumerate(ulfm.world_ranks(comm.mpi)):
+        chosen.setdefault((part[w].tp, part[w].pp), r)
+    missing = [(t, p) for p in range(pp) for t in range(tp) if (t, p) not in chosen]
+    if missing:
+        return None, -1, missing
+    me = part[ulfm.world_rank()]
+    key = rank_of(Coords(dp=0, tp=me.tp, pp=me.pp), tp * pp, tp, pp)  # its rank in a one-replica grid
+    return _split(comm, chosen[(me.tp, me.pp)] == comm.rank, key), chosen[(0, 0)], []
+
+
+def regrid(old: Any, comm: Communicator) -> ProcessGrid:
+    """The grid of the same tp and pp over ``comm`` (collective). The tp and pp communicator
+    objects stay those the model's layers, the loss and the pipeline runner hold: each takes the
+    new group's handle (a whole replica keeps its members and their order)."""
+    grid = ProcessGrid(comm, tp=old.tp_size, pp=old.pp_size)
+    for name in ("tp", "pp"):
+        held, new = getattr(old, name), getattr(grid, name)
+        if (held.rank, held.size) != (new.rank, new.size):  # cannot happen: Split keeps the order
+            raise RuntimeError(f"the {name} group changed shape after a lost rank: {held!r} -> {new!r}")
+        held.__dict__.update(new.__dict__)
+        setattr(grid, name, held)
+    return grid

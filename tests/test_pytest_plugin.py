@@ -51,6 +51,9 @@ ONE_RANK_FAILS_ALONE = """
 
     def test_skipped_everywhere():
         pytest.skip("a reason")
+
+    def test_fails_alike_everywhere():
+        assert MPI.COMM_WORLD.size == 0, "every rank fails alike"
 """
 
 
@@ -81,10 +84,13 @@ def test_a_failure_on_one_rank_fails_on_every_rank_and_rank0_reports_once(serial
     p, _ = _run(tmp_path, ONE_RANK_FAILS_ALONE, entry=MPI4PY_PYTEST)
     assert p.returncode == 1, p.stdout + p.stderr
     assert p.stdout.count("short test summary info") == 1  # one summary for the job
-    assert p.stdout.count("1 failed, 1 passed, 1 skipped") == 1
+    assert p.stdout.count("2 failed, 1 passed, 1 skipped") == 1
     assert "FAILED test_user.py::test_rank1_fails_alone - [rank 1] AssertionError: only rank 1 fails" in p.stdout
     assert "passed on rank 0; failed on rank(s) 1" in p.stdout
     assert "rank 1 says why" in p.stdout  # rank 1's captured output, in rank 0's report
+    # The same error on every rank: rank 0's traceback, and one line for the others.
+    assert p.stdout.count("AssertionError: every rank fails alike") == 3, p.stdout  # traceback, alike line, summary
+    assert "failed alike on rank(s) 1 (call): AssertionError: every rank fails alike" in p.stdout
     assert "MPI Information" not in p.stdout and "MPI: 2 ranks" in p.stdout
 
 
@@ -93,6 +99,7 @@ def test_exitfirst_stops_every_rank_at_the_same_test(serial, tmp_path):
     p, _ = _run(tmp_path, ONE_RANK_FAILS_ALONE, "-x")
     assert p.returncode == 1, p.stdout + p.stderr
     assert "stopping after 1 failures" in p.stdout and "1 failed in" in p.stdout
+    assert "test_fails_alike_everywhere" not in p.stdout
 
 
 def test_a_rank_that_stops_answering_ends_the_job_naming_the_test(serial, tmp_path):
@@ -145,7 +152,7 @@ def test_ranks_that_collect_different_tests_are_refused(serial, tmp_path):
 
 def test_one_rank_is_plain_pytest(serial, tmp_path):
     p, _ = _run(tmp_path, ONE_RANK_FAILS_ALONE, n=1)
-    assert p.returncode == 0 and "1 passed, 2 skipped" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 1 and "1 failed, 1 passed, 2 skipped" in p.stdout, p.stdout + p.stderr
     assert "agree on each test's outcome" not in p.stdout
 
 

@@ -431,6 +431,10 @@ def test_resume_starts_from_the_runs_config_and_what_it_changes_stays(comm, tmp_
     assert _said(comm, run)["lr"] == 0.001
     rc, out, _ = _cli(capsys, "train", "--run-dir", str(run), "--resume")
     assert rc == 0 and (comm.rank != 0 or "(no setting changed)" in out and "nothing left to train" in out), out
+    if comm.size % 2 == 0:  # the layout is this launch's: what the run derived (strategy dp) is derived again
+        rc, out, err = _cli(capsys, "train", "--run-dir", str(run), "--resume", "--epochs", "4", "--tp", "2")
+        assert rc == 0, out + err
+        assert _said(comm, run)["strategy"] == "hybrid"
 
 
 @pytest.mark.timeout(180)

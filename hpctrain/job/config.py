@@ -74,7 +74,8 @@ def read_config(path: str) -> dict[str, Any]:
     """The settings of a TOML file (top level or ``[train]``) or of a run's ``config.json``.
 
     Keys are checked against the options (a misspelt key is refused with the closest name);
-    a JSON file may also hold the derived fields a run wrote, which are dropped.
+    a JSON file may also hold the derived fields a run wrote, which are dropped, and so are the
+    settings it lists as filled in by ``resolve`` (``unset``): they are derived again.
     """
     from ..files.h5safe import regular_file
 
@@ -86,7 +87,10 @@ def read_config(path: str) -> dict[str, Any]:
                 raw = json.load(f)
             if not isinstance(raw, dict):
                 raise ConfigError(f"config file {path} must hold a JSON object, got {type(raw).__name__}")
-            raw = {k: v for k, v in raw.items() if k not in DERIVED}
+            # What that run's resolve filled in (its layout, the optimizer's defaults) is derived
+            # again for this job, as if not given: a run's settings, not its launch's.
+            unset = raw.get("unset") if isinstance(raw.get("unset"), list) else []
+            raw = {k: v for k, v in raw.items() if k not in DERIVED and k not in unset}
         else:
             try:
                 import tomllib
@@ -218,10 +222,12 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
     ``ALL_SECTIONS`` checks its own settings: first every value alone, then the rules between them.
     """
     c = as_config(cfg).replace()  # a copy: the caller's config stays as given
+    empty = [o.name for o in OPTIONS if getattr(c, o.name) is None]
     for section in ALL_SECTIONS:
         section.check_values(c)
     for section in ALL_SECTIONS:
         section.rules(c, world)
+    c.unset = [name for name in empty if getattr(c, name) is not None]
     return c
 
 

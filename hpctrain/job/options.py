@@ -157,6 +157,9 @@ class Config:
     #: Facts of the opened data a model factory may need (``n_in``, ``x_shape``, ``n_classes`` or
     #: ``n_out``, ``vocab_size``, ``path``): filled by the job before it calls the factory.
     info: dict | None = field(default=None, metadata=_derived("facts of the opened data"))
+    #: The settings ``resolve`` filled in because none was given (the layout, the optimizer's
+    #: defaults, what ends the job on a lost rank): a resume derives them again for its own launch.
+    unset: list | None = field(default=None, compare=False, metadata=_derived("settings resolve filled in"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``config.json`` holds and ranks compare)."""

@@ -57,9 +57,9 @@ def claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunL
     elif c.resume:
         rundir.check_resume_compatible(os.path.join(c.run_dir, "config.json"), given, RESUME_KEYS)
     elif checkpoint.list_checkpoints(c.checkpoint_dir):
-        raise ConfigError(f"{c.checkpoint_dir} already holds checkpoints of a run: to continue it, run "
-                          f"{resume_command(c.run_dir)}; to start it over, add --restart to this command (its "
-                          f"files are moved aside); or choose another --run-dir")
+        raise ConfigError(f"{c.checkpoint_dir} already holds checkpoints: pass --resume to continue that run ("
+                          f"{resume_command(c.run_dir)} continues it as it was); to start it over, add --restart to "
+                          f"this command (its files are moved aside); or choose another --run-dir")
 
 
 class AfterResume:

@@ -61,9 +61,19 @@ class MergedRepr:
         else:
             failed = ", ".join(str(r) for r, *_ in self.others)
             tw.line(f"passed on rank {self.rank}; failed on rank(s) {failed}:")
-        for r, when, _, text in self.others:
-            tw.sep("-", f"failed on rank {r} ({when})")
-            tw.line(text.rstrip("\n"))
+        # The same error on several ranks (a check every rank makes) is shown once, the ranks named.
+        # (The first line of the message: the rest may differ by an object's address.)
+        mine = _first_line(getattr(self.reprcrash, "message", None)) if self.own is not None else None
+        groups: dict[tuple[str, str], list[tuple[int, str]]] = {}
+        for r, when, message, text in self.others:
+            groups.setdefault((when, _first_line(message)), []).append((r, text))
+        for (when, message), ranks in groups.items():
+            names = ", ".join(str(r) for r, _ in ranks)
+            if message == mine:
+                tw.line(f"failed alike on rank(s) {names} ({when}): {message}")
+                continue
+            tw.sep("-", f"failed on rank(s) {names} ({when})")
+            tw.line(ranks[0][1].rstrip("\n"))
 
     def __str__(self) -> str:
         out = io.StringIO()
@@ -71,6 +81,10 @@ class MergedRepr:
 
         self.toterminal(TerminalWriter(out))
         return out.getvalue()
+
+
+def _first_line(text: str | None) -> str | None:
+    return text.splitlines()[0] if text else text
 
 
 def failure_text(report: pytest.TestReport) -> tuple[str, str, str]:

@@ -13,9 +13,11 @@ time; tokens/s, MFU (6 N + 12 L T d FLOP per token over the GPU's dense peak) an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+import types
 
 import numpy as np
 
@@ -31,6 +33,8 @@ PEAKS = {"H100": {"fp32": 67e12, "bf16": 989e12}, "H200": {"fp32": 67e12, "bf16"
 
 
 def build(size, precision, xp_dev):
+    """The model, loss, optimizer and batch of one case, and ``step`` (forward, loss, backward,
+    update, zeroed gradients) in a namespace with ``n`` (parameters) and ``tokens`` per step."""
     v, t, d, h, n_layers, b = SIZES[size]
     model = ht.nn.GPT(v, t, d, h, n_layers, rng=0).to(xp_dev)
     opt = ht.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -41,14 +45,21 @@ def build(size, precision, xp_dev):
     xp = backend.get_xp(xp_dev)
     x, y = xp.asarray(g.integers(0, v, (b, t))), xp.asarray(g.integers(0, v, (b, t)))
 
-    def step():
-        loss.forward(model.forward(x), y)
-        model.backward(loss.backward())
-        opt.step()
-        opt.zero_grad()
+    def step(mark=lambda phase: contextlib.nullcontext()):
+        """One training step; ``mark(phase)`` is a context around each phase (a profiler's range)."""
+        with mark("forward"):
+            logits = model.forward(x)
+        with mark("loss"):
+            loss.forward(logits, y)
+            g = loss.backward()
+        with mark("backward"):
+            model.backward(g)
+        with mark("optimizer"):
+            opt.step()
+            opt.zero_grad()
 
     n = sum(int(p.data.size) for p in model.parameters())
-    return step, opt, n, b * t
+    return types.SimpleNamespace(model=model, loss=loss, opt=opt, x=x, y=y, step=step, n=n, tokens=b * t)
 
 
 def captured(step, opt):
@@ -141,14 +152,15 @@ def main() -> int:
         for prec in ("fp32", "bf16"):
             if not a.cpu:
                 cp.get_default_memory_pool().free_all_blocks()
-            step, opt, n, tokens = build(size, prec, xp_dev)
+            setup = build(size, prec, xp_dev)
+            step, opt, n, tokens = setup.step, setup.opt, setup.n, setup.tokens
             t_h = timed(step, sync, rounds)
             t_g, why = None, None
             if not a.cpu and not a.no_graph:
                 replay, why = captured(step, opt)
                 t_g = timed(replay, sync, rounds) if replay else None
             mem_h = 0.0 if a.cpu else cp.get_default_memory_pool().total_bytes() / 2**30
-            del step, opt
+            del step, opt, setup
             t_t, mem_t = None, 0.0
             if torch is not None:
                 if not a.cpu:

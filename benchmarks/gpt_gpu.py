@@ -54,6 +54,8 @@ def build(size, precision, xp_dev):
             g = loss.backward()
         with mark("backward"):
             model.backward(g)
+            model.set_cache({})  # as the Trainer: the next forward then reuses these activations' buffers
+            loss.cache = None
         with mark("optimizer"):
             opt.step()
             opt.zero_grad()

@@ -43,10 +43,13 @@ from .buffers import Buffers
 SUFFIX = cuda_src.DTYPE_SUFFIX
 _GELU_C = float(np.sqrt(2.0 / np.pi))
 _state: dict[str, Any] = {}
-#: Scratch shared by every layer (the attention's T x T scores, LayerNorm's column partials): one
-#: layer's transient arrays are the next layer's, in stream order, instead of one set per layer.
+#: Scratch shared by every layer: the attention's T x T scores, column partials, and each layer's
+#: backward outputs (an input gradient is dead once the layer before has consumed it): one layer's
+#: transient arrays are the next layer's, in stream order, instead of one set per layer (the
+#: reference counts of ``Buffers`` keep an array still held anywhere from being handed out).
 shared = Buffers()
-#: True while a CUDA graph is being captured: launchers then leave host->device copies to the caller.
+#: True while a CUDA graph is being captured (``hpctrain.nn.cuda_graph``): nothing may then read
+#: the device from the host, allocate, or copy host->device (launchers leave that to the replayer).
 capturing = False
 
 
@@ -60,6 +63,14 @@ def enabled() -> bool:
     return real and choice is not False
 
 
+def use_kernels(kernels: Kernels | None) -> Kernels | None:
+    """Make ``kernels`` the launcher for device arrays whatever ``enabled()`` says (``None``: back
+    to the real one); returns the previous one. For tests only: an emulation on the CPU stand-in
+    (``tests/gpu_emulator.py``) runs the kernels' path, its launches and products, without a GPU."""
+    previous, _state["forced"] = _state.get("forced"), kernels
+    return previous
+
+
 def usable(*arrays: Any, views: bool = False) -> Kernels | None:
     """The launcher when the kernels are on and every array is a C-contiguous CuPy array of a
     kernel dtype (float32, bfloat16, float16), else ``None``. ``views``: strided views with a unit
@@ -69,12 +80,21 @@ def usable(*arrays: Any, views: bool = False) -> Kernels | None:
             return None
         if not (a.flags.c_contiguous or views and (a.shape[-1] == 1 or a.strides[-1] == a.itemsize)):
             return None
+    forced = _state.get("forced")
+    if forced is not None:
+        return forced
     if not enabled():
         return None
     k = _state.get("kernels")
     if k is None:
         k = _state["kernels"] = Kernels()
     return k
+
+
+def scratch(module: Any, *arrays: Any) -> Buffers:
+    """Where ``module``'s backward outputs go: the shared pool on the kernels' path (see
+    ``shared``), else the module's own."""
+    return shared if usable(*arrays, views=True) is not None else module._scratch()
 
 
 def _grid(n: int, threads: int = 256) -> tuple[int]:
@@ -85,11 +105,15 @@ class Kernels:
     """Launchers: each takes CuPy arrays, checks nothing the caller did not (shapes are the
     layers'), and launches on the current stream."""
 
-    def __init__(self) -> None:
-        import cupy as cp
+    def __init__(self, cp: Any = None, blas: Any = None) -> None:
+        if cp is None:  # the real thing: CuPy compiles the source once per process (NVRTC)
+            import cupy as cp
 
-        self.cp = cp
-        self.module = cp.RawModule(code=cuda_src.source(), options=cuda_src.OPTIONS, name_expressions=None)
+            from .cublas import Blas
+
+            self.module = cp.RawModule(code=cuda_src.source(), options=cuda_src.OPTIONS, name_expressions=None)
+            blas = Blas()
+        self.cp, self.blas = cp, blas
         self._fns: dict[str, Any] = {}
 
     def fn(self, name: str) -> Any:
@@ -101,6 +125,42 @@ class Kernels:
     @staticmethod
     def sfx(a: Any) -> str:
         return SUFFIX[np.dtype(a.dtype).name]
+
+    # -- matrix products (cuBLAS, capturable: hpctrain.nn.cublas) -----------------------------------
+    def matmul(self, x: Any, y: Any, out: Any, beta: float = 0.0) -> Any:
+        """``out = x @ y`` (``beta=1``: ``out +=``) for 2-D arrays, each row-major or a transposed
+        view of one (read in place); float32 accumulation, ``out`` may be wider than the inputs."""
+        return self.blas.run(gpu_gemm.plan2d(x, y, out), x, y, out, beta)
+
+    def bmm(self, x: Any, y: Any, out: Any, trans_x: bool = False, trans_y: bool = False) -> Any:
+        """``out = op(x) @ op(y)`` over the leading two axes of 4-D views (``gpu_gemm.plan``)."""
+        if x.dtype != y.dtype:
+            raise TypeError(f"a batched product needs one input dtype, got {x.dtype} and {y.dtype}")
+        return self.blas.run(gpu_gemm.plan(x, y, out, trans_x, trans_y), x, y, out)
+
+    # -- bias, column sums ---------------------------------------------------------------------------
+    def bias_add(self, y2: Any, bias: Any) -> Any:
+        """``y2 += bias`` along the rows of ``y2`` (n, d)."""
+        n, d = y2.shape
+        self.fn(f"bias_add_{self.sfx(y2)}")(_grid(n * d), (256,), (y2, bias, np.int64(n * d), np.int32(d)))
+        return y2
+
+    def col_sum(self, g2: Any, out: Any, accumulate: bool = True) -> Any:
+        """``out (+)= g2.sum(0)`` for ``g2`` (n, d): float32 partials over chunks of rows, added in
+        chunk order (the same sums every run, no atomics)."""
+        n, d = g2.shape
+        rows = 64
+        chunks = -(-n // rows)
+        part = shared.get("col_part", (chunks, d), np.float32, self.cp)
+        self.fn(f"col_part_{self.sfx(g2)}")((-(-d // 128), chunks), (128,), (g2, part, np.int64(n), np.int32(d),
+                                                                            np.int32(rows)))
+        self._cols_add(part, out, accumulate)
+        return out
+
+    def _cols_add(self, part: Any, out: Any, accumulate: bool = True) -> None:
+        chunks, d = part.shape
+        self.fn(f"cols_add_{self.sfx(out)}")((-(-d // 128),), (128,), (part, np.int32(chunks), np.int32(d), out,
+                                                                       np.int32(accumulate)))
 
     # -- GELU ------------------------------------------------------------------------------------
     def gelu_forward(self, x: Any, bias: Any, y: Any) -> Any:
@@ -122,11 +182,11 @@ class Kernels:
     def _row_threads(d: int) -> int:
         return int(min(512, max(32, 32 * -(-d // 128))))
 
-    def layernorm_forward(self, x2: Any, w: Any, b: Any, eps: float, y2: Any) -> tuple[Any, Any]:
-        """Rows of ``x2`` (n, d) normalised into ``y2``; returns the rows' float32 (mean, rstd)."""
+    def layernorm_forward(self, x2: Any, w: Any, b: Any, eps: float, y2: Any, mean: Any, rstd: Any
+                          ) -> tuple[Any, Any]:
+        """Rows of ``x2`` (n, d) normalised into ``y2``; the rows' float32 statistics into ``mean``
+        and ``rstd`` (n,) (the layer keeps them for backward); returns them."""
         n, d = x2.shape
-        mean = self.cp.empty(n, np.float32)  # kept by the layer for backward: not scratch
-        rstd = self.cp.empty(n, np.float32)
         self.fn(f"ln_fwd_{self.sfx(x2)}")((n,), (self._row_threads(d),), (x2, w, b, y2, mean, rstd, np.int32(d),
                                                                           np.float32(eps)))
         return mean, rstd
@@ -142,8 +202,8 @@ class Kernels:
         pb = shared.get("ln_pb", (chunks, d), np.float32, self.cp)
         self.fn(f"ln_bwd_cols_{s}")((-(-d // 128), chunks), (128,), (g2, x2, mean, rstd, pw, pb, np.int64(n),
                                                                     np.int32(d), np.int32(rows)))
-        for part, out in ((pw, gw), (pb, gb)):
-            self.fn(f"cols_add_{self.sfx(out)}")((-(-d // 128),), (128,), (part, np.int32(chunks), np.int32(d), out))
+        self._cols_add(pw, gw)
+        self._cols_add(pb, gb)
         return gx2
 
     # -- causal attention ------------------------------------------------------------------------
@@ -155,17 +215,17 @@ class Kernels:
         """``s`` itself for float32, else a 16-bit scratch of its shape (what the next product reads)."""
         return s if np.dtype(dtype) == np.float32 else shared.get(tag, s.shape, dtype, self.cp)
 
-    def attention_forward(self, q: Any, k: Any, v: Any, out: Any) -> Any:
-        """Causal softmax(q k^T / sqrt(hd)) v into ``out``; returns the rows' log-sum-exp (B, H, T)."""
+    def attention_forward(self, q: Any, k: Any, v: Any, out: Any, lse: Any) -> Any:
+        """Causal softmax(q k^T / sqrt(hd)) v into ``out``; the rows' log-sum-exp into ``lse``
+        (B, H, T) float32 (what backward recomputes the probabilities from); returns ``lse``."""
         b, h, t, hd = q.shape
         scale = np.float32(1.0 / math.sqrt(hd))
         s = self._scores("att_s", q)
-        gpu_gemm.run(q, k, s, trans_y=True)
+        self.bmm(q, k, s, trans_y=True)
         p = self._lowp("att_p", s, q.dtype)
-        lse = self.cp.empty((b, h, t), np.float32)
         self.fn(f"attn_softmax_fwd_{self.sfx(p)}")((b * h * t,), (self._row_threads(t),),
                                                    (s, p, lse, np.int32(t), scale))
-        gpu_gemm.run(p, v, out)
+        self.bmm(p, v, out)
         return lse
 
     def attention_backward(self, dy: Any, q: Any, k: Any, v: Any, lse: Any, dq: Any, dk: Any, dv: Any) -> None:
@@ -173,32 +233,44 @@ class Kernels:
         b, h, t, hd = q.shape
         scale = np.float32(1.0 / math.sqrt(hd))
         s, dp = self._scores("att_s", q), self._scores("att_dp", q)
-        gpu_gemm.run(q, k, s, trans_y=True)
-        gpu_gemm.run(dy, v, dp, trans_y=True)
+        self.bmm(q, k, s, trans_y=True)
+        self.bmm(dy, v, dp, trans_y=True)
         p, ds = self._lowp("att_p", s, q.dtype), self._lowp("att_ds", dp, q.dtype)
         self.fn(f"attn_softmax_bwd_{self.sfx(p)}")((b * h * t,), (self._row_threads(t),),
                                                    (s, dp, lse, p, ds, np.int32(t), scale))
-        gpu_gemm.run(p, dy, dv, trans_x=True)
-        gpu_gemm.run(ds, k, dq)
-        gpu_gemm.run(ds, q, dk, trans_x=True)
+        self.bmm(p, dy, dv, trans_x=True)
+        self.bmm(ds, k, dq)
+        self.bmm(ds, q, dk, trans_x=True)
 
     # -- softmax cross-entropy -------------------------------------------------------------------
-    def cross_entropy_forward(self, x2: Any, target: Any, wrow: Any) -> tuple[Any, Any]:
-        """Per row of ``x2`` (n, V): ``(lse, loss * weight)``, float32, in one pass over the logits."""
+    def cross_entropy_forward(self, x2: Any, target: Any, wrow: Any, lse: Any, nll: Any) -> tuple[Any, Any]:
+        """Per row of ``x2`` (n, V), in one pass over the logits: ``lse`` and ``nll`` = loss * weight
+        (float32, (n,) each; ``wrow`` ``None``: weight 1); returns them."""
         n, v = x2.shape
-        lse, nll = self.cp.empty(n, np.float32), self.cp.empty(n, np.float32)
         self.fn(f"ce_fwd_{self.sfx(x2)}")((n,), (512,), (x2, target, wrow if wrow is not None else np.uint64(0), lse,
                                                           nll, np.int64(v)))
         return lse, nll
 
-    def cross_entropy_backward(self, x2: Any, target: Any, lse: Any, coef: Any, g2: Any) -> Any:
-        """``g2 = (softmax(x2) - onehot(target)) * coef[row]`` (``g2`` may be ``x2``)."""
+    def sum_scaled(self, x: Any, scale: float, out: Any) -> Any:
+        """``out[()] = x.sum() * scale`` for a float32 vector, in one block (a fixed order)."""
+        self.fn("sum_scaled")((1,), (1024,), (x, np.int64(x.size), np.float32(scale), out))
+        return out
+
+    def cross_entropy_backward(self, x2: Any, target: Any, lse: Any, wrow: Any, coef: Any, g2: Any) -> Any:
+        """``g2 = (softmax(x2) - onehot(target)) * coef * wrow[row]`` (``g2`` may be ``x2``); ``coef``
+        a float (fixed into a captured graph) or a 0-d float32 device array; ``wrow`` may be ``None``."""
         n, v = x2.shape
-        self.fn(f"ce_bwd_{self.sfx(x2)}")((n,), (512,), (x2, target, lse, coef, g2, np.int64(v)))
+        dev = not isinstance(coef, (int, float))
+        self.fn(f"ce_bwd_{self.sfx(x2)}")((n,), (512,), (x2, target, lse, wrow if wrow is not None else np.uint64(0),
+                                                          coef if dev else np.uint64(0),
+                                                          np.float32(0.0 if dev else coef), g2, np.int64(v)))
         return g2
 
     # -- dropout, embedding ----------------------------------------------------------------------
     def dropout(self, x: Any, y: Any, seed: int, thresh: int, scale: float) -> Any:
+        if capturing:
+            raise RuntimeError("dropout draws its seed on the host each step: a captured CUDA graph would replay one "
+                               "mask forever (train with dropout eagerly)")
         n = x.size
         self.fn(f"dropout_{self.sfx(x)}")(_grid(n), (256,), (x, y, np.int64(n), np.uint32(seed & 0xFFFFFFFF),
                                                               np.uint32(seed >> 32 & 0xFFFFFFFF), np.uint32(thresh),

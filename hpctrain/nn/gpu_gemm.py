@@ -75,6 +75,35 @@ def plan(x: Any, y: Any, out: Any, trans_x: bool = False, trans_y: bool = False)
                  stride_c=so[1], batch=h) for i in range(bsz)]
 
 
+def plan2d(x: Any, y: Any, out: Any) -> list[Call]:
+    """The call computing ``out = x @ y`` for 2-D arrays, each row-major (unit stride along its
+    last axis) or the transpose of one (``x2.T``: unit stride along its first axis), read in
+    place with the matching transpose flag; ``out`` row-major."""
+    (m, k), (k2, n) = x.shape, y.shape
+    if k2 != k or out.shape != (m, n):
+        raise ValueError(f"shapes do not multiply: {x.shape} @ {y.shape} -> {out.shape}")
+    # Column-major: C^T (n x m) = op(A) op(B) with A the storage of y and B that of x; a row-major
+    # matrix is stored as its transpose (no flag), a transposed view as itself (the T flag).
+    transa, lda = _stored(y, "y")
+    transb, ldb = _stored(x, "x")
+    so = _strides(out)
+    if so[1] != 1 and n > 1 or so[0] < max(n, 1) and m > 1:
+        raise ValueError(f"out must be row-major, got strides {out.strides}")
+    return [Call(transa=transa, transb=transb, m=n, n=m, k=k, a_off=0, lda=lda, stride_a=0, b_off=0, ldb=ldb,
+                 stride_b=0, c_off=0, ldc=max(so[0], n, 1), stride_c=0, batch=1)]
+
+
+def _stored(a: Any, name: str) -> tuple[int, int]:
+    """``(transpose flag, leading dimension)`` of a 2-D operand as cuBLAS reads its memory."""
+    rows, cols = a.shape
+    s0, s1 = _strides(a)
+    if (s1 == 1 or cols == 1) and s0 >= max(cols, 1):
+        return OP_N, max(s0, 1)
+    if (s0 == 1 or rows == 1) and s1 >= max(rows, 1):
+        return OP_T, max(s1, 1)
+    raise ValueError(f"{name} must be row-major or the transpose of a row-major array, got strides {a.strides}")
+
+
 def _fold(s: tuple[int, ...], bsz: int, h: int) -> int | None:
     """The one batch stride of a ``(B, H, ...)`` array's ``B * H`` matrices, if there is one."""
     if h == 1:
@@ -99,8 +128,9 @@ def _flat(a: np.ndarray) -> tuple[np.ndarray, int]:
     return base.reshape(-1), (a.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // a.itemsize
 
 
-def emulate(calls: list[Call], x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
-    """Run ``calls`` as cuBLAS would, on host arrays (views of contiguous arrays)."""
+def emulate(calls: list[Call], x: np.ndarray, y: np.ndarray, out: np.ndarray, beta: float = 0.0) -> None:
+    """Run ``calls`` as cuBLAS would, on host arrays (views of contiguous arrays): 16-bit inputs
+    multiplied in float32 and rounded once into ``out``; ``beta=1`` adds to what ``out`` holds."""
     (fx, ox), (fy, oy), (fo, oo) = _flat(x), _flat(y), _flat(out)
     for c in calls:
         for i in range(c.batch):
@@ -111,26 +141,17 @@ def emulate(calls: list[Call], x: np.ndarray, y: np.ndarray, out: np.ndarray) ->
             a = a.T if c.transa == OP_T else a
             b = b.T if c.transb == OP_T else b
             dst = _colmajor(fo, oo + c.c_off + i * c.stride_c, c.m, c.n, c.ldc, out.itemsize)
-            dst[...] = a @ b
+            if a.itemsize == 2:
+                a, b = a.astype(np.float32), b.astype(np.float32)
+            prod = a @ b
+            dst[...] = prod + dst.astype(prod.dtype) if beta else prod
 
 
 def run(x: Any, y: Any, out: Any, trans_x: bool = False, trans_y: bool = False) -> Any:
-    """``out = op(x) @ op(y)`` on CuPy arrays through cuBLAS (float32 accumulation; float32 or the
-    inputs' 16-bit dtype out). Returns ``out``."""
-    import cupy as cp
-    from cupy_backends.cuda.libs import cublas
-
+    """``out = op(x) @ op(y)`` on 4-D CuPy arrays through cuBLAS (float32 accumulation; float32 or
+    the inputs' 16-bit dtype out). Returns ``out``."""
     if x.dtype != y.dtype:
         raise TypeError(f"a batched product needs one input dtype, got {x.dtype} and {y.dtype}")
-    handle = cp.cuda.device.get_cublas_handle()
-    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
-    ti, to = CUDA_TYPES[np.dtype(x.dtype).name], CUDA_TYPES[np.dtype(out.dtype).name]
-    size = {a.itemsize for a in (x, y)}.pop()
-    for c in plan(x, y, out, trans_x, trans_y):
-        cublas.gemmStridedBatchedEx(
-            handle, c.transa, c.transb, c.m, c.n, c.k, one.ctypes.data,
-            y.data.ptr + c.a_off * size, ti, c.lda, c.stride_a,
-            x.data.ptr + c.b_off * size, ti, c.ldb, c.stride_b,
-            zero.ctypes.data, out.data.ptr + c.c_off * out.itemsize, to, c.ldc, c.stride_c,
-            c.batch, COMPUTE_32F, GEMM_DEFAULT)
-    return out
+    from .gpu import blas
+
+    return blas().run(plan(x, y, out, trans_x, trans_y), x, y, out)

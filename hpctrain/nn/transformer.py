@@ -74,7 +74,7 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
         out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(q.dtype, k.dtype, v.dtype))
     kern = gpu.usable(q, k, v, out, views=True) if q.dtype == k.dtype == v.dtype == out.dtype else None
     if kern is not None:  # batched products and one softmax kernel; att is the rows' log-sum-exp
-        return out, kern.attention_forward(q, k, v, out)
+        return out, kern.attention_forward(q, k, v, out, _get(buffers, "lse", (b, h, t), np.float32, xp))
     dtype = stat_dtype(np.result_type(q.dtype, k.dtype))  # 16-bit q, k: the softmax in float32
     scale = 1.0 / float(np.sqrt(hd))
     att = _get(buffers, "att", (b, h, t, t), dtype, xp)
@@ -217,7 +217,7 @@ class SelfAttentionBase(Module):
         dy = self.proj.backward(grad_out).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
         xp, buf = xp_of(dy), self._scratch()
         # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
-        dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)  # att may be wider
+        dqkv = gpu.scratch(self, dy, q).get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)
         parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
         causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
         return self.qkv.backward(dqkv)
@@ -361,7 +361,13 @@ class GPT(Module):
         g = self.blocks.backward(self.ln_f.backward(self.head.backward(grad_out)))
         self.tok_emb.backward(g)
         xp = xp_of(g)
-        self.pos_emb.backward(xp.sum(g, axis=0, out=self._scratch().get("gpos", g.shape[1:], g.dtype, xp)))
+        gpos = self._scratch().get("gpos", g.shape[1:], g.dtype, xp)
+        k = gpu.usable(g, gpos)
+        if k is not None:  # the column-sum kernel (CuPy's sum may take CUB, which allocates)
+            k.col_sum(g.reshape(g.shape[0], -1), gpos.reshape(-1), accumulate=False)
+        else:
+            xp.sum(g, axis=0, out=gpos)
+        self.pos_emb.backward(gpos)
         return None
 
     def extra_repr(self) -> str:

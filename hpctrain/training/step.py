@@ -182,6 +182,7 @@ class TrainStep:
         self.reducer.zero_grad()
         with collect_target_checks() as targets:  # read with the step's one transfer below
             loss_part, extra, fb_comm = self._forward_backward(batch)
+        self._release_caches()
         comm_s = fb_comm + self.reducer.finish()
         if scale != 1.0:  # the loss gradient carried the loss scale (a power of two: exact)
             loss_part = loss_part / scale
@@ -284,6 +285,15 @@ class TrainStep:
         loss_part, sumsq, bad_targets = float(host[0]), float(host[1]), bool(host[2])
         bad = not (math.isfinite(loss_part) and math.isfinite(sumsq))
         return loss_part, sumsq, bad, list(sumsq_digits([] if bad else [host[3:]])) if exact else [], bad_targets
+
+    def _release_caches(self) -> None:
+        """Drop what the layers and the loss kept for this step's backward, now done: otherwise the
+        next forward finds each layer's previous activations still held and makes a second set
+        (its buffers are reused only once free), doubling activation memory."""
+        if hasattr(self.model, "set_cache"):
+            self.model.set_cache({})
+        if hasattr(self.loss, "cache"):
+            self.loss.cache = None
 
     def _abandon_step(self) -> None:
         """Undo what a raising step did before the update: the reduction and the gradients."""

@@ -21,6 +21,7 @@ import devicearray
 import numpy as np
 
 from hpctrain.nn import gpu, gpu_gemm, philox
+from hpctrain.nn.cublas import Blas
 from hpctrain.precision import BF16
 
 F32 = np.float32
@@ -185,7 +186,8 @@ def _tensors(chunks, tables, dtypes):
 
 def adam_mt(g_s, h_s, chunks, pp, gp, mp, vp, h16, hp):
     decay, l2, b1, ob1, b2, ob2, bc2, eps, step = (F32(v) for v in hp[:9])
-    for p, g, m, v, h in _tensors(chunks, (pp, gp, mp, vp, h16), (DF32, STORAGE[g_s], DF32, DF32, STORAGE[h_s])).values():
+    dtypes = (DF32, STORAGE[g_s], DF32, DF32, STORAGE[h_s])
+    for p, g, m, v, h in _tensors(chunks, (pp, gp, mp, vp, h16), dtypes).values():
         if p is None:
             continue
         gi = _f(g)
@@ -222,16 +224,72 @@ KERNELS = {f.__name__: f for f in (gelu_fwd, gelu_bwd, ln_fwd, ln_bwd_rows, ln_b
                                    attn_softmax_fwd, attn_softmax_bwd, ce_fwd, ce_bwd, dropout, embed_bwd)}
 
 
-class EmulatedBlas:
-    """``cublas.Blas.run`` on the stand-in: the same call list, run by ``gpu_gemm.emulate``."""
+_CUDA_DTYPES = {v: np.dtype(k) if k != "bfloat16" else BF16 for k, v in gpu_gemm.CUDA_TYPES.items()}
+
+
+def _colmajor_at(ptr: int, rows: int, cols: int, ld: int, dtype: np.dtype) -> np.ndarray:
+    """The column-major ``rows x cols`` matrix with leading dimension ``ld`` at address ``ptr``."""
+    flat = _view(ptr, (cols - 1) * ld + rows, dtype)
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (dtype.itemsize, ld * dtype.itemsize), writeable=True)
+
+
+def _one_gemm(transa, transb, m, n, k, a, ta, lda, b, tb, ldb, beta, c, tc, ldc):
+    """``C = op(A) op(B) (+ C)`` as cuBLAS reads column-major memory; float32 products of 16-bit."""
+    ar, ac = (k, m) if transa else (m, k)
+    br, bc = (n, k) if transb else (k, n)
+    am = _colmajor_at(a, ar, ac, lda, _CUDA_DTYPES[ta]).astype(F32 if _CUDA_DTYPES[ta].itemsize == 2 else None)
+    bm = _colmajor_at(b, br, bc, ldb, _CUDA_DTYPES[tb]).astype(am.dtype)
+    cm = _colmajor_at(c, m, n, ldc, _CUDA_DTYPES[tc])
+    prod = (am.T if transa else am) @ (bm.T if transb else bm)
+    cm[...] = prod + cm.astype(prod.dtype) if beta else prod
+
+
+class EmulatedBlas(Blas):
+    """``cublas.Blas`` whose three cuBLAS entry points run on the stand-in's memory: the real
+    ``run`` (handles, plans, address tables) down to the raw addresses each call passes."""
 
     calls = 0
 
-    def run(self, calls, x, y, out, beta=0.0):
-        a, b, o = _np(x), _np(y), _np(out)
-        devicearray.record(lambda: gpu_gemm.emulate(calls, a, b, o, beta))
-        EmulatedBlas.calls += len(calls)
-        return out
+    def __init__(self):
+        super().__init__(cp=devicearray)
+
+    def _new_handle(self, stream):
+        return 1, None
+
+    @staticmethod
+    def _beta(ptr):
+        return float(_view(ptr, 1, DF32)[0])
+
+    def _gemm(self, h, transa, transb, m, n, k, alpha, a, ta, lda, b, tb, ldb, beta, c, tc, ldc, compute, algo):
+        be = self._beta(beta)
+        devicearray.record(lambda: _one_gemm(transa, transb, m, n, k, a, ta, lda, b, tb, ldb, be, c, tc, ldc))
+        EmulatedBlas.calls += 1
+        return 0
+
+    def _strided(self, h, transa, transb, m, n, k, alpha, a, ta, lda, sa, b, tb, ldb, sb, beta, c, tc, ldc, sc, count,
+                 compute, algo):
+        be = self._beta(beta)
+        ia, ib, ic = (_CUDA_DTYPES[t].itemsize for t in (ta, tb, tc))
+
+        def body():
+            for i in range(count):
+                _one_gemm(transa, transb, m, n, k, a + i * sa * ia, ta, lda, b + i * sb * ib, tb, ldb, be,
+                          c + i * sc * ic, tc, ldc)
+        devicearray.record(body)
+        EmulatedBlas.calls += 1
+        return 0
+
+    def _pointers(self, h, transa, transb, m, n, k, alpha, ta_, ta, lda, tb_, tb, ldb, beta, tc_, tc, ldc, count,
+                  compute, algo):
+        be = self._beta(beta)
+
+        def body():  # the tables are read when the call runs, as on the device
+            pa, pb, pc = (_view(t, count, np.dtype(np.uint64)) for t in (ta_, tb_, tc_))
+            for i in range(count):
+                _one_gemm(transa, transb, m, n, k, int(pa[i]), ta, lda, int(pb[i]), tb, ldb, be, int(pc[i]), tc, ldc)
+        devicearray.record(body)
+        EmulatedBlas.calls += 1
+        return 0
 
 
 class EmulatedKernels(gpu.Kernels):
@@ -246,7 +304,9 @@ class EmulatedKernels(gpu.Kernels):
             body = sum_scaled
         elif name.startswith(("adam_mt_", "sgd_mt_")):
             rule, sfx = name.split("_mt_")
-            body = (lambda *a, r=rule, s=sfx: (adam_mt if r == "adam" else sgd_mt)(s[0], s[1], *a))
+
+            def body(*a, rule=adam_mt if rule == "adam" else sgd_mt, sfx=sfx):
+                return rule(sfx[0], sfx[1], *a)
         else:
             base, sfx = name.rsplit("_", 1)
             body = KERNELS[base]

@@ -11,7 +11,8 @@ order matters: ``cublasSetStream`` resets the workspace to cuBLAS's default), an
 CuPy loaded. 16-bit inputs run with float32 accumulation on tensor cores
 (``CUBLAS_COMPUTE_32F``, ``CUBLAS_GEMM_DEFAULT_TENSOR_OP``); float32 stays float32 (no TF32,
 as PyTorch's default). The argument arithmetic (``gpu_gemm.plan``) is checked on the CPU by
-``gpu_gemm.emulate``.
+``gpu_gemm.emulate``, and these calls themselves, addresses included, by the emulation of
+``tests/gpu_emulator.py`` (the three entry points carried out on the stand-in's memory).
 """
 
 from __future__ import annotations
@@ -43,12 +44,26 @@ def _library_path() -> str:
 
 
 class Blas:
-    """Handles (one per CUDA stream, each with its workspace) and the two product calls."""
+    """Handles (one per CUDA stream, each with its workspace) and the product calls.
 
-    def __init__(self) -> None:
-        import cupy as cp
+    A plan of one call runs as ``cublasGemmEx`` (a single matrix) or
+    ``cublasGemmStridedBatchedEx``; a plan of several calls of one shape (views whose batch axes
+    do not fold into one stride: q, k, v inside the qkv output) runs as one
+    ``cublasGemmBatchedEx`` over device tables of the matrices' addresses, made once per set of
+    addresses outside a capture and reused (the buffers are reused, so their addresses are too).
+    ``_gemm``, ``_strided`` and ``_pointers`` are the three cuBLAS entry points (the CPU
+    emulation of ``tests/gpu_emulator.py`` replaces them)."""
 
-        self.cp = cp
+    def __init__(self, cp: Any = None) -> None:
+        self._handles: dict[tuple[int, int], tuple[int, Any]] = {}
+        self._tables: dict[tuple, Any] = {}
+        self._scalars = np.array([1.0, 0.0], np.float32)  # alpha 1; beta 0 or 1 (host pointers)
+        if cp is not None:  # an emulation: no library
+            self.cp = cp
+            return
+        import cupy
+
+        self.cp = cupy
         lib = ctypes.CDLL(_library_path())
         vp, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         self._create = lib.cublasCreate_v2
@@ -59,11 +74,10 @@ class Blas:
         self._set_workspace.argtypes = [vp, vp, ctypes.c_size_t]
         self._gemm = lib.cublasGemmEx
         self._gemm.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
-        self._batched = lib.cublasGemmStridedBatchedEx
-        self._batched.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, i64, vp, i, i, i64, vp, vp, i, i, i64, i, i, i]
-        self._handles: dict[tuple[int, int], tuple[int, Any]] = {}
-        self._scalars = np.array([1.0, 0.0], np.float32)  # alpha 1, beta 0 or 1 (host pointers)
-        self._one = np.array([1.0], np.float32)
+        self._strided = lib.cublasGemmStridedBatchedEx
+        self._strided.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, i64, vp, i, i, i64, vp, vp, i, i, i64, i, i, i]
+        self._pointers = lib.cublasGemmBatchedEx
+        self._pointers.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i, i]
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -74,40 +88,63 @@ class Blas:
         """The current stream's handle; made (stream set, then workspace) on first use: call once
         outside a capture (a warm-up step does) so the capture finds it ready."""
         stream = self.cp.cuda.get_current_stream()
-        key = (self.cp.cuda.Device().id, int(stream.ptr))
+        key = (getattr(self.cp.cuda.Device(), "id", 0), int(stream.ptr))
         entry = self._handles.get(key)
         if entry is None:
             if stream.is_capturing():
                 raise RuntimeError("cuBLAS handle for a stream first used inside a CUDA graph capture: run the step "
                                    "once on that stream before capturing")
-            h = ctypes.c_void_p()
-            self._check(self._create(ctypes.byref(h)), "create")
-            self._check(self._set_stream(h, ctypes.c_void_p(key[1])), "setStream")
-            ws = self.cp.empty(WORKSPACE_BYTES, np.uint8)
-            self._check(self._set_workspace(h, ctypes.c_void_p(ws.data.ptr), WORKSPACE_BYTES), "setWorkspace")
-            entry = self._handles[key] = (int(h.value), ws)
+            entry = self._handles[key] = self._new_handle(key[1])
         return entry[0]
+
+    def _new_handle(self, stream: int) -> tuple[int, Any]:
+        h = ctypes.c_void_p()
+        self._check(self._create(ctypes.byref(h)), "create")
+        self._check(self._set_stream(h, ctypes.c_void_p(stream)), "setStream")
+        ws = self.cp.empty(WORKSPACE_BYTES, np.uint8)
+        self._check(self._set_workspace(h, ctypes.c_void_p(ws.data.ptr), WORKSPACE_BYTES), "setWorkspace")
+        return int(h.value), ws
 
     def run(self, calls: list[gpu_gemm.Call], x: Any, y: Any, out: Any, beta: float = 0.0) -> Any:
         """The plan's calls: ``out = op(x) @ op(y) (+ out with beta=1)``, float32 accumulation."""
+        if beta not in (0.0, 1.0):
+            raise ValueError(f"beta must be 0 or 1, got {beta}")
         h = self.handle()
         ti = gpu_gemm.CUDA_TYPES[np.dtype(x.dtype).name]
         to = gpu_gemm.CUDA_TYPES[np.dtype(out.dtype).name]
         algo = GEMM_DEFAULT_TENSOR_OP if x.itemsize == 2 else gpu_gemm.GEMM_DEFAULT
-        alpha = self._one.ctypes.data
-        b = self._scalars[1:].ctypes.data if beta == 0.0 else self._one.ctypes.data
-        if beta not in (0.0, 1.0):
-            raise ValueError(f"beta must be 0 or 1, got {beta}")
-        sx, so = x.itemsize, out.itemsize
+        alpha = self._scalars.ctypes.data
+        b = alpha if beta else alpha + 4
+        sx, so, f32 = x.itemsize, out.itemsize, gpu_gemm.COMPUTE_32F
         px, py, po = x.data.ptr, y.data.ptr, out.data.ptr
-        for c in calls:
-            if c.batch == 1:
-                status = self._gemm(h, c.transa, c.transb, c.m, c.n, c.k, alpha, py + c.a_off * sx, ti, c.lda,
-                                    px + c.b_off * sx, ti, c.ldb, b, po + c.c_off * so, to, c.ldc,
-                                    gpu_gemm.COMPUTE_32F, algo)
-            else:
-                status = self._batched(h, c.transa, c.transb, c.m, c.n, c.k, alpha, py + c.a_off * sx, ti, c.lda,
-                                       c.stride_a, px + c.b_off * sx, ti, c.ldb, c.stride_b, b, po + c.c_off * so,
-                                       to, c.ldc, c.stride_c, c.batch, gpu_gemm.COMPUTE_32F, algo)
-            self._check(status, "GemmEx" if c.batch == 1 else "GemmStridedBatchedEx")
+        c = calls[0]
+        shape = (h, c.transa, c.transb, c.m, c.n, c.k, alpha)
+        if len(calls) > 1:  # one call over address tables (the shapes of a plan's calls are one)
+            ta, tb, tc = self._table(calls, py, px, po, sx, so)
+            status = self._pointers(*shape, ta, ti, c.lda, tb, ti, c.ldb, b, tc, to, c.ldc,
+                                    sum(k.batch for k in calls), f32, algo)
+            self._check(status, "GemmBatchedEx")
+            return out
+        a0, b0, c0 = py + c.a_off * sx, px + c.b_off * sx, po + c.c_off * so
+        if c.batch == 1:
+            self._check(self._gemm(*shape, a0, ti, c.lda, b0, ti, c.ldb, b, c0, to, c.ldc, f32, algo), "GemmEx")
+        else:
+            status = self._strided(*shape, a0, ti, c.lda, c.stride_a, b0, ti, c.ldb, c.stride_b, b, c0, to, c.ldc,
+                                   c.stride_c, c.batch, f32, algo)
+            self._check(status, "GemmStridedBatchedEx")
         return out
+
+    def _table(self, calls: list[gpu_gemm.Call], pa: int, pb: int, pc: int, sx: int, so: int) -> tuple[int, int, int]:
+        """Device addresses of the three tables of matrix addresses (made once per key)."""
+        key = (pa, pb, pc, sx, so, tuple(calls))
+        table = self._tables.get(key)
+        if table is None:
+            if self.cp.cuda.get_current_stream().is_capturing():
+                raise RuntimeError("a batched product's address table first needed inside a CUDA graph capture: run "
+                                   "the step once before capturing")
+            if len(self._tables) > 512:  # addresses of buffers long gone
+                self._tables.clear()
+            host = gpu_gemm.addresses(calls, pa, pb, pc, sx, so)
+            table = self._tables[key] = self.cp.asarray(host)
+        base, n = table.data.ptr, table.shape[1]
+        return base, base + 8 * n, base + 16 * n

@@ -113,6 +113,19 @@ def _fold(s: tuple[int, ...], bsz: int, h: int) -> int | None:
     return None
 
 
+def addresses(calls: list[Call], pa: int, pb: int, pc: int, sx: int, so: int) -> np.ndarray:
+    """``(3, n)`` uint64: the addresses of every A, B and C matrix of ``calls`` (A in ``y``'s
+    memory at ``pa``, B in ``x``'s at ``pb``, C in ``out``'s at ``pc``; element sizes ``sx`` of
+    the inputs, ``so`` of ``out``), in the order ``cublasGemmBatchedEx`` takes them."""
+    rows = [[], [], []]
+    for c in calls:
+        i = np.arange(c.batch, dtype=np.uint64)
+        rows[0].append(np.uint64(pa + c.a_off * sx) + i * np.uint64(c.stride_a * sx))
+        rows[1].append(np.uint64(pb + c.b_off * sx) + i * np.uint64(c.stride_b * sx))
+        rows[2].append(np.uint64(pc + c.c_off * so) + i * np.uint64(c.stride_c * so))
+    return np.stack([np.concatenate(r) for r in rows])
+
+
 def _colmajor(base: np.ndarray, off: int, rows: int, cols: int, ld: int, itemsize: int) -> np.ndarray:
     """The column-major ``rows x cols`` matrix with leading dimension ``ld`` at element ``off``."""
     return np.lib.stride_tricks.as_strided(base[off:], (rows, cols), (itemsize, ld * itemsize), writeable=True)

@@ -84,11 +84,16 @@ def _fresh(obj: Any, inputs: Any = ()) -> bool:
     return isinstance(obj, np.ndarray) and obj.flags.owndata and not any(obj is i for i in inputs)
 
 
-def _wrap(obj: Any, inputs: Any = ()) -> Any:
+def _wrap(obj: Any, inputs: Any = (), owner: Any = None) -> Any:
+    """``obj`` as a device array; a view of ``owner``'s memory keeps ``owner`` alive as CuPy's
+    views do (``.base``): reference counts then say who still uses an array (``Buffers``)."""
     if _recording is not None and (_fresh(obj, inputs) or isinstance(obj, np.generic)):
         raise CaptureError(f"a new {getattr(obj, 'shape', ())} array allocated while a CUDA graph is being captured")
     if isinstance(obj, np.ndarray):
-        return ndarray(obj)
+        out = ndarray(obj)
+        if owner is not None and not obj.flags.owndata:
+            out._owner = owner
+        return out
     if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
         return ndarray(np.asarray(obj))  # CuPy returns 0-d arrays, never NumPy scalars
     if isinstance(obj, tuple):
@@ -101,11 +106,12 @@ def _wrap(obj: Any, inputs: Any = ()) -> Any:
 class ndarray:  # noqa: N801 - the name CuPy's array type has
     """An array in "device memory": see the module docstring for what it refuses."""
 
-    __slots__ = ("_a",)
+    __slots__ = ("_a", "_owner")
     __array_priority__ = 100
 
     def __init__(self, a: np.ndarray) -> None:
         self._a = a
+        self._owner = None
 
     # -- the boundary ----------------------------------------------------------------------------
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
@@ -184,7 +190,7 @@ class ndarray:  # noqa: N801 - the name CuPy's array type has
         return _wrap(func(*_unwrap(args, what), **{k: _unwrap(v, what) for k, v in kwargs.items()}))
 
     def __getitem__(self, key: Any) -> Any:
-        return _wrap(self._a[_index(key)])
+        return _wrap(self._a[_index(key)], owner=self)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         global to_device
@@ -215,13 +221,14 @@ class ndarray:  # noqa: N801 - the name CuPy's array type has
                 a, kw = _unwrap(args, what), {k: _unwrap(v, what) for k, v in kwargs.items()}
                 if name == "fill" or "out" in kw:
                     return record(lambda: attr(*a, **kw))
-                return _wrap(attr(*a, **kw), (self._a, *a))
+                result = attr(*a, **kw)
+                return self if result is self._a else _wrap(result, (self._a, *a), owner=self)
             return method
         return _wrap(attr) if isinstance(attr, np.ndarray) else attr
 
     @property
     def T(self) -> ndarray:  # noqa: N802
-        return ndarray(self._a.T)
+        return _wrap(self._a.T, owner=self)
 
     @property
     def shape(self) -> tuple:
@@ -349,7 +356,11 @@ def _call(fn: Any, args: tuple, kwargs: dict) -> Any:
     if kw.get("out") is not None:  # a write into an existing array
         record(lambda: fn(*a, **kw))
         return _wrap(kw["out"], (kw["out"],))
-    return _wrap(fn(*a, **kw), a)
+    result = fn(*a, **kw)
+    same = next((x for x in args if isinstance(x, ndarray) and x._a is result), None)
+    if same is not None:  # CuPy hands back the array itself (ascontiguousarray of a contiguous one)
+        return same
+    return _wrap(result, a, owner=next((x for x in args if isinstance(x, ndarray)), None))
 
 
 def __getattr__(name: str) -> Any:

@@ -183,7 +183,8 @@ template <typename T> __device__ void dropout(const T* x, T* y, i64 n, unsigned 
                                              unsigned thresh, float scale) {
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
     bool keep = (philox_word(i, seed_lo, seed_hi) >> 8) >= thresh; st(y, i, keep ? ld(x, i) * scale : 0.0f); } }
-// y[i] += bias[i % d] (a Linear's bias over its rows).
+// y[i] += bias[i % d]: a Linear's bias over its rows, a residual sum (d = n), the positions'
+// embedding over a batch (CuPy's bfloat16 arithmetic is a slow generic loop).
 template <typename T> __device__ void bias_add(T* y, const T* b, i64 n, int d) {
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
     st(y, i, ld(y, i) + ld(b, i % d)); }

@@ -97,6 +97,18 @@ def scratch(module: Any, *arrays: Any) -> Buffers:
     return shared if usable(*arrays, views=True) is not None else module._scratch()
 
 
+def add_(y: Any, x: Any) -> Any:
+    """``y += x`` with ``x`` of ``y``'s trailing shape (a residual sum, the positions over a
+    batch): one kernel on the kernels' path (CuPy's bfloat16 arithmetic is a slow generic loop:
+    20 us per residual sum at 85 M), else the array module's. Returns ``y``."""
+    k = usable(y, x) if y.dtype == x.dtype and y.shape[y.ndim - x.ndim:] == x.shape else None
+    if k is None:
+        y += x
+        return y
+    k.bias_add(y.reshape(-1, x.size), x.reshape(-1))
+    return y
+
+
 def _grid(n: int, threads: int = 256) -> tuple[int]:
     return (max(1, min(-(-n // threads), 8192)),)
 

@@ -292,18 +292,12 @@ class TransformerBlock(Module):
         # The residual sums go into the sublayers' fresh outputs (nobody caches those; Dropout
         # returns a new array or, when off, that output), not into new arrays; x itself is never
         # changed (ln1 caches it).
-        h = self._drop("drop1", self.attn.forward(self.ln1.forward(x)))
-        h += x
-        y = self._drop("drop2", self.mlp.forward(self.ln2.forward(h)))
-        y += h
-        return y
+        h = gpu.add_(self._drop("drop1", self.attn.forward(self.ln1.forward(x))), x)
+        return gpu.add_(self._drop("drop2", self.mlp.forward(self.ln2.forward(h))), h)
 
     def backward(self, grad_out: Any) -> Any:
-        g = self.ln2.backward(self.mlp.backward(self._drop("drop2", grad_out, True)))
-        g += grad_out
-        gx = self.ln1.backward(self.attn.backward(self._drop("drop1", g, True)))
-        gx += g
-        return gx
+        g = gpu.add_(self.ln2.backward(self.mlp.backward(self._drop("drop2", grad_out, True))), grad_out)
+        return gpu.add_(self.ln1.backward(self.attn.backward(self._drop("drop1", g, True))), g)
 
 
 class GPT(Module):
@@ -348,7 +342,7 @@ class GPT(Module):
         if idx.ndim != 2 or idx.shape[1] > self.block_size:
             raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={self.block_size}, got {idx.shape}")
         x = self.tok_emb.forward(idx)
-        x += self.pos_emb.forward(self._positions(idx.shape[1], xp))  # into the lookup's fresh output
+        x = gpu.add_(x, self.pos_emb.forward(self._positions(idx.shape[1], xp)))  # into the lookup's fresh output
         return self.head.forward(self.ln_f.forward(self.blocks.forward(x)))
 
     def _positions(self, t: int, xp: Any) -> Any:

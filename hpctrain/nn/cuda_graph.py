@@ -44,10 +44,15 @@ class CapturedStep:
         return int(self.pool.total_bytes()) if self.pool is not None else 0
 
     def replay(self) -> Any:
-        with self.stream:  # the host->device uploads in stream order with the graph's launches
+        """One replay, ordered like any operation on the caller's current stream: after what was
+        queued there (a new batch copied in), and before what comes next (a read of ``result``)."""
+        caller = backend.cupy().cuda.get_current_stream()
+        self.stream.wait_event(caller.record())
+        with self.stream:  # the optimizer's uploads in stream order with the graph's launches
             if self.before_replay is not None:
                 self.before_replay()
             self.graph.launch(stream=self.stream)
+        caller.wait_event(self.stream.record())
         return self.result
 
 

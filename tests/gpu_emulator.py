@@ -124,7 +124,7 @@ def _causal_rows(s, t):
 
 def attn_softmax_fwd(s, p, lse, t, scale):
     rows, causal = _causal_rows(s, t)
-    z = np.where(causal, rows * F32(scale), -np.inf).astype(F32)
+    z = np.where(causal, np.where(causal, rows, F32(0.0)) * F32(scale), -np.inf).astype(F32)
     m = z.max(1)
     lrow = m + np.log(np.exp(z - m[:, None]).sum(1, dtype=F32))
     _store(p.reshape(rows.shape), np.where(causal, np.exp(z - lrow[:, None]), F32(0.0)))
@@ -133,8 +133,9 @@ def attn_softmax_fwd(s, p, lse, t, scale):
 
 def attn_softmax_bwd(s, dp, lse, p, ds, t, scale):
     rows, causal = _causal_rows(s, t)
-    dprows = dp.reshape(rows.shape).astype(F32)
-    pr = np.where(causal, np.exp(rows * F32(scale) - lse.reshape(-1)[:, None]), F32(0.0)).astype(F32)
+    dprows = np.where(causal, dp.reshape(rows.shape), F32(0.0)).astype(F32)  # nothing above the diagonal read
+    srows = np.where(causal, rows, F32(0.0)).astype(F32)
+    pr = np.where(causal, np.exp(srows * F32(scale) - lse.reshape(-1)[:, None]), F32(0.0)).astype(F32)
     dsum = (pr * dprows).sum(1, dtype=F32)
     _store(p.reshape(rows.shape), pr)
     _store(ds.reshape(rows.shape), pr * (dprows - dsum[:, None]) * F32(scale))

@@ -157,7 +157,8 @@ template <typename T> __device__ void attn_softmax_bwd(const float* s, const flo
   float dsum = block_sum(acc);
   // p may alias s and ds may alias dp: each element is read and then written by the same thread.
   for (int j = threadIdx.x; j < t; j += blockDim.x) {
-    float pj = j <= i ? expf(sr[j] * scale - l) : 0.0f, dj = dr[j];
+    // above the diagonal s and dp were never computed (the products skip the masked future)
+    float pj = j <= i ? expf(sr[j] * scale - l) : 0.0f, dj = j <= i ? dr[j] : 0.0f;
     st(p + row * t, j, pj); st(ds + row * t, j, pj * (dj - dsum) * scale); } }
 // Softmax cross-entropy over a row of V logits in one pass (online max and sum): lse, and the
 // row's loss (lse - x[target]) times its weight (w null: 1).

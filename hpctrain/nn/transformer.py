@@ -355,12 +355,12 @@ class GPT(Module):
         g = self.blocks.backward(self.ln_f.backward(self.head.backward(grad_out)))
         self.tok_emb.backward(g)
         xp = xp_of(g)
-        gpos = self._scratch().get("gpos", g.shape[1:], g.dtype, xp)
-        k = gpu.usable(g, gpos)
-        if k is not None:  # the column-sum kernel (CuPy's sum may take CUB, which allocates)
+        k = gpu.usable(g, self.pos_emb.weight.grad)
+        if k is not None:  # the column-sum kernel, summed in float32 and kept in the gradient's dtype
+            gpos = self._scratch().get("gpos", g.shape[1:], self.pos_emb.weight.grad.dtype, xp)
             k.col_sum(g.reshape(g.shape[0], -1), gpos.reshape(-1), accumulate=False)
-        else:
-            xp.sum(g, axis=0, out=gpos)
+        else:  # (CuPy's sum may also take CUB, which allocates: not for a captured step)
+            gpos = xp.sum(g, axis=0, out=self._scratch().get("gpos", g.shape[1:], g.dtype, xp))
         self.pos_emb.backward(gpos)
         return None
 

@@ -221,6 +221,16 @@ def sgd_mt(g_s, h_s, chunks, pp, gp, bp, h16, hp):
             h[:] = p.astype(h.dtype)
 
 
+def sumsq_mt(g_s, chunks, gp, part):
+    for b, (t, a, e) in enumerate(chunks):
+        g = _view(gp[t], int(e), STORAGE[g_s]).astype(np.float64)[int(a):int(e)]
+        part[b] = (g * g).sum()
+
+
+def sum_parts(part, n, out):
+    out[0] = part[: int(n)].sum()
+
+
 KERNELS = {f.__name__: f for f in (gelu_fwd, gelu_bwd, ln_fwd, ln_bwd_rows, ln_bwd_cols, cols_add, bias_add, col_part,
                                    attn_softmax_fwd, attn_softmax_bwd, ce_fwd, ce_bwd, dropout, embed_bwd)}
 
@@ -301,8 +311,11 @@ class EmulatedKernels(gpu.Kernels):
         self.launches = 0
 
     def fn(self, name: str) -> Any:
-        if name == "sum_scaled":
-            body = sum_scaled
+        if name in ("sum_scaled", "sum_parts"):
+            body = sum_scaled if name == "sum_scaled" else sum_parts
+        elif name.startswith("sumsq_mt_"):
+            def body(*a, sfx=name[-1]):
+                return sumsq_mt(sfx, *a)
         elif name.startswith(("adam_mt_", "sgd_mt_")):
             rule, sfx = name.split("_mt_")
 

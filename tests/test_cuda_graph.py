@@ -149,6 +149,24 @@ def test_capture_refuses_what_a_graph_cannot_hold(emulated, standin, case):
     assert any(w in str(err.value) for w in ("captured", "dropout"))
 
 
+def test_squared_norm_of_many_gradients_in_two_launches(emulated, standin):
+    """The trainer's gradient norm: float32 and bfloat16 gradients of any sizes (past one block,
+    empty ones) in one launch per dtype and one to add the blocks; inf stays inf."""
+    from hpctrain.precision import BF16
+
+    g = np.random.default_rng(5)
+    host = [g.standard_normal(n).astype(dt) for n, dt in ((5, np.float32), (40000, np.float32), (0, np.float32),
+                                                          (70000, BF16), (3, BF16))]
+    grads = [standin.asarray(a) for a in host]
+    before = emulated.launches
+    total = multi_tensor.sumsq(grads)
+    assert emulated.launches - before == 3
+    ref = sum(float((a.astype(np.float64) ** 2).sum()) for a in host)
+    assert float(_host(total)[0]) == pytest.approx(ref, rel=1e-12)
+    grads[1][7] = np.float32(np.inf)
+    assert np.isinf(float(_host(multi_tensor.sumsq(grads))[0]))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(backend.cupy() is None or not backend.is_real_cupy(backend.cupy()),
                     reason="needs CuPy and an NVIDIA GPU")
@@ -173,3 +191,27 @@ def test_captured_step_replays_like_eager_steps_on_the_gpu(precision):
     assert captured.pool_bytes == 0  # nothing allocated inside the step
     for p, q in zip(eager_model.parameters(), model.parameters()):
         np.testing.assert_allclose(_host(q.data), _host(p.data), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["dp", "tp", "pp", "zero3"])
+def test_strategies_on_the_kernels_path_stay_near_the_host(comm, kind, emulated, standin):
+    """The conformance matrix's bf16-mixed column with the GPU kernels' path emulated: each strategy
+    (Linear's products into the gradient, the shared backward buffers, the multi-tensor update of
+    ZeRO's pieces) stays near the same trainer on the host (not bitwise: other sums, other orders).
+    ``HPCTRAIN_TEST_EMULATED_KERNELS=1`` runs every stand-in test of the suite this way."""
+    from test_conformance import build, global_batch, host, mixed, on, run
+
+    runs = []
+    for device in (None, standin):
+        on(device)
+        tr, d, dp = build(kind, comm, device=device, dtype=np.float32, precision=mixed("bf16-mixed"))
+        stats = [run(tr, d, dp, *(a.astype(np.float32) if a.dtype.kind == "f" else a
+                                   for a in global_batch(dp, seed)[:2])) for seed in range(2)]  # fmt: skip
+        runs.append(([(s.loss, s.grad_norm) for s in stats], {n: host(p.data) for n, (p, _, _) in tr.shards().items()}))
+    (host_stats, host_masters), (dev_stats, dev_masters) = runs
+    np.testing.assert_allclose(dev_stats, host_stats, rtol=1e-2)
+    for n, a in host_masters.items():
+        np.testing.assert_allclose(dev_masters[n], a, rtol=1e-2, atol=2e-3, err_msg=n)
+    assert emulated.launches > 0

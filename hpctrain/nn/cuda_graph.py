@@ -68,6 +68,8 @@ def capture(step: Callable[[], Any], warmup: int = 1, before_replay: Callable[[]
         raise RuntimeError("a CUDA graph needs CuPy and a GPU")
     stream = cp.cuda.Stream(non_blocking=True)
     real = backend.is_real_cupy(cp)
+    caller = cp.cuda.get_current_stream()
+    stream.wait_event(caller.record())  # after what the caller queued (its batch copied in)
     with stream:
         for _ in range(warmup):
             step()
@@ -86,6 +88,7 @@ def capture(step: Callable[[], Any], warmup: int = 1, before_replay: Callable[[]
                 graph = stream.end_capture()
         finally:
             gpu.capturing = False
+    caller.wait_event(stream.record())  # the warm-up's writes before what the caller does next
     if undo is not None:
         undo()
     return CapturedStep(graph, stream, pool, result, before_replay)

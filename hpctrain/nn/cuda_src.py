@@ -266,8 +266,35 @@ template <typename G, typename H> __device__ void sgd_mt(const i64* chunks, cons
     if (h) st(h, i, pi); } }
 """
 
-# A float32 vector's sum times a scale, in one block of 1024 threads (a loss's batch mean).
+# A float32 vector's sum times a scale, in one block of 1024 threads (a loss's batch mean); the
+# squared norm of many tensors (float64 partial sums per block of the optimizers' block table, then
+# summed in a fixed order: the same sum every run), for the trainer's gradient norm and finite check.
 REDUCE = r"""
+__device__ double block_sum_d(double v) {
+  __shared__ double red_d[32];
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (lane == 0) red_d[w] = v;
+  __syncthreads();
+  v = lane < nw ? red_d[lane] : 0.0;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v; }
+template <typename G> __device__ void sumsq_mt(const i64* chunks, const i64* gp, double* part) {
+  i64 tsr = chunks[3 * blockIdx.x], a = chunks[3 * blockIdx.x + 1], e = chunks[3 * blockIdx.x + 2];
+  const G* g = (const G*)gp[tsr];
+  double s = 0.0;
+  for (i64 i = a + threadIdx.x; i < e; i += blockDim.x) { double v = (double)ld(g, i); s += v * v; }
+  s = block_sum_d(s);
+  if (threadIdx.x == 0) part[blockIdx.x] = s; }
+extern "C" __global__ void sumsq_mt_f(const i64* c, const i64* g, double* part) { sumsq_mt<float>(c, g, part); }
+extern "C" __global__ void sumsq_mt_b(const i64* c, const i64* g, double* part) { sumsq_mt<bf16>(c, g, part); }
+extern "C" __global__ void sumsq_mt_h(const i64* c, const i64* g, double* part) { sumsq_mt<f16>(c, g, part); }
+extern "C" __global__ void sum_parts(const double* part, i64 n, double* out) {
+  double s = 0.0;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) s += part[i];
+  s = block_sum_d(s);
+  if (threadIdx.x == 0) out[0] = s; }
 extern "C" __global__ void sum_scaled(const float* x, i64 n, float scale, float* out) {
   float s = 0.0f;
   for (i64 i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
@@ -296,6 +323,7 @@ def kernel_names() -> list[str]:
     """Every ``extern "C"`` kernel of :func:`source`."""
     per_t = ["gelu_fwd", "gelu_bwd", "ln_fwd", "ln_bwd_rows", "ln_bwd_cols", "attn_softmax_fwd", "attn_softmax_bwd",
              "ce_fwd", "ce_bwd", "dropout", "embed_bwd", "cols_add", "bias_add", "col_part"]
-    names = [f"{k}_{s}" for s in TYPES for k in per_t] + ["sum_scaled"]
+    names = [f"{k}_{s}" for s in TYPES for k in per_t] + ["sum_scaled", "sum_parts"]
+    names += [f"sumsq_mt_{s}" for s in TYPES]
     names += [f"{k}_mt_{g}{h}" for k in ("adam", "sgd") for g in TYPES for h in TYPES]
     return names

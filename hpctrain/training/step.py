@@ -276,10 +276,16 @@ class TrainStep:
     def _device_sums(self, loss_part: Any, grads: list[Any], exact: bool,
                      targets: Any) -> tuple[float, float, bool, list[float], bool]:
         """``_local_sums`` on the device: the norm and the flags computed there, one host read."""
+        from ..optim import multi_tensor
+
         xp = xp_of(grads[0]) if grads else xp_of(loss_part)
-        flat = [g.astype(np.float64, copy=False).ravel() for g in grads]
+        flat = [g.astype(np.float64, copy=False).ravel() for g in grads] if exact else []
         head = [xp.asarray(loss_part if self._loss_lead else 0.0, dtype=np.float64).reshape(1)]
-        head.append(xp.stack([g @ g for g in flat]).sum().reshape(1) if flat else xp.zeros(1))
+        norm = multi_tensor.sumsq(grads)  # one kernel over every gradient where it can
+        if norm is None:
+            flat = flat or [g.astype(np.float64, copy=False).ravel() for g in grads]
+            norm = xp.stack([g @ g for g in flat]).sum().reshape(1) if flat else xp.zeros(1)
+        head.append(norm)
         head.append(targets.flag(xp))
         host = to_host(xp.concatenate(head + (flat if exact else [])))  # the step's one device->host transfer
         loss_part, sumsq, bad_targets = float(host[0]), float(host[1]), bool(host[2])

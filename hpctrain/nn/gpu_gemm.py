@@ -6,8 +6,8 @@ attention's q, k, v are strided views of the qkv output and its scores want floa
 inputs. ``plan`` turns a product of row-major ``(B, H, rows, cols)`` views into the arguments of
 ``cublasGemmStridedBatchedEx`` (column-major, so C^T = op(B)^T op(A)^T): one call when the batch
 axes fold into one stride, else one call per leading index. ``emulate`` runs a plan with NumPy on
-the host (the CPU check of the argument arithmetic: ``tests/test_cuda_kernels.py``); ``run``
-hands it to cuBLAS.
+the host (the CPU check of the argument arithmetic: ``tests/test_cuda_kernels.py``);
+``hpctrain.nn.cublas`` hands it to cuBLAS.
 """
 
 from __future__ import annotations
@@ -158,13 +158,3 @@ def emulate(calls: list[Call], x: np.ndarray, y: np.ndarray, out: np.ndarray, be
                 a, b = a.astype(np.float32), b.astype(np.float32)
             prod = a @ b
             dst[...] = prod + dst.astype(prod.dtype) if beta else prod
-
-
-def run(x: Any, y: Any, out: Any, trans_x: bool = False, trans_y: bool = False) -> Any:
-    """``out = op(x) @ op(y)`` on 4-D CuPy arrays through cuBLAS (float32 accumulation; float32 or
-    the inputs' 16-bit dtype out). Returns ``out``."""
-    if x.dtype != y.dtype:
-        raise TypeError(f"a batched product needs one input dtype, got {x.dtype} and {y.dtype}")
-    from .gpu import blas
-
-    return blas().run(plan(x, y, out, trans_x, trans_y), x, y, out)

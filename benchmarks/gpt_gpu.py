@@ -7,7 +7,7 @@ fp32 (TF32 off, as CuPy's float32 products) and bf16 autocast. Interleaved round
 time; tokens/s, MFU (6 N + 12 L T d FLOP per token over the GPU's dense peak) and peak memory
 (hpctrain: the CuPy pool's reserved bytes, freed between cases; PyTorch: max reserved).
 
-    python benchmarks/gpt_gpu.py [--quick] [--cpu] [--sizes 85,163] [--no-graph]
+    python benchmarks/gpt_gpu.py [--quick] [--cpu | --emulate] [--sizes 85,163] [--no-graph]
 """
 
 from __future__ import annotations
@@ -76,6 +76,19 @@ def captured(step, opt):
     return graph.replay, graph.pool_bytes, None
 
 
+def emulation():
+    """The tests' device stand-in in CuPy's place and the kernels emulated on it (``--emulate``)."""
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    sys.path.insert(0, tests)
+    import devicearray
+    from gpu_emulator import EmulatedKernels
+
+    from hpctrain.nn import gpu
+
+    backend.use_device_module(devicearray)
+    gpu.use_kernels(EmulatedKernels())
+
+
 def torch_side(size, tdev, bf16):
     import torch
     import torch.nn as tnn
@@ -116,48 +129,57 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="dry run: NumPy and torch on the CPU, a tiny GPT")
     ap.add_argument("--sizes", default=None)
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--emulate", action="store_true", help="dry run of the GPU code (kernels, cuBLAS calls, the "
+                    "graph capture) on the CPU: the tests' device stand-in with the kernels emulated, a tiny GPT")
     a = ap.parse_args()
-    sizes = ["tiny"] if a.cpu else (a.sizes or ("85" if a.quick else "85,163")).split(",")
-    rounds = 4 if a.cpu else (6 if a.quick else 10)
+    if a.emulate:
+        emulation()
+    small = a.cpu or a.emulate
+    sizes = ["tiny"] if small else (a.sizes or ("85" if a.quick else "85,163")).split(",")
+    rounds = 4 if small else (6 if a.quick else 10)
     xp_dev, tdev = ("cpu", "cpu") if a.cpu else ("gpu", "cuda")
     if not a.cpu and backend.cupy() is None:
         print("SKIP: no CuPy/GPU")
         return 0
     cp = None if a.cpu else backend.cupy()
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    sync = (lambda: None) if a.cpu else (lambda: (cp.cuda.Device().synchronize(),
-                                                   torch is not None and torch.cuda.synchronize()))
-    name = "cpu" if a.cpu else cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    real = cp is not None and backend.is_real_cupy(cp)  # a pool to measure, a device to sync
+    torch = None
+    if not a.emulate:
+        try:
+            import torch
+        except ImportError:
+            pass
+    sync = (lambda: (cp.cuda.Device().synchronize(), torch is not None and torch.cuda.synchronize())) if real \
+        else (lambda: None)
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode() if real else \
+        ("the CPU stand-in, kernels emulated" if a.emulate else "cpu")
     peak = next((v for k, v in PEAKS.items() if k in name), None)
     print(f"| GPT step on {name} | hpctrain ms | graph ms | torch ms | hpctrain/torch (target <= 1.00x) | "
           "tokens/s | MFU | peak GiB hpctrain / torch (target <= 1.25x) |\n|---|---|---|---|---|---|---|---|",
           flush=True)
     for size in sizes:
         for prec in ("fp32", "bf16"):
-            if not a.cpu:
+            if real:
                 cp.get_default_memory_pool().free_all_blocks()
             setup = build(size, prec, xp_dev)
             step, opt, n, tokens = setup.step, setup.opt, setup.n, setup.tokens
             t_h = timed(step, sync, rounds)
             t_g, why, graph_bytes = None, None, 0
-            if not a.cpu and not a.no_graph:
+            if not a.cpu and not a.no_graph:  # (the emulation captures on the stand-in)
                 replay, graph_bytes, why = captured(step, opt)
                 t_g = timed(replay, sync, rounds) if replay else None
             # the pool's reserved bytes (PyTorch's side: max reserved), the graph's private pool included
-            mem_h = 0.0 if a.cpu else (cp.get_default_memory_pool().total_bytes() + graph_bytes) / 2**30
+            mem_h = (cp.get_default_memory_pool().total_bytes() + graph_bytes) / 2**30 if real else 0.0
             del step, opt, setup
             t_t, mem_t = None, 0.0
             if torch is not None:
-                if not a.cpu:
+                if real:
                     cp.get_default_memory_pool().free_all_blocks()
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 tstep, _ = torch_side(size, tdev, prec == "bf16")
                 t_t = timed(tstep, sync, rounds)
-                mem_t = 0.0 if a.cpu else torch.cuda.max_memory_reserved() / 2**30
+                mem_t = torch.cuda.max_memory_reserved() / 2**30 if real else 0.0
                 del tstep
             v, t, d, h, n_layers, b = SIZES[size]
             best = min(x for x in (t_h, t_g) if x)

@@ -13,7 +13,7 @@ For the 85 M GPT (``gpt_gpu.SIZES``) in fp32 and bf16-mixed, after two warm-up s
    reserved bytes, allocations per step, and the largest live arrays at the peak;
 4. PyTorch's eager fp32 / bf16 autocast step of the same model under the same profiler (top kernels).
 
-    python benchmarks/gpu_profile.py [--cpu] [--size 85] [--no-torch] [--top 25]
+    python benchmarks/gpu_profile.py [--cpu | --emulate] [--size 85] [--no-torch] [--top 25]
 
 ``--cpu``: a dry run on NumPy with a tiny GPT and the CPU profiler only (proves the script end to
 end without a GPU; its kernel table lists the step's annotated ranges instead). The output also
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt_gpu import SIZES, build, torch_side  # noqa: E402
+from gpt_gpu import SIZES, build, captured, emulation, torch_side  # noqa: E402
 
 from hpctrain import backend  # noqa: E402
 
@@ -237,7 +237,7 @@ def hpctrain_case(size: str, prec: str, a: argparse.Namespace, cp: Any, watch: P
     """Profile, timings, pool and per-module table of one hpctrain case (its arrays are freed when
     this returns: the caller empties the pool)."""
     xp_dev = "cpu" if a.cpu else "gpu"
-    sync = (lambda: None) if a.cpu else cp.cuda.Device().synchronize
+    sync = (lambda: None) if a.host else cp.cuda.Device().synchronize
     setup = build(size, prec, xp_dev)
     for _ in range(2):
         setup.step()
@@ -248,16 +248,16 @@ def hpctrain_case(size: str, prec: str, a: argparse.Namespace, cp: Any, watch: P
     from torch.profiler import record_function
 
     step = setup.step
-    trace = profiled(lambda: step(mark=lambda phase: record_function(f"hpctrain {phase}")), sync, a.cpu)
+    trace = profiled(lambda: step(mark=lambda phase: record_function(f"hpctrain {phase}")), sync, a.host)
     v, t, d, h, n_layers, b = SIZES[size]
     say(f"\n## hpctrain GPT {size} M {prec} ({setup.n / 1e6:.1f} M parameters, batch {b} x {t} tokens)")
-    ev = kernel_events(trace, a.cpu)
+    ev = kernel_events(trace, a.host)
     gpu_busy = busy_us(ev) / 1e3
     say(f"step: wall {wall * 1e3:.2f} ms (synced, median of 5), host {host * 1e3:.2f} ms (the Python step "
         f"returning), GPU busy {gpu_busy:.2f} ms ({gpu_busy / (wall * 1e3):.0%} of wall): "
         + ("launch/host-bound" if gpu_busy < 0.8 * wall * 1e3 and host > 0.7 * wall else "GPU-bound"
            if gpu_busy >= 0.8 * wall * 1e3 else "gaps: host syncs or waits"))
-    table_of_kernels(ev, a.top, "kernels in the profiled step" if not a.cpu else "annotated ranges (--cpu)")
+    table_of_kernels(ev, a.top, "kernels in the profiled step" if not a.host else "annotated ranges (no GPU)")
     runtime_calls(trace)
     if watch is not None:
         pool = cp.get_default_memory_pool()
@@ -268,6 +268,19 @@ def hpctrain_case(size: str, prec: str, a: argparse.Namespace, cp: Any, watch: P
         say(f"live arrays at the peak: {len(watch.at_peak)}; largest sizes (MiB x count): "
             + ", ".join(f"{s / 2**20:.1f} x {c}" for s, c in sorted(sizes.items(), key=lambda kv: -kv[0])[:12]))
     per_module(setup, sync)
+    if not a.cpu:  # (--emulate captures on the stand-in)
+        graph_line(setup, sync)
+
+
+def graph_line(setup: Any, sync: Any) -> None:
+    """The same step captured once into a CUDA graph (``gpt_gpu.captured``) and replayed."""
+    replay, graph_bytes, why = captured(setup.step, setup.opt)
+    if replay is None:
+        say(f"\nCUDA graph: capture failed: {why}")
+        return
+    _, wall = host_and_wall(replay, sync)
+    say(f"\nCUDA graph: {wall * 1e3:.2f} ms per replayed step; {graph_bytes / 2**20:.1f} MiB allocated inside the "
+        "capture (0: the step allocates nothing)")
 
 
 def torch_case(size: str, prec: str, a: argparse.Namespace) -> None:
@@ -301,17 +314,24 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="dry run on NumPy, a tiny GPT, the CPU profiler")
     ap.add_argument("--size", default=None, help="a gpt_gpu.SIZES key (default 85; tiny on --cpu)")
     ap.add_argument("--no-torch", action="store_true", help="skip PyTorch's side")
+    ap.add_argument("--emulate", action="store_true", help="dry run of the GPU code on the CPU (the tests' stand-in, "
+                    "kernels emulated, a tiny GPT, the capture included)")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
     t0 = time.time()
-    size = a.size or ("tiny" if a.cpu else "85")
+    a.host = a.cpu or a.emulate  # no device to sync, no CUPTI
+    if a.emulate:
+        emulation()
+    size = a.size or ("tiny" if a.host else "85")
     try:
         import torch  # noqa: F401 - the profiler is PyTorch's
     except ImportError:
         say("gpu_profile: SKIP: torch does not import (its profiler records the kernels)")
         return 0
     cp = None
-    if not a.cpu:
+    if a.emulate:
+        cp = backend.cupy()
+    elif not a.cpu:
         cp = backend.cupy()
         if cp is None:
             say("gpu_profile: SKIP: no CuPy/GPU (--cpu runs the dry run)")
@@ -320,19 +340,19 @@ def main() -> int:
         say(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, CuPy {cp.__version__}, "
             f"torch {torch.__version__}")
     watch = None
-    if cp is not None:
+    if cp is not None and backend.is_real_cupy(cp):
         watch = PoolWatch(cp)
         watch.hook.__enter__()
     try:
         for prec in ("fp32", "bf16"):
             hpctrain_case(size, prec, a, cp, watch)
             gc.collect()
-            if cp is not None:
+            if watch is not None:
                 cp.get_default_memory_pool().free_all_blocks()
     finally:
         if watch is not None:
             watch.hook.__exit__()
-    if not a.no_torch:
+    if not (a.no_torch or a.emulate):
         for prec in ("fp32", "bf16"):
             torch_case(size, prec, a)
     say(f"\n(gpu_profile took {time.time() - t0:.0f} s)")

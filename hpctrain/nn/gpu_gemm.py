@@ -5,7 +5,9 @@ and widens float16 to float32 (and does not take bfloat16 through cuBLAS at all)
 attention's q, k, v are strided views of the qkv output and its scores want float32 from 16-bit
 inputs. ``plan`` turns a product of row-major ``(B, H, rows, cols)`` views into the arguments of
 ``cublasGemmStridedBatchedEx`` (column-major, so C^T = op(B)^T op(A)^T): one call when the batch
-axes fold into one stride, else one call per leading index. ``emulate`` runs a plan with NumPy on
+axes fold into one stride, else one call per leading index (which ``hpctrain.nn.cublas`` runs as
+one ``cublasGemmBatchedEx`` over the ``addresses`` of every matrix); ``plan2d`` does the same for
+2-D products, transposed views included (a Linear's three products). ``emulate`` runs a plan with NumPy on
 the host (the CPU check of the argument arithmetic: ``tests/test_cuda_kernels.py``);
 ``hpctrain.nn.cublas`` hands it to cuBLAS.
 """

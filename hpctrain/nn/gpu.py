@@ -31,6 +31,7 @@ On a GPU, ``make gpu-check`` runs each kernel against its twin on the device (ma
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -54,12 +55,18 @@ capturing = False
 
 
 def enabled() -> bool:
-    """Whether the kernels are on (see the module docstring)."""
+    """Whether the kernels are on (see the module docstring); asked by every layer call, so the
+    answer is kept while the setting and the array module stay the same."""
+    key = (os.environ.get("HPCTRAIN_CUDA_KERNELS"), backend.cupy())
+    known = _state.get("enabled")
+    if known is not None and known[0] == key:
+        return known[1]
     choice = settings.cuda_kernels()
-    cp = backend.cupy()
+    cp = key[1]
     real = cp is not None and backend.is_real_cupy(cp)
     if choice and not real:
         raise ConfigError("HPCTRAIN_CUDA_KERNELS=1 needs CuPy and a GPU")
+    _state["enabled"] = (key, real and choice is not False)
     return real and choice is not False
 
 

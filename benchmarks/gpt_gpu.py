@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -24,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hpctrain as ht  # noqa: E402
 from hpctrain import backend  # noqa: E402
-from hpctrain.nn import cuda_graph  # noqa: E402
+from hpctrain.nn import cuda_graph, gpu  # noqa: E402
 from hpctrain.optim import multi_tensor  # noqa: E402
 from hpctrain.precision import Precision  # noqa: E402
 
@@ -164,13 +165,17 @@ def main() -> int:
             setup = build(size, prec, xp_dev)
             step, opt, n, tokens = setup.step, setup.opt, setup.n, setup.tokens
             t_h = timed(step, sync, rounds)
-            t_g, why, graph_bytes = None, None, 0
+            t_g, why, graph_bytes, replay = None, None, 0, None
             if not a.cpu and not a.no_graph:  # (the emulation captures on the stand-in)
                 replay, graph_bytes, why = captured(step, opt)
                 t_g = timed(replay, sync, rounds) if replay else None
             # the pool's reserved bytes (PyTorch's side: max reserved), the graph's private pool included
             mem_h = (cp.get_default_memory_pool().total_bytes() + graph_bytes) / 2**30 if real else 0.0
-            del step, opt, setup
+            # nothing of this case may stay for the next one's memory (the replay holds the optimizer,
+            # hence the model; the shared scratch holds this precision's arrays)
+            del step, opt, setup, replay
+            gpu.shared.clear()
+            gc.collect()
             t_t, mem_t = None, 0.0
             if torch is not None:
                 if real:

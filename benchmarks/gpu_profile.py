@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_gpu import SIZES, build, captured, emulation, torch_side  # noqa: E402
 
 from hpctrain import backend  # noqa: E402
+from hpctrain.nn import gpu  # noqa: E402
 
 LINES: list[str] = []
 
@@ -346,6 +347,7 @@ def main() -> int:
     try:
         for prec in ("fp32", "bf16"):
             hpctrain_case(size, prec, a, cp, watch)
+            gpu.shared.clear()  # this precision's scratch: not the next case's memory
             gc.collect()
             if watch is not None:
                 cp.get_default_memory_pool().free_all_blocks()

@@ -66,7 +66,7 @@ def capture(step: Callable[[], Any], warmup: int = 1, before_replay: Callable[[]
     cp = backend.cupy()
     if cp is None:
         raise RuntimeError("a CUDA graph needs CuPy and a GPU")
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = _stream(cp)
     real = backend.is_real_cupy(cp)
     caller = cp.cuda.get_current_stream()
     stream.wait_event(caller.record())  # after what the caller queued (its batch copied in)
@@ -92,6 +92,19 @@ def capture(step: Callable[[], Any], warmup: int = 1, before_replay: Callable[[]
     if undo is not None:
         undo()
     return CapturedStep(graph, stream, pool, result, before_replay)
+
+
+_streams: dict[Any, Any] = {}
+
+
+def _stream(cp: Any) -> Any:
+    """The one stream captures run on (per array module and device): each stream has a cuBLAS
+    handle with its own workspace (``hpctrain.nn.cublas``), made once."""
+    key = (cp, getattr(cp.cuda.Device(), "id", 0))
+    stream = _streams.get(key)
+    if stream is None:
+        stream = _streams[key] = cp.cuda.Stream(non_blocking=True)
+    return stream
 
 
 def _end_quietly(stream: Any) -> None:

@@ -17,7 +17,8 @@ Parts, each a subprocess under its own timeout (a failure is a row of the table,
 
 ``--quick``: a subset (< 2 minutes on an H100); ``--cpu``: the same structure with tiny sizes on
 the CPU (no GPU needed: proves the script end to end; the kernels and the GPT step take their GPU
-code path on the tests' device stand-in with the kernels emulated, the capture included); ``--fail PART``: make that part fail on purpose
+code path on the tests' device stand-in with the kernels emulated, the capture included);
+``--fail PART``: make that part fail on purpose
 (the dry run's proof that a failing part is reported and the rest runs). Wheels in ``.whl/`` are
 installed first (the GPU machine has no internet). Everything is also written to
 ``$OUT/gpu-check.log`` (and the table to ``$OUT/gpu-check.md``) when ``OUT`` is set.
@@ -189,7 +190,8 @@ class Check:
                      "; ".join((summary[-1:] or ["no summary"]) + failed[:4])[:300])
 
     def gpt(self) -> None:
-        cmd = [PY, "benchmarks/gpt_gpu.py", *(["--emulate"] if self.a.cpu else []), *(["--quick"] if self.a.quick else [])]
+        cmd = [PY, "benchmarks/gpt_gpu.py", *(["--emulate"] if self.a.cpu else []),
+               *(["--quick"] if self.a.quick else [])]
         rc, text = self.run(cmd, 100 if self.a.quick else 170, "gpt")
         table = [ln for ln in text.splitlines() if ln.startswith(("|", "  ("))]
         rows = [t for t in table if t.startswith("| ") and " M " in t]

@@ -27,7 +27,7 @@ import hpctrain as ht  # noqa: E402
 from hpctrain import backend  # noqa: E402
 from hpctrain.nn import cuda_graph, gpu  # noqa: E402
 from hpctrain.optim import multi_tensor  # noqa: E402
-from hpctrain.precision import Precision  # noqa: E402
+from hpctrain.training.precision import Precision  # noqa: E402
 
 SIZES = {"85": (65, 256, 768, 12, 12, 16), "163": (50304, 1024, 768, 12, 12, 8), "tiny": (65, 32, 64, 4, 2, 4)}
 PEAKS = {"H100": {"fp32": 67e12, "bf16": 989e12}, "H200": {"fp32": 67e12, "bf16": 989e12}}

@@ -18,7 +18,7 @@ import numpy as np
 
 import hpctrain as ht
 from hpctrain import backend
-from hpctrain.precision import BF16
+from hpctrain.backend import BF16
 
 CPU = "--cpu" in sys.argv
 if "--emulate" in sys.argv:  # the device branch on the CPU: the tests' stand-in, the kernels emulated

@@ -9,7 +9,7 @@ import pytest
 
 from hpctrain import backend, errors
 from hpctrain.cli import main
-from hpctrain.train import resolve, run
+from hpctrain.job import resolve, run
 
 SMALL = {"epochs": 1, "d_model": 16, "log_every": 1000}
 

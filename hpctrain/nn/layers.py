@@ -6,8 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_device, xp_of
-from ..precision import is_half, matmul
+from ..backend import is_half, matmul, to_device, xp_of
 from . import fused, gpu
 from .buffers import Buffers
 from .dropout import Dropout, dropout_problem  # noqa: F401 - their home was here

@@ -15,9 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import is_device_array, xp_of
+from ..backend import is_device_array, widen, xp_of
 from ..errors import DatasetError
-from ..precision import widen
 from . import gpu
 from .buffers import Buffers
 

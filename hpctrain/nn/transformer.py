@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_device, xp_of
+from ..backend import matmul, stat_dtype, to_device, xp_of
 from ..errors import Say, as_argument
-from ..precision import matmul, stat_dtype
 from . import fused, gpu
 from .buffers import Buffers
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, row_ones

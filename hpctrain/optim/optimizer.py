@@ -60,7 +60,7 @@ class Optimizer:
     def set_masters(self, masters: dict[str, Parameter]) -> None:
         """Mixed precision: update these float32 masters (by parameter name) instead of the
         16-bit parameters, keep the state in float32, and round each updated master into its
-        parameter (``hpctrain.precision``). A master's ``grad`` is its parameter's gradient
+        parameter (``hpctrain.training.precision``). A master's ``grad`` is its parameter's gradient
         (widened to float32) during the update only."""
         missing = sorted(set(self.names) - set(masters))
         if missing:

@@ -27,13 +27,13 @@ from ..comm.buckets import COMPRESSIONS
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
 from ..optim.clip import clip_norm_problem
-from ..precision import Precision
 from ..protocols import Reducer, Stateful
-from ..trainer import Batch, Trainer
+from ..training.precision import Precision
+from ..training.trainer import Batch, Trainer
 from . import reports
 from .pipeline_runner import PipelineRunner, max_microbatches
+from .pipeline_schedules import get_schedule
 from .reducer import AllReduceReducer, BackwardHooks
-from .schedules import get_schedule
 from .shards import full_state_dict, shard_map
 from .tensor_layers import parallel_loss
 from .zero import zero_problem, zero_reducer, zero_reducer_problem

@@ -136,7 +136,7 @@ class MemoryMeter:
         self.peak_layers = max(self.peak_layers, act + owned_bytes(self._pools(), counted))
 
     def install(self) -> MemoryMeter:
-        from .nn.recompute import observers
+        from ..nn.recompute import observers
 
         if self.installed or self.model is None or not hasattr(self.model, "backward"):
             return self
@@ -157,7 +157,7 @@ class MemoryMeter:
         self.measure()
 
     def remove(self) -> None:
-        from .nn.recompute import observers
+        from ..nn.recompute import observers
 
         if self.installed:
             self.model.__dict__.pop("backward", None)
@@ -197,7 +197,7 @@ def device_pool() -> tuple[int, int]:
     """``(bytes in use, bytes reserved)`` of CuPy's default memory pool; ``(0, 0)`` without a GPU.
     CuPy keeps no high-water mark, so the meter samples ``used`` at the start of backward and
     inside recomputed blocks (where the activations peak) and at each report."""
-    from .backend import cupy, is_real_cupy
+    from ..backend import cupy, is_real_cupy
 
     cp = cupy()
     if cp is None or not is_real_cupy(cp):

@@ -20,9 +20,9 @@ from typing import Any
 import devicearray
 import numpy as np
 
+from hpctrain.backend import BF16
 from hpctrain.nn import gpu, gpu_gemm, philox
 from hpctrain.nn.cublas import Blas
-from hpctrain.precision import BF16
 
 F32 = np.float32
 DF32 = np.dtype(np.float32)

@@ -13,7 +13,7 @@ import hpctrain as ht
 from hpctrain import backend
 from hpctrain.nn import cuda_graph, gpu
 from hpctrain.optim import multi_tensor
-from hpctrain.precision import Precision
+from hpctrain.training.precision import Precision
 
 V, T, D, H, L, B = 37, 8, 16, 2, 2, 3
 
@@ -152,7 +152,7 @@ def test_capture_refuses_what_a_graph_cannot_hold(emulated, standin, case):
 def test_squared_norm_of_many_gradients_in_two_launches(emulated, standin):
     """The trainer's gradient norm: float32 and bfloat16 gradients of any sizes (past one block,
     empty ones) in one launch per dtype and one to add the blocks; inf stays inf."""
-    from hpctrain.precision import BF16
+    from hpctrain.backend import BF16
 
     g = np.random.default_rng(5)
     host = [g.standard_normal(n).astype(dt) for n, dt in ((5, np.float32), (40000, np.float32), (0, np.float32),

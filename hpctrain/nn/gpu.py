@@ -7,25 +7,31 @@ in ``hpctrain.nn.cuda_src``; CuPy compiles it once per process (NVRTC, cached on
 ``HPCTRAIN_CUDA_KERNELS`` chooses: unset (default) uses them with real CuPy, ``0`` never, ``1``
 always (``ConfigError`` without CuPy and a GPU).
 
-Each kernel has its NumPy twin, the reference it is checked against, and a check that runs
-without a GPU:
+Each kernel has its NumPy twin, the reference it is checked against, and checks that run
+without a GPU: NVRTC compiles every kernel (``tests/test_cuda_kernels.py``, with NumPy models of
+the tiled schemes), and ``tests/gpu_emulator.py`` runs this module's launchers on the tests' device
+stand-in with each kernel and cuBLAS call carried out in NumPy (``tests/test_cuda_graph.py``: whole
+GPT steps and trainers equal the NumPy path; a captured step replays like eager steps):
 
 ==========================  ============================  =============================================
-kernel                      NumPy twin                    check off the GPU (tests/test_cuda_kernels.py)
+kernel                      NumPy twin                    check off the GPU
 ==========================  ============================  =============================================
-gelu_fwd/bwd (+bias)        layers.GELU                   NVRTC compile; same formula, op for op
-ln_fwd, ln_bwd_rows/cols    layers.LayerNorm              NVRTC compile; kernel_models.layernorm_*
-attn_softmax_fwd/bwd        transformer.causal_attention  NVRTC; kernel_models.attention_* (lse form,
- + cuBLAS batched (gemm)                                  recomputed P) and gpu_gemm.emulate of plans
-ce_fwd/bwd                  losses.CrossEntropyLoss       NVRTC; kernel_models.cross_entropy_online
+gelu_fwd/bwd (+bias)        layers.GELU                   NVRTC; emulated step; same formula op for op
+ln_fwd, ln_bwd_rows/cols    layers.LayerNorm              NVRTC; kernel_models.layernorm_*; emulated
+attn_softmax_fwd/bwd        transformer.causal_attention  NVRTC; the lse scheme's NumPy model; emulated
+ + cuBLAS (nn.cublas)                                     step with the causal blocks; gpu_gemm.emulate
+ce_fwd/bwd, sum_scaled      losses.CrossEntropyLoss       NVRTC; the one-pass model; emulated step
 dropout                     philox (NumPy Philox4x32)     NVRTC; Random123's known answers; the CPU
                                                           Dropout draws the same words
-embed_bwd                   layers.scatter_add            NVRTC compile (float32 atomics)
-adam_mt, sgd_mt             optim Adam/AdamW/SGD          NVRTC; kernel_models.chunks (block table)
-cols_add                    (column sums)                 NVRTC compile
+embed_bwd                   layers.scatter_add            NVRTC; emulated step (float32 atomics)
+bias_add, col_part/cols_add Linear's bias, column sums    NVRTC; emulated step
+adam_mt, sgd_mt             optim Adam/AdamW/SGD          NVRTC; kernel_models.chunks; emulated step
+sumsq_mt, sum_parts         the trainer's gradient norm   NVRTC; emulated (test_cuda_graph)
 ==========================  ============================  =============================================
 
-On a GPU, ``make gpu-check`` runs each kernel against its twin on the device (max error).
+Matrix products go through ``hpctrain.nn.cublas`` (cuBLAS called directly: a CUDA graph can
+capture them, CuPy's wrappers refuse). On a GPU, ``make gpu-check`` runs each kernel against its
+twin on the device (max error).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ torch-venv: $(TORCH_STAMP)
 
 $(TORCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps --index-url $(TORCH_INDEX) 'torch==$(TORCH_VERSION)+cpu'
-	$(PY) -m pip install -q -e '.[$(MPI),test,fast,torch]'
+	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard,torch]'
 	touch $(TORCH_STAMP)
 
 test-torch: torch-venv

@@ -1,4 +1,4 @@
-"""PyTorch models over MPI with hpctrain (``pip install 'hpctrain[torch]'``).
+"""PyTorch models over MPI with hpctrain (needs PyTorch: ``pip install torch``).
 
     import hpctrain.torch as htt
     ddp = htt.DistributedDataParallel(model)                 # an nn.Module: ddp(x), ddp.module
@@ -17,7 +17,7 @@ from __future__ import annotations
 try:
     import torch  # noqa: F401
 except ImportError as exc:  # pragma: no cover - said to whoever imports us without torch
-    raise ImportError("hpctrain.torch needs PyTorch: pip install 'hpctrain[torch]'") from exc
+    raise ImportError("hpctrain.torch needs PyTorch: pip install torch") from exc
 
 from .checkpoint import Loaded, load, save, wait
 from .ddp import DistributedDataParallel

@@ -22,7 +22,7 @@ from .. import backend
 #: torch dtypes hpctrain's communicator reduces (bfloat16 through ml_dtypes, summed as bits).
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _CUPY_HINT = ("CUDA tensors go through hpctrain's device path, which needs CuPy for this CUDA "
-              "(pip install 'hpctrain[cuda12]' or 'hpctrain[cuda13]')")
+              "(pip install cupy-cuda12x, or cupy-cuda13x for CUDA 13)")
 
 
 def check_dtype(t: torch.Tensor, what: str) -> None:

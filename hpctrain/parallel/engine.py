@@ -26,10 +26,11 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..comm.buckets import COMPRESSIONS
+from ..comm.grid import ProcessGrid
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
 from ..optim.clip import clip_norm_problem
-from ..protocols import Reducer
+from ..protocols import Comm, Reducer
 from ..training.precision import Precision
 from ..training.step import Batch, TrainStep
 from .pipeline_runner import PipelineRunner, max_microbatches
@@ -64,7 +65,7 @@ def _device_id(cp: Any) -> int:
     return int(getattr(cp.cuda.Device(), "id", 0))
 
 
-def shared_gpu_problem(dp: Any, device: int) -> RuntimeError | None:
+def shared_gpu_problem(dp: Comm, device: int) -> RuntimeError | None:
     """NCCL refuses two ranks on one GPU (``ncclInvalidUsage`` deep inside its init, seen on the
     first GPU run with 2 ranks on 1 GPU): said first, on every rank, naming the ranks. Collective."""
     where = dp.allgather_obj((dp.hostname(), device))
@@ -118,7 +119,7 @@ class ParallelStep(TrainStep):
         model: Any,
         loss: Any,
         optimizer: Any,
-        grid: Any,
+        grid: ProcessGrid,
         microbatches: int = 1,
         schedule: str = "1f1b",
         virtual_stages: int | None = None,
@@ -196,7 +197,7 @@ class ParallelStep(TrainStep):
             agree(self.comm, "the overlap hooks (module tree)", self._hooks.active)
         self._order_learned = self._learn_order = False
 
-    def rebind(self, grid: Any, full: dict[str, Any] | None = None) -> None:
+    def rebind(self, grid: ProcessGrid, full: dict[str, Any] | None = None) -> None:
         """Go on over ``grid``, a grid of the same tp and pp over other ranks (the survivors of a
         lost rank; collective over its world): the communicators taken from it, the reducer and
         the overlap hooks rebuilt by the constructor's rule (``reducer=``, ``backend=``, ZeRO).
@@ -253,7 +254,7 @@ class ParallelStep(TrainStep):
         return AllReduceReducer(self.params, self.dp, bucket_mb=self.bucket_mb, compression=self.compression,
                                 backend=nccl)  # fmt: skip
 
-    def _check_args(self, grid: Any, model: Any) -> Exception | None:
+    def _check_args(self, grid: ProcessGrid, model: Any) -> Exception | None:
         """This rank's argument problem (raised on every rank by the caller), else ``None``."""
         m, v = self.microbatches, self.virtual_stages
         if getattr(self, "_precision_problem", None) is not None:

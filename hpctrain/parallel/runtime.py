@@ -70,7 +70,7 @@ class ParallelTrainer(Trainer):
         model: Any,
         loss: Any,
         optimizer: Any,
-        grid: Any,
+        grid: ProcessGrid,
         microbatches: int = 1,
         schedule: str = "1f1b",
         virtual_stages: int | None = None,

@@ -39,10 +39,10 @@ __all__ = ["Batch", "StepStats", "Trainer", "planned_steps"]
 def part(name: str, attribute: str) -> Any:
     """A trainer attribute that lives in its part ``name``: read and written there."""
 
-    def get(trainer: Any) -> Any:
+    def get(trainer: Trainer) -> Any:
         return getattr(getattr(trainer, name), attribute)
 
-    def put(trainer: Any, value: Any) -> None:
+    def put(trainer: Trainer, value: Any) -> None:
         setattr(getattr(trainer, name), attribute, value)
 
     return property(get, put, doc=f"``{name}.{attribute}``")

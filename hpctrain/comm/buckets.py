@@ -35,18 +35,17 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from .. import settings
-from ..backend import xp_of
+from ..backend import BF16, FP16, xp_of
 from . import progress as _progress
 from .communicator import Communicator, Request
 from .half import from_bf16, to_bf16
 
 COMPRESSIONS = (None, "fp16", "bf16")
 # 16-bit gradient dtypes (mixed precision's grad_reduce_dtype) and the 16-bit sum that adds them.
-_HALF = {np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "fp16"}
+_HALF = {BF16: "bf16", FP16: "fp16"}
 _DIGITS = re.compile(r"(\d+)")
 
 

@@ -1,10 +1,10 @@
 """The loop: ``fit`` over a loader, callbacks, checkpoint cadence and preemption.
 
 ``Trainer.fit`` is ``fit(trainer, loader, ...)`` below: a ``Loop`` drives the trainer through its
-public side only (``step``, ``memory_report``, ``global_step``/``epoch``, ``attach_sampler``/
-``take_pending_sampler``, ``last_checkpoint``, ``comm``) and ``hpctrain.checkpoint``. Nothing of
-the step's numerics is here, and nothing here is saved: the loop's own position is the trainer's
-state (``training.state``).
+public side only (``protocols.Fittable``: ``step``, ``memory_report``, ``global_step``/
+``epoch``, ``attach_sampler``/``take_pending_sampler``, ``last_checkpoint``, ``comm``) and
+``hpctrain.checkpoint``. Nothing of the step's numerics is here, and nothing here is saved: the
+loop's own position is the trainer's state (``training.state``).
 
 Rank loss (``--on-rank-loss shrink``): when ``trainer.rank_loss`` is set (a
 ``hpctrain.resilience.RankLoss``), the loop calls ``rank_loss.before_step(trainer, batch)`` before

@@ -9,15 +9,14 @@ with the reducer's), ``rebind`` after a lost rank, and what the presets' users r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
 from typing import Any
 
 import numpy as np
 
 from ..comm import watchdog
 from ..comm.grid import ProcessGrid
-from ..protocols import Reducer, Stateful
-from ..training.precision import Precision
+from ..protocols import Stateful
 from ..training.trainer import Trainer, part
 from . import reports
 from .engine import ParallelStep, Preset
@@ -64,36 +63,11 @@ class ParallelTrainer(Trainer):
     last_events: list[tuple[str, str, float, float]] = part("strategy", "last_events")
     strategy: ParallelStep
 
-    def __init__(
-        self,
-        *,
-        model: Any,
-        loss: Any,
-        optimizer: Any,
-        grid: ProcessGrid,
-        microbatches: int = 1,
-        schedule: str = "1f1b",
-        virtual_stages: int | None = None,
-        clip_norm: float | None = None,
-        reducer: Callable[[list[Any], Any], Reducer] | None = None,
-        bucket_mb: float = 25.0,
-        overlap: bool = True,
-        compression: str | None = None,
-        backend: str = "mpi",
-        on_nonfinite: str = "raise",
-        timeout: float | None = None,
-        zero: int = 0,
-        precision: str | Precision = "fp32",
-        grad_reduce_dtype: str | None = None,
-        preset: Preset | None = None,
-    ) -> None:
+    def __init__(self, *, grid: ProcessGrid, on_nonfinite: str = "raise", timeout: float | None = None,
+                 **settings: Any) -> None:
         super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
-        self.strategy = ParallelStep(
-            model=model, loss=loss, optimizer=optimizer, grid=grid, microbatches=microbatches, schedule=schedule,
-            virtual_stages=virtual_stages, clip_norm=clip_norm, reducer=reducer, bucket_mb=bucket_mb,
-            overlap=overlap, compression=compression, backend=backend, on_nonfinite=on_nonfinite,
-            timeout=self.timeout, name=type(self).__name__, zero=zero, precision=precision,
-            grad_reduce_dtype=grad_reduce_dtype, preset=preset)  # fmt: skip
+        self.strategy = ParallelStep(grid=grid, on_nonfinite=on_nonfinite, timeout=self.timeout,
+                                     name=type(self).__name__, **settings)
 
     # -- the declared interface -----------------------------------------------------------------
 
@@ -180,3 +154,10 @@ class ParallelTrainer(Trainer):
         """Full weights gathered over the tp group (for evaluation with the serial model)."""
         return full_state_dict(self.model, self.grid.tp)
 
+
+
+# The arguments are declared once, by the strategy that takes them: help() and inspect show them here
+# too (``model``, ``loss``, ``optimizer``, ``microbatches``, ... ``preset``; not the strategy's ``name``).
+_ARGS = inspect.signature(ParallelStep.__init__)
+ParallelTrainer.__init__.__signature__ = _ARGS.replace(  # type: ignore[attr-defined]
+    parameters=[a for a in _ARGS.parameters.values() if a.name != "name"])

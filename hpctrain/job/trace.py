@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 from ..protocols import Comm, TrainerView
-from ..training.step import StepStats
 
 
 class Timeline:
@@ -22,7 +21,7 @@ class Timeline:
         self.events: list[dict[str, Any]] = []
         self.rank = rank
 
-    def on_step_end(self, trainer: TrainerView, stats: StepStats) -> None:
+    def on_step_end(self, trainer: TrainerView, stats: Any) -> None:
         t1 = time.time()
         self._add(f"step {trainer.global_step}", t1 - stats.seconds, stats.seconds, {"loss": stats.loss})
         if stats.comm_seconds:

@@ -110,8 +110,9 @@ class ParallelStep(TrainStep):
     """The strategy of ``ParallelTrainer`` (its ``strategy`` part): this rank's part of the model,
     its forward/backward (micro-batches, or a pipeline schedule over ``grid.pp``), the dp
     reduction (``reducer``: bucket all-reduces, the user's factory, or ZeRO's) with its overlap
-    hooks, and ``rebind`` to go on over another grid. The arguments are ``ParallelTrainer``'s
-    (``name``: the trainer's, in errors); construction is collective."""
+    hooks, and ``rebind`` to go on over another grid. Its arguments are ``ParallelTrainer``'s,
+    declared here once (``timeout``: the trainer's, resolved; ``name``: the trainer's, in errors);
+    construction is collective."""
 
     def __init__(
         self,
@@ -181,7 +182,6 @@ class ParallelStep(TrainStep):
         self._runner = None
         if pp.size > 1 or self.preset.always_schedule:
             self._runner = PipelineRunner(self.chunks, pp, self.timeout)
-
 
     def _reduction(self) -> None:
         """The dp reduction over ``self.dp`` and the overlap hooks that start it during backward:
@@ -327,7 +327,6 @@ class ParallelStep(TrainStep):
         }  # fmt: skip
         return {self.preset.renames.get(k, k): v for k, v in cfg.items()}
 
-
     def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
         """``{serial name: (Parameter, full shape, index of the local array in the full tensor)}``.
 
@@ -338,7 +337,6 @@ class ParallelStep(TrainStep):
             return {n: (self._masters[p.name], f, i) for n, (p, f, i) in shards.items()}
         return shards
 
-
     def sync_params(self) -> None:
         """Mixed precision: round the float32 masters into the parameters (after a load put new
         masters in, or put the old ones back); nothing otherwise (ZeRO keeps its own)."""
@@ -346,14 +344,12 @@ class ParallelStep(TrainStep):
             for p in self.params:
                 p.data[...] = self._masters[p.name].data
 
-
     def close(self) -> None:
         """Remove the backward hooks and the reducer's from the model (no step after this)."""
         if self._hooks is not None:
             self._hooks.remove()
         self.reducer.remove()
         super().close()
-
 
     @property
     def hooks(self) -> BackwardHooks | None:
@@ -375,7 +371,6 @@ class ParallelStep(TrainStep):
     def last_events(self) -> list[tuple[str, str, float, float]]:
         """The last step's executed schedule (``timeline`` events; none without a pipeline)."""
         return self._runner.events if self._runner is not None else []
-
 
     # -- forward and backward -------------------------------------------------------------------
 

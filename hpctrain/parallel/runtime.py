@@ -47,7 +47,6 @@ class ParallelTrainer(Trainer):
     parameters.
     """
 
-
     # The strategy's settings and parts, read (and set) through the trainer.
     grid: ProcessGrid = part("strategy", "grid")
     zero: int = part("strategy", "zero")
@@ -79,7 +78,6 @@ class ParallelTrainer(Trainer):
     def layout(self) -> dict[str, int]:
         return dict(self.grid.sizes)
 
-
     def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
         """``{serial name: (Parameter, full shape, index of the local array in the full tensor)}``.
 
@@ -102,7 +100,6 @@ class ParallelTrainer(Trainer):
         if snap["reducer"] is not None:
             self.reducer.restore(snap["reducer"])
         self.sync_params()  # mixed precision: the compute copy from the masters just put back
-
 
     def sync_params(self) -> None:
         """Mixed precision: round the float32 masters into the parameters (after a load put new
@@ -138,7 +135,6 @@ class ParallelTrainer(Trainer):
     @property
     def stage_id(self) -> int:
         return self.grid.pp.rank
-
 
     def save_timeline(self, directory: str, png: bool = True) -> list[str]:
         """Write the last step's executed schedule (collective; ``reports.save_timeline``)."""

@@ -7,6 +7,7 @@ for the whole job) and ``make_mlp`` (``from conftest import make_mlp``)."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -27,10 +28,22 @@ def _device_standin():
     from hpctrain import backend
 
     previous = backend.use_device_module(devicearray)
+    kernels = None
+    if os.environ.get("HPCTRAIN_TEST_EMULATED_KERNELS") == "1":  # the GPU kernels' path, emulated on the CPU
+        from gpu_emulator import EmulatedKernels
+
+        from hpctrain.nn import gpu
+
+        kernels = gpu.use_kernels(EmulatedKernels())
     try:
         yield devicearray
     finally:
         backend.use_device_module(previous)
+        if kernels is not None or os.environ.get("HPCTRAIN_TEST_EMULATED_KERNELS") == "1":
+            from hpctrain.nn import gpu
+
+            gpu.use_kernels(kernels)
+            gpu.shared.clear()
 
 
 @pytest.fixture
@@ -84,15 +97,18 @@ def make_mlp(d_in: int, d_out: int, *, width: int, depth: int = 2, seed: int = 0
     return Sequential(*layers)
 
 
-def pytest_configure(config):
-    # Only rank 0 prints the per-test progress; every rank still reports its own failures.
-    try:
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_size() > 1 and MPI.COMM_WORLD.Get_rank() != 0:
-            config.option.verbose = -1
-    except ImportError:
-        pass
+def pytest_terminal_summary(terminalreporter):
+    """The skips folded by reason, one line each (``-r`` without ``s``: pytest lists a skip by
+    marker per test, hundreds of "need --with-mpi" lines in the serial pass). Under MPI only rank 0
+    has a terminal report (hpctrain's pytest plugin)."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"skipped {count:>4}: {reason}")
 
 
 @contextlib.contextmanager

@@ -188,6 +188,13 @@ def _outside_names(tree: ast.AST) -> set[str]:
     return out
 
 
+def _root(node: ast.AST) -> str | None:
+    """The name an attribute chain starts from (``torch`` of ``torch.autograd.Variable``)."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def _string_attr(call: ast.Call) -> str | None:
     """``"_x"`` of ``getattr(obj, "_x", ...)``, ``hasattr`` or ``setattr``; ``None`` otherwise."""
     f = call.func
@@ -226,7 +233,7 @@ def _private_uses() -> tuple[dict[str, set[str]], dict[str, set[str]], list[tupl
                 if _own(n.value):
                     if isinstance(n.ctx, ast.Store):
                         mine.add(n.attr)
-                elif not (isinstance(n.value, ast.Name) and n.value.id in outside):
+                elif _root(n.value) not in outside:
                     if isinstance(n.ctx, ast.Store):
                         marked.add(n.attr)
                     uses.append((name, n.lineno, n.attr, ast.unparse(n)))

@@ -18,6 +18,7 @@ import copy
 import weakref
 from typing import Any
 
+from ..data.sampler import rescaled_position
 from ..nn.rngs import ModuleRngs
 from ..protocols import StateOwner, restore_of, snapshot_of
 
@@ -162,8 +163,7 @@ class TrainerState:
         if sampler_state is not None:
             sampler_state = dict(sampler_state)
         if sampler_state is not None and saved_dp != self.owner.dp.size:
-            # Samples consumed by all replicas (position x old dp) spread over the new dp size.
-            sampler_state["position"] = int(sampler_state["position"]) * saved_dp // self.owner.dp.size
+            sampler_state["position"] = rescaled_position(sampler_state["position"], saved_dp, self.owner.dp.size)
         self.pending_sampler = sampler_state
         sampler = self.sampler
         if sampler is not None and sampler_state is not None:

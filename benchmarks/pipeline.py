@@ -121,7 +121,7 @@ def interleaved_rows(comm: Communicator, ms: list[int], steps: int, tf: float, v
             bubbles, replays, times = [], [], []
             for k in range(steps + 1):
                 st = tr.step(x, x)
-                events = comm.allgather_obj(tr._runner.events)
+                events = comm.allgather_obj(tr.last_events)
                 if k:
                     bubbles.append(st.extra["bubble"])
                     replays.append(replay(schedule, p, m, events, vs))

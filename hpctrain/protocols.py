@@ -7,7 +7,7 @@ imports nothing of hpctrain, so every layer may import it (see ARCHITECTURE.md).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 # -- communication (hpctrain.comm) --------------------------------------------------------------
@@ -56,6 +56,7 @@ class Comm(Protocol):
     def gather_obj(self, obj: Any, root: int = 0) -> list[Any] | None: ...
     def split(self, color: int, key: int | None = None) -> Comm: ...
     def dup(self) -> Comm: ...
+    def adopt(self, other: Comm) -> None: ...
     def barrier(self) -> None: ...
     def abort(self, code: int = 1) -> None: ...
     def free(self) -> None: ...
@@ -235,3 +236,103 @@ class Reducer(Protocol):
     def memory_arrays(self) -> dict[str, list[Any]] | None:
         """The arrays the reducer keeps, by ``hpctrain.training.memory`` category, or ``None`` when the
         trainer's parameters, gradients and optimizer state are the whole story."""
+
+
+# -- what the layers above use of a trainer (hpctrain.training.Trainer and its subclasses) --------
+#
+# Each is the side one user of a trainer sees, no more: a callback, the checkpoint, the loop, the
+# rank-loss recovery. ``hpctrain.Trainer`` (and ``ParallelTrainer`` for ``Recoverable``) has them all.
+
+
+@runtime_checkable
+class StateOwner(Protocol):
+    """What a trainer's ``training.state.TrainerState`` reads and sets of the trainer that holds
+    it: the groups its state spans, the objects it saves with it, and the step counter."""
+
+    comm: Comm
+    dp: Comm
+    model: Any
+    optimizer: Any
+    #: ``training.precision.Precision``: its ``scaler`` (fp16's loss scale) is saved.
+    precision: Any
+    global_step: int
+
+
+@runtime_checkable
+class TrainerView(Protocol):
+    """What a ``fit`` callback reads of the trainer it is handed (``on_fit_start(trainer)``,
+    ``on_step_end(trainer, stats)``, ``on_epoch_end(trainer)``, ``on_fit_end(trainer)``)."""
+
+    comm: Comm
+    global_step: int
+    epoch: int
+    #: ``None`` for a trainer that updates itself (the parameter server).
+    optimizer: Any
+
+
+@runtime_checkable
+class Checkpointable(TrainerView, Stateful, Protocol):
+    """What ``hpctrain.checkpoint`` reads of a trainer (besides its optional ``checkpointer``):
+    the layout and settings it records, this rank's tensors, and the ``Stateful`` methods."""
+
+    @property
+    def layout(self) -> dict[str, int]: ...
+
+    def config(self) -> dict[str, Any]:
+        """The settings compared across ranks and stored in checkpoints."""
+
+    def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
+        """``{serial name: (Parameter, full shape, index in the full tensor)}`` of this rank."""
+
+
+@runtime_checkable
+class RankLossHook(Protocol):
+    """What ``fit`` calls on ``trainer.rank_loss`` (``hpctrain.resilience.RankLoss``)."""
+
+    def before_step(self, trainer: Fittable, batch: Any) -> None: ...
+
+    def recover(self, trainer: Fittable, exc: BaseException) -> bool:
+        """``True``: the survivors go on (with the next batch); ``False``: ``exc`` is raised."""
+
+    def save(self, trainer: Fittable, write: Callable[[], str]) -> str: ...
+
+    def memory_arrays(self) -> list[Any]: ...
+
+
+@runtime_checkable
+class Fittable(Checkpointable, Protocol):
+    """What ``training.loop.fit`` and the job use of a trainer."""
+
+    last_checkpoint: str | None
+    rank_loss: RankLossHook | None
+
+    def step(self, x: Any, y: Any, weight: Any = None) -> Any: ...
+
+    def memory_report(self, stats: Any = None) -> dict[str, int]: ...
+
+    def attach_sampler(self, sampler: Any) -> None: ...
+
+    def take_pending_sampler(self) -> dict[str, Any] | None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Recoverable(Fittable, Protocol):
+    """What ``hpctrain.resilience`` uses of a trainer to go on without a lost rank
+    (``parallel.ParallelTrainer``): its groups, its parts, the step's undo and ``rebind``."""
+
+    dp: Comm
+    #: ``comm.grid.ProcessGrid``.
+    grid: Any
+    params: list[Any]
+    model: Any
+    reducer: Reducer
+    #: The ZeRO stage (0: none).
+    zero: int
+
+    def abandon_step(self) -> None:
+        """Undo what a step that raised did before its update (the reduction, the gradients)."""
+
+    def rebind(self, grid: Any, full: dict[str, Any] | None = None) -> None:
+        """Go on over ``grid`` (the survivors'): communicators, reducer, hooks and ZeRO pieces."""

@@ -29,7 +29,7 @@ def state_of(tr) -> dict:
         out.update({f"optim/{name}/{k}": np.array(v) for k, v in st.items()})
     out["counters"] = (tr.global_step, tr.epoch, tr.optimizer.step_count)
     out["rng"] = copy.deepcopy(tr.model[2].rng.bit_generator.state)
-    out["sampler"] = copy.deepcopy(tr._sampler.state_dict())
+    out["sampler"] = copy.deepcopy(tr.state.sampler.state_dict())
     out["pending"] = copy.deepcopy(getattr(tr, "_pending_sampler", None))
     return out
 
@@ -101,7 +101,7 @@ def _moved_on(comm):
     """A trainer 3 steps in (the checkpoint) and then 2 more, with a sampler mid-epoch."""
     tr = trainer(comm)
     ld = loader(comm)
-    tr._sampler = ld.sampler  # what fit attaches, so that the sampler position is part of the state
+    tr.attach_sampler(ld.sampler)  # what fit attaches, so that the sampler position is part of the state
     batches = _batches(comm)
     for _ in range(3):
         tr.step(*next(batches))
@@ -118,7 +118,7 @@ def test_each_damaged_checkpoint_leaves_trainer_bitwise_unchanged(comm, tmp_path
         tr.step(*next(batches))
     ld = loader(comm)
     ld.sampler.load_state_dict({**ld.sampler.state_dict(), "position": 2})
-    tr._sampler = ld.sampler
+    tr.attach_sampler(ld.sampler)
     cases = comm.bcast_obj(damage(good, d) if comm.rank == 0 else None)
     before = state_of(tr)
     for case, (path, pattern) in cases.items():
@@ -178,7 +178,7 @@ def test_a_load_refused_on_one_rank_puts_every_rank_back_exactly(comm, shared_di
     tr, batches = _moved_on(comm)
     path = checkpoint.save(os.path.join(shared_dir, "ck.h5"), tr)
     tr.step(*next(batches))
-    whole = list(tr._sampler)  # finishes the epoch: the next pass starts it over
+    whole = list(tr.state.sampler)  # finishes the epoch: the next pass starts it over
     before = state_of(tr)
     if comm.rank == comm.size - 1:
 
@@ -189,4 +189,4 @@ def test_a_load_refused_on_one_rank_puts_every_rank_back_exactly(comm, shared_di
     with pytest.raises(CheckpointError, match="refused on one rank"):
         checkpoint.load(path, tr)
     assert_bitwise(state_of(tr), before)
-    assert list(tr._sampler) == whole
+    assert list(tr.state.sampler) == whole

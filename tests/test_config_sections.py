@@ -121,6 +121,16 @@ def _ps(comm, **kw):
                                   **kw)
 
 
+def _shrinkable(trainer):
+    """``RankLoss``'s check of the trainer it is handed (the trainer closed after it)."""
+    from hpctrain.resilience import check_shrinkable
+
+    try:
+        check_shrinkable(trainer)
+    finally:
+        trainer.close()
+
+
 def _tp(comm, module):
     from hpctrain.parallel import tensor_parallel
 
@@ -156,6 +166,9 @@ SAME_RULE = [
     ("heads divide the width", lambda comm: nn.CausalSelfAttention(30, 4, rng=0),
      lambda comm: {"model": "gpt", "d_model": 30, "n_heads": 4}, 2, ("n_heads", "d_model")),
     ("dropout", lambda comm: nn.Dropout(1.0), lambda comm: {"dropout": 1.0}, 2, ("dropout",)),
+    ("shrink keeps data-parallel replicas", lambda comm: _shrinkable(_ps(comm)),
+     lambda comm: {"on_rank_loss": "shrink", "strategy": "ps"}, 2,
+     ("on_rank_loss", "strategy", "zero", "backend", "precision")),
     ("tp divides the heads", lambda comm: _tp(comm, nn.TransformerBlock(4 * _heads(comm), _heads(comm), 8, rng=0)),
      lambda comm: {"model": "gpt", "strategy": "tp", "n_heads": _heads(comm), "d_model": 4 * _heads(comm),
                    "batch_size": 8}, None, ("n_heads",)),

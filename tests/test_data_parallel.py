@@ -173,7 +173,7 @@ def test_equivalence_with_serial(comm, opt_kind, accum, clip, overlap):
     tr = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(),
                              optimizer=make_opt(opt_kind, model.parameters()),
                              comm=comm, bucket_mb=0.001, overlap=overlap, accum_steps=accum, clip_norm=clip)
-    assert tr._hooks is None or tr._hooks.active == overlap
+    assert tr.strategy.hooks is None or tr.strategy.hooks.active == overlap
     stats = [tr.step(share(x, comm), share(y, comm)) for x, y in batches]
     # With overlap every bucket but the first layer's started while backward was still running.
     assert tr.buckets.overlapped == (len(tr.buckets.buckets) - 1 if overlap else 0)

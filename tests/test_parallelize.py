@@ -167,7 +167,7 @@ def test_timeout_zero_is_off_for_pipeline_waits_too(comm, monkeypatch):
         part = parallelize(make("mlp"), grid)
         tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters()), grid=grid,
                              microbatches=2, timeout=timeout)  # fmt: skip
-        assert tr.timeout == 0 and tr._runner.timeout == 0  # waits block, nothing "expires now"
+        assert tr.timeout == 0 and tr.strategy.runner.timeout == 0  # waits block, nothing "expires now"
         x, y = data("mlp", grid.dp_size, 0)
         sl = slice(grid.dp.rank * PER_REPLICA, (grid.dp.rank + 1) * PER_REPLICA)
         assert np.isfinite(tr.step(x[sl], y[sl]).loss)

@@ -153,3 +153,167 @@ def test_no_two_modules_share_a_file_name():
             by_name.setdefault(path.name, []).append(name)
     twice = {n: sorted(m) for n, m in by_name.items() if len(m) > 1}
     assert not twice, f"file names used by more than one module: {twice}"
+
+
+# -- a package reaches another's objects through their public side only -------------------------
+
+# Private names of another package's objects that a module may still use, each with its reason.
+# (module, "attribute" or "package.module.name" for a private import)
+PRIVATE_ALLOWED = {
+    # The vocabulary-parallel loss applies the serial losses' sample-weight rule (one place); it
+    # becomes public when issue 36's autograd losses land in both files.
+    ("hpctrain.parallel.tensor_layers", "hpctrain.nn.losses._per_sample_weight"),
+}
+
+
+def _package(name: str) -> str:
+    """The package of module ``name`` (``hpctrain.parallel.engine`` -> ``parallel``); a top-level
+    module is its own."""
+    return name.split(".")[1] if "." in name else name
+
+
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def _outside_names(tree: ast.AST) -> set[str]:
+    """Names bound by importing modules that are not hpctrain's (``sys``, ``os``, ``MPI``): their
+    private attributes are the standard library's or mpi4py's business, not a package boundary."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            out.update((a.asname or a.name).split(".")[0] for a in n.names if not a.name.startswith("hpctrain"))
+        elif isinstance(n, ast.ImportFrom) and not n.level and not (n.module or "").startswith("hpctrain"):
+            out.update(a.asname or a.name for a in n.names)
+    return out
+
+
+def _root(node: ast.AST) -> str | None:
+    """The name an attribute chain starts from (``torch`` of ``torch.autograd.Variable``)."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _string_attr(call: ast.Call) -> str | None:
+    """``"_x"`` of ``getattr(obj, "_x", ...)``, ``hasattr`` or ``setattr``; ``None`` otherwise."""
+    f = call.func
+    if isinstance(f, ast.Name) and f.id in ("getattr", "hasattr", "setattr") and len(call.args) >= 2:
+        key = call.args[1]
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            return key.value
+    return None
+
+
+def _own(node: ast.AST) -> bool:
+    """``self``, ``cls`` or ``super()``: the object's own attributes."""
+    if isinstance(node, ast.Name):
+        return node.id in ("self", "cls")
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+
+
+def _private_uses() -> tuple[dict[str, set[str]], dict[str, set[str]], list[tuple[str, int, str, str]]]:
+    """Per package, the private names it defines on its own (functions, classes, module names,
+    attributes of ``self``/``cls``) and those it sets on other objects (a marker on a handler, a
+    cache on a communicator); and every use, read or write, of a private attribute of an object
+    that is not the user's own: ``(module, line, attribute, source text)``."""
+    defined: dict[str, set[str]] = {}
+    marks: dict[str, set[str]] = {}
+    uses = []
+    for name, path in sorted(_modules().items()):
+        tree = ast.parse(path.read_text())
+        pkg, outside = _package(name), _outside_names(tree)
+        mine, marked = defined.setdefault(pkg, set()), marks.setdefault(pkg, set())
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                mine.add(n.name)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                mine.add(n.id)
+            elif isinstance(n, ast.Attribute) and _private(n.attr):
+                if _own(n.value):
+                    if isinstance(n.ctx, ast.Store):
+                        mine.add(n.attr)
+                elif _root(n.value) not in outside:
+                    if isinstance(n.ctx, ast.Store):
+                        marked.add(n.attr)
+                    uses.append((name, n.lineno, n.attr, ast.unparse(n)))
+            elif isinstance(n, ast.Call) and _private(_string_attr(n) or ""):
+                if _own(n.args[0]):
+                    if n.func.id == "setattr":
+                        mine.add(_string_attr(n))
+                else:
+                    if n.func.id == "setattr":
+                        marked.add(_string_attr(n))
+                    uses.append((name, n.lineno, _string_attr(n), ast.unparse(n)))
+    return defined, marks, uses
+
+
+def test_no_private_attribute_of_another_packages_object():
+    # Grep-level: ``x._name`` (or getattr(x, "_name")) where x is not self/cls/super() is another
+    # package's private unless the user's own package defines ``_name`` on its objects, or is the
+    # only one that sets it at all (its marker on an object it does not own).
+    defined, marks, uses = _private_uses()
+
+    def owned(pkg: str, attr: str) -> bool:
+        return attr in defined[pkg] or (attr in marks[pkg] and not any(attr in d for d in defined.values()))
+
+    wrong = [f"{mod}:{line}: {text}" for mod, line, attr, text in uses
+             if not owned(_package(mod), attr) and (mod, attr) not in PRIVATE_ALLOWED]  # fmt: skip
+    assert not wrong, "private attributes of another package's objects:\n" + "\n".join(wrong)
+
+
+def test_no_private_name_imported_from_another_package():
+    mods, wrong = _modules(), []
+    for name, path in sorted(mods.items()):
+        pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for n in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(n, ast.ImportFrom):
+                continue
+            parts = pkg.split(".")
+            source = (".".join(parts[: len(parts) - n.level + 1] + ([n.module] if n.module else []))
+                      if n.level else n.module or "")
+            for a in n.names:
+                full = f"{source}.{a.name}"
+                if (_private(a.name) and source.startswith("hpctrain") and _package(source) != _package(name)
+                        and (name, full) not in PRIVATE_ALLOWED):
+                    wrong.append(f"{name}:{n.lineno}: from {source} import {a.name}")
+    assert not wrong, "private names imported from another package:\n" + "\n".join(wrong)
+
+
+def test_the_trainers_are_composed_not_stacked():
+    # A trainer holds its parts (strategy, state, checkpointer); its class has one base, so no
+    # mixin adds behaviour beside it. The strategies (the step's subclasses) likewise.
+    import hpctrain.parallel  # noqa: F401  (defines the trainers and strategies)
+    from hpctrain.training.step import TrainStep
+    from hpctrain.training.trainer import Trainer
+
+    def family(root):
+        out, todo = [], [root]
+        while todo:
+            cls = todo.pop()
+            out.append(cls)
+            todo.extend(cls.__subclasses__())
+        return [c for c in out if c.__module__.startswith("hpctrain.")]
+
+    stacked = [f"{c.__module__}.{c.__qualname__}{tuple(b.__name__ for b in c.__bases__)}"
+               for root in (Trainer, TrainStep) for c in family(root) if len(c.__bases__) != 1]  # fmt: skip
+    assert not stacked, f"classes with more than one base: {stacked}"
+    assert Trainer.__bases__ == (object,) and TrainStep.__bases__ == (object,)
+    trainers = family(Trainer)
+    assert {"ParallelTrainer", "ParameterServerTrainer"} <= {c.__name__ for c in trainers}
+    assert {"strategy", "state"} <= set(Trainer.__annotations__)
+
+
+def test_no_parameter_is_an_untyped_trainer():
+    # What checkpoint, loop, recovery and callbacks use of a trainer is a protocol
+    # (hpctrain.protocols: TrainerView, Checkpointable, Fittable, Recoverable).
+    wrong = []
+    for name, path in sorted(_modules().items()):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.arg) and "trainer" in n.arg and n.annotation is not None:
+                if ast.unparse(n.annotation) in ("Any", "'Any'", "object"):
+                    wrong.append(f"{name}:{n.lineno}: {n.arg}: {ast.unparse(n.annotation)}")
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and "trainer" in n.target.id:
+                if ast.unparse(n.annotation) in ("Any", "'Any'", "object"):
+                    wrong.append(f"{name}:{n.lineno}: {n.target.id}: {ast.unparse(n.annotation)}")
+    assert not wrong, "trainers typed Any (use a protocol of hpctrain.protocols):\n" + "\n".join(wrong)

@@ -20,10 +20,10 @@ Modules: :mod:`.format` (names, index, checksums), :mod:`.checkpointer` (``save`
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from ..errors import CheckpointError
 from ..log import get_logger
+from ..protocols import Checkpointable
 from . import seal
 from .checkpointer import Checkpointer, save, wait
 from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
@@ -41,7 +41,7 @@ _log = get_logger("checkpoint")
 _norm_index = norm_index  # the name tests and older callers use
 
 
-def save_in(directory: str, trainer: Any, keep: int = 3, *, asynchronous: bool = False) -> str:
+def save_in(directory: str, trainer: Checkpointable, keep: int = 3, *, asynchronous: bool = False) -> str:
     """Save as ``ckpt-<step>.h5`` in ``directory``; once it is committed (for an asynchronous save:
     when a later call commits it), delete what :func:`beyond_keep` names and the part files of
     interrupted saves. Collective."""
@@ -108,7 +108,7 @@ def copy(src: str, dst: str) -> str:
     return dst
 
 
-def load_latest(directory: str, trainer: Any) -> str | None:
+def load_latest(directory: str, trainer: Checkpointable) -> str | None:
     """Load the newest checkpoint in ``directory`` that loads; ``None`` if there is none at all.
 
     A newest file that fails (say, the job died while the disk was failing) is skipped, logged on

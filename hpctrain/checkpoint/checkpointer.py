@@ -18,6 +18,7 @@ import numpy as np
 from ..backend import to_host
 from ..errors import CheckpointError
 from ..log import get_logger
+from ..protocols import Checkpointable, Comm
 from . import format as fmt
 from . import rawio
 from .saving import Job, agree, describe
@@ -32,7 +33,7 @@ _PRIVATE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _WORLD_CKPT: dict[str, Any] = {}
 
 
-def ckpt_comm(comm: Any) -> Any:
+def ckpt_comm(comm: Comm) -> Comm:
     """The private duplicate of ``comm`` (a ``Communicator``) the write phase agrees on, separate
     from the training's own traffic; its waits are watched by the stall watchdog like any other.
 
@@ -59,7 +60,7 @@ class Checkpointer:
     (``job``), its snapshot buffers and its private communicator (``raw``, made now: collective).
     """
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.raw = ckpt_comm(comm)
         #: The asynchronous save not yet agreed on (``None``: none in flight).
@@ -67,7 +68,7 @@ class Checkpointer:
         #: Host buffers an asynchronous save copies slabs into, by slab name, kept across saves.
         self.buffers: dict[str, np.ndarray] = {}
 
-    def private(self, comm: Any) -> Any:
+    def private(self, comm: Comm) -> Comm:
         """The private communicator for a save over ``comm`` (the trainer's communicator, which a
         recovery may have replaced since setup: then made now, collective)."""
         if comm is not self.comm:
@@ -76,7 +77,7 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------------------
 
-    def save(self, path: str, trainer: Any, *, asynchronous: bool = False,
+    def save(self, path: str, trainer: Checkpointable, *, asynchronous: bool = False,
              after: Callable[[], None] | None = None) -> str:
         """:func:`save` of ``trainer`` (see there). Collective."""
         if not asynchronous:
@@ -199,7 +200,7 @@ def _contiguous(a: Any) -> np.ndarray:
 _OTHERS: weakref.WeakKeyDictionary[Any, Checkpointer] = weakref.WeakKeyDictionary()
 
 
-def checkpointer_of(trainer: Any) -> Checkpointer:
+def checkpointer_of(trainer: Checkpointable) -> Checkpointer:
     """``trainer.checkpointer`` (every ``Trainer`` makes one at setup). An object that keeps the
     rest of the trainer interface without one gets one made now (collective), kept for it."""
     own = getattr(trainer, "checkpointer", None)  # optional in the trainer interface: see above
@@ -210,7 +211,8 @@ def checkpointer_of(trainer: Any) -> Checkpointer:
     return own
 
 
-def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable[[], None] | None = None) -> str:
+def save(path: str, trainer: Checkpointable, *, asynchronous: bool = False,
+         after: Callable[[], None] | None = None) -> str:
     """Write ``trainer``'s whole state to ``path`` (collective: every rank of the job calls it).
 
     Returns the path. The previous file at ``path`` (if any) is replaced only once the new one is
@@ -226,7 +228,7 @@ def save(path: str, trainer: Any, *, asynchronous: bool = False, after: Callable
     return checkpointer_of(trainer).save(path, trainer, asynchronous=asynchronous, after=after)
 
 
-def wait(trainer: Any) -> str | None:
+def wait(trainer: Checkpointable) -> str | None:
     """Finish ``trainer``'s background saves, if any (collective: joins the writer thread, the
     ranks agree, rank 0 commits the index); returns the path, or raises the ``CheckpointError``
     of a failed one on every rank. The waits are watched by the stall watchdog."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..errors import CheckpointError
+from ..protocols import Checkpointable, Comm
 from . import format as fmt
 from . import rawio
 from .checkpointer import checkpointer_of
@@ -32,7 +33,7 @@ from .reader import Reader
 __all__ = ["commit", "load", "load_weights", "read_header", "stage"]
 
 
-def _agreed_header(path: str, comm: Any) -> dict[str, Any]:
+def _agreed_header(path: str, comm: Comm) -> dict[str, Any]:
     verdict: Any = None
     if comm.rank == 0:
         try:
@@ -51,7 +52,7 @@ def _agreed_header(path: str, comm: Any) -> dict[str, Any]:
     return verdict[1]
 
 
-def _wanted(trainer: Any, stored: dict[str, Any]) -> dict[str, tuple[Any, tuple, tuple]]:
+def _wanted(trainer: Checkpointable, stored: dict[str, Any]) -> dict[str, tuple[Any, tuple, tuple]]:
     """{key: (parameter, full shape, index)} for what this rank holds (parameters and the
     optimizer's state keys). An optimizer whose ``state_keys`` is ``None`` declares none (a torch
     optimizer makes its state at its first step): it takes the keys ``stored`` holds for each
@@ -74,7 +75,7 @@ def _wanted(trainer: Any, stored: dict[str, Any]) -> dict[str, tuple[Any, tuple,
     return out
 
 
-def stage(path: str, trainer: Any, header: dict[str, Any],
+def stage(path: str, trainer: Checkpointable, header: dict[str, Any],
           tree: bool = False) -> tuple[dict[str, Any], list[str], set[str]]:
     """Read and verify everything this rank needs into temporaries; changes nothing.
 
@@ -152,7 +153,7 @@ def _quick_handoffs(seconds: float = 1e-4) -> Iterator[None]:
         sys.setswitchinterval(before)
 
 
-def load(path: str, trainer: Any) -> dict[str, Any]:
+def load(path: str, trainer: Checkpointable) -> dict[str, Any]:
     """Restore ``trainer`` from ``path`` (collective). Returns the checkpoint's header.
 
     The saved layout may differ from the trainer's: every rank reads the slices it holds now.
@@ -185,7 +186,7 @@ def load(path: str, trainer: Any) -> dict[str, Any]:
     return header
 
 
-def commit(trainer: Any, staged: dict[str, Any], state: Any, header: dict[str, Any]) -> BaseException | None:
+def commit(trainer: Checkpointable, staged: dict[str, Any], state: Any, header: dict[str, Any]) -> BaseException | None:
     """Put verified temporaries into ``trainer``; if anything fails on any rank (its
     ``load_state_dict``, say), every rank puts everything back: the parameters from their
     backups, the rest through the trainer's ``restore`` of the ``snapshot`` taken first.
@@ -219,7 +220,7 @@ def commit(trainer: Any, staged: dict[str, Any], state: Any, header: dict[str, A
     return problem
 
 
-def _put(trainer: Any, shards: dict[str, tuple], staged: dict[str, Any], header: dict[str, Any],
+def _put(trainer: Checkpointable, shards: dict[str, tuple], staged: dict[str, Any], header: dict[str, Any],
          backups: dict[str, Any]) -> None:
     """The staged parameters into place (each one's old array into ``backups`` first) and the
     staged optimizer state into the trainer's optimizer, with the saved step count."""

@@ -36,6 +36,7 @@ import numpy as np
 from .. import __version__
 from ..errors import CheckpointError
 from ..log import get_logger
+from ..protocols import Checkpointable, Comm
 from . import format as fmt
 from . import rawio, seal
 
@@ -48,7 +49,7 @@ SPLIT_BYTES = 1 << 20
 # -- what this rank holds --------------------------------------------------------------------
 
 
-def local_pieces(trainer: Any) -> dict[str, tuple[Any, tuple, tuple]]:
+def local_pieces(trainer: Checkpointable) -> dict[str, tuple[Any, tuple, tuple]]:
     """{tensor key: (local array, full shape, normalized index)} for parameters and optimizer state."""
     opt = trainer.optimizer
     pieces: dict[str, tuple[Any, tuple, tuple]] = {}
@@ -108,7 +109,7 @@ def make_plan(everyone: list[dict[str, tuple]]) -> tuple[dict[str, tuple], dict[
     return shapes, slabs
 
 
-def describe(trainer: Any, comm: Any) -> tuple[dict[str, tuple], dict[str, tuple], dict[str, str],
+def describe(trainer: Checkpointable, comm: Comm) -> tuple[dict[str, tuple], dict[str, tuple], dict[str, str],
                                               dict[str, np.ndarray], BaseException | None]:
     """What this rank saves: ``(pieces, meta {key: (full shape, dtype, boxes)}, header attributes,
     state arrays, this rank's problem or None)``. Calls the trainer's ``state_dict()`` (collective:
@@ -143,7 +144,7 @@ def describe(trainer: Any, comm: Any) -> tuple[dict[str, tuple], dict[str, tuple
     return pieces, meta, attrs, extra, problem
 
 
-def agree(path: str, comm: Any, problem: BaseException | None,
+def agree(path: str, comm: Comm, problem: BaseException | None,
           meta: dict[str, tuple]) -> tuple[dict[str, tuple], dict[str, list], str]:
     """One exchange: every rank's problem (raised on every rank), file name and pieces, and rank
     0's token for the part directory. Returns the plan (``make_plan``) and the token."""
@@ -189,7 +190,7 @@ def fsync_dir(path: str) -> None:
 class Job:
     """One save: what this rank writes and what rank 0 needs to finish it."""
 
-    def __init__(self, path: str, comm: Any, raw: Any, token: str) -> None:
+    def __init__(self, path: str, comm: Comm, raw: Any, token: str) -> None:
         self.path, self.comm, self.raw, self.token = path, comm, raw, token
         self.parts = fmt.parts_dir_name(path, token)
         self.parts_path = os.path.join(os.path.dirname(os.path.abspath(path)), self.parts)

@@ -36,11 +36,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from .. import settings
-from ..backend import xp_of
+from ..backend import BF16, FP16, xp_of
 from . import progress as _progress
 from .communicator import Communicator, Request
 from .half import from_bf16, to_bf16
@@ -49,7 +48,7 @@ COMPRESSIONS = (None, "fp16", "bf16")
 #: How parameters are packed: by natural name order, or in the order they are handed in.
 ORDERS = ("name", "given")
 # 16-bit gradient dtypes (mixed precision's grad_reduce_dtype) and the 16-bit sum that adds them.
-_HALF = {np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "fp16"}
+_HALF = {BF16: "bf16", FP16: "fp16"}
 _DIGITS = re.compile(r"(\d+)")
 
 

@@ -458,6 +458,13 @@ class Communicator(Agreeing):
         twin._timeout = self._timeout
         return twin
 
+    def adopt(self, other: Communicator) -> None:
+        """Become ``other``, a group with this rank and size (the survivors' after a lost rank), so
+        that whatever holds this object goes on over it (``resilience.groups.regrid``)."""
+        if (other.rank, other.size) != (self.rank, self.size):
+            raise RuntimeError(f"{self!r} cannot become {other!r}: the rank and the size must stay")
+        self.__dict__.update(other.__dict__)
+
     def barrier(self) -> None:
         """Wait until every rank has called ``barrier``."""
         self._watched("barrier", None, _NO_ARG, self.mpi.Barrier)
@@ -489,7 +496,5 @@ class Communicator(Agreeing):
     def _check_count(status: MPI.Status, out: Any, source: int, tag: int) -> None:
         got = status.Get_count(MPI.BYTE)
         if got != out.nbytes:
-            raise BufferError(
-                f"recv from rank {source} (tag {tag}) got {got} bytes into a buffer of "
-                f"{out.nbytes} bytes (shape {tuple(out.shape)}, dtype {out.dtype})"
-            )
+            raise BufferError(f"recv from rank {source} (tag {tag}) got {got} bytes into a buffer of "
+                              f"{out.nbytes} bytes (shape {tuple(out.shape)}, dtype {out.dtype})")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
@@ -66,7 +65,7 @@ def _as_array(x: Any) -> Any:
 
 # bfloat16 (``ml_dtypes``, mixed precision) has no MPI type: it moves as its uint16 bits and is
 # summed by the 16-bit sum ("sum_bf16"); no other reduction of it is offered.
-_BF16 = np.dtype(ml_dtypes.bfloat16)
+_BF16 = backend.BF16
 
 
 def _bits(x: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import nn
+from ..protocols import Comm
 from . import models
 from .options import Config
 
@@ -92,7 +93,7 @@ def build_optimizer(c: Config, params: list[Any], total_steps: int = 1) -> Any:
     return cls(params, lr=c.lr, weight_decay=c.weight_decay, schedule=schedule)
 
 
-def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any:
+def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1) -> Any:
     """The trainer of ``c.strategy`` around ``model`` (collective: trainers agree on configs).
 
     ``total_steps``: the steps the run will take (the cosine schedule's length).
@@ -137,7 +138,7 @@ def with_recompute(model: Any) -> Any:
     return nn.recompute_blocks(model)[0]
 
 
-def data_rank(c: Config, comm: Any) -> tuple[int, int]:
+def data_rank(c: Config, comm: Comm) -> tuple[int, int]:
     """(rank, size) the sampler shards by: the dp coordinate; tp and pp groups share batches."""
     if c.strategy == "ps":
         return comm.rank, comm.size

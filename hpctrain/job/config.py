@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from ..errors import ConfigError
-from .options import _BY_NAME, DERIVED, OPTIONS, Config, Option, flag
+from .options import _BY_NAME, DERIVED, OPTIONS, Config, Option, as_flag, flag
 from .sections import SECTIONS, Section, loss_scaler
 
 __all__ = ["DERIVED", "OPTIONS", "SECTIONS", "Config", "Option", "Section", "add_arguments", "as_config", "flag",
@@ -231,34 +231,22 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
     return c
 
 
-def _shrink_unsupported(c: Config) -> str | None:
-    """Why this layout cannot go on without a lost rank yet (``None``: it can)."""
-    if c.strategy not in ("dp", "hybrid"):
-        # (dp x tp x pp: a broken replica leaves, the whole ones go on; ZeRO's buddies are over dp)
-        return f"--strategy {c.strategy}"
-    if c.backend != "mpi":
-        return f"--backend {c.backend}"
-    if c.precision != "fp32":  # its float32 masters and loss scale are not kept across a loss yet
-        return f"--precision {c.precision}"
-    return None
-
-
 def _on_rank_loss(c: Config) -> str:
-    """``--on-rank-loss`` resolved: ``shrink`` where this launch detects lost ranks (ULFM) and the
-    layout can continue without one, else ``abort``; an explicit ``shrink`` that cannot work is
-    refused here, before anything starts (the same verdict on every rank: a local check)."""
+    """``--on-rank-loss`` resolved: ``shrink`` where the layout can continue without a lost rank
+    (``resilience.shrink_problem``, the library's rule, in flags) and this launch detects lost
+    ranks (ULFM), else ``abort``; an explicit ``shrink`` that cannot work is refused here, before
+    anything starts (the same verdict on every rank: a local check)."""
     from ..comm import ulfm
+    from ..resilience import shrink_problem  # (here: importing it starts MPI, which the tools must not)
 
-    unsupported = _shrink_unsupported(c)
+    unsupported = shrink_problem(c.strategy, c.backend, c.precision, say=as_flag)
     if c.on_rank_loss is None:
-        return "shrink" if ulfm.available() and unsupported is None else "abort"
+        return "shrink" if unsupported is None and ulfm.available() else "abort"
     if c.on_rank_loss == "shrink":
+        if unsupported is not None:
+            raise ConfigError(unsupported)
         if not ulfm.available():
             raise ConfigError(f"--on-rank-loss shrink: this job cannot survive a lost rank: {ulfm.missing()}; "
                               "use --on-rank-loss abort")
-        if unsupported is not None:
-            raise ConfigError(f"--on-rank-loss shrink continues data-parallel replicas only (--strategy dp "
-                              f"or hybrid: dp x tp x pp, with --zero 0-3; --backend mpi, --precision fp32), "
-                              f"not {unsupported}; use --on-rank-loss abort")
     return c.on_rank_loss
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..data.checks import Rows
 from ..errors import DatasetError
+from ..protocols import Comm
 from .options import Config
 
 __all__ = ["Rows", "builtin_name", "builtin_path", "data_path", "open_data"]
@@ -35,7 +36,7 @@ def data_path(c: Config) -> str:
     return builtin_path(builtin_name(c)) if c.data in (None, "shakespeare") else c.data
 
 
-def open_data(c: Config, comm: Any = None, path: str | None = None) -> tuple[Rows, Rows, dict[str, Any]]:
+def open_data(c: Config, comm: Comm | None = None, path: str | None = None) -> tuple[Rows, Rows, dict[str, Any]]:
     """(train set, validation set, facts the model needs) from the HDF5 file of the run.
 
     Token windows (``--tokens-key``, the default of ``--model gpt``) or rows of ``--x-key`` and

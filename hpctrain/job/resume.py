@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..files import rundir
 from ..log import get_logger
+from ..protocols import TrainerView
 from .options import Config, flag
 
 _log = get_logger("train")
@@ -71,7 +72,7 @@ class AfterResume:
     def __init__(self, rank: int, config_file: str, config: dict[str, Any], metrics: str) -> None:
         self.rank, self.config_file, self.config, self.metrics = rank, config_file, config, metrics
 
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if self.rank == 0:
             rundir.write_exclusive(self.config_file, json.dumps(self.config, indent=1))
             rundir.trim_metrics(self.metrics, trainer.global_step)

@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted, ReplicaLeft
 from ..files import rundir
 from ..log import get_logger
+from ..protocols import Checkpointable, Comm, Fittable, Module, TrainerView
 from ..training.evaluation import evaluate
 from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
@@ -35,7 +36,7 @@ T = TypeVar("T")
 _log = get_logger("train")
 
 
-def everywhere(comm: Any, fn: Callable[[], T], what: str = "") -> T:
+def everywhere(comm: Comm, fn: Callable[[], T], what: str = "") -> T:
     """Run ``fn()`` on every rank; if it fails on any rank, raise a ``ConfigError`` on every rank.
 
     Setting up (reading files, checking shapes) has no collectives, so one rank failing alone
@@ -63,7 +64,7 @@ def everywhere(comm: Any, fn: Callable[[], T], what: str = "") -> T:
     return result
 
 
-def limit_blas_threads(comm: Any) -> int | None:
+def limit_blas_threads(comm: Comm) -> int | None:
     """Size each rank's BLAS thread pool to its share of the node's cores; return the size.
 
     NumPy's OpenBLAS starts one thread per core in every process, so N ranks on a node run N
@@ -85,7 +86,7 @@ def limit_blas_threads(comm: Any) -> int | None:
 class LearningRate:
     """``fit`` callback: the learning rate the step just took (after the schedule) as ``stats.extra["lr"]``."""
 
-    def on_step_end(self, trainer: Any, stats: Any) -> None:
+    def on_step_end(self, trainer: TrainerView, stats: Any) -> None:
         opt = trainer.optimizer  # None for the parameter server (its SGD lives in its windows)
         if opt is not None and opt.step_count > 0:
             stats.extra["lr"] = opt.lr * (opt.schedule(opt.step_count - 1) if opt.schedule else 1.0)
@@ -99,12 +100,12 @@ class Validation:
     validation set (``hpctrain.training.evaluation.evaluate``), so the value is the same everywhere.
     """
 
-    def __init__(self, c: Config, meta: dict[str, Any], data: Any, comm: Any, every: int) -> None:
+    def __init__(self, c: Config, meta: dict[str, Any], data: Any, comm: Comm, every: int) -> None:
         self.model = build_model(c, meta)
         self.data, self.comm, self.every = data, comm, every
         self.loss = None if c.loss == "ce" else build_loss(c)
 
-    def on_step_end(self, trainer: Any, stats: Any) -> None:
+    def on_step_end(self, trainer: Checkpointable, stats: Any) -> None:
         if trainer.global_step % self.every:
             return
         from ..training.evaluation import evaluate as evaluate_everywhere
@@ -118,7 +119,7 @@ class Validation:
         self.model.train()
 
 
-def load_full_weights(trainer: Any, model: Any) -> None:
+def load_full_weights(trainer: Checkpointable, model: Module) -> None:
     """Copy the trainer's parameters, whatever the layout, into the whole serial ``model`` (collective).
 
     Each rank contributes the pieces it holds (``trainer.shards()``); every rank assembles them.
@@ -139,7 +140,7 @@ def load_full_weights(trainer: Any, model: Any) -> None:
                 target[index] = data
 
 
-def pick_device(c: Config, comm: Any) -> str:
+def pick_device(c: Config, comm: Comm) -> str:
     """``"cuda"`` or ``"cpu"`` for ``--device`` (collective: the same answer on every rank).
 
     ``cuda`` makes the GPU of this rank's local rank current; it is refused on every rank, naming
@@ -168,7 +169,7 @@ def pick_device(c: Config, comm: Any) -> str:
     return "cuda"
 
 
-def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says (a Config, or a dict of options over the defaults).
 
     Collective. ``callbacks`` are extra ``fit`` callbacks (called before the job's own).
@@ -233,10 +234,10 @@ class _Setup:
     meta: dict[str, Any]
     n_params: int
     loader: Any
-    trainer: Any
+    trainer: Fittable
 
 
-def write_builtin(c: Config, comm: Any) -> None:
+def write_builtin(c: Config, comm: Comm) -> None:
     """Write the built-in data set before any rank opens it, by one rank of each node at most:
     rank 0 first, then the first rank of every other node, which finds rank 0's file where the
     cache is shared and writes its node's copy where it is node-local (``$HPCTRAIN_DATA`` on
@@ -248,7 +249,7 @@ def write_builtin(c: Config, comm: Any) -> None:
     everywhere(comm, lambda: data_path(c) if first_of_node and comm.rank != 0 else None)
 
 
-def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence[Any], device: str,
+def _run_locked(c: Config, given: dict[str, Any], comm: Comm, callbacks: Sequence[Any], device: str,
                 ckpt_lock: rundir.RunLock | None) -> dict[str, Any]:
     """The job once its directories are locked: claim them, build, train (resuming inside
     ``fit``), evaluate the final checkpoint, write the summary."""
@@ -274,7 +275,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     return summary
 
 
-def _build(c: Config, comm: Any, device: str) -> _Setup:
+def _build(c: Config, comm: Comm, device: str) -> _Setup:
     """Open the data (checked on every rank, one verdict), build the serial model with the same
     seed everywhere, and the strategy's trainer around it (collective)."""
     if c.data in (None, "shakespeare"):
@@ -316,7 +317,7 @@ def _announce(c: Config, setup: _Setup, device: str) -> None:
           f"{len(setup.loader)} steps each; run dir {c.run_dir}", flush=True)
 
 
-def _hooks(c: Config, given: dict[str, Any], comm: Any, setup: _Setup, callbacks: Sequence[Any], metrics: str,
+def _hooks(c: Config, given: dict[str, Any], comm: Comm, setup: _Setup, callbacks: Sequence[Any], metrics: str,
            timeline: Timeline) -> list[Any]:
     """The ``fit`` callbacks of the job, in order: the resume bookkeeping first, the user's, the
     validation loss, the learning rate, the timeline, and the rank-loss recovery last."""
@@ -339,7 +340,7 @@ def _hooks(c: Config, given: dict[str, Any], comm: Any, setup: _Setup, callbacks
     return hooks
 
 
-def _fit(c: Config, comm: Any, setup: _Setup, hooks: list[Any], metrics: str, timeline: Timeline,
+def _fit(c: Config, comm: Comm, setup: _Setup, hooks: list[Any], metrics: str, timeline: Timeline,
          trace: str) -> tuple[Any, float]:
     """Train (``fit`` resumes from the checkpoint directory with ``--resume``); the history of
     this job's steps and its wall time. A preempted job still writes its part of the trace."""
@@ -356,7 +357,7 @@ def _fit(c: Config, comm: Any, setup: _Setup, hooks: list[Any], metrics: str, ti
     return history, time.perf_counter() - t0
 
 
-def _finish_training(c: Config, trainer: Any, comm: Any, timeline: Timeline, trace: str) -> None:
+def _finish_training(c: Config, trainer: Fittable, comm: Comm, timeline: Timeline, trace: str) -> None:
     """After ``fit`` (collective): the trace, the pipeline's executed schedule, the trainer closed."""
     timeline.write(comm, trace)
     if getattr(trainer, "runs_schedule", False):  # optional: a pipeline's executed schedule of its last step
@@ -364,7 +365,7 @@ def _finish_training(c: Config, trainer: Any, comm: Any, timeline: Timeline, tra
     trainer.close()  # hooks removed; the parameter server: final pull, windows freed on every rank
 
 
-def _evaluate_final(c: Config, comm: Any, setup: _Setup) -> dict[str, Any]:
+def _evaluate_final(c: Config, comm: Comm, setup: _Setup) -> dict[str, Any]:
     """Evaluate what the run leaves behind: every rank loads the final checkpoint (full tensors,
     whatever the layout, checksums verified) into a fresh serial model and evaluates its share of
     the held-out rows; one all-reduce combines them (no rank evaluates while others wait). The
@@ -390,7 +391,7 @@ def _evaluate_final(c: Config, comm: Any, setup: _Setup) -> dict[str, Any]:
 
 
 def _summary(c: Config, setup: _Setup, device: str, history: Sequence[Any], result: dict[str, Any], wall: float,
-             memory: Any, metrics: str, trace: str, comm: Any) -> dict[str, Any]:
+             memory: Any, metrics: str, trace: str, comm: Comm) -> dict[str, Any]:
     """The run's summary (``summary.json``), the same on every rank."""
     trainer = setup.trainer
     rate, share = _report.steady_rates(history)

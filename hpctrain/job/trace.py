@@ -6,6 +6,8 @@ import json
 import time
 from typing import Any
 
+from ..protocols import Comm, TrainerView
+
 
 class Timeline:
     """Wall-clock span of every step on this rank, written as one Chrome trace for all ranks.
@@ -19,7 +21,7 @@ class Timeline:
         self.events: list[dict[str, Any]] = []
         self.rank = rank
 
-    def on_step_end(self, trainer: Any, stats: Any) -> None:
+    def on_step_end(self, trainer: TrainerView, stats: Any) -> None:
         t1 = time.time()
         self._add(f"step {trainer.global_step}", t1 - stats.seconds, stats.seconds, {"loss": stats.loss})
         if stats.comm_seconds:
@@ -29,7 +31,7 @@ class Timeline:
         self.events.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": dur * 1e6, "pid": self.rank,
                             "tid": tid, "args": args})
 
-    def write(self, comm: Any, path: str) -> None:
+    def write(self, comm: Comm, path: str) -> None:
         """Collective: rank 0 adds every rank's events (one process lane per rank) to the trace at
         ``path``, after those of the run's earlier jobs (a resumed run shows all its jobs)."""
         lanes = comm.gather_obj(self.events)

@@ -5,10 +5,10 @@ and the parameter server."""
 
 from . import pipeline_schedules as schedules  # ht.parallel.schedules (optim.schedules: the lr's)
 from .cut import pipeline_stage
-from .engine import ParallelTrainer
 from .parallelize import parallelize
 from .param_server import ParameterServerTrainer
 from .presets import DataParallelTrainer, PipelineParallelTrainer, TensorParallelTrainer
+from .runtime import ParallelTrainer
 from .tensor import (
     ColumnParallelLinear,
     ParallelMLP,

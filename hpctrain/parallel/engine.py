@@ -1,17 +1,19 @@
-"""``ParallelTrainer``: one trainer for any dp x tp x pp ``ProcessGrid``.
+"""``ParallelStep``: the runtime of ``ParallelTrainer``, one strategy for any dp x tp x pp grid.
 
 The model it trains is this rank's part of a serial model (``parallelize(model, grid)``, or the
 older ``tensor_parallel`` / ``pipeline_stage``: the *transforms*): a pipeline stage
 (``grid.pp > 1``) whose layers may be split over ``grid.tp``. This module is the *runtime*: it
-drives the pipeline runner and the reducer (a ``protocols.Reducer``). The presets
-(``DataParallelTrainer``, ``TensorParallelTrainer``, ``PipelineParallelTrainer``, in ``presets``)
-are functions that build this one class with a layout and a ``Preset`` (their names).
+drives the pipeline runner and the reducer (a ``protocols.Reducer``). ``ParallelTrainer``
+(``parallel.runtime``) holds it as its ``strategy`` part; the presets (``DataParallelTrainer``,
+``TensorParallelTrainer``, ``PipelineParallelTrainer``, in ``presets``) are functions that build
+that one class with a layout and a ``Preset`` (their names).
 
-The step is ``Trainer.step``'s template; this class supplies the forward/backward
+The step is ``training.step.TrainStep``'s template; this class supplies the forward/backward
 (micro-batches with gradient accumulation when ``pp == 1``, a pipeline schedule otherwise) and
 the facts the template needs (who counts a replica's batch and loss once, which parameters are
 replicated over tp). Gradients reduce over ``grid.dp`` through a pluggable reducer (``reducer=``;
-fused bucket all-reduces by default).
+fused bucket all-reduces by default), built by one rule (``_reduction``) at construction and by
+``rebind`` after a lost rank.
 """
 
 from __future__ import annotations
@@ -24,17 +26,17 @@ import numpy as np
 
 from ..backend import to_device, xp_of
 from ..comm.buckets import COMPRESSIONS
+from ..comm.grid import ProcessGrid
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
 from ..optim.clip import clip_norm_problem
-from ..protocols import Reducer, Stateful
+from ..protocols import Comm, Reducer
 from ..training.precision import Precision
-from ..training.trainer import Batch, Trainer
-from . import reports
+from ..training.step import Batch, TrainStep
 from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_schedules import get_schedule
 from .reducer import AllReduceReducer, BackwardHooks
-from .shards import full_state_dict, shard_map
+from .shards import shard_map
 from .tensor_layers import parallel_loss
 from .zero import zero_problem, zero_reducer, zero_reducer_problem
 
@@ -42,7 +44,7 @@ from .zero import zero_problem, zero_reducer, zero_reducer_problem
 BACKENDS = ("mpi", "hierarchical", "nccl")
 
 
-__all__ = ["BACKENDS", "ParallelTrainer", "Preset", "compression_problem", "mixed_reduce_problem", "shard_map"]
+__all__ = ["BACKENDS", "ParallelStep", "Preset", "compression_problem", "mixed_reduce_problem", "shard_map"]
 
 
 def compression_problem(compression: str | None, backend: str, say: Say = as_argument) -> str | None:
@@ -63,7 +65,7 @@ def _device_id(cp: Any) -> int:
     return int(getattr(cp.cuda.Device(), "id", 0))
 
 
-def shared_gpu_problem(dp: Any, device: int) -> RuntimeError | None:
+def shared_gpu_problem(dp: Comm, device: int) -> RuntimeError | None:
     """NCCL refuses two ranks on one GPU (``ncclInvalidUsage`` deep inside its init, seen on the
     first GPU run with 2 ranks on 1 GPU): said first, on every rank, naming the ranks. Collective."""
     where = dp.allgather_obj((dp.hostname(), device))
@@ -103,27 +105,14 @@ class Preset:
     always_schedule: bool = False
 
 
-class ParallelTrainer(Trainer):
-    """Train this rank's part of a model on a ``ProcessGrid(comm, tp=T, pp=P)`` (dp = the rest).
 
-    ``step(x, y, weight=None)`` takes the same batch on every rank of a dp replica (its tp and pp
-    ranks) and this replica's share of the global batch; the update equals one process training
-    on the global batch. The batch is cut into ``microbatches`` parts: accumulated locally when
-    ``grid.pp == 1``, streamed through the pipeline ``schedule`` ("1f1b", "gpipe", or
-    "interleaved" with ``virtual_stages`` chunks per rank, default: as many as the part was cut
-    into) otherwise. A batch shorter than ``microbatches`` (an epoch's last) takes one sample per
-    micro-batch (``step_microbatches``; interleaved: a multiple of the stages), so no step ever
-    refuses a short batch and the update still equals one process's. ``clip_norm`` clips the
-    global gradient norm (each shard counted once). ``reducer`` is a callable
-    ``(params, dp_comm) -> protocols.Reducer`` (default: bucket all-reduces with ``bucket_mb``,
-    ``overlap``, ``compression`` and ``backend``). ``timeout`` (default ``HPCTRAIN_TIMEOUT``;
-    0 = off) bounds every wait. ``preset`` (set by the preset functions) names the trainer in
-    ``config()`` and error messages.
-
-    Construction is collective: ranks agree on their parts, the optimizer's and this trainer's
-    settings (the same error on every rank otherwise), then each dp replica takes dp rank 0's
-    parameters.
-    """
+class ParallelStep(TrainStep):
+    """The strategy of ``ParallelTrainer`` (its ``strategy`` part): this rank's part of the model,
+    its forward/backward (micro-batches, or a pipeline schedule over ``grid.pp``), the dp
+    reduction (``reducer``: bucket all-reduces, the user's factory, or ZeRO's) with its overlap
+    hooks, and ``rebind`` to go on over another grid. Its arguments are ``ParallelTrainer``'s,
+    declared here once (``timeout``: the trainer's, resolved; ``name``: the trainer's, in errors);
+    construction is collective."""
 
     def __init__(
         self,
@@ -131,7 +120,7 @@ class ParallelTrainer(Trainer):
         model: Any,
         loss: Any,
         optimizer: Any,
-        grid: Any,
+        grid: ProcessGrid,
         microbatches: int = 1,
         schedule: str = "1f1b",
         virtual_stages: int | None = None,
@@ -143,12 +132,15 @@ class ParallelTrainer(Trainer):
         backend: str = "mpi",
         on_nonfinite: str = "raise",
         timeout: float | None = None,
+        name: str = "ParallelTrainer",
         zero: int = 0,
         precision: str | Precision = "fp32",
         grad_reduce_dtype: str | None = None,
         preset: Preset | None = None,
     ) -> None:
-        super().__init__(comm=grid.world, on_nonfinite=on_nonfinite, timeout=timeout)
+        super().__init__(comm=grid.world, on_nonfinite=on_nonfinite)
+        self.timeout = timeout  # the pipeline runner's waits (the trainer's, resolved)
+        self.name = name
         self.preset = preset if preset is not None else Preset()
         self.zero = zero
         try:
@@ -156,6 +148,7 @@ class ParallelTrainer(Trainer):
         except ValueError as exc:  # raised on every rank by _check_args
             self.precision, self._precision_problem = Precision(), exc
         self._custom_reducer = reducer is not None
+        self._factory = reducer  # the user's reducer=: asked again by rebind
         self.grid, self.optimizer, self.clip_norm = grid, optimizer, clip_norm
         self.microbatches, self.schedule, self.virtual_stages = microbatches, schedule, virtual_stages
         self.bucket_mb, self.overlap, self.compression, self.backend = bucket_mb, overlap, compression, backend
@@ -185,7 +178,16 @@ class ParallelTrainer(Trainer):
         self._masters = self.precision.make_masters(self.params) if self.precision.mixed else None
         if self._masters is not None and not zero:
             optimizer.set_masters(self._masters)
-        self.reducer: Reducer = self._make_reducer(model, optimizer, reducer)
+        self._reduction()
+        self._runner = None
+        if pp.size > 1 or self.preset.always_schedule:
+            self._runner = PipelineRunner(self.chunks, pp, self.timeout)
+
+    def _reduction(self) -> None:
+        """The dp reduction over ``self.dp`` and the overlap hooks that start it during backward:
+        the one rule of the constructor and of ``rebind`` (collective)."""
+        model, pp, overlap = self.model, self.grid.pp, self.overlap
+        self.reducer: Reducer = self._make_reducer(model, self.optimizer, self._factory)
         agree(self.comm, "the gradient reducer", self.reducer.describe())
         self._hooks = None
         if overlap and pp.size == 1 and self.dp.size > 1:
@@ -194,9 +196,27 @@ class ParallelTrainer(Trainer):
             # in another order, so the ranks must agree.
             agree(self.comm, "the overlap hooks (module tree)", self._hooks.active)
         self._order_learned = self._learn_order = False
-        self._runner = None
-        if pp.size > 1 or self.preset.always_schedule:
-            self._runner = PipelineRunner(self.chunks, pp, self.timeout)
+
+    def rebind(self, grid: ProcessGrid, full: dict[str, Any] | None = None) -> None:
+        """Go on over ``grid``, a grid of the same tp and pp over other ranks (the survivors of a
+        lost rank; collective over its world): the communicators taken from it, the reducer and
+        the overlap hooks rebuilt by the constructor's rule (``reducer=``, ``backend=``, ZeRO).
+
+        ``full``: ZeRO's parameters and optimizer state as full tensors
+        (``optim.sharded.assemble``'s ``{"step", "params", "state"}``): the parameters take them
+        and the new reducer its pieces of them. Without it the reducer starts from what the
+        parameters hold. The old reducer is not removed here: its communicators may include a
+        lost rank (the caller removes it, or leaves it)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+        self.grid, self.comm, self.dp = grid, grid.world, grid.dp
+        if full is not None:
+            xp = xp_of(self.params[0].data) if self.params else np
+            for p in self.params:  # the reducer lays out what they hold (zero 3: placeholders now)
+                p.data = to_device(full["params"][p.name].reshape(p.shape), xp)
+        self._reduction()
+        if full is not None:
+            self.reducer.load_full(full)
 
     def _agree_parts(self, model: Any, optimizer: Any) -> None:
         """Everything that must match, before the first array collective (the same error on
@@ -234,7 +254,7 @@ class ParallelTrainer(Trainer):
         return AllReduceReducer(self.params, self.dp, bucket_mb=self.bucket_mb, compression=self.compression,
                                 backend=nccl)  # fmt: skip
 
-    def _check_args(self, grid: Any, model: Any) -> Exception | None:
+    def _check_args(self, grid: ProcessGrid, model: Any) -> Exception | None:
         """This rank's argument problem (raised on every rank by the caller), else ``None``."""
         m, v = self.microbatches, self.virtual_stages
         if getattr(self, "_precision_problem", None) is not None:
@@ -292,7 +312,7 @@ class ParallelTrainer(Trainer):
         raise_if_any(self.comm, shared_gpu_problem(self.dp, _device_id(cp)))
         return NcclCommunicator(self.dp)
 
-    # -- the declared interface -----------------------------------------------------------------
+    # -- what the trainer reads ---------------------------------------------------------------
 
     def config(self) -> dict[str, Any]:
         """Every setting the ranks must share, under the preset's names (``Preset.renames``)."""
@@ -307,10 +327,6 @@ class ParallelTrainer(Trainer):
         }  # fmt: skip
         return {self.preset.renames.get(k, k): v for k, v in cfg.items()}
 
-    @property
-    def layout(self) -> dict[str, int]:
-        return dict(self.grid.sizes)
-
     def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
         """``{serial name: (Parameter, full shape, index of the local array in the full tensor)}``.
 
@@ -321,22 +337,6 @@ class ParallelTrainer(Trainer):
             return {n: (self._masters[p.name], f, i) for n, (p, f, i) in shards.items()}
         return shards
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.reducer.after_load()  # ZeRO: a checkpoint wrote full tensors; keep this rank's pieces
-        self.sync_params()
-
-    def snapshot(self) -> dict[str, Any]:
-        """The base snapshot and the reducer's when it keeps state (ZeRO's shards: ``Stateful``)."""
-        reducer = self.reducer if isinstance(self.reducer, Stateful) else None
-        return {**super().snapshot(), "reducer": None if reducer is None else reducer.snapshot()}
-
-    def restore(self, snap: dict[str, Any]) -> None:
-        super().restore(snap)
-        if snap["reducer"] is not None:
-            self.reducer.restore(snap["reducer"])
-        self.sync_params()  # mixed precision: the compute copy from the masters just put back
-
     def sync_params(self) -> None:
         """Mixed precision: round the float32 masters into the parameters (after a load put new
         masters in, or put the old ones back); nothing otherwise (ZeRO keeps its own)."""
@@ -345,32 +345,21 @@ class ParallelTrainer(Trainer):
                 p.data[...] = self._masters[p.name].data
 
     def close(self) -> None:
-        """Remove the backward hooks from the model (the trainer can no longer overlap)."""
+        """Remove the backward hooks and the reducer's from the model (no step after this)."""
         if self._hooks is not None:
             self._hooks.remove()
         self.reducer.remove()
         super().close()
 
-    # -- what the presets' users read ----------------------------------------------------------
+    @property
+    def hooks(self) -> BackwardHooks | None:
+        """The hooks that start the reduction during backward (``None``: no overlap)."""
+        return self._hooks
 
     @property
-    def accum_steps(self) -> int:
-        """Micro-batches per step (the data-parallel preset's name for them)."""
-        return self.microbatches
-
-    @property
-    def buckets(self) -> Any:
-        """The reducer's ``GradBuckets`` (``None`` on one rank or with another reducer)."""
-        return self.reducer.buckets
-
-    @property
-    def stage(self) -> Any:
-        """This rank's part of the model (the pipeline preset's name for it)."""
-        return self.model
-
-    @property
-    def stage_id(self) -> int:
-        return self.grid.pp.rank
+    def runner(self) -> PipelineRunner | None:
+        """The pipeline runner (``None``: no schedule, micro-batches one after the other)."""
+        return self._runner
 
     @property
     def runs_schedule(self) -> bool:
@@ -382,20 +371,6 @@ class ParallelTrainer(Trainer):
     def last_events(self) -> list[tuple[str, str, float, float]]:
         """The last step's executed schedule (``timeline`` events; none without a pipeline)."""
         return self._runner.events if self._runner is not None else []
-
-    def save_timeline(self, directory: str, png: bool = True) -> list[str]:
-        """Write the last step's executed schedule (collective; ``reports.save_timeline``)."""
-        return reports.save_timeline(self, directory, png)
-
-    def check_replicas(self) -> None:
-        """``MismatchError`` on every rank unless each parameter is bitwise identical across its dp
-        group and each tp-replicated one across its tp group (collective; two 8-byte all-reduces
-        per group when all is well)."""
-        reports.check_replicas(self)
-
-    def full_state_dict(self) -> dict[str, np.ndarray]:
-        """Full weights gathered over the tp group (for evaluation with the serial model)."""
-        return full_state_dict(self.model, self.grid.tp)
 
     # -- forward and backward -------------------------------------------------------------------
 
@@ -483,3 +458,4 @@ class ParallelTrainer(Trainer):
             "schedule": self.schedule,
             "microbatches": self._step_parts,  # fewer than configured on a short last batch
         }
+

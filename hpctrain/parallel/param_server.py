@@ -70,10 +70,10 @@ from ..nn.losses import collect_target_checks
 from ..training.guard import check_finite
 from ..training.trainer import StepStats, Trainer
 from .ps_args import MODES, momentum_problem, staleness_problem
-from .ps_clocks import _DONE, _STOP, WorkerClocks
+from .ps_clocks import WorkerClocks
 
 
-class ParameterServerTrainer(WorkerClocks, Trainer):
+class ParameterServerTrainer(Trainer):
     """Train ``model`` with a parameter server held in MPI RMA windows.
 
     Args:
@@ -153,22 +153,14 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
 
         self._win = Window(comm, self._my_chunk[1] - self._my_chunk[0], self.dtype, shm=shm)
         # On rank 0: the workers' clocks (slots 0..size-1), the non-finite flag, the stop election
-        # and the agreed stop clock (see "Preemption" in the module docstring). The clock bumps and
-        # the stop protocol only add (SUM) and read, which MPI keeps atomic per element.
-        self._flag_slot, self._elect_slot, self._stop_slot = comm.size, comm.size + 1, comm.size + 2
-        self._clocks = Window(comm, comm.size + 3 if comm.rank == 0 else 0, np.int64, shm=shm)
+        # and the agreed stop clock (see "Preemption" in the module docstring): a part of its own.
+        self.clocks = WorkerClocks(comm, self.staleness, self.progress, shm=shm)
         with self._win.locked():
             self._win.local()[:] = self._flat[slice(*self._my_chunk)]
         comm.barrier()  # servers hold the initial values before anyone pulls
         self.clock = 0
         self.closed = False
         self._owner = bool(self._win.count) or comm.rank == 0
-        self._inc = np.zeros(comm.size + 3, np.int64)  # +1 on our own clock slot
-        self._inc[comm.rank] = 1
-        self._seen: np.ndarray | None = None  # everyone's clocks at our last bump
-        self._clock_buf = np.empty(comm.size + 3, np.int64)
-        self._stop_at: int | None = None  # the agreed stop clock, once this worker knows it
-        self._asked = False  # this worker has taken part in the stop election
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -287,7 +279,7 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
         """
         if self.closed:
             raise WindowError("ParameterServerTrainer.step after close()")
-        problem = self._batch_problem(x, y, weight)
+        problem = self.strategy.batch_problem(x, y, weight)
         if problem is not None:
             raise problem if isinstance(problem, Exception) else ValueError(f"ParameterServerTrainer.step: {problem}")
         t0 = time.perf_counter()
@@ -346,7 +338,7 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
         if not finite:
             if self.on_nonfinite == "raise":
                 bad = [p.name for p in self.params if not bool(xp_of(p.grad).isfinite(p.grad).all())]
-                self._raise_flag()
+                self.clocks.raise_flag()
                 raise NonFiniteError(
                     f"rank {self.comm.rank}: non-finite loss or gradients ({', '.join(bad[:8]) or 'loss'}); "
                     "on_nonfinite='raise' (other workers stop at their next step)"
@@ -358,25 +350,26 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
             self._gflat *= -self.lr
         new_clock = self.clock + 1
         waited = 0.0
-        if requested() and not self._asked and self._stop_at is None:
-            self._request_stop()  # before our bump: the stop clock is at least new_clock
+        clocks = self.clocks
+        if requested() and not clocks.asked and clocks.stop_at is None:
+            clocks.request_stop()  # before our bump: the stop clock is at least new_clock
         if self.mode == "async":
             self._push_pull()
-            lag = self._lag(self._bump_clock(), new_clock)
+            lag = clocks.lag(clocks.bump(), new_clock)
         else:
             # Clocks only grow: if the snapshot taken at our last clock bump already satisfies
             # the bound, it holds now too; only when it does not do we look again.
-            lag = self._lag(self._seen if self._seen is not None else self._read_clocks(), new_clock)
-            if lag > self.staleness and self._seen is not None:
-                lag = self._lag(self._read_clocks(), new_clock)
+            lag = clocks.lag(clocks.seen if clocks.seen is not None else clocks.read(), new_clock)
+            if lag > self.staleness and clocks.seen is not None:
+                lag = clocks.lag(clocks.read(), new_clock)
             if lag <= self.staleness:
                 # Everyone already has every update the next step must see: fuse push and pull.
                 self._push_pull()
-                self._bump_clock()
+                clocks.bump()
             else:
                 self._push()
-                self._bump_clock()
-                lag, waited = self._wait_for(new_clock)
+                clocks.bump()
+                lag, waited = clocks.wait_for(new_clock)
                 self._pull()
         self._unpack_params()
         self.clock = new_clock
@@ -384,7 +377,7 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
         return StepStats(
             loss=loss, grad_norm=norm, seconds=now - t0, samples=int(round(n_local)), comm_seconds=now - tc,
             skipped=not finite, extra={"lag": int(lag), "clock": new_clock, "waited_s": waited, "mode": self.mode},
-            stop=self._stop_at is not None and new_clock >= self._stop_at,  # the agreed clock, on every worker
+            stop=clocks.stop_at is not None and new_clock >= clocks.stop_at,  # the agreed clock, on every worker
         )  # fmt: skip
 
     def _applied_norm(self, before: np.ndarray) -> float:
@@ -410,17 +403,13 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
         """
         if self.closed:
             return
-        # _DONE by a sum, not a replace (see _raise_flag): our slot holds our clock, plus the stop
-        # mark if a stop was started (it may be added concurrently; sums commute).
-        own = self._clocks.get(np.empty(1, np.int64), 0, offset=self.comm.rank)
-        done = np.array([_DONE - (int(own[0]) & ~_STOP)], np.int64)
-        self._clocks.accumulate(done, 0, offset=self.comm.rank)
+        self.clocks.finish()
         self.comm.barrier()  # every push has completed
         self._pull()
         self._unpack_params()
         self.closed = True
         self._win.free()
-        self._clocks.free()
+        self.clocks.window.free()
 
     def __enter__(self) -> ParameterServerTrainer:
         return self
@@ -455,13 +444,13 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
 
     def snapshot(self) -> dict[str, Any]:
         """The base snapshot, the clock, the stop agreement and the velocity (``Stateful``)."""
-        return {**super().snapshot(), "clock": self.clock, "stop": (self._stop_at, self._asked),
-                "seen": None if self._seen is None else self._seen.copy(),
+        return {**super().snapshot(), "clock": self.clock, "clocks": self.clocks.snapshot(),
                 "velocity": None if self._velocity is None else self._velocity.copy()}  # fmt: skip
 
     def restore(self, snap: dict[str, Any]) -> None:
         super().restore(snap)
-        self.clock, (self._stop_at, self._asked), self._seen = snap["clock"], snap["stop"], snap["seen"]
+        self.clock = snap["clock"]
+        self.clocks.restore(snap["clocks"])
         if snap["velocity"] is not None:
             self._velocity[...] = snap["velocity"]
 
@@ -472,8 +461,6 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
         if self.closed:
             raise WindowError("load_state_dict after close()")
         self.clock = int(state.get("clock", self.global_step))
-        self._seen = None
-        self._stop_at, self._asked = None, False  # the clock window is reset below: no stop agreed
         if self._velocity is not None:
             v = state.get("velocity")
             self._velocity[...] = 0
@@ -487,8 +474,5 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
         self.comm.barrier()  # nobody is reading or writing the windows now
         with self._win.locked():
             self._win.local()[:] = self._flat[slice(*self._my_chunk)]
-        if self.comm.rank == 0:
-            with self._clocks.locked():
-                self._clocks.local()[: self.comm.size] = self.clock
-                self._clocks.local()[self.comm.size :] = 0  # no error flag, no stop
+        self.clocks.reset(self.clock)  # no error flag, no stop agreed
         self.comm.barrier()

@@ -13,7 +13,8 @@ from ..comm import Communicator
 from ..comm.grid import ProcessGrid
 from ..comm.validate import raise_if_any
 from ..errors import GridError
-from .engine import ParallelTrainer, Preset
+from .engine import Preset
+from .runtime import ParallelTrainer
 
 __all__ = ["DATA", "PIPELINE", "TENSOR", "DataParallelTrainer", "PipelineParallelTrainer", "TensorParallelTrainer"]
 

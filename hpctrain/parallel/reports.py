@@ -11,14 +11,16 @@ import numpy as np
 from ..backend import to_host
 from ..comm.validate import raise_if_any
 from ..errors import MismatchError
+from ..protocols import Comm
 from . import timeline as _timeline
+from .engine import ParallelStep
 
 
 def _crcs(params: list[Any]) -> list[int]:
     return [zlib.crc32(np.ascontiguousarray(to_host(p.data)).view(np.uint8).reshape(-1)) for p in params]
 
 
-def _drift(group: Any, name: str, params: list[Any], world_rank: int) -> str | None:
+def _drift(group: Comm, name: str, params: list[Any], world_rank: int) -> str | None:
     """The first of ``params`` whose bytes differ across ``group`` (collective over it), named
     with the world ranks that differ from the group's first rank; ``None`` when all agree.
 
@@ -35,30 +37,32 @@ def _drift(group: Any, name: str, params: list[Any], world_rank: int) -> str | N
     return "the parameters differ"
 
 
-def check_replicas(trainer: Any) -> None:
+def check_replicas(step: ParallelStep) -> None:
     """``MismatchError`` on every rank unless every parameter is bitwise identical across its dp
-    group and every tp-replicated parameter across its tp group (collective over the world)."""
-    grid, me = trainer.grid, trainer.comm.rank
-    problem = _drift(grid.dp, "dp", trainer.params, me)
+    group and every tp-replicated parameter across its tp group (collective over the world);
+    ``step``: a ``ParallelTrainer``'s strategy."""
+    grid, me = step.grid, step.comm.rank
+    problem = _drift(grid.dp, "dp", step.params, me)
     if grid.tp.size > 1:  # every tp rank runs this gather, whatever its dp group found
-        replicated = [p for p in trainer.params if id(p) in trainer._tp_replicated]
+        replicated = [p for p in step.params if id(p) in step._tp_replicated]
         problem = _drift(grid.tp, "tp", replicated, me) or problem
-    if trainer.comm.size == grid.dp.size and grid.tp.size == 1:  # one group: every rank knows already
+    if step.comm.size == grid.dp.size and grid.tp.size == 1:  # one group: every rank knows already
         if problem:
             raise MismatchError(f"replicas drifted apart: {problem}")
         return
-    raise_if_any(trainer.comm, MismatchError(problem) if problem else None, what="replicas drifted apart")
+    raise_if_any(step.comm, MismatchError(problem) if problem else None, what="replicas drifted apart")
 
 
-def save_timeline(trainer: Any, directory: str, png: bool = True) -> list[str]:
-    """Write ``trainer``'s last executed schedule (collective over the world).
+def save_timeline(step: ParallelStep, directory: str, png: bool = True) -> list[str]:
+    """Write the last executed schedule of ``step`` (a ``ParallelTrainer``'s strategy; collective
+    over the world).
 
     Every rank writes ``timeline-rank{R}.json``; rank 0 also writes ``timeline.json`` with
     every rank (open it in https://ui.perfetto.dev) and ``timeline.png`` when matplotlib is
     installed and ``png``. Returns the paths written, the same list on every rank.
     """
-    comm = trainer.comm
-    everyone = comm.allgather_obj((trainer.stage_id, trainer.dp.rank, trainer.last_events))
+    comm = step.comm
+    everyone = comm.allgather_obj((step.grid.pp.rank, step.dp.rank, step.last_events))
     events = {r: ev for r, (_, _, ev) in enumerate(everyone)}
     labels = {r: f"rank {r}: stage {st}, replica {d}" for r, (st, d, _) in enumerate(everyone)}
     r = comm.rank

@@ -34,22 +34,59 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from ..comm import Communicator, failure, ulfm, watchdog
-from ..errors import Preempted, RankLossError, ReplicaLeft
+from ..backend import xp_of
+from ..comm import Communicator, failure, ulfm
+from ..errors import Preempted, RankLossError, ReplicaLeft, Say, as_argument
 from ..log import get_logger
+from ..protocols import Checkpointable, Recoverable
 from . import groups
 from .buddies import Buddies
 
 _log = get_logger("resilience")
 #: Pre-step states kept: the step a survivor is in and the one before (see the module docstring).
 KEEP = 2
+#: The strategies whose data-parallel replicas go on without a lost rank (the job's ``strategy``).
+SHRINKS = ("dp", "hybrid")
+#: A trainer's strategy, as the job names it, by its ``config()["type"]``.
+_STRATEGY_OF = {"DataParallelTrainer": "dp", "ParallelTrainer": "hybrid", "TensorParallelTrainer": "tp",
+                "PipelineParallelTrainer": "pp", "ParameterServerTrainer": "ps"}
+
+
+def shrink_problem(strategy: str, backend: str = "mpi", precision: str = "fp32", say: Say = as_argument
+                   ) -> str | None:
+    """Why a job cannot go on without a lost rank (``None``: it can), in ``say``'s names: the one
+    place of this rule (``RankLoss`` asks it of the trainer it is handed, ``hpctrain train`` with
+    its flags). Data-parallel replicas go on (``strategy`` ``"dp"`` or ``"hybrid"``: dp x tp x
+    pp, ZeRO 0-3); a parameter server's windows do not, nor a reduction by node or over NCCL, nor
+    mixed precision (its float32 masters and loss scale are not kept across a loss yet)."""
+    if strategy not in SHRINKS:
+        what = say("strategy", strategy)
+    elif backend != "mpi":
+        what = say("backend", backend)
+    elif precision != "fp32":
+        what = say("precision", precision)
+    else:
+        return None
+    return (f"{say('on_rank_loss', 'shrink')} continues data-parallel replicas only ({say('strategy', 'dp')} or "
+            f"hybrid: dp x tp x pp, with {say('zero', '0-3')}; {say('backend', 'mpi')}, {say('precision', 'fp32')}), "
+            f"not {what}; use {say('on_rank_loss', 'abort')}")
+
+
+def check_shrinkable(trainer: Checkpointable) -> None:
+    """``ValueError`` (the same on every rank: a local check of settings the ranks agreed on)
+    unless ``RankLoss`` can go on with ``trainer`` after a lost rank (``shrink_problem``)."""
+    cfg = trainer.config()
+    strategy = _STRATEGY_OF.get(cfg["type"], cfg["type"])
+    problem = shrink_problem(strategy, cfg.get("backend", "mpi"), cfg.get("precision", "fp32"))
+    if problem is not None:
+        raise ValueError(problem)
 
 
 class _Snapshot:
     """What a step changes on this rank, copied before it: parameters, optimizer state, and the
     rest of its state (``trainer.snapshot()``, the ``Stateful`` one a checkpoint load uses)."""
 
-    def __init__(self, trainer: Any, handed: int, sharded: bool) -> None:
+    def __init__(self, trainer: Recoverable, handed: int, sharded: bool) -> None:
         # The loader counts a batch as consumed when it hands it out, before the step: the
         # position to go back to is that many samples earlier.
         self.handed = handed
@@ -64,7 +101,8 @@ class _Snapshot:
         if sharded:
             self.small["reducer"] = None
 
-    def restore(self, trainer: Any) -> None:
+    def restore(self, trainer: Recoverable, sampler: Any) -> None:
+        """Put the state back on ``trainer`` and ``sampler`` (the loader's) back before the step."""
         trainer.restore(self.small)
         for p, data in zip(trainer.params, self.params):
             p.data[...] = data
@@ -73,12 +111,10 @@ class _Snapshot:
         if opt is not None and not self.sharded:
             opt.state = copy.deepcopy(self.opt_state)
             opt.step_count = self.opt_step
-        sampler = getattr(trainer, "_sampler", None)
-        if sampler is not None:
-            sampler.position -= self.handed
+        sampler.position -= self.handed
 
 
-def _drop_reducer(trainer: Any) -> None:
+def _drop_reducer(trainer: Recoverable) -> None:
     """ZeRO 2, 3: the old reducer's hooks off the model before a new reducer's go on."""
     try:
         trainer.reducer.remove()
@@ -105,11 +141,17 @@ class RankLoss:
         self._pending: dict[str, Any] | None = None  # the loss waiting for its next finished step
         self.buddies: Buddies | None = None  # ZeRO's redundant pieces (made at the first step)
         self._fallback: str | None = None  # why the last checkpoint is read (a piece lost with its buddy)
+        self._checked: Any = None  # the trainer check_shrinkable passed (asked again of another one)
 
-    def before_step(self, trainer: Any, batch: Any) -> None:
-        """Keep the state from before the step on ``batch`` (and the one before it)."""
+    def before_step(self, trainer: Recoverable, batch: Any) -> None:
+        """Keep the state from before the step on ``batch`` (and the one before it). The first
+        time for ``trainer``: ``ValueError`` on every rank when it cannot go on without a lost
+        rank (``check_shrinkable``)."""
+        if self._checked is not trainer:
+            check_shrinkable(trainer)
+            self._checked = trainer
         step = trainer.global_step
-        sharded = bool(getattr(trainer, "zero", 0))
+        sharded = bool(trainer.zero)
         self._snapshots[step] = _Snapshot(trainer, len(batch[0]), sharded)
         for old in [s for s in self._snapshots if s <= step - KEEP]:
             del self._snapshots[old]
@@ -118,7 +160,7 @@ class RankLoss:
             if step not in self.buddies.mine:  # (a save at this step refreshed them already)
                 self.buddies.refresh(trainer, step)  # collective: a loss here is recovered from as in the step
 
-    def save(self, trainer: Any, write: Callable[[], str]) -> str:
+    def save(self, trainer: Recoverable, write: Callable[[], str]) -> str:
         """``write()`` a checkpoint (collective); when ranks are lost meanwhile, the survivors go on
         without them and write it again. A checkpoint is committed only once every rank wrote its
         part, so the interrupted one never is: the last committed one stays what a resume reads."""
@@ -135,7 +177,7 @@ class RankLoss:
         """The redundant copies kept to survive a loss (ZeRO's pieces; none for pure dp)."""
         return self.buddies.arrays() if self.buddies is not None else []
 
-    def recover(self, trainer: Any, exc: BaseException) -> bool:
+    def recover(self, trainer: Recoverable, exc: BaseException) -> bool:
         """Go on with the survivors after ``exc`` if it is a lost rank (collective over them);
         ``False`` when it is not, and the caller raises it. Raises ``RankLossError`` on every
         survivor when the job cannot go on (the global batch does not split over them, say)."""
@@ -143,7 +185,7 @@ class RankLoss:
             return False
         t0 = time.monotonic()
         try:
-            trainer._abandon_step()
+            trainer.abandon_step()
         except ulfm.Error:  # its in-flight buckets fail with the loss: the reducer is replaced below
             pass
         old_dp, old_world = trainer.dp.mpi, ulfm.world_ranks(trainer.comm.mpi)
@@ -153,7 +195,7 @@ class RankLoss:
             self._end_without_replica(trainer, comm, lost, step, old_world)
         self._check(trainer, comm, lost, step, whole)
         if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
-            self._snapshots[step].restore(trainer)
+            self._snapshots[step].restore(trainer, self.loader.sampler)
             self._snapshots = {step: self._snapshots[step]}
         comm = self._leave_broken(trainer, comm, lost, replica[ulfm.world_rank()] in whole, len(whole))
         read = self._rebind(trainer, comm, old_dp, lost, step)
@@ -170,7 +212,7 @@ class RankLoss:
                          lost, step + 1, comm.size, self.global_batch // dp, each, start)
         return True
 
-    def _shrink(self, trainer: Any) -> tuple[Communicator, list[int], int]:
+    def _shrink(self, trainer: Recoverable) -> tuple[Communicator, list[int], int]:
         """The survivors' communicator, every world rank lost, and the step to redo. More ranks
         may die meanwhile: then the survivors shrink again."""
         groups.revoke(trainer.grid)  # a survivor blocked in a gradient bucket (or a tp wait) returns too
@@ -180,7 +222,7 @@ class RankLoss:
                                                lambda s: s in self._snapshots or trainer.global_step == s)
         return Communicator(mpi), lost, step
 
-    def _end_without_replica(self, trainer: Any, comm: Communicator, lost: list[int], step: int,
+    def _end_without_replica(self, trainer: Recoverable, comm: Communicator, lost: list[int], step: int,
                              old_world: list[int]) -> NoReturn:
         """No whole dp replica is left (each lost a tensor- or pipeline-parallel member): end the job
         as a preempted one (exit 75) on every survivor, with a checkpoint of the state from before
@@ -201,7 +243,7 @@ class RankLoss:
                          trainer.last_checkpoint or "(none written)")
         raise Preempted(step, trainer.last_checkpoint, f"lost rank(s) {lost}: no whole dp replica left, {how}")
 
-    def _save_parts(self, trainer: Any, comm: Communicator, step: int,
+    def _save_parts(self, trainer: Recoverable, comm: Communicator, step: int,
                     old_world: list[int]) -> tuple[str | None, str | None]:
         """Write the state from before ``step`` from one survivor of each tp x pp part (collective
         over the survivors): ``(its path, None)``, or ``(None, why not)``, the same on every survivor."""
@@ -220,7 +262,7 @@ class RankLoss:
                 result = (None, f"writing the survivors' checkpoint failed ({type(exc).__name__}: {exc})")
         return comm.bcast_obj(result, root=lead)
 
-    def _write_part(self, trainer: Any, part: Communicator, step: int) -> tuple[str | None, str | None]:
+    def _write_part(self, trainer: Recoverable, part: Communicator, step: int) -> tuple[str | None, str | None]:
         """On one survivor of each tp x pp part (collective over them, ``part``): the state from
         before ``step`` as one replica (dp=1) over ``part``, written as a checkpoint; under ZeRO
         with the pieces put together from this survivor's own and its buddy copies."""
@@ -228,19 +270,20 @@ class RankLoss:
 
         old_dp = trainer.dp.mpi
         if step in self._snapshots:  # else this survivor is at that step's start already
-            self._snapshots[step].restore(trainer)
-        trainer.grid = grid = groups.regrid(trainer.grid, part)
-        trainer.comm, trainer.dp = grid.world, grid.dp
+            self._snapshots[step].restore(trainer, self.loader.sampler)
+        grid = groups.regrid(trainer.grid, part)
         self.loader.sampler.reshard(0, 1)  # one replica now: it consumed what all of them did
+        full = None
         if self.buddies is not None:
             _drop_reducer(trainer)
-            problem = self.buddies.rebuild(trainer, old_dp, step)
+            full, problem = self.buddies.assemble(old_dp, grid.dp, step)
             problem = next((p for p in part.allgather_obj(problem) if p is not None), None)  # one verdict
             if problem is not None:
                 return None, problem
+        trainer.rebind(grid, full)
         return checkpoint.save_in(self.checkpoint_dir, trainer, keep=0), None
 
-    def _check(self, trainer: Any, comm: Communicator, lost: list[int], step: int, whole: list[int]) -> None:
+    def _check(self, trainer: Recoverable, comm: Communicator, lost: list[int], step: int, whole: list[int]) -> None:
         """Refuse, on every survivor alike, what this job cannot go on from. A lost rank 0 is no
         problem: the survivors' rank 0 writes the metrics and the summary on."""
         failure.rebind(comm.mpi)  # an error now ends the survivors normally, said once
@@ -254,7 +297,8 @@ class RankLoss:
         if problem is not None:
             raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}"), comm)
 
-    def _leave_broken(self, trainer: Any, comm: Communicator, lost: list[int], whole: bool, n: int) -> Communicator:
+    def _leave_broken(self, trainer: Recoverable, comm: Communicator, lost: list[int], whole: bool,
+                      n: int) -> Communicator:
         """The communicator of the whole replicas' members (collective over the survivors); on
         the members of a broken replica, ``ReplicaLeft`` after a log line."""
         if trainer.grid.tp_size * trainer.grid.pp_size == 1:
@@ -267,40 +311,32 @@ class RankLoss:
         failure.rebind(mine.mpi)
         return mine
 
-    def _rebind(self, trainer: Any, comm: Communicator, old_dp: ulfm.Handle, lost: list[int],
+    def _rebind(self, trainer: Recoverable, comm: Communicator, old_dp: ulfm.Handle, lost: list[int],
                 step: int) -> str | None:
         """Point the trainer, its gradient reduction and its data at the survivors' communicator
-        (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``;
-        the checkpoint read instead, when pieces were lost with their buddy, is returned)."""
-        from ..parallel.reducer import AllReduceReducer, BackwardHooks
-
-        if trainer._hooks is not None:
-            trainer._hooks.remove()
-        trainer.grid = grid = groups.regrid(trainer.grid, comm)
-        trainer.comm, trainer.dp = grid.world, grid.dp
+        (``trainer.rebind``; ZeRO: with the state from before ``step`` put together from the
+        pieces, see ``Buddies``; the checkpoint read instead, when pieces were lost with their
+        buddy, is returned)."""
+        grid = groups.regrid(trainer.grid, comm)
+        full = None
         if self.buddies is not None:
             _drop_reducer(trainer)
-            problem = self.buddies.rebuild(trainer, old_dp, step)
+            full, problem = self.buddies.assemble(old_dp, grid.dp, step)
             if problem is not None:
                 if trainer.last_checkpoint is None:
                     raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}; "
                                                                 "no checkpoint was written yet"), comm)
                 self._fallback = problem  # read the last checkpoint once the rest is rebuilt (below)
-                trainer.reducer = self.buddies.empty_reducer(trainer)
-        else:
-            trainer.reducer = AllReduceReducer(trainer.params, grid.dp, bucket_mb=trainer.bucket_mb,
-                                               compression=trainer.compression)
-        trainer._hooks = None
-        if trainer.overlap and grid.dp.size > 1 and grid.pp.size == 1:
-            trainer._hooks = BackwardHooks(trainer.model, trainer.reducer)
-        trainer._order_learned = False
-        watchdog.attach(trainer.health)
+                xp = xp_of(trainer.params[0].data)
+                for p in trainer.params:  # zeros the load then fills (zero 3: read-only placeholders now)
+                    p.data = xp.zeros(p.shape, dtype=p.dtype)
+        trainer.rebind(grid, full)
         sampler = self.loader.sampler
         sampler.reshard(grid.dp.rank, grid.dp.size)  # tp and pp ranks of a replica share its batches
         self.loader.batch_size = self.global_batch // grid.dp.size
         return self._read_last(trainer, comm, lost) if self._fallback is not None else None
 
-    def _read_last(self, trainer: Any, comm: Communicator, lost: list[int]) -> str:
+    def _read_last(self, trainer: Recoverable, comm: Communicator, lost: list[int]) -> str:
         """ZeRO pieces lost with their buddy: the survivors read the last checkpoint (collective;
         the loader then goes on from its position, in the same epoch) or end naming it. Its path."""
         from .. import checkpoint
@@ -318,7 +354,7 @@ class RankLoss:
 
     # -- as a fit callback -------------------------------------------------------------------------
 
-    def on_step_end(self, trainer: Any, stats: Any) -> None:
+    def on_step_end(self, trainer: Recoverable, stats: Any) -> None:
         """The first step finished after a loss: its time, its mark in the metrics."""
         if self._pending is None:
             return

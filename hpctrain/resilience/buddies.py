@@ -11,9 +11,9 @@ once) its piece is gone: the survivors read the last checkpoint (``RankLoss`` do
 job when there is none.
 
 What this module uses of the ZeRO reducer: ``export_pieces()`` (a copy of this rank's pieces as
-named ranges), ``optim.sharded.assemble`` (every rank's export into full tensors) and
-``load_full()`` (this rank's pieces of full tensors, under any dp size), with
-``ParallelTrainer._make_reducer`` to build the reducer over the survivors.
+named ranges) and ``optim.sharded.assemble`` (every rank's export into full tensors), which
+``ParallelTrainer.rebind(grid, full)`` hands to the reducer it builds over the survivors
+(``load_full()``: this rank's pieces of full tensors, under any dp size).
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ import numpy as np
 
 from ..backend import to_host
 from ..comm import ulfm
+from ..optim.sharded import assemble
+from ..protocols import Comm, Recoverable, Reducer
 
 #: One rank's ``ZeroReducer.export_pieces()``, on the host (it travels pickled to the buddy).
 Pieces = dict[str, Any]
 
 
-def own_pieces(reducer: Any) -> Pieces:
+def own_pieces(reducer: Reducer) -> Pieces:
     """A host copy of this rank's pieces of the parameters and their optimizer state."""
     out = reducer.export_pieces()
     out["params"] = np.array(to_host(out["params"]), copy=True)
@@ -59,7 +61,7 @@ class Buddies:
         self.mine: dict[int, Pieces] = {}
         self.left: dict[int, Pieces] = {}  # the pieces of dp rank (rank - 1) % size
 
-    def refresh(self, trainer: Any, step: int) -> None:
+    def refresh(self, trainer: Recoverable, step: int) -> None:
         """Copy this rank's pieces from before ``step`` and swap copies around the dp ring.
 
         Collective over dp (one ``sendrecv`` of pickled pieces); a lost neighbour raises here as
@@ -77,39 +79,27 @@ class Buddies:
         """Every array held (``buffers`` in the memory report: the cost of surviving a loss)."""
         return [a for kept in (self.mine, self.left) for p in kept.values() for a in arrays_of(p)]
 
-    def rebuild(self, trainer: Any, old_dp: ulfm.Handle, step: int) -> str | None:
-        """Put the state from before ``step`` back on the survivors of this rank's dp group
-        (``trainer.dp``, rebuilt over them) and rebuild the ZeRO reducer over them; what is missing
-        when it cannot be done (the same on every survivor of the group).
+    def assemble(self, old_dp: ulfm.Handle, dp: Comm, step: int) -> tuple[dict[str, Any] | None, str | None]:
+        """The state from before ``step`` as full tensors (``optim.sharded.assemble``'s), put
+        together on the survivors of this rank's old dp group ``old_dp`` (collective over ``dp``,
+        the new one); or ``(None, what is missing)`` when some piece was lost with its buddy (the
+        same on every survivor of the group). The copies are dropped either way.
 
         Under dp x tp x pp each tp x pp part has its own dp group, and its pieces: the groups
-        rebuild side by side. A broken replica's members have left (``resilience.groups``): their
-        pieces come from their buddies, as a lost rank's do."""
-        dp = trainer.dp
+        put theirs together side by side. A broken replica's members have left
+        (``resilience.groups``): their pieces come from their buddies, as a lost rank's do."""
         held = self._held(old_dp, dp, step)
         size = len(_world(old_dp))
         found = {r: p for part in dp.allgather_obj(held) for r, p in part.items()}
+        self.mine, self.left = {}, {}
         missing = [r for r in range(size) if r not in found]
         if missing:
-            return (f"no copy of the ZeRO pieces of dp rank(s) {missing} (world "
-                    f"{[_world(old_dp)[r] for r in missing]}) survived: a rank and its buddy (the next dp rank) "
-                    "were lost together")
-        _install(trainer, [found[r] for r in range(size)])
-        self.mine, self.left = {}, {}
-        return None
+            return None, (f"no copy of the ZeRO pieces of dp rank(s) {missing} (world "
+                          f"{[_world(old_dp)[r] for r in missing]}) survived: a rank and its buddy (the next dp "
+                          "rank) were lost together")
+        return assemble([found[r] for r in range(size)]), None
 
-    def empty_reducer(self, trainer: Any) -> Any:
-        """A ZeRO reducer over ``trainer.dp`` with zeros for the parameters (what a checkpoint load
-        then fills: the pieces were lost)."""
-        from ..backend import xp_of
-
-        xp = xp_of(trainer.params[0].data)
-        for p in trainer.params:  # (zero 3: read-only placeholders now)
-            p.data = xp.zeros(p.shape, dtype=p.dtype)
-        self.mine, self.left = {}, {}
-        return trainer._make_reducer(trainer.model, trainer.optimizer, None)
-
-    def _held(self, old_dp: ulfm.Handle, dp: Any, step: int) -> dict[int, Pieces]:
+    def _held(self, old_dp: ulfm.Handle, dp: Comm, step: int) -> dict[int, Pieces]:
         """The pieces from before ``step`` this survivor holds: its own, and its left neighbour's
         when that one is not in the new dp group ``dp`` (lost, or left with its replica); keyed
         by old dp rank."""
@@ -124,17 +114,3 @@ class Buddies:
 
 def _world(comm: ulfm.Handle) -> list[int]:
     return ulfm.world_ranks(comm)
-
-
-def _install(trainer: Any, parts: list[Pieces]) -> None:
-    """The full parameters and optimizer state from every old rank's pieces, and a new reducer over
-    ``trainer.dp`` that takes its pieces of them (as after a checkpoint load under another layout)."""
-    from ..backend import to_device, xp_of
-    from ..optim.sharded import assemble
-
-    full = assemble(parts)
-    xp = xp_of(trainer.params[0].data)
-    for p in trainer.params:  # the reducer lays out what the parameters hold (zero 3: placeholders now)
-        p.data = to_device(full["params"][p.name].reshape(p.shape), xp)
-    trainer.reducer = trainer._make_reducer(trainer.model, trainer.optimizer, None)
-    trainer.reducer.load_full(full)

@@ -12,13 +12,11 @@ last committed checkpoint is kept.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..comm import Communicator, ulfm
 from ..comm.grid import Coords, ProcessGrid, coords, rank_of
 
 
-def revoke(grid: Any) -> None:
+def revoke(grid: ProcessGrid) -> None:
     """Revoke the grid's group communicators, so that no survivor stays blocked in one (a tp
     all-reduce waiting for a partner that is shrinking the world, say)."""
     for group in (grid.dp, grid.tp, grid.pp):
@@ -26,7 +24,7 @@ def revoke(grid: Any) -> None:
             ulfm.revoke(group.mpi)
 
 
-def replicas(grid: Any, old_world: list[int], lost: list[int]) -> tuple[dict[int, int], list[int]]:
+def replicas(grid: ProcessGrid, old_world: list[int], lost: list[int]) -> tuple[dict[int, int], list[int]]:
     """Each member's dp replica (world rank -> the grid's dp coordinate) and the whole replicas
     (no member lost). ``old_world``: the grid's world ranks (``COMM_WORLD`` numbers) in its rank
     order. Local: every survivor computes the same answer from the same ``lost``."""
@@ -48,7 +46,7 @@ def _split(comm: Communicator, member: bool, key: int) -> Communicator | None:
     return None if new is None else Communicator(new)
 
 
-def cover(comm: Communicator, grid: Any, old_world: list[int]) -> tuple[Communicator | None, int, list[tuple]]:
+def cover(comm: Communicator, grid: ProcessGrid, old_world: list[int]) -> tuple[Communicator | None, int, list[tuple]]:
     """One survivor of each tp x pp part of the model, as one replica of tp x pp ranks (no whole
     replica is left, but between them the survivors may still hold every part).
 
@@ -69,15 +67,13 @@ def cover(comm: Communicator, grid: Any, old_world: list[int]) -> tuple[Communic
     return _split(comm, chosen[(me.tp, me.pp)] == comm.rank, key), chosen[(0, 0)], []
 
 
-def regrid(old: Any, comm: Communicator) -> ProcessGrid:
+def regrid(old: ProcessGrid, comm: Communicator) -> ProcessGrid:
     """The grid of the same tp and pp over ``comm`` (collective). The tp and pp communicator
     objects stay those the model's layers, the loss and the pipeline runner hold: each takes the
     new group's handle (a whole replica keeps its members and their order)."""
     grid = ProcessGrid(comm, tp=old.tp_size, pp=old.pp_size)
     for name in ("tp", "pp"):
         held, new = getattr(old, name), getattr(grid, name)
-        if (held.rank, held.size) != (new.rank, new.size):  # cannot happen: Split keeps the order
-            raise RuntimeError(f"the {name} group changed shape after a lost rank: {held!r} -> {new!r}")
-        held.__dict__.update(new.__dict__)
+        held.adopt(new)  # the same rank and size: Split keeps the order
         setattr(grid, name, held)
     return grid

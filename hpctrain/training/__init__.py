@@ -1,7 +1,9 @@
-"""The engine: a trainer and its parts, apart (``trainer.Trainer`` composes them):
+"""The engine: a trainer and its parts, apart (``trainer.Trainer`` holds one of each):
 
-- ``step``: the numerics of one update (``TrainStep``, ``StepStats``), testable without the loop;
-- ``state``: what the trainer itself saves (``TrainerState``: counters, sampler, RNG states);
+- ``step``: the numerics of one update (``TrainStep``, ``StepStats``), testable without the loop:
+  a trainer's ``strategy`` (strategies subclass it);
+- ``state``: what the trainer itself saves (``TrainerState``: epoch, sampler, RNG states, tracked
+  objects): a trainer's ``state``;
 - ``loop``: ``fit`` over a loader (callbacks, checkpoint cadence, preemption, rank loss), with
   ``logger``'s progress output;
 - around the step: ``precision`` (the dtypes of a step, fp16's loss scaler), ``guard`` (the

@@ -15,12 +15,14 @@ from typing import Any
 
 import numpy as np
 
+from ..protocols import Comm
+
 
 def _share(n_batches: int, rank: int, size: int) -> range:
     return range(n_batches * rank // size, n_batches * (rank + 1) // size)
 
 
-def evaluate(model: Any, data: Any, loss: Any = None, batch: int = 256, comm: Any = None) -> dict[str, float]:
+def evaluate(model: Any, data: Any, loss: Any = None, batch: int = 256, comm: Comm | None = None) -> dict[str, float]:
     """``{"loss", "accuracy", "samples"}`` of ``model`` (a serial model, in eval mode afterwards)
     on all of ``data`` (``data[idx] -> (x, y, ...)``, integer class targets); collective with
     ``comm``. ``loss`` (default cross-entropy) gives the mean over every target (every token for

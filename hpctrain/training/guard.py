@@ -13,6 +13,7 @@ import numpy as np
 
 from ..backend import to_host, xp_of
 from ..errors import NonFiniteError
+from ..protocols import Comm
 
 POLICIES = ("raise", "skip")
 
@@ -22,7 +23,7 @@ def _finite(a: Any) -> bool:
     return bool(xp.isfinite(a).all())
 
 
-def check_finite(comm: Any, loss: float, params: list[Any], policy: str = "raise", finite: bool | None = None) -> bool:
+def check_finite(comm: Comm, loss: float, params: list[Any], policy: str = "raise", finite: bool | None = None) -> bool:
     """Whether this step must be skipped because loss or a gradient is NaN or infinite.
 
     Collective over ``comm``. Returns ``False`` when everything is finite on every rank. With
@@ -45,7 +46,7 @@ def check_finite(comm: Any, loss: float, params: list[Any], policy: str = "raise
     return True  # not reached: raise_nonfinite always raises
 
 
-def raise_nonfinite(comm: Any, loss: float, params: list[Any]) -> None:
+def raise_nonfinite(comm: Comm, loss: float, params: list[Any]) -> None:
     """Raise ``NonFiniteError`` on every rank of ``comm``, naming each rank's non-finite loss or
     gradients (collective; called by the step once the ranks know something is not finite).
 

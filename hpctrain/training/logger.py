@@ -6,8 +6,8 @@ import json
 import os
 import sys
 import time
-from typing import Any
 
+from ..protocols import TrainerView
 from .step import StepStats
 
 
@@ -22,7 +22,7 @@ class ProgressLogger:
 
     EXTRA = ("val_loss", "lr", "loss_scale", "rank_loss")
 
-    def __init__(self, trainer: Any, total: int | None, every: int, metrics_file: str | None,
+    def __init__(self, trainer: TrainerView, total: int | None, every: int, metrics_file: str | None,
                  progress: bool | None) -> None:
         self.trainer = trainer
         self.total = total
@@ -54,7 +54,7 @@ class ProgressLogger:
             except ImportError:
                 self.bar = None
 
-    def on_step_end(self, trainer: Any, s: StepStats) -> None:
+    def on_step_end(self, trainer: TrainerView, s: StepStats) -> None:
         if not self.on and trainer.comm.rank == 0:  # rank 0 was lost (--on-rank-loss shrink): this one writes on
             from ..files.rundir import open_append
 
@@ -109,7 +109,7 @@ class ProgressLogger:
             per_step = self.window[-1].seconds
         return f"{text} | eta {duration(per_step * max(0, self.total - t.global_step))}"
 
-    def on_fit_end(self, trainer: Any) -> None:
+    def on_fit_end(self, trainer: TrainerView) -> None:
         if self.metrics is not None:
             self.metrics.close()
         if self.bar is not None:

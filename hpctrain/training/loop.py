@@ -1,10 +1,10 @@
 """The loop: ``fit`` over a loader, callbacks, checkpoint cadence and preemption.
 
 ``Trainer.fit`` is ``fit(trainer, loader, ...)`` below: a ``Loop`` drives the trainer through its
-public side only (``step``, ``memory_report``, ``global_step``/``epoch``, ``attach_sampler``/
-``take_pending_sampler``, ``last_checkpoint``, ``comm``) and ``hpctrain.checkpoint``. Nothing of
-the step's numerics is here, and nothing here is saved: the loop's own position is the trainer's
-state (``training.state``).
+public side only (``protocols.Fittable``: ``step``, ``memory_report``, ``global_step``/
+``epoch``, ``attach_sampler``/``take_pending_sampler``, ``last_checkpoint``, ``comm``) and
+``hpctrain.checkpoint``. Nothing of the step's numerics is here, and nothing here is saved: the
+loop's own position is the trainer's state (``training.state``).
 
 Rank loss (``--on-rank-loss shrink``): when ``trainer.rank_loss`` is set (a
 ``hpctrain.resilience.RankLoss``), the loop calls ``rank_loss.before_step(trainer, batch)`` before
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..log import get_logger
+from ..protocols import Comm, Fittable
 from .logger import ProgressLogger
 from .step import StepStats
 
@@ -57,7 +58,7 @@ class Callbacks:
                 fn(*args)
 
 
-def fit(trainer: Any, loader: Any, epochs: int, *, cadence: Cadence, resume: bool, log_every: int,
+def fit(trainer: Fittable, loader: Any, epochs: int, *, cadence: Cadence, resume: bool, log_every: int,
         metrics_file: str | None, progress: bool | None, callbacks: Sequence[Any],
         max_steps: int | None) -> list[StepStats]:
     """``Trainer.fit`` (see its docstring): resume, then the loop with the callbacks and the logger."""
@@ -72,7 +73,7 @@ def fit(trainer: Any, loader: Any, epochs: int, *, cadence: Cadence, resume: boo
 class Loop:
     """One ``fit``: the epochs over ``loader``, each step's callbacks, checkpoints and stop."""
 
-    def __init__(self, trainer: Any, loader: Any, epochs: int, cadence: Cadence, max_steps: int | None) -> None:
+    def __init__(self, trainer: Fittable, loader: Any, epochs: int, cadence: Cadence, max_steps: int | None) -> None:
         self.trainer, self.loader, self.epochs = trainer, loader, epochs
         self.cadence, self.max_steps = cadence, max_steps
         self.sampler = getattr(loader, "sampler", None)  # optional: a plain iterable has none
@@ -226,7 +227,7 @@ class Loop:
         raise Preempted(t.global_step, path, preempt.reason())
 
 
-def agree_stop(comm: Any) -> bool:
+def agree_stop(comm: Comm) -> bool:
     """Whether any rank was asked to stop (one small all-reduce over ``comm``).
 
     Used only for steps that do not carry the flag in a collective they already make

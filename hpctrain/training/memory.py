@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ..protocols import Comm
+
 KEYS = ("params", "grads", "optimizer", "buffers", "activations_peak", "workspace")
 
 
@@ -216,7 +218,7 @@ def optimizer_arrays(opt: Any) -> list[Any]:
     return out
 
 
-def max_over_ranks(comm: Any, memory: dict[str, int]) -> dict[str, int]:
+def max_over_ranks(comm: Comm, memory: dict[str, int]) -> dict[str, int]:
     """Each entry's maximum over the ranks of ``comm`` (collective): the rank that holds most."""
     keys = sorted(memory)
     values = np.array([float(memory[k]) for k in keys], dtype=np.float64)

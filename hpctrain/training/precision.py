@@ -35,6 +35,7 @@ import numpy as np
 
 from ..backend import BF16, FP16, FP32, xp_of
 from ..errors import Say, as_argument
+from ..nn.module import Parameter
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
@@ -177,8 +178,6 @@ class Precision:
         """Float32 master copies of ``params`` (by name), then the parameters cast to ``param``
         and their gradients to ``reduce`` (zeros). Call while the parameters still hold float32
         values: the masters start from them, not from their 16-bit rounding."""
-        from ..nn.module import Parameter
-
         masters = {}
         for p in params:
             if np.dtype(p.dtype) != FP32:

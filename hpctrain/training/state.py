@@ -1,42 +1,46 @@
-"""The trainer's own saved state: ``TrainerState``, its side of ``protocols.Stateful``.
+"""The trainer's own saved state: ``TrainerState``, a part of ``hpctrain.Trainer`` (``trainer.state``).
 
 A checkpoint saves and restores a trainer only through ``state_dict``/``load_state_dict`` and
-``snapshot``/``restore`` (``hpctrain.protocols.Stateful``); this mixin is the base trainer's
+``snapshot``/``restore`` (``hpctrain.protocols.Stateful``); this part is the base trainer's
 implementation: the counters, the loader's sampler (its position), the module RNGs, the loss
-scaler and the optimizer. A strategy that owns more extends these four methods with what it
-owns (``ParallelTrainer``: its reducer's shards; the parameter server: its clocks).
+scaler, the optimizer and the user's tracked objects. A strategy that owns more extends the
+trainer's four methods with what it owns (``ParallelTrainer``: its reducer's shards; the
+parameter server: its clocks).
 
-The loop hands the state the loader's sampler (``attach_sampler``) and, after a resume, takes the
-sampler state a load restored before the loader's sampler was known (``take_pending_sampler``).
+The loop hands the state the loader's sampler (``Trainer.attach_sampler``) and, after a resume,
+takes the sampler state a load restored before the loader's sampler was known
+(``Trainer.take_pending_sampler``).
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 from ..data.sampler import rescaled_position
 from ..nn.rngs import ModuleRngs
-from ..protocols import Comm, restore_of, snapshot_of
+from ..protocols import StateOwner, restore_of, snapshot_of
 
 
 class TrainerState:
-    """Counters, sampler position and RNG states of a trainer (a mixin of ``hpctrain.Trainer``:
-    the host class holds ``comm``, ``dp``, ``model``, ``optimizer`` and ``precision``)."""
+    """The epoch, the sampler's position, the module RNGs and the tracked objects of a trainer,
+    and with them its side of ``protocols.Stateful``.
 
-    comm: Comm
-    dp: Comm
-    model: Any
-    optimizer: Any
-    precision: Any
-    global_step: int = 0
-    epoch: int = 0
-    #: The loader's sampler while ``fit`` runs (saved with the trainer's state).
-    _sampler: Any = None
-    #: The sampler state a load restored, kept until ``fit`` sees the loader's sampler.
-    _pending_sampler: dict[str, Any] | None = None
-    #: The user's objects saved with the trainer's state (``track``), by name.
-    _tracked: dict[str, Any] | None = None
+    ``owner`` (held weakly: the trainer holds this part) supplies what is saved with it and
+    lives in its other parts: the communicators, the model, the optimizer, the precision (the
+    loss scaler) and ``global_step`` (``protocols.StateOwner``).
+    """
+
+    def __init__(self, owner: StateOwner) -> None:
+        self.owner: StateOwner = weakref.proxy(owner)
+        self.epoch = 0
+        #: The loader's sampler while ``fit`` runs (saved with the trainer's state).
+        self.sampler: Any = None
+        #: The sampler state a load restored, kept until ``fit`` sees the loader's sampler.
+        self.pending_sampler: dict[str, Any] | None = None
+        #: The user's objects saved with the trainer's state (``track``), by name.
+        self.tracked: dict[str, Any] = {}
 
     def track(self, name: str, obj: Any) -> None:
         """Save ``obj`` (a ``hpctrain.protocols.Stateful``, or any object with ``state_dict`` and
@@ -57,23 +61,17 @@ class TrainerState:
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"track({name!r}): {type(obj).__name__} has no state_dict()/load_state_dict() "
                             "(see hpctrain.protocols.Stateful)")  # fmt: skip
-        tracked = self._tracked if self._tracked is not None else {}
-        if name in tracked:
-            raise ValueError(f"track: {name!r} is already tracked ({type(tracked[name]).__name__})")
-        tracked[name] = obj
-        self._tracked = tracked
-
-    def attach_sampler(self, sampler: Any) -> None:
-        """Save ``sampler``'s state (its position in the epoch) with the trainer's from now on."""
-        self._sampler = sampler
+        if name in self.tracked:
+            raise ValueError(f"track: {name!r} is already tracked ({type(self.tracked[name]).__name__})")
+        self.tracked[name] = obj
 
     def take_pending_sampler(self) -> dict[str, Any] | None:
         """The sampler state the last load restored (``None``: none), forgotten from now on."""
-        pending, self._pending_sampler = self._pending_sampler, None
+        pending, self.pending_sampler = self.pending_sampler, None
         return pending
 
     def _modules_with_rng(self) -> list[tuple[str, Any]]:
-        return ModuleRngs(self.model).modules()
+        return ModuleRngs(self.owner.model).modules()
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the sampler's state (when ``fit`` runs with one) and module RNG states.
@@ -85,23 +83,23 @@ class TrainerState:
         rngs: dict[str, list[Any]] = {}
         mine = {n: m.rng.bit_generator.state for n, m in self._modules_with_rng()}
         tracked, checks = self._tracked_states()
-        everyone = self.comm.allgather_obj((self.dp.rank, mine, checks))
+        everyone = self.owner.comm.allgather_obj((self.owner.dp.rank, mine, checks))
         for d, states, _ in everyone:
             for k, v in states.items():
-                rngs.setdefault(k, [None] * self.dp.size)[d] = v
+                rngs.setdefault(k, [None] * self.owner.dp.size)[d] = v
         _agree_tracked([c for _, _, c in everyone])
         state: dict[str, Any] = {
-            "global_step": self.global_step,
+            "global_step": self.owner.global_step,
             "epoch": self.epoch,
             "module_rngs": rngs,
-            "world_size": self.comm.size,
-            "dp_size": self.dp.size,
+            "world_size": self.owner.comm.size,
+            "dp_size": self.owner.dp.size,
         }
-        sampler = self._sampler
+        sampler = self.sampler
         if sampler is not None and hasattr(sampler, "state_dict"):  # optional: a user's sampler may keep none
             state["sampler"] = sampler.state_dict()
-        if self.precision.scaler is not None:
-            state["loss_scaler"] = self.precision.scaler.state_dict()
+        if self.owner.precision.scaler is not None:
+            state["loss_scaler"] = self.owner.precision.scaler.state_dict()
         if tracked:
             state["tracked"] = tracked
         return state
@@ -113,7 +111,7 @@ class TrainerState:
 
         states: dict[str, Any] = {}
         checks: dict[str, str] = {}
-        for name, obj in (self._tracked or {}).items():
+        for name, obj in self.tracked.items():
             try:
                 states[name] = obj.state_dict()
                 check_saveable(states[name], f"track({name!r}): state_dict()")
@@ -130,14 +128,14 @@ class TrainerState:
         The sampler's position counts this dp replica's share of the epoch, so it is rescaled by
         the saved and the current **dp** size (tp and pp ranks of a replica read the same data).
         """
-        scaler = self.precision.scaler
+        scaler = self.owner.precision.scaler
         if scaler is not None and state.get("loss_scaler") is not None:
             scaler.load_state_dict(state["loss_scaler"])  # first: it validates (nothing changed yet)
         saved = state.get("tracked") or {}
-        for name, obj in (self._tracked or {}).items():
+        for name, obj in self.tracked.items():
             if name in saved:
                 obj.load_state_dict(saved[name])
-        self.global_step = int(state["global_step"])
+        self.owner.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
         self._load_rngs(state)
         self._load_sampler(state)
@@ -149,11 +147,11 @@ class TrainerState:
         for name, m in self._modules_with_rng():
             if name in saved_rngs:
                 per = saved_rngs[name]
-                pick = per[self.dp.rank] if len(per) == self.dp.size else per[0]
+                pick = per[self.owner.dp.rank] if len(per) == self.owner.dp.size else per[0]
                 if pick is not None:
                     m.rng.bit_generator.state = pick
             elif old:
-                own = old[self.comm.rank] if len(old) == self.comm.size else old[0]
+                own = old[self.owner.comm.rank] if len(old) == self.owner.comm.size else old[0]
                 if name in own:
                     m.rng.bit_generator.state = own[name]
 
@@ -161,13 +159,13 @@ class TrainerState:
         """The sampler's state, rescaled to this dp size: kept until ``fit`` sees the loader's
         sampler (or applied now if it already has one)."""
         sampler_state = state.get("sampler")
-        saved_dp = int(state.get("dp_size", state.get("world_size", self.dp.size)))
+        saved_dp = int(state.get("dp_size", state.get("world_size", self.owner.dp.size)))
         if sampler_state is not None:
             sampler_state = dict(sampler_state)
-        if sampler_state is not None and saved_dp != self.dp.size:
-            sampler_state["position"] = rescaled_position(sampler_state["position"], saved_dp, self.dp.size)
-        self._pending_sampler = sampler_state
-        sampler = self._sampler
+        if sampler_state is not None and saved_dp != self.owner.dp.size:
+            sampler_state["position"] = rescaled_position(sampler_state["position"], saved_dp, self.owner.dp.size)
+        self.pending_sampler = sampler_state
+        sampler = self.sampler
         if sampler is not None and sampler_state is not None:
             if hasattr(sampler, "__len__"):  # optional: a sampler of unknown length is not capped
                 sampler_state["position"] = min(int(sampler_state["position"]), len(sampler))
@@ -178,24 +176,24 @@ class TrainerState:
         pending sampler state, module RNG states, the sampler, the loss scaler and the optimizer.
         Strategies extend it with what they own. Not collective."""
         return {
-            "counters": (self.global_step, self.epoch),
-            "pending_sampler": copy.deepcopy(self._pending_sampler),
-            "rngs": ModuleRngs(self.model).snapshot(),
-            "sampler": snapshot_of(self._sampler),
-            "loss_scaler": snapshot_of(self.precision.scaler),
-            "optimizer": snapshot_of(self.optimizer),
-            "tracked": {name: snapshot_of(obj) for name, obj in (self._tracked or {}).items()},
+            "counters": (self.owner.global_step, self.epoch),
+            "pending_sampler": copy.deepcopy(self.pending_sampler),
+            "rngs": ModuleRngs(self.owner.model).snapshot(),
+            "sampler": snapshot_of(self.sampler),
+            "loss_scaler": snapshot_of(self.owner.precision.scaler),
+            "optimizer": snapshot_of(self.owner.optimizer),
+            "tracked": {name: snapshot_of(obj) for name, obj in self.tracked.items()},
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
         """Put back what :meth:`snapshot` took (after a load failed on some rank). Not collective."""
-        restore_of(self.optimizer, snap["optimizer"])
-        self.global_step, self.epoch = snap["counters"]
-        self._pending_sampler = snap["pending_sampler"]
-        ModuleRngs(self.model).restore(snap["rngs"])
-        restore_of(self._sampler, snap["sampler"])
-        restore_of(self.precision.scaler, snap["loss_scaler"])
-        for name, obj in (self._tracked or {}).items():
+        restore_of(self.owner.optimizer, snap["optimizer"])
+        self.owner.global_step, self.epoch = snap["counters"]
+        self.pending_sampler = snap["pending_sampler"]
+        ModuleRngs(self.owner.model).restore(snap["rngs"])
+        restore_of(self.sampler, snap["sampler"])
+        restore_of(self.owner.precision.scaler, snap["loss_scaler"])
+        for name, obj in self.tracked.items():
             restore_of(obj, snap.get("tracked", {}).get(name))
 
 

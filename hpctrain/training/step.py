@@ -109,10 +109,11 @@ def _batch_digest(x: Any, y: Any, weight: Any, wsum: float) -> float:
 
 
 class TrainStep:
-    """The step template and what it needs; the base of ``hpctrain.Trainer``.
+    """The step template and what it needs: a trainer's ``strategy`` part.
 
-    A strategy supplies ``_forward_backward``, sets ``params``, ``optimizer``, ``model``,
-    ``loss``, ``reducer`` and the replica facts (``dp``, ``_batch_lead``, ``_loss_lead``,
+    A strategy (a subclass: ``parallel.engine.ParallelStep``, ``tests/test_step.py``'s) supplies
+    ``_forward_backward``, sets ``params``, ``optimizer``, ``model``, ``loss``, ``reducer`` and
+    the replica facts (``dp``, ``_batch_lead``, ``_loss_lead``,
     ``_tp_replicated``, ``_tp_rank``); ``step`` does the rest. Nothing here knows the fit loop,
     checkpoints or the trainer's saved state: a step runs on this class alone.
     """
@@ -152,12 +153,14 @@ class TrainStep:
         self._tp_replicated: set[int] = set()
         self._tp_rank = 0
         self._closed = False
+        #: What errors call the step's owner (``hpctrain.Trainer`` sets its class name).
+        self.name = type(self).__name__
 
     def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
         """One update from this rank's share ``(x, y[, weight])`` of the global batch (collective)."""
         t_start = time.perf_counter()
         if self._closed:
-            raise RuntimeError(f"{type(self).__name__}.step after close()")
+            raise RuntimeError(f"{self.name}.step after close()")
         batch = self._check_batch(x, y, weight)
         comm_s = time.perf_counter() - t_start
         scale = self.precision.loss_scale
@@ -221,7 +224,7 @@ class TrainStep:
         if n_bad_targets:  # a bad class index somewhere: every rank raises, naming each one found
             from ..comm.validate import raise_if_any
 
-            raise_if_any(self.comm, targets.error(), what=f"{type(self).__name__}.step")
+            raise_if_any(self.comm, targets.error(), what=f"{self.name}.step")
         n_extra = len(reduce_extra)
         if exact and not n_bad:
             sumsq = digits_value(totals[_HEAD + n_extra : _HEAD + n_extra + len(digits)])
@@ -296,6 +299,10 @@ class TrainStep:
         bad = not (math.isfinite(loss_part) and math.isfinite(sumsq))
         return loss_part, sumsq, bad, list(sumsq_digits([] if bad else [host[3:]])) if exact else [], bad_targets
 
+    def close(self) -> None:
+        """No step after this (a strategy also releases what it installed); twice is a no-op."""
+        self._closed = True
+
     def _release_caches(self) -> None:
         """Drop what the layers and the loss kept for this step's backward, now done: otherwise the
         next forward finds each layer's previous activations still held and makes a second set
@@ -323,7 +330,7 @@ class TrainStep:
         from ..comm.validate import raise_if_any
         from ..errors import MismatchError
 
-        problem = self._batch_problem(x, y, weight)
+        problem = self.batch_problem(x, y, weight)
         n = len(y) if problem is None else 0
         k = self.step_microbatches(n) if problem is None else 1  # no parts: the step raises below
         bounds = [(i * n) // k for i in range(k + 1)]
@@ -341,18 +348,18 @@ class TrainStep:
         v[-1] = 1.0 if problem is not None else 0.0
         totals = self.comm.allreduce(v, op="max")
         if totals[-1]:
-            raise_if_any(self.comm, problem, what=f"{type(self).__name__}.step")
+            raise_if_any(self.comm, problem, what=f"{self.name}.step")
         per = totals[:-1].reshape(nd, 4)
         odd = [r for r in range(nd) if per[r, 2] != -per[r, 3]]
         if odd:
             raise MismatchError(
-                f"{type(self).__name__}.step: the ranks of data-parallel replica(s) {odd} got different batch "
+                f"{self.name}.step: the ranks of data-parallel replica(s) {odd} got different batch "
                 "shapes or weights; every rank of a tensor-parallel group / pipeline takes the same batch"
             )
         return Batch(x=x, y=y, weight=w_host, parts=parts, part_weights=part_w,
                      weight_total=float(per[:, 0].sum()), samples=int(round(per[:, 1].sum())))  # fmt: skip
 
-    def _batch_problem(self, x: Any, y: Any, weight: Any) -> Exception | str | None:
+    def batch_problem(self, x: Any, y: Any, weight: Any) -> Exception | str | None:
         """What is wrong with this rank's batch (``None`` when nothing): lengths, micro-batches."""
         try:
             n = len(y)

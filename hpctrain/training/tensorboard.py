@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..protocols import TrainerView
+
 #: What ``pip install`` brings the writer (the ``tensorboard`` extra).
 PACKAGE = "tensorboardX"
 _EXTRA = {"lr": "train/lr", "loss_scale": "train/loss_scale", "val_loss": "val/loss"}
@@ -37,7 +39,7 @@ class TensorBoardLogger:
         self.logdir = logdir
         self.writer: Any = None
 
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if trainer.comm.rank != 0:
             return
         why = missing()
@@ -50,7 +52,7 @@ class TensorBoardLogger:
         # (a quick resume) would write the same file; the step each starts at tells them apart.
         self.writer = SummaryWriter(self.logdir, filename_suffix=f".step{trainer.global_step}")
 
-    def on_step_end(self, trainer: Any, stats: Any) -> None:
+    def on_step_end(self, trainer: TrainerView, stats: Any) -> None:
         if self.writer is None:
             return
         step = trainer.global_step
@@ -66,7 +68,7 @@ class TensorBoardLogger:
             if stats.extra.get(key) is not None:
                 add(tag, float(stats.extra[key]), step)
 
-    def on_fit_end(self, trainer: Any) -> None:
+    def on_fit_end(self, trainer: TrainerView) -> None:
         if self.writer is not None:
             self.writer.close()  # flushed: the files are complete when fit returns (or raises)
             self.writer = None

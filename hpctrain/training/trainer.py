@@ -1,15 +1,18 @@
-"""``Trainer``: the step, the state and the loop composed.
+"""``Trainer``: a trainer composed of named parts.
 
-The pieces live apart in this package (see ARCHITECTURE.md, "training/"):
+The parts live apart in this package (see ARCHITECTURE.md, "training/"), and a ``Trainer``
+holds one of each, as torchtitan's trainer declares its components:
 
-- ``training.step.TrainStep``: the numerics of one update (batch check, forward/backward, the
-  reduction, the one host read, skip/clip/update) and ``StepStats``;
-- ``training.state.TrainerState``: counters, sampler position, RNG states: the trainer's side of
-  ``protocols.Stateful``, what checkpoints save and restore;
-- ``training.loop``: ``fit`` (callbacks, checkpoint cadence, preemption, the rank-loss hook).
+- ``strategy``: the step (``training.step.TrainStep`` or a strategy's subclass of it): the
+  forward/backward, the reduction (``reducer``), the update, ``StepStats``; the model, loss,
+  optimizer, parameters and precision it steps;
+- ``state``: ``training.state.TrainerState``: the epoch, the sampler's position, RNG states, the
+  tracked objects: the trainer's side of ``protocols.Stateful``, what checkpoints save;
+- ``checkpointer``: the ``hpctrain.checkpoint.Checkpointer`` (background saves, its communicator);
+- ``health``: the job's ``comm.health.Health`` (timeouts, the stall watchdog's view).
 
-This class adds what a whole job needs around them: the job's ``Health`` (timeouts, the stall
-watchdog), the ``Checkpointer``, memory metering and the declared interface below. ``hpctrain.Trainer`` and
+``fit`` is ``training.loop``'s (callbacks, checkpoint cadence, preemption, the rank-loss hook).
+This class adds memory metering and the declared interface below. ``hpctrain.Trainer`` and
 ``hpctrain.StepStats`` are this module's.
 """
 
@@ -23,17 +26,31 @@ import numpy as np
 
 from ..comm import Communicator, watchdog
 from ..comm.health import Health
+from ..protocols import Comm, Module, RankLossHook, Reducer
 from .loop import Cadence, planned_steps
 from .loop import fit as _fit
+from .precision import Precision
 from .state import TrainerState
 from .step import Batch, StepStats, TrainStep
 
 __all__ = ["Batch", "StepStats", "Trainer", "planned_steps"]
 
 
-class Trainer(TrainerState, TrainStep):
-    """Base of the trainers: the step template, the counters, the ``fit`` loop and the interface
-    checkpoints and the main job use.
+def part(name: str, attribute: str) -> Any:
+    """A trainer attribute that lives in its part ``name``: read and written there."""
+
+    def get(trainer: Trainer) -> Any:
+        return getattr(getattr(trainer, name), attribute)
+
+    def put(trainer: Trainer, value: Any) -> None:
+        setattr(getattr(trainer, name), attribute, value)
+
+    return property(get, put, doc=f"``{name}.{attribute}``")
+
+
+class Trainer:
+    """Base of the trainers: named parts (``strategy``, ``state``, ``checkpointer``, ``health``)
+    behind the interface that checkpoints, ``fit``, callbacks and the main job use.
 
     Declared interface (every trainer provides it):
 
@@ -48,8 +65,11 @@ class Trainer(TrainerState, TrainStep):
     - ``checkpointer``: the trainer's ``hpctrain.checkpoint.Checkpointer``;
     - ``close()``: release what the trainer installed or allocated (idempotent).
 
-    A strategy supplies ``_forward_backward``, sets ``reducer`` and the replica facts
-    (``training.step.TrainStep``); ``step`` does the rest.
+    The base trainer's strategy is the plain ``TrainStep``, which has no forward/backward: a
+    subclass sets its own (``ParallelTrainer``: ``parallel.engine.ParallelStep``) once this
+    constructor has attached the job's ``Health``, so the strategy's setup runs under its
+    timeout; or, as a checkpoint test's trainer does, sets ``model``, ``optimizer`` and
+    ``params`` (they live in the strategy) and never steps.
     """
 
     #: The checkpoint ``fit`` last wrote, or else the one it resumed from (``None``: neither). What
@@ -57,7 +77,28 @@ class Trainer(TrainerState, TrainStep):
     #: Committed once ``fit`` returns or raises ``Preempted`` (an asynchronous save: by then).
     last_checkpoint: str | None = None
     #: ``hpctrain.resilience.RankLoss`` when ``fit`` goes on without lost ranks (``--on-rank-loss shrink``).
-    rank_loss: Any = None
+    rank_loss: RankLossHook | None = None
+
+    #: The step: forward/backward, the reduction and the update (the strategy's).
+    strategy: TrainStep
+    #: What the trainer itself saves (epoch, sampler, RNG states, tracked objects).
+    state: TrainerState
+
+    # What the step holds, read and set through the trainer as before the parts.
+    comm: Comm = part("strategy", "comm")
+    dp: Comm = part("strategy", "dp")
+    model: Module | None = part("strategy", "model")
+    loss: Any = part("strategy", "loss")
+    optimizer: Any = part("strategy", "optimizer")
+    params: list[Any] = part("strategy", "params")
+    reducer: Reducer | None = part("strategy", "reducer")
+    precision: Precision = part("strategy", "precision")
+    clip_norm: float | None = part("strategy", "clip_norm")
+    microbatches: int = part("strategy", "microbatches")
+    exact_norm: bool = part("strategy", "exact_norm")
+    on_nonfinite: str = part("strategy", "on_nonfinite")
+    global_step: int = part("strategy", "global_step")
+    epoch: int = part("state", "epoch")
 
     def __init__(
         self,
@@ -68,11 +109,12 @@ class Trainer(TrainerState, TrainStep):
     ) -> None:
         from ..settings import resolve_timeout
 
-        super().__init__(comm=comm, on_nonfinite=on_nonfinite)
+        self.strategy = TrainStep(comm=comm, on_nonfinite=on_nonfinite)
+        self.strategy.name = type(self).__name__
+        self.state = TrainerState(self)
         # Seconds any wait may last (0 = off everywhere: watchdog and pipeline waits alike): held
         # by the job's Health, which the stall watchdog reads (with the step, for its reports).
         self.health = Health(resolve_timeout(timeout), _step_of(weakref.ref(self)))
-        self.epoch = 0
         self._meter: Any = None  # memory_report's MemoryMeter, made at its first call
         self._memory_most: dict[str, int] | None = None
         watchdog.attach(self.health)
@@ -93,6 +135,48 @@ class Trainer(TrainerState, TrainStep):
 
     # -- the declared interface ---------------------------------------------------------------
 
+    def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
+        """One update from this rank's share ``(x, y[, weight])`` of the global batch (collective;
+        the strategy's step: ``training.step``)."""
+        return self.strategy.step(x, y, weight)
+
+    def step_microbatches(self, n: int) -> int:
+        """Micro-batches a step cuts a local batch of ``n`` samples into (the strategy's rule)."""
+        return self.strategy.step_microbatches(n)
+
+    def abandon_step(self) -> None:
+        """Undo what a step that raised did before its update: the reduction and the gradients
+        (the step does it itself; the rank-loss recovery again, after a lost rank)."""
+        self.strategy._abandon_step()
+
+    def track(self, name: str, obj: Any) -> None:
+        """Save ``obj`` with the trainer's state from now on, under ``name`` (``TrainerState.track``)."""
+        self.state.track(name, obj)
+
+    def attach_sampler(self, sampler: Any) -> None:
+        """Save ``sampler``'s state (its position in the epoch) with the trainer's from now on."""
+        self.state.sampler = sampler
+
+    def take_pending_sampler(self) -> dict[str, Any] | None:
+        """The sampler state the last load restored (``None``: none), forgotten from now on."""
+        return self.state.take_pending_sampler()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, the sampler's state and module RNG states (collective; ``TrainerState``)."""
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` saved, under this trainer's layout (``TrainerState``)."""
+        self.state.load_state_dict(state)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a checkpoint load may change besides the parameters (``Stateful``; not collective)."""
+        return self.state.snapshot()
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Put back what :meth:`snapshot` took (not collective)."""
+        self.state.restore(snap)
+
     def parameters(self) -> list[Any]:
         """This rank's parameters (its shard of the model), sorted by name."""
         return list(self.params)
@@ -107,7 +191,7 @@ class Trainer(TrainerState, TrainStep):
 
     def close(self) -> None:
         """Release what the trainer installed (hooks, windows); calling it twice is a no-op."""
-        self._closed = True
+        self.strategy.close()
 
     def config(self) -> dict[str, Any]:
         """The trainer's settings, compared across ranks and stored in checkpoints."""

@@ -79,7 +79,7 @@ def main(mode: str) -> int:
         ps: list = []
         # Registered before the trainer makes its windows, so it runs after their exit-time free.
         atexit.register(lambda: print(f"rank {comm.rank} windows freed at exit: "
-                                      f"{ps[0]._win.freed and ps[0]._clocks.freed}", flush=True))
+                                      f"{ps[0]._win.freed and ps[0].clocks.window.freed}", flush=True))
         model = Sequential(Linear(5, 3, rng=np.random.default_rng(0)))
         ps.append(ParameterServerTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), lr=0.1, comm=comm, mode="async"))
         ps[0].step(np.ones((4, 5)), np.zeros(4, dtype=np.int64))

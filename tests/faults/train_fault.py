@@ -127,7 +127,7 @@ def main() -> int:
         def faulty(self, *args, **kwargs):
             # STEP -1: the first epoch's last step (counted from its first batch, a full one).
             if not hasattr(self, "_fault_at"):
-                self._fault_at = at if at >= 0 else math.ceil(len(self._sampler) / len(args[0])) - 1
+                self._fault_at = at if at >= 0 else math.ceil(len(self.state.sampler) / len(args[0])) - 1
             when = self._fault_at
             if self.global_step == when:
                 print(f"rank {MPI.COMM_WORLD.Get_rank()}: injected {mode} at step {when}", flush=True)

@@ -205,6 +205,12 @@ def _index(key: Any) -> Any:
     return key
 
 
+def _defers(other: Any) -> bool:
+    """CuPy's ``_should_use_rop``: an operand whose type sets ``__array_ufunc__ = None`` (an
+    autograd tensor) gets the operator (its reflected method) instead of the array."""
+    return getattr(type(other), "__array_ufunc__", False) is None
+
+
 def _binary(ufunc: Any, reflected: bool = False, inplace: bool = False) -> Any:
     if inplace:
         def op(self: ndarray, other: Any) -> ndarray:
@@ -215,6 +221,8 @@ def _binary(ufunc: Any, reflected: bool = False, inplace: bool = False) -> Any:
             return ufunc(other, self)
     else:
         def op(self: ndarray, other: Any) -> Any:
+            if _defers(other):
+                return NotImplemented
             return ufunc(self, other)
     return op
 
@@ -325,6 +333,7 @@ class _Device:
 
 cuda = types.SimpleNamespace(get_current_stream=lambda: _Stream(), runtime=_Runtime(), Device=_Device,
                              Stream=lambda non_blocking=False: _Stream())  # fmt: skip
+# CuPy's RandomState takes any 64-bit seed (NumPy's legacy one only 32 bits): a PCG64 stands in.
 random = types.SimpleNamespace(
     RandomState=lambda seed=None: types.SimpleNamespace(
-        random_sample=lambda size=None: ndarray(np.random.RandomState(seed).random_sample(size))))
+        random_sample=lambda size=None: ndarray(np.random.Generator(np.random.PCG64(seed)).random(size))))

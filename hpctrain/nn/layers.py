@@ -6,37 +6,13 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_device, xp_of
+from ..backend import add_at, to_device, xp_of
 from ..errors import Say, as_argument
-from ..precision import is_half, matmul
+from ..precision import matmul
 from . import fused
 from .buffers import Buffers
+from .kernels import gelu_backward, gelu_forward, layer_norm_backward, layer_norm_forward, row_ones
 from .module import Module, Parameter, as_rng
-
-# sqrt(2 / pi), the constant of GPT-2's tanh approximation of GELU.
-_GELU_C = float(np.sqrt(2.0 / np.pi))
-
-
-_ONES: dict[tuple, Any] = {}
-
-
-def row_ones(n: int, dtype: Any, xp: Any) -> Any:
-    """A cached vector of ``n`` ones of ``dtype`` (module ``xp``): sums along an axis as a
-    matrix-vector product go through BLAS, several times faster than NumPy's reduction along a
-    short axis."""
-    key = (n, np.dtype(dtype), xp.__name__)
-    ones = _ONES.get(key)
-    if ones is None:
-        if len(_ONES) > 32:
-            _ONES.clear()
-        ones = _ONES[key] = xp.ones(n, dtype=dtype)
-    return ones
-
-
-#: Elements per chunk of the elementwise layers on NumPy: a few arrays of this size stay in a
-#: core's L2 cache while several passes run over them (one pass over arrays in L3 or memory each
-#: time costs up to twice as much).
-CHUNK = 1 << 17
 
 
 def add_bias_grad(bias: Parameter, g2: Any, buffers: Buffers, dtype: Any) -> None:
@@ -45,20 +21,6 @@ def add_bias_grad(bias: Parameter, g2: Any, buffers: Buffers, dtype: Any) -> Non
     xp = xp_of(g2)
     ones = row_ones(g2.shape[0], g2.dtype, xp)
     bias.grad += matmul(xp, ones, g2, out=buffers.get("gb", (g2.shape[1],), dtype, xp))
-
-
-def row_chunks(xp: Any, *arrays: Any) -> Any:
-    """Yield tuples of matching row slices of ``arrays`` (same shape; viewed as 2-D over the last
-    axis) of about ``CHUNK`` elements each; on another array module (CuPy) the whole arrays at once,
-    as one kernel per pass is what a GPU wants."""
-    if xp is not np or arrays[0].size <= CHUNK:
-        yield arrays
-        return
-    cols = arrays[0].shape[-1] if arrays[0].ndim else 1
-    flat = [a.reshape(-1, cols) for a in arrays]
-    rows = max(1, CHUNK // max(cols, 1))
-    for s in range(0, flat[0].shape[0], rows):
-        yield tuple(f[s : s + rows] for f in flat)
 
 
 class Linear(Module):
@@ -153,60 +115,13 @@ class GELU(Module):
         self.cache = None
 
     def forward(self, x: Any) -> Any:
-        xp = xp_of(x)
-        buf = self._scratch()
-        t = buf.like("t", x)
-        y = buf.like("y", x)
+        y, t = gelu_forward(x, self._scratch())
         self.cache = (x, t)
-        k = fused.usable(x, t, y)
-        if k is not None:  # the same operations fused around NumPy's vectorised tanh, chunk by chunk
-            kc, c, one, half = fused.scalars(x.dtype, 0.044715 * _GELU_C, _GELU_C, 1.0, 0.5)
-            xf, tf, yf = x.reshape(-1), t.reshape(-1), y.reshape(-1)
-            for s in range(0, xf.size, CHUNK):
-                xs, ts = xf[s : s + CHUNK], tf[s : s + CHUNK]
-                k.gelu_inner(xs, ts, kc, c)
-                np.tanh(ts, out=ts)
-                k.gelu_outer(xs, ts, yf[s : s + CHUNK], one, half)
-            return y
-        # In place and in row chunks that stay in the core's cache while the eight passes run
-        # over them: tanh(x (c + 0.044715 c x^2)), then 0.5 x (1 + t).
-        for xs, ts, ys in row_chunks(xp, x, t, y):
-            xp.multiply(xs, xs, out=ts)
-            ts *= 0.044715 * _GELU_C
-            ts += _GELU_C
-            ts *= xs
-            xp.tanh(ts, out=ts)
-            xp.add(ts, 1.0, out=ys)
-            ys *= xs
-            ys *= 0.5
         return y
 
     def backward(self, grad_out: Any) -> Any:
         x, t = self.cache
-        xp = xp_of(x)
-        buf = self._scratch()
-        # d/dx = 0.5 ((1 + t) + x (1 - t^2) c (1 + 3 * 0.044715 x^2)), by row chunks as forward.
-        a = buf.get("gx", x.shape, np.result_type(x.dtype, grad_out.dtype), xp)
-        k = fused.usable(x, t, grad_out, a) if grad_out.shape == x.shape else None
-        if k is not None:  # one pass instead of ten
-            k.gelu_backward(x.reshape(-1), t.reshape(-1), grad_out.reshape(-1), a.reshape(-1),
-                            *fused.scalars(x.dtype, 0.134145 * _GELU_C, _GELU_C, 1.0, 0.5))
-            return a
-        for xs, ts, gs, ys in row_chunks(xp, x, t, grad_out, a):
-            b = buf.get("tmp", xs.shape, x.dtype, xp)
-            xp.multiply(xs, xs, out=ys)
-            ys *= 0.134145 * _GELU_C
-            ys += _GELU_C
-            xp.multiply(ts, ts, out=b)
-            xp.subtract(1.0, b, out=b)
-            ys *= b
-            ys *= xs
-            ys += ts
-            ys += 1.0
-            ys *= 0.5
-            ys *= gs
-            del b
-        return a
+        return gelu_backward(grad_out, x, t, self._scratch())
 
 
 class Tanh(Module):
@@ -251,89 +166,13 @@ class LayerNorm(Module):
     def forward(self, x: Any) -> Any:
         if x.shape[-1] != self.d:
             raise ValueError(f"LayerNorm({self.d}) got input of shape {x.shape}")
-        w, b = self.weight.data, self.bias.data
-        if is_half(x.dtype):  # mixed precision: statistics in float32, the output rounded back
-            return self._forward(x.astype(np.float32), w.astype(np.float32), b.astype(np.float32)).astype(x.dtype)
-        return self._forward(x, w, b)
-
-    def _forward(self, x: Any, w: Any, b: Any) -> Any:
-        xp = xp_of(x)
-        buf = self._scratch()
-        d = self.d
-        x2 = x.reshape(-1, d)
-        n = x2.shape[0]
-        k = fused.usable(x, w, b)
-        if k is not None:  # one pass over each row (see hpctrain.nn.fused)
-            xhat, rstd = buf.like("xhat", x), buf.get("rstd", (n, 1), x.dtype, xp)
-            y = buf.like("y", x)
-            k.layernorm_forward(x2, w, b, *fused.scalars(x.dtype, self.eps), xhat.reshape(-1, d), rstd.reshape(-1),
-                                y.reshape(-1, d))
-            self.cache = (xhat, rstd)
-            return y
-        ones = row_ones(d, x.dtype, xp)
-        # Row sums as matrix-vector products (BLAS; a reduction along a short last axis is several
-        # times slower), everything else in place in reused buffers.
-        mu = xp.matmul(x2, ones, out=buf.get("mu", (n,), x.dtype, xp))
-        mu /= d
-        xhat = buf.like("xhat", x)
-        xh2 = xhat.reshape(-1, d)
-        xp.subtract(x2, mu[:, None], out=xh2)
-        sq = buf.like("sq", x).reshape(-1, d)
-        xp.multiply(xh2, xh2, out=sq)
-        var = xp.matmul(sq, ones, out=buf.get("var", (n,), x.dtype, xp))
-        var /= d
-        var += self.eps
-        xp.sqrt(var, out=var)
-        rstd = xp.divide(1.0, var[:, None], out=buf.get("rstd", (n, 1), x.dtype, xp))
-        xh2 *= rstd
-        self.cache = (xhat, rstd)
-        y = buf.get("y", x.shape, np.result_type(x.dtype, w.dtype), xp)
-        xp.multiply(xhat, w, out=y)
-        y += b
+        y, self.cache = layer_norm_forward(x, self.weight.data, self.bias.data, self.eps, self._scratch())
         return y
 
     def backward(self, grad_out: Any) -> Any:
-        w = self.weight.data
-        if is_half(grad_out.dtype):  # as forward: in float32, the input gradient rounded back
-            return self._backward(grad_out.astype(np.float32), w.astype(np.float32)).astype(grad_out.dtype)
-        return self._backward(grad_out, w)
-
-    def _backward(self, grad_out: Any, w: Any) -> Any:
         xhat, rstd = self.cache
-        xp = xp_of(grad_out)
-        buf = self._scratch()
-        d = self.d
-        dtype = np.result_type(grad_out.dtype, xhat.dtype)
-        g2 = grad_out.reshape(-1, d)
-        xh2 = xhat.reshape(-1, d)
-        n = g2.shape[0]
-        k = fused.usable(grad_out, xhat, rstd, w, self.weight.grad, self.bias.grad)
-        if k is not None and grad_out.shape == xhat.shape:  # one pass over each row
-            gx = buf.like("gx", grad_out)
-            k.layernorm_backward(g2, xh2, rstd.reshape(-1), w, self.weight.grad, self.bias.grad, gx.reshape(-1, d))
-            return gx
-        ones = row_ones(n, grad_out.dtype, xp)
-        tmp = buf.get("tmp", g2.shape, dtype, xp)
-        xp.multiply(g2, xh2, out=tmp)
-        # Column sums (parameter gradients) and row sums as matrix-vector products. With gx =
-        # grad_out * weight, the rows' mean of gx is (grad_out @ weight) / d and the rows' mean of
-        # gx * xhat is ((grad_out * xhat) @ weight) / d: no pass over gx needed for either.
-        self.weight.grad += xp.matmul(ones, tmp, out=buf.get("gw", (d,), dtype, xp))
-        self.bias.grad += xp.matmul(ones, g2, out=buf.get("gb", (d,), grad_out.dtype, xp))
-        wd = np.result_type(dtype, w.dtype)
-        mean_gx = xp.matmul(tmp, w, out=buf.get("mgx", (n,), wd, xp))
-        mean_gx /= d
-        mean_g = xp.matmul(g2, w, out=buf.get("mg", (n,), wd, xp))
-        mean_g /= d
-        gx = buf.get("gx", grad_out.shape, np.result_type(grad_out.dtype, w.dtype), xp)
-        gx2 = gx.reshape(-1, d)
-        xp.multiply(g2, w, out=gx2)
-        # Gradient through the normalisation: remove the mean and the component along xhat.
-        xp.multiply(xh2, mean_gx[:, None], out=tmp)
-        gx2 -= mean_g[:, None]
-        gx2 -= tmp
-        gx2 *= rstd
-        return gx
+        return layer_norm_backward(grad_out, xhat, rstd, self.weight.data, self.weight.grad, self.bias.grad,
+                                   self._scratch())
 
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}"
@@ -362,13 +201,18 @@ def scatter_add(target: Any, index: Any, values: Any) -> None:
         sums = np.add.reduceat(values[order], starts, axis=0)
         target[ids[starts]] += sums
         return
-    add_at = getattr(xp.add, "at", None)  # CuPy >= 13
-    if add_at is not None:
-        add_at(target, index, values)
-    else:  # older CuPy
-        import cupyx
+    add_at(target, index, values)  # CuPy adds atomically on the device
 
-        cupyx.scatter_add(target, index, values)
+
+def check_indices(idx: Any, n: int, who: str) -> Any:
+    """``idx`` when it holds integer row indices of a table of ``n`` rows: ``TypeError`` for
+    another dtype, ``IndexError`` naming the range found for one outside ``[0, n)`` (a read of
+    two numbers, which on a GPU waits for it)."""
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"{who} needs integer indices, got {idx.dtype}")
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise IndexError(f"{who}: indices must be in [0, {n}), got range [{int(idx.min())}, {int(idx.max())}]")
+    return idx
 
 
 class Embedding(Module):
@@ -395,14 +239,7 @@ class Embedding(Module):
 
     def forward(self, idx: Any) -> Any:
         xp = xp_of(self.weight.data)
-        idx = to_device(idx, xp)
-        if idx.dtype.kind not in "iu":
-            raise TypeError(f"Embedding needs integer indices, got {idx.dtype}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.n):
-            raise IndexError(
-                f"Embedding({self.n}, {self.d}): indices must be in [0, {self.n}), "
-                f"got range [{int(idx.min())}, {int(idx.max())}]"
-            )
+        idx = check_indices(to_device(idx, xp), self.n, f"Embedding({self.n}, {self.d})")
         self.cache = idx
         out = self._scratch().get("y", (*idx.shape, self.d), self.weight.data.dtype, xp)
         xp.take(self.weight.data, idx, axis=0, out=out)
@@ -423,6 +260,18 @@ def dropout_problem(p: float, say: Say = as_argument) -> str | None:
     if not 0.0 <= p < 1.0:
         return f"{say('dropout')} must be in [0, 1), got {p}"
     return None
+
+
+def dropout_mask(x: Any, p: float, rng: np.random.Generator) -> Any:
+    """A mask of ``x``'s shape, dtype and array module: 0 with probability ``p``, else ``1 / (1 - p)``.
+    ``rng`` is the only random state: on NumPy it draws the mask, on CuPy a seed for a device
+    generator (the mask is made on the GPU; the two devices draw different masks)."""
+    xp = xp_of(x)
+    if xp is np:
+        u = rng.random(x.shape)
+    else:
+        u = xp.random.RandomState(int(rng.integers(2**63))).random_sample(x.shape)
+    return (u >= p).astype(x.dtype) * (1.0 / (1.0 - p))
 
 
 class Dropout(Module):
@@ -447,12 +296,7 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             self.cache = None
             return x
-        xp = xp_of(x)
-        if xp is np:
-            u = self.rng.random(x.shape)
-        else:
-            u = xp.random.RandomState(int(self.rng.integers(2**63))).random_sample(x.shape)
-        mask = (u >= self.p).astype(x.dtype) * (1.0 / (1.0 - self.p))
+        mask = dropout_mask(x, self.p, self.rng)
         self.cache = mask
         return x * mask
 

@@ -14,30 +14,37 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd import Tensor
+from ..autograd.function import differentiable
 from ..backend import get_xp, to_device, xp_of
 from .buffers import Buffers
+from .explicit import call_module
 
 
-class Parameter:
-    """A trainable array with its gradient (same shape and dtype, accumulated by backward)."""
+class Parameter(Tensor):
+    """A trainable leaf ``Tensor`` with its dotted ``name``.
 
-    __slots__ = ("data", "grad", "name")
+    Its gradient ``grad`` (same shape as ``data``; the dtype a trainer chooses) is allocated up
+    front, zeroed by ``zero_grad`` and accumulated *in place*: by a hand-written ``backward``
+    (``p.grad += ...``) as by the autograd engine (``grad += g``). Trainers may point ``grad`` at
+    a view of a flat buffer (buckets, ZeRO) or set it to ``None`` between uses (optimizer
+    masters); ``data`` may be replaced by another array of the same shape (ZeRO-3's gathers).
+    """
+
+    __slots__ = ("name",)
 
     def __init__(self, data: Any, name: str = "") -> None:
-        self.data = data
+        data = data.data if isinstance(data, Tensor) else data
+        super().__init__(data, requires_grad=differentiable(data.dtype))
         self.grad = xp_of(data).zeros_like(data)
         self.name = name
 
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.data.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(self.data.dtype)
-
     def __repr__(self) -> str:
         return f"Parameter({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def _is_array(a: Any) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, Tensor)
 
 
 def as_rng(rng: int | np.random.Generator | None) -> np.random.Generator:
@@ -70,8 +77,16 @@ class Module:
     def backward(self, grad_out: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__}.backward")
 
-    def __call__(self, x: Any) -> Any:
-        return self.forward(x)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``forward``. A module that writes no ``backward`` computes with tensors: array
+        arguments become constant tensors, and ``loss.backward()`` fills the parameters'
+        gradients. A module with its own ``backward`` called on a ``Tensor`` becomes one node of
+        the graph (``hpctrain.nn.explicit``); on arrays it runs as it always did."""
+        if type(self).backward is Module.backward:
+            return self.forward(*(Tensor(a) if _is_array(a) else a for a in args), **kwargs)
+        if len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
+            return call_module(self, args[0])
+        return self.forward(*args, **kwargs)
 
     def _scratch(self) -> Buffers:
         """This module's reusable arrays (created on first use; see ``hpctrain.nn.buffers``)."""
@@ -200,9 +215,13 @@ class Sequential(Module):
             return Sequential(*(getattr(self, n) for n in names), names=names)
         return getattr(self, self.layer_names[i])
 
+    def __call__(self, x: Any) -> Any:
+        # On a tensor each layer decides (a layer with its own backward is one node), not the whole.
+        return self.forward(x)
+
     def forward(self, x: Any) -> Any:
         for m in self:
-            x = m.forward(x)
+            x = m(x)
         return x
 
     def backward(self, grad_out: Any) -> Any:

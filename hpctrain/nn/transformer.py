@@ -19,7 +19,8 @@ from ..errors import Say, as_argument
 from ..precision import matmul, stat_dtype
 from . import fused
 from .buffers import Buffers
-from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, row_ones
+from .kernels import row_ones
+from .layers import GELU, Dropout, Embedding, LayerNorm, Linear
 from .module import Module, Sequential, as_rng
 
 _MASKS: dict[tuple, Any] = {}

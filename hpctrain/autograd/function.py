@@ -1,0 +1,223 @@
+"""``Function``: an operation with its own backward, on plain arrays; its ``Context`` is the graph
+node that a call records.
+
+``MyOp.apply(*args)`` unwraps the ``Tensor`` arguments to their arrays, calls
+``MyOp.forward(ctx, *arrays)`` and wraps what it returns (an array or a tuple of arrays) in new
+tensors. When recording (``grad_mode``) and some tensor argument requires a gradient, ``ctx``
+becomes a node of the graph: it keeps an *edge* per argument (the node that made that tensor and
+which of its outputs, or the leaf tensor itself; ``None`` for a constant or a tensor that needs no
+gradient), the outputs' shapes and dtypes, a sequence number (nodes made later run their backward
+first) and the arrays ``forward`` saved with ``ctx.save_for_backward``. Arguments that are not
+tensors (arrays, scalars, ``None``, shapes, keyword arguments) are constants and are passed through
+unchanged.
+
+Version counters (in-place detection): a tensor's counter is a two-element list ``[version,
+shared]`` made on first need and shared with the tensors that view its memory (view ops, an
+output that *is* an input's array, ``detach``; ``shared`` is then set). When ``forward`` saves the
+very array of an input or output tensor, the node remembers that tensor's counter and version; an
+in-place tensor operation bumps the counter, and backward refuses to run on a changed array.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from ..errors import AutogradError
+from .grad_mode import state
+
+_sequence = itertools.count()
+# The Tensor class (hpctrain.autograd.tensor registers it: it imports this module, not the reverse).
+_Tensor: Any = None
+_new = object.__new__
+
+
+def register_tensor_type(cls: type) -> None:
+    """Make ``cls`` the type ``Function.apply`` wraps arrays in (done once, by ``tensor.py``)."""
+    global _Tensor
+    _Tensor = cls
+
+
+def differentiable(dtype: Any) -> bool:
+    """Whether arrays of ``dtype`` carry gradients: floating point, ml_dtypes' bfloat16 included
+    (whose NumPy kind is 'V')."""
+    return dtype.kind in "fc" or dtype.name == "bfloat16"
+
+
+def is_tensor(x: Any) -> bool:
+    """Whether ``x`` is a ``Tensor`` (a ``Parameter`` included)."""
+    return isinstance(x, _Tensor)
+
+
+def version_box(t: Any, shared: bool = False) -> list:
+    """``t``'s version counter ``[version, shared]`` (made on first need); ``shared`` marks that
+    another tensor now views the same memory."""
+    box = t._vbox
+    if box is None:
+        box = t._vbox = [0, False]
+    if shared:
+        box[1] = True
+    return box
+
+
+class Context:
+    """What ``forward`` hands to ``backward``: ``save_for_backward(*arrays)`` then
+    ``saved_tensors`` (the arrays, in order), ``needs_input_grad`` (one bool per argument of
+    ``apply``), and any attribute ``forward`` sets (``ctx.axis = axis``). A recorded call's
+    context is its graph node; its backward runs once, after which everything it held is released.
+    """
+
+    __slots__ = ("needs_input_grad", "_fn", "_saved", "_released", "_edges", "_seq", "_outs", "_checks",
+                 "_hooks", "__dict__")  # fmt: skip
+
+    def __init__(self, fn: type, needs: tuple[bool, ...]) -> None:
+        self._fn = fn
+        self.needs_input_grad = needs
+        self._saved: tuple | None = None
+        self._released = False
+        self._checks: list | None = None
+        self._hooks: dict[int, list] | None = None
+
+    def save_for_backward(self, *arrays: Any) -> None:
+        """Keep ``arrays`` (plain arrays or ``None``) for backward; they are released as soon as
+        this node's backward has run (unless ``retain_graph=True``)."""
+        self._saved = arrays
+
+    @property
+    def saved_tensors(self) -> tuple:
+        """The arrays given to ``save_for_backward`` (plain arrays, as saved)."""
+        if self._released:
+            raise AutogradError(f"{self._fn.__name__}: its saved arrays were released after a backward already ran "
+                                "through this graph; pass retain_graph=True to the first backward to run it twice")
+        return self._saved or ()
+
+    def __repr__(self) -> str:
+        return f"<{self._fn.__name__} node>"
+
+
+class Function:
+    """Base of differentiable operations (subclass it; do not instantiate).
+
+    ``forward(ctx, *args, **kwargs)`` computes on plain arrays (``Tensor`` arguments arrive as
+    their arrays) and returns an array or a tuple of arrays; ``backward(ctx, *grads)`` gets one
+    gradient per output (an unused output's as zeros) and returns one gradient per positional
+    argument of ``apply`` (``None`` where an argument is a constant or
+    ``ctx.needs_input_grad[i]`` is false). A gradient may have the broadcast shape of the
+    computation: the engine sums it back to the argument's shape, and casts it to its dtype.
+    ``backward`` must not change its incoming gradients in place (they may be shared or read-only).
+
+    Call it as ``MyOp.apply(x, y, ...)``; check it with ``hpctrain.autograd.gradcheck``.
+    """
+
+    #: ``True`` when the outputs may be views of argument 0's array (reshape, transpose, indexing,
+    #: split): they share its version counter, so an in-place change of either is seen by both.
+    view = False
+
+    @staticmethod
+    def forward(ctx: Context, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx: Context, *grads: Any) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        """Run ``forward`` on the arguments' arrays; record a graph node when a tensor argument
+        requires a gradient and recording is on. Returns a ``Tensor`` (or a tuple of them)."""
+        tensor = _Tensor
+        record = state.enabled
+        arrays, needs, wanted = [], [], False
+        for a in args:
+            if isinstance(a, tensor):
+                arrays.append(a.data)
+                r = record and a.requires_grad
+                wanted = wanted or r
+                needs.append(r)
+            else:
+                arrays.append(a)
+                needs.append(False)
+        ctx = Context(cls, tuple(needs))
+        out = cls.forward(ctx, *arrays, **kwargs)
+        single = type(out) is not tuple
+        outs = (out,) if single else out
+        node = ctx if wanted else None
+        result = tuple(_wrap(o, node, i) for i, o in enumerate(outs))
+        if cls.view or any(o is a for o in outs for a in arrays):
+            _share_versions(cls, args, arrays, result)
+        if node is not None:
+            node._seq = next(_sequence)
+            node._edges = tuple(_edge(a) if r else None for a, r in zip(args, needs))
+            node._outs = tuple((t.data.shape, t.data.dtype) for t in result)
+            if node._saved:
+                _watch_saved(node, args, arrays, result)
+        return result[0] if single else result
+
+
+def _wrap(data: Any, node: Context | None, index: int) -> Any:
+    if isinstance(data, np.generic) or not hasattr(data, "dtype"):  # NumPy reductions give scalars:
+        data = np.asarray(data)  # keep arrays (0-d) throughout
+    t = _new(_Tensor)
+    t.data, t.grad, t._vbox, t._hooks, t._post = data, None, None, None, None
+    if node is not None and differentiable(data.dtype):
+        t.requires_grad, t._node, t._index = True, node, index
+    else:  # a constant, or an integer/boolean output (no gradient): a leaf that needs none
+        t.requires_grad, t._node, t._index = False, None, 0
+    return t
+
+
+def _edge(t: Any) -> tuple:
+    """Where the gradient of argument ``t`` goes: ``(node, output index, shape, dtype)``, or
+    ``(leaf tensor, -1, shape, dtype)`` for a leaf (its ``.grad``)."""
+    d = t.data
+    node = t._node
+    return (t, -1, d.shape, d.dtype) if node is None else (node, t._index, d.shape, d.dtype)
+
+
+def _share_versions(cls: type, args: tuple, arrays: list, result: tuple) -> None:
+    """Outputs that view an argument's memory share its version counter (see the module doc): a
+    declared view (``Function.view``) and any output that is an argument's very array."""
+    tensor = _Tensor
+    if cls.view and args and isinstance(args[0], tensor):
+        for t in result:
+            t._vbox = version_box(args[0], shared=True)
+        return
+    for t in result:
+        for a, arr in zip(args, arrays):
+            if t.data is arr and isinstance(a, tensor):
+                t._vbox = version_box(a, shared=True)
+                break
+
+
+def _watch_saved(node: Context, args: tuple, arrays: list, result: tuple) -> None:
+    """Remember the version of every tensor whose very array ``forward`` saved."""
+    tensor = _Tensor
+    checks = []
+    for k, s in enumerate(node._saved):
+        if s is None:
+            continue
+        for i, (a, arr) in enumerate(zip(args, arrays)):
+            if arr is s and isinstance(a, tensor):
+                box = version_box(a)
+                checks.append((box, box[0], f"saved array {k} (argument {i})"))
+                break
+        else:
+            for j, t in enumerate(result):
+                if t.data is s:
+                    box = version_box(t)
+                    checks.append((box, box[0], f"saved array {k} (output {j})"))
+                    break
+    if checks:
+        node._checks = checks
+
+
+def check_saved(node: Context) -> None:
+    """Refuse to run ``node``'s backward on an array changed in place since its forward."""
+    for box, version, what in node._checks:
+        if box[0] != version:
+            raise AutogradError(
+                f"{node._fn.__name__}: {what} was changed by an in-place operation after the forward (version "
+                f"{box[0]}, saved at {version}); its backward would use the new values. Compute out of place "
+                "(y = x + 1 rather than x += 1) or clone before changing")

@@ -86,7 +86,7 @@ class _Backward:
             return
         slot = self.pending.get(node)
         if slot is None:
-            slot = self.pending[node] = [None] * len(node._outs)
+            slot = self.pending[node] = [None] * node._nout
             self.roots.append(node)
         i = t._index
         slot[i] = g if slot[i] is None else slot[i] + g
@@ -152,24 +152,32 @@ class _Backward:
         if len(out) != len(edges):
             raise AutogradError(f"{n._fn.__name__}.backward returned {len(out)} gradients for {len(edges)} "
                                 "arguments of apply (one per argument, None for a constant)")
-        pending = self.pending
-        for k, (e, g) in enumerate(zip(edges, out)):
+        pending, leaves, only = self.pending, self.leaves, self.only
+        for k in range(len(edges)):
+            e = edges[k]
             if e is None:
                 continue
+            g = out[k]
             target, idx, shape, dtype = e
             if g is not None:
                 if g.shape != shape:
                     g = sum_to(g, shape, n, k)
                 if g.dtype != dtype:
                     g = g.astype(dtype)
-            if idx < 0:
+            if idx < 0:  # a leaf: its gradient now (buffered when it has hooks), its hooks when complete
                 if g is not None:
-                    self.leaf(target, g)
-                self._leaf_edge(target)
+                    if only is None and not target._hooks:
+                        accumulate(target, g)
+                    else:
+                        self.leaf(target, g)
+                c = leaves[id(target)]
+                c[1] -= 1
+                if c[1] == 0:
+                    self.leaf_done(target)
             elif g is not None:
                 slot = pending.get(target)
                 if slot is None:
-                    slot = pending[target] = [None] * len(target._outs)
+                    slot = pending[target] = [None] * target._nout
                 slot[idx] = g if slot[idx] is None else slot[idx] + g
 
     def _edges_done(self, n: Context) -> None:
@@ -197,7 +205,7 @@ class _Backward:
         """Every contribution to ``t`` of this backward is in: its hooks run."""
         if self.only is not None and id(t) not in self.only:
             return
-        g = self.buffered.pop(id(t), None)
+        g = self.buffered.pop(id(t), None) if self.buffered else None
         if g is not None:
             for fn in t._hooks:
                 r = fn(g)
@@ -233,7 +241,6 @@ def sum_to(g: Any, shape: tuple, node: Any = None, k: int = 0) -> Any:
 def _release(n: Context) -> None:
     """Free what ``n`` kept for its backward (the graph's structure stays: a later backward
     through ``n`` then says so instead of computing with nothing)."""
-    n._released = True
-    n._saved = None
-    n._checks = None
-    n.__dict__.clear()
+    d = n.__dict__  # _saved, _checks, hooks and whatever forward set on the context
+    d.clear()
+    d["_released"] = True

@@ -69,16 +69,14 @@ class Context:
     context is its graph node; its backward runs once, after which everything it held is released.
     """
 
-    __slots__ = ("needs_input_grad", "_fn", "_saved", "_released", "_edges", "_seq", "_outs", "_checks",
-                 "_hooks", "__dict__")  # fmt: skip
-
-    def __init__(self, fn: type, needs: tuple[bool, ...]) -> None:
-        self._fn = fn
-        self.needs_input_grad = needs
-        self._saved: tuple | None = None
-        self._released = False
-        self._checks: list | None = None
-        self._hooks: dict[int, list] | None = None
+    # The node's structure in slots; what it holds for backward in ``__dict__`` (released whole).
+    __slots__ = ("needs_input_grad", "_fn", "_edges", "_seq", "_nout", "__dict__")
+    # Defaults read through the class until set (no per-call initialisation).
+    _saved: tuple | None = None
+    _released = False
+    _checks: list | None = None
+    _hooks: dict[int, list] | None = None
+    _outs: tuple | None = None  # (shape, dtype) per output of a multi-output node
 
     def save_for_backward(self, *arrays: Any) -> None:
         """Keep ``arrays`` (plain arrays or ``None``) for backward; they are released as soon as
@@ -127,53 +125,88 @@ class Function:
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         """Run ``forward`` on the arguments' arrays; record a graph node when a tensor argument
         requires a gradient and recording is on. Returns a ``Tensor`` (or a tuple of them)."""
+        # The hot path of every operation: plain loops, no generators (see the overhead benchmark).
         tensor = _Tensor
         record = state.enabled
-        arrays, needs, wanted = [], [], False
+        arrays = []
+        needs = []
+        wanted = False
         for a in args:
             if isinstance(a, tensor):
                 arrays.append(a.data)
                 r = record and a.requires_grad
-                wanted = wanted or r
+                if r:
+                    wanted = True
                 needs.append(r)
             else:
                 arrays.append(a)
                 needs.append(False)
-        ctx = Context(cls, tuple(needs))
+        ctx = _new(Context)
+        ctx._fn = cls
+        ctx.needs_input_grad = tuple(needs)
         out = cls.forward(ctx, *arrays, **kwargs)
-        single = type(out) is not tuple
-        outs = (out,) if single else out
         node = ctx if wanted else None
-        result = tuple(_wrap(o, node, i) for i, o in enumerate(outs))
-        if cls.view or any(o is a for o in outs for a in arrays):
+        if type(out) is not tuple:  # one output: _wrap inlined
+            if type(out) is not np.ndarray and (isinstance(out, np.generic) or not hasattr(out, "dtype")):
+                out = np.asarray(out)
+            result = _new(tensor)
+            result.data = out
+            result.grad = result._vbox = result._hooks = result._post = None
+            dt = out.dtype
+            if node is not None and (dt.kind in "fc" or dt.name == "bfloat16"):
+                result.requires_grad = True
+                result._node = node
+            else:
+                result.requires_grad = False
+                result._node = None
+            result._index = 0
+            for arr in arrays:
+                if arr is out:
+                    _share_versions(cls, args, arrays, (result,))
+                    break
+            else:
+                if cls.view:
+                    _share_versions(cls, args, arrays, (result,))
+            if node is not None:
+                _record(node, args, needs, arrays, (result,))
+            return result
+        result = tuple([_wrap(o, node, i) for i, o in enumerate(out)])
+        if cls.view or any(o is a for o in out for a in arrays):
             _share_versions(cls, args, arrays, result)
         if node is not None:
-            node._seq = next(_sequence)
-            node._edges = tuple(_edge(a) if r else None for a, r in zip(args, needs))
-            node._outs = tuple((t.data.shape, t.data.dtype) for t in result)
-            if node._saved:
-                _watch_saved(node, args, arrays, result)
-        return result[0] if single else result
+            node._outs = tuple([(t.data.shape, t.data.dtype) for t in result])
+            _record(node, args, needs, arrays, result)
+        return result
+
+
+def _record(node: Context, args: tuple, needs: list, arrays: list, result: tuple) -> None:
+    """Make ``node`` a node of the graph: its edges, sequence number, output count, saved checks."""
+    # Where the gradient of each argument goes: (node, output index, shape, dtype), or (leaf
+    # tensor, -1, shape, dtype) for a leaf (its ``.grad``); None for one that needs none.
+    edges = [((a, -1, a.data.shape, a.data.dtype) if a._node is None else
+              (a._node, a._index, a.data.shape, a.data.dtype)) if r else None for a, r in zip(args, needs)]
+    node._edges = tuple(edges)
+    node._seq = next(_sequence)
+    node._nout = len(result)
+    if node._saved:
+        _watch_saved(node, args, arrays, result)
 
 
 def _wrap(data: Any, node: Context | None, index: int) -> Any:
-    if isinstance(data, np.generic) or not hasattr(data, "dtype"):  # NumPy reductions give scalars:
-        data = np.asarray(data)  # keep arrays (0-d) throughout
+    if type(data) is not np.ndarray and (isinstance(data, np.generic) or not hasattr(data, "dtype")):
+        data = np.asarray(data)  # NumPy reductions give scalars: keep arrays (0-d) throughout
     t = _new(_Tensor)
-    t.data, t.grad, t._vbox, t._hooks, t._post = data, None, None, None, None
+    t.data = data
+    t.grad = t._vbox = t._hooks = t._post = None
     if node is not None and differentiable(data.dtype):
-        t.requires_grad, t._node, t._index = True, node, index
+        t.requires_grad = True
+        t._node = node
+        t._index = index
     else:  # a constant, or an integer/boolean output (no gradient): a leaf that needs none
-        t.requires_grad, t._node, t._index = False, None, 0
+        t.requires_grad = False
+        t._node = None
+        t._index = 0
     return t
-
-
-def _edge(t: Any) -> tuple:
-    """Where the gradient of argument ``t`` goes: ``(node, output index, shape, dtype)``, or
-    ``(leaf tensor, -1, shape, dtype)`` for a leaf (its ``.grad``)."""
-    d = t.data
-    node = t._node
-    return (t, -1, d.shape, d.dtype) if node is None else (node, t._index, d.shape, d.dtype)
 
 
 def _share_versions(cls: type, args: tuple, arrays: list, result: tuple) -> None:
@@ -192,31 +225,38 @@ def _share_versions(cls: type, args: tuple, arrays: list, result: tuple) -> None
 
 
 def _watch_saved(node: Context, args: tuple, arrays: list, result: tuple) -> None:
-    """Remember the version of every tensor whose very array ``forward`` saved."""
+    """Remember the version of every tensor whose very array ``forward`` saved: ``(counter,
+    version, saved index, where)`` with ``where`` the argument index, or ``-1 - j`` for output j."""
     tensor = _Tensor
     checks = []
-    for k, s in enumerate(node._saved):
-        if s is None:
-            continue
-        for i, (a, arr) in enumerate(zip(args, arrays)):
-            if arr is s and isinstance(a, tensor):
-                box = version_box(a)
-                checks.append((box, box[0], f"saved array {k} (argument {i})"))
-                break
-        else:
-            for j, t in enumerate(result):
-                if t.data is s:
-                    box = version_box(t)
-                    checks.append((box, box[0], f"saved array {k} (output {j})"))
+    k = 0
+    for s in node._saved:
+        if s is not None:
+            i = 0
+            for arr in arrays:
+                if arr is s and isinstance(args[i], tensor):
+                    box = args[i]._vbox or version_box(args[i])
+                    checks.append((box, box[0], k, i))
                     break
+                i += 1
+            else:
+                j = 0
+                for t in result:
+                    if t.data is s:
+                        box = version_box(t)
+                        checks.append((box, box[0], k, -1 - j))
+                        break
+                    j += 1
+        k += 1
     if checks:
         node._checks = checks
 
 
 def check_saved(node: Context) -> None:
     """Refuse to run ``node``'s backward on an array changed in place since its forward."""
-    for box, version, what in node._checks:
+    for box, version, k, where in node._checks:
         if box[0] != version:
+            what = f"saved array {k} ({f'argument {where}' if where >= 0 else f'output {-1 - where}'})"
             raise AutogradError(
                 f"{node._fn.__name__}: {what} was changed by an in-place operation after the forward (version "
                 f"{box[0]}, saved at {version}); its backward would use the new values. Compute out of place "

@@ -177,40 +177,40 @@ class Tensor:
     # -- arithmetic ----------------------------------------------------------------------------
 
     def __add__(self, other: Any) -> Tensor:
-        return ops.add(self, other)
+        return ops.Add.apply(self, other)
 
     def __radd__(self, other: Any) -> Tensor:
-        return ops.add(other, self)
+        return ops.Add.apply(other, self)
 
     def __sub__(self, other: Any) -> Tensor:
-        return ops.sub(self, other)
+        return ops.Sub.apply(self, other)
 
     def __rsub__(self, other: Any) -> Tensor:
-        return ops.sub(other, self)
+        return ops.Sub.apply(other, self)
 
     def __mul__(self, other: Any) -> Tensor:
-        return ops.mul(self, other)
+        return ops.Mul.apply(self, other)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return ops.mul(other, self)
+        return ops.Mul.apply(other, self)
 
     def __truediv__(self, other: Any) -> Tensor:
-        return ops.div(self, other)
+        return ops.Div.apply(self, other)
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return ops.div(other, self)
+        return ops.Div.apply(other, self)
 
     def __pow__(self, other: Any) -> Tensor:
-        return ops.pow(self, other)
+        return ops.Pow.apply(self, other)
 
     def __rpow__(self, other: Any) -> Tensor:
-        return ops.pow(other, self)
+        return ops.Pow.apply(other, self)
 
     def __matmul__(self, other: Any) -> Tensor:
-        return ops.matmul(self, other)
+        return ops.MatMul.apply(self, other)
 
     def __rmatmul__(self, other: Any) -> Tensor:
-        return ops.matmul(other, self)
+        return ops.MatMul.apply(other, self)
 
     def __neg__(self) -> Tensor:
         return ops.neg(self)

@@ -1,5 +1,7 @@
-"""Layers and losses with explicit forward/backward on NumPy or CuPy arrays."""
+"""Layers and losses with explicit forward/backward on NumPy or CuPy arrays; ``Parameter`` (a leaf
+``hpctrain.autograd.Tensor``) and ``functional`` (``F``: differentiable functions of tensors)."""
 
+from . import functional
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Tanh
 from .losses import CrossEntropyLoss, MSELoss
 from .module import Module, Parameter, Sequential
@@ -16,7 +18,6 @@ from .transformer import (
 __all__ = [
     "GELU", "GPT", "MLP", "CausalSelfAttention", "CrossEntropyLoss", "Dropout", "Embedding", "LayerNorm",
     "Linear", "MSELoss", "Module", "Parameter", "Recompute", "ReLU", "Sequential", "Tanh", "TransformerBlock",
-    "recompute",
-    "recompute_blocks",
+    "functional", "recompute", "recompute_blocks",
     "causal_attention", "causal_attention_backward",
 ]  # fmt: skip

@@ -482,3 +482,75 @@ def test_gradcheck_catches_a_wrong_broadcast_reduction():
 
     with pytest.raises(GradcheckError, match="input 1"):
         ag.gradcheck(SumWrong.apply, (leaf(np.ones((3, 2))), leaf(np.ones(2))))
+
+
+# -- what a hostile caller tries ---------------------------------------------------------------------
+
+
+def test_backward_inside_a_backward_recomputes_a_segment():
+    """Re-entrant: a Function whose backward reruns its forward with recording and runs a backward
+    of its own (activation recomputation's pattern) gives the gradients of the direct graph."""
+    w = leaf([0.5, -1.5, 2.0])
+
+    def segment(x):
+        return (x * w).tanh() * w
+
+    class Checkpoint(ag.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            with ag.no_grad():
+                return segment(ag.Tensor(x)).data
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            inp = ag.Tensor(x, requires_grad=True)
+            with ag.enable_grad():
+                out = segment(inp)
+            out.backward(g)
+            return inp.grad
+
+    x0 = np.array([1.0, 2.0, -0.5])
+    xa = leaf(x0)
+    (Checkpoint.apply(xa * 2.0) ** 2).sum().backward()
+    got_x, got_w = xa.grad.copy(), w.grad.copy()
+    w.grad = None
+    xb = leaf(x0)
+    (segment(xb * 2.0) ** 2).sum().backward()
+    np.testing.assert_allclose(got_x, xb.grad, rtol=1e-12)
+    np.testing.assert_allclose(got_w, w.grad, rtol=1e-12)
+
+
+def test_a_deep_graph_runs_and_is_freed_without_recursion():
+    x = leaf([1.0])
+    h = x
+    for _ in range(5000):  # past Python's recursion limit several times over
+        h = h * 1.0
+    h.sum().backward()
+    assert x.grad[0] == 1.0
+    del h  # a 5000-node chain is deallocated without a recursion error
+
+
+def test_misuse_gets_clear_errors():
+    class FloatGrad(ag.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2.0
+
+    with pytest.raises(AutogradError, match="returned a float for argument 0"):
+        FloatGrad.apply(leaf([1.0])).sum().backward()
+    with pytest.raises(TypeError, match="positional"):
+        FloatGrad.apply(leaf([1.0]), scale=leaf([2.0]))
+    with pytest.raises(TypeError, match="outside the graph"):
+        np.asarray(leaf([1.0]))
+    with pytest.raises(TypeError, match="ufuncs"):  # NumPy's own refusal: the tensor opted out of ufuncs
+        np.exp(leaf([1.0]))
+    np.testing.assert_array_equal(np.asarray(ag.Tensor(np.ones(2))), [1.0, 1.0])
+    assert bool(ag.Tensor(np.array(2.0))) and not bool(ag.Tensor(np.array([0.0])))
+    with pytest.raises(ValueError, match="ambiguous"):
+        bool(ag.Tensor(np.ones(2)))

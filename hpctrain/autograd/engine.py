@@ -160,7 +160,11 @@ class _Backward:
             g = out[k]
             target, idx, shape, dtype = e
             if g is not None:
-                if g.shape != shape:
+                gshape = getattr(g, "shape", None)
+                if gshape != shape:
+                    if gshape is None:
+                        raise AutogradError(f"{n._fn.__name__}.backward returned a {type(g).__name__} for argument "
+                                            f"{k}: gradients are arrays (or None)")
                     g = sum_to(g, shape, n, k)
                 if g.dtype != dtype:
                     g = g.astype(dtype)

@@ -141,6 +141,9 @@ class Function:
             else:
                 arrays.append(a)
                 needs.append(False)
+        if kwargs and any(isinstance(v, tensor) for v in kwargs.values()):
+            raise TypeError(f"{cls.__name__}.apply: tensors go in as positional arguments (keyword arguments are "
+                            "constants and get no gradient)")
         ctx = _new(Context)
         ctx._fn = cls
         ctx.needs_input_grad = tuple(needs)

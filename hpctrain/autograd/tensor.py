@@ -124,6 +124,16 @@ class Tensor:
     def __float__(self) -> float:
         return float(self.data)
 
+    def __bool__(self) -> bool:
+        return bool(self.data)  # NumPy's rule: one element only
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        # NumPy functions would compute outside the graph: a tensor that requires a gradient says so.
+        if self.requires_grad:
+            raise TypeError("a Tensor that requires a gradient cannot become a NumPy array (NumPy would compute "
+                            "outside the graph): use the operations of hpctrain.nn.functional, or .data / .detach()")
+        return np.asarray(self.data, dtype=dtype)
+
     def numpy(self) -> np.ndarray:
         """The data as a NumPy array (a copy from the GPU; the array itself on the host)."""
         return to_host(self.data)

@@ -5,6 +5,12 @@ A module computes ``forward(x)`` and, given the gradient of the loss with respec
 gradients into ``Parameter.grad``. Layers keep what backward needs in ``self.cache`` so a
 pipeline can hold several micro-batches in flight (``get_cache``/``set_cache``). Any user object
 with this protocol trains with every hpctrain trainer.
+
+With autograd (``hpctrain.autograd``) a module may instead write only ``forward`` on tensors (the
+operations of ``hpctrain.nn.functional``): calling it (``model(x)``) turns array arguments into
+tensors, and ``loss.backward()`` fills its parameters' ``.grad``. A module with its own
+``backward`` called on a tensor runs as one node of the graph (``hpctrain.nn.explicit``), so both
+kinds mix in one model.
 """
 
 from __future__ import annotations

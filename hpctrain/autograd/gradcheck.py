@@ -63,13 +63,16 @@ def gradcheck(fn: Callable[..., Any], inputs: Sequence[Any] | Any, *, eps: float
     for i in checked:
         x = args[i]
         analytic = np.zeros(x.shape) if x.grad is None else to_host(x.grad).astype(np.float64)
-        numeric = _differences(value, x.data.reshape(-1), eps).reshape(x.shape)
+        numeric = numeric_gradient(value, x.data, eps)
         _compare(name, i, analytic, numeric, atol, rtol)
     return True
 
 
-def _differences(value: Callable[[], float], flat: Any, eps: float) -> np.ndarray:
-    """d value / d flat[j] for every j by central differences (``flat`` is changed and restored)."""
+def numeric_gradient(value: Callable[[], float], x: Any, eps: float = 1e-6) -> np.ndarray:
+    """``d value() / d x`` by central differences (a host float64 array of ``x``'s shape): each
+    element of the C-contiguous array ``x`` (NumPy or CuPy) is moved by ``+-eps`` in place, then
+    put back."""
+    flat = x.reshape(-1)
     out = np.empty(flat.shape[0])
     for j in range(flat.shape[0]):
         old = flat[j].copy()
@@ -79,7 +82,7 @@ def _differences(value: Callable[[], float], flat: Any, eps: float) -> np.ndarra
         lo = value()
         flat[j] = old
         out[j] = (hi - lo) / (2 * eps)
-    return out
+    return out.reshape(x.shape)
 
 
 def _compare(name: str, i: int, analytic: np.ndarray, numeric: np.ndarray, atol: float, rtol: float) -> None:

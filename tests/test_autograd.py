@@ -554,3 +554,13 @@ def test_misuse_gets_clear_errors():
     assert bool(ag.Tensor(np.array(2.0))) and not bool(ag.Tensor(np.array([0.0])))
     with pytest.raises(ValueError, match="ambiguous"):
         bool(ag.Tensor(np.ones(2)))
+
+
+def test_a_parameter_gradient_of_another_dtype_takes_contributions_unrounded():
+    """Mixed precision: a 16-bit parameter with a float32 gradient buffer gets the float32
+    contribution as computed, not rounded to 16 bits first."""
+    p = ag.Tensor(np.ones(2, dtype=np.float16), requires_grad=True)
+    p.grad = np.zeros(2, dtype=np.float32)
+    (p.astype(np.float32) * np.float32(1 / 3)).sum().backward()
+    assert p.grad.dtype == np.float32
+    np.testing.assert_array_equal(p.grad, np.float32(1 / 3))  # float16 would give 0.33325

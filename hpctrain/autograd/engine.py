@@ -166,7 +166,7 @@ class _Backward:
                         raise AutogradError(f"{n._fn.__name__}.backward returned a {type(g).__name__} for argument "
                                             f"{k}: gradients are arrays (or None)")
                     g = sum_to(g, shape, n, k)
-                if g.dtype != dtype:
+                if idx >= 0 and g.dtype != dtype:  # a leaf's is cast to its .grad's dtype (accumulate)
                     g = g.astype(dtype)
             if idx < 0:  # a leaf: its gradient now (buffered when it has hooks), its hooks when complete
                 if g is not None:
@@ -221,12 +221,14 @@ class _Backward:
 
 
 def accumulate(t: Any, g: Any) -> None:
-    """``t.grad += g`` in place, or a copy of ``g`` when ``t.grad`` is ``None``."""
+    """``t.grad += g`` in place (in ``t.grad``'s dtype: a float32 gradient of a 16-bit parameter
+    takes a float32 contribution unrounded), or a copy of ``g`` in ``t``'s dtype when ``t.grad``
+    is ``None``."""
     cur = t.grad
     if cur is None:
         t.grad = g.astype(t.data.dtype, copy=True)
     else:
-        cur += g
+        cur += g if g.dtype == cur.dtype else g.astype(cur.dtype)
 
 
 def sum_to(g: Any, shape: tuple, node: Any = None, k: int = 0) -> Any:

@@ -215,6 +215,18 @@ def test_activations_match_their_formulas():
     assert F.logsumexp(ag.Tensor(np.full(3, -np.inf))).data == -np.inf
 
 
+def test_embedding_matches_the_layer_with_repeated_indices():
+    idx, g = np.array([[1, 3, 1], [0, 1, 3]]), _n(2, 3, 2)
+    layer = nn.Embedding(4, 2, rng=0, dtype=np.float64)
+    want = layer.forward(idx).copy()
+    layer.backward(g)
+    w = ag.Tensor(layer.weight.data.copy(), requires_grad=True)
+    y = F.embedding(idx, w)
+    y.backward(g)
+    np.testing.assert_array_equal(y.data, want)
+    np.testing.assert_allclose(w.grad, layer.weight.grad, atol=1e-14)
+
+
 def test_dropout_is_reproducible_from_its_generator_and_draws_as_the_layer():
     x = np.ones((4, 5))
     a = F.dropout(ag.Tensor(x), 0.5, rng=np.random.default_rng(11)).data

@@ -25,7 +25,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_MPI := -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider
 MPIFLAGS ?=
 
-.PHONY: venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-openmpi test-openmpi-subset test-slurm demo bench lint clean
+.PHONY: gpu-check venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-openmpi test-openmpi-subset test-slurm demo bench lint clean
 
 venv: $(STAMP)
 
@@ -99,3 +99,14 @@ lint: venv
 
 clean:
 	rm -rf .venv .venv-openmpi *.egg-info .pytest_cache
+
+# The GPU acceptance (issue 40): one table of kernels vs NumPy, every strategy on the GPU vs the
+# CPU, the gpu tests at -n 1 and -n 2, the GPT step vs PyTorch. Uses the machine's python3 (CuPy,
+# torch) and installs .whl/ (MPICH, mpi4py, pytest-mpi) when mpi4py is missing: no venv, no
+# internet needed. Skips with its reason without a GPU. GPUFLAGS: --quick (< 2 min), --cpu (the dry
+# run on NumPy, any machine). Output also in $$OUT/gpu-check.log when OUT is set.
+GPU_PYTHON ?= python3
+GPUFLAGS ?=
+gpu-check:
+	PATH="$$(dirname $$($(GPU_PYTHON) -c 'import sys; print(sys.executable)')):$$PATH" \
+	  $(GPU_PYTHON) benchmarks/gpu_check.py $(GPUFLAGS)

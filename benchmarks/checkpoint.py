@@ -62,7 +62,7 @@ from hpctrain import Communicator, checkpoint  # noqa: E402
 from hpctrain.checkpoint.saving import fsync_file  # noqa: E402
 from hpctrain.nn import Parameter  # noqa: E402
 from hpctrain.optim import SGD  # noqa: E402
-from hpctrain.trainer import Trainer  # noqa: E402
+from hpctrain.training.trainer import Trainer  # noqa: E402
 
 
 class BlobTrainer(Trainer):

@@ -3,7 +3,7 @@
     mpiexec -n 2 python benchmarks/gpt_recipe.py [--quick] [--markdown FILE] [--recipe FILE]
 
 hpctrain runs the recipe exactly as ``hpctrain train --config recipes/gpt_shakespeare.toml`` does
-(``hpctrain.train.run``), data parallel over the ranks. PyTorch then trains the same GPT with the
+(``hpctrain.job.run``), data parallel over the ranks. PyTorch then trains the same GPT with the
 same settings under ``DistributedDataParallel`` (gloo) on the same ranks: the same initial weights
 (copied from hpctrain's model built from the recipe's seed), the same batches in the same order
 (hpctrain's sampler and loader, random window offsets included), AdamW with the same learning
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side", choices=("both", "hpctrain", "torch"), default="both",
                     help="run one side only (the other's column stays empty), e.g. both sides as two jobs at once")
     args = ap.parse_args(argv)
-    from hpctrain import train as ht_train
+    from hpctrain import job as ht_train
     from hpctrain.comm import Communicator
 
     world = MPI.COMM_WORLD

@@ -37,7 +37,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import hpctrain as ht  # noqa: E402
-from hpctrain.comm import sharded  # noqa: E402
+from hpctrain.comm import pieces  # noqa: E402
 from hpctrain.nn import GPT, CrossEntropyLoss, recompute  # noqa: E402
 from hpctrain.parallel import ParallelTrainer  # noqa: E402
 
@@ -58,7 +58,7 @@ class Traffic:
     def __init__(self) -> None:
         self.bytes = 0.0
         # Every sharded call goes through these two (allgather and PairTree's rounds call them).
-        self._rs, self._ag = sharded.ireduce_scatter, sharded.iallgather
+        self._rs, self._ag = pieces.ireduce_scatter, pieces.iallgather
 
     def __enter__(self) -> Traffic:
         def rs(comm, x, out, counts):
@@ -69,11 +69,11 @@ class Traffic:
             self.bytes += (out.nbytes - piece.nbytes)
             return self._ag(comm, piece, out, counts)
 
-        sharded.ireduce_scatter, sharded.iallgather = rs, ag
+        pieces.ireduce_scatter, pieces.iallgather = rs, ag
         return self
 
     def __exit__(self, *exc) -> None:
-        sharded.ireduce_scatter, sharded.iallgather = self._rs, self._ag
+        pieces.ireduce_scatter, pieces.iallgather = self._rs, self._ag
 
 
 class Setup:

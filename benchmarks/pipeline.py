@@ -38,7 +38,7 @@ from hpctrain import Communicator, ProcessGrid  # noqa: E402
 from hpctrain.nn import Linear, Module, MSELoss, Parameter, ReLU, Sequential  # noqa: E402
 from hpctrain.optim import SGD  # noqa: E402
 from hpctrain.parallel import ParallelTrainer, PipelineParallelTrainer, parallelize, pipeline_stage  # noqa: E402
-from hpctrain.parallel.schedules import Action, get_schedule, ideal_bubble, simulate  # noqa: E402
+from hpctrain.parallel.pipeline_schedules import Action, get_schedule, ideal_bubble, simulate  # noqa: E402
 
 
 class Sleep(Module):

@@ -20,7 +20,7 @@ from . import errors  # noqa: E402 - needs no MPI
 from .errors import HpctrainError  # noqa: E402
 
 # name -> submodule that defines it
-_NAMES = {"Communicator": "comm", "ProcessGrid": "comm", "StepStats": "trainer", "Trainer": "trainer"}
+_NAMES = {"Communicator": "comm", "ProcessGrid": "comm", "StepStats": "training.trainer", "Trainer": "training.trainer"}
 _MODULES = ("autograd", "backend", "checkpoint", "comm", "data", "log", "nn", "optim", "parallel", "preempt")
 
 __all__ = [

@@ -1,7 +1,13 @@
-"""Array module selection (NumPy or CuPy), host<->device copies and GPU choice.
+"""Array module selection (NumPy or CuPy), host<->device copies, GPU choice, 16-bit floats.
 
 Everything above the communication layer calls ``xp_of(array)`` and uses the module it returns, so
 one code path serves NumPy and CuPy. CuPy is optional: importing this module never requires it.
+
+16-bit floats: bfloat16 on NumPy is ``ml_dtypes.bfloat16`` (what CuPy takes too). NumPy has no
+16-bit BLAS: :func:`matmul` multiplies 16-bit operands widened to float32 through BLAS and rounds
+the result once (the numerics of tensor cores); :func:`stat_dtype` is where statistics (softmax,
+LayerNorm, losses) of 16-bit inputs are computed. Which dtype each array of a training step has
+is the training side's ``hpctrain.training.precision.Precision``.
 """
 
 from __future__ import annotations
@@ -10,7 +16,12 @@ import os
 from types import ModuleType
 from typing import Any
 
+import ml_dtypes
 import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP16 = np.dtype(np.float16)
+FP32 = np.dtype(np.float32)
 
 _cupy: ModuleType | None = None
 _cupy_checked = False
@@ -171,3 +182,39 @@ def select_device(local_rank: int) -> int | None:
         raise ValueError(f"HPCTRAIN_DEVICE={device} but only {count} GPU(s) are visible")
     cp.cuda.Device(device).use()
     return device
+
+
+# -- 16-bit floats ---------------------------------------------------------------------------
+
+
+def is_half(dtype: Any) -> bool:
+    """Whether ``dtype`` is a 16-bit float (float16 or bfloat16; bfloat16's NumPy kind is 'V')."""
+    return np.dtype(dtype) in (BF16, FP16)
+
+
+def stat_dtype(dtype: Any) -> np.dtype:
+    """The dtype statistics (softmax, LayerNorm, loss) of ``dtype`` inputs are computed in:
+    float32 for 16-bit floats, the dtype itself otherwise."""
+    return FP32 if is_half(dtype) else np.dtype(dtype)
+
+
+def matmul(xp: Any, a: Any, b: Any, out: Any = None) -> Any:
+    """``xp.matmul(a, b, out=out)``; with a 16-bit float operand on NumPy (which has no 16-bit
+    BLAS: its float16 loop is ~100x slower than float32) the operands are widened to float32,
+    multiplied and accumulated in float32 by BLAS, and the result rounded once into ``out``
+    (or the operands' result dtype): the numerics of tensor cores."""
+    if xp is not np or not (is_half(a.dtype) or is_half(b.dtype)):
+        return xp.matmul(a, b, out=out)
+    product = np.matmul(a.astype(FP32, copy=False), b.astype(FP32, copy=False))
+    if out is None:
+        return product.astype(np.result_type(a.dtype, b.dtype))
+    out[...] = product
+    return out
+
+
+def widen(x: Any) -> tuple[Any, np.dtype | None]:
+    """``(x in float32, its 16-bit dtype)`` for a 16-bit ``x`` (a loss computes in float32 and
+    hands its gradient back in the input's dtype); ``(x, None)`` otherwise."""
+    if is_half(x.dtype):
+        return x.astype(FP32), np.dtype(x.dtype)
+    return x, None

@@ -233,5 +233,5 @@ class Reducer(Protocol):
         """Take what the reducer installed on the model off it and free its communicators."""
 
     def memory_arrays(self) -> dict[str, list[Any]] | None:
-        """The arrays the reducer keeps, by ``hpctrain.memory`` category, or ``None`` when the
+        """The arrays the reducer keeps, by ``hpctrain.training.memory`` category, or ``None`` when the
         trainer's parameters, gradients and optimizer state are the whole story."""

@@ -142,6 +142,13 @@ def fused() -> bool | None:
     return env_bool("HPCTRAIN_FUSED", None)
 
 
+def cuda_kernels() -> bool | None:
+    """``HPCTRAIN_CUDA_KERNELS``: use hpctrain's CUDA kernels on CuPy arrays (1; needs a GPU),
+    never (0: CuPy's generic operations), or whenever CuPy has a GPU (unset, the default); see
+    ``hpctrain.nn.gpu``."""
+    return env_bool("HPCTRAIN_CUDA_KERNELS", None)
+
+
 #: Every HPCTRAIN_* variable the library reads, with its parser (``check_environment`` runs them).
 PARSERS = {
     "HPCTRAIN_TIMEOUT": resolve_timeout,
@@ -153,6 +160,7 @@ PARSERS = {
     "HPCTRAIN_DATA": data_dir,
     "HPCTRAIN_PROGRESS": progress,
     "HPCTRAIN_FUSED": fused,
+    "HPCTRAIN_CUDA_KERNELS": cuda_kernels,
 }
 
 

@@ -268,6 +268,14 @@ def asnumpy(a: Any, stream: Any = None, out: np.ndarray | None = None) -> np.nda
     return np.asarray(a)
 
 
+def where(condition: Any, *xy: Any) -> Any:
+    """``numpy.where`` on the device; like CuPy's, the condition must be an array (CuPy calls
+    ``condition.astype``: a Python ``bool`` fails with AttributeError, which only a GPU run showed)."""
+    if not isinstance(condition, ndarray):
+        raise AttributeError(f"'{type(condition).__name__}' object has no attribute 'astype'")
+    return _call(np.where, (condition, *xy), {})
+
+
 def get_array_module(*args: Any) -> types.ModuleType:
     import sys
 

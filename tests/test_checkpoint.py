@@ -23,7 +23,7 @@ from hpctrain import Communicator, checkpoint
 from hpctrain.errors import CheckpointError
 from hpctrain.nn import Linear, Parameter, Sequential
 from hpctrain.optim import Adam
-from hpctrain.trainer import Trainer
+from hpctrain.training.trainer import Trainer
 
 D_IN, D_HID, D_OUT = 5, 7, 3
 

@@ -52,7 +52,7 @@ def _gpt_run(comm, run_dir) -> tuple[str, str]:
     """(newest checkpoint, its part file) of a tiny GPT run (what ``generate`` samples from)."""
     from test_generate import GPT
 
-    from hpctrain.train import run
+    from hpctrain.job import run
 
     run({**GPT, "run_dir": str(run_dir)}, comm)
     newest = checkpoint.list_checkpoints(str(run_dir / "checkpoints"))[-1]

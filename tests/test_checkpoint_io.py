@@ -21,7 +21,7 @@ from hpctrain.checkpoint import rawio, saving
 from hpctrain.errors import CheckpointError
 from hpctrain.nn import Parameter
 from hpctrain.optim import Adam
-from hpctrain.trainer import Trainer
+from hpctrain.training.trainer import Trainer
 
 
 @pytest.fixture

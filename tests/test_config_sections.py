@@ -12,11 +12,11 @@ import pytest
 from hpctrain import errors, nn
 from hpctrain.cli import main as cli_main
 from hpctrain.errors import ExitStatus
-from hpctrain.precision import Precision
-from hpctrain.train import OPTIONS, read_config, resolve
-from hpctrain.train.config import ALL_SECTIONS
-from hpctrain.train.models import build_classifier, classifier_pieces, splits
-from hpctrain.train.options import as_flag
+from hpctrain.job import OPTIONS, read_config, resolve
+from hpctrain.job.config import ALL_SECTIONS
+from hpctrain.job.models import build_classifier, classifier_pieces, splits
+from hpctrain.job.options import as_flag
+from hpctrain.training.precision import Precision
 
 # (owning section, flags, the same settings as TOML, a valid config to start from, message)
 CASES = [
@@ -195,11 +195,11 @@ def test_the_library_and_the_command_line_refuse_a_rule_in_the_same_words(comm, 
 def test_the_flags_choices_are_the_librarys_names():
     # Choices the config cannot import without starting MPI are written out: they must stay the library's.
     from hpctrain.comm.buckets import COMPRESSIONS
-    from hpctrain.guard import POLICIES
     from hpctrain.parallel.engine import BACKENDS
+    from hpctrain.parallel.pipeline_schedules import get_schedule
     from hpctrain.parallel.ps_args import MODES
-    from hpctrain.parallel.schedules import get_schedule
-    from hpctrain.precision import PRECISIONS, REDUCE_DTYPES
+    from hpctrain.training.guard import POLICIES
+    from hpctrain.training.precision import PRECISIONS, REDUCE_DTYPES
 
     choices = {o.name: o.choices for o in OPTIONS}
     assert choices["backend"] == BACKENDS and choices["ps_mode"] == MODES and choices["on_nonfinite"] == POLICIES

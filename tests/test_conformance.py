@@ -61,7 +61,7 @@ def build(kind: str, comm, clip=None, policy="raise", device=None, momentum=0.0,
     """(trainer, dp rank, dp size) for ``kind``; skips when the layout does not fit the world.
 
     ``device``: the stand-in module to put the model on (``None``: the host); ``precision``: a
-    mixed precision (``hpctrain.precision.Precision``; ``dtype`` must be float32 then)."""
+    mixed precision (``hpctrain.training.precision.Precision``; ``dtype`` must be float32 then)."""
     need = {"tp": 2, "pp": 2, "tp_pp": 4}.get(kind, 1)
     if comm.size % need:
         pytest.skip(f"{kind} needs a multiple of {need} ranks, the world has {comm.size}")
@@ -221,7 +221,7 @@ def test_matrix_clipped_steps_match_serial_on_the_device(comm, kind, recompute, 
 
 def mixed(name: str):
     """A fresh ``Precision``; fp16's loss scale starts low enough that these steps do not overflow."""
-    from hpctrain.precision import DynamicLossScaler, Precision
+    from hpctrain.training.precision import DynamicLossScaler, Precision
 
     return Precision(name, scaler=DynamicLossScaler(init_scale=2.0**8) if name == "fp16-mixed" else None)
 

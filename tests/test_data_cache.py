@@ -28,8 +28,8 @@ class _Writes(logging.Handler):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("cache", ["shared", "node-local"])
 def test_builtin_set_is_written_once_per_file(comm, shared_dir, monkeypatch, cache):
-    from hpctrain.train.config import Config
-    from hpctrain.train.job import write_builtin
+    from hpctrain.job.config import Config
+    from hpctrain.job.runner import write_builtin
 
     def node_of(r: int) -> int:
         return r // ((comm.size + 1) // 2)
@@ -104,8 +104,8 @@ def test_a_damaged_cache_is_refused_saying_what_is_wrong(serial, tmp_path, how, 
 @pytest.mark.timeout(60)
 def test_a_fifo_in_the_cache_is_one_error_on_every_rank(comm, shared_dir, monkeypatch):
     from hpctrain.errors import DatasetError
-    from hpctrain.train.config import Config
-    from hpctrain.train.job import write_builtin
+    from hpctrain.job.config import Config
+    from hpctrain.job.runner import write_builtin
 
     where = Path(shared_dir) / "cache"
     if comm.rank == 0:

@@ -10,9 +10,9 @@ import h5py
 import numpy as np
 import pytest
 
-from hpctrain import h5safe
 from hpctrain.data import HDF5Dataset
 from hpctrain.errors import CheckpointError, DatasetError
+from hpctrain.files import h5safe
 from hpctrain.nn import CrossEntropyLoss
 
 
@@ -265,8 +265,8 @@ def test_mpi_distributed_evaluation_equals_serial_on_the_same_rows(comm, tmp_pat
     # A file bigger than --max-samples: the evaluation covers max_samples held-out rows, each rank
     # reads only its share of them, and the reduced result is the one-process result.
     from hpctrain.data.checks import open_classification
-    from hpctrain.evaluation import evaluate
     from hpctrain.nn import Linear, ReLU, Sequential
+    from hpctrain.training.evaluation import evaluate
 
     where = comm.bcast_obj(str(tmp_path))
     path = os.path.join(where, "e.h5")
@@ -360,7 +360,7 @@ def test_any_tokens_key_keeps_the_validation_stream_and_the_epoch_offsets(tmp_pa
     # --tokens-key other than `tokens` used to ignore val_tokens: a split of its own stream instead,
     # windows at offset 0 every epoch.
     from hpctrain.data import TokenDataset
-    from hpctrain.train import open_data, resolve
+    from hpctrain.job import open_data, resolve
 
     r = np.random.default_rng(0)
     train_stream, val_stream = r.integers(0, 7, 1000), r.integers(0, 7, 100)  # no period: a window shows its start

@@ -117,7 +117,7 @@ def random_data_file(rng: np.random.Generator, path: str) -> str:
 def one_case(comm, seed: int, where: str) -> str:
     """Run the job on random file ``seed``: the outcome (``"ok"`` or the error's type), the same on
     every rank; fails the test on anything else."""
-    from hpctrain.train import merge, run
+    from hpctrain.job import merge, run
 
     rng = np.random.default_rng([seed, 2026])
     path = os.path.join(where, f"fuzz-{seed}.h5")

@@ -37,3 +37,29 @@ def test_the_package_takes_it_for_cupy(standin):
     assert backend.is_device_array(dev) and backend.xp_of(dev) is standin
     assert not backend.is_device_array(np.ones(3)) and not backend.is_real_cupy(standin)
     assert type(backend.to_host(dev)) is np.ndarray
+
+
+def test_where_takes_an_array_condition_only(standin):
+    """CuPy's ``where`` calls ``condition.astype``: a Python bool raises AttributeError there."""
+    dev = standin.asarray(np.arange(3.0))
+    assert isinstance(standin.where(dev > 1, dev, 0.0), standin.ndarray)
+    with pytest.raises(AttributeError, match="astype"):
+        standin.where(False, 0.0, dev)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_losses_mean_on_the_device_with_and_without_weights(standin, weighted):
+    """The GPU run's crash (gpt_vs_torch, the dp NCCL test): a loss without weights has a host
+    denominator, and ``batch_mean`` handed ``cupy.where`` a Python bool."""
+    from hpctrain.nn import CrossEntropyLoss, MSELoss
+
+    g = np.random.default_rng(0)
+    pred, target = g.standard_normal((4, 3)), g.standard_normal((4, 3))
+    logits, labels = g.standard_normal((4, 5, 7)), g.integers(0, 7, (4, 5))
+    w = np.array([1.0, 0.0, 1.0, 1.0]) if weighted else None
+    for make, args in ((MSELoss, (pred, target)), (CrossEntropyLoss, (logits, labels))):
+        host = make().forward(*args, weight=w)
+        dev_args = [standin.asarray(a) for a in args]
+        got = make().forward(*dev_args, weight=None if w is None else standin.asarray(w))
+        assert isinstance(got, standin.ndarray) and got.shape == ()
+        assert float(got) == pytest.approx(host, rel=1e-12)

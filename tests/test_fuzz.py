@@ -81,7 +81,7 @@ def test_truncated_and_foreign_files(serial, tmp_path):
 
 
 def test_config_not_utf8_or_a_directory(serial, tmp_path):
-    from hpctrain.train import read_toml
+    from hpctrain.job import read_toml
 
     bad = tmp_path / "bad.toml"
     bad.write_bytes(b'lr = 0.1\nmodel = "\xff\xfe"\n')

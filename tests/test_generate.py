@@ -8,7 +8,7 @@ import os
 import pytest
 
 from hpctrain.cli import main
-from hpctrain.train import run
+from hpctrain.job import run
 
 GPT = {"model": "gpt", "max_samples": 64, "batch_size": 16, "epochs": 1, "d_model": 32, "n_heads": 4,
        "block_size": 16, "log_every": 1000}

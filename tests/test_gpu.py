@@ -136,6 +136,14 @@ def test_nccl_backend_refused_on_every_rank_without_a_gpu_model(comm):
         _dp_trainer(comm, "cpu", backend="gloo")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_nccl_refused_on_every_rank_when_ranks_share_a_gpu(comm, standin):
+    """NCCL cannot put two ranks on one GPU (the first GPU run: an NcclError from deep inside its
+    init at -n 2 on one GPU): every rank is told which ranks share which GPU, before NCCL starts."""
+    with pytest.raises(RuntimeError, match="needs one GPU per rank: ranks 0 and 1 share GPU 0"):
+        _dp_trainer(comm, "gpu", backend="nccl")
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_dp_nccl_backend_equals_mpi_backend(comm):

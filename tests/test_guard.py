@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from hpctrain.errors import NonFiniteError
-from hpctrain.guard import check_finite
 from hpctrain.nn import Parameter
+from hpctrain.training.guard import check_finite
 
 
 def _params(bad: bool):

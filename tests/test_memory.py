@@ -7,8 +7,8 @@ import pytest
 
 import hpctrain as ht
 from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
-from hpctrain.memory import activation_bytes, owned_bytes
 from hpctrain.nn import GPT, CrossEntropyLoss, recompute
+from hpctrain.training.memory import activation_bytes, owned_bytes
 
 
 def test_owned_bytes_counts_buffers_once():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import hpctrain as ht
-from hpctrain import checkpoint, rundir
+from hpctrain import checkpoint
+from hpctrain.files import rundir
 from hpctrain.nn import Linear, Sequential
 from hpctrain.parallel import DataParallelTrainer
 

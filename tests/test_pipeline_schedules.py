@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain.parallel.pipeline import balance_by_cost
-from hpctrain.parallel.schedules import Action, get_schedule, gpipe, one_f_one_b, peak_activations, simulate
+from hpctrain.parallel.cut import balance_by_cost
+from hpctrain.parallel.pipeline_schedules import Action, get_schedule, gpipe, one_f_one_b, peak_activations, simulate
 
 CASES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 16)]
 
@@ -146,7 +146,7 @@ def test_one_stage_trainer_matches_serial(schedule):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_interleaved_is_deadlock_free_with_the_ideal_bubble(p, v, k):
     """Megatron's interleaved 1F1B: every chunk's F and B once, no deadlock, bubble (p-1)/(vm+p-1)."""
-    from hpctrain.parallel.schedules import ideal_bubble, interleaved
+    from hpctrain.parallel.pipeline_schedules import ideal_bubble, interleaved
 
     m = k * p
     for s in range(p):
@@ -161,7 +161,7 @@ def test_interleaved_is_deadlock_free_with_the_ideal_bubble(p, v, k):
 
 
 def test_interleaved_refusals():
-    from hpctrain.parallel.schedules import interleaved
+    from hpctrain.parallel.pipeline_schedules import interleaved
 
     with pytest.raises(ValueError, match="multiple of the pipeline stages"):
         list(interleaved(4, 0, 6, 2))

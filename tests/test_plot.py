@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from hpctrain.cli import main
-from hpctrain.plot import read_metrics
+from hpctrain.cli.plot import read_metrics
 
 
 def _write_run(tmp_path, steps=30):

@@ -1,4 +1,4 @@
-"""Mixed precision (``hpctrain.precision``): bf16-mixed and fp16-mixed GPT runs end near fp32's
+"""Mixed precision (``hpctrain.training.precision``): bf16-mixed and fp16-mixed GPT runs end near fp32's
 loss, keep float32 masters (in the optimizer and in checkpoints, under the serial names), resume
 bitwise, load any precision's checkpoint into any other, compose with tp x pp; fp16's loss
 scaler skips an overflowing step on every rank and backs off, grows, and is in the checkpoint and
@@ -15,9 +15,10 @@ import pytest
 
 import hpctrain as ht
 from hpctrain import ProcessGrid
+from hpctrain.backend import BF16, FP16
 from hpctrain.nn import GPT, CrossEntropyLoss
 from hpctrain.parallel import ParallelTrainer, parallelize
-from hpctrain.precision import BF16, FP16, DynamicLossScaler, Precision
+from hpctrain.training.precision import DynamicLossScaler, Precision
 
 MIXED = ("bf16-mixed", "fp16-mixed")
 STEPS = 12
@@ -202,7 +203,7 @@ def test_fp16_overflow_skips_on_every_rank_backs_off_and_grows(comm, shared_dir)
 
 
 def test_loss_scale_is_in_the_metrics(comm, shared_dir):
-    from hpctrain.train import run
+    from hpctrain.job import run
 
     run_dir = os.path.join(shared_dir, "run")
     s = run({"model": "gpt", "max_samples": 16 * comm.size, "batch_size": 4 * comm.size, "epochs": 1,
@@ -228,7 +229,7 @@ def test_bad_precision_settings_raise_on_every_rank(comm):
 
 def test_precision_flags():
     from hpctrain.errors import ConfigError
-    from hpctrain.train.config import Config, resolve
+    from hpctrain.job.config import Config, resolve
 
     with pytest.raises(ConfigError, match="--grad-reduce-dtype bf16 needs --precision"):
         resolve(Config(grad_reduce_dtype="bf16"), 1)
@@ -241,8 +242,8 @@ def test_precision_flags():
 
 def test_loss_scale_flags_reach_the_scaler_and_only_fp16_takes_them(comm):
     from hpctrain.errors import ConfigError
-    from hpctrain.train.builders import build_trainer
-    from hpctrain.train.config import Config, resolve
+    from hpctrain.job.builders import build_trainer
+    from hpctrain.job.config import Config, resolve
 
     for other in ("fp32", "bf16-mixed"):
         with pytest.raises(ConfigError, match=f"--loss-scale-init: only --precision fp16-mixed .* {other}"):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hpctrain import errors
-from hpctrain.train import merge, resolve, run
+from hpctrain.job import merge, resolve, run
 
 SMALL = {"max_samples": 64, "epochs": 1, "d_model": 16, "n_layers": 1, "log_every": 100}
 
@@ -43,7 +43,7 @@ def test_negative_weight_decay_refused_and_finite_values_pass():
 
 @pytest.mark.timeout(30)
 def test_non_finite_settings_in_a_toml_file_refused(tmp_path):
-    from hpctrain.train import read_toml
+    from hpctrain.job import read_toml
 
     path = tmp_path / "run.toml"
     path.write_text("lr = nan\n")

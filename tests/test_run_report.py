@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hpctrain.train import run
+from hpctrain.job import run
 from jobs import hpctrain
 
 # 6 steps an epoch (288 samples, global batch 48), stopped at 57 steps: more than the final

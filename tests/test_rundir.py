@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from hpctrain import rundir
 from hpctrain.errors import ConfigError
-from hpctrain.rundir import LOCK_NAME, RunDirBusy, RunLock
+from hpctrain.files import rundir
+from hpctrain.files.rundir import LOCK_NAME, RunDirBusy, RunLock
 
 
 def _dead_pid() -> int:

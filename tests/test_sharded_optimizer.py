@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import hpctrain as ht
-from hpctrain.backend import to_host
+from hpctrain.backend import BF16, to_host
 from hpctrain.nn import Parameter
 from hpctrain.optim.sharded import FlatLayout, ShardedOptimizer, assemble
-from hpctrain.precision import BF16
+from hpctrain.training.precision import Precision
 
 SHAPES = [("emb.weight", (7, 3)), ("ln.bias", (5,)), ("fc.weight", (4, 2, 3)), ("fc.bias", (1,))]
 N = sum(int(np.prod(s)) for _, s in SHAPES)
@@ -66,7 +66,7 @@ def run_full(opt, steps, masters=False, dtype=np.float64):
     params = model_params(np.float32 if masters else dtype)
     full = make_opt(opt, params)
     if masters:
-        prec = ht.precision.Precision("bf16-mixed")
+        prec = Precision("bf16-mixed")
         full.set_masters(prec.make_masters(params))
     for s in range(steps):
         for p in params:

@@ -1,5 +1,5 @@
 """An epoch's short last batch (issue #26) under the README's layouts, end to end through
-``hpctrain.train.run`` under mpiexec: it takes fewer micro-batches and the run equals one process.
+``hpctrain.job.run`` under mpiexec: it takes fewer micro-batches and the run equals one process.
 
 The shapes of ``mpiexec -n 2 hpctrain train --accum-steps 2``, ``mpiexec -n 4 hpctrain train
 --model gpt --pp 2`` and ``mpiexec -n 8 hpctrain train --model gpt --tp 2 --pp 2`` with tiny
@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from hpctrain.train import run
+from hpctrain.job import run
 
 GPT = {"model": "gpt", "d_model": 16, "n_layers": 2, "n_heads": 2, "block_size": 16}
 

@@ -6,7 +6,7 @@ import pytest
 
 from hpctrain import errors
 from hpctrain.cli import build_parser
-from hpctrain.train import merge, read_toml, resolve
+from hpctrain.job import merge, read_toml, resolve
 
 
 def flags(*argv: str) -> dict:
@@ -93,7 +93,7 @@ def test_a_config_that_is_not_a_regular_file_is_refused(serial, tmp_path, kind):
 
     path = tmp_path / "run.toml"
     os.mkfifo(path) if kind == "fifo" else path.mkdir()
-    code = "import sys; from hpctrain.train import read_toml; read_toml(sys.argv[1])"
+    code = "import sys; from hpctrain.job import read_toml; read_toml(sys.argv[1])"
     try:
         p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:

@@ -13,7 +13,7 @@ import pytest
 
 import hpctrain as ht
 from hpctrain import errors
-from hpctrain.train import Config, build_model, merge, open_data, read_config, resolve, run
+from hpctrain.job import Config, build_model, merge, open_data, read_config, resolve, run
 
 # One process (each rank its own copy on a split communicator, in its own tmp_path): 4 steps an epoch.
 BASE = {"max_samples": 128, "batch_size": 32, "epochs": 2, "d_model": 16, "log_every": 1000}
@@ -95,7 +95,7 @@ def test_trace_json_keeps_every_job_of_a_resumed_run(solo, tmp_path):
 
 
 def test_a_trace_json_that_is_not_a_trace_is_moved_aside_not_overwritten(solo, tmp_path):
-    from hpctrain.train.timeline import Timeline
+    from hpctrain.job.trace import Timeline
 
     path = tmp_path / "trace.json"
     path.write_text('{"traceEv')

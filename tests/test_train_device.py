@@ -9,7 +9,7 @@ import pytest
 
 from hpctrain import backend, errors
 from hpctrain.cli import main
-from hpctrain.train import resolve, run
+from hpctrain.job import resolve, run
 
 SMALL = {"epochs": 1, "d_model": 16, "log_every": 1000}
 
@@ -59,6 +59,9 @@ def test_cpu_path(comm, shared_dir, device):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("nccl", [False, True], ids=["mpi", "nccl"])
 def test_cuda_matches_cpu(comm, shared_dir, nccl):
+    gpus = backend.cupy().cuda.runtime.getDeviceCount()
+    if nccl and gpus < comm.size:
+        pytest.skip(f"NCCL needs one GPU per rank: {comm.size} ranks, {gpus} GPU(s)")
     extra = {"backend": "nccl"} if nccl else {}
     gpu = run({**small(comm), "device": "cuda", **extra, "run_dir": os.path.join(shared_dir, f"gpu{nccl}")}, comm)
     cpu = run({**small(comm), "device": "cpu", "run_dir": os.path.join(shared_dir, f"cpu{nccl}")}, comm)

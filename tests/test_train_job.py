@@ -293,7 +293,7 @@ def test_a_live_lock_refuses_the_job_and_a_dead_ones_is_taken_over(comm, tmp_pat
     if comm.rank == 0:
         run.mkdir()
         sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        from hpctrain import rundir
+        from hpctrain.files import rundir
 
         (run / ".hpctrain.lock").write_text(json.dumps({**rundir.owner_record(), "pid": sleeper.pid, "job": None,
                                                          "started": rundir._start_time(sleeper.pid)}))
@@ -319,7 +319,7 @@ def test_a_checkpoint_directory_another_job_holds_is_refused_on_every_rank(comm,
     shared = _shared(comm, tmp_path)
     ck, holder = shared / "ck", None
     if comm.rank == 0:  # another job: a process that took the directory's lock as a job does
-        holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hpctrain.rundir import RunLock; "
+        holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hpctrain.files.rundir import RunLock; "
                                    "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)",
                                    str(ck)], stdout=subprocess.PIPE, text=True, env=_env())
         assert holder.stdout.readline().strip() == "held"
@@ -347,7 +347,7 @@ def test_default_run_directories_of_one_second_differ(comm, tmp_path, capsys, mo
     if comm.size > 1:
         pytest.skip("chdir per process: serial pass")
     monkeypatch.chdir(tmp_path)
-    import hpctrain.rundir as rundir
+    import hpctrain.files.rundir as rundir
 
     monkeypatch.setattr(rundir.time, "strftime", lambda fmt, *a: "20260101-000000")
     assert _train(capsys)[0] == 0 and _train(capsys)[0] == 0

@@ -12,7 +12,7 @@ import pytest
 
 from hpctrain import errors
 from hpctrain.cli import main
-from hpctrain.train import merge, run
+from hpctrain.job import merge, run
 
 # A few steps of a small job: 256 samples, global batch 32, one epoch = 8 steps.
 SMALL = {"max_samples": 256, "batch_size": 32, "epochs": 1, "d_model": 32, "log_every": 4}

@@ -13,7 +13,7 @@ import pytest
 
 import hpctrain as ht
 from hpctrain import errors
-from hpctrain.train import Config, merge, read_config, resolve, run
+from hpctrain.job import Config, merge, read_config, resolve, run
 
 
 def test_config_is_a_typed_dataclass():

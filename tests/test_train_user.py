@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hpctrain import errors
-from hpctrain.train import resolve, run
+from hpctrain.job import resolve, run
 
 USER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "user_model.py") + ":build"
 SMALL = {"model": USER, "max_samples": 128, "batch_size": 32, "epochs": 1, "d_model": 16, "log_every": 1000}

@@ -56,7 +56,7 @@ def test_info_says_whether_a_lost_rank_is_survived(serial):
 
 @pytest.mark.parametrize("launched", [True, False])
 def test_on_rank_loss_default_is_shrink_only_where_it_can_work(monkeypatch, launched):
-    from hpctrain.train.config import resolve
+    from hpctrain.job.config import resolve
 
     if launched:
         monkeypatch.setenv(ulfm.FT_PARAM, "1")
@@ -75,7 +75,7 @@ def test_on_rank_loss_default_is_shrink_only_where_it_can_work(monkeypatch, laun
 
 def test_on_rank_loss_shrink_refused_where_it_cannot_work(monkeypatch):
     from hpctrain.errors import ConfigError
-    from hpctrain.train.config import resolve
+    from hpctrain.job.config import resolve
 
     monkeypatch.delenv(ulfm.FT_PARAM, raising=False)
     with pytest.raises(ConfigError, match=r"--on-rank-loss shrink: this job cannot survive a lost rank: .*"

@@ -258,8 +258,8 @@ def test_train_job_zero3_recompute_matches_one_process(comm, shared_dir):
     import os
 
     from hpctrain.errors import ConfigError
-    from hpctrain.train import merge, resolve
-    from hpctrain.train import run as job
+    from hpctrain.job import merge, resolve
+    from hpctrain.job import run as job
 
     cfg = {"model": "gpt", "max_samples": 64, "batch_size": 8 * comm.size, "epochs": 1, "d_model": 32,
            "n_heads": 4, "block_size": 16, "log_every": 2}  # fmt: skip
@@ -283,7 +283,7 @@ def test_pair_tree_reduce_scatter_adds_pairwise_by_rank_bits():
     """Uneven pieces (some empty), several reductions in flight, completed in another order on
     odd and even ranks: each piece is the pairwise tree sum (g0+g1)+(g2+g3)... bitwise on
     power-of-two groups (the library's reduce-scatter, to rounding, on others)."""
-    from hpctrain.comm.sharded import PairTree
+    from hpctrain.comm.pieces import PairTree
 
     comm = ht.Communicator()
     n, r = comm.size, comm.rank

@@ -4,7 +4,7 @@
     mpiexec -n 2 hpctrain train --model tests/user_model.py:build --tp 2       # its nn.MLP split over tp
     mpiexec -n 2 hpctrain train --model tests/user_model.py:build --pp 2       # a Sequential: cut into stages
 
-The factory takes the job's ``hpctrain.train.Config`` (every flag as a typed field; ``config.info``
+The factory takes the job's ``hpctrain.job.Config`` (every flag as a typed field; ``config.info``
 holds the data's facts: ``n_in``, ``x_shape``, ``n_classes`` with ``--loss ce`` or ``n_out`` with
 ``--loss mse``, ``vocab_size`` for token windows) and returns an ``hpctrain.nn.Module``. It is
 called on every rank and must build the same model there (seed it from ``config.seed``).

@@ -20,19 +20,19 @@
 
     ag.gradcheck(Swish.apply, (ag.Tensor(x64, requires_grad=True),))
 
-Pieces: ``tensor.py`` (``Tensor``), ``function.py`` (``Function``, its ``Context``: the graph
-node), ``engine.py`` (``backward``), ``grad_mode.py`` (``no_grad``, ``enable_grad``), ``ops.py`` and
+Pieces: ``tensors.py`` (``Tensor``), ``function.py`` (``Function``, its ``Context``: the graph
+node), ``backprop.py`` (the engine: ``backward``), ``grad_mode.py`` (``no_grad``, ``enable_grad``), ``ops.py`` and
 ``shape.py`` (the operations tensors' operators use; the layer-level ones are in
 ``hpctrain.nn.functional``), ``gradcheck.py``. The package needs only ``hpctrain.backend`` (the
 array module of an array) and ``hpctrain.errors``: ``nn`` builds on it.
 """
 
 from ..backend import xp_of
-from .engine import backward
+from .backprop import backward
 from .function import Context, Function, is_tensor
 from .grad_mode import enable_grad, is_grad_enabled, no_grad
 from .gradcheck import gradcheck
-from .tensor import RemovableHandle, Tensor, as_tensor, tensor
+from .tensors import RemovableHandle, Tensor, as_tensor, tensor
 
 __all__ = [
     "Context", "Function", "RemovableHandle", "Tensor", "as_tensor", "backward", "enable_grad", "gradcheck",

@@ -29,13 +29,13 @@ from ..errors import AutogradError
 from .grad_mode import state
 
 _sequence = itertools.count()
-# The Tensor class (hpctrain.autograd.tensor registers it: it imports this module, not the reverse).
+# The Tensor class (hpctrain.autograd.tensors registers it: it imports this module, not the reverse).
 _Tensor: Any = None
 _new = object.__new__
 
 
 def register_tensor_type(cls: type) -> None:
-    """Make ``cls`` the type ``Function.apply`` wraps arrays in (done once, by ``tensor.py``)."""
+    """Make ``cls`` the type ``Function.apply`` wraps arrays in (done once, by ``tensors.py``)."""
     global _Tensor
     _Tensor = cls
 

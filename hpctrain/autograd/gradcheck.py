@@ -10,10 +10,10 @@ import numpy as np
 
 from ..backend import to_device, to_host, xp_of
 from ..errors import DtypeError, GradcheckError
-from . import engine
+from . import backprop
 from .function import differentiable
 from .grad_mode import no_grad
-from .tensor import Tensor
+from .tensors import Tensor
 
 
 def _outputs(out: Any, name: str) -> list[Tensor]:
@@ -53,7 +53,7 @@ def gradcheck(fn: Callable[..., Any], inputs: Sequence[Any] | Any, *, eps: float
     weights = [to_device(rng.standard_normal(o.shape), xp_of(o.data)) for o in outs]
     live = [(o, w) for o, w in zip(outs, weights) if o.requires_grad]
     if live:
-        engine.backward([o for o, _ in live], [w for _, w in live], inputs=[args[i] for i in checked])
+        backprop.backward([o for o, _ in live], [w for _, w in live], inputs=[args[i] for i in checked])
 
     def value() -> float:
         with no_grad():

@@ -126,7 +126,9 @@ class Pow(Function):
         if out is not None:
             xp = xp_of(g)
             with np.errstate(invalid="ignore", divide="ignore"):
-                gb = g * out * xp.log(xp.where(a == 0, 1, a))
+                # a Python number's log on the host (CuPy's where takes array conditions only)
+                la = xp.log(xp.where(a == 0, 1, a)) if hasattr(a, "dtype") else np.log(a if a != 0 else 1)
+                gb = g * out * la
         return ga, gb
 
 

@@ -13,7 +13,7 @@ restored only through the ``hpctrain.protocols.Stateful`` protocol.
 
 Modules: :mod:`.format` (names, index, checksums), :mod:`.checkpointer` (``save``, ``wait``),
 :mod:`.saving` (the plan and the parallel, asynchronous writes), :mod:`.header` (the index file),
-:mod:`.reader` (verified slab reads), :mod:`.loading` (the transaction), :mod:`.summary`
+:mod:`.reader` (verified slab reads), :mod:`.loading` (the transaction), :mod:`.inspection`
 (``inspect``), :mod:`.seal` (whole-file digests, verified before HDF5 reads a file).
 """
 
@@ -28,9 +28,9 @@ from . import seal
 from .checkpointer import Checkpointer, save, wait
 from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
 from .header import read_header
+from .inspection import inspect, verify
 from .loading import load, load_weights
 from .saving import busy, remove
-from .summary import inspect, verify
 
 __all__ = [
     "Checkpointer", "FORMAT", "FORMAT_VERSION", "beyond_keep", "checkpoint_path", "copy", "inspect", "list_checkpoints",

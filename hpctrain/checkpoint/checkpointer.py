@@ -39,11 +39,11 @@ def ckpt_comm(comm: Any) -> Any:
     Collective the first time for ``comm``: a :class:`Checkpointer` makes it at trainer setup,
     where every rank is known to be present, so a save never starts with a ``Dup`` a stopped
     rank would hang."""
-    from mpi4py import MPI
+    from ..comm.owned import is_world
 
     own = _PRIVATE.get(comm)
     if own is None:
-        world = comm.mpi == MPI.COMM_WORLD
+        world = is_world(comm)
         own = _WORLD_CKPT.get("world") if world else None
         if own is None:
             own = comm.dup()

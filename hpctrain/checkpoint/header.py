@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..h5safe import check_stored_here, check_tree, regular_file
+from ..files.h5safe import check_stored_here, check_tree, regular_file
 from . import format as fmt
 from . import seal
 

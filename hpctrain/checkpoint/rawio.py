@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..h5safe import regular_mode
+from ..files.h5safe import regular_mode
 from . import format as fmt
 from . import seal
 

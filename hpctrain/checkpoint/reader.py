@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..h5safe import hard_names, open_stored, regular_file
+from ..files.h5safe import hard_names, open_stored, regular_file
 from . import format as fmt
 from . import rawio, seal
 from .header import part_path

@@ -300,7 +300,7 @@ class Job:
         self.attrs["index"] = fmt.dumps(self.index)
         parts = {fmt.part_file(r): w[rawio.WHOLE_FILE] for r, w in enumerate(everyone) if isinstance(w, dict)}
         block = seal.block_size(self.parts, parts)
-        from ..rundir import temporary_name
+        from ..files.rundir import temporary_name
 
         tmp = temporary_name(self.path)  # this host and process: recognized and cleaned if the job dies
         if os.path.lexists(tmp):  # our own name: left by a dead process that had our pid

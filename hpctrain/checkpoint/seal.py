@@ -31,7 +31,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError
-from ..h5safe import regular_mode
+from ..files.h5safe import regular_mode
 from ..log import get_logger
 from . import format as fmt
 
@@ -248,7 +248,7 @@ def parts_dir(path: str) -> str:
     manifest = read(path, verify=False)
     if manifest is not None:
         return manifest["parts_dir"]
-    from ..h5safe import open_file
+    from ..files.h5safe import open_file
 
     with open_file(path, f"checkpoint {path}", CheckpointError) as f:
         return str(f.attrs.get("parts", ""))

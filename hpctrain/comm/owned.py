@@ -4,6 +4,7 @@ reference."""
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 from mpi4py import MPI
 
@@ -38,3 +39,9 @@ def _free_dead() -> None:
     pending operations still complete, and the next ``Split`` agrees on ids free everywhere)."""
     while _DEAD and not MPI.Is_finalized():
         MPI.Comm.fromhandle(_DEAD.pop()).Free()
+
+
+def is_world(comm: Any) -> bool:
+    """Whether ``comm`` (a ``Communicator`` or an mpi4py communicator) is ``COMM_WORLD`` itself,
+    the one communicator that is never made nor freed here."""
+    return getattr(comm, "mpi", comm) == MPI.COMM_WORLD

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from mpi4py import MPI
 
@@ -26,6 +27,10 @@ FT_PARAM = "OMPI_MCA_mpi_ft_enable"
 #: What a job that ended on a lost rank could have done instead.
 ABORT_HINT = ("--on-rank-loss shrink goes on with the survivors (pure data parallelism, Open MPI launched "
               f"with {LAUNCH_HINT}); otherwise resubmit with --resume from the last checkpoint")
+#: What a failed MPI call raises (``is_rank_loss`` tells a lost rank's from the others).
+Error = MPI.Exception
+#: The mpi4py communicator recovery works on (``Communicator.mpi``): a raw handle, revoked and shrunk.
+Handle = MPI.Intracomm
 _lost: list[int] = []  # world ranks this process has gone on without (``shrink``)
 _leader = [0]  # the world rank that is rank 0 of the job going on (after a lost rank 0: another)
 _ULFM_CALLS = ("Revoke", "Agree", "Shrink", "Get_failed", "Ack_failed")
@@ -152,3 +157,35 @@ def set_leader(comm: MPI.Comm) -> None:
 def leader() -> int:
     """The world rank that is rank 0 of the job going on: 0 unless it was lost (``set_leader``)."""
     return _leader[0]
+
+
+# -- the plain MPI calls recovery makes (hpctrain.resilience imports no mpi4py) -----------------
+# They run on communicators just shrunk, outside the Communicator's bracket: a further lost rank
+# raises ``Error`` (``is_rank_loss``) and the survivors shrink again.
+
+
+def world_rank() -> int:
+    """This process's rank in ``COMM_WORLD`` (the numbering of ``world_ranks`` and ``lost_ranks``)."""
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def min_over(comm: MPI.Comm, value: int) -> int:
+    """The smallest ``value`` over ``comm``'s members (collective)."""
+    return int(comm.allreduce(int(value), op=MPI.MIN))
+
+
+def split(comm: MPI.Intracomm, member: bool, key: int) -> MPI.Intracomm | None:
+    """The communicator of the members of ``comm`` that pass ``member``, ordered by ``key``
+    (collective over ``comm``); ``None`` on the others. It reports errors as exceptions
+    (``ERRORS_RETURN``), as ``shrink``'s does."""
+    new = comm.Split(0 if member else MPI.UNDEFINED, key=key)
+    if new == MPI.COMM_NULL:
+        return None
+    new.Set_errhandler(MPI.ERRORS_RETURN)
+    return new
+
+
+def exchange(comm: MPI.Comm, obj: Any, dest: int, source: int) -> Any:
+    """Send picklable ``obj`` to rank ``dest`` of ``comm`` and return what rank ``source`` sent
+    (one ``sendrecv``; around a ring every member calls it)."""
+    return comm.sendrecv(obj, dest=dest, source=source)

@@ -48,7 +48,7 @@ def _is_current(path: Path, name: str, expect: dict[str, tuple[tuple[int, ...], 
     it holds)."""
     import h5py
 
-    from ..h5safe import regular_file
+    from ..files.h5safe import regular_file
 
     where = f"{path} (the built-in {name!r} set's cache)"
     regular_file(path, where)  # a FIFO there would block the open (every rank waits on it)
@@ -71,7 +71,7 @@ def _is_current(path: Path, name: str, expect: dict[str, tuple[tuple[int, ...], 
 
 def _misfits(f: Any, expect: dict[str, tuple[tuple[int, ...], str]], where: str) -> list[str]:
     """What in ``f`` differs from ``expect`` (``{key: (shape, dtype)}``), one line each."""
-    from ..h5safe import hard_dataset
+    from ..files.h5safe import hard_dataset
 
     out = []
     for key, (shape, dtype) in expect.items():

@@ -18,7 +18,7 @@ here with the file, the key and the offending value (``DatasetError``, on every 
 * feature values that are not finite (NaN, inf, or beyond float32);
 * unreadable (damaged) chunks in any row the run uses, and HDF5 chunks bigger than
   :data:`MAX_CHUNK_BYTES` (a tiny gzip file can declare gigabyte chunks);
-* links to other files and external or virtual storage (:mod:`hpctrain.h5safe`).
+* links to other files and external or virtual storage (:mod:`hpctrain.files.h5safe`).
 
 No check holds more than about :data:`CHUNK_BYTES` of one key in memory at once, and with a
 communicator each rank scans only its contiguous share of the used rows; the findings are then
@@ -393,7 +393,7 @@ def open_tokens(path: str | os.PathLike, *, block_size: int, val_fraction: float
 def _has_keys(path: str, *keys: str) -> bool:
     """Whether the file at ``path`` has links named ``keys`` at its root (False when it cannot
     be opened: the checked opening that follows says why)."""
-    from ..h5safe import open_file
+    from ..files.h5safe import open_file
 
     try:
         with open_file(path, path, DatasetError) as f:

@@ -117,7 +117,7 @@ class HDF5Dataset:
 
     def _open(self) -> None:
         """Open the file and check the keys; DatasetError naming file and key on any problem."""
-        from ..h5safe import open_file
+        from ..files.h5safe import open_file
 
         if not self.keys:
             raise DatasetError(f"{self.path}: HDF5Dataset needs at least one key")
@@ -135,7 +135,7 @@ class HDF5Dataset:
         self._len = self._dsets[0].shape[0]
 
     def _open_keys(self) -> None:
-        from ..h5safe import hard_dataset, hard_object
+        from ..files.h5safe import hard_dataset, hard_object
 
         self._dsets = []
         for key in self.keys:

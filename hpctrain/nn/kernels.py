@@ -2,7 +2,8 @@
 shared by the layers (``nn.GELU``, ``nn.LayerNorm``) and ``hpctrain.nn.functional``.
 
 They write into arrays from a ``Buffers`` pool (a layer's own, reused across steps; ``F`` passes a
-pool that keeps nothing) and use the fused Numba kernels (``hpctrain.nn.fused``) where those apply.
+pool that keeps nothing) and use the fused Numba kernels (``hpctrain.nn.fused``) on NumPy and the
+CUDA kernels (``hpctrain.nn.gpu``) on CuPy where those apply.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import xp_of
-from ..precision import is_half
-from . import fused
+from ..backend import is_half, xp_of
+from . import fused, gpu
 from .buffers import Buffers
 
 # sqrt(2 / pi), the constant of GPT-2's tanh approximation of GELU.
@@ -59,9 +59,18 @@ def row_chunks(xp: Any, *arrays: Any) -> Any:
 # -- GELU ------------------------------------------------------------------------------------------
 
 
-def gelu_forward(x: Any, buf: Buffers) -> tuple[Any, Any]:
-    """``(y, t)``: GELU's output and the ``tanh`` term its backward needs (with ``x``)."""
+def gelu_forward(x: Any, buf: Buffers, bias: Any = None) -> tuple[Any, Any, Any]:
+    """``(y, x, t)``: GELU of ``x`` (of ``x + bias`` with a bias), and what its backward needs:
+    the input it saw and the ``tanh`` term (``None`` on the GPU kernel's path, whose backward
+    recomputes it from ``x``)."""
     xp = xp_of(x)
+    k = gpu.usable(x, *(() if bias is None else (bias,)))
+    if k is not None:  # one kernel; nothing but x kept
+        y = buf.like("y", x)
+        k.gelu_forward(x, bias, y)
+        return y, x, None
+    if bias is not None:
+        x = x + bias
     t = buf.like("t", x)
     y = buf.like("y", x)
     k = fused.usable(x, t, y)
@@ -73,7 +82,7 @@ def gelu_forward(x: Any, buf: Buffers) -> tuple[Any, Any]:
             k.gelu_inner(xs, ts, kc, c)
             np.tanh(ts, out=ts)
             k.gelu_outer(xs, ts, yf[s : s + CHUNK], one, half)
-        return y, t
+        return y, x, t
     # In place and in row chunks that stay in the core's cache while the eight passes run
     # over them: tanh(x (c + 0.044715 c x^2)), then 0.5 x (1 + t).
     for xs, ts, ys in row_chunks(xp, x, t, y):
@@ -85,7 +94,7 @@ def gelu_forward(x: Any, buf: Buffers) -> tuple[Any, Any]:
         xp.add(ts, 1.0, out=ys)
         ys *= xs
         ys *= 0.5
-    return y, t
+    return y, x, t
 
 
 def gelu_backward(grad_out: Any, x: Any, t: Any, buf: Buffers) -> Any:
@@ -93,6 +102,9 @@ def gelu_backward(grad_out: Any, x: Any, t: Any, buf: Buffers) -> Any:
     xp = xp_of(x)
     # d/dx = 0.5 ((1 + t) + x (1 - t^2) c (1 + 3 * 0.044715 x^2)), by row chunks as forward.
     a = buf.get("gx", x.shape, np.result_type(x.dtype, grad_out.dtype), xp)
+    if t is None:  # the GPU kernel's forward kept x only
+        g = grad_out if grad_out.dtype == x.dtype else grad_out.astype(x.dtype)
+        return gpu.usable(x).gelu_backward(x, xp.ascontiguousarray(g), a.astype(x.dtype, copy=False))
     k = fused.usable(x, t, grad_out, a) if grad_out.shape == x.shape else None
     if k is not None:  # one pass instead of ten
         k.gelu_backward(x.reshape(-1), t.reshape(-1), grad_out.reshape(-1), a.reshape(-1),
@@ -118,10 +130,16 @@ def gelu_backward(grad_out: Any, x: Any, t: Any, buf: Buffers) -> Any:
 # -- LayerNorm -------------------------------------------------------------------------------------
 
 
-def layer_norm_forward(x: Any, w: Any, b: Any, eps: float, buf: Buffers) -> tuple[Any, tuple[Any, Any]]:
-    """``(y, (xhat, rstd))``: the last axis of ``x`` normalised (biased variance plus ``eps``),
-    times ``w`` plus ``b``, and what the backward needs. 16-bit inputs: the statistics in
-    float32, ``y`` rounded back."""
+def layer_norm_forward(x: Any, w: Any, b: Any, eps: float, buf: Buffers) -> tuple[Any, tuple]:
+    """``(y, saved)``: the last axis of ``x`` normalised (biased variance plus ``eps``), times
+    ``w`` plus ``b``, and what the backward needs (``(xhat, rstd)``; ``(x, mean, rstd)`` from the
+    GPU kernels). 16-bit inputs: the statistics in float32, ``y`` rounded back."""
+    k = gpu.usable(x, w, b) if x.dtype == w.dtype == b.dtype else None
+    if k is not None:  # one block per row, float32 statistics; x, mean and rstd kept
+        d = x.shape[-1]
+        y = buf.like("y", x)
+        mean, rstd = k.layernorm_forward(x.reshape(-1, d), w, b, eps, y.reshape(-1, d))
+        return y, (x, mean, rstd)
     if is_half(x.dtype):
         y, saved = _ln_forward(x.astype(np.float32), w.astype(np.float32), b.astype(np.float32), eps, buf)
         return y.astype(x.dtype), saved
@@ -162,9 +180,20 @@ def _ln_forward(x: Any, w: Any, b: Any, eps: float, buf: Buffers) -> tuple[Any, 
     return y, (xhat, rstd)
 
 
-def layer_norm_backward(grad_out: Any, xhat: Any, rstd: Any, w: Any, gw: Any, gb: Any, buf: Buffers) -> Any:
-    """The input gradient of LayerNorm; *adds* the weight's and the bias's gradients into ``gw``
-    and ``gb``. 16-bit gradients: computed in float32, the input gradient rounded back."""
+def layer_norm_backward(grad_out: Any, saved: tuple, w: Any, gw: Any, gb: Any, buf: Buffers) -> Any:
+    """The input gradient of LayerNorm from what its forward ``saved``; *adds* the weight's and the
+    bias's gradients into ``gw`` and ``gb``. 16-bit gradients: computed in float32, the input
+    gradient rounded back."""
+    if len(saved) == 3:  # the GPU kernels' forward
+        x, mean, rstd = saved
+        d = x.shape[-1]
+        g = grad_out if grad_out.dtype == x.dtype else grad_out.astype(x.dtype)
+        g = xp_of(g).ascontiguousarray(g)
+        gx = buf.like("gx", x)
+        gpu.usable(x, g, gw, gb).layernorm_backward(g.reshape(-1, d), x.reshape(-1, d), w, mean, rstd,
+                                                    gx.reshape(-1, d), gw, gb)
+        return gx
+    xhat, rstd = saved
     if is_half(grad_out.dtype):
         return _ln_backward(grad_out.astype(np.float32), xhat, rstd, w.astype(np.float32), gw, gb,
                             buf).astype(grad_out.dtype)

@@ -6,11 +6,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import add_at, to_device, xp_of
-from ..errors import Say, as_argument
-from ..precision import matmul
-from . import fused
+from ..backend import add_at, matmul, to_device, xp_of
+from . import fused, gpu
 from .buffers import Buffers
+from .dropout import Dropout, dropout_problem  # noqa: F401 - their home was here
 from .kernels import gelu_backward, gelu_forward, layer_norm_backward, layer_norm_forward, row_ones
 from .module import Module, Parameter, as_rng
 
@@ -58,7 +57,9 @@ class Linear(Module):
         d["d_in"], d["d_out"] = weight.shape
         return lin
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, add_bias: bool = True) -> Any:
+        """``x @ weight + bias``; ``add_bias=False`` leaves the bias to the caller (the MLP adds it
+        inside the GELU kernel on the GPU); the backward is the same either way."""
         if x.shape[-1] != self.d_in:
             raise ValueError(f"Linear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
         self.cache = x
@@ -67,7 +68,7 @@ class Linear(Module):
         # product would be one small product per batch entry.
         y = self._scratch().get("y", (*x.shape[:-1], self.d_out), np.result_type(x.dtype, w.dtype), xp)
         matmul(xp, x.reshape(-1, self.d_in), w, out=y.reshape(-1, self.d_out))
-        if self.bias is not None:
+        if self.bias is not None and add_bias:
             y += self.bias.data
         return y
 
@@ -114,8 +115,9 @@ class GELU(Module):
         # rng and dtype are accepted so every layer shares one constructor signature; unused.
         self.cache = None
 
-    def forward(self, x: Any) -> Any:
-        y, t = gelu_forward(x, self._scratch())
+    def forward(self, x: Any, bias: Any = None) -> Any:
+        """GELU of ``x`` (of ``x + bias`` with a bias: a GPU kernel path only, see ``MLP``)."""
+        y, x, t = gelu_forward(x, self._scratch(), bias)
         self.cache = (x, t)
         return y
 
@@ -170,8 +172,7 @@ class LayerNorm(Module):
         return y
 
     def backward(self, grad_out: Any) -> Any:
-        xhat, rstd = self.cache
-        return layer_norm_backward(grad_out, xhat, rstd, self.weight.data, self.weight.grad, self.bias.grad,
+        return layer_norm_backward(grad_out, self.cache, self.weight.data, self.weight.grad, self.bias.grad,
                                    self._scratch())
 
     def extra_repr(self) -> str:
@@ -201,16 +202,21 @@ def scatter_add(target: Any, index: Any, values: Any) -> None:
         sums = np.add.reduceat(values[order], starts, axis=0)
         target[ids[starts]] += sums
         return
+    k = gpu.usable(target, values) if target.dtype == np.float32 and values.ndim == 2 else None
+    if k is not None and index.dtype == np.int64 and index.shape == values.shape[:1]:
+        k.embedding_backward(xp.ascontiguousarray(index), values, target)  # float32 atomics
+        return
     add_at(target, index, values)  # CuPy adds atomically on the device
 
 
 def check_indices(idx: Any, n: int, who: str) -> Any:
     """``idx`` when it holds integer row indices of a table of ``n`` rows: ``TypeError`` for
     another dtype, ``IndexError`` naming the range found for one outside ``[0, n)`` (a read of
-    two numbers, which on a GPU waits for it)."""
+    two numbers, which on a GPU waits for it; skipped while a CUDA graph is captured, as a capture
+    reads nothing back: the indices were checked in its warm-up step)."""
     if idx.dtype.kind not in "iu":
         raise TypeError(f"{who} needs integer indices, got {idx.dtype}")
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+    if idx.size and not gpu.capturing and (int(idx.min()) < 0 or int(idx.max()) >= n):
         raise IndexError(f"{who}: indices must be in [0, {n}), got range [{int(idx.min())}, {int(idx.max())}]")
     return idx
 
@@ -252,57 +258,3 @@ class Embedding(Module):
 
     def extra_repr(self) -> str:
         return f"{self.n}, {self.d}"
-
-
-def dropout_problem(p: float, say: Say = as_argument) -> str | None:
-    """Why ``p`` is not a dropout probability (``None``: it is), in ``say``'s names: the one place
-    of this rule (``Dropout`` and ``hpctrain train``'s ``--dropout``)."""
-    if not 0.0 <= p < 1.0:
-        return f"{say('dropout')} must be in [0, 1), got {p}"
-    return None
-
-
-def dropout_mask(x: Any, p: float, rng: np.random.Generator) -> Any:
-    """A mask of ``x``'s shape, dtype and array module: 0 with probability ``p``, else ``1 / (1 - p)``.
-    ``rng`` is the only random state: on NumPy it draws the mask, on CuPy a seed for a device
-    generator (the mask is made on the GPU; the two devices draw different masks)."""
-    xp = xp_of(x)
-    if xp is np:
-        u = rng.random(x.shape)
-    else:
-        u = xp.random.RandomState(int(rng.integers(2**63))).random_sample(x.shape)
-    return (u >= p).astype(x.dtype) * (1.0 / (1.0 - p))
-
-
-class Dropout(Module):
-    """Zeroes each element with probability ``p`` and scales the rest by ``1 / (1 - p)``.
-
-    Identity in eval mode or when ``p == 0``. ``self.rng`` (a ``numpy.random.Generator``, which
-    trainers checkpoint) is the only random state: on NumPy it draws the mask, on CuPy it draws a
-    seed for a device generator, so the mask is made on the GPU (no host-to-device copy) and runs
-    stay reproducible from the seed on either device (the two devices draw different masks).
-    """
-
-    def __init__(self, p: float = 0.5, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
-        # dtype is accepted for a uniform constructor signature; the mask takes the input's dtype.
-        problem = dropout_problem(p)
-        if problem is not None:
-            raise ValueError(f"Dropout probability: {problem}")
-        self.p = p
-        self.rng = as_rng(rng)
-        self.cache = None
-
-    def forward(self, x: Any) -> Any:
-        if not self.training or self.p == 0.0:
-            self.cache = None
-            return x
-        mask = dropout_mask(x, self.p, self.rng)
-        self.cache = mask
-        return x * mask
-
-    def backward(self, grad_out: Any) -> Any:
-        mask = self.cache
-        return grad_out if mask is None else grad_out * mask
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"

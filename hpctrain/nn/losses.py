@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import is_device_array, xp_of
+from ..backend import is_device_array, widen, xp_of
 from ..errors import DatasetError
-from ..precision import widen
+from . import gpu
 from .buffers import Buffers
 
 
@@ -41,7 +41,10 @@ def batch_mean(total: Any, denom: Any) -> Any:
     read here."""
     if not (is_device_array(total) or is_device_array(denom)):
         return float(total) / denom if denom else 0.0
-    return xp_of(total).where(denom == 0, 0.0, total / (denom + (denom == 0)))
+    if not is_device_array(denom):  # a host count (no weights): decided here, nothing read back
+        return total / denom if denom else total * 0
+    # CuPy's where takes arrays only (a Python bool has no ``astype``): the condition is device-side.
+    return xp_of(denom).where(denom == 0, 0.0, total / (denom + (denom == 0)))
 
 
 def all_weights_zero(denom: Any) -> bool:
@@ -125,6 +128,8 @@ def check_targets(target: Any, n_classes: int, who: str) -> Any:
         bad = (target < 0) | (target >= n_classes)
         _collecting[-1].add(bad, target, n_classes, who)
         return xp_of(target).where(bad, 0, target)
+    if gpu.capturing:  # a CUDA graph reads nothing back; its warm-up step checked these targets
+        return target
     problem = _target_error(target, n_classes, who)
     if problem is not None:
         raise problem
@@ -169,6 +174,9 @@ class CrossEntropyLoss:
 
     def forward(self, logits: Any, target: Any, weight: Any = None) -> float:
         xp = xp_of(logits)
+        k = gpu.usable(logits)
+        if k is not None and logits.shape[:-1] == target.shape and target.dtype.kind in "iu":
+            return self._forward_gpu(k, logits, target, weight)
         logits, self._low = widen(logits)  # 16-bit logits: the softmax and the loss in float32
         if logits.shape[:-1] != target.shape:
             raise ValueError(
@@ -196,7 +204,43 @@ class CrossEntropyLoss:
         self.cache = (probs, target, w, denom)
         return batch_mean(nll.sum(), denom)
 
+    def _forward_gpu(self, k: Any, logits: Any, target: Any, weight: Any) -> Any:
+        """One kernel pass over the logits (online max and sum, float32): each row's log-sum-exp
+        is kept, and backward writes the gradient over the logits themselves (no probabilities,
+        no second logits-sized array)."""
+        xp = xp_of(logits)
+        target = check_targets(target, logits.shape[-1], "CrossEntropyLoss")
+        v = logits.shape[-1]
+        t = xp.ascontiguousarray(target.reshape(-1), dtype=np.int64)
+        nll_shape = logits.shape[:-1]
+        w, denom = _per_sample_weight(weight, xp.empty(nll_shape, dtype=np.float32))
+        wrow = None if w is None else xp.ascontiguousarray(xp.broadcast_to(w, nll_shape).reshape(-1), np.float32)
+        lse, nll = k.cross_entropy_forward(logits.reshape(-1, v), t, wrow)
+        self.cache = ("gpu", logits, t, wrow, lse, denom, None)
+        return batch_mean(nll.sum(), denom)
+
+    def _backward_gpu(self, scale: float) -> Any:
+        _, logits, t, wrow, lse, denom, done = self.cache
+        xp = xp_of(logits)
+        coef = scale / nonzero(denom) if not all_weights_zero(denom) else 0.0
+        if done is not None:  # a second backward of one forward: the gradient is already there
+            if not (is_device_array(done) or done):
+                raise RuntimeError("CrossEntropyLoss.backward again after a backward with scale 0: the GPU path "
+                                   "wrote that gradient over the logits")
+            logits *= coef / done
+        else:
+            n = t.size
+            c = xp.full(n, coef, dtype=np.float32) if not is_device_array(coef) else \
+                xp.broadcast_to(coef.astype(np.float32), (n,))
+            c = c * wrow if wrow is not None else xp.ascontiguousarray(c)
+            gpu.usable(logits).cross_entropy_backward(logits.reshape(-1, logits.shape[-1]), t, lse, c,
+                                                     logits.reshape(-1, logits.shape[-1]))
+        self.cache = (*self.cache[:6], coef)
+        return logits
+
     def backward(self, scale: float = 1.0) -> Any:
+        if isinstance(self.cache[0], str):  # ("gpu", ...): the kernel path's forward
+            return self._backward_gpu(scale)
         probs, target, w, denom = self.cache
         xp = xp_of(probs)
         # A copy: backward may run again (another scale) on the same forward.

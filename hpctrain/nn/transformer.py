@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_device, xp_of
+from ..backend import matmul, stat_dtype, to_device, xp_of
 from ..errors import Say, as_argument
-from ..precision import matmul, stat_dtype
-from . import fused
+from . import fused, gpu
 from .buffers import Buffers
 from .kernels import row_ones
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear
@@ -62,20 +61,25 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
     """Softmax(q k^T / sqrt(hd) + causal mask) v on ``(B, H, T, hd)`` arrays.
 
     Returns ``(y, att)``; ``att`` (B, H, T, T) holds the attention probabilities (0 above the
-    diagonal) and is what the backward needs besides q, k, v. ``y`` is written into ``out`` when
+    diagonal) and is what the backward needs besides q, k, v. On the GPU kernels' path
+    (``hpctrain.nn.gpu``) ``att`` is instead the rows' log-sum-exp (B, H, T): backward recomputes
+    the probabilities from it, so no T x T array outlives a layer's forward. ``y`` is written into ``out`` when
     given (any strided ``(B, H, T, hd)`` view, e.g. of a ``(B, T, H*hd)`` buffer, so no transpose
     copy follows); ``buffers`` supplies the scratch arrays instead of new ones. The queries go in
     blocks of ``block`` rows (default ``ATTENTION_BLOCK``), each against the keys it may see.
     """
     xp = xp_of(q)
     b, h, t, hd = q.shape
+    if out is None:
+        out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(q.dtype, k.dtype, v.dtype))
+    kern = gpu.usable(q, k, v, out, views=True) if q.dtype == k.dtype == v.dtype == out.dtype else None
+    if kern is not None:  # batched products and one softmax kernel; att is the rows' log-sum-exp
+        return out, kern.attention_forward(q, k, v, out)
     dtype = stat_dtype(np.result_type(q.dtype, k.dtype))  # 16-bit q, k: the softmax in float32
     scale = 1.0 / float(np.sqrt(hd))
     att = _get(buffers, "att", (b, h, t, t), dtype, xp)
     mx = _get(buffers, "max", (b, h, t, 1), dtype, xp)
     sums = _get(buffers, "sum", (b, h, t, 1), dtype, xp)
-    if out is None:
-        out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(q.dtype, k.dtype, v.dtype))
     kern = fused.usable(att)
     if kern is not None:
         c, ninf = fused.scalars(dtype, scale, -np.inf)
@@ -118,6 +122,10 @@ def causal_attention_backward(
     if out is None:
         out = tuple(xp.empty(a.shape, dtype=np.result_type(dtype, a.dtype)) for a in (q, k, v))
     dq, dk, dv = out
+    if att.ndim == 3:  # the GPU kernels' forward: att is the log-sum-exp
+        dy = dy if dy.dtype == q.dtype else dy.astype(q.dtype)
+        gpu.usable(q, views=True).attention_backward(dy, q, k, v, att, dq, dk, dv)
+        return dq, dk, dv
     ds = _get(buffers, "datt", att.shape, dtype, xp)
     kern = fused.usable(ds, att)
     if kern is None:
@@ -160,7 +168,12 @@ class MLP(Module):
         self.fc2 = Linear(d_hidden, d_model, rng=g, dtype=dtype)
 
     def forward(self, x: Any) -> Any:
-        return self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+        fc1, bias = self.fc1, getattr(self.fc1, "bias", None)
+        # On the GPU the fc1 bias is added inside the GELU kernel (one pass fewer); a bias that is
+        # not a plain contiguous array of x's dtype (a ZeRO-3 placeholder) takes the plain path.
+        if type(fc1) is Linear and bias is not None and bias.data.dtype == x.dtype and gpu.usable(x, bias.data):
+            return self.fc2.forward(self.act.forward(fc1.forward(x, add_bias=False), bias=bias.data))
+        return self.fc2.forward(self.act.forward(fc1.forward(x)))
 
     def backward(self, grad_out: Any) -> Any:
         return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)))

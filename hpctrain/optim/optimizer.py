@@ -14,6 +14,7 @@ import numpy as np
 from ..backend import to_device, xp_of
 from ..nn import fused
 from ..nn.module import Parameter
+from . import multi_tensor
 
 
 class Optimizer:
@@ -59,7 +60,7 @@ class Optimizer:
     def set_masters(self, masters: dict[str, Parameter]) -> None:
         """Mixed precision: update these float32 masters (by parameter name) instead of the
         16-bit parameters, keep the state in float32, and round each updated master into its
-        parameter (``hpctrain.precision``). A master's ``grad`` is its parameter's gradient
+        parameter (``hpctrain.training.precision``). A master's ``grad`` is its parameter's gradient
         (widened to float32) during the update only."""
         missing = sorted(set(self.names) - set(masters))
         if missing:
@@ -69,6 +70,8 @@ class Optimizer:
     def step(self) -> None:
         lr = self.current_lr
         self.step_count += 1
+        if multi_tensor.step(self, lr, self.step_count):  # CuPy arrays: one launch (nn.gpu)
+            return
         masters = self.masters
         for name, p in zip(self.names, self.params):
             if masters is None:
@@ -152,6 +155,7 @@ class SGD(Optimizer):
 
     state_keys = ("momentum_buffer",)
     elementwise = True
+    multi_tensor_rule = "sgd"  # the GPU kernel of this update (optim.multi_tensor)
 
     def __init__(self, params, lr: float, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, schedule=None) -> None:
@@ -163,6 +167,8 @@ class SGD(Optimizer):
         self.momentum, self.nesterov, self.weight_decay = momentum, nesterov, weight_decay
 
     def update(self, p, state, lr, step, scratch=None) -> None:
+        if multi_tensor.update_one(self, p, state, lr, step, scratch):
+            return
         g = p.grad
         if self.weight_decay:
             g = g + self.weight_decay * p.data
@@ -187,6 +193,7 @@ class Adam(Optimizer):
     state_keys = ("exp_avg", "exp_avg_sq")
     decoupled = False
     elementwise = True
+    multi_tensor_rule = "adam"
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, schedule=None) -> None:
@@ -202,7 +209,7 @@ class Adam(Optimizer):
         t = step
         g = p.grad
         xp = xp_of(p.data)
-        if self._fused_update(p, state, lr, step):
+        if self._fused_update(p, state, lr, step) or multi_tensor.update_one(self, p, state, lr, step, scratch):
             return
         if self.weight_decay:
             if self.decoupled:

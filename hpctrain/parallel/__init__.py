@@ -3,7 +3,7 @@
 the presets ``DataParallelTrainer``, ``TensorParallelTrainer``, ``PipelineParallelTrainer``),
 and the parameter server."""
 
-from . import schedules
+from . import pipeline_schedules as schedules  # ht.parallel.schedules (optim.schedules: the lr's)
 from .cut import pipeline_stage
 from .engine import ParallelTrainer
 from .parallelize import parallelize

@@ -27,13 +27,13 @@ from ..comm.buckets import COMPRESSIONS
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
 from ..optim.clip import clip_norm_problem
-from ..precision import Precision
 from ..protocols import Reducer, Stateful
-from ..trainer import Batch, Trainer
+from ..training.precision import Precision
+from ..training.trainer import Batch, Trainer
 from . import reports
 from .pipeline_runner import PipelineRunner, max_microbatches
+from .pipeline_schedules import get_schedule
 from .reducer import AllReduceReducer, BackwardHooks
-from .schedules import get_schedule
 from .shards import full_state_dict, shard_map
 from .tensor_layers import parallel_loss
 from .zero import zero_problem, zero_reducer, zero_reducer_problem
@@ -55,6 +55,24 @@ def compression_problem(compression: str | None, backend: str, say: Say = as_arg
     if backend != "mpi" and compression is not None:
         return (f"{say('compression')} is for the flat MPI backend ({say('backend', 'mpi')}), "
                 f"not {say('backend', backend)}")
+    return None
+
+
+def _device_id(cp: Any) -> int:
+    """The current CUDA device's id (the stand-in of the tests has one GPU, id 0)."""
+    return int(getattr(cp.cuda.Device(), "id", 0))
+
+
+def shared_gpu_problem(dp: Any, device: int) -> RuntimeError | None:
+    """NCCL refuses two ranks on one GPU (``ncclInvalidUsage`` deep inside its init, seen on the
+    first GPU run with 2 ranks on 1 GPU): said first, on every rank, naming the ranks. Collective."""
+    where = dp.allgather_obj((dp.hostname(), device))
+    seen: dict[tuple[str, int], int] = {}
+    for rank, key in enumerate(where):
+        if key in seen:
+            return RuntimeError(f"backend='nccl' needs one GPU per rank: ranks {seen[key]} and {rank} share GPU "
+                                f"{key[1]} on {key[0]} (use backend='mpi', or one rank per GPU)")
+        seen[key] = rank
     return None
 
 
@@ -267,9 +285,11 @@ class ParallelTrainer(Trainer):
         from ..backend import cupy
         from ..comm.nccl import NcclCommunicator
 
-        ok = cupy() is not None and all(xp_of(p.data) is not np for p in self.params)
+        cp = cupy()
+        ok = cp is not None and all(xp_of(p.data) is not np for p in self.params)
         why = "backend='nccl' needs CuPy and the model on the GPU on every rank"
         raise_if_any(self.comm, None if ok else RuntimeError(why))
+        raise_if_any(self.comm, shared_gpu_problem(self.dp, _device_id(cp)))
         return NcclCommunicator(self.dp)
 
     # -- the declared interface -----------------------------------------------------------------

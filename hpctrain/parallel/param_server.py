@@ -66,9 +66,9 @@ from ..backend import is_device_array, to_device, to_host, xp_of
 from ..comm import Communicator, Window
 from ..comm.validate import agree, describe_model, raise_if_any
 from ..errors import MismatchError, NonFiniteError, WindowError
-from ..guard import check_finite
 from ..nn.losses import collect_target_checks
-from ..trainer import StepStats, Trainer
+from ..training.guard import check_finite
+from ..training.trainer import StepStats, Trainer
 from .ps_args import MODES, momentum_problem, staleness_problem
 from .ps_clocks import _DONE, _STOP, WorkerClocks
 

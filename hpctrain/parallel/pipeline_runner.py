@@ -23,7 +23,7 @@ from ..backend import to_device, xp_of
 from ..comm import Communicator
 from ..errors import StallError
 from ..nn.module import Module
-from .schedules import Action
+from .pipeline_schedules import Action
 
 # Message kinds; tag = 3 * micro-batch + kind.
 _ACT, _GRAD, _HEADER = 0, 1, 2

@@ -21,13 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_device, xp_of
+from ..backend import to_device, widen, xp_of
 from ..errors import Say, as_argument
 from ..nn.layers import Linear, add_bias_grad, scatter_add
 from ..nn.losses import CrossEntropyLoss, _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
 from ..nn.module import Module, Parameter
 from ..nn.transformer import SelfAttentionBase
-from ..precision import widen
 from ..protocols import Comm
 from .tensor_mappings import (
     CopyToTP,

@@ -30,7 +30,7 @@ One concern per class: ``zero_scatter.GradScatter`` (unit gradients, their reduc
 ``optim.sharded.ShardedOptimizer`` (``inner``: the update, optimizer state and float32 masters of
 this rank's piece); this class composes them, all-gathers the updated parameters and moves full
 tensors for checkpoints. Gradients reduce-scatter in the association of the all-reduce zero 0 uses
-(``sharded.PairTree``), and clipping of float64 models uses the exactly rounded norm
+(``pieces.PairTree``), and clipping of float64 models uses the exactly rounded norm
 (``optim.exactsum``): the sharded update is bitwise zero 0's.
 
 The trainer's ``optimizer`` stays the user's object (its ``step_count`` kept current) and holds
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_device, xp_of
-from ..comm import sharded
+from ..comm import pieces
 from ..errors import Say, as_argument
 from ..nn.module import Parameter
 from ..optim.sharded import ShardedOptimizer
@@ -171,7 +171,7 @@ class ZeroReducer(GradReducer):
         self.inner.step(self.shard_grad)  # reads lr, schedule, step count of the user's ``optimizer``
         if self.stage < 3:
             piece = self.shard_param.copy()  # MPI buffers must not overlap
-            sharded.allgather(self.dp, piece, self.flat_param, self.units.layout.counts)
+            pieces.allgather(self.dp, piece, self.flat_param, self.units.layout.counts)
 
     def describe(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "stage": self.stage}
@@ -220,7 +220,7 @@ class ZeroReducer(GradReducer):
 
     def _gather_flat(self, piece: Any) -> Any:
         full = self.xp.empty(self.units.layout.n, dtype=piece.dtype)
-        sharded.allgather(self.dp, self.xp.ascontiguousarray(piece), full, self.units.layout.counts)
+        pieces.allgather(self.dp, self.xp.ascontiguousarray(piece), full, self.units.layout.counts)
         return full
 
     def full_shards(self, shards: dict[str, tuple[Any, tuple, tuple]]) -> dict[str, tuple[Any, tuple, tuple]]:
@@ -300,7 +300,7 @@ class ZeroReducer(GradReducer):
     # -- memory ----------------------------------------------------------------------------------
 
     def memory_arrays(self) -> dict[str, list[Any]]:
-        """The arrays this reducer keeps, by ``hpctrain.memory`` category."""
+        """The arrays this reducer keeps, by ``hpctrain.training.memory`` category."""
         params = [self.flat_param if self.stage < 3 else self.shard_param] + [p.data for p in self.order]
         local = self.flat_grad
         optimizer = self.inner.arrays()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..comm import sharded
+from ..comm import pieces
 from .zero_units import Transient, Units, placeholder
 
 
@@ -49,7 +49,7 @@ class ParamGathers:
         mine = self.piece[self.units.mine[u]].copy()
         buf = self.xp.empty(self.units.size(u), dtype=self.dtype)
         self.meter.add(buf.nbytes)
-        return sharded.iallgather(self.dp, mine, buf, self.units.shares[u]), buf
+        return pieces.iallgather(self.dp, mine, buf, self.units.shares[u]), buf
 
     def _drop_prefetch(self) -> None:
         """Complete and free a prefetched unit nobody used (every rank drops the same one)."""

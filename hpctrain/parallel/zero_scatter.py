@@ -6,7 +6,7 @@ rank (the reverse of the flat order). Zero 1 keeps every unit buffer for the who
 3 allocate a unit's buffer just before its backward and free it once its reduce-scatter completed,
 with at most ``max_inflight`` reductions in flight (the oldest is waited on before another
 starts), so the local gradients never pile up to a full gradient when MPI progresses slowly.
-Reductions add in the all-reduce's association (``comm.sharded.PairTree``).
+Reductions add in the all-reduce's association (``comm.pieces.PairTree``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..comm import sharded
+from ..comm import pieces
 from .zero_units import Transient, Units, placeholder
 
 
@@ -26,7 +26,7 @@ class GradScatter:
         self.units, self.dp, self.stage, self.gdtype, self.xp = units, dp, stage, gdtype, xp
         self.meter = meter
         self.piece = xp.zeros(units.hi - units.lo, dtype=gdtype)
-        self.tree = sharded.PairTree(dp)
+        self.tree = pieces.PairTree(dp)
         self.unit_grad: list[Any] = [None] * len(units)
         self.max_inflight = 2
         self.comm_seconds = 0.0

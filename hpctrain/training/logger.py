@@ -40,7 +40,7 @@ class ProgressLogger:
             return
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
-            from ..rundir import open_append
+            from ..files.rundir import open_append
 
             self.metrics = open_append(metrics_file)  # never through a symlink planted at that name
         if progress is None:
@@ -56,7 +56,7 @@ class ProgressLogger:
 
     def on_step_end(self, trainer: Any, s: StepStats) -> None:
         if not self.on and trainer.comm.rank == 0:  # rank 0 was lost (--on-rank-loss shrink): this one writes on
-            from ..rundir import open_append
+            from ..files.rundir import open_append
 
             self.on = True
             self.metrics = open_append(self.metrics_file) if self.metrics_file else None

@@ -37,8 +37,8 @@ import numpy as np
 from ..backend import is_device_array, to_host, xp_of
 from ..comm import Communicator
 from ..optim.exactsum import digits_value, sumsq_digits
-from ..precision import Precision
 from ..protocols import Comm, Module, Reducer
+from .precision import Precision
 
 # The step's all-reduce starts with: loss, squared gradient norm, non-finite flag, stop flag,
 # bad-target flag (then the strategy's extra sums, the exact-norm digits, the overflow flag).
@@ -133,7 +133,7 @@ class TrainStep:
     precision: Precision
 
     def __init__(self, *, comm: Communicator | None = None, on_nonfinite: str = "raise") -> None:
-        from ..guard import POLICIES
+        from .guard import POLICIES
 
         if on_nonfinite not in POLICIES:
             raise ValueError(f"on_nonfinite must be one of {POLICIES}, got {on_nonfinite!r}")
@@ -192,7 +192,7 @@ class TrainStep:
     def _agree(self, loss_part: Any, extra: dict[str, Any], targets: Any) -> tuple[Agreed, dict[str, Any]]:
         """This rank's sums, then the step's one small all-reduce of them (collective)."""
         from .. import preempt
-        from ..guard import raise_nonfinite
+        from .guard import raise_nonfinite
 
         t0 = time.perf_counter()
         scaler = self.precision.scaler

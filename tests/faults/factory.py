@@ -10,7 +10,7 @@ import sys
 
 from mpi4py import MPI
 
-from hpctrain.train.builders import build_model
+from hpctrain.job.builders import build_model
 
 
 def _mlp(c):

@@ -93,7 +93,7 @@ def hdf5_setup(tmp: str):
 
 
 def config_setup(tmp: str):
-    from hpctrain.train import merge, read_toml, resolve
+    from hpctrain.job import merge, read_toml, resolve
 
     good = os.path.join(tmp, "good.toml")
     with open(good, "w") as f:
@@ -133,7 +133,7 @@ def main() -> int:
     for i in range(cases):
         if what == "config" and i % 3 == 0:
             # Well-formed TOML with random keys and values of every type.
-            from hpctrain.train import OPTIONS
+            from hpctrain.job import OPTIONS
 
             names = [o.name for o in OPTIONS] + ["bogus", "trian"]
             lines = [f"{names[int(rng.integers(0, len(names)))]} = {toml_value(rng)}" for _ in range(3)]

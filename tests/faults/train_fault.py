@@ -39,7 +39,7 @@ from mpi4py import MPI
 from hpctrain import cli
 from hpctrain.errors import StallError
 from hpctrain.parallel import param_server, reducer
-from hpctrain.trainer import Trainer
+from hpctrain.training.trainer import Trainer
 
 
 def _kill(mode: str, ranks: str, steps: str) -> None:

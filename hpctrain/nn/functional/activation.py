@@ -22,7 +22,7 @@ class Gelu(Function):
 
     @staticmethod
     def forward(ctx: Context, x: Any) -> Any:
-        y, t = gelu_forward(x, FRESH)
+        y, x, t = gelu_forward(x, FRESH)
         ctx.save_for_backward(x, t)
         return y
 

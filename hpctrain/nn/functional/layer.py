@@ -18,8 +18,9 @@ from ...autograd.function import Context
 from ...autograd.ops import mul
 from ...autograd.shape import reshape
 from ...backend import to_device, xp_of
+from ..dropout import dropout_mask, dropout_problem
 from ..kernels import layer_norm_backward, layer_norm_forward
-from ..layers import check_indices, dropout_mask, dropout_problem, scatter_add
+from ..layers import check_indices, scatter_add
 from ..losses import CrossEntropyLoss, MSELoss
 from ..module import as_rng
 from .activation import FRESH
@@ -30,16 +31,16 @@ class LayerNormFn(Function):
 
     @staticmethod
     def forward(ctx: Context, x: Any, w: Any, b: Any, eps: float) -> Any:
-        y, (xhat, rstd) = layer_norm_forward(x, w, b, eps, FRESH)
-        ctx.save_for_backward(xhat, rstd, w)
+        y, saved = layer_norm_forward(x, w, b, eps, FRESH)
+        ctx.save_for_backward(w, *saved)
         return y
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> Any:
-        xhat, rstd, w = ctx.saved_tensors
+        w, *saved = ctx.saved_tensors
         xp = xp_of(g)
-        gw, gb = xp.zeros(w.shape, dtype=xhat.dtype), xp.zeros(w.shape, dtype=xhat.dtype)
-        gx = layer_norm_backward(g, xhat, rstd, w, gw, gb, FRESH)
+        gw, gb = xp.zeros(w.shape, dtype=saved[0].dtype), xp.zeros(w.shape, dtype=saved[0].dtype)
+        gx = layer_norm_backward(g, tuple(saved), w, gw, gb, FRESH)
         n = ctx.needs_input_grad
         return (gx if n[0] else None), (gw if n[1] else None), (gb if n[2] else None), None
 
@@ -90,7 +91,7 @@ def dropout(x: Any, p: float = 0.5, training: bool = True, rng: int | np.random.
     when not ``training`` or ``p == 0``). ``rng``: the generator that draws the mask (a seed makes
     a new generator, so one seed gives one mask on every call; pass a ``numpy.random.Generator`` to
     draw a new mask each call, reproducibly from its seed; ``None``: fresh entropy). Drawn as
-    ``nn.Dropout`` draws (on a GPU: a device generator seeded from ``rng``)."""
+    ``nn.Dropout`` draws (one seed from ``rng``, its Philox words: the same mask on either device)."""
     problem = dropout_problem(p)
     if problem is not None:
         raise ValueError(f"dropout probability: {problem}")

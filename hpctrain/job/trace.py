@@ -41,7 +41,7 @@ class Timeline:
             if rank not in named:
                 events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
             events += evs
-        from ..rundir import write_exclusive
+        from ..files.rundir import write_exclusive
 
         write_exclusive(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
@@ -49,7 +49,7 @@ class Timeline:
 def earlier_events(path: str) -> list[dict[str, Any]]:
     """The events of the trace at ``path`` (none when there is no file). A file that is not such a
     trace is moved aside, said so, and not continued: it is never overwritten."""
-    from .. import rundir
+    from ..files import rundir
     from ..log import get_logger
 
     try:

@@ -42,7 +42,7 @@ def read_config(path: str) -> dict[str, Any]:
     Keys are checked against the options (a misspelt key is refused with the closest name);
     a JSON file may also hold the derived fields a run wrote, which are dropped.
     """
-    from ..h5safe import regular_file
+    from ..files.h5safe import regular_file
 
     is_json = path.endswith(".json")
     try:

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .backend import to_host, xp_of
-from .errors import NonFiniteError
+from ..backend import to_host, xp_of
+from ..errors import NonFiniteError
 
 POLICIES = ("raise", "skip")
 
@@ -52,7 +52,7 @@ def raise_nonfinite(comm: Any, loss: float, params: list[Any]) -> None:
     A rank whose own values are all finite contributes nothing to the message; the error is
     raised everywhere all the same (``comm.validate.raise_if_any``).
     """
-    from .comm.validate import raise_if_any
+    from ..comm.validate import raise_if_any
 
     bad = [p.name for p in params if not _finite(p.grad)]
     loss_bad = not math.isfinite(float(loss))

@@ -1,6 +1,6 @@
-"""``Trainer``: the step, the state and the loop composed (``hpctrain.training``).
+"""``Trainer``: the step, the state and the loop composed.
 
-The pieces live apart (see ARCHITECTURE.md, "training/"):
+The pieces live apart in this package (see ARCHITECTURE.md, "training/"):
 
 - ``training.step.TrainStep``: the numerics of one update (batch check, forward/backward, the
   reduction, the one host read, skip/clip/update) and ``StepStats``;
@@ -9,8 +9,8 @@ The pieces live apart (see ARCHITECTURE.md, "training/"):
 - ``training.loop``: ``fit`` (callbacks, checkpoint cadence, preemption, the rank-loss hook).
 
 This class adds what a whole job needs around them: the job's ``Health`` (timeouts, the stall
-watchdog), the ``Checkpointer``, memory metering and the declared interface below. The names
-other modules import from here (``Trainer``, ``StepStats``, ``Batch``, ``planned_steps``) stay.
+watchdog), the ``Checkpointer``, memory metering and the declared interface below. ``hpctrain.Trainer`` and
+``hpctrain.StepStats`` are this module's.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .comm import Communicator, watchdog
-from .comm.health import Health
-from .training.loop import Cadence, planned_steps
-from .training.loop import fit as _fit
-from .training.state import TrainerState
-from .training.step import Batch, StepStats, TrainStep
+from ..comm import Communicator, watchdog
+from ..comm.health import Health
+from .loop import Cadence, planned_steps
+from .loop import fit as _fit
+from .state import TrainerState
+from .step import Batch, StepStats, TrainStep
 
 __all__ = ["Batch", "StepStats", "Trainer", "planned_steps"]
 
@@ -66,7 +66,7 @@ class Trainer(TrainerState, TrainStep):
         on_nonfinite: str = "raise",
         timeout: float | None = None,
     ) -> None:
-        from .settings import resolve_timeout
+        from ..settings import resolve_timeout
 
         super().__init__(comm=comm, on_nonfinite=on_nonfinite)
         # Seconds any wait may last (0 = off everywhere: watchdog and pipeline waits alike): held
@@ -78,7 +78,7 @@ class Trainer(TrainerState, TrainStep):
         watchdog.attach(self.health)
         # The checkpoints' machinery with its private communicator, made now while every rank is
         # here: a Dup (a collective) at the first save would hang, unreported, on a rank stopped before it.
-        from .checkpoint.checkpointer import Checkpointer
+        from ..checkpoint.checkpointer import Checkpointer
 
         self.checkpointer = Checkpointer(self.comm)
 
@@ -116,7 +116,7 @@ class Trainer(TrainerState, TrainStep):
     # -- memory -----------------------------------------------------------------------------------
 
     def memory_arrays(self) -> dict[str, list[Any]]:
-        """The arrays this rank holds, by category (``hpctrain.memory.KEYS``).
+        """The arrays this rank holds, by category (``training.memory.KEYS``).
 
         Strategies that keep more (ZeRO's flat shards, communication buffers) extend this.
         """

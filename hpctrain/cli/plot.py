@@ -105,7 +105,7 @@ def plot(run: str, out: str | None = None) -> list[str]:
 
 def plot_timeline(trace: str, png: str) -> str:
     """Draw a pipeline's ``timeline.json`` (Chrome trace of forward/backward/wait per rank) to ``png``."""
-    from .parallel import timeline
+    from ..parallel import timeline
 
     try:
         with open(trace) as f:

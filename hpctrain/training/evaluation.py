@@ -25,7 +25,7 @@ def evaluate(model: Any, data: Any, loss: Any = None, batch: int = 256, comm: An
     on all of ``data`` (``data[idx] -> (x, y, ...)``, integer class targets); collective with
     ``comm``. ``loss`` (default cross-entropy) gives the mean over every target (every token for
     a language model)."""
-    from .nn import CrossEntropyLoss
+    from ..nn import CrossEntropyLoss
 
     model.eval()
     loss = CrossEntropyLoss() if loss is None else loss
@@ -47,7 +47,7 @@ def evaluate(model: Any, data: Any, loss: Any = None, batch: int = 256, comm: An
             raise
         problem = exc
     if comm is not None:
-        from .comm.validate import raise_if_any
+        from ..comm.validate import raise_if_any
 
         raise_if_any(comm, problem, what="evaluation")
         sums = comm.allreduce(sums)

@@ -22,8 +22,8 @@ import socket
 import time
 from typing import Any
 
-from .errors import ConfigError
-from .log import get_logger
+from ..errors import ConfigError
+from ..log import get_logger
 
 log = get_logger("rundir")
 

@@ -19,10 +19,10 @@ Under ULFM (``hpctrain.comm.ulfm``) a collective with a dead member fails on the
 The trainer's ``fit`` then redoes the step (the loader redraws the interrupted global batch for
 the new layout). Under pure data parallelism every survivor holds the whole model, so nothing is
 lost with a rank and no checkpoint is read. Under ZeRO the lost rank's pieces come back from the
-copy its buddy (the next dp rank) holds (``resilience_shards.Buddies``, refreshed before each
+copy its buddy (the next dp rank) holds (``buddies.Buddies``, refreshed before each
 step and at each save), and the reducer is built anew over the survivors; pieces lost with their
 buddy come from the last checkpoint, which the survivors read. Under dp x tp x pp a replica that
-lost a member leaves (``resilience_groups``) and the whole ones go on (with ZeRO, each tp x pp
+lost a member leaves (``groups``) and the whole ones go on (with ZeRO, each tp x pp
 part's dp group puts its pieces together on its own); when none is whole, the survivors write the
 state from before the step if one of them holds each tp x pp part, and the job ends (exit 75).
 """
@@ -34,13 +34,11 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from mpi4py import MPI
-
-from . import resilience_groups as groups
-from .comm import Communicator, failure, ulfm, watchdog
-from .errors import Preempted, RankLossError, ReplicaLeft
-from .log import get_logger
-from .resilience_shards import Buddies
+from ..comm import Communicator, failure, ulfm, watchdog
+from ..errors import Preempted, RankLossError, ReplicaLeft
+from ..log import get_logger
+from . import groups
+from .buddies import Buddies
 
 _log = get_logger("resilience")
 #: Pre-step states kept: the step a survivor is in and the one before (see the module docstring).
@@ -84,7 +82,7 @@ def _drop_reducer(trainer: Any) -> None:
     """ZeRO 2, 3: the old reducer's hooks off the model before a new reducer's go on."""
     try:
         trainer.reducer.remove()
-    except MPI.Exception:  # its sub-communicators include the lost rank
+    except ulfm.Error:  # its sub-communicators include the lost rank
         pass
 
 
@@ -146,7 +144,7 @@ class RankLoss:
         t0 = time.monotonic()
         try:
             trainer._abandon_step()
-        except MPI.Exception:  # its in-flight buckets fail with the loss: the reducer is replaced below
+        except ulfm.Error:  # its in-flight buckets fail with the loss: the reducer is replaced below
             pass
         old_dp, old_world = trainer.dp.mpi, ulfm.world_ranks(trainer.comm.mpi)
         comm, lost, step = self._shrink(trainer)
@@ -157,7 +155,7 @@ class RankLoss:
         if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
             self._snapshots[step].restore(trainer)
             self._snapshots = {step: self._snapshots[step]}
-        comm = self._leave_broken(trainer, comm, lost, replica[MPI.COMM_WORLD.Get_rank()] in whole, len(whole))
+        comm = self._leave_broken(trainer, comm, lost, replica[ulfm.world_rank()] in whole, len(whole))
         read = self._rebind(trainer, comm, old_dp, lost, step)
         ulfm.set_leader(comm.mpi)
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
@@ -181,13 +179,13 @@ class RankLoss:
             mpi, gone = ulfm.shrink(mpi)
             lost += gone
             try:
-                step = int(mpi.allreduce(trainer.global_step, op=MPI.MIN))
+                step = ulfm.min_over(mpi, trainer.global_step)
                 # Every survivor must hold the state from before that step (see the docstring), or
                 # be at that step's start: the loss was seen between two steps (a callback's wait).
                 mine = step in self._snapshots or trainer.global_step == step
-                have = int(mpi.allreduce(int(mine), op=MPI.MIN))
+                have = ulfm.min_over(mpi, int(mine))
                 return Communicator(mpi), sorted(lost), step if have else -1
-            except MPI.Exception as again:
+            except ulfm.Error as again:
                 if not ulfm.is_rank_loss(again):
                     raise
 
@@ -235,7 +233,7 @@ class RankLoss:
         """On one survivor of each tp x pp part (collective over them, ``part``): the state from
         before ``step`` as one replica (dp=1) over ``part``, written as a checkpoint; under ZeRO
         with the pieces put together from this survivor's own and its buddy copies."""
-        from . import checkpoint
+        from .. import checkpoint
 
         old_dp = trainer.dp.mpi
         if step in self._snapshots:  # else this survivor is at that step's start already
@@ -273,17 +271,17 @@ class RankLoss:
         mine = groups.whole_replicas(comm, whole)
         if mine is None:
             _log.warning("rank %d leaves the job: its tensor/pipeline-parallel group lost rank(s) %s; %d whole "
-                         "replica(s) go on", MPI.COMM_WORLD.Get_rank(), lost, n)
+                         "replica(s) go on", ulfm.world_rank(), lost, n)
             raise ReplicaLeft(f"its dp replica lost rank(s) {lost}; {n} whole replica(s) go on")
         failure.rebind(mine.mpi)
         return mine
 
-    def _rebind(self, trainer: Any, comm: Communicator, old_dp: MPI.Intracomm, lost: list[int],
+    def _rebind(self, trainer: Any, comm: Communicator, old_dp: ulfm.Handle, lost: list[int],
                 step: int) -> str | None:
         """Point the trainer, its gradient reduction and its data at the survivors' communicator
         (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``;
         the checkpoint read instead, when pieces were lost with their buddy, is returned)."""
-        from .parallel.reducer import AllReduceReducer, BackwardHooks
+        from ..parallel.reducer import AllReduceReducer, BackwardHooks
 
         if trainer._hooks is not None:
             trainer._hooks.remove()
@@ -314,7 +312,7 @@ class RankLoss:
     def _read_last(self, trainer: Any, comm: Communicator, lost: list[int]) -> str:
         """ZeRO pieces lost with their buddy: the survivors read the last checkpoint (collective;
         the loader then goes on from its position, in the same epoch) or end naming it. Its path."""
-        from . import checkpoint
+        from .. import checkpoint
 
         path, epoch, problem, self._fallback = trainer.last_checkpoint, trainer.epoch, self._fallback, None
         if comm.rank == 0:

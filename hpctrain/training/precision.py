@@ -19,9 +19,10 @@ float32 whatever the compute dtype (``stat_dtype``). fp16 has a narrow exponent 
 policy carries a ``DynamicLossScaler`` (the loss gradient is multiplied by the scale; a step
 whose gradients overflow is skipped on every rank and the scale backs off).
 
-bfloat16 on NumPy is ``ml_dtypes.bfloat16`` (what CuPy takes too). NumPy has no 16-bit BLAS:
-``matmul`` multiplies 16-bit operands widened to float32 through BLAS and rounds the result once
-(the numerics of tensor cores). The CPU path is for correctness and CI, not speed.
+The dtypes themselves and the 16-bit array helpers the layers use (``BF16``, ``is_half``,
+``stat_dtype``, ``matmul``, ``widen``) are ``hpctrain.backend``'s, below ``nn``; this module is the
+training side's policy, above ``nn`` (its masters are ``nn.Parameter``s). On NumPy, 16-bit
+``matmul`` goes through float32 BLAS: the CPU path is for correctness and CI, not speed.
 """
 
 from __future__ import annotations
@@ -30,14 +31,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from .errors import Say, as_argument
+from ..backend import BF16, FP16, FP32, xp_of
+from ..errors import Say, as_argument
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-FP16 = np.dtype(np.float16)
-FP32 = np.dtype(np.float32)
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 _NAMED = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
@@ -58,39 +56,6 @@ def precision_problem(name: str, grad_reduce_dtype: str, say: Say = as_argument)
     if name == "bf16-mixed" and grad_reduce_dtype == "fp16":
         return f"{say('precision', name)} gradients can overflow fp16: {say('grad_reduce_dtype')} fp32 or bf16"
     return None
-
-
-def is_half(dtype: Any) -> bool:
-    """Whether ``dtype`` is a 16-bit float (float16 or bfloat16; bfloat16's NumPy kind is 'V')."""
-    return np.dtype(dtype) in (BF16, FP16)
-
-
-def stat_dtype(dtype: Any) -> np.dtype:
-    """The dtype statistics (softmax, LayerNorm, loss) of ``dtype`` inputs are computed in:
-    float32 for 16-bit floats, the dtype itself otherwise."""
-    return FP32 if is_half(dtype) else np.dtype(dtype)
-
-
-def matmul(xp: Any, a: Any, b: Any, out: Any = None) -> Any:
-    """``xp.matmul(a, b, out=out)``; with a 16-bit float operand on NumPy (which has no 16-bit
-    BLAS: its float16 loop is ~100x slower than float32) the operands are widened to float32,
-    multiplied and accumulated in float32 by BLAS, and the result rounded once into ``out``
-    (or the operands' result dtype): the numerics of tensor cores."""
-    if xp is not np or not (is_half(a.dtype) or is_half(b.dtype)):
-        return xp.matmul(a, b, out=out)
-    product = np.matmul(a.astype(FP32, copy=False), b.astype(FP32, copy=False))
-    if out is None:
-        return product.astype(np.result_type(a.dtype, b.dtype))
-    out[...] = product
-    return out
-
-
-def widen(x: Any) -> tuple[Any, np.dtype | None]:
-    """``(x in float32, its 16-bit dtype)`` for a 16-bit ``x`` (a loss computes in float32 and
-    hands its gradient back in the input's dtype); ``(x, None)`` otherwise."""
-    if is_half(x.dtype):
-        return x.astype(FP32), np.dtype(x.dtype)
-    return x, None
 
 
 class DynamicLossScaler:
@@ -212,7 +177,7 @@ class Precision:
         """Float32 master copies of ``params`` (by name), then the parameters cast to ``param``
         and their gradients to ``reduce`` (zeros). Call while the parameters still hold float32
         values: the masters start from them, not from their 16-bit rounding."""
-        from .nn.module import Parameter
+        from ..nn.module import Parameter
 
         masters = {}
         for p in params:
@@ -227,6 +192,4 @@ class Precision:
 
 
 def _zeros(p: Any, dtype: np.dtype) -> Any:
-    from .backend import xp_of
-
     return xp_of(p.data).zeros(p.shape, dtype=dtype)

@@ -7,8 +7,8 @@
 
 The pieces: :mod:`.options` (the :class:`Config` dataclass), :mod:`.config` (flags, TOML/JSON
 files, ``resolve``), :mod:`.sections` (the rules, one section per concern), :mod:`.models` (the
-built-in models), :mod:`.data` (opening the HDF5 data), :mod:`.builders` (model, optimizer,
-trainer), :mod:`.job` (the run itself) and :mod:`.summary` (its closing report). The run
+built-in models), :mod:`.inputs` (opening the HDF5 data), :mod:`.builders` (model, optimizer,
+trainer), :mod:`.runner` (the run itself) and :mod:`.summary` (its closing report). The run
 directory holds ``config.json`` (accepted back by ``--config``), ``metrics.jsonl`` (one line per
 step), ``trace.json`` (per-rank timeline of the steps for https://ui.perfetto.dev),
 ``checkpoints/`` and ``summary.json``; ``hpctrain plot RUN`` draws the curves.
@@ -16,9 +16,9 @@ step), ``trace.json`` (per-rank timeline of the steps for https://ui.perfetto.de
 
 from .builders import build_model, build_optimizer, build_trainer, data_rank
 from .config import OPTIONS, Config, Option, add_arguments, merge, read_config, read_toml, resolve
-from .data import open_data
-from .job import evaluate, everywhere, format_summary, limit_blas_threads, main, run
-from .timeline import Timeline
+from .inputs import open_data
+from .runner import evaluate, everywhere, format_summary, limit_blas_threads, main, run
+from .trace import Timeline
 
 __all__ = [
     "OPTIONS", "Config", "Option", "Timeline", "add_arguments", "build_model", "build_optimizer", "build_trainer",

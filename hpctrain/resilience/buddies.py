@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
-from .backend import to_host
+from ..backend import to_host
+from ..comm import ulfm
 
 #: One rank's ``ZeroReducer.export_pieces()``, on the host (it travels pickled to the buddy).
 Pieces = dict[str, Any]
@@ -70,24 +70,24 @@ class Buddies:
         mine = self.mine[step] = own_pieces(trainer.reducer)
         dp = trainer.dp
         if dp.size > 1:
-            got = dp.mpi.sendrecv(mine, dest=(dp.rank + 1) % dp.size, source=(dp.rank - 1) % dp.size)
+            got = ulfm.exchange(dp.mpi, mine, dest=(dp.rank + 1) % dp.size, source=(dp.rank - 1) % dp.size)
             self.left[step] = _owned(got)
 
     def arrays(self) -> list[np.ndarray]:
         """Every array held (``buffers`` in the memory report: the cost of surviving a loss)."""
         return [a for kept in (self.mine, self.left) for p in kept.values() for a in arrays_of(p)]
 
-    def rebuild(self, trainer: Any, old_dp: MPI.Intracomm, step: int) -> str | None:
+    def rebuild(self, trainer: Any, old_dp: ulfm.Handle, step: int) -> str | None:
         """Put the state from before ``step`` back on the survivors of this rank's dp group
         (``trainer.dp``, rebuilt over them) and rebuild the ZeRO reducer over them; what is missing
         when it cannot be done (the same on every survivor of the group).
 
         Under dp x tp x pp each tp x pp part has its own dp group, and its pieces: the groups
-        rebuild side by side. A broken replica's members have left (``resilience_groups``): their
+        rebuild side by side. A broken replica's members have left (``resilience.groups``): their
         pieces come from their buddies, as a lost rank's do."""
         dp = trainer.dp
         held = self._held(old_dp, dp, step)
-        size = old_dp.Get_size()
+        size = len(_world(old_dp))
         found = {r: p for part in dp.allgather_obj(held) for r, p in part.items()}
         missing = [r for r in range(size) if r not in found]
         if missing:
@@ -101,7 +101,7 @@ class Buddies:
     def empty_reducer(self, trainer: Any) -> Any:
         """A ZeRO reducer over ``trainer.dp`` with zeros for the parameters (what a checkpoint load
         then fills: the pieces were lost)."""
-        from .backend import xp_of
+        from ..backend import xp_of
 
         xp = xp_of(trainer.params[0].data)
         for p in trainer.params:  # (zero 3: read-only placeholders now)
@@ -109,12 +109,12 @@ class Buddies:
         self.mine, self.left = {}, {}
         return trainer._make_reducer(trainer.model, trainer.optimizer, None)
 
-    def _held(self, old_dp: MPI.Intracomm, dp: Any, step: int) -> dict[int, Pieces]:
+    def _held(self, old_dp: ulfm.Handle, dp: Any, step: int) -> dict[int, Pieces]:
         """The pieces from before ``step`` this survivor holds: its own, and its left neighbour's
         when that one is not in the new dp group ``dp`` (lost, or left with its replica); keyed
         by old dp rank."""
         world, alive = _world(old_dp), set(_world(dp.mpi))
-        rank, size = world.index(MPI.COMM_WORLD.Get_rank()), len(world)
+        rank, size = world.index(ulfm.world_rank()), len(world)
         held = {rank: self.mine[step]} if step in self.mine else {}
         left = (rank - 1) % size
         if world[left] not in alive and step in self.left:
@@ -122,17 +122,15 @@ class Buddies:
         return held
 
 
-def _world(comm: MPI.Intracomm) -> list[int]:
-    from .comm import ulfm
-
+def _world(comm: ulfm.Handle) -> list[int]:
     return ulfm.world_ranks(comm)
 
 
 def _install(trainer: Any, parts: list[Pieces]) -> None:
     """The full parameters and optimizer state from every old rank's pieces, and a new reducer over
     ``trainer.dp`` that takes its pieces of them (as after a checkpoint load under another layout)."""
-    from .backend import to_device, xp_of
-    from .optim.sharded import assemble
+    from ..backend import to_device, xp_of
+    from ..optim.sharded import assemble
 
     full = assemble(parts)
     xp = xp_of(trainer.params[0].data)

@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..nn.layers import dropout_problem
 from ..nn.transformer import heads_problem
 from ..optim.clip import clip_norm_problem
-from ..precision import precision_problem
+from ..training.precision import precision_problem
 from . import models
 from .options import Config, as_flag, check_bounds, flag
 
@@ -248,7 +248,7 @@ def _optim(c: Config, world: int) -> None:
 
 def loss_scaler(c: Config) -> Any:
     """fp16-mixed's ``DynamicLossScaler`` with the run's settings (defaults where not given)."""
-    from ..precision import DynamicLossScaler
+    from ..training.precision import DynamicLossScaler
 
     kw = {"init_scale": c.loss_scale_init, "interval": c.loss_scale_interval}
     return DynamicLossScaler(**{k: v for k, v in kw.items() if v is not None})

@@ -12,10 +12,10 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 
-from . import __version__, backend
+from .. import __version__, backend
+from .. import job as _job
+from . import generate as _generate
 from . import plot as _plot
-from . import train as _train
-from .train import generate as _generate
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def _info_args(p: argparse.ArgumentParser) -> None:
 
 
 def _gather_rank_info(comm) -> dict:
-    from .comm.nodes import node_name
+    from ..comm.nodes import node_name
 
     cp = backend.cupy()
     local = comm.local_rank
@@ -47,12 +47,9 @@ def _gather_rank_info(comm) -> dict:
 
 def run_info(args: argparse.Namespace) -> int:
     """One report for the whole job, printed by rank 0."""
-    import mpi4py
-    from mpi4py import MPI
-
-    from .comm import Communicator, linkprobe, ulfm
-    from .comm import cuda_aware as ca
-    from .comm.nodes import describe, node_names
+    from ..comm import Communicator, library, linkprobe, ulfm
+    from ..comm import cuda_aware as ca
+    from ..comm.nodes import describe, node_names
 
     comm = Communicator()
     ranks = comm.gather_obj(_gather_rank_info(comm))
@@ -61,10 +58,10 @@ def run_info(args: argparse.Namespace) -> int:
     if comm.rank != 0:
         return 0
     per_node = Counter(r["host"] for r in ranks)
-    lib = MPI.Get_library_version().splitlines()[0].strip()
+    mpi = library.versions()
     says = ca.library_says()
-    print(f"hpctrain {__version__}  (Python {platform.python_version()}, mpi4py {mpi4py.__version__})")
-    print(f"MPI library      : {lib}  (MPI standard {'.'.join(map(str, MPI.Get_version()))})")
+    print(f"hpctrain {__version__}  (Python {platform.python_version()}, mpi4py {mpi['mpi4py']})")
+    print(f"MPI library      : {mpi['library']}  (MPI standard {mpi['standard']})")
     print(f"world size       : {comm.size}")
     print(f"nodes            : {len(per_node)}  (ranks per node: "
           + ", ".join(f"{h}={n}" for h, n in sorted(per_node.items())) + ")")
@@ -96,8 +93,8 @@ def _ckpt_args(p: argparse.ArgumentParser) -> None:
 def run_ckpt(args: argparse.Namespace) -> int:
     """``hpctrain ckpt inspect RUN_OR_CHECKPOINT``: no MPI needed; exit 4 (refused) with the reason
     for a bad file."""
-    from . import checkpoint
-    from .errors import ExitStatus, HpctrainError
+    from .. import checkpoint
+    from ..errors import ExitStatus, HpctrainError
 
     try:  # the same run directory generate and plot take
         print(checkpoint.inspect(_generate.newest_checkpoint(args.file)))
@@ -125,9 +122,9 @@ def run_data(args: argparse.Namespace) -> int:
     import os
     from functools import partial
 
-    from .data import builtin
-    from .data.shakespeare import fallback_source, shakespeare
-    from .errors import ExitStatus, HpctrainError
+    from ..data import builtin
+    from ..data.shakespeare import fallback_source, shakespeare
+    from ..errors import ExitStatus, HpctrainError
 
     works = partial(shakespeare, source=args.source, allow_fetch=not args.no_fetch, force=args.force,
                     replace_fallback=True)
@@ -151,7 +148,7 @@ COMMANDS: dict[str, Command] = {
     "info": ("report the MPI library, world, nodes and GPUs (one report per job)", _info_args, run_info),
     "ckpt": ("inspect checkpoints", _ckpt_args, run_ckpt),
     "train": ("train a model with a parallel strategy (the main job; flags or --config FILE.toml)",
-              _train.add_arguments, _train.main),
+              _job.add_arguments, _job.main),
     "generate": ("sample text from a GPT checkpoint (a run directory or a checkpoint file; no MPI)",
                  _generate.add_arguments, _generate.main),
     "plot": ("draw loss and throughput curves of a run to PNG (needs matplotlib)", _plot.add_arguments, _plot.main),
@@ -195,8 +192,8 @@ def missing_mpi() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry of the ``hpctrain`` command; returns its exit status (``hpctrain.errors.ExitStatus``)."""
-    from . import log, settings
-    from .errors import ConfigError, ExitStatus
+    from .. import log, settings
+    from ..errors import ConfigError, ExitStatus
 
     args = build_parser().parse_args(argv)
     try:
@@ -215,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # sys.exit in user code (a model factory): on one rank, end the job now
         if args.command not in NEEDS_MPI:
             raise
-        from .comm.failure import exited
+        from ..comm.failure import exited
 
         return exited(exc, what=f"hpctrain {args.command}")
     finally:

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..backend import to_host, xp_of
 from ..errors import AutogradError, DtypeError
-from . import engine, ops, shape
+from . import backprop, ops, shape
 from .function import differentiable, register_tensor_type, version_box
 from .grad_mode import no_grad, state
 
@@ -143,7 +143,7 @@ class Tensor:
     def backward(self, grad: Any = None, retain_graph: bool = False) -> None:
         """Add the gradient of this tensor (times ``grad``, of this tensor's shape; 1 for a
         one-element tensor) to the ``.grad`` of the leaves it was computed from."""
-        engine.backward((self,), (grad,), retain_graph=retain_graph)
+        backprop.backward((self,), (grad,), retain_graph=retain_graph)
 
     def detach(self) -> Tensor:
         """The same array as a new leaf that requires no gradient (it shares the version counter)."""

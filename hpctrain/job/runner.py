@@ -18,17 +18,17 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .. import rundir
 from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted, ReplicaLeft
-from ..evaluation import evaluate
+from ..files import rundir
 from ..log import get_logger
+from ..training.evaluation import evaluate
 from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .config import _BY_NAME, Config, merge, read_config, resolve
-from .data import data_path, open_data
+from .inputs import data_path, open_data
 from .sections import nccl_problem
 from .summary import finite_or_none, format_summary
-from .timeline import Timeline
+from .trace import Timeline
 
 T = TypeVar("T")
 _log = get_logger("train")
@@ -95,7 +95,7 @@ class Validation:
 
     Collective. The full weights come from the trainer's shards under any layout (one allgather
     of this rank's pieces), go into a serial model, and every rank evaluates its share of the
-    validation set (``hpctrain.evaluation.evaluate``), so the value is the same everywhere.
+    validation set (``hpctrain.training.evaluation.evaluate``), so the value is the same everywhere.
     """
 
     def __init__(self, c: Config, meta: dict[str, Any], data: Any, comm: Any, every: int) -> None:
@@ -106,7 +106,7 @@ class Validation:
     def on_step_end(self, trainer: Any, stats: Any) -> None:
         if trainer.global_step % self.every:
             return
-        from ..evaluation import evaluate as evaluate_everywhere
+        from ..training.evaluation import evaluate as evaluate_everywhere
 
         load_full_weights(trainer, self.model)
         if self.loss is None:  # cross-entropy: every rank its share of the batches
@@ -322,7 +322,7 @@ def _build(c: Config, comm: Any, device: str) -> _Setup:
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
 
     from ..data import DataLoader, ShardedSampler
-    from ..trainer import planned_steps
+    from ..training.trainer import planned_steps
 
     rank, size = data_rank(c, comm)
     sampler = ShardedSampler(len(train_set), rank, size, shuffle=True, seed=c.seed, pad="mask")

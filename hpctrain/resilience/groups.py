@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpi4py import MPI
-
-from .comm import Communicator, ulfm
-from .comm.grid import Coords, ProcessGrid, coords, rank_of
+from ..comm import Communicator, ulfm
+from ..comm.grid import Coords, ProcessGrid, coords, rank_of
 
 
 def revoke(grid: Any) -> None:
@@ -46,11 +44,8 @@ def whole_replicas(comm: Communicator, mine_whole: bool) -> Communicator | None:
 
 def _split(comm: Communicator, member: bool, key: int) -> Communicator | None:
     """The members' communicator, ordered by ``key`` (collective over ``comm``); ``None`` elsewhere."""
-    new = comm.mpi.Split(0 if member else MPI.UNDEFINED, key=key)
-    if new == MPI.COMM_NULL:
-        return None
-    new.Set_errhandler(MPI.ERRORS_RETURN)
-    return Communicator(new)
+    new = ulfm.split(comm.mpi, member, key)
+    return None if new is None else Communicator(new)
 
 
 def cover(comm: Communicator, grid: Any, old_world: list[int]) -> tuple[Communicator | None, int, list[tuple]]:
@@ -69,7 +64,7 @@ def cover(comm: Communicator, grid: Any, old_world: list[int]) -> tuple[Communic
     missing = [(t, p) for p in range(pp) for t in range(tp) if (t, p) not in chosen]
     if missing:
         return None, -1, missing
-    me = part[MPI.COMM_WORLD.Get_rank()]
+    me = part[ulfm.world_rank()]
     key = rank_of(Coords(dp=0, tp=me.tp, pp=me.pp), tp * pp, tp, pp)  # its rank in a one-replica grid
     return _split(comm, chosen[(me.tp, me.pp)] == comm.rank, key), chosen[(0, 0)], []
 

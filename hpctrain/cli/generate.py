@@ -69,7 +69,7 @@ def locate(run: str) -> tuple[list[str], str]:
 def load_gpt(run: str) -> tuple[Any, str]:
     """(the GPT with the checkpoint's weights, its vocabulary) for ``run``; refuses other models."""
     from .. import nn
-    from .config import merge, read_config
+    from ..job.config import merge, read_config
 
     paths, cfg_path = locate(run)
     path = paths[0]
@@ -81,7 +81,7 @@ def load_gpt(run: str) -> tuple[Any, str]:
                           f"checkpoints of hpctrain train --model gpt")
     vocab, size = info.get("vocab"), int(info.get("vocab_size") or 0)
     if not vocab or len(vocab) < size:  # the data file's, which may have been given one since the run
-        from .data import open_data
+        from ..job.inputs import open_data
 
         vocab = open_data(c.replace(max_samples=None, batch_size=1))[2].get("vocab")
     size = size or len(vocab or "")

@@ -102,6 +102,7 @@ class MemoryMeter:
         self.model, self.loss = model, loss
         self.peak = 0
         self.peak_layers = 0  # caches and pooled arrays together (``workspace`` is the excess)
+        self.device_used = 0  # the CuPy pool's bytes in use, highest seen since the last report
         self.installed = False
 
     def _modules(self) -> Iterator[Any]:
@@ -123,6 +124,7 @@ class MemoryMeter:
         return arrays
 
     def measure(self) -> None:
+        self.device_used = max(self.device_used, device_pool()[0])
         caches: list[Any] = []
         seen: set[int] = set()
         for m in self._modules():
@@ -134,7 +136,7 @@ class MemoryMeter:
         self.peak_layers = max(self.peak_layers, act + owned_bytes(self._pools(), counted))
 
     def install(self) -> MemoryMeter:
-        from .nn.recompute import observers
+        from ..nn.recompute import observers
 
         if self.installed or self.model is None or not hasattr(self.model, "backward"):
             return self
@@ -155,7 +157,7 @@ class MemoryMeter:
         self.measure()
 
     def remove(self) -> None:
-        from .nn.recompute import observers
+        from ..nn.recompute import observers
 
         if self.installed:
             self.model.__dict__.pop("backward", None)
@@ -182,8 +184,26 @@ class MemoryMeter:
         out["workspace"] = max(0, layers - out["activations_peak"])
         out["total"] = sum(out[k] for k in KEYS)
         out["rss_peak"] = peak_rss()
-        self.peak = self.peak_layers = 0
+        used, reserved = device_pool()
+        # On a GPU the pool's high-water mark (sampled where the peaks are) and its size; 0 without
+        # one (every rank reports the same keys: memory_summary reduces them over the ranks).
+        out["device_pool_peak"] = max(self.device_used, used)
+        out["device_pool_reserved"] = reserved
+        self.peak = self.peak_layers = self.device_used = 0
         return out
+
+
+def device_pool() -> tuple[int, int]:
+    """``(bytes in use, bytes reserved)`` of CuPy's default memory pool; ``(0, 0)`` without a GPU.
+    CuPy keeps no high-water mark, so the meter samples ``used`` at the start of backward and
+    inside recomputed blocks (where the activations peak) and at each report."""
+    from ..backend import cupy, is_real_cupy
+
+    cp = cupy()
+    if cp is None or not is_real_cupy(cp):
+        return 0, 0
+    pool = cp.get_default_memory_pool()
+    return int(pool.used_bytes()), int(pool.total_bytes())
 
 
 def optimizer_arrays(opt: Any) -> list[Any]:

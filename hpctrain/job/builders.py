@@ -113,7 +113,7 @@ def build_trainer(c: Config, model: Any, comm: Any, total_steps: int = 1) -> Any
     if c.zero:
         common["zero"] = c.zero
     if c.precision != "fp32":
-        from ..precision import Precision
+        from ..training.precision import Precision
         from .sections import loss_scaler
 
         scaler = loss_scaler(c) if c.precision == "fp16-mixed" else None

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..guard import POLICIES
-from ..precision import PRECISIONS, REDUCE_DTYPES
+from ..training.guard import POLICIES
+from ..training.precision import PRECISIONS, REDUCE_DTYPES
 
 
 def _opt(help: str, choices: tuple[str, ...] | None = None, *, at_least: int | None = None,

@@ -66,7 +66,9 @@ def format_summary(s: dict[str, Any]) -> str:
         *([f"  memory          {s['memory']['total'] / 2**20:,.1f} MiB per rank at most (params "
            f"{s['memory']['params'] / 2**20:,.1f}, grads {s['memory']['grads'] / 2**20:,.1f}, optimizer "
            f"{s['memory']['optimizer'] / 2**20:,.1f}, activations {s['memory']['activations_peak'] / 2**20:,.1f}; "
-           f"peak RSS {s['memory']['rss_peak'] / 2**20:,.0f})"] if s.get("memory") else []),
+           f"peak RSS {s['memory']['rss_peak'] / 2**20:,.0f}"
+           + (f"; GPU pool peak {s['memory']['device_pool_peak'] / 2**20:,.0f}"
+              if s["memory"].get("device_pool_peak") else "") + ")"] if s.get("memory") else []),
         f"  checkpoint      {s['checkpoint'] or '-'}",
         f"  metrics         {s['metrics']}  (hpctrain plot {s['run_dir']})",
         f"  trace           {s['trace']}  (open in https://ui.perfetto.dev)",

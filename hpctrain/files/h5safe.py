@@ -16,7 +16,7 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-from .errors import DatasetError
+from ..errors import DatasetError
 
 
 def regular_file(path: str | os.PathLike, where: str, error: type[Exception] = DatasetError) -> None:

@@ -11,7 +11,9 @@ its dtype, and adds the gradients of leaves into their ``.grad``:
   that a trainer put there) is accumulated where it is;
 * leaf hooks: ``register_hook`` hooks see a leaf's summed gradient of this backward before it is
   added; ``register_post_accumulate_grad_hook`` hooks run once per leaf per backward, right after
-  its last contribution was added (also for a leaf the graph reached but gave no gradient to);
+  its last contribution was added (also for a leaf the graph reached but gave no gradient to),
+  except inside ``grad_mode.quiet_post_hooks(leaves)`` for those leaves (a node running a
+  backward of its own inside its backward keeps them for its outer edges);
 * after a node's backward has run, its saved arrays (and every attribute ``forward`` set on its
   context) are released; running through it again raises ``AutogradError`` unless the first
   backward had ``retain_graph=True``.
@@ -27,6 +29,7 @@ from ..backend import xp_of
 from ..errors import AutogradError
 from . import function
 from .function import Context, check_saved
+from .grad_mode import state
 
 _by_sequence = operator.attrgetter("_seq")
 
@@ -216,6 +219,9 @@ class _Backward:
                 g = g if r is None else r
             accumulate(t, g)
         if t._post:
+            quiet = state.quiet
+            if quiet is not None and id(t) in quiet:
+                return
             for fn in list(t._post):
                 fn(t)
 
@@ -250,3 +256,44 @@ def _release(n: Context) -> None:
     d = n.__dict__  # _saved, _checks, hooks and whatever forward set on the context
     d.clear()
     d["_released"] = True
+
+
+def graph_nodes(*roots: Any) -> list[Context]:
+    """Every node the graph of ``roots`` (tensors) reaches (each once, in no particular order)."""
+    stack = [t._node for t in roots if getattr(t, "_node", None) is not None]
+    seen = set(stack)
+    for n in stack:  # grows while it is walked
+        for e in n._edges:
+            if e is not None and e[1] >= 0 and e[0] not in seen:
+                seen.add(e[0])
+                stack.append(e[0])
+    return stack
+
+
+def saved_arrays(*roots: Any) -> tuple[list[Any], list[Any]]:
+    """``(arrays, leaves)``: the arrays the graph of ``roots`` keeps for its backward now (whatever
+    each node's ``forward`` saved or set on its context, through tuples, lists and dicts; nodes
+    already run keep nothing) and the leaf tensors it ends in (parameters among them)."""
+    arrays: list[Any] = []
+    leaves: dict[int, Any] = {}
+    seen: set[int] = set()
+    for n in graph_nodes(*roots):
+        for e in n._edges:
+            if e is not None and e[1] < 0:
+                leaves[id(e[0])] = e[0]
+        _collect_arrays(list(n.__dict__.values()), arrays, seen)
+    return arrays, list(leaves.values())
+
+
+def _collect_arrays(obj: Any, out: list[Any], seen: set[int]) -> None:
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if hasattr(obj, "nbytes") and hasattr(obj, "shape"):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_arrays(v, out, seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_arrays(v, out, seen)

@@ -122,13 +122,22 @@ class ParamGathers:
 
 
 class UnitHooks:
-    """Wraps each unit's module: before its backward the unit's gradient buffer is allocated
-    (``alloc(u)``, zero 2 and 3); with ``gathers`` (zero 3) its forward and backward run between
-    a gather and a release of its parameters. ``active``: whether every unit has a module (zero 2
-    without a module tree allocates every unit's gradient at the step's start instead)."""
+    """Wraps each unit's module so the unit's gradient buffer exists before a gradient reaches it
+    (``alloc(u)``, zero 2 and 3) and, with ``gathers`` (zero 3), its parameters are whole while it
+    computes and placeholders otherwise. ``active``: whether every unit has a module (zero 2
+    without a module tree allocates every unit's gradient at the step's start instead).
+
+    A module with its own ``backward`` (one node of the graph, or called by an explicit parent):
+    its ``forward`` and ``backward`` run between a gather and a release, ``backward`` after the
+    allocation. A module without one (forward on tensors): at zero 2 a hook on each parameter
+    allocates the unit's buffer when the engine brings its first gradient; at zero 3 each call is
+    one ``nn.recompute.Rerun`` node: forward gathers, computes without recording and releases (so
+    no node keeps the gathered arrays), backward allocates, gathers, computes again recording,
+    runs that graph's backward and releases."""
 
     def __init__(self, model: Any, units: Units, alloc: Any, gathers: ParamGathers | None) -> None:
         self._hooked: list[Any] = []
+        self._handles: list[Any] = []
         owners = _owners(model, units.groups)
         self.active = all(m is not None for m in owners)
         if not self.active:
@@ -139,6 +148,11 @@ class UnitHooks:
             self._wrap(m, u, alloc, gathers)
 
     def _wrap(self, m: Any, u: int, alloc: Any, gathers: ParamGathers | None) -> None:
+        from ..nn.module import Module
+
+        if type(m).backward is Module.backward:
+            self._wrap_forward_only(m, u, alloc, gathers)
+            return
         fwd, bwd = m.forward, m.backward
 
         def gathered(call: Any, *args: Any, **kwargs: Any) -> Any:
@@ -160,9 +174,50 @@ class UnitHooks:
         m.__dict__["forward"], m.__dict__["backward"] = forward, backward
         self._hooked.append(m)
 
+    def _wrap_forward_only(self, m: Any, u: int, alloc: Any, gathers: ParamGathers | None) -> None:
+        own = [p for p in m.__dict__.get("_parameters", {}).values() if p is not None]
+        if gathers is None:  # zero 2: the buffer when the first gradient arrives
+            self._handles += [p.register_hook(lambda g, u=u: alloc(u)) for p in own]
+            return
+        from ..autograd import is_tensor
+        from ..nn.recompute import rerun
+
+        fwd = m.forward
+
+        def enter(backward: bool) -> None:
+            if backward:
+                alloc(u)
+            gathers.gather(u)
+
+        def leave() -> None:
+            gathers.release(u)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            where = [i for i, a in enumerate(args) if is_tensor(a)]
+            if not where:  # arrays (the explicit protocol): no graph to keep anything
+                enter(False)
+                try:
+                    return fwd(*args, **kwargs)
+                finally:
+                    leave()
+
+            def run(*tensors: Any) -> Any:
+                full = list(args)
+                for i, t in zip(where, tensors):
+                    full[i] = t
+                return fwd(*full, **kwargs)
+
+            return rerun(run, tuple(args[i] for i in where), m, params=own, enter=enter, leave=leave)
+
+        m.__dict__["forward"] = forward
+        self._hooked.append(m)
+
     def remove(self) -> None:
         """Take the wrappers off the model's modules."""
         for m in self._hooked:
             m.__dict__.pop("forward", None)
             m.__dict__.pop("backward", None)
         self._hooked = []
+        for h in self._handles:
+            h.remove()
+        self._handles = []

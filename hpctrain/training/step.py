@@ -131,6 +131,8 @@ class TrainStep:
     exact_norm: bool = False
     #: The step's dtypes and fp16's loss scaler (``fp32``: the parameters' own dtype, no scaler).
     precision: Precision
+    #: The memory report's meter (``training.memory.MemoryMeter``): told where backwards start.
+    _meter: Any = None
 
     def __init__(self, *, comm: Communicator | None = None, on_nonfinite: str = "raise") -> None:
         from .guard import POLICIES
@@ -290,7 +292,8 @@ class TrainStep:
         if self.reducer is not None:
             self.reducer.abort()
             self.reducer.zero_grad()
-        if self.model is not None:
+        # An explicit-protocol model called outside the engine may hold a half step's caches.
+        if self.model is not None and callable(getattr(self.model, "set_cache", None)):
             self.model.set_cache({})
 
     def _check_batch(self, x: Any, y: Any, weight: Any) -> Batch:

@@ -199,28 +199,39 @@ class SelfAttentionBase(Module):
     def forward(self, x: Any) -> Any:
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"{type(self).__name__}({self.d_model}) needs (B, T, {self.d_model}), got {x.shape}")
-        b, t, _ = x.shape
-        h, hd = self.heads_here(), self.d_model // self.n_heads
-        # (B, T, 3, H, hd) -> (3, B, H, T, hd): q, k, v as strided views of the qkv output (no copy)
-        qkv = self.qkv.forward(x).reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        xp, buf = xp_of(x), self._scratch()
-        # The heads' outputs go straight into the (B, T, H*hd) layout the projection reads.
-        y = buf.get("y", (b, t, h * hd), np.result_type(q.dtype, v.dtype), xp)
-        _, att = causal_attention(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
-        self.cache = (q, k, v, att)
+        y, self.cache = attend(self.qkv.forward(x), self.heads_here(), self.d_model // self.n_heads, self._scratch())
         return self.proj.forward(y)
 
     def backward(self, grad_out: Any) -> Any:
-        q, k, v, att = self.cache
-        b, h, t, hd = q.shape
-        dy = self.proj.backward(grad_out).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
-        xp, buf = xp_of(dy), self._scratch()
-        # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
-        dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)  # att may be wider
-        parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
-        causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
-        return self.qkv.backward(dqkv)
+        return self.qkv.backward(attend_backward(self.proj.backward(grad_out), self.cache, self._scratch()))
+
+
+def attend(qkv: Any, h: int, hd: int, buf: Buffers) -> tuple[Any, tuple]:
+    """The causal attention of ``h`` heads of width ``hd`` from a ``(B, T, 3 h hd)`` array whose
+    columns are ``[q | k | v]``: ``(y, saved)`` with ``y`` ``(B, T, h hd)`` (the layout a projection
+    reads) and what ``attend_backward`` needs."""
+    b, t, _ = qkv.shape
+    # (B, T, 3, H, hd) -> (3, B, H, T, hd): q, k, v as strided views of the qkv output (no copy)
+    parts = qkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
+    q, k, v = parts[0], parts[1], parts[2]
+    xp = xp_of(qkv)
+    # The heads' outputs go straight into the (B, T, H*hd) layout the projection reads.
+    y = buf.get("y", (b, t, h * hd), np.result_type(q.dtype, v.dtype), xp)
+    _, att = causal_attention(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
+    return y, (q, k, v, att)
+
+
+def attend_backward(dy: Any, saved: tuple, buf: Buffers) -> Any:
+    """The gradient of ``attend``'s ``qkv`` input given the gradient ``dy`` of its output."""
+    q, k, v, att = saved
+    b, h, t, hd = q.shape
+    dy = dy.reshape(b, t, h, hd).transpose(0, 2, 1, 3)
+    xp = xp_of(dy)
+    # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
+    dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)  # att may be wider
+    parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
+    causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
+    return dqkv
 
 
 def heads_problem(d_model: int, n_heads: int, say: Say = as_argument) -> str | None:

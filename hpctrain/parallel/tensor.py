@@ -42,8 +42,7 @@ from .tensor_mappings import (
     GatherFromTP,
     ReduceFromTP,
     ScatterToTP,
-    Tape,
-    TapedModule,
+    TPLayer,
     TPMapping,
     copy_to_tp,
     gather_from_tp,
@@ -54,8 +53,8 @@ from .tensor_mappings import (
 
 __all__ = [
     "BACKWARD", "PAIRS", "ColumnParallelLinear", "CopyToTP", "GatherFromTP", "ParallelMLP",
-    "ParallelSelfAttention", "ReduceFromTP", "RowParallelLinear", "ScatterToTP", "TPMapping", "Tape",
-    "TapedModule", "TensorParallelTrainer", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
+    "ParallelSelfAttention", "ReduceFromTP", "RowParallelLinear", "ScatterToTP", "TPLayer", "TPMapping",
+    "TensorParallelTrainer", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
     "copy_to_tp", "full_state_dict", "gather_from_tp", "parallel_loss", "reduce_from_tp", "scatter_to_tp",
     "shard_map", "tensor_parallel", "traffic",
 ]  # fmt: skip

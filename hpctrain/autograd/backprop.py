@@ -54,7 +54,7 @@ def backward(tensors: Sequence[Any], grads: Sequence[Any] | None = None, *, reta
 class _Backward:
     """One backward: the gradients pending per node and the leaves' outstanding edges."""
 
-    __slots__ = ("only", "retain", "pending", "roots", "leaves", "buffered")
+    __slots__ = ("only", "retain", "pending", "roots", "leaves", "buffered", "early")
 
     def __init__(self, only: set[int] | None, retain: bool) -> None:
         self.only, self.retain = only, retain
@@ -62,6 +62,7 @@ class _Backward:
         self.roots: list[Context] = []
         self.leaves: dict[int, list] = {}  # id(leaf) -> [leaf, edges not yet run]
         self.buffered: dict[int, Any] = {}  # summed gradients of leaves with register_hook hooks
+        self.early: set[int] | None = None  # leaves whose post hooks ran early (``complete``)
 
     def seed(self, t: Any, g: Any) -> None:
         """Start from root ``t`` with gradient ``g``."""
@@ -121,14 +122,38 @@ class _Backward:
 
     def execute(self) -> None:
         pending, retain = self.pending, self.retain
-        for n in self._collect():
-            gs = pending.pop(n, None)
-            if gs is None:  # nothing flowed into this node: it gives nothing to its inputs
-                self._edges_done(n)
-            else:
-                self._run(n, gs)
-            if not retain:
-                _release(n)
+        runs = state.runs
+        if runs is None:
+            runs = state.runs = []
+        runs.append(self)
+        try:
+            for n in self._collect():
+                gs = pending.pop(n, None)
+                if gs is None:  # nothing flowed into this node: it gives nothing to its inputs
+                    self._edges_done(n)
+                else:
+                    self._run(n, gs)
+                if not retain:
+                    _release(n)
+        finally:
+            runs.pop()
+
+    def complete(self, leaves: Any, quiet: frozenset | None) -> None:
+        """Called from inside a node's backward: ``leaves`` (edges of that node) have all their
+        gradient now; for those the node is the last use of in this backward, the post hooks run
+        now instead of after the node (``quiet``: the leaves an enclosing node keeps quiet)."""
+        counts = self.leaves
+        for t in leaves:
+            c = counts.get(id(t))
+            if c is None or c[1] != 1 or not t._post or (quiet is not None and id(t) in quiet):
+                continue
+            if self.early is None:
+                self.early = set()
+            if id(t) in self.early:
+                continue
+            self.early.add(id(t))
+            for fn in list(t._post):
+                fn(t)
 
     def _run(self, n: Context, gs: list) -> None:
         if n._released:
@@ -220,10 +245,16 @@ class _Backward:
             accumulate(t, g)
         if t._post:
             quiet = state.quiet
-            if quiet is not None and id(t) in quiet:
+            if (quiet is not None and id(t) in quiet) or (self.early is not None and id(t) in self.early):
                 return
             for fn in list(t._post):
                 fn(t)
+
+
+def current_run() -> _Backward | None:
+    """The backward running the node whose ``backward`` calls this (``None`` outside one)."""
+    runs = state.runs
+    return runs[-1] if runs else None
 
 
 def accumulate(t: Any, g: Any) -> None:

@@ -20,6 +20,7 @@ class _State(threading.local):
     # ids of leaves whose post-accumulate hooks stay silent in the backwards run now (a node that
     # runs a backward of its own inside its backward: its outer edges signal those leaves once)
     quiet: frozenset | None = None
+    runs: list | None = None  # the backwards running now, innermost last (backprop._Backward)
 
 
 state = _State()

@@ -76,15 +76,20 @@ class Run:
     """What a ``Rerun`` node runs: ``fn`` (tensors in, a tensor or a tuple of tensors out) over
     ``params`` (the node's parameter arguments) with the random generators ``gens``. ``enter`` /
     ``leave`` bracket each run of ``fn`` (ZeRO-3's gather and release; ``backward=True`` in the
-    backward, before the rerun); ``None``: nothing around it."""
+    backward, before the rerun); ``None``: nothing around it. ``keep``: the forward records its
+    graph and keeps it, and the backward runs that (no second run; ``enter(True)``/``leave()``
+    still bracket it: ZeRO-2 allocates a unit's gradient there)."""
 
-    __slots__ = ("fn", "params", "gens", "enter", "leave")
+    __slots__ = ("fn", "params", "gens", "enter", "leave", "keep")
 
     def __init__(self, fn: Callable[..., Any], params: list[Any], gens: list[np.random.Generator],
-                 enter: Callable[[bool], None] | None = None, leave: Callable[[], None] | None = None) -> None:
+                 enter: Callable[[bool], None] | None = None, leave: Callable[[], None] | None = None,
+                 keep: bool = False) -> None:
         self.fn, self.params, self.gens, self.enter, self.leave = fn, params, gens, enter, leave
+        self.keep = keep
 
     def __call__(self, inputs: list[Any], backward: bool) -> Any:
+        """``fn(*inputs)`` inside ``enter(backward)`` / ``leave()`` (the forward's run)."""
         if self.enter is not None:
             self.enter(backward)
         try:
@@ -102,10 +107,14 @@ class Rerun(Function):
     def forward(ctx: Context, run: Run, n: int, *arrays: Any) -> Any:
         inputs = arrays[:n]
         ctx.run, ctx.n = run, n
-        ctx.states = [g.bit_generator.state for g in run.gens]
-        ctx.save_for_backward(*inputs)
-        with no_grad():
-            out = run([Tensor(a) for a in inputs], False)
+        if run.keep:  # the graph itself, kept (its leaves: the inputs)
+            ctx.leaves = [Tensor(a, requires_grad=ctx.needs_input_grad[2 + i]) for i, a in enumerate(inputs)]
+            out = ctx.outs = run(ctx.leaves, False)
+        else:
+            ctx.states = [g.bit_generator.state for g in run.gens]
+            ctx.save_for_backward(*inputs)
+            with no_grad():
+                out = run([Tensor(a) for a in inputs], False)
         if isinstance(out, tuple):
             return tuple(o.data if is_tensor(o) else o for o in out)
         return out.data if is_tensor(out) else out
@@ -113,37 +122,57 @@ class Rerun(Function):
     @staticmethod
     def backward(ctx: Context, *grads: Any) -> Any:
         run, n, need = ctx.run, ctx.n, ctx.needs_input_grad
-        leaves = [Tensor(a, requires_grad=need[2 + i]) for i, a in enumerate(ctx.saved_tensors)]
-        gens = run.gens
-        after = [g.bit_generator.state for g in gens]
-        global _depth
-        _depth += 1
+        # What the run needs (ZeRO-3's gathered parameters) stays from the rerun through its backward.
+        if run.enter is not None:
+            run.enter(True)
         try:
-            for g, st in zip(gens, ctx.states):
-                g.bit_generator.state = st  # replay the same random draws (dropout masks)
-            with enable_grad():
-                out = run(leaves, True)
+            if run.keep:
+                Rerun._inner(run, ctx.outs, grads)
+                return Rerun._grads(ctx.leaves, need, n)
+            leaves = [Tensor(a, requires_grad=need[2 + i]) for i, a in enumerate(ctx.saved_tensors)]
+            gens = run.gens
+            after = [g.bit_generator.state for g in gens]
+            global _depth
+            _depth += 1
+            try:
+                for g, st in zip(gens, ctx.states):
+                    g.bit_generator.state = st  # replay the same random draws (dropout masks)
+                with enable_grad():
+                    out = run.fn(*leaves)
+            finally:
+                _depth -= 1
+                for g, st in zip(gens, after):
+                    g.bit_generator.state = st  # as if the forward had drawn only once
+            _notify(out if isinstance(out, tuple) else (out,))
+            Rerun._inner(run, out, grads)
+            return Rerun._grads(leaves, need, n)
         finally:
-            _depth -= 1
-            for g, st in zip(gens, after):
-                g.bit_generator.state = st  # as if the forward had drawn only once
+            if run.leave is not None:
+                run.leave()
+
+    @staticmethod
+    def _inner(run: Run, out: Any, grads: tuple) -> None:
+        """The backward of the run's own graph, its parameters' post hooks quiet (the node's edges
+        signal them once, after it)."""
         outs = out if isinstance(out, tuple) else (out,)
-        _notify(outs)
         roots = [(o, g) for o, g in zip(outs, grads) if is_tensor(o) and o.requires_grad]
         if roots:
             with quiet_post_hooks(run.params):
                 backward([o for o, _ in roots], [g for _, g in roots])
+
+    @staticmethod
+    def _grads(leaves: list[Any], need: tuple, n: int) -> tuple:
         return (None, None, *(t.grad if need[2 + i] else None for i, t in enumerate(leaves)),
                 *(None,) * (len(need) - 2 - n))
 
 
 def rerun(fn: Callable[..., Any], inputs: tuple, module: Any, params: list[Any] | None = None, enter: Any = None,
-          leave: Any = None) -> Any:
+          leave: Any = None, keep: bool = False) -> Any:
     """``fn(*inputs)`` (tensors) recorded as one ``Rerun`` node over ``params`` (default: every
     parameter ``module`` computes with) and ``module``'s random generators: nothing of the run is
-    kept but its inputs."""
+    kept but its inputs (``keep``: its graph is kept instead, see ``Run``)."""
     params = parameters_of(module) if params is None else params
-    return Rerun.apply(Run(fn, params, generators(module), enter, leave), len(inputs), *inputs, *params)
+    return Rerun.apply(Run(fn, params, generators(module), enter, leave, keep), len(inputs), *inputs, *params)
 
 
 class Recompute(Module):

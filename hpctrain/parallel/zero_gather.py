@@ -127,17 +127,17 @@ class UnitHooks:
     computes and placeholders otherwise. ``active``: whether every unit has a module (zero 2
     without a module tree allocates every unit's gradient at the step's start instead).
 
-    A module with its own ``backward`` (one node of the graph, or called by an explicit parent):
-    its ``forward`` and ``backward`` run between a gather and a release, ``backward`` after the
-    allocation. A module without one (forward on tensors): at zero 2 a hook on each parameter
-    allocates the unit's buffer when the engine brings its first gradient; at zero 3 each call is
-    one ``nn.recompute.Rerun`` node: forward gathers, computes without recording and releases (so
-    no node keeps the gathered arrays), backward allocates, gathers, computes again recording,
-    runs that graph's backward and releases."""
+    Called on arrays (the explicit protocol: a module with its own ``backward``, as one node of the
+    graph or inside an explicit parent) its ``forward`` and ``backward`` run between a gather and a
+    release, ``backward`` after the allocation. Called on tensors (a module without a ``backward``,
+    a tensor-parallel layer) each call is one ``nn.recompute.Rerun`` node over the unit's
+    parameters: at zero 3 its forward gathers, computes without recording and releases (so no node
+    keeps the gathered arrays) and its backward allocates, gathers, computes again recording, runs
+    that graph's backward and releases; at zero 2 it keeps its graph and its backward allocates
+    the unit's buffer before running it."""
 
     def __init__(self, model: Any, units: Units, alloc: Any, gathers: ParamGathers | None) -> None:
         self._hooked: list[Any] = []
-        self._handles: list[Any] = []
         owners = _owners(model, units.groups)
         self.active = all(m is not None for m in owners)
         if not self.active:
@@ -148,58 +148,34 @@ class UnitHooks:
             self._wrap(m, u, alloc, gathers)
 
     def _wrap(self, m: Any, u: int, alloc: Any, gathers: ParamGathers | None) -> None:
-        from ..nn.module import Module
-
-        if type(m).backward is Module.backward:
-            self._wrap_forward_only(m, u, alloc, gathers)
-            return
-        fwd, bwd = m.forward, m.backward
-
-        def gathered(call: Any, *args: Any, **kwargs: Any) -> Any:
-            if gathers is None:
-                return call(*args, **kwargs)
-            gathers.gather(u)
-            try:
-                return call(*args, **kwargs)
-            finally:
-                gathers.release(u)
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return gathered(fwd, *args, **kwargs)
-
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            alloc(u)
-            return gathered(bwd, *args, **kwargs)
-
-        m.__dict__["forward"], m.__dict__["backward"] = forward, backward
-        self._hooked.append(m)
-
-    def _wrap_forward_only(self, m: Any, u: int, alloc: Any, gathers: ParamGathers | None) -> None:
-        own = [p for p in m.__dict__.get("_parameters", {}).values() if p is not None]
-        if gathers is None:  # zero 2: the buffer when the first gradient arrives
-            self._handles += [p.register_hook(lambda g, u=u: alloc(u)) for p in own]
-            return
         from ..autograd import is_tensor
+        from ..nn.module import Module
         from ..nn.recompute import rerun
 
+        own = [p for p in m.__dict__.get("_parameters", {}).values() if p is not None]
         fwd = m.forward
 
         def enter(backward: bool) -> None:
             if backward:
                 alloc(u)
-            gathers.gather(u)
+            if gathers is not None:
+                gathers.gather(u)
 
         def leave() -> None:
-            gathers.release(u)
+            if gathers is not None:
+                gathers.release(u)
+
+        def bracket(call: Any, backward: bool, *args: Any, **kwargs: Any) -> Any:
+            enter(backward)
+            try:
+                return call(*args, **kwargs)
+            finally:
+                leave()
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             where = [i for i, a in enumerate(args) if is_tensor(a)]
-            if not where:  # arrays (the explicit protocol): no graph to keep anything
-                enter(False)
-                try:
-                    return fwd(*args, **kwargs)
-                finally:
-                    leave()
+            if not where:  # arrays: the explicit protocol (its backward is wrapped below)
+                return bracket(fwd, False, *args, **kwargs)
 
             def run(*tensors: Any) -> Any:
                 full = list(args)
@@ -207,9 +183,19 @@ class UnitHooks:
                     full[i] = t
                 return fwd(*full, **kwargs)
 
-            return rerun(run, tuple(args[i] for i in where), m, params=own, enter=enter, leave=leave)
+            # On tensors: one node; zero 3 computes again in backward (no node keeps the gathered
+            # arrays), zero 2 keeps its graph (the allocation waits for the backward).
+            return rerun(run, tuple(args[i] for i in where), m, params=own, enter=enter, leave=leave,
+                         keep=gathers is None)
 
         m.__dict__["forward"] = forward
+        if type(m).backward is not Module.backward:
+            bwd = m.backward
+
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                return bracket(bwd, True, *args, **kwargs)
+
+            m.__dict__["backward"] = backward
         self._hooked.append(m)
 
     def remove(self) -> None:
@@ -218,6 +204,4 @@ class UnitHooks:
             m.__dict__.pop("forward", None)
             m.__dict__.pop("backward", None)
         self._hooked = []
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+

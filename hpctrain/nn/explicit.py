@@ -28,17 +28,19 @@ from ..autograd.backprop import current_run
 from ..autograd.function import Context
 from ..autograd.grad_mode import state
 
-# While not None: (module, input array) of every explicit call recorded by a pipeline's check.
-_calls: list[tuple[Any, Any]] | None = None
+# While not None: {id(module): (module, [inputs])}, the first two inputs of each explicit module
+# called on tensors (a pipeline's check of per-call state, ``hpctrain.parallel.pipeline_probe``).
+_calls: dict[int, tuple[Any, list[Any]]] | None = None
 
 
 class recording:  # noqa: N801 - a context manager
-    """Collect ``(module, input)`` of the explicit modules called on tensors in this block."""
+    """Collect the first two inputs of each explicit module called on tensors in this block:
+    ``{id(module): (module, [input arrays])}``."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[Any, Any]] = []
+        self.calls: dict[int, tuple[Any, list[Any]]] = {}
 
-    def __enter__(self) -> list[tuple[Any, Any]]:
+    def __enter__(self) -> dict[int, tuple[Any, list[Any]]]:
         global _calls
         self._prev, _calls = _calls, self.calls
         return self.calls
@@ -46,6 +48,12 @@ class recording:  # noqa: N801 - a context manager
     def __exit__(self, *exc: Any) -> None:
         global _calls
         _calls = self._prev
+
+
+def _record(module: Any, x: Any) -> None:
+    seen = _calls.setdefault(id(module), (module, []))[1]
+    if len(seen) < 2:
+        seen.append(x.copy())
 
 
 def _caches(module: Any) -> Any:
@@ -128,7 +136,7 @@ class ModuleCall(Function):
         if not is_grad_enabled():
             return _plain_forward(ctx, module, x)
         if _calls is not None:
-            _calls.append((module, x.copy()))
+            _record(module, x)
         owners = _owners(module) if len(params) > 2 else []
         if len(owners) < 2:
             return _plain_forward(ctx, module, x)

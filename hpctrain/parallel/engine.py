@@ -26,6 +26,7 @@ from ..backend import to_device, xp_of
 from ..comm.buckets import COMPRESSIONS
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
+from ..nn.explicit import recording
 from ..optim.clip import clip_norm_problem
 from ..protocols import Reducer, Stateful
 from ..training.graph import forward_loss, run_backward
@@ -33,6 +34,7 @@ from ..training.precision import Precision
 from ..training.trainer import Batch, Trainer
 from . import reports
 from .pipeline_runner import PipelineRunner, max_microbatches
+from .pipeline_probe import per_call_state_problem
 from .pipeline_schedules import get_schedule
 from .reducer import AllReduceReducer, ReadyHooks
 from .shards import full_state_dict, shard_map
@@ -195,6 +197,7 @@ class ParallelTrainer(Trainer):
             agree(self.comm, "the overlap hooks (parameters the autograd engine signals)", self._hooks.active)
         self._order_learned = self._learn_order = False
         self._runner = None
+        self._state_checked = False  # explicit modules' per-call state (pipeline_probe), once
         if pp.size > 1 or self.preset.always_schedule:
             self._runner = PipelineRunner(self.chunks, pp, self.timeout)
 
@@ -460,8 +463,12 @@ class ParallelTrainer(Trainer):
         actions = list(get_schedule(self.schedule, self.virtual_stages)(pp.size, pp.rank, len(batch.parts)))
         self._step_parts = len(batch.parts)
         self.reducer.begin()
-        r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, self._scales(batch), self.loss, xp,
-                             meter=self._meter)
+        with recording() as calls:  # the explicit modules' first inputs, for the check below
+            r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, self._scales(batch), self.loss,
+                                 xp, meter=self._meter)  # fmt: skip
+        if not self._state_checked:  # once: explicit modules keeping state outside their cache refused
+            raise_if_any(self.comm, per_call_state_problem(calls, self.chunks), what=self.preset.name)
+            self._state_checked = self._step_parts > 1  # (one micro-batch: nothing was in flight yet)
         # Per-stage schedule figures, counted once per stage (dp and tp rank 0), summed over the
         # world in the step's own all-reduce.
         slots = np.zeros(4 * pp.size)

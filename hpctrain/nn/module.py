@@ -222,7 +222,11 @@ class Sequential(Module):
         return getattr(self, self.layer_names[i])
 
     def __call__(self, x: Any) -> Any:
-        # On a tensor each layer decides (a layer with its own backward is one node), not the whole.
+        # On a tensor each layer decides (a layer with its own backward is one node), not the whole;
+        # a subclass with a forward or backward of its own is an explicit module (one node).
+        cls = type(self)
+        if cls.backward is not Sequential.backward or cls.forward is not Sequential.forward:
+            return Module.__call__(self, x)
         return self.forward(x)
 
     def forward(self, x: Any) -> Any:

@@ -39,6 +39,7 @@ from .pipeline_schedules import get_schedule
 from .reducer import AllReduceReducer, ReadyHooks
 from .shards import full_state_dict, shard_map
 from .tensor_layers import parallel_loss
+from .ties import PipelineTies
 from .zero import zero_problem, zero_reducer, zero_reducer_problem
 
 # What reduces the gradients: MPI (flat), MPI by node (hpctrain.comm.hierarchical), or NCCL for CuPy models.
@@ -183,6 +184,8 @@ class ParallelTrainer(Trainer):
         if self.dp.size > 1:
             for p in self.params:  # dp replicas start identical
                 self.dp.bcast(p.data, root=0)
+        self._ties = PipelineTies(model, pp, self._shards)  # weights two stages hold (a tied head)
+        self._shards, self._uncounted = self._ties.canonical(self._shards), self._ties.uncounted
         # Mixed precision: float32 masters from the (identical) float32 parameters, then the
         # parameters in the compute dtype and the gradients in the reduce dtype.
         self._masters = self.precision.make_masters(self.params) if self.precision.mixed else None
@@ -351,6 +354,7 @@ class ParallelTrainer(Trainer):
         """Remove the gradient hooks from the parameters (the trainer can no longer overlap)."""
         if self._hooks is not None:
             self._hooks.remove()
+        self._ties.close()
         self.reducer.remove()
         super().close()
 
@@ -466,6 +470,7 @@ class ParallelTrainer(Trainer):
         with recording() as calls:  # the explicit modules' first inputs, for the check below
             r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, self._scales(batch), self.loss,
                                  xp, meter=self._meter)  # fmt: skip
+        self._ties.sum_grads()
         if not self._state_checked:  # once: explicit modules keeping state outside their cache refused
             raise_if_any(self.comm, per_call_state_problem(calls, self.chunks), what=self.preset.name)
             self._state_checked = self._step_parts > 1  # (one micro-batch: nothing was in flight yet)

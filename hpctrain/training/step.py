@@ -153,6 +153,8 @@ class TrainStep:
         # Parameters replicated over a tensor-parallel group: counted in the norm on tp rank 0 only.
         self._tp_replicated: set[int] = set()
         self._tp_rank = 0
+        # Parameters another rank counts in the norm (a weight two pipeline stages hold).
+        self._uncounted: set[int] = set()
         self._closed = False
 
     def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
@@ -250,7 +252,8 @@ class TrainStep:
 
     def _counted_grads(self) -> list[Any]:
         """The gradients this rank counts in the global norm (tp-replicated ones on tp rank 0)."""
-        return [g for p, g in self.reducer.counted_grads() if not (self._tp_rank and id(p) in self._tp_replicated)]
+        return [g for p, g in self.reducer.counted_grads()
+                if not (self._tp_rank and id(p) in self._tp_replicated) and id(p) not in self._uncounted]
 
     def _local_sums(self, loss_part: Any, exact: bool, targets: Any) -> tuple[float, float, bool, list[float], bool]:
         """This rank's ``(loss, sum of squared gradients, non-finite?, exact-sum digits, bad

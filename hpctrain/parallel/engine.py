@@ -33,8 +33,8 @@ from ..training.graph import forward_loss, run_backward
 from ..training.precision import Precision
 from ..training.trainer import Batch, Trainer
 from . import reports
-from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_probe import per_call_state_problem
+from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_schedules import get_schedule
 from .reducer import AllReduceReducer, ReadyHooks
 from .shards import full_state_dict, shard_map

@@ -62,11 +62,11 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd import Tensor
 from ..backend import is_device_array, to_device, to_host, xp_of
 from ..comm import Communicator, Window
 from ..comm.validate import agree, describe_model, raise_if_any
 from ..errors import MismatchError, NonFiniteError, WindowError
-from ..autograd import Tensor
 from ..nn.losses import collect_target_checks
 from ..training.graph import loss_node, run_backward, run_model
 from ..training.guard import check_finite

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..autograd import Function
 from ..autograd.function import Context
-from ..backend import to_device, widen, xp_of
+from ..backend import matmul, to_device, widen, xp_of
 from ..errors import Say, as_argument
 from ..nn.layers import Linear, add_bias_grad, check_indices, scatter_add
 from ..nn.losses import CrossEntropyLoss, _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
@@ -331,6 +331,57 @@ class VocabParallelEmbedding(TPLayer):
 
     def extra_repr(self) -> str:
         return f"{self.n} (local rows {self.start}:{self.stop}), {self.weight.shape[1]}, tp={self.comm.size}"
+
+
+class TiedLogits(Function):
+    """``x @ weight.T`` for a head tied to an embedding's ``(rows, d)`` weight; the weight's
+    gradient ``g.T @ x`` is added into ``layer.weight.grad`` here (its other use, the lookup,
+    adds its own: they sum)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, w: Any, layer: Any) -> Any:
+        xp = xp_of(x)
+        ctx.save_for_backward(x, w)
+        ctx.layer = layer
+        y = xp.empty((*x.shape[:-1], w.shape[0]), dtype=np.result_type(x.dtype, w.dtype))
+        matmul(xp, x.reshape(-1, w.shape[1]), w.T, out=y.reshape(-1, w.shape[0]))
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        x, w = ctx.saved_tensors
+        xp = xp_of(g)
+        g2, x2 = g.reshape(-1, w.shape[0]), x.reshape(-1, w.shape[1])
+        if ctx.needs_input_grad[1]:
+            p = ctx.layer.weight
+            p.grad += matmul(xp, g2.T, x2, out=xp.empty(w.shape, dtype=np.result_type(g.dtype, x.dtype)))
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = xp.empty(x.shape, dtype=np.result_type(g.dtype, w.dtype))
+            matmul(xp, g2, w, out=gx.reshape(-1, w.shape[1]))
+        return gx, None, None
+
+
+class VocabParallelTiedHead(TPLayer):
+    """The output layer tied to a ``VocabParallelEmbedding`` (nanoGPT's tied head, split over the
+    vocabulary): ``x @ weight.T`` with the embedding's very ``Parameter`` (this rank's rows of the
+    vocabulary, so its logits are the embedding's columns: left split, as a vocab head's; the
+    loss is ``VocabParallelCrossEntropy``). The weight's two uses add their gradients into one
+    ``.grad``; it is registered here under the head's name too, so a pipeline's last stage (which
+    holds no embedding) lists it, with the embedding's ``shard_index``."""
+
+    def __init__(self, embedding: VocabParallelEmbedding) -> None:
+        self.comm, self.n = embedding.comm, embedding.n
+        self.start, self.stop = embedding.start, embedding.stop
+        self.weight = embedding.weight
+        self.shard_index = {"weight": embedding.shard_index["weight"]}
+        self.cache = None
+
+    def compute(self, x: Any) -> Any:
+        return TiedLogits.apply(CopyToTP.apply(x, self.comm), self.weight, self)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[1]}, {self.n} (local rows {self.start}:{self.stop}), tied, tp={self.comm.size}"
 
 
 class VocabParallelCrossEntropy:

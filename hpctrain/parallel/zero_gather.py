@@ -13,15 +13,16 @@ from ..comm import pieces
 from .zero_units import Transient, Units, placeholder
 
 
-def _owners(model: Any, units: list[list[Any]]) -> list[Any]:
-    """The module owning each unit (``None`` where none does)."""
-    by_param: dict[int, Any] = {}
-    if hasattr(model, "named_modules"):
-        for _, m in model.named_modules():
-            for p in m.__dict__.get("_parameters", {}).values():
-                if p is not None:
-                    by_param.setdefault(id(p), m)
-    return [by_param.get(id(u[0])) for u in units]
+def _users(model: Any, units: Units) -> list[tuple[Any, list[int], list[Any]]]:
+    """``(module, units it computes with, its registered parameters)`` for every module that
+    registers a parameter of a unit: the unit's owner, and a module registering another's very
+    parameter (a tied head registers the token embedding's)."""
+    out = []
+    for _, m in model.named_modules() if hasattr(model, "named_modules") else ():
+        own = [p for p in m.__dict__.get("_parameters", {}).values() if p is not None and id(p) in units.of]
+        if own:
+            out.append((m, sorted({units.of[id(p)] for p in own}), own))
+    return out
 
 
 class ParamGathers:
@@ -138,32 +139,37 @@ class UnitHooks:
 
     def __init__(self, model: Any, units: Units, alloc: Any, gathers: ParamGathers | None) -> None:
         self._hooked: list[Any] = []
-        owners = _owners(model, units.groups)
-        self.active = all(m is not None for m in owners)
+        self._in_use: dict[int, int] = {}  # unit -> modules computing with it now (gathered once)
+        users = _users(model, units)
+        self.active = {u for _, us, _ in users for u in us} == set(range(len(units)))
         if not self.active:
             if gathers is not None:
                 raise ValueError("zero=3 needs every parameter owned by a Module of the model")
             return
-        for u, m in enumerate(owners):
-            self._wrap(m, u, alloc, gathers)
+        for m, us, own in users:
+            self._wrap(m, us, own, alloc, gathers)
 
-    def _wrap(self, m: Any, u: int, alloc: Any, gathers: ParamGathers | None) -> None:
+    def _wrap(self, m: Any, us: list[int], own: list[Any], alloc: Any, gathers: ParamGathers | None) -> None:
         from ..autograd import is_tensor
         from ..nn.module import Module
         from ..nn.recompute import rerun
 
-        own = [p for p in m.__dict__.get("_parameters", {}).values() if p is not None]
         fwd = m.forward
+        in_use = self._in_use
 
         def enter(backward: bool) -> None:
-            if backward:
-                alloc(u)
-            if gathers is not None:
-                gathers.gather(u)
+            for u in us:
+                if backward:
+                    alloc(u)
+                in_use[u] = in_use.get(u, 0) + 1
+                if gathers is not None and in_use[u] == 1:
+                    gathers.gather(u)
 
         def leave() -> None:
-            if gathers is not None:
-                gathers.release(u)
+            for u in us:
+                in_use[u] -= 1
+                if gathers is not None and in_use[u] == 0:
+                    gathers.release(u)
 
         def bracket(call: Any, backward: bool, *args: Any, **kwargs: Any) -> Any:
             enter(backward)

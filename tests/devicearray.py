@@ -49,9 +49,14 @@ def _unwrap(obj: Any, what: str) -> Any:
     return obj
 
 
-def _wrap(obj: Any) -> Any:
+def _wrap(obj: Any, inputs: Any = (), owner: Any = None) -> Any:
+    """``obj`` as a device array; a view of ``owner``'s memory keeps ``owner`` alive as CuPy's
+    views do (``.base``): reference counts then say who still uses an array (``Buffers``)."""
     if isinstance(obj, np.ndarray):
-        return ndarray(obj)
+        out = ndarray(obj)
+        if owner is not None and not obj.flags.owndata:
+            out._owner = owner
+        return out
     if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
         return ndarray(np.asarray(obj))  # CuPy returns 0-d arrays, never NumPy scalars
     if isinstance(obj, tuple):
@@ -64,11 +69,12 @@ def _wrap(obj: Any) -> Any:
 class ndarray:  # noqa: N801 - the name CuPy's array type has
     """An array in "device memory": see the module docstring for what it refuses."""
 
-    __slots__ = ("_a",)
+    __slots__ = ("_a", "_owner")
     __array_priority__ = 100
 
     def __init__(self, a: np.ndarray) -> None:
         self._a = a
+        self._owner = None
 
     # -- the boundary ----------------------------------------------------------------------------
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
@@ -137,7 +143,7 @@ class ndarray:  # noqa: N801 - the name CuPy's array type has
         return _wrap(func(*_unwrap(args, what), **{k: _unwrap(v, what) for k, v in kwargs.items()}))
 
     def __getitem__(self, key: Any) -> Any:
-        return _wrap(self._a[_index(key)])
+        return _wrap(self._a[_index(key)], owner=self)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         global to_device
@@ -163,13 +169,15 @@ class ndarray:  # noqa: N801 - the name CuPy's array type has
         if callable(attr):
             def method(*args: Any, **kwargs: Any) -> Any:
                 what = f"ndarray.{name}"
-                return _wrap(attr(*_unwrap(args, what), **{k: _unwrap(v, what) for k, v in kwargs.items()}))
+                a, kw = _unwrap(args, what), {k: _unwrap(v, what) for k, v in kwargs.items()}
+                result = attr(*a, **kw)
+                return self if result is self._a else _wrap(result, (self._a, *a), owner=self)
             return method
         return _wrap(attr) if isinstance(attr, np.ndarray) else attr
 
     @property
     def T(self) -> ndarray:  # noqa: N802
-        return ndarray(self._a.T)
+        return _wrap(self._a.T, owner=self)
 
     @property
     def shape(self) -> tuple:
@@ -298,8 +306,15 @@ class _Ufunc:
 
 def _call(fn: Any, args: tuple, kwargs: dict) -> Any:
     what = getattr(fn, "__name__", "function")
-    out = fn(*_unwrap(args, what), **{k: _unwrap(v, what) for k, v in kwargs.items()})
-    return _wrap(out)
+    a, kw = _unwrap(args, what), {k: _unwrap(v, what) for k, v in kwargs.items()}
+    result = fn(*a, **kw)
+    out = kwargs.get("out")
+    if isinstance(out, ndarray) and out._a is result:  # CuPy returns ``out`` itself, as NumPy does
+        return out
+    same = next((x for x in args if isinstance(x, ndarray) and x._a is result), None)
+    if same is not None:  # CuPy hands back the array itself (ascontiguousarray of a contiguous one)
+        return same
+    return _wrap(result, a, owner=next((x for x in args if isinstance(x, ndarray)), None))
 
 
 def __getattr__(name: str) -> Any:

@@ -112,6 +112,9 @@ class Function:
     #: ``True`` when the outputs may be views of argument 0's array (reshape, transpose, indexing,
     #: split): they share its version counter, so an in-place change of either is seen by both.
     view = False
+    #: ``True`` when the output is argument 0's array written in place (``Tensor.__iadd__``): the
+    #: tensor that held it carries on as the output, so nothing is shared.
+    inplace = False
 
     @staticmethod
     def forward(ctx: Context, *args: Any, **kwargs: Any) -> Any:
@@ -165,7 +168,8 @@ class Function:
             result._index = 0
             for arr in arrays:
                 if arr is out:
-                    _share_versions(cls, args, arrays, (result,))
+                    if not cls.inplace:
+                        _share_versions(cls, args, arrays, (result,))
                     break
             else:
                 if cls.view:

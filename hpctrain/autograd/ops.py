@@ -71,6 +71,26 @@ class Sub(Function):
         return (g if n[0] else None), (-g if n[1] else None)
 
 
+class AddInPlace(Function):
+    """``a += b`` (``a -= b`` with ``negate``) written into ``a``'s array, which is the output: the
+    tensor that held ``a`` carries on as this node's output (``Tensor.__iadd__``, ``__isub__``).
+    No pass and no array beyond the addition itself; the backward needs nothing saved."""
+
+    inplace = True
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any, negate: bool) -> Any:
+        xp = xp_of(a)
+        (xp.subtract if negate else xp.add)(a, b, out=a)
+        ctx.negate = negate
+        return a
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        n = ctx.needs_input_grad
+        return (g if n[0] else None), ((-g if ctx.negate else g) if n[1] else None), None
+
+
 class Mul(Function):
     @staticmethod
     def forward(ctx: Context, a: Any, b: Any) -> Any:

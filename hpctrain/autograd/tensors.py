@@ -251,7 +251,8 @@ class Tensor:
 
     # -- in place ------------------------------------------------------------------------------
 
-    def _in_place(self, op: Callable[..., Any], *args: Any) -> Tensor:
+    def _recording(self, *args: Any) -> bool:
+        """Whether an in-place operation with ``args`` records (it is then refused where it must be)."""
         recording = state.enabled and (self.requires_grad or any(isinstance(a, Tensor) and a.requires_grad
                                                                  for a in args))
         if recording:
@@ -262,6 +263,11 @@ class Tensor:
                 raise AutogradError("an in-place operation while recording on a tensor whose memory a view shares "
                                     "(reshape, transpose, indexing, split, detach): the view's graph would be "
                                     "wrong; compute out of place")
+        return recording
+
+    def _in_place(self, op: Callable[..., Any], *args: Any) -> Tensor:
+        recording = self._recording(*args)
+        if recording:
             out = op(self, *args)
         else:
             with no_grad():
@@ -276,11 +282,30 @@ class Tensor:
             self._node, self._index, self.requires_grad = out._node, out._index, True
         return self
 
+    def _add_in_place(self, other: Any, negate: bool) -> Tensor:
+        """``+=`` / ``-=`` written straight into this tensor's array (one pass, nothing allocated)
+        when the result has its shape and dtype; otherwise computed out of place and copied in."""
+        o = other.data if isinstance(other, Tensor) else other
+        shape_o = getattr(o, "shape", ())
+        data = self.data
+        if (shape_o != data.shape and np.broadcast_shapes(data.shape, shape_o) != data.shape) or \
+                np.result_type(data.dtype, getattr(o, "dtype", o)) != data.dtype:
+            return self._in_place(ops.sub if negate else ops.add, other)
+        if self._recording(other):
+            out = ops.AddInPlace.apply(self, other, negate)
+            self._node, self._index, self.requires_grad = out._node, out._index, True
+        else:
+            (xp_of(data).subtract if negate else xp_of(data).add)(data, o, out=data)
+        box = self._vbox
+        if box is not None:
+            box[0] += 1
+        return self
+
     def __iadd__(self, other: Any) -> Tensor:
-        return self._in_place(ops.add, other)
+        return self._add_in_place(other, False)
 
     def __isub__(self, other: Any) -> Tensor:
-        return self._in_place(ops.sub, other)
+        return self._add_in_place(other, True)
 
     def __imul__(self, other: Any) -> Tensor:
         return self._in_place(ops.mul, other)

@@ -37,6 +37,8 @@ class Dropout(Module):
     drop the same elements; the kernel keeps only the seed for backward (no mask in memory).
     """
 
+    fused_node = True  # on a tensor: one node of its own forward/backward (nn.layer_nodes)
+
     def __init__(self, p: float = 0.5, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
         # dtype is accepted for a uniform constructor signature; the mask takes the input's dtype.
         problem = dropout_problem(p)

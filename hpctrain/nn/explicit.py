@@ -52,8 +52,29 @@ class recording:  # noqa: N801 - a context manager
 
 def _record(module: Any, x: Any) -> None:
     seen = _calls.setdefault(id(module), (module, []))[1]
-    if len(seen) < 2:
+    if len(seen) < 2 and hasattr(x, "copy"):
         seen.append(x.copy())
+
+
+def users_explicit(m: Any) -> bool:
+    """Whether ``m`` is of a class outside hpctrain that writes its own ``backward``."""
+    cls = type(m)
+    bwd = getattr(cls, "backward", None)
+    return (not cls.__module__.startswith("hpctrain.") and bwd is not None
+            and not getattr(bwd, "__module__", "hpctrain.").startswith("hpctrain."))
+
+
+def _recording_forwards(module: Any) -> _Swapped:
+    """Record the inputs of the user's explicit submodules of ``module`` during its forward."""
+    swap = _Swapped("forward")
+    for _, m in module.named_modules() if hasattr(module, "named_modules") else ():
+        if m is not module and users_explicit(m):
+            def forward(x: Any, *args: Any, _f: Any = m.forward, _m: Any = m, **kwargs: Any) -> Any:
+                _record(_m, x)
+                return _f(x, *args, **kwargs)
+
+            swap.put(m, forward)
+    return swap
 
 
 def _caches(module: Any) -> Any:
@@ -97,9 +118,16 @@ class _Swapped:
         self.saved = []
 
 
-def _counting_forwards(owners: list, counts: dict[int, int]) -> _Swapped:
-    from .recompute import recomputing
+# > 0 while nn.recompute reruns a forward inside a backward (set there): not another use.
+recompute_depth = [0]
 
+
+def recomputing() -> bool:
+    """Whether a forward running now is a recomputation inside backward."""
+    return recompute_depth[0] > 0
+
+
+def _counting_forwards(owners: list, counts: dict[int, int]) -> _Swapped:
     swap = _Swapped("forward")
     for m, _ in owners:
         def forward(*args: Any, _f: Any = m.forward, _k: int = id(m), **kwargs: Any) -> Any:
@@ -135,8 +163,18 @@ class ModuleCall(Function):
     def forward(ctx: Context, module: Any, x: Any, *params: Any) -> Any:
         if not is_grad_enabled():
             return _plain_forward(ctx, module, x)
-        if _calls is not None:
-            _record(module, x)
+        if _calls is not None:  # a pipeline's first step: the user's explicit modules' inputs
+            if users_explicit(module):
+                _record(module, x)
+            recorder = _recording_forwards(module)
+            try:
+                return ModuleCall._forward(ctx, module, x, params)
+            finally:
+                recorder.restore()
+        return ModuleCall._forward(ctx, module, x, params)
+
+    @staticmethod
+    def _forward(ctx: Context, module: Any, x: Any, params: tuple) -> Any:
         owners = _owners(module) if len(params) > 2 else []
         if len(owners) < 2:
             return _plain_forward(ctx, module, x)
@@ -178,24 +216,9 @@ def _plain_forward(ctx: Context, module: Any, x: Any) -> Any:
     return out
 
 
-def parameters_of(module: Any) -> list[Any]:
-    """Every ``Parameter`` ``module`` computes with: its registered ones and those its submodules
-    hold without registering them (``Linear.borrowing``), each once."""
-    from .module import Parameter
-
-    if not hasattr(module, "named_modules"):
-        return list(module.parameters()) if hasattr(module, "parameters") else []
-    out: dict[int, Any] = {}
-    for _, m in module.named_modules():
-        for v in m.__dict__.values():
-            if isinstance(v, Parameter):
-                out.setdefault(id(v), v)
-    return list(out.values())
-
-
-def call_module(module: Any, x: Any) -> Any:
-    """``module`` applied to tensor ``x`` as one graph node (see the module docstring)."""
-    params = parameters_of(module)
+def call_module(module: Any, x: Any, params: list[Any]) -> Any:
+    """``module`` applied to tensor ``x`` as one graph node over ``params`` (every parameter it
+    computes with: see the module docstring)."""
     out = ModuleCall.apply(module, x, *params)
     node = out._node
     if node is not None:

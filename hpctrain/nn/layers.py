@@ -1,4 +1,5 @@
-"""Basic layers with explicit forward/backward on NumPy or CuPy arrays."""
+"""Basic layers with explicit forward/backward on NumPy or CuPy arrays; called on a tensor, each is
+one fused node of the autograd graph (``hpctrain.nn.layer_nodes``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class Linear(Module):
     Initialised like the common reference (uniform in +-1/sqrt(d_in)) from ``rng`` (a seed or a
     ``numpy.random.Generator``), in ``dtype`` (float32 by default).
     """
+
+    fused_node = True  # on a tensor: one node of its own forward/backward (nn.layer_nodes)
 
     def __init__(
         self,
@@ -90,8 +93,51 @@ class Linear(Module):
         return f"{self.d_in}, {self.d_out}, bias={self.bias is not None}"
 
 
+class TiedLinear(Module):
+    """``y = x @ weight.T`` with ``weight`` ``(d_out, d_in)`` a ``Parameter`` another module owns: a
+    lookup table used as an output layer (the GPT's tied head, ``weight`` its token embedding's).
+    No bias. The weight is registered here too, so this module alone (a pipeline's last stage)
+    still lists it; a model that holds both lists it once, under its first name (the owner's).
+    Its backward adds into the same ``.grad`` the owner's does: the two gradients sum."""
+
+    fused_node = True  # on a tensor: one node of its own forward/backward (nn.layer_nodes)
+
+    def __init__(self, weight: Parameter) -> None:
+        if not isinstance(weight, Parameter) or weight.ndim != 2:
+            raise TypeError(f"TiedLinear takes a 2-D Parameter (d_out, d_in), got {type(weight).__name__}")
+        self.weight = weight
+        self.d_out, self.d_in = weight.shape
+        self.cache = None
+
+    def forward(self, x: Any) -> Any:
+        if x.shape[-1] != self.d_in:
+            raise ValueError(f"TiedLinear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
+        self.cache = x
+        xp, w = xp_of(x), self.weight.data
+        y = self._scratch().get("y", (*x.shape[:-1], self.d_out), np.result_type(x.dtype, w.dtype), xp)
+        matmul(xp, x.reshape(-1, self.d_in), w.T, out=y.reshape(-1, self.d_out))
+        return y
+
+    def backward(self, grad_out: Any) -> Any:
+        x = self.cache
+        xp, w = xp_of(grad_out), self.weight.data
+        buf = self._scratch()
+        x2 = x.reshape(-1, self.d_in)
+        g2 = grad_out.reshape(-1, self.d_out)
+        gw = buf.get("gw", w.shape, np.result_type(x.dtype, grad_out.dtype), xp)
+        self.weight.grad += matmul(xp, g2.T, x2, out=gw)
+        gx = buf.get("gx", (*grad_out.shape[:-1], self.d_in), np.result_type(grad_out.dtype, w.dtype), xp)
+        matmul(xp, g2, w, out=gx.reshape(-1, self.d_in))
+        return gx
+
+    def extra_repr(self) -> str:
+        return f"{self.d_in}, {self.d_out}, tied"
+
+
 class ReLU(Module):
     """``max(x, 0)``; the gradient at exactly 0 is taken as 0."""
+
+    fused_node = True  # on a tensor: one node of its own forward/backward (nn.layer_nodes)
 
     def __init__(self, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
         # rng and dtype are accepted so every layer shares one constructor signature; unused.
@@ -111,6 +157,8 @@ class ReLU(Module):
 class GELU(Module):
     """GELU in the tanh approximation of GPT-2: ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``."""
 
+    fused_node = True  # on a tensor: one node of its own forward/backward (nn.layer_nodes)
+
     def __init__(self, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
         # rng and dtype are accepted so every layer shares one constructor signature; unused.
         self.cache = None
@@ -128,6 +176,8 @@ class GELU(Module):
 
 class Tanh(Module):
     """Elementwise ``tanh``."""
+
+    fused_node = True  # on a tensor: one node of its own forward/backward (nn.layer_nodes)
 
     def __init__(self, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
         # rng and dtype are accepted so every layer shares one constructor signature; unused.
@@ -149,6 +199,8 @@ class LayerNorm(Module):
     ``weight`` starts at ones and ``bias`` at zeros; the variance is the biased one (as in the
     common reference), ``eps`` is added to it.
     """
+
+    fused_node = True  # on a tensor: one node of its own forward/backward (nn.layer_nodes)
 
     def __init__(
         self,
@@ -227,6 +279,8 @@ class Embedding(Module):
     ``weight`` (n, d) starts as N(0, std^2) (std=1 as in the common reference). ``backward``
     accumulates the row gradients and returns ``None`` (token ids have no gradient).
     """
+
+    fused_node = True  # on a tensor: one node of its own forward/backward (nn.layer_nodes)
 
     def __init__(
         self,

@@ -36,21 +36,13 @@ import numpy as np
 from ..autograd import Function, Tensor, backward, enable_grad, is_tensor, no_grad, quiet_post_hooks
 from ..autograd.function import Context
 from .buffers import transient
-from .explicit import parameters_of
-from .module import Module, Sequential
+from .explicit import recompute_depth, recomputing  # noqa: F401 - recomputing: its home was here
+from .module import Module, Sequential, parameters_of
 
-# > 0 while a Recompute re-runs a forward inside backward: observers of forward calls (the
-# data-parallel overlap hooks) must not count those as new forwards.
-_depth = 0
 # Weak references to callables taking the recomputed outputs (a tuple of tensors; empty for the
 # explicit protocol, whose layers' caches hold them), called after each recomputed forward while
 # that segment's activations exist: memory meters measure the activation peak there.
 observers: list[Callable[[], Callable[[Module], None] | None]] = []
-
-
-def recomputing() -> bool:
-    """Whether a forward running now is a recomputation inside backward."""
-    return _depth > 0
 
 
 def generators(m: Any) -> list[np.random.Generator]:
@@ -132,15 +124,14 @@ class Rerun(Function):
             leaves = [Tensor(a, requires_grad=need[2 + i]) for i, a in enumerate(ctx.saved_tensors)]
             gens = run.gens
             after = [g.bit_generator.state for g in gens]
-            global _depth
-            _depth += 1
+            recompute_depth[0] += 1
             try:
                 for g, st in zip(gens, ctx.states):
                     g.bit_generator.state = st  # replay the same random draws (dropout masks)
                 with enable_grad():
                     out = run.fn(*leaves)
             finally:
-                _depth -= 1
+                recompute_depth[0] -= 1
                 for g, st in zip(gens, after):
                     g.bit_generator.state = st  # as if the forward had drawn only once
             _notify(out if isinstance(out, tuple) else (out,))
@@ -268,17 +259,16 @@ class Recompute(Module):
         if self.cache is None:
             raise RuntimeError("Recompute.backward called without a forward")
         kept, self.cache = self.cache, None
-        global _depth
         for run, (x, states) in zip(reversed(self._runs()), reversed(kept)):
             gens = self._generators(run)
             after = [g.bit_generator.state for g in gens]
-            _depth += 1
+            recompute_depth[0] += 1
             try:
                 for g, s in zip(gens, states):
                     g.bit_generator.state = s  # replay the same random draws (dropout masks)
                 run.forward(x)
             finally:
-                _depth -= 1
+                recompute_depth[0] -= 1
                 for g, s in zip(gens, after):
                     g.bit_generator.state = s  # as if the forward had drawn only once
             _notify(())

@@ -120,8 +120,8 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
         self.mode, self.staleness, self.momentum = mode, int(staleness), float(momentum)
         self.progress_layers = bool(progress_layers)
         # Progress while backward runs too: as each parameter's gradient completes.
-        self._pokes = [p.register_post_accumulate_grad_hook(self._poke) for _, p in model.named_parameters()
-                       if self.progress_layers and hasattr(p, "register_post_accumulate_grad_hook")]  # fmt: skip
+        self._pokes = [p.register_post_accumulate_grad_hook(lambda _p: self.progress())
+                       for _, p in model.named_parameters() if self.progress_layers]
         self.optimizer = None  # the servers' SGD lives in the windows, not in an Optimizer
         self.servers = list(range(comm.size)) if servers is None else [int(s) for s in servers]
         self.named = sorted(model.named_parameters(), key=lambda kv: kv[0])
@@ -249,8 +249,7 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
             self._win.progress()
 
     def _forward(self, x: Any) -> Any:
-        """The model on ``x`` through the autograd engine (progress poked between a
-        ``Sequential``'s layers)."""
+        """The model on ``x`` through the engine (progress poked between a Sequential's layers)."""
         layers = getattr(self.model, "layer_names", None)
         if not (self.progress_layers and layers):
             return run_model(self.model, x)
@@ -259,10 +258,6 @@ class ParameterServerTrainer(WorkerClocks, Trainer):
             t = getattr(self.model, name)(t)
             self.progress()
         return t
-
-    def _poke(self, _p: Any) -> None:
-        """A parameter's gradient is complete: let MPI progress (a post-accumulate hook)."""
-        self.progress()
 
     # -- window traffic ------------------------------------------------------------------------
 

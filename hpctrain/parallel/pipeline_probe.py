@@ -24,7 +24,7 @@ import numpy as np
 
 from ..backend import to_device, to_host, xp_of
 from ..errors import PerCallStateError
-from ..nn.explicit import parameters_of
+from ..nn.module import parameters_of
 from ..nn.recompute import generators
 
 _OWN = "hpctrain."

@@ -5,10 +5,11 @@ names (``weight``, ``bias``, ``fc1``, ``qkv`` ...) so dotted names stay those of
 and records in ``shard_index`` where each local array sits in the full tensor (``full_shape`` and
 an index). The computation is nn's: the linear layers hold an ``nn.Linear`` over their slice
 (``Linear.borrowing``: their parameters, its fast path and precision handling), the attention is
-``nn.transformer.attend`` (the serial attention's code) on this rank's heads, the embedding's
+``nn.transformer.SelfAttentionBase`` on this rank's heads, the embedding's
 gradient goes through ``nn.layers.scatter_add``. Communication goes only through the mapping
-``Function``s of ``tensor_mappings``; every layer is a ``TPLayer`` that writes only its forward on
-tensors (``compute``), so none has a backward of its own that could forget a twin.
+``Function``s of ``tensor_mappings``; every layer with communication is a ``TPLayer`` that writes
+only its forward on tensors (``compute``), so none has a backward of its own that could forget a
+twin (the attention composes them as the serial one composes its Linears).
 
 Shapes that do not split are refused with a ``ValueError`` when the layer is built; every rank
 builds from the same serial model, so every rank refuses alike.
@@ -28,7 +29,7 @@ from ..errors import Say, as_argument
 from ..nn.layers import Linear, add_bias_grad, check_indices, scatter_add
 from ..nn.losses import CrossEntropyLoss, _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
 from ..nn.module import Module, Parameter
-from ..nn.transformer import attend, attend_backward
+from ..nn.transformer import SelfAttentionBase
 from ..protocols import Comm
 from .tensor_mappings import (
     CopyToTP,
@@ -219,29 +220,13 @@ class ParallelMLP(TPLayer):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class Attend(Function):
-    """The causal attention of ``layer.n_local_heads`` heads from their ``[q | k | v]`` columns
-    (``nn.transformer.attend`` and its backward: the serial attention's code) as one node."""
-
-    @staticmethod
-    def forward(ctx: Context, qkv: Any, layer: Any) -> Any:
-        y, saved = attend(qkv, layer.n_local_heads, layer.head_dim, layer._scratch())
-        ctx.save_for_backward(*saved)
-        ctx.layer = layer
-        return y
-
-    @staticmethod
-    def backward(ctx: Context, g: Any) -> Any:
-        return attend_backward(g, ctx.saved_tensors, ctx.layer._scratch()), None
-
-
-class ParallelSelfAttention(TPLayer):
+class ParallelSelfAttention(SelfAttentionBase):
     """Causal multi-head self-attention with the heads split across the tensor-parallel group.
 
     ``qkv`` is column-parallel (rank r holds the q, k and v columns of its heads), the attention
-    of those heads is the serial attention's code (``nn.transformer.attend`` on
-    ``n_local_heads`` heads) and ``proj`` is row-parallel: one all-reduce forward, one backward.
-    Needs ``n_heads % tp == 0``.
+    of those heads is ``SelfAttentionBase``'s (the serial code on ``n_local_heads`` heads: on a
+    tensor the core is one node) and ``proj`` is row-parallel: one all-reduce forward, one
+    backward. Needs ``n_heads % tp == 0``.
     """
 
     def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, n_heads: int, comm: Comm) -> None:
@@ -251,11 +236,6 @@ class ParallelSelfAttention(TPLayer):
         self.d_model = proj.d_out
         self.head_dim = self.d_model // n_heads
         self.cache = None
-
-    def compute(self, x: Any) -> Any:
-        if x.ndim != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"{type(self).__name__}({self.d_model}) needs (B, T, {self.d_model}), got {x.shape}")
-        return self.proj(Attend.apply(self.qkv(x), self))
 
     def heads_here(self) -> int:
         return self.n_local_heads

@@ -48,7 +48,7 @@ def run_model(model: Any, x: Any, requires_grad: bool = False) -> Any:
     from ..nn.module import Module
 
     t = x if is_tensor(x) else Tensor(x, requires_grad=requires_grad)
-    out = model(t) if isinstance(model, Module) else call_module(model, t)
+    out = model(t) if isinstance(model, Module) else call_module(model, t, list(model.parameters()))
     if not is_tensor(out):
         raise TypeError(f"{type(model).__name__} returned {type(out).__name__} for a tensor input: a model returns "
                         "the tensor its last operation made (or, with its own backward, an array)")

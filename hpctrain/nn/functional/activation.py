@@ -10,11 +10,11 @@ from ...autograd import Function
 from ...autograd.function import Context
 from ...autograd.ops import expand_reduced, reduced_shape
 from ...backend import xp_of
-from ..buffers import Buffers
+from ..buffers import shared
 from ..kernels import gelu_backward, gelu_forward
 
-#: Scratch arrays for the functional forms: a pool that keeps nothing (every array is new).
-FRESH = Buffers(retain=False)
+#: Scratch arrays for the functional forms: the process's shared pool (``nn.buffers.shared``).
+FRESH = shared
 
 
 class Gelu(Function):

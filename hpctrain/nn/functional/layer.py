@@ -2,8 +2,8 @@
 
 Each computes what its ``nn`` layer or loss computes, with the same code: ``layer_norm`` runs
 ``nn.LayerNorm``'s kernels, ``embedding`` ``nn.Embedding``'s checks and scatter-add,
-``dropout`` ``nn.Dropout``'s mask, ``cross_entropy`` and ``mse_loss`` a fresh
-``nn.CrossEntropyLoss`` / ``nn.MSELoss`` per call.
+``dropout`` ``nn.Dropout``'s mask, ``cross_entropy`` and ``mse_loss`` an ``nn.CrossEntropyLoss`` /
+``nn.MSELoss`` as one node (``hpctrain.nn.layer_nodes.call_loss``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ...autograd.shape import reshape
 from ...backend import to_device, xp_of
 from ..dropout import dropout_mask, dropout_problem
 from ..kernels import layer_norm_backward, layer_norm_forward
+from ..layer_nodes import call_loss
 from ..layers import check_indices, scatter_add
 from ..losses import CrossEntropyLoss, MSELoss
 from ..module import as_rng
@@ -100,27 +101,9 @@ def dropout(x: Any, p: float = 0.5, training: bool = True, rng: int | np.random.
     return mul(x, dropout_mask(x.data if is_tensor(x) else x, p, as_rng(rng)))
 
 
-class LossFn(Function):
-    """A loss object of the explicit protocol (``forward(pred, target[, weight])``,
-    ``backward(scale)``), fresh for this call, as one node: the loss value is its output."""
-
-    @staticmethod
-    def forward(ctx: Context, pred: Any, target: Any, weight: Any, loss: Any) -> Any:
-        ctx.loss = loss
-        return loss.forward(pred, target) if weight is None else loss.forward(pred, target, weight)
-
-    @staticmethod
-    def backward(ctx: Context, g: Any) -> Any:
-        return ctx.loss.backward(g), None, None, None
-
-
-def _constant(x: Any, what: str, name: str) -> Any:
-    if is_tensor(x):
-        if x.requires_grad:
-            raise ValueError(f"{name}: the {what} is a constant here (no gradient flows to it); pass "
-                             f"{what}.detach()")
-        return x.data
-    return x
+# One object per loss serves every call: what a call keeps for its backward lives in its node.
+_CROSS_ENTROPY = CrossEntropyLoss()
+_MSE = MSELoss()
 
 
 def cross_entropy(logits: Any, target: Any, weight: Any = None) -> Any:
@@ -129,8 +112,7 @@ def cross_entropy(logits: Any, target: Any, weight: Any = None) -> Any:
     same code): ``weight`` is a per-*sample* weight ``(B,)`` (0 for padding; the mean is then
     ``sum(w l) / sum(w)``), not PyTorch's per-class weight. Out-of-range targets raise
     ``DatasetError``. 16-bit logits: computed in float32."""
-    return LossFn.apply(logits, _constant(target, "target", "cross_entropy"),
-                        _constant(weight, "weight", "cross_entropy"), CrossEntropyLoss())
+    return call_loss(_CROSS_ENTROPY, logits, target, weight)
 
 
 def mse_loss(pred: Any, target: Any, weight: Any = None) -> Any:
@@ -138,8 +120,7 @@ def mse_loss(pred: Any, target: Any, weight: Any = None) -> Any:
     per-sample weight ``(B,)``. ``target`` is a constant (detach a tensor that requires a gradient)."""
     if tuple(getattr(pred, "shape", ())) != tuple(getattr(target, "shape", ())):
         raise ValueError(f"mse_loss: pred shape {tuple(pred.shape)} != target shape {tuple(target.shape)}")
-    return LossFn.apply(pred, _constant(target, "target", "mse_loss"), _constant(weight, "weight", "mse_loss"),
-                        MSELoss())
+    return call_loss(_MSE, pred, target, weight)
 
 
 __all__ = ["cross_entropy", "dropout", "embedding", "layer_norm", "mse_loss"]

@@ -1,0 +1,168 @@
+"""The built-in layers and losses as fused nodes of the autograd graph.
+
+A built-in layer called on a tensor (``Module.__call__``) runs its own ``forward`` on the tensor's
+array and becomes one node whose backward is the layer's hand-written ``backward``: the same
+bodies as on arrays (Numba on NumPy, the CUDA kernels on CuPy, through the same dispatch), so
+nothing is lost to the graph but the node's bookkeeping. The layer keeps nothing between calls:
+what its forward put in ``self.cache`` moves into the node and comes back for the one call of its
+backward, so a layer may run twice in one forward (shared weights) or for several micro-batches
+in flight.
+
+The layer's parameters are arguments of the node. Its backward adds their gradients into their
+``.grad`` in place, as it always did (a bucket's view stays where it is; on a GPU the weight's
+product accumulates there itself), and the node gives the engine none for them; their
+post-accumulate hooks run once the node has run, after every other use of them (a tied weight).
+Two cases take the engine's way instead: a parameter whose ``.grad`` is ``None`` gets a zeroed one
+first, and one with ``register_hook`` hooks gets its gradient of this node from a zeroed stand-in,
+handed to the engine (which runs the hooks and accumulates it). ``backward(inputs=...)`` does not
+keep a built-in layer's parameters out: their gradients are added with the node's.
+
+Arrays the layer kept that are its very input or output are watched like saved tensors: an
+in-place change of either before the backward is refused (``AutogradError``).
+
+A loss (``CrossEntropyLoss``, ``MSELoss``) called on a tensor is likewise one node
+(``call_loss``): its value is the output, its ``backward(scale)`` with the incoming gradient as
+the scale is the node's backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..autograd import Function, is_tensor
+from ..autograd.function import Context, version_box
+
+
+def _kept(cache: Any, x: Any, out: Any) -> tuple:
+    """The arrays of ``cache`` (an array or a tuple of them) that are ``x`` or ``out`` themselves."""
+    items = cache if type(cache) is tuple else (cache,)
+    return tuple(a for a in items if a is x or a is out)
+
+
+class LayerCall(Function):
+    """``forward(x, **kw)`` of a layer (or the step ``fwd`` of it) as one node; ``backward`` (or
+    ``bwd``) its backward. Arguments: the module, ``fwd`` and ``bwd`` (``None``: the module's own,
+    looked up at each call so that wrappers installed on the instance run), the input, the
+    parameters."""
+
+    @staticmethod
+    def forward(ctx: Context, module: Any, fwd: Any, bwd: Any, x: Any, *params: Any, **kw: Any) -> Any:
+        out = (module.forward if fwd is None else fwd)(x, **kw)
+        d = module.__dict__
+        cache = d.get("cache")
+        d["cache"] = None
+        ctx.module, ctx.bwd, ctx.cache = module, bwd, cache
+        if cache is not None:
+            kept = _kept(cache, x, out)
+            if kept:
+                ctx.save_for_backward(*kept)
+        return out
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        module = ctx.module
+        grads = _prepare(ctx)
+        d = module.__dict__
+        d["cache"] = ctx.cache
+        try:
+            gx = (module.backward if ctx.bwd is None else ctx.bwd)(g)
+        finally:
+            d["cache"] = None
+        if grads is not None:
+            grads = _collect(grads)
+        n = len(ctx.needs_input_grad)
+        out = [None] * n
+        if ctx.needs_input_grad[3]:
+            out[3] = gx
+        if grads:
+            for k, gp in grads.items():
+                out[k] = gp
+        return tuple(out)
+
+
+def _prepare(ctx: Context) -> dict | None:
+    """Parameters that need the engine's way (see the module docstring): a zeroed ``.grad`` for
+    one that has none; for one with hooks, ``{argument index: (parameter, its own .grad)}`` with
+    a zeroed stand-in in ``.grad`` for the body to add into. ``None``: none of them."""
+    out = None
+    edges = ctx._edges
+    for k in range(4, len(edges)):
+        e = edges[k]
+        if e is None or e[1] >= 0:
+            continue
+        p = e[0]
+        if p.grad is None:
+            p.grad = _zeros(p.data)
+        elif p._hooks:
+            out = {} if out is None else out
+            out[k] = (p, p.grad)
+            p.grad = _zeros(p.grad)
+    return out
+
+
+def _collect(held: dict) -> dict:
+    """Put each hooked parameter's own ``.grad`` back; its stand-in is the node's gradient for it."""
+    grads = {}
+    for k, (p, own) in held.items():
+        grads[k], p.grad = p.grad, own
+    return grads
+
+
+def _zeros(a: Any) -> Any:
+    from ..backend import xp_of
+
+    return xp_of(a).zeros_like(a)
+
+
+def call_layer(module: Any, x: Any, params: Any = (), *, fwd: Any = None, bwd: Any = None, **kw: Any) -> Any:
+    """``module`` (a layer that keeps its per-call state in ``self.cache``) applied to tensor ``x``
+    as one fused node, with ``params`` the parameters it computes with (see the module docstring);
+    ``fwd``/``bwd``: a step of the module instead of its ``forward``/``backward``."""
+    return LayerCall.apply(module, fwd, bwd, x, *params, **kw)
+
+
+class LossCall(Function):
+    """A loss object's ``forward(pred, target[, weight])`` as one node; ``backward(scale)`` with the
+    incoming gradient as the scale. What the loss keeps for its backward moves into the node."""
+
+    @staticmethod
+    def forward(ctx: Context, loss: Any, box: Any, pred: Any, target: Any, weight: Any) -> Any:
+        value = loss.forward(pred, target) if weight is None else loss.forward(pred, target, weight)
+        d = loss.__dict__
+        ctx.loss, ctx.box, ctx.pred = loss, box, pred
+        ctx.state = {k: d[k] for k in loss.call_state}
+        for k in loss.call_state:
+            d[k] = None
+        return value
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        loss = ctx.loss
+        if type(g) is np.ndarray and g.ndim == 0:
+            g = g.item()  # a Python number scales in the gradient's dtype (a 0-d array would widen it)
+        d = loss.__dict__
+        d.update(ctx.state)
+        try:
+            gx = loss.backward(g)
+        finally:
+            for k in loss.call_state:
+                d[k] = None
+        if gx is ctx.pred and ctx.box is not None:
+            # The GPU path writes the gradient over the logits: a node that saved them must refuse.
+            ctx.box[0] += 1
+        return None, None, gx, None, None
+
+
+def call_loss(loss: Any, pred: Any, target: Any, weight: Any = None) -> Any:
+    """``loss`` of tensor ``pred`` against constant ``target`` (and per-sample ``weight``) as one
+    node; its output is the loss value, a 0-d tensor."""
+    for what, v in (("target", target), ("weight", weight)):
+        if is_tensor(v):
+            if v.requires_grad:
+                raise ValueError(f"{type(loss).__name__}: the {what} is a constant (no gradient flows to it); pass "
+                                 f"{what}.detach()")
+    target = target.data if is_tensor(target) else target
+    weight = weight.data if is_tensor(weight) else weight
+    return LossCall.apply(loss, version_box(pred), pred, target, weight)

@@ -80,7 +80,8 @@ def explicit_accumulate(self, batch):
         if i == len(batch.parts) - 1:
             self.reducer.begin()
         out = self.model.forward(x[part])
-        value = self.loss.forward(out, y[part]) if w is None else self.loss.forward(out, y[part], to_device(w[part], xp))
+        wi = None if w is None else to_device(w[part], xp)
+        value = self.loss.forward(out, y[part]) if wi is None else self.loss.forward(out, y[part], wi)
         loss_sum = loss_sum + value * scales[i]
         self.model.backward(self.loss.backward(scales[i]))
     return loss_sum, {}, 0.0

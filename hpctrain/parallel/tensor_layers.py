@@ -120,15 +120,15 @@ class ColumnParallelLinear(TPLayer):
 
 
 class BiasAfterReduce(Function):
-    """``y + bias`` into the all-reduce's fresh output; the bias gradient is added into
-    ``layer.bias.grad`` here (column sums as a BLAS product, ``nn.layers.add_bias_grad``), so
-    the node gives the bias none of its own."""
+    """``y + bias`` after the all-reduce; the bias gradient is added into ``layer.bias.grad`` here
+    (column sums as a BLAS product, ``nn.layers.add_bias_grad``), so the node gives the bias
+    none of its own. (A new array: at tp=1 the reduction hands back its input, which the block's
+    residual sum then adds into in place.)"""
 
     @staticmethod
     def forward(ctx: Context, y: Any, bias: Any, layer: Any) -> Any:
         ctx.layer = layer
-        y += bias  # the reduction's own output: nothing else holds it
-        return y
+        return y + bias
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> Any:

@@ -139,3 +139,16 @@ def test_a_tied_checkpoint_loads_tied_and_untied_an_untied_one_is_refused_by_a_t
     assert all(np.array_equal(before[n], after[n]) for n in before)  # all or nothing
     untied.close()
     tr.close()
+
+
+def test_the_flag_builds_the_tied_gpt():
+    """``hpctrain train --model gpt --tie-embeddings``: the built-in builder ties the head."""
+    from hpctrain.job.models import build_gpt
+    from hpctrain.job.options import Config
+
+    meta = {"vocab_size": V}
+    for flag in (False, True):
+        c = Config(model="gpt", d_model=8, n_heads=2, n_layers=1, block_size=T, tie_embeddings=flag)
+        m = build_gpt(c, meta)
+        assert m.tied_weights() == ({"head.weight": "tok_emb.weight"} if flag else {})
+        assert ("head.weight" in dict(m.named_parameters())) is not flag

@@ -56,7 +56,7 @@ class Dropout(Module):
         if k is not None:
             seed = int(self.rng.integers(2**63))
             self.cache = seed
-            return k.dropout(x, xp_of(x).empty_like(x), seed, philox.keep_threshold(self.p), 1.0 / (1.0 - self.p))
+            return k.dropout(x, self._scratch().like("y", x), seed, philox.keep_threshold(self.p), 1.0 / (1.0 - self.p))
         mask = dropout_mask(x, self.p, self.rng)
         self.cache = mask
         return x * mask
@@ -65,7 +65,7 @@ class Dropout(Module):
         mask = self.cache
         if isinstance(mask, int):  # the kernel's seed: the same words again
             g = xp_of(grad_out).ascontiguousarray(grad_out)
-            return gpu.usable(g).dropout(g, xp_of(g).empty_like(g), mask, philox.keep_threshold(self.p),
+            return gpu.usable(g).dropout(g, gpu.shared.like("dropout_gx", g), mask, philox.keep_threshold(self.p),
                                          1.0 / (1.0 - self.p))
         return grad_out if mask is None else grad_out * mask
 

@@ -101,10 +101,10 @@ def gelu_backward(grad_out: Any, x: Any, t: Any, buf: Buffers) -> Any:
     """The input gradient of GELU given ``grad_out`` and forward's ``x`` and ``t``."""
     xp = xp_of(x)
     # d/dx = 0.5 ((1 + t) + x (1 - t^2) c (1 + 3 * 0.044715 x^2)), by row chunks as forward.
-    a = buf.get("gx", x.shape, np.result_type(x.dtype, grad_out.dtype), xp)
     if t is None:  # the GPU kernel's forward kept x only
         g = grad_out if grad_out.dtype == x.dtype else grad_out.astype(x.dtype)
-        return gpu.usable(x).gelu_backward(x, xp.ascontiguousarray(g), a.astype(x.dtype, copy=False))
+        return gpu.usable(x).gelu_backward(x, xp.ascontiguousarray(g), gpu.shared.like("gelu_gx", x))
+    a = buf.get("gx", x.shape, np.result_type(x.dtype, grad_out.dtype), xp)
     k = fused.usable(x, t, grad_out, a) if grad_out.shape == x.shape else None
     if k is not None:  # one pass instead of ten
         k.gelu_backward(x.reshape(-1), t.reshape(-1), grad_out.reshape(-1), a.reshape(-1),
@@ -136,9 +136,11 @@ def layer_norm_forward(x: Any, w: Any, b: Any, eps: float, buf: Buffers) -> tupl
     GPU kernels). 16-bit inputs: the statistics in float32, ``y`` rounded back."""
     k = gpu.usable(x, w, b) if x.dtype == w.dtype == b.dtype else None
     if k is not None:  # one block per row, float32 statistics; x, mean and rstd kept
-        d = x.shape[-1]
+        d, xp = x.shape[-1], xp_of(x)
+        n = x.size // d
         y = buf.like("y", x)
-        mean, rstd = k.layernorm_forward(x.reshape(-1, d), w, b, eps, y.reshape(-1, d))
+        stats = (buf.get("mean", (n,), np.float32, xp), buf.get("rstd", (n,), np.float32, xp))
+        mean, rstd = k.layernorm_forward(x.reshape(-1, d), w, b, eps, y.reshape(-1, d), *stats)
         return y, (x, mean, rstd)
     if is_half(x.dtype):
         y, saved = _ln_forward(x.astype(np.float32), w.astype(np.float32), b.astype(np.float32), eps, buf)
@@ -189,7 +191,7 @@ def layer_norm_backward(grad_out: Any, saved: tuple, w: Any, gw: Any, gb: Any, b
         d = x.shape[-1]
         g = grad_out if grad_out.dtype == x.dtype else grad_out.astype(x.dtype)
         g = xp_of(g).ascontiguousarray(g)
-        gx = buf.like("gx", x)
+        gx = gpu.shared.like("ln_gx", x)
         gpu.usable(x, g, gw, gb).layernorm_backward(g.reshape(-1, d), x.reshape(-1, d), w, mean, rstd,
                                                     gx.reshape(-1, d), gw, gb)
         return gx

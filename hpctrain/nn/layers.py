@@ -67,6 +67,14 @@ class Linear(Module):
             raise ValueError(f"Linear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
         self.cache = x
         xp, w = xp_of(x), self.weight.data
+        b = self.bias.data if self.bias is not None and add_bias else None
+        k = gpu.usable(x, w, *(() if b is None else (b,))) if x.dtype == w.dtype else None
+        if k is not None:  # cuBLAS called directly (capturable), the bias added by one kernel
+            y = self._scratch().get("y", (*x.shape[:-1], self.d_out), x.dtype, xp)
+            k.matmul(x.reshape(-1, self.d_in), w, y.reshape(-1, self.d_out))
+            if b is not None:
+                k.bias_add(y.reshape(-1, self.d_out), b)
+            return y
         # One 2-D matrix product over every row (B*T of them), written into a reused buffer: a 3-D
         # product would be one small product per batch entry.
         y = self._scratch().get("y", (*x.shape[:-1], self.d_out), np.result_type(x.dtype, w.dtype), xp)
@@ -78,9 +86,18 @@ class Linear(Module):
     def backward(self, grad_out: Any) -> Any:
         x = self.cache
         xp, w = xp_of(grad_out), self.weight.data
-        buf = self._scratch()
         x2 = x.reshape(-1, self.d_in)
         g2 = grad_out.reshape(-1, self.d_out)
+        bias = self.bias
+        k = gpu.usable(grad_out, x, w, self.weight.grad, *(() if bias is None else (bias.grad,))) \
+            if grad_out.dtype == x.dtype == w.dtype else None
+        if k is not None:  # the weight gradient accumulated by the product itself (beta 1), no copy
+            k.matmul(x2.T, g2, self.weight.grad, beta=1.0)
+            if bias is not None:
+                k.col_sum(g2, bias.grad)
+            gx = gpu.shared.get("linear_gx", (*grad_out.shape[:-1], self.d_in), grad_out.dtype, xp)
+            return k.matmul(g2, w.T, gx.reshape(-1, self.d_in)).reshape(gx.shape)
+        buf = self._scratch()
         gw = buf.get("gw", w.shape, np.result_type(x.dtype, grad_out.dtype), xp)
         self.weight.grad += matmul(xp, x2.T, g2, out=gw)  # x2.T is a view: BLAS reads it transposed
         if self.bias is not None:

@@ -312,11 +312,13 @@ def saved_arrays(*roots: Any) -> tuple[list[Any], list[Any]]:
         for e in n._edges:
             if e is not None and e[1] < 0:
                 leaves[id(e[0])] = e[0]
-        _collect_arrays(list(n.__dict__.values()), arrays, seen)
+        collect_arrays(list(n.__dict__.values()), arrays, seen)
     return arrays, list(leaves.values())
 
 
-def _collect_arrays(obj: Any, out: list[Any], seen: set[int]) -> None:
+def collect_arrays(obj: Any, out: list[Any], seen: set[int]) -> None:
+    """Append to ``out`` every array reachable through tuples, lists and dicts of ``obj`` (``seen``:
+    ids already visited, extended)."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
@@ -324,7 +326,7 @@ def _collect_arrays(obj: Any, out: list[Any], seen: set[int]) -> None:
         out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            _collect_arrays(v, out, seen)
+            collect_arrays(v, out, seen)
     elif isinstance(obj, dict):
         for v in obj.values():
-            _collect_arrays(v, out, seen)
+            collect_arrays(v, out, seen)

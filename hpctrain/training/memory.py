@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd.backprop import collect_arrays
+
 KEYS = ("params", "grads", "optimizer", "buffers", "activations_peak", "workspace")
 
 
@@ -32,19 +34,8 @@ def _root(a: Any) -> Any:
     return a
 
 
-def _arrays(obj: Any, out: list[Any], seen: set[int]) -> None:
-    """Every array reachable through tuples, lists and dicts of ``obj``."""
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if hasattr(obj, "nbytes") and hasattr(obj, "shape"):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _arrays(v, out, seen)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _arrays(v, out, seen)
+#: Every array reachable through tuples, lists and dicts of an object (the autograd graph's walk).
+_arrays = collect_arrays
 
 
 def owned_bytes(arrays: Iterable[Any], exclude: set[int] | None = None) -> int:

@@ -12,7 +12,9 @@ tokens, a 65-token vocabulary, AdamW):
    before the engine) with the same layers. Interleaved rounds of CPU time (one thread: a shared
    machine's other load does not count), median; the difference is what the
    engine's bookkeeping costs a step (microseconds and share of the step), with the spread of the
-   per-round differences as the noise;
+   per-round differences as the noise. On a loaded machine that spread hides it, so the
+   bookkeeping is also counted directly: the nodes of a step's graph times the engine's own cost
+   per node (``autograd_overhead.py``'s chain: engine minus the same arrays in plain NumPy);
 2. a pipeline of 2 stages (1F1B, 8 micro-batches, batch 16): the bytes a stage allocates during a
    step above what it held before (``tracemalloc``, NumPy's arrays included: the activations in
    flight), the larger stage's, and the trainer's own ``peak_activation_bytes``.
@@ -96,6 +98,23 @@ class ExplicitTrainer(ParallelTrainer):
     _accumulate = explicit_accumulate
 
 
+def graph_nodes_per_step(c: dict) -> int:
+    """Nodes in one step's graph (one micro-batch: the trainer's)."""
+    from hpctrain.autograd import graph_nodes
+    from hpctrain.training.graph import forward_loss
+
+    x, y = batch(c, 0)
+    root = forward_loss(gpt(c), CrossEntropyLoss(), x, y, None, 1.0)
+    return len(graph_nodes(root))
+
+
+def per_node_seconds() -> float:
+    """The engine's own cost per node (its chain against plain NumPy, best of rounds)."""
+    from autograd_overhead import per_node
+
+    return per_node(32, 7, 20)[1] / per_node(32, 1, 1)[2]
+
+
 def one_process(c: dict) -> dict:
     """Median step seconds of the engine and the explicit trainer, rank 0 alone."""
     comm = ht.Communicator(MPI.COMM_SELF)
@@ -165,6 +184,10 @@ def main() -> None:
             rows.append(["engine bookkeeping per step", f"{d * 1e6:.0f} us ({d / med['engine']:.1%} of the step; "
                          f"rounds {min(diffs) * 1e6:.0f}..{max(diffs) * 1e6:.0f} us)"])
             rows.append(["engine / explicit step time", f"{med['engine'] / med['explicit']:.3f}x"])
+            nodes, cost = graph_nodes_per_step(c), per_node_seconds()
+            rows.append(["graph nodes per step x engine cost per node",
+                         f"{nodes} x {cost * 1e6:.2f} us = {nodes * cost * 1e6:.0f} us "
+                         f"({nodes * cost / med['engine']:.2%} of the step)"])
     comm.barrier()
     if comm.size % 2 == 0:
         mem = pipeline_memory(c, comm)

@@ -33,6 +33,7 @@ from ..nn.module import Module
 from ..training.graph import loss_node, run_backward, run_model
 from ..training.memory import graph_bytes
 from .pipeline_schedules import Action
+from .zero_units import placeholder
 
 # Message kinds; tag = 3 * micro-batch + kind.
 _ACT, _GRAD, _HEADER = 0, 1, 2
@@ -229,6 +230,9 @@ class _Schedule:
         # A later stage's input is a leaf whose gradient goes upstream; the first stage's is data.
         leaf = Tensor(inp, requires_grad=differentiable(inp.dtype)) if k > 0 else None
         out = run_model(self.r.chunks[c], inp if leaf is None else leaf)
+        if leaf is not None:  # the leaf's array goes unless a node saved it (its gradient needs none)
+            leaf.data = placeholder(inp.shape, inp.dtype, xp)
+            del inp
         if k == self.nv - 1:
             yi = to_device(self.y[part], xp)
             wi = None if self.weight is None else to_device(self.weight[part], xp)
@@ -237,7 +241,7 @@ class _Schedule:
         else:
             self._send_activation(out.data, c, i, k)
         nbytes = graph_bytes(out)
-        self.saved[(c, i)] = (out, leaf, tuple(inp.shape), nbytes)
+        self.saved[(c, i)] = (out, leaf, () if leaf is None else leaf.shape, nbytes)
         self.held += 1
         self.held_bytes += nbytes
         self.peak, self.peak_bytes = max(self.peak, self.held), max(self.peak_bytes, self.held_bytes)

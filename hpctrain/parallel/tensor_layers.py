@@ -120,10 +120,10 @@ class ColumnParallelLinear(TPLayer):
 
 
 class BiasAfterReduce(Function):
-    """``y + bias`` after the all-reduce; the bias gradient is added into ``layer.bias.grad`` here
-    (column sums as a BLAS product, ``nn.layers.add_bias_grad``), so the node gives the bias
-    none of its own. (A new array: at tp=1 the reduction hands back its input, which the block's
-    residual sum then adds into in place.)"""
+    """``y + bias`` after the all-reduce (a new array: an output that is its input's array shares
+    its version, and the block's residual sum adds into this one in place); the bias gradient is
+    added into ``layer.bias.grad`` here (column sums as a BLAS product,
+    ``nn.layers.add_bias_grad``), so the node gives the bias none of its own."""
 
     @staticmethod
     def forward(ctx: Context, y: Any, bias: Any, layer: Any) -> Any:

@@ -118,11 +118,15 @@ class TPMapping(Function):
 
     fn: ClassVar[Callable[[Any, Comm], Any]]
     grad: ClassVar[Callable[[Any, Comm], Any]]
+    #: The output is an array of its own even where ``fn`` hands back its input (one rank): a
+    #: reduction's result, which the model may add into in place (a residual sum).
+    fresh: ClassVar[bool] = False
 
     @classmethod
     def forward(cls, ctx: Context, x: Any, comm: Comm) -> Any:  # type: ignore[override]
         ctx.comm = comm
-        return cls.fn(x, comm)
+        out = cls.fn(x, comm)
+        return out.copy() if cls.fresh and out is x else out
 
     @classmethod
     def backward(cls, ctx: Context, g: Any) -> Any:  # type: ignore[override]
@@ -143,6 +147,7 @@ class CopyToTP(TPMapping):
 class ReduceFromTP(TPMapping):
     """Forward: all-reduce of the partial results. Backward: copy (the gradient is replicated)."""
 
+    fresh = True
     fn = staticmethod(reduce_from_tp)
     grad = staticmethod(copy_to_tp)
 

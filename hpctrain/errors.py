@@ -69,6 +69,11 @@ class GradcheckError(HpctrainError, RuntimeError):
     """``hpctrain.autograd.gradcheck``: an analytic gradient differs from the numerical one."""
 
 
+class PerCallStateError(HpctrainError, ValueError):
+    """A module with its own ``backward`` keeps per-call state outside its layers' ``cache``: with
+    several micro-batches in flight (a pipeline) its backward would read another call's state."""
+
+
 class DatasetError(HpctrainError, ValueError):
     """A dataset file or key is missing, inconsistent or unreadable."""
 

@@ -28,13 +28,13 @@ array module of an array) and ``hpctrain.errors``: ``nn`` builds on it.
 """
 
 from ..backend import xp_of
-from .backprop import backward
+from .backprop import backward, graph_nodes, saved_arrays
 from .function import Context, Function, is_tensor
-from .grad_mode import enable_grad, is_grad_enabled, no_grad
+from .grad_mode import enable_grad, is_grad_enabled, no_grad, quiet_post_hooks
 from .gradcheck import gradcheck
 from .tensors import RemovableHandle, Tensor, as_tensor, tensor
 
 __all__ = [
     "Context", "Function", "RemovableHandle", "Tensor", "as_tensor", "backward", "enable_grad", "gradcheck",
-    "is_grad_enabled", "is_tensor", "no_grad", "tensor", "xp_of",
+    "graph_nodes", "is_grad_enabled", "is_tensor", "no_grad", "quiet_post_hooks", "saved_arrays", "tensor", "xp_of",
 ]  # fmt: skip

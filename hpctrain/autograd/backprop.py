@@ -11,7 +11,9 @@ its dtype, and adds the gradients of leaves into their ``.grad``:
   that a trainer put there) is accumulated where it is;
 * leaf hooks: ``register_hook`` hooks see a leaf's summed gradient of this backward before it is
   added; ``register_post_accumulate_grad_hook`` hooks run once per leaf per backward, right after
-  its last contribution was added (also for a leaf the graph reached but gave no gradient to);
+  its last contribution was added (also for a leaf the graph reached but gave no gradient to),
+  except inside ``grad_mode.quiet_post_hooks(leaves)`` for those leaves (a node running a
+  backward of its own inside its backward keeps them for its outer edges);
 * after a node's backward has run, its saved arrays (and every attribute ``forward`` set on its
   context) are released; running through it again raises ``AutogradError`` unless the first
   backward had ``retain_graph=True``.
@@ -27,6 +29,7 @@ from ..backend import xp_of
 from ..errors import AutogradError
 from . import function
 from .function import Context, check_saved
+from .grad_mode import state
 
 _by_sequence = operator.attrgetter("_seq")
 
@@ -51,7 +54,7 @@ def backward(tensors: Sequence[Any], grads: Sequence[Any] | None = None, *, reta
 class _Backward:
     """One backward: the gradients pending per node and the leaves' outstanding edges."""
 
-    __slots__ = ("only", "retain", "pending", "roots", "leaves", "buffered")
+    __slots__ = ("only", "retain", "pending", "roots", "leaves", "buffered", "early")
 
     def __init__(self, only: set[int] | None, retain: bool) -> None:
         self.only, self.retain = only, retain
@@ -59,6 +62,7 @@ class _Backward:
         self.roots: list[Context] = []
         self.leaves: dict[int, list] = {}  # id(leaf) -> [leaf, edges not yet run]
         self.buffered: dict[int, Any] = {}  # summed gradients of leaves with register_hook hooks
+        self.early: set[int] | None = None  # leaves whose post hooks ran early (``complete``)
 
     def seed(self, t: Any, g: Any) -> None:
         """Start from root ``t`` with gradient ``g``."""
@@ -118,14 +122,38 @@ class _Backward:
 
     def execute(self) -> None:
         pending, retain = self.pending, self.retain
-        for n in self._collect():
-            gs = pending.pop(n, None)
-            if gs is None:  # nothing flowed into this node: it gives nothing to its inputs
-                self._edges_done(n)
-            else:
-                self._run(n, gs)
-            if not retain:
-                _release(n)
+        runs = state.runs
+        if runs is None:
+            runs = state.runs = []
+        runs.append(self)
+        try:
+            for n in self._collect():
+                gs = pending.pop(n, None)
+                if gs is None:  # nothing flowed into this node: it gives nothing to its inputs
+                    self._edges_done(n)
+                else:
+                    self._run(n, gs)
+                if not retain:
+                    _release(n)
+        finally:
+            runs.pop()
+
+    def complete(self, leaves: Any, quiet: frozenset | None) -> None:
+        """Called from inside a node's backward: ``leaves`` (edges of that node) have all their
+        gradient now; for those the node is the last use of in this backward, the post hooks run
+        now instead of after the node (``quiet``: the leaves an enclosing node keeps quiet)."""
+        counts = self.leaves
+        for t in leaves:
+            c = counts.get(id(t))
+            if c is None or c[1] != 1 or not t._post or (quiet is not None and id(t) in quiet):
+                continue
+            if self.early is None:
+                self.early = set()
+            if id(t) in self.early:
+                continue
+            self.early.add(id(t))
+            for fn in list(t._post):
+                fn(t)
 
     def _run(self, n: Context, gs: list) -> None:
         if n._released:
@@ -216,8 +244,17 @@ class _Backward:
                 g = g if r is None else r
             accumulate(t, g)
         if t._post:
+            quiet = state.quiet
+            if (quiet is not None and id(t) in quiet) or (self.early is not None and id(t) in self.early):
+                return
             for fn in list(t._post):
                 fn(t)
+
+
+def current_run() -> _Backward | None:
+    """The backward running the node whose ``backward`` calls this (``None`` outside one)."""
+    runs = state.runs
+    return runs[-1] if runs else None
 
 
 def accumulate(t: Any, g: Any) -> None:
@@ -250,3 +287,44 @@ def _release(n: Context) -> None:
     d = n.__dict__  # _saved, _checks, hooks and whatever forward set on the context
     d.clear()
     d["_released"] = True
+
+
+def graph_nodes(*roots: Any) -> list[Context]:
+    """Every node the graph of ``roots`` (tensors) reaches (each once, in no particular order)."""
+    stack = [t._node for t in roots if getattr(t, "_node", None) is not None]
+    seen = set(stack)
+    for n in stack:  # grows while it is walked
+        for e in n._edges:
+            if e is not None and e[1] >= 0 and e[0] not in seen:
+                seen.add(e[0])
+                stack.append(e[0])
+    return stack
+
+
+def saved_arrays(*roots: Any) -> tuple[list[Any], list[Any]]:
+    """``(arrays, leaves)``: the arrays the graph of ``roots`` keeps for its backward now (whatever
+    each node's ``forward`` saved or set on its context, through tuples, lists and dicts; nodes
+    already run keep nothing) and the leaf tensors it ends in (parameters among them)."""
+    arrays: list[Any] = []
+    leaves: dict[int, Any] = {}
+    seen: set[int] = set()
+    for n in graph_nodes(*roots):
+        for e in n._edges:
+            if e is not None and e[1] < 0:
+                leaves[id(e[0])] = e[0]
+        _collect_arrays(list(n.__dict__.values()), arrays, seen)
+    return arrays, list(leaves.values())
+
+
+def _collect_arrays(obj: Any, out: list[Any], seen: set[int]) -> None:
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if hasattr(obj, "nbytes") and hasattr(obj, "shape"):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_arrays(v, out, seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_arrays(v, out, seen)

@@ -17,6 +17,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class _State(threading.local):
     enabled = True  # every new thread starts recording
+    # ids of leaves whose post-accumulate hooks stay silent in the backwards run now (a node that
+    # runs a backward of its own inside its backward: its outer edges signal those leaves once)
+    quiet: frozenset | None = None
+    runs: list | None = None  # the backwards running now, innermost last (backprop._Backward)
 
 
 state = _State()
@@ -52,6 +56,25 @@ class _GradMode:
                 return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
+
+
+class quiet_post_hooks:  # noqa: N801 - a context manager, used as ``with``
+    """Inside this block, backwards do not call the post-accumulate hooks of ``leaves`` (their
+    gradients still accumulate). For a node whose backward runs a backward of its own (an
+    explicit module's, a recomputation): the leaves are edges of that node too, so the outer
+    backward signals them once, when their last contribution is in."""
+
+    __slots__ = ("ids", "_prev")
+
+    def __init__(self, leaves: Any) -> None:
+        self.ids = frozenset(id(t) for t in leaves)
+
+    def __enter__(self) -> None:
+        self._prev = state.quiet
+        state.quiet = self.ids if self._prev is None else self._prev | self.ids
+
+    def __exit__(self, *exc: Any) -> None:
+        state.quiet = self._prev
 
 
 class no_grad(_GradMode):  # noqa: N801 - PyTorch's name, used the same way

@@ -59,7 +59,9 @@ def build_gpt(c: Config, meta: dict[str, Any]) -> nn.GPT:
     """``--model gpt``: pipelined as it is (parallelize cuts a GPT between its pieces), so one set
     of parameter names everywhere."""
     rng = np.random.default_rng(c.seed)
-    return nn.GPT(meta["vocab_size"], c.block_size, c.d_model, c.n_heads, c.n_layers, rng=rng, dropout=c.dropout)
+    tied = {"tie_embeddings": True} if c.tie_embeddings else {}
+    return nn.GPT(meta["vocab_size"], c.block_size, c.d_model, c.n_heads, c.n_layers, rng=rng, dropout=c.dropout,
+                  **tied)
 
 
 def build_classifier(c: Config, meta: dict[str, Any]) -> nn.Sequential:

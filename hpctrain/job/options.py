@@ -138,6 +138,9 @@ class Config:
     on_nonfinite: str = field(default="raise", metadata=_opt("a step with a non-finite loss or gradient: raise, "
                                                              "or skip it (nothing changes)", POLICIES))
     dropout: float = field(default=0.0, metadata=_opt("dropout probability in the model (training only)"))
+    tie_embeddings: bool = field(default=False, metadata=_opt("--model gpt: the output layer is the token embedding "
+                                                              "transposed (nanoGPT's tied head; one weight, stored "
+                                                              "once in checkpoints)"))
     device: str = field(default="auto", metadata=_opt("where the model, batches and optimizer state live: cuda "
                                                       "(each rank the GPU of its local rank), cpu, or auto (cuda "
                                                       "when every rank sees a GPU)", ("auto", "cpu", "cuda")))

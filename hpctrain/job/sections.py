@@ -76,6 +76,9 @@ def _model(c: Config, world: int) -> None:
         raise ConfigError("--model gpt predicts the next token: it trains with --loss ce")
     if c.model == "gpt":
         _refuse(heads_problem(c.d_model, c.n_heads, as_flag))
+    elif c.tie_embeddings:
+        raise ConfigError(f"--tie-embeddings ties the GPT's head to its token embedding; --model {c.model} has none "
+                          "(a model of your own ties its weights itself)")
     _model_splits(c)
 
 
@@ -299,7 +302,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("parallel", ("strategy", "tp", "pp", "batch_size", "accum_steps", "microbatches", "schedule", "zero",
                          "ps_mode", "staleness"), _parallel, _parallel_values),
     Section("model", ("model", "loss", "d_model", "n_layers", "n_heads", "block_size", "dropout", "recompute",
-                      "seed"), _model, _model_values),
+                      "tie_embeddings", "seed"), _model, _model_values),
     Section("data", ("data", "x_key", "y_key", "tokens_key", "max_samples", "val_fraction"), _no_rules, _data_values),
     Section("optim", ("optimizer", "lr", "momentum", "weight_decay", "lr_schedule", "warmup", "min_lr",
                       "clip_norm"), _optim, _optim_values),

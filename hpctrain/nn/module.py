@@ -53,6 +53,19 @@ class Parameter(Tensor):
         return f"Parameter({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
 
+def parameters_of(module: Any) -> list[Any]:
+    """Every ``Parameter`` ``module`` computes with: its registered ones and those its submodules
+    hold without registering them (``Linear.borrowing``), each once."""
+    if not hasattr(module, "named_modules"):
+        return list(module.parameters()) if hasattr(module, "parameters") else []
+    out: dict[int, Any] = {}
+    for _, m in module.named_modules():
+        for v in m.__dict__.values():
+            if isinstance(v, Parameter):
+                out.setdefault(id(v), v)
+    return list(out.values())
+
+
 def _is_array(a: Any) -> bool:
     return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, Tensor)
 
@@ -136,7 +149,7 @@ class Module:
                 params = [v for v in self.__dict__.values() if isinstance(v, Parameter)]
                 return call_layer(self, args[0], params, **kwargs)
             if kind is _NODE and len(args) == 1 and not kwargs:
-                return call_module(self, args[0])
+                return call_module(self, args[0], parameters_of(self))
         return self.forward(*args, **kwargs)
 
     def _scratch(self) -> Buffers:
@@ -272,7 +285,11 @@ class Sequential(Module):
         return getattr(self, self.layer_names[i])
 
     def __call__(self, x: Any) -> Any:
-        # On a tensor each layer decides (a layer with its own backward is one node), not the whole.
+        # On a tensor each layer decides (a layer with its own backward is one node), not the whole;
+        # a subclass with a forward or backward of its own is an explicit module (one node).
+        cls = type(self)
+        if cls.backward is not Sequential.backward or cls.forward is not Sequential.forward:
+            return Module.__call__(self, x)
         return self.forward(x)
 
     def forward(self, x: Any) -> Any:

@@ -281,7 +281,7 @@ class RankLoss:
         """Point the trainer, its gradient reduction and its data at the survivors' communicator
         (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``;
         the checkpoint read instead, when pieces were lost with their buddy, is returned)."""
-        from ..parallel.reducer import AllReduceReducer, BackwardHooks
+        from ..parallel.reducer import AllReduceReducer, ReadyHooks
 
         if trainer._hooks is not None:
             trainer._hooks.remove()
@@ -301,7 +301,7 @@ class RankLoss:
                                                compression=trainer.compression)
         trainer._hooks = None
         if trainer.overlap and grid.dp.size > 1 and grid.pp.size == 1:
-            trainer._hooks = BackwardHooks(trainer.model, trainer.reducer)
+            trainer._hooks = ReadyHooks(trainer.params, trainer.reducer)
         trainer._order_learned = False
         watchdog.attach(trainer.health)
         sampler = self.loader.sampler

@@ -349,3 +349,21 @@ def test_functional_scratch_pool_keeps_the_peak_of_fresh_arrays(monkeypatch):
     assert shared.nbytes <= held
     tagged_peak, _ = _f_chain_peak(Buffers(keep=64, keys=128), monkeypatch)
     assert tagged_peak > peak  # one pool per tag would hold forward and backward arrays apart
+
+
+def test_a_residual_sum_goes_into_the_output_unless_its_memory_is_shared():
+    from hpctrain.autograd.tensors import add_into
+
+    g = np.random.default_rng(11)
+    x = ag.Tensor(g.standard_normal((2, 3)), requires_grad=True)
+    fresh = x * 2.0
+    data = fresh.data
+    out = add_into(fresh, x)
+    assert out is fresh and out.data is data  # in place: no new array
+    view = (x * 2.0).reshape(3, 2).reshape(2, 3)  # shares its memory with the product
+    out2 = add_into(view, x)
+    assert out2 is not view and out2.data is not view.data
+    (out * 1.0 + out2).sum().backward()
+    np.testing.assert_allclose(x.grad, np.full((2, 3), 6.0))
+    arr = np.ones(3)
+    assert add_into(arr, 1.0) is arr and arr.tolist() == [2.0, 2.0, 2.0]

@@ -367,3 +367,21 @@ def test_a_residual_sum_goes_into_the_output_unless_its_memory_is_shared():
     np.testing.assert_allclose(x.grad, np.full((2, 3), 6.0))
     arr = np.ones(3)
     assert add_into(arr, 1.0) is arr and arr.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_layer_whose_parameter_is_replaced_takes_the_new_one_into_its_node():
+    """The node's parameters are found once per layer and found again when one is assigned (a
+    transform swapping a weight): the new one's hooks run, the old one is left alone."""
+    lin = nn.Linear(2, 2, rng=0, dtype=np.float64)
+    x = ag.Tensor(np.ones((1, 2)))
+    lin(x).sum().backward()
+    old = lin.weight
+    old_grad = old.grad.copy()
+    lin.weight = nn.Parameter(np.zeros((2, 2)))
+    fired = []
+    lin.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    out = lin(x)
+    assert {id(e[0]) for e in out.grad_fn._edges if e is not None} == {id(lin.weight), id(lin.bias)}
+    out.sum().backward()
+    assert fired == [lin.weight] and np.array_equal(old.grad, old_grad)
+    np.testing.assert_array_equal(lin.weight.grad, np.ones((2, 2)))

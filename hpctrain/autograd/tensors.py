@@ -389,9 +389,20 @@ def tensor(data: Any, requires_grad: bool = False, dtype: Any = None) -> Tensor:
     return Tensor(data, requires_grad=requires_grad)
 
 
+def add_into(t: Any, other: Any) -> Any:
+    """``t + other``, written into ``t``'s memory where that is safe: an array, or a tensor that no
+    other tensor views (no reshape, transpose, indexing, detach or aliasing output shares its
+    memory) and that is no leaf requiring a gradient; otherwise a new tensor. What a model's
+    residual sum wants: no new array when the sublayer's output is its own, correct when not."""
+    if isinstance(t, Tensor) and ((t._vbox is not None and t._vbox[1]) or (t._node is None and t.requires_grad)):
+        return t + other
+    t += other
+    return t
+
+
 def as_tensor(x: Any) -> Tensor:
     """``x`` itself when it is a tensor, else a constant tensor holding it (no copy)."""
     return x if isinstance(x, Tensor) else Tensor(x)
 
 
-__all__ = ["RemovableHandle", "Tensor", "as_tensor", "tensor", "xp_of"]
+__all__ = ["RemovableHandle", "Tensor", "add_into", "as_tensor", "tensor", "xp_of"]

@@ -42,7 +42,8 @@ class Config:
                                                          at_least=1))
     pp: int | None = field(default=None, metadata=_opt("pipeline stages (pp: all ranks; hybrid: 1)", at_least=1))
     model: str = field(default="mlp", metadata=_opt("mlp: classifier on the built-in set; gpt: character-level "
-                                                     "GPT; or your own, package.module:factory or "
+                                                     "GPT; cnn: convolutions on the built-in fields; or your "
+                                                     "own, package.module:factory or "
                                                      "path/to/file.py:factory (a callable taking this Config "
                                                      "and returning a Module)"))
     data: str | None = field(default=None, metadata=_opt("HDF5 file (keys --x-key/--y-key, or --tokens-key for "
@@ -76,8 +77,9 @@ class Config:
                                                       "directory (a missing or empty one: start fresh)"))
     restart: bool = field(default=False, metadata=_opt("start over in a run directory that holds checkpoints "
                                                        "(they and metrics.jsonl are moved aside, not deleted)"))
-    d_model: int = field(default=64, metadata=_opt("model width", at_least=1))
-    n_layers: int = field(default=2, metadata=_opt("hidden blocks (mlp) or transformer blocks (gpt)", at_least=1))
+    d_model: int = field(default=64, metadata=_opt("model width (cnn: channels)", at_least=1))
+    n_layers: int = field(default=2, metadata=_opt("hidden blocks (mlp), transformer blocks (gpt) or convolution "
+                                                   "blocks (cnn)", at_least=1))
     n_heads: int = field(default=4, metadata=_opt("attention heads (gpt)", at_least=1))
     block_size: int = field(default=32, metadata=_opt("context length in characters (gpt)", at_least=1))
     microbatches: int = field(default=4, metadata=_opt("micro-batches per step (pp)", at_least=1))

@@ -71,7 +71,7 @@ def _model(c: Config, world: int) -> None:
         raise ConfigError("--recompute is for the synchronous strategies, not --strategy ps")
     if c.model not in models.BUILTIN and ":" not in c.model:
         raise ConfigError(f"--model {c.model!r} is neither mlp, gpt nor package.module:factory "
-                          f"(or path/to/file.py:factory)")
+                          f"(or path/to/file.py:factory); the built-in models are {', '.join(models.BUILTIN)}")
     if c.model == "gpt" and c.loss != "ce":
         raise ConfigError("--model gpt predicts the next token: it trains with --loss ce")
     if c.model == "gpt":
@@ -87,6 +87,9 @@ def _model_splits(c: Config) -> None:
     s = models.splits(c)
     if s is None:  # a user's model: its trainer checks the split when it is built
         return
+    if c.tp > 1 and not s.tp_sizes:
+        raise ConfigError(f"--model {c.model} has no layer that splits over tensor-parallel ranks (tp={c.tp}): "
+                          "use data parallelism, --pp or --zero")
     if c.tp > 1:
         from ..parallel.tensor_layers import tp_heads_problem, tp_hidden_problem  # (see _parallel_values)
 

@@ -35,50 +35,50 @@ from ..autograd import Function, is_tensor
 from ..autograd.function import Context, version_box
 
 
-def _kept(cache: Any, x: Any, out: Any) -> tuple:
-    """The arrays of ``cache`` (an array or a tuple of them) that are ``x`` or ``out`` themselves."""
-    items = cache if type(cache) is tuple else (cache,)
-    return tuple(a for a in items if a is x or a is out)
-
-
 class LayerCall(Function):
     """``forward(x, **kw)`` of a layer (or the step ``fwd`` of it) as one node; ``backward`` (or
-    ``bwd``) its backward. Arguments: the module, ``fwd`` and ``bwd`` (``None``: the module's own,
-    looked up at each call so that wrappers installed on the instance run), the input, the
-    parameters."""
+    ``bwd``) its backward. Arguments: ``call`` (the module, or ``(module, fwd, bwd)`` for a step
+    of it: the module's own methods are looked up at each call so that wrappers installed on the
+    instance run), the input, the parameters."""
 
     @staticmethod
-    def forward(ctx: Context, module: Any, fwd: Any, bwd: Any, x: Any, *params: Any, **kw: Any) -> Any:
-        out = (module.forward if fwd is None else fwd)(x, **kw)
+    def forward(ctx: Context, call: Any, x: Any, *params: Any, **kw: Any) -> Any:
+        if type(call) is tuple:
+            module, fwd, _ = call
+            out = fwd(x, **kw)
+        else:
+            module = call
+            out = module.forward(x, **kw)
         d = module.__dict__
         cache = d.get("cache")
         d["cache"] = None
-        ctx.module, ctx.bwd, ctx.cache = module, bwd, cache
-        if cache is not None:
-            kept = _kept(cache, x, out)
+        ctx.call, ctx.cache = call, cache
+        # The layer's kept input or output is watched like a saved tensor (an in-place change refused).
+        if cache is x or cache is out:
+            ctx.save_for_backward(cache)
+        elif type(cache) is tuple:
+            kept = [a for a in cache if a is x or a is out]
             if kept:
                 ctx.save_for_backward(*kept)
         return out
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> Any:
-        module = ctx.module
-        grads = _prepare(ctx)
+        call = ctx.call
+        module, bwd = (call[0], call[2]) if type(call) is tuple else (call, None)
+        held = _prepare(ctx)
         d = module.__dict__
         d["cache"] = ctx.cache
         try:
-            gx = (module.backward if ctx.bwd is None else ctx.bwd)(g)
+            gx = (module.backward if bwd is None else bwd)(g)
         finally:
             d["cache"] = None
-        if grads is not None:
-            grads = _collect(grads)
-        n = len(ctx.needs_input_grad)
-        out = [None] * n
-        if ctx.needs_input_grad[3]:
-            out[3] = gx
-        if grads:
-            for k, gp in grads.items():
-                out[k] = gp
+        need = ctx.needs_input_grad
+        if held is None:
+            return (None, gx if need[1] else None) + (None,) * (len(need) - 2)
+        out = [None, gx if need[1] else None] + [None] * (len(need) - 2)
+        for k, (p, own) in held.items():  # each hooked parameter's own .grad back; its stand-in goes out
+            out[k], p.grad = p.grad, own
         return tuple(out)
 
 
@@ -88,7 +88,7 @@ def _prepare(ctx: Context) -> dict | None:
     a zeroed stand-in in ``.grad`` for the body to add into. ``None``: none of them."""
     out = None
     edges = ctx._edges
-    for k in range(4, len(edges)):
+    for k in range(2, len(edges)):
         e = edges[k]
         if e is None or e[1] >= 0:
             continue
@@ -102,14 +102,6 @@ def _prepare(ctx: Context) -> dict | None:
     return out
 
 
-def _collect(held: dict) -> dict:
-    """Put each hooked parameter's own ``.grad`` back; its stand-in is the node's gradient for it."""
-    grads = {}
-    for k, (p, own) in held.items():
-        grads[k], p.grad = p.grad, own
-    return grads
-
-
 def _zeros(a: Any) -> Any:
     from ..backend import xp_of
 
@@ -120,7 +112,7 @@ def call_layer(module: Any, x: Any, params: Any = (), *, fwd: Any = None, bwd: A
     """``module`` (a layer that keeps its per-call state in ``self.cache``) applied to tensor ``x``
     as one fused node, with ``params`` the parameters it computes with (see the module docstring);
     ``fwd``/``bwd``: a step of the module instead of its ``forward``/``backward``."""
-    return LayerCall.apply(module, fwd, bwd, x, *params, **kw)
+    return LayerCall.apply(module if fwd is None else (module, fwd, bwd), x, *params, **kw)
 
 
 class LossCall(Function):

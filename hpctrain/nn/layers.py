@@ -115,7 +115,9 @@ class TiedLinear(Module):
     lookup table used as an output layer (the GPT's tied head, ``weight`` its token embedding's).
     No bias. The weight is registered here too, so this module alone (a pipeline's last stage)
     still lists it; a model that holds both lists it once, under its first name (the owner's).
-    Its backward adds into the same ``.grad`` the owner's does: the two gradients sum."""
+    It computes through a ``Linear`` over transposed views of the table and of its gradient (made
+    at each call: a ZeRO gather may replace the arrays), so its backward adds into the same
+    ``.grad`` the owner's does: the two gradients sum."""
 
     fused_node = True  # on a tensor: one node of its own forward/backward (nn.layer_nodes)
 
@@ -124,28 +126,30 @@ class TiedLinear(Module):
             raise TypeError(f"TiedLinear takes a 2-D Parameter (d_out, d_in), got {type(weight).__name__}")
         self.weight = weight
         self.d_out, self.d_in = weight.shape
+        view = Parameter(weight.data.T)
+        view.grad = None
+        self.__dict__["linear"] = Linear.borrowing(view, None)  # unregistered: the weight is listed once
         self.cache = None
 
+    def _bound(self) -> Linear:
+        lin, w = self.__dict__["linear"], self.weight
+        lin.weight.data = w.data.T
+        lin.weight.grad = None if w.grad is None else w.grad.T
+        return lin
+
     def forward(self, x: Any) -> Any:
-        if x.shape[-1] != self.d_in:
-            raise ValueError(f"TiedLinear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
-        self.cache = x
-        xp, w = xp_of(x), self.weight.data
-        y = self._scratch().get("y", (*x.shape[:-1], self.d_out), np.result_type(x.dtype, w.dtype), xp)
-        matmul(xp, x.reshape(-1, self.d_in), w.T, out=y.reshape(-1, self.d_out))
+        lin = self._bound()
+        y = lin.forward(x)
+        self.cache, lin.__dict__["cache"] = lin.cache, None
         return y
 
     def backward(self, grad_out: Any) -> Any:
-        x = self.cache
-        xp, w = xp_of(grad_out), self.weight.data
-        buf = self._scratch()
-        x2 = x.reshape(-1, self.d_in)
-        g2 = grad_out.reshape(-1, self.d_out)
-        gw = buf.get("gw", w.shape, np.result_type(x.dtype, grad_out.dtype), xp)
-        self.weight.grad += matmul(xp, g2.T, x2, out=gw)
-        gx = buf.get("gx", (*grad_out.shape[:-1], self.d_in), np.result_type(grad_out.dtype, w.dtype), xp)
-        matmul(xp, g2, w, out=gx.reshape(-1, self.d_in))
-        return gx
+        lin = self._bound()
+        lin.__dict__["cache"] = self.cache
+        try:
+            return lin.backward(grad_out)
+        finally:
+            lin.__dict__["cache"] = None
 
     def extra_repr(self) -> str:
         return f"{self.d_in}, {self.d_out}, tied"

@@ -28,7 +28,7 @@ from ..autograd.function import differentiable
 from ..backend import get_xp, to_device, xp_of
 from .buffers import Buffers
 from .explicit import call_module
-from .layer_nodes import call_layer
+from .layer_nodes import LayerCall
 
 
 class Parameter(Tensor):
@@ -121,6 +121,8 @@ class Module:
 
     def __setattr__(self, key: str, value: Any) -> None:
         d = self.__dict__
+        if isinstance(value, Parameter) or isinstance(d.get(key), Parameter):
+            d.pop("_call_params", None)  # the parameters a fused layer's node takes, found again
         if isinstance(value, Parameter):
             d.setdefault("_parameters", {})[key] = value
         elif isinstance(value, Module):
@@ -146,8 +148,11 @@ class Module:
             return self.forward(*(Tensor(a) if _is_array(a) else a for a in args), **kwargs)
         if args and isinstance(args[0], Tensor):
             if kind is _LAYER:
-                params = [v for v in self.__dict__.values() if isinstance(v, Parameter)]
-                return call_layer(self, args[0], params, **kwargs)
+                d = self.__dict__
+                params = d.get("_call_params")
+                if params is None:  # forgotten whenever an attribute changes (Module.__setattr__)
+                    params = d["_call_params"] = tuple(v for v in d.values() if isinstance(v, Parameter))
+                return LayerCall.apply(self, args[0], *params, **kwargs)
             if kind is _NODE and len(args) == 1 and not kwargs:
                 return call_module(self, args[0], parameters_of(self))
         return self.forward(*args, **kwargs)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..autograd import Tensor, is_tensor
+from ..autograd.tensors import add_into
 from ..backend import matmul, stat_dtype, to_device, xp_of
 from ..errors import Say, as_argument
 from . import fused, gpu
@@ -278,6 +279,12 @@ class CausalSelfAttention(SelfAttentionBase):
         return f"{self.d_model}, n_heads={self.n_heads}"
 
 
+def _residual(y: Any, x: Any) -> Any:
+    """``y + x`` into ``y``: a tensor through ``add_into`` (the graph's in-place sum where safe),
+    arrays through ``gpu.add_`` (one kernel on a GPU)."""
+    return add_into(y, x) if is_tensor(y) else gpu.add_(y, x)
+
+
 class TransformerBlock(Module):
     """Pre-norm block: ``x = x + attn(ln1(x)); x = x + mlp(ln2(x))``.
 
@@ -318,10 +325,10 @@ class TransformerBlock(Module):
     def forward(self, x: Any) -> Any:
         # The residual sums go into the sublayers' fresh outputs (nobody caches those; Dropout
         # returns a new array or, when off, that output), not into new arrays; x itself is never
-        # changed (ln1 caches it).
-        # (gpu.add_: one kernel on a GPU's arrays; on tensors the graph's in-place addition)
-        h = gpu.add_(self._drop("drop1", self.attn(self.ln1(x))), x)
-        return gpu.add_(self._drop("drop2", self.mlp(self.ln2(h))), h)
+        # changed (ln1 caches it). On a GPU's arrays one kernel each (gpu.add_); on a tensor whose
+        # memory another shares (a tensor-parallel mapping hands back its input), into a new one.
+        h = _residual(self._drop("drop1", self.attn(self.ln1(x))), x)
+        return _residual(self._drop("drop2", self.mlp(self.ln2(h))), h)
 
     def backward(self, grad_out: Any) -> Any:
         g = gpu.add_(self.ln2.backward(self.mlp.backward(self._drop("drop2", grad_out, True))), grad_out)
@@ -384,8 +391,7 @@ class GPT(Module):
         pos = self._positions(tokens.shape[1], xp)
         if is_tensor(idx):  # through the graph: the lookups as nodes
             tokens, pos = Tensor(tokens), Tensor(pos)
-        x = self.tok_emb(tokens)
-        x = gpu.add_(x, self.pos_emb(pos))  # into the lookup's fresh output
+        x = _residual(self.tok_emb(tokens), self.pos_emb(pos))  # into the lookup's fresh output
         return self.head(self.ln_f(self.blocks(x)))
 
     def tied_weights(self) -> dict[str, str]:
@@ -427,10 +433,13 @@ class GPT(Module):
 
         def embed(idx: Any) -> Any:
             xp = xp_of(pos.weight.data)
-            idx = to_device(idx, xp)
-            if idx.ndim != 2 or idx.shape[1] > block_size:
-                raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={block_size}, got {idx.shape}")
-            return tok.forward(idx) + pos.forward(xp.arange(idx.shape[1]))
+            tokens = to_device(idx.data if is_tensor(idx) else idx, xp)
+            if tokens.ndim != 2 or tokens.shape[1] > block_size:
+                raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={block_size}, got {tokens.shape}")
+            positions = xp.arange(tokens.shape[1])
+            if is_tensor(idx):  # through the graph: the lookups as nodes
+                return tok(Tensor(tokens)) + pos(Tensor(positions))
+            return tok.forward(tokens) + pos.forward(positions)
 
         def embed_backward(g: Any) -> None:
             tok.backward(g)
@@ -438,7 +447,7 @@ class GPT(Module):
             return None
 
         def late(m: Any) -> tuple[Any, Any]:
-            return (lambda x: m.forward(x)), (lambda g: m.backward(g))
+            return (lambda x: m(x)), (lambda g: m.backward(g))
 
         pieces = [("embed", {"tok_emb": tok, "pos_emb": pos}, embed, embed_backward)]
         for name in self.blocks.layer_names:

@@ -30,9 +30,11 @@ class Piece(NamedTuple):
 
 
 def _late(m: Any) -> tuple[Any, Any]:
-    """``m``'s forward and backward looked up at each call, so wrappers installed on the module
-    later (ZeRO-3 gathers, overlap hooks) are the ones that run."""
-    return (lambda x: m.forward(x)), (lambda g: m.backward(g))
+    """``m``'s call and backward looked up at each call, so wrappers installed on the module
+    later (ZeRO-3 gathers, overlap hooks) are the ones that run. The call (``m(x)``) is its
+    forward on arrays and, on a tensor, whatever kind of node the module is (a forward-only
+    layer computes with tensors)."""
+    return (lambda x: m(x)), (lambda g: m.backward(g))
 
 
 def pipeline_pieces(model: Any) -> list[Piece]:
@@ -87,7 +89,11 @@ def balance_by_cost(costs: list[int], stages: int) -> list[int]:
 
 
 class Stage(Module):
-    """Consecutive pieces of a model: their modules under their serial names, run in order."""
+    """Consecutive pieces of a model: their modules under their serial names, run in order. On a
+    tensor each piece's modules are the graph's nodes (forward-only ones included); on arrays the
+    explicit protocol, as before."""
+
+    tensor_forward = True
 
     def __init__(self, pieces: list[Piece]) -> None:
         for piece in pieces:

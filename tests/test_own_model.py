@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,20 +80,23 @@ def test_the_function_example_passes_gradcheck_and_a_wrong_backward_does_not():
         ag.gradcheck(Wrong.apply, (a, ag.Tensor(np.ones((3, 4)), requires_grad=True)))
 
 
-def test_the_forward_only_model_trains_from_the_command_line(mymodel):
-    run_dir = mymodel / "run"
+def test_the_forward_only_model_trains_from_the_command_line(mymodel, shared_dir, comm):
+    run_dir = Path(shared_dir) / "run"  # one run directory for every rank (main is collective)
     more = ["--epochs", "2", "--max-samples", "1024"]
     assert main(["train", "--model", "mymodel.py:build", *FAST, *more, "--run-dir", str(run_dir)]) == 0
+    comm.barrier()  # rank 0 has written the summary
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["val_accuracy"] > 0.5, summary  # six classes: chance is 1/6
 
 
-def test_the_user_model_s_forward_only_layer_learns(tmp_path):
+def test_the_user_model_s_forward_only_layer_learns(shared_dir, comm):
     import h5py
 
     user = os.path.join(ROOT, "tests", "user_model.py") + ":build"
-    assert main(["train", "--model", user, *FAST, "--run-dir", str(tmp_path / "u")]) == 0
-    with h5py.File(json.load(open(tmp_path / "u" / "summary.json"))["checkpoint"], "r") as f:
+    run = Path(shared_dir) / "u"  # one run directory for every rank (main is collective)
+    assert main(["train", "--model", user, *FAST, "--run-dir", str(run)]) == 0
+    comm.barrier()  # rank 0 has written the summary
+    with h5py.File(json.load(open(run / "summary.json"))["checkpoint"], "r") as f:
         gain, scale = f["model/3.g"][()], f["model/2.s"][()]
     assert not np.allclose(gain, 0.5) and not np.allclose(scale, 1.0)
 

@@ -1,7 +1,7 @@
 """The README's and docs/own-model.md's examples of a model of one's own (issue 36, item 7), run as
 written: the forward-only model from the command line (one process, dp and --pp 2 under MPI,
 equal to one process), from a script, the fused ``Function`` checked with ``gradcheck``; and
-``tests/user_model.py``'s forward-only layer learning beside its explicit one."""
+``examples/custom_model.py``'s forward-only layer learning beside its explicit one."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_the_forward_only_model_trains_from_the_command_line(mymodel, shared_dir
 def test_the_user_model_s_forward_only_layer_learns(shared_dir, comm):
     import h5py
 
-    user = os.path.join(ROOT, "tests", "user_model.py") + ":build"
+    user = os.path.join(ROOT, "examples", "custom_model.py") + ":build"
     run = Path(shared_dir) / "u"  # one run directory for every rank (main is collective)
     assert main(["train", "--model", user, *FAST, "--run-dir", str(run)]) == 0
     comm.barrier()  # rank 0 has written the summary

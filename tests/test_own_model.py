@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,13 +39,18 @@ def commands(doc: str, prefix: str) -> list[list[str]]:
 
 
 @pytest.fixture
-def mymodel(tmp_path, monkeypatch):
-    """The README's ``mymodel.py`` written into a fresh directory, which is the working directory."""
-    (tmp_path / "mymodel.py").write_text(blocks("README.md")["forward-only"])
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
+def mymodel(comm, shared_dir, monkeypatch):
+    """The README's ``mymodel.py`` written into the job's fresh directory, the working directory of
+    every rank (under mpiexec the command-line runs are one job of all ranks)."""
+    where = Path(shared_dir)
+    if comm.rank == 0:
+        (where / "mymodel.py").write_text(blocks("README.md")["forward-only"])
+    comm.barrier()
+    monkeypatch.chdir(where)
+    monkeypatch.syspath_prepend(str(where))
+    yield where
     sys.modules.pop("mymodel", None)
+    comm.barrier()
 
 
 def test_the_readme_and_the_docs_show_one_example():
@@ -79,20 +85,23 @@ def test_the_function_example_passes_gradcheck_and_a_wrong_backward_does_not():
         ag.gradcheck(Wrong.apply, (a, ag.Tensor(np.ones((3, 4)), requires_grad=True)))
 
 
-def test_the_forward_only_model_trains_from_the_command_line(mymodel):
+def test_the_forward_only_model_trains_from_the_command_line(mymodel, comm):
     run_dir = mymodel / "run"
     more = ["--epochs", "2", "--max-samples", "1024"]
     assert main(["train", "--model", "mymodel.py:build", *FAST, *more, "--run-dir", str(run_dir)]) == 0
+    comm.barrier()  # rank 0 writes the summary last
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["val_accuracy"] > 0.5, summary  # six classes: chance is 1/6
 
 
-def test_the_user_model_s_forward_only_layer_learns(tmp_path):
+def test_the_user_model_s_forward_only_layer_learns(comm, shared_dir):
     import h5py
 
     user = os.path.join(ROOT, "tests", "user_model.py") + ":build"
-    assert main(["train", "--model", user, *FAST, "--run-dir", str(tmp_path / "u")]) == 0
-    with h5py.File(json.load(open(tmp_path / "u" / "summary.json"))["checkpoint"], "r") as f:
+    run_dir = Path(shared_dir) / "u"
+    assert main(["train", "--model", user, *FAST, "--run-dir", str(run_dir)]) == 0
+    comm.barrier()
+    with h5py.File(json.load(open(run_dir / "summary.json"))["checkpoint"], "r") as f:
         gain, scale = f["model/3.g"][()], f["model/2.s"][()]
     assert not np.allclose(gain, 0.5) and not np.allclose(scale, 1.0)
 

@@ -36,8 +36,9 @@ def test_fields_are_balanced_deterministic_and_cached(tmp_path):
     assert builtin.fields(tmp_path / "fields.h5") == path and os.stat(path).st_mtime_ns == stamp
 
 
-def test_the_built_in_cnn_learns_the_fields(tmp_path):
-    s = run(merge({}, {**CNN, "d_model": 8, "max_samples": 1024, "epochs": 3, "run_dir": str(tmp_path / "run")}))
+def test_the_built_in_cnn_learns_the_fields(shared_dir):
+    cfg = {**CNN, "d_model": 8, "max_samples": 1024, "epochs": 3, "run_dir": os.path.join(shared_dir, "run")}
+    s = run(merge({}, cfg))
     assert s["val_accuracy"] > 0.9, s
 
 

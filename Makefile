@@ -24,10 +24,13 @@ STAMP  := $(VENV)/.installed
 # Each test gets a timeout (pyproject sets 180 s; the suite runs far under it). MPI runs
 # go through `python -m mpi4py` so an exception on one rank aborts the whole job.
 PYTEST_MPI := -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider
+# The torch tests are `make test-torch`'s (they skip without torch; with torch in the venv they
+# would otherwise run twice in CI).
+NO_TORCH := --ignore-glob='tests/test_torch_*'
 MPIFLAGS ?=
 
 .PHONY: gpu-check venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-openmpi test-openmpi-subset test-slurm demo \
-        bench lint docs wheel test-wheel clean
+        bench lint docs wheel test-wheel torch-venv test-torch test-torch-ulfm clean
 
 venv: $(STAMP)
 
@@ -40,13 +43,13 @@ $(STAMP): pyproject.toml
 test: test-serial test-mpi2 test-mpi4 test-mpi8
 
 test-serial: venv
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider $(NO_TORCH)
 
 test-mpi2: venv
-	$(MPIEXEC) $(MPIFLAGS) -n 2 $(PY) $(PYTEST_MPI)
+	$(MPIEXEC) $(MPIFLAGS) -n 2 $(PY) $(PYTEST_MPI) $(NO_TORCH)
 
 test-mpi4: venv
-	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI)
+	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI) $(NO_TORCH)
 
 # dp=2 x tp=2 x pp=2: only the composition's equivalence tests and the README's -n 8 job shape
 # (8 ranks oversubscribe small machines).
@@ -66,6 +69,33 @@ test-openmpi:
 test-openmpi-subset: venv
 	$(PY) -m pytest -q -p no:cacheprovider $(OPENMPI_SERIAL)
 	$(MPIEXEC) $(MPIFLAGS) -n 2 $(PY) $(PYTEST_MPI) $(OPENMPI_MPI)
+
+# PyTorch models over MPI (hpctrain.torch, `pip install hpctrain[torch]`): torch joins the venv of the
+# MPI in use. PyPI's torch for Linux is the CUDA build (a 0.5 GB wheel that pulls several GB of CUDA
+# libraries), so the pinned CPU build comes from PyTorch's own index first (--no-deps: torch's few
+# pure-Python dependencies then come from PyPI with the extra). `make test-torch` runs the torch
+# tests serially and under -n 2 and -n 4 (MPICH), then the lost-rank case under Open MPI's ULFM.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
+TORCH_STAMP   := $(VENV)/.torch-$(TORCH_VERSION)
+TORCH_TESTS   := tests/test_torch_ddp.py tests/test_torch_zero.py tests/test_torch_checkpoint.py \
+                 tests/test_torch_fit.py tests/test_torch_gpu.py
+torch-venv: $(TORCH_STAMP)
+
+$(TORCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps --index-url $(TORCH_INDEX) 'torch==$(TORCH_VERSION)+cpu'
+	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard,torch]'
+	touch $(TORCH_STAMP)
+
+test-torch: torch-venv
+	$(PY) -m pytest -q -p no:cacheprovider $(TORCH_TESTS)
+	$(MPIEXEC) $(MPIFLAGS) -n 2 $(PY) $(PYTEST_MPI) $(TORCH_TESTS)
+	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI) $(TORCH_TESTS)
+	$(MAKE) --no-print-directory MPI=openmpi test-torch-ulfm
+
+# The torch job surviving lost ranks (ULFM: Open MPI launched with --with-ft ulfm, its own venv).
+test-torch-ulfm: torch-venv
+	$(PY) -m pytest -q -p no:cacheprovider -k ulfm tests/test_torch_fit.py
 
 # A real single-node Slurm on this machine (tests/test_slurm.py): Debian's slurmctld, slurmd and
 # munge are installed when missing (needs root and apt-get; otherwise the test skips and says why).

@@ -18,6 +18,47 @@ def timed(fn: Callable[[], object], iters: int, comm) -> float:
     return comm.allreduce(elapsed, op=MPI.MAX) / iters
 
 
+CPU: dict[str, list[float]] = {}  # process CPU seconds per step, per case, of the last ``interleaved``
+
+
+def run_steps(fn: Callable[[], object], n: int, comm=None) -> tuple[float, float]:
+    """(wall, process CPU) seconds per step over ``n`` steps (wall: the slowest rank's with ``comm``,
+    an mpi4py communicator)."""
+    from mpi4py import MPI
+
+    if comm is not None:
+        comm.Barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        fn()
+    dt, dc = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+    return (dt if comm is None else comm.allreduce(dt, op=MPI.MAX)), dc
+
+
+def interleaved(cases: dict, steps: int, rounds: int, comm=None) -> dict[str, list[float]]:
+    """Per-round step times of every case, the cases taking turns inside each round (CPU times
+    go to ``CPU``)."""
+    for fn in cases.values():  # warm-up: buffers, caches, connections, the learned bucket order
+        fn()
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for k in cases:
+        CPU[k] = []
+    for r in range(rounds):
+        order = list(cases) if r % 2 == 0 else list(reversed(cases))  # neither side always goes first
+        for k in order:
+            wall, cpu = run_steps(cases[k], steps, comm)
+            times[k].append(wall)
+            CPU[k].append(cpu)
+    return times
+
+
+def spread(a: list[float], b: list[float]) -> str:
+    """The range of the per-round ratios a/b: how much the machine's noise moved the ratio."""
+    ratios = [x / y for x, y in zip(a, b)]
+    return f"per-round {min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def emit(title: str, head: Sequence[str], rows: Sequence[Sequence[object]], markdown: str | None = None,
          notes: Sequence[str] = ()) -> None:
     """Print a table on the console; with ``markdown`` also append it to that file as Markdown."""
@@ -45,6 +86,17 @@ def publish(text: str, markdown: str | None = None) -> None:
     if markdown:
         with open(markdown, "a") as fh:
             fh.write(text + "\n\n")
+
+
+#: The character vocabulary of the GPT the PyTorch comparisons train.
+VOCAB = 65
+
+
+def gpt_config(quick: bool) -> dict:
+    """The GPT (and the rounds) the PyTorch comparisons time: d_model, blocks, heads, tokens, global batch."""
+    if quick:
+        return {"d": 128, "layers": 2, "heads": 4, "t": 64, "batch": 8, "steps": 2, "rounds": 5}
+    return {"d": 256, "layers": 4, "heads": 4, "t": 128, "batch": 16, "steps": 3, "rounds": 9}
 
 
 def torch_gpt(vocab: int, d: int, heads: int, layers: int, block_size: int):

@@ -50,16 +50,8 @@ except ImportError:  # hpctrain before the lean layers (to measure "before")
 from hpctrain.parallel import DataParallelTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, torch_dist, torch_gpt  # noqa: E402
-
-VOCAB = 65
-
-
-def config(quick: bool) -> dict:
-    if quick:
-        return {"d": 128, "layers": 2, "heads": 4, "t": 64, "batch": 8, "steps": 2, "rounds": 5}
-    return {"d": 256, "layers": 4, "heads": 4, "t": 128, "batch": 16, "steps": 3, "rounds": 9}
-
+from common import CPU, VOCAB, emit, interleaved, spread, torch_dist, torch_gpt  # noqa: E402
+from common import gpt_config as config  # noqa: E402
 
 # -- hpctrain side ------------------------------------------------------------------------------
 
@@ -150,44 +142,6 @@ def have_torch() -> bool:
 
 
 # -- timing -------------------------------------------------------------------------------------
-
-
-CPU: dict[str, list[float]] = {}  # process CPU seconds per step, per case (one process only)
-
-
-def run_steps(fn, n: int, comm: MPI.Comm | None = None) -> tuple[float, float]:
-    """(wall, process CPU) seconds per step over ``n`` steps (wall: the slowest rank's with ``comm``)."""
-    if comm is not None:
-        comm.Barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(n):
-        fn()
-    dt, dc = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
-    return (dt if comm is None else comm.allreduce(dt, op=MPI.MAX)), dc
-
-
-def interleaved(cases: dict, steps: int, rounds: int, comm: MPI.Comm | None = None) -> dict[str, list[float]]:
-    """Per-round step times of every case, the cases taking turns inside each round (CPU times
-    go to ``CPU``)."""
-    for fn in cases.values():  # warm-up: buffers, caches, connections, the learned bucket order
-        fn()
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for k in cases:
-        CPU[k] = []
-    for r in range(rounds):
-        order = list(cases) if r % 2 == 0 else list(reversed(cases))  # neither side always goes first
-        for k in order:
-            wall, cpu = run_steps(cases[k], steps, comm)
-            times[k].append(wall)
-            CPU[k].append(cpu)
-    return times
-
-
-def spread(a: list[float], b: list[float]) -> str:
-    """The range of the per-round ratios a/b: how much the machine's noise moved the ratio."""
-    ratios = [x / y for x, y in zip(a, b)]
-    return f"per-round {min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def wait_quietly(comm: MPI.Comm) -> None:

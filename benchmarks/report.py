@@ -33,6 +33,7 @@ KNOWN = [
     ("allreduce", "All-reduce sweep: Communicator vs raw mpi4py"),
     ("ddp", "Data parallel: scaling, overlap, bucket sizes, many-tensor sync"),
     ("gpt_torch", "GPT step vs PyTorch: one process, data parallel, allocations, exposed communication"),
+    ("torch_ddp", "A PyTorch GPT data parallel: hpctrain.torch's DDP over MPI vs torch's DDP over gloo"),
     ("gpt_recipe", "GPT recipe (Shakespeare) vs the same training in PyTorch: validation loss, wall time"),
     ("tensor", "Tensor parallel: memory, step time, communication volume"),
     ("pipeline", "Pipeline parallel: bubble fraction and activation memory"),

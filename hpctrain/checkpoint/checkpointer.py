@@ -119,9 +119,10 @@ class Checkpointer:
                     if writer != rank:
                         continue
                     src_box, view = next((b, v) for b, v in views[key] if fmt.intersect(b, box) == box)
-                    data = view(pieces[key][0])[fmt.rel(box, src_box)]
-                    job.items.append((name, self._copy(name, data) if asynchronous
-                                      else np.ascontiguousarray(to_host(data))))
+                    data = view(pieces[key][0])
+                    if box:  # (a 0-d tensor's box is empty: indexing it with () would give a scalar)
+                        data = data[fmt.rel(box, src_box)]
+                    job.items.append((name, self._copy(name, data) if asynchronous else _contiguous(to_host(data))))
         except Exception as exc:
             job.items = []
             job.error = f"rank {rank}: {type(exc).__name__}: {exc}"
@@ -145,7 +146,7 @@ class Checkpointer:
         (allocated once: first-touch page faults cost more than the copy)."""
         host = to_host(data)
         if not (isinstance(data, np.ndarray) and np.may_share_memory(host, data)):
-            return np.ascontiguousarray(host)  # already a fresh copy (from a device)
+            return _contiguous(host)  # already a fresh copy (from a device)
         buf = self.buffers.get(name)
         if buf is None or buf.shape != host.shape or buf.dtype != host.dtype:
             buf = self.buffers[name] = rawio.aligned_empty(host.shape, host.dtype)  # page-aligned: written by DMA
@@ -185,6 +186,13 @@ class Checkpointer:
                     _log.warning("%s", prev.error)
             raise CheckpointError(older)
         return prev if prev.raw.rank == 0 else None
+
+
+def _contiguous(a: Any) -> np.ndarray:
+    """``a`` as a C-contiguous host array of its own shape (``np.ascontiguousarray`` makes a 0-d
+    array 1-d, which the index would then not describe)."""
+    a = np.asarray(a)
+    return np.ascontiguousarray(a).reshape(a.shape)
 
 
 #: Checkpointers of trainer-like objects that do not carry one (not made by ``Trainer``).

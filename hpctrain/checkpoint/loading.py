@@ -51,17 +51,25 @@ def _agreed_header(path: str, comm: Any) -> dict[str, Any]:
     return verdict[1]
 
 
-def _wanted(trainer: Any) -> dict[str, tuple[Any, tuple, tuple]]:
+def _wanted(trainer: Any, stored: dict[str, Any]) -> dict[str, tuple[Any, tuple, tuple]]:
     """{key: (parameter, full shape, index)} for what this rank holds (parameters and the
-    optimizer's state keys)."""
+    optimizer's state keys). An optimizer whose ``state_keys`` is ``None`` declares none (a torch
+    optimizer makes its state at its first step): it takes the keys ``stored`` holds for each
+    parameter."""
     opt = trainer.optimizer
     keys = opt.state_keys if opt is not None else ()
+    by_param: dict[str, list[str]] = {}
+    if keys is None:
+        for k in stored:
+            if k.startswith("optim/"):
+                name, key = k[len("optim/"):].rsplit("/", 1)
+                by_param.setdefault(name, []).append(key)
     out: dict[str, tuple[Any, tuple, tuple]] = {}
     for name, (param, full_shape, index) in trainer.shards().items():
         full_shape = tuple(int(n) for n in full_shape)
         index = fmt.norm_index(index, full_shape)
         out[f"model/{name}"] = (param, full_shape, index)
-        for key in keys:
+        for key in keys if keys is not None else by_param.get(name, ()):
             out[f"optim/{name}/{key}"] = (param, full_shape, index)
     return out
 
@@ -113,7 +121,7 @@ def stage(path: str, trainer: Any, header: dict[str, Any],
     reader = Reader(path, header)
     tied = tied_in(header)
     try:
-        pieces = _wanted(trainer)
+        pieces = _wanted(trainer, index)
         wanted = {k for k in pieces if k.startswith("model/")}
         # A weight the checkpoint's model tied (stored once, as its owner) for an untied model.
         sources = {k: src for k, (_, full, idx) in pieces.items() if k not in index

@@ -9,7 +9,8 @@ each way, never an allocation.)
 
 Order matters in MPI: every rank must start its non-blocking collectives in the same order.
 Parameters are sorted by name (numbers in names compared as numbers, so ``layers.10`` comes
-after ``layers.9``) and packed in that order; buckets are *started* in reverse packing order
+after ``layers.9``) and packed in that order (``order="given"``: in the order handed in, a torch
+module's registration order); buckets are *started* in reverse packing order
 (the last layers first, as backward produces them) until ``adopt_order`` replaces that with the
 order rank 0 observed in a real backward; a bucket never starts before the ones ahead of it in
 the start order. Which bucket is ready when may differ between ranks (unused branches, timing),
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ml_dtypes
@@ -45,6 +46,8 @@ from .communicator import Communicator, Request
 from .half import from_bf16, to_bf16
 
 COMPRESSIONS = (None, "fp16", "bf16")
+#: How parameters are packed: by natural name order, or in the order they are handed in.
+ORDERS = ("name", "given")
 # 16-bit gradient dtypes (mixed precision's grad_reduce_dtype) and the 16-bit sum that adds them.
 _HALF = {np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "fp16"}
 _DIGITS = re.compile(r"(\d+)")
@@ -93,8 +96,9 @@ class _Bucket:
 class GradBuckets:
     """Fused, optionally overlapped and compressed all-reduce (sum) of parameter gradients.
 
-    ``params`` are packed in name order into buckets of at most ``bucket_mb`` MB of one dtype
-    (a parameter bigger than that gets a bucket of its own). Use per step::
+    ``params`` are packed in name order (``order="given"``: as handed in) into buckets of at most
+    ``bucket_mb`` MB of one dtype (a parameter bigger than that gets a bucket of its own);
+    ``before_start()``, when given, runs before each bucket's all-reduce starts. Use per step::
 
         buckets.begin()                 # before the backward that produces the final gradients
         buckets.mark_ready(params)      # optional, from backward hooks: starts full buckets
@@ -109,6 +113,8 @@ class GradBuckets:
         compression: str | None = None,
         reducer: Any = None,
         progress: str | None = None,
+        order: str = "name",
+        before_start: Callable[[], None] | None = None,
     ) -> None:
         # How buckets in flight make progress while backward computes (hpctrain/comm/progress.py);
         # None: HPCTRAIN_PROGRESS (default "poll").
@@ -118,7 +124,12 @@ class GradBuckets:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        params = sorted(params, key=lambda p: natural_key(p.name))
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        params = sorted(params, key=lambda p: natural_key(p.name)) if order == "name" else list(params)
+        # Called before each bucket's all-reduce starts: a caller whose gradients are written on
+        # another stream (torch's CUDA stream) waits for them there.
+        self.before_start = before_start
         names = [p.name for p in params]
         if len(set(names)) != len(names) or len({id(p) for p in params}) != len(params):
             raise ValueError("GradBuckets needs distinct parameters with distinct names")
@@ -164,7 +175,7 @@ class GradBuckets:
 
     @property
     def params(self) -> list[Any]:
-        """The parameters in packing (name) order."""
+        """The parameters in packing order."""
         return [p for b in self.buckets for p in b.params]
 
     def sizes(self) -> list[int]:
@@ -299,6 +310,8 @@ class GradBuckets:
             if len(self._ready) < self._n_params and not force:
                 self.overlapped += 1
             t0 = time.perf_counter()
+            if self.before_start is not None:
+                self.before_start()
             if self.compression == "fp16":
                 b.wire[...] = b.flat
                 b.request = self._iallreduce16(b.wire.view(np.uint16), "fp16")

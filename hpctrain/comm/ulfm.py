@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -127,6 +128,26 @@ def shrink(comm: MPI.Intracomm) -> tuple[MPI.Intracomm, list[int]]:
     lost = [r for r in world_ranks(comm) if r not in alive]
     _lost.extend(r for r in lost if r not in _lost)
     return new, lost
+
+
+def shrink_agreeing(comm: MPI.Intracomm, step: int,
+                    holds: Callable[[int], bool]) -> tuple[MPI.Intracomm, list[int], int]:
+    """The survivors of ``comm`` (shrunk again while more ranks die), every world rank lost, and
+    the step to redo: the earliest ``step`` any survivor is in (MPI does not promise that a failed
+    collective fails on every rank, so one may have finished the step the others failed in), or
+    ``-1`` when some survivor cannot go back to it (``holds(step)`` false there). Collective over
+    the survivors; the same answer on each."""
+    lost: list[int] = []
+    while True:
+        comm, gone = shrink(comm)
+        lost += gone
+        try:
+            redo = min_over(comm, step)
+            have = min_over(comm, int(bool(holds(redo))))
+            return comm, sorted(lost), redo if have else -1
+        except MPI.Exception as again:
+            if not is_rank_loss(again):
+                raise
 
 
 def lost_ranks() -> list[int]:

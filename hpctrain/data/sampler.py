@@ -25,6 +25,12 @@ import numpy as np
 PADS = ("wrap", "mask")
 
 
+def rescaled_position(position: int, saved_size: int, size: int) -> int:
+    """A position saved by a rank of ``saved_size`` ranks, for a rank of ``size``: the samples all
+    ranks consumed (``position * saved_size``) spread over the new number of ranks."""
+    return int(position) * int(saved_size) // int(size)
+
+
 class ShardedSampler:
     """This rank's share of every epoch's order, interleaved across ranks.
 

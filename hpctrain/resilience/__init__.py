@@ -173,21 +173,12 @@ class RankLoss:
     def _shrink(self, trainer: Any) -> tuple[Communicator, list[int], int]:
         """The survivors' communicator, every world rank lost, and the step to redo. More ranks
         may die meanwhile: then the survivors shrink again."""
-        mpi, lost = trainer.comm.mpi, []
         groups.revoke(trainer.grid)  # a survivor blocked in a gradient bucket (or a tp wait) returns too
-        while True:
-            mpi, gone = ulfm.shrink(mpi)
-            lost += gone
-            try:
-                step = ulfm.min_over(mpi, trainer.global_step)
-                # Every survivor must hold the state from before that step (see the docstring), or
-                # be at that step's start: the loss was seen between two steps (a callback's wait).
-                mine = step in self._snapshots or trainer.global_step == step
-                have = ulfm.min_over(mpi, int(mine))
-                return Communicator(mpi), sorted(lost), step if have else -1
-            except ulfm.Error as again:
-                if not ulfm.is_rank_loss(again):
-                    raise
+        # Every survivor must hold the state from before the step to redo (see the docstring), or
+        # be at that step's start: the loss was seen between two steps (a callback's wait).
+        mpi, lost, step = ulfm.shrink_agreeing(trainer.comm.mpi, trainer.global_step,
+                                               lambda s: s in self._snapshots or trainer.global_step == s)
+        return Communicator(mpi), lost, step
 
     def _end_without_replica(self, trainer: Any, comm: Communicator, lost: list[int], step: int,
                              old_world: list[int]) -> NoReturn:

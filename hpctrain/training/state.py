@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ..data.sampler import rescaled_position
 from ..nn.rngs import ModuleRngs
 from ..protocols import Comm, restore_of, snapshot_of
 
@@ -164,8 +165,7 @@ class TrainerState:
         if sampler_state is not None:
             sampler_state = dict(sampler_state)
         if sampler_state is not None and saved_dp != self.dp.size:
-            # Samples consumed by all replicas (position x old dp) spread over the new dp size.
-            sampler_state["position"] = int(sampler_state["position"]) * saved_dp // self.dp.size
+            sampler_state["position"] = rescaled_position(sampler_state["position"], saved_dp, self.dp.size)
         self._pending_sampler = sampler_state
         sampler = self._sampler
         if sampler is not None and sampler_state is not None:

@@ -1,4 +1,5 @@
-"""A model of your own for ``hpctrain train``: the protocol, runnable (from a clone of the repository).
+"""A model of your own for ``hpctrain train``: both kinds of layer, runnable (from a clone of the
+repository).
 
     mpiexec -n 2 hpctrain train --model examples/custom_model.py:build              # data parallel
     mpiexec -n 2 hpctrain train --model examples/custom_model.py:build --tp 2       # its nn.MLP split over tp
@@ -10,6 +11,9 @@ The factory takes the job's ``hpctrain.job.Config`` (every flag as a typed field
 holds the data's facts: ``n_in``, ``x_shape``, ``n_classes`` with ``--loss ce`` or ``n_out`` with
 ``--loss mse``, ``vocab_size`` for token windows) and returns an ``hpctrain.nn.Module``. It is
 called on every rank and must build the same model there (seed it from ``config.seed``).
+
+``Gain`` is written forward-only (the autograd engine derives its backward); ``Scale`` keeps the
+explicit protocol (a hand-written backward, state in ``self.cache``). They mix in one model.
 """
 
 from __future__ import annotations
@@ -17,6 +21,19 @@ from __future__ import annotations
 import numpy as np
 
 from hpctrain import nn
+from hpctrain.nn import functional as F
+
+
+class Gain(nn.Module):
+    """``x + tanh(x) * g``, a learned gain per feature: no backward written. ``forward`` computes
+    with tensors (``nn`` layers, ``F`` operations, operators); ``Parameter`` attributes are
+    registered under their attribute names (here ``g``)."""
+
+    def __init__(self, d: int, dtype=np.float32) -> None:
+        self.g = nn.Parameter(np.full(d, 0.5, dtype=dtype))
+
+    def forward(self, x):
+        return x + F.tanh(x) * self.g
 
 
 class Scale(nn.Module):
@@ -41,7 +58,8 @@ class Scale(nn.Module):
 
 
 def build(config) -> nn.Module:
-    """An MLP classifier (or regressor) with a ``Scale`` layer and a transformer-style ``nn.MLP`` block.
+    """An MLP classifier (or regressor) with a ``Gain`` and a ``Scale`` layer and a transformer-style
+    ``nn.MLP`` block.
 
     A ``Sequential`` so a pipeline can cut it between layers; ``nn.MLP`` so tensor parallelism
     has something to split (its fc1 column-wise, fc2 row-wise).
@@ -51,7 +69,7 @@ def build(config) -> nn.Module:
     d = config.d_model
     n_out = info["n_classes"] if "n_classes" in info else info["n_out"]
     return nn.Sequential(
-        nn.Linear(info["n_in"], d, rng=rng), nn.GELU(), Scale(d),
+        nn.Linear(info["n_in"], d, rng=rng), nn.GELU(), Scale(d), Gain(d),
         nn.MLP(d, 4 * d, rng=rng), nn.GELU(),
         nn.Linear(d, n_out, rng=rng),
     )

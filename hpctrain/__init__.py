@@ -21,11 +21,11 @@ from .errors import HpctrainError  # noqa: E402
 
 # name -> submodule that defines it
 _NAMES = {"Communicator": "comm", "ProcessGrid": "comm", "StepStats": "training.trainer", "Trainer": "training.trainer"}
-_MODULES = ("backend", "checkpoint", "comm", "data", "log", "nn", "optim", "parallel", "preempt")
+_MODULES = ("autograd", "backend", "checkpoint", "comm", "data", "log", "nn", "optim", "parallel", "preempt")
 
 __all__ = [
     "Communicator", "HpctrainError", "ProcessGrid", "StepStats", "Trainer", "__version__",
-    "backend", "checkpoint", "data", "errors", "nn", "optim", "parallel",
+    "autograd", "backend", "checkpoint", "data", "errors", "nn", "optim", "parallel",
 ]  # fmt: skip
 
 

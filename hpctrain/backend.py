@@ -101,6 +101,19 @@ def xp_of(a: Any) -> ModuleType:
     return np
 
 
+def add_at(target: Any, index: Any, values: Any) -> None:
+    """``target[index] += values`` with repeated indices all added (``numpy.add.at``), on the
+    array module of ``target`` (CuPy before 13 has no ``add.at``: ``cupyx.scatter_add`` there)."""
+    xp = xp_of(target)
+    at = getattr(xp.add, "at", None)
+    if at is not None:
+        at(target, index, values)
+    else:  # older CuPy
+        import cupyx
+
+        cupyx.scatter_add(target, index, values)
+
+
 def get_xp(device: str = "cpu") -> ModuleType:
     """The array module for ``device`` ("cpu" or "gpu")."""
     if device == "cpu":

@@ -59,6 +59,21 @@ class WindowError(HpctrainError, RuntimeError):
     """An RMA window was used after ``free()`` or in a wrong state."""
 
 
+class AutogradError(HpctrainError, RuntimeError):
+    """The autograd graph cannot do what was asked: a second backward through a graph whose saved
+    arrays were released, an array a backward needs changed in place since its forward, an
+    in-place change of a leaf that requires a gradient (``hpctrain.autograd``)."""
+
+
+class GradcheckError(HpctrainError, RuntimeError):
+    """``hpctrain.autograd.gradcheck``: an analytic gradient differs from the numerical one."""
+
+
+class PerCallStateError(HpctrainError, ValueError):
+    """A module with its own ``backward`` keeps per-call state outside its layers' ``cache``: with
+    several micro-batches in flight (a pipeline) its backward would read another call's state."""
+
+
 class DatasetError(HpctrainError, ValueError):
     """A dataset file or key is missing, inconsistent or unreadable."""
 

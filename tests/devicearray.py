@@ -264,6 +264,12 @@ def _index(key: Any) -> Any:
     return key
 
 
+def _defers(other: Any) -> bool:
+    """CuPy's ``_should_use_rop``: an operand whose type sets ``__array_ufunc__ = None`` (an
+    autograd tensor) gets the operator (its reflected method) instead of the array."""
+    return getattr(type(other), "__array_ufunc__", False) is None
+
+
 def _binary(ufunc: Any, reflected: bool = False, inplace: bool = False) -> Any:
     if inplace:
         def op(self: ndarray, other: Any) -> ndarray:
@@ -274,6 +280,8 @@ def _binary(ufunc: Any, reflected: bool = False, inplace: bool = False) -> Any:
             return ufunc(other, self)
     else:
         def op(self: ndarray, other: Any) -> Any:
+            if _defers(other):
+                return NotImplemented
             return ufunc(self, other)
     return op
 
@@ -353,9 +361,10 @@ def _call(fn: Any, args: tuple, kwargs: dict) -> Any:
     if what in ("matmul", "dot", "tensordot", "einsum", "inner", "vdot"):
         _refuse_in_capture("a matrix product through the array module (CuPy's cuBLAS)")
     a, kw = _unwrap(args, what), {k: _unwrap(v, what) for k, v in kwargs.items()}
-    if kw.get("out") is not None:  # a write into an existing array
+    out = kwargs.get("out")
+    if kw.get("out") is not None:  # a write into an existing array; CuPy returns ``out`` itself
         record(lambda: fn(*a, **kw))
-        return _wrap(kw["out"], (kw["out"],))
+        return out if isinstance(out, ndarray) else _wrap(kw["out"], (kw["out"],))
     result = fn(*a, **kw)
     same = next((x for x in args if isinstance(x, ndarray) and x._a is result), None)
     if same is not None:  # CuPy hands back the array itself (ascontiguousarray of a contiguous one)
@@ -438,6 +447,7 @@ class _Device:
 
 cuda = types.SimpleNamespace(get_current_stream=lambda: _Stream(), runtime=_Runtime(), Device=_Device,
                              Stream=_Stream)  # fmt: skip
+# CuPy's RandomState takes any 64-bit seed (NumPy's legacy one only 32 bits): a PCG64 stands in.
 random = types.SimpleNamespace(
     RandomState=lambda seed=None: types.SimpleNamespace(
-        random_sample=lambda size=None: ndarray(np.random.RandomState(seed).random_sample(size))))
+        random_sample=lambda size=None: ndarray(np.random.Generator(np.random.PCG64(seed)).random(size))))

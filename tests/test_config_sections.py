@@ -22,6 +22,9 @@ from hpctrain.training.precision import Precision
 CASES = [
     ("model", ["--model", "gpt", "--loss", "mse"], 'model = "gpt"\nloss = "mse"\n', {"model": "gpt"},
      "--model gpt predicts the next token: it trains with --loss ce"),
+    ("model", ["--model", "mlp", "--tie-embeddings"], 'model = "mlp"\ntie_embeddings = true\n', {"model": "mlp"},
+     "--tie-embeddings ties the GPT's head to its token embedding; --model mlp has none (a model of your own "
+     "ties its weights itself)"),
     ("data", ["--val-fraction", "1.5"], "val_fraction = 1.5\n", {},
      "--val-fraction must be between 0 and 1, got 1.5"),
     ("parallel", ["--zero", "5"], "zero = 5\n", {}, "--zero must be 0, 1, 2 or 3, got 5"),

@@ -9,6 +9,10 @@ must equal the serial model's.
 Every case runs twice (the ``device`` fixture): on the host, and with the model and batches on the
 strict device stand-in (tests/devicearray.py), which refuses host/device mixing as CuPy does: CI
 has no GPU, and this is what keeps every strategy's device path honest there.
+
+The matrix (strategy x ZeRO level x recompute x precision) runs the model twice over: as written
+with nn's layers, and written forward-only (``forward_only_model``: no backward anywhere, the
+autograd engine derives it), on the host and on the stand-in; both equal one process.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import pytest
 
 from hpctrain import ProcessGrid, backend
 from hpctrain.errors import NonFiniteError
-from hpctrain.nn import MLP, CrossEntropyLoss, Linear, Sequential
+from hpctrain.nn import MLP, CrossEntropyLoss, Linear, Module, Parameter, Recompute, Sequential
+from hpctrain.nn import functional as F
 from hpctrain.optim import SGD, clip_grad_norm
 from hpctrain.parallel import (
     DataParallelTrainer,
@@ -46,6 +51,38 @@ def serial_model(dtype=np.float64, recompute: bool = False) -> Sequential:
     return model
 
 
+class FwdLinear(Module):
+    """``x @ weight + bias`` without a backward, initialised as ``nn.Linear`` (same draws)."""
+
+    def __init__(self, d_in: int, d_out: int, rng, dtype) -> None:
+        ref = Linear(d_in, d_out, rng=rng, dtype=dtype)
+        self.weight, self.bias = Parameter(ref.weight.data), Parameter(ref.bias.data)
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class FwdMLP(Module):
+    """``fc2(gelu(fc1(x)))`` without a backward, initialised as ``nn.MLP``."""
+
+    def __init__(self, d: int, hidden: int, rng, dtype) -> None:
+        self.fc1, self.fc2 = FwdLinear(d, hidden, rng, dtype), FwdLinear(hidden, d, rng, dtype)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def forward_only_model(dtype=np.float64, recompute: bool = False) -> Sequential:
+    """``serial_model`` written without any backward (same parameters, names and values)."""
+    g = np.random.default_rng(0)
+    first = FwdLinear(D_IN, D, g, dtype)
+    mlps = [FwdMLP(D, 16, g, dtype), FwdMLP(D, 16, g, dtype)]
+    last = FwdLinear(D, C, g, dtype)
+    if recompute:
+        mlps = [Recompute(m) for m in mlps]
+    return Sequential(first, *mlps, last)
+
+
 _built: list = []  # the test's trainers: closed after it (the parameter server's windows)
 
 
@@ -57,17 +94,19 @@ def _close_trainers():
 
 
 def build(kind: str, comm, clip=None, policy="raise", device=None, momentum=0.0, dtype=np.float64,
-          recompute=False, precision=None):
+          recompute=False, precision=None, forward_only=False):
     """(trainer, dp rank, dp size) for ``kind``; skips when the layout does not fit the world.
 
     ``device``: the stand-in module to put the model on (``None``: the host); ``precision``: a
-    mixed precision (``hpctrain.training.precision.Precision``; ``dtype`` must be float32 then)."""
+    mixed precision (``hpctrain.training.precision.Precision``; ``dtype`` must be float32 then);
+    ``forward_only``: the model written without a backward (``forward_only_model``)."""
     need = {"tp": 2, "pp": 2, "tp_pp": 4}.get(kind, 1)
     if comm.size % need:
         pytest.skip(f"{kind} needs a multiple of {need} ranks, the world has {comm.size}")
     if kind == "ps" and clip is not None:
         pytest.skip("ParameterServerTrainer applies plain SGD on the servers: it has no clip_norm")
-    model, loss = serial_model(dtype, recompute), CrossEntropyLoss()
+    model = (forward_only_model if forward_only else serial_model)(dtype, recompute)
+    loss = CrossEntropyLoss()
     if device is not None:
         model.to("gpu")
     kw = {"clip_norm": clip, "on_nonfinite": policy, **({"precision": precision} if precision else {})}
@@ -191,20 +230,28 @@ def test_clipping_matches_serial(comm, kind, device):
     assert_same_params(tr, ref)
 
 
+# The matrix's runs: nn's layers on the stand-in (their host runs are the tests above and
+# test_zero/test_recompute), the forward-only model on the host and on the stand-in.
+MATRIX = [("nn", "standin", np.float64), ("nn", "standin", np.float32), ("forward_only", "host", np.float64),
+          ("forward_only", "standin", np.float64), ("forward_only", "standin", np.float32)]
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
-@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-def test_matrix_clipped_steps_match_serial_on_the_device(comm, kind, recompute, dtype, standin):
-    """Strategy x ZeRO level x recompute x precision on the device stand-in: two steps (the first
-    one clipped, where the trainer clips) equal one host process's at the precision's tolerance.
-    (The host runs of the same cases are the tests above and test_zero/test_recompute.)"""
-    device = on(standin)
+@pytest.mark.parametrize("model, where, dtype", MATRIX,
+                         ids=["nn-standin-f64", "nn-standin-f32", "fwd-host-f64", "fwd-standin-f64", "fwd-standin-f32"])
+def test_matrix_clipped_steps_match_serial(comm, kind, recompute, model, where, dtype, standin):
+    """Strategy x ZeRO level x recompute x precision, with nn's layers and forward-only, on the
+    host and the device stand-in: two steps (the first one clipped, where the trainer clips)
+    equal one host process's at the precision's tolerance."""
+    device = on(standin if where == "standin" else None)
     dp = comm.size // {"tp": 2, "pp": 2, "tp_pp": 4}.get(kind, 1)
     first_norm = Serial(dtype=dtype).step(*global_batch(dp, 0)[:2])[1]
     clip = None if kind == "ps" else first_norm / 2  # the first step clips (the norm depends on dp)
-    tr, d, dp = build(kind, comm, clip=clip, device=device, dtype=dtype, recompute=recompute)
+    tr, d, dp = build(kind, comm, clip=clip, device=device, dtype=dtype, recompute=recompute,
+                      forward_only=model == "forward_only")  # fmt: skip
     ref = Serial(clip=clip, dtype=dtype)
     rtol = 1e-10 if dtype == np.float64 else 2e-5
     for seed in range(2):
@@ -231,15 +278,16 @@ def mixed(name: str):
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "ps"])  # the server applies fp32 SGD itself
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
-def test_matrix_mixed_precision_on_the_device_equals_the_host(comm, kind, recompute, precision, standin):
+@pytest.mark.parametrize("model", ["nn", "forward_only"])
+def test_matrix_mixed_precision_on_the_device_equals_the_host(comm, kind, recompute, precision, model, standin):
     """The matrix's mixed-precision column (16-bit ``ml_dtypes`` arrays through the stand-in):
     two steps of each strategy on the device equal the same trainer's on the host (fp32 masters and
-    16-bit parameters bitwise), and stay near one fp32 process."""
+    16-bit parameters bitwise), and stay near one fp32 process; nn's layers and forward-only."""
     runs = []
     for device in (None, standin):
         on(device)
         tr, d, dp = build(kind, comm, device=device, dtype=np.float32, recompute=recompute,
-                          precision=mixed(precision))  # fmt: skip
+                          precision=mixed(precision), forward_only=model == "forward_only")  # fmt: skip
         stats = [run(tr, d, dp, *(a.astype(np.float32) if a.dtype.kind == "f" else a
                                    for a in global_batch(dp, seed)[:2])) for seed in range(2)]  # fmt: skip
         masters = {n: host(p.data) for n, (p, _, _) in tr.shards().items()}

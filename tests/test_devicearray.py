@@ -63,3 +63,17 @@ def test_losses_mean_on_the_device_with_and_without_weights(standin, weighted):
         got = make().forward(*dev_args, weight=None if w is None else standin.asarray(w))
         assert isinstance(got, standin.ndarray) and got.shape == ()
         assert float(got) == pytest.approx(host, rel=1e-12)
+
+
+def test_out_results_and_views_hold_what_cupy_holds(standin):
+    """Reference counts must say what they say on CuPy (``nn.buffers`` reuses an array nobody holds):
+    a ufunc with ``out=`` returns ``out`` itself, and a view keeps its owner alive."""
+    import sys
+
+    a, b, c = standin.ones((2, 2)), standin.ones((2, 2)), standin.empty((2, 2))
+    assert standin.matmul(a, b, out=c) is c and standin.add(a, b, out=c) is c
+    before = sys.getrefcount(c)
+    views = [c.reshape(4), c.T, c[0], standin.swapaxes(c, 0, 1)]
+    assert sys.getrefcount(c) == before + len(views)
+    del views
+    assert sys.getrefcount(c) == before

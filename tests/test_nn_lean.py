@@ -228,13 +228,13 @@ def test_attention_layer_in_blocks_matches_previous_version(monkeypatch, rng):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gelu_in_row_chunks_is_bitwise_the_whole_array(monkeypatch, dtype, rng):
     """Chunking only changes which elements a pass runs over at a time, never an element's result."""
-    from hpctrain.nn import layers
+    from hpctrain.nn import kernels  # GELU's computation (the layer's and F.gelu's)
 
     x = (rng.standard_normal((3, 10, 7)) * 3).astype(dtype)
     g = rng.standard_normal(x.shape).astype(dtype)
     whole = nn.GELU()
     want_y, want_g = whole.forward(x).copy(), whole.backward(g).copy()
-    monkeypatch.setattr(layers, "CHUNK", 8)  # rows of 7: one row per chunk, a short last chunk too
+    monkeypatch.setattr(kernels, "CHUNK", 8)  # rows of 7: one row per chunk, a short last chunk too
     chunked = nn.GELU()
     np.testing.assert_array_equal(chunked.forward(x), want_y)
     np.testing.assert_array_equal(chunked.backward(g), want_g)

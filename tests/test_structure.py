@@ -92,6 +92,9 @@ def test_no_import_cycle():
     ("hpctrain.data", ("hpctrain.comm", "hpctrain.parallel")),
     ("hpctrain.settings", ("hpctrain.comm",)),
     ("hpctrain.protocols", ("hpctrain.",)),
+    # autograd needs only the array module and the errors: nn and everything above build on it
+    ("hpctrain.autograd", tuple(f"hpctrain.{m}" for m in ("nn", "optim", "data", "comm", "parallel", "training",
+                                                          "train", "checkpoint", "precision", "settings"))),
 ])  # fmt: skip
 def test_imports_go_down_the_layers(lower, forbidden):
     mods = _modules()

@@ -75,6 +75,36 @@ def _wanted(trainer: Checkpointable, stored: dict[str, Any]) -> dict[str, tuple[
     return out
 
 
+def _whole(shape: tuple) -> tuple:
+    return tuple(slice(0, n) for n in shape)
+
+
+def tied_in(header: dict[str, Any]) -> dict[str, str]:
+    """``{alias: owner}`` of the weights the checkpoint's model tied (stored once, as the owner)."""
+    config = header.get("config")
+    tied = config.get("tied", {}) if isinstance(config, dict) else {}
+    return {str(a): str(o) for a, o in tied.items()} if isinstance(tied, dict) else {}
+
+
+def _from_owner(key: str, full: tuple, idx: tuple, index: dict[str, Any], tied: dict[str, str]) -> Any:
+    """Where an untied model's ``key`` (``model/head.weight``, ``optim/head.weight/m``) comes
+    from in a checkpoint that tied it: ``(owner key, owner index, transpose)``; ``None`` if not."""
+    head, _, rest = key.partition("/")  # model/<name> or optim/<name>/<state key>
+    for alias, owner in tied.items():
+        if rest != alias and not rest.startswith(alias + "/"):
+            continue
+        src = f"{head}/{owner}{rest[len(alias):]}"
+        entry = index.get(src)
+        if entry is None:
+            return None
+        stored = tuple(entry["shape"])
+        if stored == tuple(full):
+            return src, idx, False
+        if len(full) == 2 and stored == tuple(full)[::-1]:  # an untied head is the embedding transposed
+            return src, tuple(idx)[::-1], True
+    return None
+
+
 def stage(path: str, trainer: Checkpointable, header: dict[str, Any],
           tree: bool = False) -> tuple[dict[str, Any], list[str], set[str]]:
     """Read and verify everything this rank needs into temporaries; changes nothing.
@@ -90,14 +120,19 @@ def stage(path: str, trainer: Checkpointable, header: dict[str, Any],
     wanted: set[str] = set()
     index = header["index"]
     reader = Reader(path, header)
+    tied = tied_in(header)
     try:
         pieces = _wanted(trainer, index)
         wanted = {k for k in pieces if k.startswith("model/")}
+        # A weight the checkpoint's model tied (stored once, as its owner) for an untied model.
+        sources = {k: src for k, (_, full, idx) in pieces.items() if k not in index
+                   for src in [_from_owner(k, full, idx, index, tied)] if src is not None}  # fmt: skip
+        wanted |= {src[0] for k, src in sources.items() if k.startswith("model/")}
         # Shapes and dtypes first: nothing is read for a model the checkpoint does not fit.
         for key, (param, full_shape, _) in pieces.items():
             entry = index.get(key)
             if entry is None:
-                if key.startswith("model/"):
+                if key.startswith("model/") and key not in sources:
                     problems.append(f"{key[6:]} is not in the checkpoint")
                 continue
             if tuple(entry["shape"]) != tuple(full_shape):
@@ -109,17 +144,19 @@ def stage(path: str, trainer: Checkpointable, header: dict[str, Any],
         # In the part files' order (their datasets were written sorted by key): sequential reads.
         outs = []
         with _quick_handoffs():
-            for key in sorted(k for k in pieces if k in index):
+            for key in sorted(k for k in pieces if k in index or k in sources):
                 param, full_shape, idx = pieces[key]
-                out = rawio.staging_empty(fmt.local_shape(idx, full_shape), np.dtype(index[key]["dtype"]))
+                src, src_idx, flip = sources.get(key, (key, idx, False))
+                src_full = tuple(index[src]["shape"])
+                out = rawio.staging_empty(fmt.local_shape(src_idx, src_full), np.dtype(index[src]["dtype"]))
                 reader.prefault(out)
-                reader.fill(key, out, idx, defer=True)
-                outs.append((key, param, out))
+                reader.fill(src, out, src_idx, defer=True)
+                outs.append((key, param, out.T if flip else out))
             if tree:  # (on a thread of its own, its HDF5 calls and the slabs' checks took turns: 1.7x slower)
                 problems += _tree_problems(path, header)
             reader.finish()
         for key, param, out in outs:
-            staged[key] = to_device(out, xp_of(param.data)).astype(param.dtype, copy=False)
+            staged[key] = to_device(np.ascontiguousarray(out), xp_of(param.data)).astype(param.dtype, copy=False)
     except CheckpointError as exc:
         problems.append(str(exc))
     except Exception as exc:  # reported on every rank by the caller instead of leaving others waiting
@@ -159,6 +196,12 @@ def load(path: str, trainer: Checkpointable) -> dict[str, Any]:
     The saved layout may differ from the trainer's: every rank reads the slices it holds now.
     A missing file raises ``FileNotFoundError`` and a corrupt, truncated, foreign or ill-fitting
     one a ``CheckpointError``, on every rank, with the trainer exactly as it was.
+
+    Tied weights (a GPT's ``--tie-embeddings`` head): a checkpoint stores a tied weight once,
+    under its owner's name (``tok_emb.weight``). It loads into a tied model as it is, and into an
+    untied one too: the untied alias (``head.weight``) starts as the owner, transposed where the
+    untied layer holds it transposed (its optimizer state likewise). A checkpoint of an untied
+    model does not load into a tied one (its head would be dropped): refused, saying so.
     """
     from ..comm.validate import raise_if_any
 
@@ -173,7 +216,10 @@ def load(path: str, trainer: Checkpointable) -> dict[str, Any]:
         raise CheckpointError("; ".join(corrupt[:4]))
     stored = {k for k in header["index"] if k.startswith("model/")}
     all_wanted = set().union(*(set(w) for _, w in everyone))
-    all_problems += [f"{k[6:]} is in the checkpoint but not in the model" for k in sorted(stored - all_wanted)]
+    ties = trainer.tied_weights() if callable(getattr(trainer, "tied_weights", None)) else {}
+    all_problems += [f"{k[6:]} is in the checkpoint but not in the model" + (
+        f" (this model ties it to {ties[k[6:]]}: a checkpoint of an untied model loads into untied ones only)"
+        if k[6:] in ties else "") for k in sorted(stored - all_wanted)]
     if all_problems:
         raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(all_problems[:6]))
     try:
@@ -308,15 +354,25 @@ def load_weights(path: str, model: Any) -> dict[str, Any]:
 
     For evaluation and sampling: the header and every slab read are checked against their
     checksums, and the names and shapes must match the model's exactly (a ``CheckpointError``
-    lists what differs; the model is unchanged then). Returns the header.
+    lists what differs; the model is unchanged then), tied weights as ``load`` says. Returns the
+    header.
     """
     header = read_header(path, with_state=False)
     params = dict(model.named_parameters())
-    stored = {k[len("model/"):] for k in header["index"] if k.startswith("model/")}
-    problems = [f"{n} is not in the checkpoint" for n in sorted(set(params) - stored)]
-    problems += [f"{n} is in the checkpoint but not in the model" for n in sorted(stored - set(params))]
+    index = header["index"]
+    stored = {k[len("model/"):] for k in index if k.startswith("model/")}
+    tied = tied_in(header)
+    sources = {n: src for n, p in params.items() if n not in stored
+               for src in [_from_owner(f"model/{n}", p.data.shape, _whole(p.data.shape), index, tied)]
+               if src is not None}  # fmt: skip
+    ties = model.tied_weights() if callable(getattr(model, "tied_weights", None)) else {}
+    used = set(params) | {src[len("model/"):] for src, _, _ in sources.values()}
+    problems = [f"{n} is not in the checkpoint" for n in sorted(set(params) - stored - set(sources))]
+    problems += [f"{n} is in the checkpoint but not in the model" + (
+        f" (this model ties it to {ties[n]}: a checkpoint of an untied model loads into untied ones only)"
+        if n in ties else "") for n in sorted(stored - used)]
     for name in sorted(set(params) & stored):
-        shape = tuple(header["index"][f"model/{name}"]["shape"])
+        shape = tuple(index[f"model/{name}"]["shape"])
         if shape != tuple(params[name].data.shape):
             problems.append(f"{name}: checkpoint has shape {shape}, model needs {tuple(params[name].data.shape)}")
     if problems:
@@ -325,10 +381,11 @@ def load_weights(path: str, model: Any) -> dict[str, Any]:
     reader = Reader(path, header)
     try:
         for name in sorted(params):
-            entry = header["index"][f"model/{name}"]
+            src, _, flip = sources.get(name, (f"model/{name}", None, False))
+            entry = index[src]
             out = np.empty(tuple(entry["shape"]), np.dtype(entry["dtype"]))
-            reader.fill(f"model/{name}", out, tuple(slice(0, n) for n in out.shape))
-            arrays[name] = out
+            reader.fill(src, out, _whole(out.shape))
+            arrays[name] = np.ascontiguousarray(out.T) if flip else out
     finally:
         reader.close()
     for name, data in arrays.items():

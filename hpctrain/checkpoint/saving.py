@@ -67,6 +67,14 @@ def local_pieces(trainer: Checkpointable) -> dict[str, tuple[Any, tuple, tuple]]
     return pieces
 
 
+def _config(trainer: Any) -> dict[str, Any]:
+    """The trainer's ``config()`` and, when its model ties weights, ``tied`` (``{alias: owner}``:
+    a tied weight is stored once, as its owner; ``loading`` reads an untied model's alias from it)."""
+    cfg = trainer.config()
+    tied = trainer.tied_weights() if callable(getattr(trainer, "tied_weights", None)) else {}
+    return {**cfg, "tied": dict(tied)} if tied else cfg
+
+
 # -- the plan --------------------------------------------------------------------------------
 
 
@@ -131,7 +139,7 @@ def describe(trainer: Checkpointable, comm: Comm) -> tuple[dict[str, tuple], dic
             "hpctrain_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "layout": fmt.dumps(trainer.layout),
-            "config": fmt.dumps(trainer.config()),
+            "config": fmt.dumps(_config(trainer)),
             "trainer_state": "",
             "optimizer": fmt.dumps({} if opt is None else {"step": opt_sd["step"], "config": opt_sd["config"]}),
         }

@@ -128,8 +128,8 @@ def run_data(args: argparse.Namespace) -> int:
 
     works = partial(shakespeare, source=args.source, allow_fetch=not args.no_fetch, force=args.force,
                     replace_fallback=True)
-    for name, make in (("classification", builtin.classification), ("corpus", builtin.corpus),
-                       ("shakespeare", works)):
+    for name, make in (("classification", builtin.classification), ("fields", builtin.fields),
+                       ("corpus", builtin.corpus), ("shakespeare", works)):
         try:
             path = make(None if args.dir is None else os.path.join(args.dir, f"{name}.h5"))
         except HpctrainError as exc:  # an unwritable directory, a foreign file in the way

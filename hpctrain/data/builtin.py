@@ -4,6 +4,11 @@
   random teacher network (tanh hidden layer); samples too close to the teacher's decision
   boundaries are left out, so a small MLP learns it to high accuracy in a few epochs.
   Keys ``x`` (N, 20) float32 and ``y`` (N,) int64.
+* :func:`fields`: 2048 scalar fields on a 16 x 16 grid, 5 classes, one per kind of pattern
+  (stripes along x, stripes along y, diagonal stripes, rings about a point, a Gaussian bump),
+  each with a random wavelength, phase, centre and amplitude under noise: what a convolutional
+  net (``--model cnn``) learns from local structure. Keys ``x`` (N, 256) float32 (each row a
+  field, row-major) and ``y`` (N,) int64.
 * :func:`corpus`: a character-level corpus from the text shipped in ``hpctrain/data/corpus/*.txt``
   (Act I of Shakespeare's *Coriolanus*, public domain). Key ``tokens`` (N,) int64 and the root
   attribute ``vocab``: the characters of the vocabulary in token order (``vocab[t]`` is token t).
@@ -32,6 +37,8 @@ from ..log import get_logger
 VERSION = 1
 CLASSIFICATION_SHAPE = (4096, 20)
 CLASSIFICATION_CLASSES = 6
+FIELDS_SHAPE = (2048, 16, 16)
+FIELDS_CLASSES = 5
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 
 
@@ -173,6 +180,47 @@ def classification(path: str | os.PathLike | None = None) -> Path:
 
     expect = {"x": (CLASSIFICATION_SHAPE, "float32"), "y": (CLASSIFICATION_SHAPE[:1], "int64")}
     return _ensure(path, "classification.h5", "classification", fill, expect=expect)
+
+
+def make_fields(n: int = FIELDS_SHAPE[0], side: int = FIELDS_SHAPE[1], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The pattern-labelled fields ``(x float32 (n, side * side), y int64 (n,))``, deterministic in
+    ``seed``; the classes take turns (balanced). See the module docstring for the patterns."""
+    rng = np.random.default_rng([seed, 20260307])
+    y = np.arange(n, dtype=np.int64) % FIELDS_CLASSES
+    rng.shuffle(y)
+    u = (np.arange(side) + 0.5) / side  # cell centres in (0, 1)
+    gx, gy = np.meshgrid(u, u, indexing="xy")
+    cycles = rng.uniform(1.5, 3.5, n)[:, None, None]  # stripes and rings across the field
+    phase = rng.uniform(0, 2 * np.pi, n)[:, None, None]
+    cx, cy = (rng.uniform(0.25, 0.75, n)[:, None, None] for _ in range(2))
+    sign = rng.choice([-1.0, 1.0], n)[:, None, None]
+    width = rng.uniform(0.08, 0.2, n)[:, None, None]
+    waves = {
+        0: np.sin(2 * np.pi * cycles * gx + phase),
+        1: np.sin(2 * np.pi * cycles * gy + phase),
+        2: np.sin(2 * np.pi * cycles * (gx + sign * gy) / np.sqrt(2) + phase),
+        3: np.sin(2 * np.pi * cycles * np.hypot(gx - cx, gy - cy) + phase),
+        4: 2.0 * np.exp(-((gx - cx) ** 2 + (gy - cy) ** 2) / (2 * width**2)) - 0.5,
+    }
+    field = np.select([(y == c)[:, None, None] for c in waves], list(waves.values()))
+    field = field * rng.uniform(0.7, 1.3, n)[:, None, None] + 0.3 * rng.standard_normal((n, side, side))
+    return field.reshape(n, side * side).astype(np.float32), y
+
+
+def fields(path: str | os.PathLike | None = None) -> Path:
+    """Path of the built-in fields set (written first if absent): keys ``x``, ``y``."""
+    n, side, _ = FIELDS_SHAPE
+
+    def fill(f: Any) -> None:
+        x, y = make_fields()
+        f.create_dataset("x", data=x)
+        f.create_dataset("y", data=y)
+        f.attrs.update(hpctrain_builtin="fields", version=VERSION, classes=FIELDS_CLASSES, side=side,
+                       description="16 x 16 fields, one class per pattern: x stripes, y stripes, diagonal "
+                                   "stripes, rings, a Gaussian bump; random wavelength, phase, centre, noise")
+
+    expect = {"x": ((n, side * side), "float32"), "y": ((n,), "int64")}
+    return _ensure(path, "fields.h5", "fields", fill, expect=expect)
 
 
 def corpus_text() -> str:

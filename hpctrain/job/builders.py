@@ -63,7 +63,8 @@ def build_model(c: Config, meta: dict[str, Any]) -> Any:
             raise ConfigError(f"--model {c.model} returned a {type(model).__name__} without "
                               f"{', '.join(missing)}: a factory must return an hpctrain Module")
         return model
-    return models.build_gpt(c, meta) if c.model == "gpt" else models.build_classifier(c, meta)
+    build = {"gpt": models.build_gpt, "cnn": models.build_cnn}.get(c.model, models.build_classifier)
+    return build(c, meta)
 
 
 def build_loss(c: Config) -> Any:

@@ -16,7 +16,9 @@ def builtin_name(c: Config) -> str:
     """The built-in set a model trains on when no ``--data`` (or ``--data shakespeare``) is given."""
     if c.model == "gpt" and c.data == "shakespeare":
         return "shakespeare"
-    return "corpus" if c.model == "gpt" or c.tokens_key else "classification"
+    if c.model == "gpt" or c.tokens_key:
+        return "corpus"
+    return "fields" if c.model == "cnn" else "classification"
 
 
 def builtin_path(name: str) -> str:

@@ -1,4 +1,4 @@
-"""The built-in models of ``--model mlp`` and ``--model gpt``: how each is built from a Config and,
+"""The built-in models of ``--model mlp``, ``--model gpt`` and ``--model cnn``: how each is built from a Config and,
 before it exists, what a layout must respect (the sizes a tensor-parallel group splits, the pieces
 a pipeline can cut between).
 
@@ -18,7 +18,7 @@ from .. import nn
 from .options import Config
 
 #: The built-in model names (anything else is a user's ``package.module:factory``).
-BUILTIN = ("mlp", "gpt")
+BUILTIN = ("mlp", "gpt", "cnn")
 #: The classifier's MLP blocks widen to this many times ``--d-model`` (``fc1`` column-wise over tp).
 CLASSIFIER_HIDDEN = 4
 
@@ -38,8 +38,16 @@ def classifier_pieces(n_layers: int) -> int:
     return 3 + 2 * n_layers
 
 
+def cnn_pieces(n_layers: int) -> int:
+    """Layers of :func:`build_cnn` at least (a pooling layer joins each block while the field is
+    two cells or wider): Unflatten, (Conv2d, ReLU) x n, Flatten, Linear, GELU, Linear."""
+    return 5 + 2 * n_layers
+
+
 def splits(c: Config) -> Splits | None:
     """The splits of ``c.model`` (``None`` for a user's model: its trainer checks it when built)."""
+    if c.model == "cnn":
+        return Splits({}, cnn_pieces(c.n_layers))
     if c.model == "gpt":
         return Splits(nn.GPT.tp_sizes(c.d_model, c.n_heads), nn.GPT.pipeline_cut_count(c.n_layers))
     if c.model == "mlp":
@@ -51,7 +59,9 @@ def build_gpt(c: Config, meta: dict[str, Any]) -> nn.GPT:
     """``--model gpt``: pipelined as it is (parallelize cuts a GPT between its pieces), so one set
     of parameter names everywhere."""
     rng = np.random.default_rng(c.seed)
-    return nn.GPT(meta["vocab_size"], c.block_size, c.d_model, c.n_heads, c.n_layers, rng=rng, dropout=c.dropout)
+    tied = {"tie_embeddings": True} if c.tie_embeddings else {}
+    return nn.GPT(meta["vocab_size"], c.block_size, c.d_model, c.n_heads, c.n_layers, rng=rng, dropout=c.dropout,
+                  **tied)
 
 
 def build_classifier(c: Config, meta: dict[str, Any]) -> nn.Sequential:
@@ -71,6 +81,41 @@ def build_classifier(c: Config, meta: dict[str, Any]) -> nn.Sequential:
         drop = [nn.Dropout(c.dropout, rng=int(masks.integers(2**31)))] if c.dropout else []
         layers += [nn.MLP(d, CLASSIFIER_HIDDEN * d, rng=rng), nn.GELU(), *drop]
     layers.append(nn.Linear(d, outputs(meta), rng=rng))
+    return nn.Sequential(*layers)
+
+
+def field_side(n_in: int, where: str = "the data") -> int:
+    """The side of the square single-channel fields of ``n_in`` values a row (``ConfigError`` when
+    ``n_in`` is not a square)."""
+    import math
+
+    side = math.isqrt(n_in)
+    if side * side != n_in:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--model cnn reads each row of {where} as a square field (side x side values, one "
+                          f"channel); {n_in} values are not a square: bring your own model for other shapes")
+    return side
+
+
+def build_cnn(c: Config, meta: dict[str, Any]) -> nn.Sequential:
+    """``--model cnn``: rows of ``side * side`` values as one-channel fields, ``--n-layers`` blocks of
+    a 3 x 3 convolution (``--d-model`` channels), ReLU and 2 x 2 max pooling (while the field is
+    two cells or wider), then an MLP head (``--d-model`` hidden, GELU). A flat Sequential: a
+    pipeline cuts it between any two layers. ``--dropout``: before the head's last layer."""
+    side = field_side(meta["n_in"], meta.get("path", "the data"))
+    rng = np.random.default_rng(c.seed)
+    ch, cin, size = c.d_model, 1, side
+    layers: list[Any] = [nn.Unflatten(1, (1, side, side))]
+    for _ in range(c.n_layers):
+        layers += [nn.Conv2d(cin, ch, 3, padding=1, rng=rng), nn.ReLU()]
+        if size >= 2:
+            layers.append(nn.MaxPool2d(2))
+            size //= 2
+        cin = ch
+    drop = [nn.Dropout(c.dropout, rng=int(np.random.default_rng([c.seed, 1]).integers(2**31)))] if c.dropout else []
+    n_out = meta["n_classes"] if "n_classes" in meta else meta["n_out"]
+    layers += [nn.Flatten(), nn.Linear(ch * size * size, ch, rng=rng), nn.GELU(), *drop, nn.Linear(ch, n_out, rng=rng)]
     return nn.Sequential(*layers)
 
 

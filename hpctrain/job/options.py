@@ -42,7 +42,8 @@ class Config:
                                                          at_least=1))
     pp: int | None = field(default=None, metadata=_opt("pipeline stages (pp: all ranks; hybrid: 1)", at_least=1))
     model: str = field(default="mlp", metadata=_opt("mlp: an MLP (a classifier; a regressor with --loss mse); "
-                                                     "gpt: character-level GPT; or your own, package.module:factory or "
+                                                     "gpt: character-level GPT; cnn: convolutions on the built-in "
+                                                     "fields; or your own, package.module:factory or "
                                                      "path/to/file.py:factory (a callable taking this Config "
                                                      "and returning a Module)"))
     data: str | None = field(default=None, metadata=_opt("HDF5 file (keys --x-key/--y-key, or --tokens-key for "
@@ -80,8 +81,9 @@ class Config:
                                                        "stop (nothing is written to the run directory)"))
     restart: bool = field(default=False, metadata=_opt("start over in a run directory that holds checkpoints "
                                                        "(they and metrics.jsonl are moved aside, not deleted)"))
-    d_model: int = field(default=64, metadata=_opt("model width", at_least=1))
-    n_layers: int = field(default=2, metadata=_opt("hidden blocks (mlp) or transformer blocks (gpt)", at_least=1))
+    d_model: int = field(default=64, metadata=_opt("model width (cnn: channels)", at_least=1))
+    n_layers: int = field(default=2, metadata=_opt("hidden blocks (mlp), transformer blocks (gpt) or convolution "
+                                                   "blocks (cnn)", at_least=1))
     n_heads: int = field(default=4, metadata=_opt("attention heads (gpt)", at_least=1))
     block_size: int = field(default=32, metadata=_opt("context length in characters (gpt)", at_least=1))
     microbatches: int = field(default=4, metadata=_opt("micro-batches per step (pp)", at_least=1))
@@ -143,6 +145,9 @@ class Config:
     on_nonfinite: str = field(default="raise", metadata=_opt("a step with a non-finite loss or gradient: raise, "
                                                              "or skip it (nothing changes)", POLICIES))
     dropout: float = field(default=0.0, metadata=_opt("dropout probability in the model (training only)"))
+    tie_embeddings: bool = field(default=False, metadata=_opt("--model gpt: the output layer is the token embedding "
+                                                              "transposed (nanoGPT's tied head; one weight, stored "
+                                                              "once in checkpoints)"))
     device: str = field(default="auto", metadata=_opt("where the model, batches and optimizer state live: cuda "
                                                       "(each rank the GPU of its local rank), cpu, or auto (cuda "
                                                       "when every rank sees a GPU)", ("auto", "cpu", "cuda")))

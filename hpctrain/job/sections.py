@@ -71,11 +71,14 @@ def _model(c: Config, world: int) -> None:
         raise ConfigError("--recompute is for the synchronous strategies, not --strategy ps")
     if c.model not in models.BUILTIN and ":" not in c.model:
         raise ConfigError(f"--model {c.model!r} is neither mlp, gpt nor package.module:factory "
-                          f"(or path/to/file.py:factory)")
+                          f"(or path/to/file.py:factory); the built-in models are {', '.join(models.BUILTIN)}")
     if c.model == "gpt" and c.loss != "ce":
         raise ConfigError("--model gpt predicts the next token: it trains with --loss ce")
     if c.model == "gpt":
         _refuse(heads_problem(c.d_model, c.n_heads, as_flag))
+    elif c.tie_embeddings:
+        raise ConfigError(f"--tie-embeddings ties the GPT's head to its token embedding; --model {c.model} has none "
+                          "(a model of your own ties its weights itself)")
     _model_splits(c)
 
 
@@ -84,6 +87,9 @@ def _model_splits(c: Config) -> None:
     s = models.splits(c)
     if s is None:  # a user's model: its trainer checks the split when it is built
         return
+    if c.tp > 1 and not s.tp_sizes:
+        raise ConfigError(f"--model {c.model} has no layer that splits over tensor-parallel ranks (tp={c.tp}): "
+                          "use data parallelism, --pp or --zero")
     if c.tp > 1:
         from ..parallel.tensor_layers import tp_heads_problem, tp_hidden_problem  # (see _parallel_values)
 
@@ -296,7 +302,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("parallel", ("strategy", "tp", "pp", "batch_size", "accum_steps", "microbatches", "schedule", "zero",
                          "ps_mode", "staleness"), _parallel, _parallel_values),
     Section("model", ("model", "loss", "d_model", "n_layers", "n_heads", "block_size", "dropout", "recompute",
-                      "seed"), _model, _model_values),
+                      "tie_embeddings", "seed"), _model, _model_values),
     Section("data", ("data", "x_key", "y_key", "tokens_key", "max_samples", "val_fraction"), _no_rules, _data_values),
     Section("optim", ("optimizer", "lr", "momentum", "weight_decay", "lr_schedule", "warmup", "min_lr",
                       "clip_norm"), _optim, _optim_values),

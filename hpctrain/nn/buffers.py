@@ -42,11 +42,15 @@ class Buffers:
     (what activation recomputation needs: its point is that activations do not stay).
     """
 
-    __slots__ = ("_arrays", "retain")
+    __slots__ = ("_arrays", "retain", "keep", "keys", "tags")
 
-    def __init__(self, retain: bool = True) -> None:
+    def __init__(self, retain: bool = True, keep: int = _KEEP_PER_KEY, keys: int = _KEYS, tags: bool = True) -> None:
         self._arrays: dict[tuple, list[Any]] = {}
         self.retain = retain
+        self.keep, self.keys = keep, keys  # arrays kept per (tag, shape, dtype); such keys kept
+        # Without tags, any free array of the shape and dtype serves any call (reference counts
+        # alone keep two holders apart): fewer arrays in a pool that many uses share.
+        self.tags = tags
 
     def get(self, tag: str, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
         """An uninitialised array of ``shape`` and ``dtype`` (module ``xp``) that nobody else holds."""
@@ -55,10 +59,10 @@ class Buffers:
             created["arrays"] += 1
             created["bytes"] += int(a.nbytes)
             return a
-        key = (tag, tuple(shape), np.dtype(dtype), xp.__name__)
+        key = (tag if self.tags else "", tuple(shape), np.dtype(dtype), xp.__name__)
         arrays = self._arrays.get(key)
         if arrays is None:
-            if len(self._arrays) >= _KEYS:
+            if len(self._arrays) >= self.keys:
                 self._arrays.pop(next(iter(self._arrays)))
             arrays = self._arrays[key] = []
         for a in arrays:
@@ -67,7 +71,7 @@ class Buffers:
         a = xp.empty(shape, dtype=dtype)
         created["arrays"] += 1
         created["bytes"] += int(a.nbytes)
-        if len(arrays) < _KEEP_PER_KEY:
+        if len(arrays) < self.keep:
             arrays.append(a)
         return a
 
@@ -85,14 +89,24 @@ class Buffers:
         return sum(int(a.nbytes) for arrays in self._arrays.values() for a in arrays)
 
     def __deepcopy__(self, memo: dict) -> Buffers:
-        return Buffers(self.retain)  # a copied layer starts with its own, empty pool
+        return Buffers(self.retain, self.keep, self.keys, self.tags)  # a copied layer starts with its own, empty pool
 
     def __getstate__(self) -> dict:
-        return {"retain": self.retain}
+        return {"retain": self.retain, "keep": self.keep, "keys": self.keys, "tags": self.tags}
 
     def __setstate__(self, state: dict) -> None:
         self._arrays = {}
         self.retain = state.get("retain", True)
+        self.keep, self.keys = state.get("keep", _KEEP_PER_KEY), state.get("keys", _KEYS)
+        self.tags = state.get("tags", True)
+
+
+#: The pool of the functional forms (``F.gelu``, ``F.layer_norm``), which have no layer to own one:
+#: one for the process. It holds at most, per (tag, shape, dtype), as many arrays as were in use
+#: at once, and hands one out only when nobody holds it (see the module docstring): an array a
+#: recomputation or a finished backward let go serves the next call instead of new memory, so
+#: the peak stays that of the arrays in use; between steps it keeps that peak allocated.
+shared = Buffers(keep=64, keys=128, tags=False)
 
 
 def transient(module: Any) -> None:

@@ -20,6 +20,13 @@ def dropout_problem(p: float, say: Say = as_argument) -> str | None:
     return None
 
 
+def dropout_mask(x: Any, p: float, rng: np.random.Generator) -> Any:
+    """A mask of ``x``'s shape, dtype and array module: 0 with probability ``p``, else
+    ``1 / (1 - p)``, from one seed drawn from ``rng`` (the Philox words ``Dropout`` draws)."""
+    seed = int(rng.integers(2**63))
+    return to_device(philox.keep_mask(seed, x.shape, p), xp_of(x)).astype(x.dtype) * (1.0 / (1.0 - p))
+
+
 class Dropout(Module):
     """Zeroes each element with probability ``p`` and scales the rest by ``1 / (1 - p)``.
 
@@ -29,6 +36,8 @@ class Dropout(Module):
     (``hpctrain.nn.philox``). The GPU kernel draws the same words on the device, so both devices
     drop the same elements; the kernel keeps only the seed for backward (no mask in memory).
     """
+
+    fused_node = True  # on a tensor: one node of its own forward/backward (nn.layer_nodes)
 
     def __init__(self, p: float = 0.5, rng: int | np.random.Generator | None = None, dtype: Any = np.float32) -> None:
         # dtype is accepted for a uniform constructor signature; the mask takes the input's dtype.
@@ -43,13 +52,12 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             self.cache = None
             return x
-        xp = xp_of(x)
-        seed = int(self.rng.integers(2**63))
         k = gpu.usable(x)
         if k is not None:
+            seed = int(self.rng.integers(2**63))
             self.cache = seed
             return k.dropout(x, self._scratch().like("y", x), seed, philox.keep_threshold(self.p), 1.0 / (1.0 - self.p))
-        mask = to_device(philox.keep_mask(seed, x.shape, self.p), xp).astype(x.dtype) * (1.0 / (1.0 - self.p))
+        mask = dropout_mask(x, self.p, self.rng)
         self.cache = mask
         return x * mask
 

@@ -16,10 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd import is_tensor
 from ..backend import is_device_array, widen, xp_of
 from ..errors import DatasetError
 from . import gpu
 from .buffers import Buffers
+from .layer_nodes import call_loss
 
 
 def _per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, Any]:
@@ -151,7 +153,28 @@ def _as_rows_of(target: Any, pred: Any) -> Any:
                      "fit one output (B, 1); (B, ...) fit (B, n) with n values per row)")
 
 
-class MSELoss:
+class Loss:
+    """Base of the losses. ``loss(pred, target[, weight])`` on arrays is ``forward`` (the loss value;
+    ``backward(scale)`` then gives the gradient of ``scale`` times it); on a tensor ``pred`` it is
+    one node of the autograd graph (``hpctrain.nn.layer_nodes``) whose output, a 0-d tensor, is the
+    value: ``loss(model(x), y).backward()``. ``call_state``: the attributes ``forward`` sets for
+    its ``backward`` (moved into the node, so one loss object serves several calls in flight)."""
+
+    call_state: tuple[str, ...] = ("cache",)
+
+    def forward(self, pred: Any, target: Any, weight: Any = None) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.forward")
+
+    def backward(self, scale: float = 1.0) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.backward")
+
+    def __call__(self, pred: Any, target: Any, weight: Any = None) -> Any:
+        if is_tensor(pred):
+            return call_loss(self, pred, target, weight)
+        return self.forward(pred, target) if weight is None else self.forward(pred, target, weight)
+
+
+class MSELoss(Loss):
     """Mean squared error over all elements (the widely used reference's default)."""
 
     def __init__(self) -> None:
@@ -175,11 +198,13 @@ class MSELoss:
         return g * w if w is not None else g
 
 
-class CrossEntropyLoss:
+class CrossEntropyLoss(Loss):
     """Softmax cross-entropy with integer targets; logits ``(B, C)`` or ``(B, T, C)``.
 
     Uses a stable log-softmax (max subtracted); the mean runs over every target position.
     """
+
+    call_state = ("cache", "_low")
 
     def __init__(self) -> None:
         self.cache = None

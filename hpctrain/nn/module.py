@@ -5,6 +5,15 @@ A module computes ``forward(x)`` and, given the gradient of the loss with respec
 gradients into ``Parameter.grad``. Layers keep what backward needs in ``self.cache`` so a
 pipeline can hold several micro-batches in flight (``get_cache``/``set_cache``). Any user object
 with this protocol trains with every hpctrain trainer.
+
+With autograd (``hpctrain.autograd``) a module may instead write only ``forward`` on tensors (the
+operations of ``hpctrain.nn.functional``): calling it (``model(x)``) turns array arguments into
+tensors, and ``loss.backward()`` fills its parameters' ``.grad``. A module with its own
+``backward`` called on a tensor runs as one node of the graph (``hpctrain.nn.explicit``), so both
+kinds mix in one model. The built-in layers are fused nodes (``hpctrain.nn.layer_nodes``: their own
+forward and backward, per-call state in the node), and the built-in models (``MLP``, the
+attention, ``TransformerBlock``, ``GPT``) compose them: on a tensor every layer is a node of the
+graph, on arrays they run their explicit forward and backward as before.
 """
 
 from __future__ import annotations
@@ -14,30 +23,51 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd import Tensor
+from ..autograd.function import differentiable
 from ..backend import get_xp, to_device, xp_of
 from .buffers import Buffers
+from .explicit import call_module
+from .layer_nodes import LayerCall
 
 
-class Parameter:
-    """A trainable array with its gradient (same shape and dtype, accumulated by backward)."""
+class Parameter(Tensor):
+    """A trainable leaf ``Tensor`` with its dotted ``name``.
 
-    __slots__ = ("data", "grad", "name")
+    Its gradient ``grad`` (same shape as ``data``; the dtype a trainer chooses) is allocated up
+    front, zeroed by ``zero_grad`` and accumulated *in place*: by a hand-written ``backward``
+    (``p.grad += ...``) as by the autograd engine (``grad += g``). Trainers may point ``grad`` at
+    a view of a flat buffer (buckets, ZeRO) or set it to ``None`` between uses (optimizer
+    masters); ``data`` may be replaced by another array of the same shape (ZeRO-3's gathers).
+    """
+
+    __slots__ = ("name",)
 
     def __init__(self, data: Any, name: str = "") -> None:
-        self.data = data
+        data = data.data if isinstance(data, Tensor) else data
+        super().__init__(data, requires_grad=differentiable(data.dtype))
         self.grad = xp_of(data).zeros_like(data)
         self.name = name
 
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.data.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(self.data.dtype)
-
     def __repr__(self) -> str:
         return f"Parameter({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def parameters_of(module: Any) -> list[Any]:
+    """Every ``Parameter`` ``module`` computes with: its registered ones and those its submodules
+    hold without registering them (``Linear.borrowing``), each once."""
+    if not hasattr(module, "named_modules"):
+        return list(module.parameters()) if hasattr(module, "parameters") else []
+    out: dict[int, Any] = {}
+    for _, m in module.named_modules():
+        for v in m.__dict__.values():
+            if isinstance(v, Parameter):
+                out.setdefault(id(v), v)
+    return list(out.values())
+
+
+def _is_array(a: Any) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, Tensor)
 
 
 def as_rng(rng: int | np.random.Generator | None) -> np.random.Generator:
@@ -45,17 +75,54 @@ def as_rng(rng: int | np.random.Generator | None) -> np.random.Generator:
     return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
 
 
+# How ``Module.__call__`` runs a module on a tensor (decided once per class, ``_call_kind``).
+_FREE = "free"  # no backward written: forward on tensors, array arguments made constant tensors
+_COMPOSITE = "composite"  # tensor_forward: forward on tensors as written; on arrays, the explicit protocol
+_LAYER = "layer"  # a fused layer: its own forward/backward, per-call state in self.cache (nn.layer_nodes)
+_NODE = "node"  # any other module with its own backward: one node (nn.explicit)
+
+
 class Module:
     """Base class of layers and models.
 
     Attributes holding a ``Parameter`` or a ``Module`` are registered in assignment order, which
-    gives stable dotted names (``blocks.0.attn.qkv.weight``).
+    gives stable dotted names (``blocks.0.attn.qkv.weight``). A parameter registered twice (a
+    tied weight) is listed once, under its first name.
+
+    Two class attributes tell ``__call__`` how a module with its own ``backward`` runs on a
+    tensor; each counts only on the class that defines ``forward`` (a subclass that overrides
+    ``forward`` declares again):
+
+    - ``tensor_forward = True``: its ``forward`` composes sub-module calls and tensor operations
+      that work on arrays and on tensors alike (the built-in models): on a tensor it runs as
+      written, each sub-module deciding for itself; on arrays, with its explicit ``backward``.
+    - ``fused_node = True``: a layer whose ``forward``/``backward`` keep their per-call state in
+      ``self.cache`` alone (the built-in layers): on a tensor, one fused node (``nn.layer_nodes``).
+
+    Otherwise a module with its own ``backward`` is one node on a tensor (``nn.explicit``).
     """
 
     training: bool = True
+    tensor_forward: bool = False
+    fused_node: bool = False
+    _call_kind = _FREE
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        owner = next(k for k in cls.__mro__ if "forward" in k.__dict__)
+        if cls.backward is Module.backward:
+            cls._call_kind = _FREE
+        elif owner.__dict__.get("tensor_forward", False):
+            cls._call_kind = _COMPOSITE
+        elif owner.__dict__.get("fused_node", False):
+            cls._call_kind = _LAYER
+        else:
+            cls._call_kind = _NODE
 
     def __setattr__(self, key: str, value: Any) -> None:
         d = self.__dict__
+        if isinstance(value, Parameter) or isinstance(d.get(key), Parameter):
+            d.pop("_call_params", None)  # the parameters a fused layer's node takes, found again
         if isinstance(value, Parameter):
             d.setdefault("_parameters", {})[key] = value
         elif isinstance(value, Module):
@@ -70,8 +137,25 @@ class Module:
     def backward(self, grad_out: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__}.backward")
 
-    def __call__(self, x: Any) -> Any:
-        return self.forward(x)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``forward``. A module that writes no ``backward`` computes with tensors: array
+        arguments become constant tensors, and ``loss.backward()`` fills the parameters'
+        gradients. A module with its own ``backward`` called on a ``Tensor`` runs as the class
+        says (see the class docstring): its forward on tensors, one fused node, or one node of
+        its whole explicit forward and backward; on arrays it runs as it always did."""
+        kind = self._call_kind
+        if kind is _FREE:
+            return self.forward(*(Tensor(a) if _is_array(a) else a for a in args), **kwargs)
+        if args and isinstance(args[0], Tensor):
+            if kind is _LAYER:
+                d = self.__dict__
+                params = d.get("_call_params")
+                if params is None:  # forgotten whenever an attribute changes (Module.__setattr__)
+                    params = d["_call_params"] = tuple(v for v in d.values() if isinstance(v, Parameter))
+                return LayerCall.apply(self, args[0], *params, **kwargs)
+            if kind is _NODE and len(args) == 1 and not kwargs:
+                return call_module(self, args[0], parameters_of(self))
+        return self.forward(*args, **kwargs)
 
     def _scratch(self) -> Buffers:
         """This module's reusable arrays (created on first use; see ``hpctrain.nn.buffers``)."""
@@ -91,9 +175,14 @@ class Module:
         return list(self.__dict__.get("_modules", {}).values())
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
-        """(dotted name, parameter) in registration order; also sets each ``Parameter.name``."""
+        """(dotted name, parameter) in registration order, each parameter once (a tied weight under
+        its first name); also sets each ``Parameter.name``."""
+        seen: set[int] = set()
         for mod_name, mod in self.named_modules(prefix):
             for name, p in mod.__dict__.get("_parameters", {}).items():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
                 full = f"{mod_name}.{name}" if mod_name else name
                 p.name = full
                 yield full, p
@@ -200,9 +289,17 @@ class Sequential(Module):
             return Sequential(*(getattr(self, n) for n in names), names=names)
         return getattr(self, self.layer_names[i])
 
+    def __call__(self, x: Any) -> Any:
+        # On a tensor each layer decides (a layer with its own backward is one node), not the whole;
+        # a subclass with a forward or backward of its own is an explicit module (one node).
+        cls = type(self)
+        if cls.backward is not Sequential.backward or cls.forward is not Sequential.forward:
+            return Module.__call__(self, x)
+        return self.forward(x)
+
     def forward(self, x: Any) -> Any:
         for m in self:
-            x = m.forward(x)
+            x = m(x)
         return x
 
     def backward(self, grad_out: Any) -> Any:

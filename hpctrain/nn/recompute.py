@@ -15,6 +15,15 @@ the wrapper's own prefix exactly as under the wrapped module (``blocks.0.attn.qk
 that), so checkpoints, optimizers and every parallel strategy see the same model.
 ``recompute(model)`` applies it where it pays: each transformer block of a ``GPT``, or one
 segment per parameterised layer of a ``Sequential``.
+
+Called on a tensor (the trainers' way), each run is one autograd node (``Rerun``): its forward
+runs the block without recording (``no_grad``) and keeps the input; its backward puts the
+generators back, reruns the block recording, runs the backward of that small graph (an
+explicit-backward block as its usual one node, a forward-only block through its operations) and
+returns the input's gradient. The block's parameters are arguments of the node: their gradients
+are added inside, with their post-accumulate hooks kept quiet there and called once after the node
+(a data-parallel bucket starts once, when its gradients are complete). Without a tensor
+(``forward``/``backward`` on arrays) it is the explicit protocol above, unchanged.
 """
 
 from __future__ import annotations
@@ -24,20 +33,137 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd import Function, Tensor, backward, enable_grad, is_tensor, no_grad, quiet_post_hooks
+from ..autograd.function import Context
 from .buffers import transient
-from .module import Module, Sequential
+from .explicit import recompute_depth, recomputing  # noqa: F401 - recomputing: its home was here
+from .module import Module, Sequential, parameters_of
 
-# > 0 while a Recompute re-runs a forward inside backward: observers of forward calls (the
-# data-parallel overlap hooks) must not count those as new forwards.
-_depth = 0
-# Weak references to callables taking the wrapper, called after each recomputed forward while
-# that segment's caches are full: memory meters measure the activation peak there.
+# Weak references to callables taking the recomputed outputs (a tuple of tensors; empty for the
+# explicit protocol, whose layers' caches hold them), called after each recomputed forward while
+# that segment's activations exist: memory meters measure the activation peak there.
 observers: list[Callable[[], Callable[[Module], None] | None]] = []
 
 
-def recomputing() -> bool:
-    """Whether a forward running now is a recomputation inside backward."""
-    return _depth > 0
+def generators(m: Any) -> list[np.random.Generator]:
+    """The random generators (``rng`` attributes) of ``m``'s modules, each once."""
+    unique: dict[int, np.random.Generator] = {}
+    for _, sub in m.named_modules() if hasattr(m, "named_modules") else ():
+        g = getattr(sub, "rng", None)
+        if isinstance(g, np.random.Generator):
+            unique.setdefault(id(g), g)
+    return list(unique.values())
+
+
+def _notify(inner: tuple) -> None:
+    for ref in list(observers):
+        observe = ref()
+        if observe is None:
+            observers.remove(ref)  # its meter is gone
+        else:
+            observe(inner)
+
+
+class Run:
+    """What a ``Rerun`` node runs: ``fn`` (tensors in, a tensor or a tuple of tensors out) over
+    ``params`` (the node's parameter arguments) with the random generators ``gens``. ``enter`` /
+    ``leave`` bracket each run of ``fn`` (ZeRO-3's gather and release; ``backward=True`` in the
+    backward, before the rerun); ``None``: nothing around it. ``keep``: the forward records its
+    graph and keeps it, and the backward runs that (no second run; ``enter(True)``/``leave()``
+    still bracket it: ZeRO-2 allocates a unit's gradient there)."""
+
+    __slots__ = ("fn", "params", "gens", "enter", "leave", "keep")
+
+    def __init__(self, fn: Callable[..., Any], params: list[Any], gens: list[np.random.Generator],
+                 enter: Callable[[bool], None] | None = None, leave: Callable[[], None] | None = None,
+                 keep: bool = False) -> None:
+        self.fn, self.params, self.gens, self.enter, self.leave = fn, params, gens, enter, leave
+        self.keep = keep
+
+    def __call__(self, inputs: list[Any], backward: bool) -> Any:
+        """``fn(*inputs)`` inside ``enter(backward)`` / ``leave()`` (the forward's run)."""
+        if self.enter is not None:
+            self.enter(backward)
+        try:
+            return self.fn(*inputs)
+        finally:
+            if self.leave is not None:
+                self.leave()
+
+
+class Rerun(Function):
+    """``run.fn(*inputs)`` as one node that keeps only its inputs; its backward runs it again,
+    recording, and backward through that (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Context, run: Run, n: int, *arrays: Any) -> Any:
+        inputs = arrays[:n]
+        ctx.run, ctx.n = run, n
+        if run.keep:  # the graph itself, kept (its leaves: the inputs)
+            ctx.leaves = [Tensor(a, requires_grad=ctx.needs_input_grad[2 + i]) for i, a in enumerate(inputs)]
+            out = ctx.outs = run(ctx.leaves, False)
+        else:
+            ctx.states = [g.bit_generator.state for g in run.gens]
+            ctx.save_for_backward(*inputs)
+            with no_grad():
+                out = run([Tensor(a) for a in inputs], False)
+        if isinstance(out, tuple):
+            return tuple(o.data if is_tensor(o) else o for o in out)
+        return out.data if is_tensor(out) else out
+
+    @staticmethod
+    def backward(ctx: Context, *grads: Any) -> Any:
+        run, n, need = ctx.run, ctx.n, ctx.needs_input_grad
+        # What the run needs (ZeRO-3's gathered parameters) stays from the rerun through its backward.
+        if run.enter is not None:
+            run.enter(True)
+        try:
+            if run.keep:
+                Rerun._inner(run, ctx.outs, grads)
+                return Rerun._grads(ctx.leaves, need, n)
+            leaves = [Tensor(a, requires_grad=need[2 + i]) for i, a in enumerate(ctx.saved_tensors)]
+            gens = run.gens
+            after = [g.bit_generator.state for g in gens]
+            recompute_depth[0] += 1
+            try:
+                for g, st in zip(gens, ctx.states):
+                    g.bit_generator.state = st  # replay the same random draws (dropout masks)
+                with enable_grad():
+                    out = run.fn(*leaves)
+            finally:
+                recompute_depth[0] -= 1
+                for g, st in zip(gens, after):
+                    g.bit_generator.state = st  # as if the forward had drawn only once
+            _notify(out if isinstance(out, tuple) else (out,))
+            Rerun._inner(run, out, grads)
+            return Rerun._grads(leaves, need, n)
+        finally:
+            if run.leave is not None:
+                run.leave()
+
+    @staticmethod
+    def _inner(run: Run, out: Any, grads: tuple) -> None:
+        """The backward of the run's own graph, its parameters' post hooks quiet (the node's edges
+        signal them once, after it)."""
+        outs = out if isinstance(out, tuple) else (out,)
+        roots = [(o, g) for o, g in zip(outs, grads) if is_tensor(o) and o.requires_grad]
+        if roots:
+            with quiet_post_hooks(run.params):
+                backward([o for o, _ in roots], [g for _, g in roots])
+
+    @staticmethod
+    def _grads(leaves: list[Any], need: tuple, n: int) -> tuple:
+        return (None, None, *(t.grad if need[2 + i] else None for i, t in enumerate(leaves)),
+                *(None,) * (len(need) - 2 - n))
+
+
+def rerun(fn: Callable[..., Any], inputs: tuple, module: Any, params: list[Any] | None = None, enter: Any = None,
+          leave: Any = None, keep: bool = False) -> Any:
+    """``fn(*inputs)`` (tensors) recorded as one ``Rerun`` node over ``params`` (default: every
+    parameter ``module`` computes with) and ``module``'s random generators: nothing of the run is
+    kept but its inputs (``keep``: its graph is kept instead, see ``Run``)."""
+    params = parameters_of(module) if params is None else params
+    return Rerun.apply(Run(fn, params, generators(module), enter, leave, keep), len(inputs), *inputs, *params)
 
 
 class Recompute(Module):
@@ -108,14 +234,16 @@ class Recompute(Module):
             return [self.block]
         return [Sequential(*(getattr(self.block, n) for n in run), names=run) for run in self.segments]
 
-    @staticmethod
-    def _generators(m: Module) -> list[np.random.Generator]:
-        unique: dict[int, np.random.Generator] = {}
-        for _, sub in m.named_modules():
-            g = getattr(sub, "rng", None)
-            if isinstance(g, np.random.Generator):
-                unique.setdefault(id(g), g)
-        return list(unique.values())
+    _generators = staticmethod(generators)
+
+    def __call__(self, x: Any) -> Any:
+        """On a tensor: each run one ``Rerun`` node (see the module docstring); on an array: ``forward``."""
+        if not is_tensor(x):
+            return self.forward(x)
+        self.block.train(self.training)
+        for run in self._runs():
+            x = rerun(run, (x,), run)
+        return x
 
     def forward(self, x: Any) -> Any:
         self.block.train(self.training)
@@ -131,25 +259,19 @@ class Recompute(Module):
         if self.cache is None:
             raise RuntimeError("Recompute.backward called without a forward")
         kept, self.cache = self.cache, None
-        global _depth
         for run, (x, states) in zip(reversed(self._runs()), reversed(kept)):
             gens = self._generators(run)
             after = [g.bit_generator.state for g in gens]
-            _depth += 1
+            recompute_depth[0] += 1
             try:
                 for g, s in zip(gens, states):
                     g.bit_generator.state = s  # replay the same random draws (dropout masks)
                 run.forward(x)
             finally:
-                _depth -= 1
+                recompute_depth[0] -= 1
                 for g, s in zip(gens, after):
                     g.bit_generator.state = s  # as if the forward had drawn only once
-            for ref in list(observers):
-                observe = ref()
-                if observe is None:
-                    observers.remove(ref)  # its meter is gone
-                else:
-                    observe(self)
+            _notify(())
             try:
                 grad_out = run.backward(grad_out)
             finally:

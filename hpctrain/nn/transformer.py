@@ -2,7 +2,11 @@
 
 Composite modules keep no state of their own between forward and backward: everything lives in
 their leaf layers' ``cache`` (and the attention core's), so ``Module.get_cache``/``set_cache``
-swap a whole micro-batch. The attention core is two functions (``causal_attention``,
+swap a whole micro-batch. Their ``forward`` calls the sublayers (``self.fc1(x)``) and adds in
+place, which reads the same on arrays and on tensors (``tensor_forward``): on a tensor each layer
+and the attention core is one fused node of the autograd graph (``hpctrain.nn.layer_nodes``), the
+residual sums are in-place additions of the graph, and no ``backward`` of theirs runs; on arrays
+their explicit ``backward`` runs as before. The attention core is two functions (``causal_attention``,
 ``causal_attention_backward``) on ``(B, H, T, hd)`` arrays; ``SelfAttentionBase`` runs them
 between its ``qkv`` and ``proj`` sublayers on the heads it computes, so a tensor-parallel
 attention that holds only some heads is the same code with other sublayers.
@@ -14,11 +18,15 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd import Tensor, is_tensor
+from ..autograd.tensors import add_into
 from ..backend import matmul, stat_dtype, to_device, xp_of
 from ..errors import Say, as_argument
 from . import fused, gpu
 from .buffers import Buffers
-from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, row_ones
+from .kernels import row_ones
+from .layer_nodes import call_layer
+from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, TiedLinear
 from .module import Module, Sequential, as_rng
 
 _MASKS: dict[tuple, Any] = {}
@@ -166,13 +174,16 @@ class MLP(Module):
         self.act = GELU()
         self.fc2 = Linear(d_hidden, d_model, rng=g, dtype=dtype)
 
+    tensor_forward = True  # on a tensor: fc1, act and fc2 are nodes (see the module docstring)
+
     def forward(self, x: Any) -> Any:
         fc1, bias = self.fc1, getattr(self.fc1, "bias", None)
+        xd = x.data if is_tensor(x) else x
         # On the GPU the fc1 bias is added inside the GELU kernel (one pass fewer); a bias that is
         # not a plain contiguous array of x's dtype (a ZeRO-3 placeholder) takes the plain path.
-        if type(fc1) is Linear and bias is not None and bias.data.dtype == x.dtype and gpu.usable(x, bias.data):
-            return self.fc2.forward(self.act.forward(fc1.forward(x, add_bias=False), bias=bias.data))
-        return self.fc2.forward(self.act.forward(fc1.forward(x)))
+        if type(fc1) is Linear and bias is not None and bias.data.dtype == xd.dtype and gpu.usable(xd, bias.data):
+            return self.fc2(self.act(fc1(x, add_bias=False), bias=bias.data))
+        return self.fc2(self.act(fc1(x)))
 
     def backward(self, grad_out: Any) -> Any:
         return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)))
@@ -195,31 +206,44 @@ class SelfAttentionBase(Module):
         """How many heads this module computes: all ``n_heads`` unless a subclass holds fewer."""
         return self.n_heads
 
+    tensor_forward = True  # on a tensor: qkv, the attention core and proj are nodes
+
     def forward(self, x: Any) -> Any:
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"{type(self).__name__}({self.d_model}) needs (B, T, {self.d_model}), got {x.shape}")
-        b, t, _ = x.shape
+        qkv = self.qkv(x)
+        y = call_layer(self, qkv, fwd=self.attend, bwd=self.attend_backward) if is_tensor(qkv) else self.attend(qkv)
+        return self.proj(y)
+
+    def attend(self, qkv: Any) -> Any:
+        """The attention core on the ``qkv`` output ``(B, T, 3 H hd)``: the heads' outputs in the
+        ``(B, T, H hd)`` layout ``proj`` reads; keeps ``(q, k, v, att)`` in ``self.cache``."""
+        b, t, _ = qkv.shape
         h, hd = self.heads_here(), self.d_model // self.n_heads
         # (B, T, 3, H, hd) -> (3, B, H, T, hd): q, k, v as strided views of the qkv output (no copy)
-        qkv = self.qkv.forward(x).reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        xp, buf = xp_of(x), self._scratch()
+        parts = qkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
+        q, k, v = parts[0], parts[1], parts[2]
+        xp, buf = xp_of(qkv), self._scratch()
         # The heads' outputs go straight into the (B, T, H*hd) layout the projection reads.
         y = buf.get("y", (b, t, h * hd), np.result_type(q.dtype, v.dtype), xp)
         _, att = causal_attention(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
         self.cache = (q, k, v, att)
-        return self.proj.forward(y)
+        return y
 
-    def backward(self, grad_out: Any) -> Any:
+    def attend_backward(self, grad_y: Any) -> Any:
+        """The gradient of the ``qkv`` output given that of ``attend``'s output (``self.cache``)."""
         q, k, v, att = self.cache
         b, h, t, hd = q.shape
-        dy = self.proj.backward(grad_out).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
+        dy = grad_y.reshape(b, t, h, hd).transpose(0, 2, 1, 3)
         xp, buf = xp_of(dy), self._scratch()
         # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
         dqkv = gpu.scratch(self, dy, q).get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)
         parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
         causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
-        return self.qkv.backward(dqkv)
+        return dqkv
+
+    def backward(self, grad_out: Any) -> Any:
+        return self.qkv.backward(self.attend_backward(self.proj.backward(grad_out)))
 
 
 def heads_problem(d_model: int, n_heads: int, say: Say = as_argument) -> str | None:
@@ -255,6 +279,12 @@ class CausalSelfAttention(SelfAttentionBase):
         return f"{self.d_model}, n_heads={self.n_heads}"
 
 
+def _residual(y: Any, x: Any) -> Any:
+    """``y + x`` into ``y``: a tensor through ``add_into`` (the graph's in-place sum where safe),
+    arrays through ``gpu.add_`` (one kernel on a GPU)."""
+    return add_into(y, x) if is_tensor(y) else gpu.add_(y, x)
+
+
 class TransformerBlock(Module):
     """Pre-norm block: ``x = x + attn(ln1(x)); x = x + mlp(ln2(x))``.
 
@@ -281,18 +311,24 @@ class TransformerBlock(Module):
             self.drop1 = Dropout(dropout, rng=int(seeds[0]))
             self.drop2 = Dropout(dropout, rng=int(seeds[1]))
 
+    tensor_forward = True  # on a tensor: every layer a node, the residual sums in-place additions
+
     def _drop(self, name: str, x: Any, backward: bool = False) -> Any:
         d = self.__dict__.get("_modules", {}).get(name)
         if d is None:
             return x
-        return d.backward(x) if backward else d.forward(x)
+        if backward:
+            return d.backward(x)
+        # An inactive dropout is no node: the in-place residual sum goes into x itself.
+        return d(x) if d.training and d.p else d.forward(x)
 
     def forward(self, x: Any) -> Any:
         # The residual sums go into the sublayers' fresh outputs (nobody caches those; Dropout
         # returns a new array or, when off, that output), not into new arrays; x itself is never
-        # changed (ln1 caches it).
-        h = gpu.add_(self._drop("drop1", self.attn.forward(self.ln1.forward(x))), x)
-        return gpu.add_(self._drop("drop2", self.mlp.forward(self.ln2.forward(h))), h)
+        # changed (ln1 caches it). On a GPU's arrays one kernel each (gpu.add_); on a tensor whose
+        # memory another shares (a tensor-parallel mapping hands back its input), into a new one.
+        h = _residual(self._drop("drop1", self.attn(self.ln1(x))), x)
+        return _residual(self._drop("drop2", self.mlp(self.ln2(h))), h)
 
     def backward(self, grad_out: Any) -> Any:
         g = gpu.add_(self.ln2.backward(self.mlp.backward(self._drop("drop2", grad_out, True))), grad_out)
@@ -306,7 +342,16 @@ class GPT(Module):
     ``(B, T, vocab_size)``; ``backward(grad_logits)`` accumulates every gradient and returns
     ``None`` (token ids have no gradient). Embeddings start as N(0, 0.02^2) like GPT-2's.
     ``dropout`` is the blocks' residual dropout (0: none, the default).
+
+    ``tie_embeddings=True`` is nanoGPT's tied head: ``head`` is a ``TiedLinear`` computing
+    ``x @ tok_emb.weight.T`` with the token embedding's very ``Parameter``, which both add their
+    gradients into. The model lists it once, under the embedding's name ``tok_emb.weight``
+    (``state_dict``, ``parameters()``, checkpoints: no ``head.weight``); ``tied_weights()`` names
+    the alias (``{"head.weight": "tok_emb.weight"}``), for code that sees the head alone (a
+    pipeline's last stage lists it as ``head.weight``).
     """
+
+    tensor_forward = True  # on a tensor: embeddings, blocks, final norm and head are nodes
 
     def __init__(
         self,
@@ -319,6 +364,7 @@ class GPT(Module):
         rng: int | np.random.Generator | None = None,
         dtype: Any = np.float32,
         dropout: float = 0.0,
+        tie_embeddings: bool = False,
     ) -> None:
         if n_layers < 1:
             raise ValueError(f"GPT needs n_layers >= 1, got {n_layers}")
@@ -333,16 +379,25 @@ class GPT(Module):
         self.blocks = Sequential(*(TransformerBlock(d_model, n_heads, d_hidden, rng=g, dtype=dtype, dropout=dropout)
                                    for _ in range(n_layers)))
         self.ln_f = LayerNorm(d_model, dtype=dtype)
-        self.head = Linear(d_model, vocab_size, bias=False, rng=g, dtype=dtype)
+        self.tie_embeddings = bool(tie_embeddings)
+        self.head = TiedLinear(self.tok_emb.weight) if tie_embeddings else \
+            Linear(d_model, vocab_size, bias=False, rng=g, dtype=dtype)
 
     def forward(self, idx: Any) -> Any:
         xp = xp_of(self.tok_emb.weight.data)
-        idx = to_device(idx, xp)
-        if idx.ndim != 2 or idx.shape[1] > self.block_size:
-            raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={self.block_size}, got {idx.shape}")
-        x = self.tok_emb.forward(idx)
-        x = gpu.add_(x, self.pos_emb.forward(self._positions(idx.shape[1], xp)))  # into the lookup's fresh output
-        return self.head.forward(self.ln_f.forward(self.blocks.forward(x)))
+        tokens = to_device(idx.data if is_tensor(idx) else idx, xp)
+        if tokens.ndim != 2 or tokens.shape[1] > self.block_size:
+            raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={self.block_size}, got {tokens.shape}")
+        pos = self._positions(tokens.shape[1], xp)
+        if is_tensor(idx):  # through the graph: the lookups as nodes
+            tokens, pos = Tensor(tokens), Tensor(pos)
+        x = _residual(self.tok_emb(tokens), self.pos_emb(pos))  # into the lookup's fresh output
+        return self.head(self.ln_f(self.blocks(x)))
+
+    def tied_weights(self) -> dict[str, str]:
+        """``{alias: owner}``: the parameter names that are another's very ``Parameter`` (the tied
+        head's weight is the token embedding's); empty when nothing is tied."""
+        return {"head.weight": "tok_emb.weight"} if self.tie_embeddings else {}
 
     def _positions(self, t: int, xp: Any) -> Any:
         pos = self.__dict__.get("_pos")
@@ -378,10 +433,13 @@ class GPT(Module):
 
         def embed(idx: Any) -> Any:
             xp = xp_of(pos.weight.data)
-            idx = to_device(idx, xp)
-            if idx.ndim != 2 or idx.shape[1] > block_size:
-                raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={block_size}, got {idx.shape}")
-            return tok.forward(idx) + pos.forward(xp.arange(idx.shape[1]))
+            tokens = to_device(idx.data if is_tensor(idx) else idx, xp)
+            if tokens.ndim != 2 or tokens.shape[1] > block_size:
+                raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={block_size}, got {tokens.shape}")
+            positions = xp.arange(tokens.shape[1])
+            if is_tensor(idx):  # through the graph: the lookups as nodes
+                return tok(Tensor(tokens)) + pos(Tensor(positions))
+            return tok.forward(tokens) + pos.forward(positions)
 
         def embed_backward(g: Any) -> None:
             tok.backward(g)
@@ -389,7 +447,7 @@ class GPT(Module):
             return None
 
         def late(m: Any) -> tuple[Any, Any]:
-            return (lambda x: m.forward(x)), (lambda g: m.backward(g))
+            return (lambda x: m(x)), (lambda g: m.backward(g))
 
         pieces = [("embed", {"tok_emb": tok, "pos_emb": pos}, embed, embed_backward)]
         for name in self.blocks.layer_names:
@@ -416,6 +474,7 @@ class GPT(Module):
         """How the parts that are not generic layers split over tensor-parallel ranks, by module
         name: the token embedding over the vocabulary, the head column-wise with its logits left
         split over the vocabulary (the loss is then the vocab-parallel cross-entropy). Blocks'
-        attention and MLP split as those layers always do."""
-        return {"tok_emb": "vocab_embedding", "head": "vocab_head"}
+        attention and MLP split as those layers always do. A tied head is ``tied_vocab_head``:
+        the embedding's vocabulary rows, used transposed."""
+        return {"tok_emb": "vocab_embedding", "head": "tied_vocab_head" if self.tie_embeddings else "vocab_head"}
 

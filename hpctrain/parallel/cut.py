@@ -30,9 +30,11 @@ class Piece(NamedTuple):
 
 
 def _late(m: Any) -> tuple[Any, Any]:
-    """``m``'s forward and backward looked up at each call, so wrappers installed on the module
-    later (ZeRO-3 gathers, overlap hooks) are the ones that run."""
-    return (lambda x: m.forward(x)), (lambda g: m.backward(g))
+    """``m``'s call and backward looked up at each call, so wrappers installed on the module
+    later (ZeRO-3 gathers, overlap hooks) are the ones that run. The call (``m(x)``) is its
+    forward on arrays and, on a tensor, whatever kind of node the module is (a forward-only
+    layer computes with tensors)."""
+    return (lambda x: m(x)), (lambda g: m.backward(g))
 
 
 def pipeline_pieces(model: Any) -> list[Piece]:
@@ -87,7 +89,11 @@ def balance_by_cost(costs: list[int], stages: int) -> list[int]:
 
 
 class Stage(Module):
-    """Consecutive pieces of a model: their modules under their serial names, run in order."""
+    """Consecutive pieces of a model: their modules under their serial names, run in order. On a
+    tensor each piece's modules are the graph's nodes (forward-only ones included); on arrays the
+    explicit protocol, as before."""
+
+    tensor_forward = True
 
     def __init__(self, pieces: list[Piece]) -> None:
         for piece in pieces:
@@ -146,6 +152,13 @@ def cut(model: Any, stages: int, balance: list[int] | None = None,
     return pieces, counts
 
 
+def tied_weights(model: Any) -> dict[str, str]:
+    """``{alias: owner}`` of the parameters ``model`` uses under two names (its optional
+    ``tied_weights()``: a GPT's tied head); stages holding both must keep them equal."""
+    fn = getattr(model, "tied_weights", None)
+    return dict(fn()) if callable(fn) else {}
+
+
 def pipeline_stage(model: Any, pp_comm: Communicator, balance: list[int] | None = None) -> Module:
     """This rank's contiguous slice of ``model`` for a pipeline over ``pp_comm``.
 
@@ -154,7 +167,8 @@ def pipeline_stage(model: Any, pp_comm: Communicator, balance: list[int] | None 
     LayerNorm and head; names stay ``tok_emb.weight``, ``blocks.1.attn.qkv.weight``...) or a
     model with ``pipeline_cuts()``. Stages are balanced by parameter count unless ``balance``
     gives the number of layers (pieces) of each stage. The slice carries
-    ``stage.pipeline = {"stage", "stages", "counts", "layers"}``. Every rank computes the same cut,
+    ``stage.pipeline = {"stage", "stages", "counts", "layers", "tied"}`` (``tied``: the model's
+    ``tied_weights()``, the weights two stages may hold). Every rank computes the same cut,
     so a bad request raises the same ``ValueError`` everywhere. (``parallelize`` does this and
     tensor parallelism in one call.)
     """
@@ -165,6 +179,7 @@ def pipeline_stage(model: Any, pp_comm: Communicator, balance: list[int] | None 
         stage: Module = model[start : start + counts[pp_comm.rank]]
     else:
         stage = Stage(pieces[start : start + counts[pp_comm.rank]])
-    stage.pipeline = {"stage": pp_comm.rank, "stages": p, "counts": counts, "layers": [q.name for q in pieces]}
+    stage.pipeline = {"stage": pp_comm.rank, "stages": p, "counts": counts, "layers": [q.name for q in pieces],
+                      "tied": tied_weights(model)}
     list(stage.named_parameters())  # refresh Parameter.name to the serial dotted names
     return stage

@@ -29,15 +29,20 @@ from ..comm.buckets import COMPRESSIONS
 from ..comm.grid import ProcessGrid
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
+from ..nn.explicit import recording
 from ..optim.clip import clip_norm_problem
-from ..protocols import Comm, Reducer
+from ..protocols import Comm, Reducer, Stateful
+from ..training.graph import forward_loss, run_backward
 from ..training.precision import Precision
 from ..training.step import Batch, TrainStep
+from . import reports
+from .pipeline_probe import per_call_state_problem
 from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_schedules import get_schedule
-from .reducer import AllReduceReducer, BackwardHooks
-from .shards import shard_map
+from .reducer import AllReduceReducer, ReadyHooks
+from .shards import full_state_dict, shard_map
 from .tensor_layers import parallel_loss
+from .ties import PipelineTies
 from .zero import zero_problem, zero_reducer, zero_reducer_problem
 
 # What reduces the gradients: MPI (flat), MPI by node (hpctrain.comm.hierarchical), or NCCL for CuPy models.
@@ -173,6 +178,8 @@ class ParallelStep(TrainStep):
         if self.dp.size > 1:
             for p in self.params:  # dp replicas start identical
                 self.dp.bcast(p.data, root=0)
+        self._ties = PipelineTies(model, pp, self._shards)  # weights two stages hold (a tied head)
+        self._shards, self._uncounted = self._ties.canonical(self._shards), self._ties.uncounted
         # Mixed precision: float32 masters from the (identical) float32 parameters, then the
         # parameters in the compute dtype and the gradients in the reduce dtype.
         self._masters = self.precision.make_masters(self.params) if self.precision.mixed else None
@@ -180,6 +187,7 @@ class ParallelStep(TrainStep):
             optimizer.set_masters(self._masters)
         self._reduction()
         self._runner = None
+        self._state_checked = False  # explicit modules' per-call state (pipeline_probe), once
         if pp.size > 1 or self.preset.always_schedule:
             self._runner = PipelineRunner(self.chunks, pp, self.timeout)
 
@@ -191,10 +199,9 @@ class ParallelStep(TrainStep):
         agree(self.comm, "the gradient reducer", self.reducer.describe())
         self._hooks = None
         if overlap and pp.size == 1 and self.dp.size > 1:
-            self._hooks = BackwardHooks(model, self.reducer)
-            # Hooks depend on the model's structure: a rank without them would start its buckets
-            # in another order, so the ranks must agree.
-            agree(self.comm, "the overlap hooks (module tree)", self._hooks.active)
+            self._hooks = ReadyHooks(self.params, self.reducer)
+            # A rank without hooks would start its buckets in another order: the ranks must agree.
+            agree(self.comm, "the overlap hooks (parameters the autograd engine signals)", self._hooks.active)
         self._order_learned = self._learn_order = False
 
     def rebind(self, grid: ProcessGrid, full: dict[str, Any] | None = None) -> None:
@@ -345,14 +352,15 @@ class ParallelStep(TrainStep):
                 p.data[...] = self._masters[p.name].data
 
     def close(self) -> None:
-        """Remove the backward hooks and the reducer's from the model (no step after this)."""
+        """Remove the gradient hooks and the reducer's from the parameters (no step after this)."""
         if self._hooks is not None:
             self._hooks.remove()
+        self._ties.close()
         self.reducer.remove()
         super().close()
 
     @property
-    def hooks(self) -> BackwardHooks | None:
+    def hooks(self) -> ReadyHooks | None:
         """The hooks that start the reduction during backward (``None``: no overlap)."""
         return self._hooks
 
@@ -392,8 +400,9 @@ class ParallelStep(TrainStep):
         return [pw / w * s if w else 0.0 for pw in batch.part_weights]
 
     def _accumulate(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
-        """Micro-batches one after the other, gradients summed locally; the reduction is armed for
-        the last one (its backward hooks start buckets while backward runs)."""
+        """Micro-batches one after the other through the autograd engine, gradients summed into
+        the parameters' ``.grad``; the reduction is armed for the last one (the engine's
+        post-accumulate hooks start buckets while its backward runs)."""
         x, y, w = batch.x, batch.y, batch.weight
         scales = self._scales(batch)
         hooks = self._hooks if self._hooks is not None and self._hooks.active else None
@@ -407,13 +416,11 @@ class ParallelStep(TrainStep):
                 if hooks:
                     hooks.arm()
             try:
-                out = self.model.forward(x[part])
-                if w is None:
-                    value = self.loss.forward(out, y[part])
-                else:
-                    value = self.loss.forward(out, y[part], to_device(w[part], xp))
-                loss_sum = loss_sum + value * scales[i]  # on the GPU: stays there until the step's one read
-                self.model.backward(self.loss.backward(scales[i]))
+                wi = None if w is None else to_device(w[part], xp)
+                root = forward_loss(self.model, self.loss, x[part], y[part], wi, scales[i])
+                loss_sum = loss_sum + root.data * scales[i]  # on the GPU: stays there until the step's one read
+                run_backward(root, meter=self._meter)
+                del root  # the graph goes before the next micro-batch's forward
             finally:
                 if last and hooks:
                     hooks.disarm()
@@ -436,7 +443,13 @@ class ParallelStep(TrainStep):
         actions = list(get_schedule(self.schedule, self.virtual_stages)(pp.size, pp.rank, len(batch.parts)))
         self._step_parts = len(batch.parts)
         self.reducer.begin()
-        r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, self._scales(batch), self.loss, xp)
+        with recording() as calls:  # the explicit modules' first inputs, for the check below
+            r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, self._scales(batch), self.loss,
+                                 xp, meter=self._meter)  # fmt: skip
+        self._ties.sum_grads()
+        if not self._state_checked:  # once: explicit modules keeping state outside their cache refused
+            raise_if_any(self.comm, per_call_state_problem(calls, self.chunks), what=self.preset.name)
+            self._state_checked = self._step_parts > 1  # (one micro-batch: nothing was in flight yet)
         # Per-stage schedule figures, counted once per stage (dp and tp rank 0), summed over the
         # world in the step's own all-reduce.
         slots = np.zeros(4 * pp.size)

@@ -16,7 +16,7 @@ from typing import Any
 from ..nn.module import Module
 from ..nn.recompute import recompute as recompute_whole
 from ..nn.recompute import recompute_blocks
-from .cut import Chunks, Stage, cut, piece_cost, pipeline_pieces
+from .cut import Chunks, Stage, cut, piece_cost, pipeline_pieces, tied_weights
 from .tensor import tensor_parallel
 
 __all__ = ["parallelize"]
@@ -66,7 +66,7 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
     chunks = [Stage(pieces[starts[k] : starts[k] + counts[k]]) for k in (c * pp.size + pp.rank for c in range(v))]
     part: Module = chunks[0] if v == 1 else Chunks(chunks)
     part.pipeline = {"stage": pp.rank, "stages": pp.size, "counts": counts, "layers": [p.name for p in pieces],
-                     "virtual_stages": v}  # fmt: skip
+                     "virtual_stages": v, "tied": tied_weights(model)}  # fmt: skip
     for attr in ("tp_comm", "vocab_parallel"):
         if getattr(model, attr, None) is not None:
             setattr(part, attr, getattr(model, attr))

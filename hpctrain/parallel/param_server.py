@@ -62,11 +62,13 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd import Tensor
 from ..backend import is_device_array, to_device, to_host, xp_of
 from ..comm import Communicator, Window
 from ..comm.validate import agree, describe_model, raise_if_any
 from ..errors import MismatchError, NonFiniteError, WindowError
 from ..nn.losses import collect_target_checks
+from ..training.graph import loss_node, run_backward, run_model
 from ..training.guard import check_finite
 from ..training.trainer import StepStats, Trainer
 from .ps_args import MODES, momentum_problem, staleness_problem
@@ -117,6 +119,9 @@ class ParameterServerTrainer(Trainer):
         self.model, self.loss, self.lr = model, loss, float(lr)
         self.mode, self.staleness, self.momentum = mode, int(staleness), float(momentum)
         self.progress_layers = bool(progress_layers)
+        # Progress while backward runs too: as each parameter's gradient completes.
+        self._pokes = [p.register_post_accumulate_grad_hook(lambda _p: self.progress())
+                       for _, p in model.named_parameters() if self.progress_layers]
         self.optimizer = None  # the servers' SGD lives in the windows, not in an Optimizer
         self.servers = list(range(comm.size)) if servers is None else [int(s) for s in servers]
         self.named = sorted(model.named_parameters(), key=lambda kv: kv[0])
@@ -236,22 +241,15 @@ class ParameterServerTrainer(Trainer):
             self._win.progress()
 
     def _forward(self, x: Any) -> Any:
+        """The model on ``x`` through the engine (progress poked between a Sequential's layers)."""
         layers = getattr(self.model, "layer_names", None)
         if not (self.progress_layers and layers):
-            return self.model.forward(x)
+            return run_model(self.model, x)
+        t = Tensor(x)
         for name in layers:
-            x = getattr(self.model, name).forward(x)
+            t = getattr(self.model, name)(t)
             self.progress()
-        return x
-
-    def _backward(self, g: Any) -> None:
-        layers = getattr(self.model, "layer_names", None)
-        if not (self.progress_layers and layers):
-            self.model.backward(g)
-            return
-        for name in reversed(layers):
-            g = getattr(self.model, name).backward(g)
-            self.progress()
+        return t
 
     # -- window traffic ------------------------------------------------------------------------
 
@@ -286,8 +284,10 @@ class ParameterServerTrainer(Trainer):
         self.model.zero_grad()
         pred = self._forward(x)
         with collect_target_checks() as targets:  # read with the gradients below
-            loss = self.loss.forward(pred, y, weight)
-        self._backward(self.loss.backward())
+            root = loss_node(pred, self.loss, y, weight, 1.0)
+        loss = root.data
+        run_backward(root, meter=self._meter)
+        del root
         loss, n_local = self._read_step(loss, weight, targets)
         n_local = float(len(x)) if n_local is None else n_local
         if self.mode == "sync":
@@ -410,6 +410,8 @@ class ParameterServerTrainer(Trainer):
         self.closed = True
         self._win.free()
         self.clocks.window.free()
+        for h in self._pokes:
+            h.remove()
 
     def __enter__(self) -> ParameterServerTrainer:
         return self

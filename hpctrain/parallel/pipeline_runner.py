@@ -10,6 +10,11 @@ few actions ahead of use so transfers overlap compute.
 Gradients: micro-batch ``i``'s loss gradient is scaled by ``W_i / W`` (its share of the global
 batch's weight, weights being 1 per sample unless a mask is given), so the accumulated gradient
 is exactly the gradient of the global-batch mean, as if one process trained on the whole batch.
+
+Each micro-batch keeps its own autograd graph between its forward and its backward: a stage's
+input is a leaf tensor (its gradient is what goes upstream), its output (on the last stage: the
+loss, the graph's root) is where its backward starts. Modules keep nothing per micro-batch, so
+any number of them may be in flight.
 """
 
 from __future__ import annotations
@@ -19,11 +24,16 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd import Tensor
+from ..autograd.function import differentiable
 from ..backend import to_device, xp_of
 from ..comm import Communicator
 from ..errors import StallError
 from ..nn.module import Module
+from ..training.graph import loss_node, run_backward, run_model
+from ..training.memory import graph_bytes
 from .pipeline_schedules import Action
+from .zero_units import placeholder
 
 # Message kinds; tag = 3 * micro-batch + kind.
 _ACT, _GRAD, _HEADER = 0, 1, 2
@@ -33,17 +43,6 @@ _DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "
            "bfloat16")  # (ml_dtypes; mixed precision's activations)
 _LOOKAHEAD = 2  # actions beyond the current one whose receives are already posted
 _MIN_TAG_UB = 32767  # the MPI standard's guaranteed minimum
-
-
-def _cache_bytes(obj: Any) -> int:
-    """Bytes of the arrays reachable from a cache (dicts, tuples, lists of arrays)."""
-    if obj is None:
-        return 0
-    if isinstance(obj, dict):
-        return sum(_cache_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_cache_bytes(v) for v in obj)
-    return int(getattr(obj, "nbytes", 0))
 
 
 def max_microbatches(virtual_stages: int, stages: int) -> int:
@@ -104,15 +103,17 @@ class PipelineRunner:
     # -- one schedule ----------------------------------------------------------------------------
 
     def run(self, actions: list[Action], x: Any, y: Any, weight: Any, parts: list[slice], scales: list[float],
-            loss: Any, xp: Any) -> dict[str, Any]:
+            loss: Any, xp: Any, meter: Any = None) -> dict[str, Any]:
         """Run ``actions`` over the micro-batches ``parts`` of ``(x, y, weight)``.
 
         ``scales[i]`` is micro-batch ``i``'s share of the global batch weight (its loss gradient
         is scaled by it). Returns ``loss`` (this rank's share of the global loss, on the rank
-        holding the last virtual stage), ``busy``, ``elapsed``, ``peak``, ``peak_bytes`` and
-        ``comm`` (seconds waiting for messages).
+        holding the last virtual stage), ``busy``, ``elapsed``, ``peak``, ``peak_bytes`` (the
+        most micro-batch graphs held at once and their saved bytes) and ``comm`` (seconds waiting
+        for messages). ``meter``: the trainer's memory meter, told where each backward starts.
         """
         step = _Schedule(self, x, y, weight, parts, scales, loss, xp)
+        step.meter = meter
         self.pp.barrier()  # start the clocks together so the measured bubble is the schedule's own
         step.t_sched = time.perf_counter()
         try:
@@ -129,15 +130,15 @@ class PipelineRunner:
                 self._wait(req, "a send to a neighbouring stage")
             step.comm_wait += time.perf_counter() - t0
         finally:
-            for chunk in self.chunks:
-                chunk.set_cache({})  # drop the last micro-batch's references
+            step.saved.clear()  # a raising step's graphs in flight go now
         self.events = step.events
         return {"loss": step.loss_part, "busy": step.busy, "elapsed": time.perf_counter() - step.t_sched,
                 "peak": step.peak, "peak_bytes": step.peak_bytes, "comm": step.comm_wait}  # fmt: skip
 
 
 class _Schedule:
-    """The state of one ``PipelineRunner.run``: posted receives, pending sends, stashed caches."""
+    """The state of one ``PipelineRunner.run``: posted receives, pending sends, the graphs of the
+    micro-batches in flight."""
 
     def __init__(self, runner: PipelineRunner, x: Any, y: Any, weight: Any, parts: list[slice],
                  scales: list[float], loss: Any, xp: Any) -> None:
@@ -150,7 +151,9 @@ class _Schedule:
         self.keys = keys = [((b.stop - b.start, *np.shape(x)[1:]), dtype) for b in parts]
         self.recvs: dict[Action, Any] = {}  # action -> (kind, request, buffer)
         self.sends: list[tuple[Any, Any]] = []  # (request, array kept alive until sent)
-        self.saved: dict[tuple[int, int], Any] = {}  # (chunk, micro-batch) -> (cache, loss grad, input shape)
+        # (chunk, micro-batch) -> (where its backward starts, its input leaf, input shape, saved bytes)
+        self.saved: dict[tuple[int, int], tuple] = {}
+        self.meter: Any = None
         self.out_shapes: dict[tuple[int, int], tuple] = {}
         self.held = self.held_bytes = self.peak = self.peak_bytes = 0
         self.loss_part, self.busy, self.comm_wait, self.t_sched = 0.0, 0.0, 0.0, 0.0
@@ -224,20 +227,23 @@ class _Schedule:
         k, part, xp = self.vstage(c), self.parts[a.mb], self.xp
         inp = to_device(self.x[part], xp) if k == 0 else self.receive(a)
         t0 = time.perf_counter()
-        out = self.r.chunks[c].forward(inp)
-        grad_out = None
+        # A later stage's input is a leaf whose gradient goes upstream; the first stage's is data.
+        leaf = Tensor(inp, requires_grad=differentiable(inp.dtype)) if k > 0 else None
+        out = run_model(self.r.chunks[c], inp if leaf is None else leaf)
+        if leaf is not None:  # the leaf's array goes unless a node saved it (its gradient needs none)
+            leaf.data = placeholder(inp.shape, inp.dtype, xp)
+            del inp
         if k == self.nv - 1:
             yi = to_device(self.y[part], xp)
             wi = None if self.weight is None else to_device(self.weight[part], xp)
-            value = self.loss.forward(out, yi, wi) if wi is not None else self.loss.forward(out, yi)
-            self.loss_part = self.loss_part + value * self.scales[i]  # on the GPU: read once per step
-            grad_out = self.loss.backward(self.scales[i])
+            out = loss_node(out, self.loss, yi, wi, self.scales[i])
+            self.loss_part = self.loss_part + out.data * self.scales[i]  # on the GPU: read once per step
         else:
-            self._send_activation(out, c, i, k)
-        cache = self.r.chunks[c].get_cache()
-        self.saved[(c, i)] = (cache, grad_out, tuple(inp.shape))
+            self._send_activation(out.data, c, i, k)
+        nbytes = graph_bytes(out)
+        self.saved[(c, i)] = (out, leaf, () if leaf is None else leaf.shape, nbytes)
         self.held += 1
-        self.held_bytes += _cache_bytes(cache) + _cache_bytes(grad_out)
+        self.held_bytes += nbytes
         self.peak, self.peak_bytes = max(self.peak, self.held), max(self.peak_bytes, self.held_bytes)
         return t0, time.perf_counter()
 
@@ -262,17 +268,18 @@ class _Schedule:
         back; returns the compute's start and end times."""
         i, c = a.mb, a.chunk
         k = self.vstage(c)
-        g = self.saved[(c, i)][1] if k == self.nv - 1 else self.receive(a)
+        g = None if k == self.nv - 1 else self.receive(a)
         t0 = time.perf_counter()
-        cache, grad_out, in_shape = self.saved.pop((c, i))
-        chunk = self.r.chunks[c]
-        chunk.set_cache(cache)
-        grad_in = chunk.backward(g)
+        root, leaf, in_shape, nbytes = self.saved.pop((c, i))
+        run_backward(root, g, self.meter)
+        del root
         self.held -= 1
-        self.held_bytes -= _cache_bytes(cache) + _cache_bytes(grad_out)
+        self.held_bytes -= nbytes
         if k > 0:
+            grad_in = leaf.grad if leaf is not None else None
             if grad_in is None or tuple(grad_in.shape) != in_shape:
-                raise ValueError(f"stage {k} returned an input gradient of the wrong shape for "
-                                 f"micro-batch {i}")  # fmt: skip
+                raise ValueError(f"stage {k} gave no input gradient of the input's shape for micro-batch {i} "
+                                 "(its output must depend on its input)")  # fmt: skip
             self.send(grad_in, self.prev_rank(), self.r._tag(i, k - 1, _GRAD))
         return t0, time.perf_counter()
+

@@ -9,7 +9,7 @@ with the one-rank defaults). Per step the template calls, in order::
 
     reducer.zero_grad()                # before forward/backward
     reducer.begin()                    # before the backward that produces the final gradients
-    reducer.mark_ready(params)         # (optional) from backward hooks: overlap communication
+    reducer.mark_ready(params)         # (optional) from the engine's post-accumulate hooks: overlap
     reducer.finish()                   # gradients summed over dp; returns communication seconds
     reducer.counted_grads()            # the reduced gradient pieces this rank counts in the norm
     reducer.scale_grads(c)             # clipping (only when the norm exceeds clip_norm)
@@ -27,7 +27,6 @@ from typing import Any
 from .. import settings
 from ..comm.buckets import GradBuckets
 from ..comm.progress import check as check_progress
-from ..nn.recompute import recomputing
 
 
 class GradReducer:
@@ -129,74 +128,37 @@ class AllReduceReducer(GradReducer):
                 "progress": self.progress}
 
 
-class BackwardHooks:
-    """Tells the reducer when a parameter's gradient is final, while backward runs.
+class ReadyHooks:
+    """Tells the reducer when a parameter's gradient is complete, from the autograd engine: a
+    post-accumulate hook on each parameter (``Tensor.register_post_accumulate_grad_hook``) calls
+    ``reducer.mark_ready([p])`` once the backward has added the parameter's last contribution,
+    whatever computed it (an operation, a fused layer, an explicit module's node, a recomputed
+    block, a weight used twice). Only while armed (the step's last micro-batch); ``remove``
+    takes the hooks off. Parameters that are not tensors of the engine (a user's own parameter
+    type) get none: their bucket starts when the reduction finishes (no overlap, same result)."""
 
-    Every sub-module that owns parameters directly gets its ``forward`` and ``backward`` wrapped
-    (instance attributes, removed by ``remove``): a module's own parameters are final once its
-    backward has run as often as its forward in this step (a module applied twice finishes on
-    its second backward). Models that are not ``Module`` trees, or share one parameter between
-    modules, get no hooks: their reduction starts after backward (no overlap, same result).
-    """
-
-    def __init__(self, model: Any, reducer: GradReducer) -> None:
+    def __init__(self, params: list[Any], reducer: GradReducer) -> None:
         self.reducer = reducer
         self.armed = False
-        self.installed: list[Any] = []
-        self.counts: dict[int, int] = {}
-        if not hasattr(model, "named_modules"):
-            return
-        owners: list[tuple[Any, list[Any]]] = []
-        seen: set[int] = set()
-        for _, m in model.named_modules():
-            own = [p for p in m.__dict__.get("_parameters", {}).values() if p is not None]
-            if not own:
-                continue
-            if any(id(p) in seen for p in own):
-                return  # shared parameters: gradients not final per module; no overlap
-            seen.update(id(p) for p in own)
-            owners.append((m, own))
-        if len(seen) != len({id(p) for p in reducer.params}):
-            return  # parameters outside the module tree: no reliable signal
-        for m, own in owners:
-            self._wrap(m, own)
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params
+                         if callable(getattr(p, "register_post_accumulate_grad_hook", None))]  # fmt: skip
 
-    def _wrap(self, m: Any, own: list[Any]) -> None:
-        fwd, bwd = m.forward, m.backward
-        key = id(m)
-
-        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-            # A recomputation inside backward (nn.Recompute) is not a new use of the parameters.
-            if self.armed and not recomputing():
-                self.counts[key] = self.counts.get(key, 0) + 1
-            return fwd(x, *args, **kwargs)
-
-        def backward(g: Any, *args: Any, **kwargs: Any) -> Any:
-            out = bwd(g, *args, **kwargs)
-            if self.armed:
-                left = self.counts.get(key, 0) - 1
-                self.counts[key] = left
-                if left <= 0:
-                    self.reducer.mark_ready(own)
-            return out
-
-        m.forward, m.backward = forward, backward
-        self.installed.append(m)
+    def _ready(self, p: Any) -> None:
+        if self.armed:
+            self.reducer.mark_ready((p,))
 
     @property
     def active(self) -> bool:
-        return bool(self.installed)
+        return bool(self._handles)
 
     def arm(self) -> None:
-        """Count forwards and signal from backwards from now on (the final micro-step)."""
-        self.counts.clear()
+        """Signal completed gradients from now on (the final micro-batch's backward)."""
         self.armed = True
 
     def disarm(self) -> None:
         self.armed = False
 
     def remove(self) -> None:
-        for m in self.installed:
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop("backward", None)
-        self.installed = []
+        for h in self._handles:
+            h.remove()
+        self._handles = []

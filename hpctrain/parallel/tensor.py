@@ -24,6 +24,7 @@ from ..nn.module import Module, Sequential
 from ..nn.recompute import Recompute
 from ..nn.transformer import MLP, CausalSelfAttention
 from ..protocols import Comm
+from .cut import tied_weights
 from .presets import TensorParallelTrainer
 from .shards import full_state_dict, shard_map
 from .tensor_layers import (
@@ -33,6 +34,7 @@ from .tensor_layers import (
     RowParallelLinear,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
+    VocabParallelTiedHead,
     parallel_loss,
 )
 from .tensor_mappings import (
@@ -42,8 +44,7 @@ from .tensor_mappings import (
     GatherFromTP,
     ReduceFromTP,
     ScatterToTP,
-    Tape,
-    TapedModule,
+    TPLayer,
     TPMapping,
     copy_to_tp,
     gather_from_tp,
@@ -54,8 +55,8 @@ from .tensor_mappings import (
 
 __all__ = [
     "BACKWARD", "PAIRS", "ColumnParallelLinear", "CopyToTP", "GatherFromTP", "ParallelMLP",
-    "ParallelSelfAttention", "ReduceFromTP", "RowParallelLinear", "ScatterToTP", "TPMapping", "Tape",
-    "TapedModule", "TensorParallelTrainer", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
+    "ParallelSelfAttention", "ReduceFromTP", "RowParallelLinear", "ScatterToTP", "TPLayer", "TPMapping",
+    "TensorParallelTrainer", "VocabParallelCrossEntropy", "VocabParallelEmbedding", "VocabParallelTiedHead",
     "copy_to_tp", "full_state_dict", "gather_from_tp", "parallel_loss", "reduce_from_tp", "scatter_to_tp",
     "shard_map", "tensor_parallel", "traffic",
 ]  # fmt: skip
@@ -96,17 +97,35 @@ PLAN_KINDS = {
 }
 
 
+def _module(model: Module, name: str) -> Module:
+    for part in name.split("."):
+        model = getattr(model, part)
+    return model
+
+
+def _tied_head(model: Module, name: str, tp_comm: Comm) -> Module:
+    """A tied head's split: the head of the (already split) embedding it is tied to."""
+    owner = tied_weights(model).get(f"{name}.weight", "")
+    emb = _module(model, owner.rpartition(".")[0]) if owner else None
+    if not isinstance(emb, VocabParallelEmbedding):
+        raise ValueError(f"tp_plan() of {type(model).__name__}: the tied head {name!r} needs its embedding "
+                         f"({owner or 'tied_weights() names none'}) split over the vocabulary first")
+    return VocabParallelTiedHead(emb)
+
+
 def _apply_plan(model: Module, name: str, kind: str, tp_comm: Comm) -> None:
     """Swap ``model``'s module ``name`` (dotted) for its ``kind`` split; a vocab head marks the
     model ``vocab_parallel = (first vocabulary row of this rank, vocabulary size)``."""
-    if kind not in PLAN_KINDS:
+    if kind not in PLAN_KINDS and kind != "tied_vocab_head":
         raise ValueError(f"tp_plan() of {type(model).__name__} names {name!r} as {kind!r}; "
-                         f"kinds are {sorted(PLAN_KINDS)}")
+                         f"kinds are {sorted([*PLAN_KINDS, 'tied_vocab_head'])}")
     *path, leaf = name.split(".")
-    parent = model
-    for part in path:
-        parent = getattr(parent, part)
-    new = PLAN_KINDS[kind](getattr(parent, leaf), tp_comm)
+    parent = _module(model, ".".join(path)) if path else model
+    if kind == "tied_vocab_head":  # the embedding's own weight: made from the split model, not the head
+        new = _tied_head(model, name, tp_comm)
+        model.vocab_parallel = (new.start, new.n)
+    else:
+        new = PLAN_KINDS[kind](getattr(parent, leaf), tp_comm)
     setattr(parent, leaf, new)
     if kind == "vocab_head":
         full, index = new.shard_index["weight"]

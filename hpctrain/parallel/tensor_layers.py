@@ -5,10 +5,11 @@ names (``weight``, ``bias``, ``fc1``, ``qkv`` ...) so dotted names stay those of
 and records in ``shard_index`` where each local array sits in the full tensor (``full_shape`` and
 an index). The computation is nn's: the linear layers hold an ``nn.Linear`` over their slice
 (``Linear.borrowing``: their parameters, its fast path and precision handling), the attention is
-``nn.transformer.SelfAttentionBase`` on this rank's heads, the embedding's gradient goes through
-``nn.layers.scatter_add``. Communication goes only through the mapping pairs of
-``tensor_mappings``, applied on a ``Tape`` in forward; ``TapedModule``'s backward replays the tape,
-so the layers here write no backward of their own that could forget a twin.
+``nn.transformer.SelfAttentionBase`` on this rank's heads, the embedding's
+gradient goes through ``nn.layers.scatter_add``. Communication goes only through the mapping
+``Function``s of ``tensor_mappings``; every layer with communication is a ``TPLayer`` that writes
+only its forward on tensors (``compute``), so none has a backward of its own that could forget a
+twin (the attention composes them as the serial one composes its Linears).
 
 Shapes that do not split are refused with a ``ValueError`` when the layer is built; every rank
 builds from the same serial model, so every rank refuses alike.
@@ -21,9 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_device, widen, xp_of
+from ..autograd import Function
+from ..autograd.function import Context
+from ..backend import matmul, to_device, widen, xp_of
 from ..errors import Say, as_argument
-from ..nn.layers import Linear, add_bias_grad, scatter_add
+from ..nn.layers import Linear, add_bias_grad, check_indices, scatter_add
 from ..nn.losses import CrossEntropyLoss, _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
 from ..nn.module import Module, Parameter
 from ..nn.transformer import SelfAttentionBase
@@ -33,7 +36,7 @@ from .tensor_mappings import (
     GatherFromTP,
     ReduceFromTP,
     ScatterToTP,
-    TapedModule,
+    TPLayer,
     partition,
     reduce_from_tp,
 )
@@ -62,7 +65,7 @@ def _index_of(ranges: list[tuple[int, int]]) -> Any:
     return np.concatenate([np.arange(a, b) for a, b in ranges])
 
 
-class ColumnParallelLinear(TapedModule):
+class ColumnParallelLinear(TPLayer):
     """``y = x @ W + b`` with ``W`` split by output columns: rank r holds ``W[:, cols_r]``, ``b[cols_r]``.
 
     The input is replicated (``CopyToTP``: its gradient is all-reduced); the output stays split
@@ -106,18 +109,36 @@ class ColumnParallelLinear(TapedModule):
         self.linear = Linear.borrowing(self.weight, self.bias)  # computes; lists no parameters
         self.cache = None
 
-    def forward(self, x: Any) -> Any:
+    def compute(self, x: Any) -> Any:
         if x.shape[-1] != self.d_in:
             raise ValueError(f"ColumnParallelLinear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
-        tape = self.record()
-        y = tape.run(self.linear, tape.map(CopyToTP, x))
-        return tape.map(GatherFromTP, y) if self.gather_output else y
+        y = self.linear(CopyToTP.apply(x, self.comm))
+        return GatherFromTP.apply(y, self.comm) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return f"{self.d_in}, {self.d_out} (local {self.d_local}), tp={self.comm.size}"
 
 
-class RowParallelLinear(TapedModule):
+class BiasAfterReduce(Function):
+    """``y + bias`` after the all-reduce (a new array: an output that is its input's array shares
+    its version, and the block's residual sum adds into this one in place); the bias gradient is
+    added into ``layer.bias.grad`` here (column sums as a BLAS product,
+    ``nn.layers.add_bias_grad``), so the node gives the bias none of its own."""
+
+    @staticmethod
+    def forward(ctx: Context, y: Any, bias: Any, layer: Any) -> Any:
+        ctx.layer = layer
+        return y + bias
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        layer = ctx.layer
+        if ctx.needs_input_grad[1]:
+            add_bias_grad(layer.bias, g.reshape(-1, layer.d_out), layer._scratch(), g.dtype)
+        return g, None, None
+
+
+class RowParallelLinear(TPLayer):
     """``y = x @ W + b`` with ``W`` split by input rows: rank r holds ``W[rows_r, :]``; ``b`` is replicated.
 
     The input arrives split along its last axis (``input_is_parallel``; otherwise ``ScatterToTP``
@@ -159,7 +180,7 @@ class RowParallelLinear(TapedModule):
         self.linear = Linear.borrowing(self.weight, None)
         self.cache = None
 
-    def forward(self, x: Any) -> Any:
+    def compute(self, x: Any) -> Any:
         if not self.input_is_parallel:
             if x.shape[-1] != self.d_in:
                 raise ValueError(f"RowParallelLinear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
@@ -168,28 +189,22 @@ class RowParallelLinear(TapedModule):
                 f"RowParallelLinear({self.d_in}, {self.d_out}) expects this rank's {self.d_local} input "
                 f"columns, got input of shape {x.shape}"
             )
-        tape = self.record()
         if not self.input_is_parallel:
-            x = tape.map(ScatterToTP, x)
-        y = tape.map(ReduceFromTP, tape.run(self.linear, x))
-        if self.bias is not None:
-            y += self.bias.data
-            tape.local("bias", self._bias_backward)
-        return y
-
-    def _bias_backward(self, grad_out: Any) -> Any:
-        add_bias_grad(self.bias, grad_out.reshape(-1, self.d_out), self._scratch(), grad_out.dtype)
-        return grad_out
+            x = ScatterToTP.apply(x, self.comm)
+        y = ReduceFromTP.apply(self.linear(x), self.comm)
+        return BiasAfterReduce.apply(y, self.bias, self) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return f"{self.d_in} (local {self.d_local}), {self.d_out}, tp={self.comm.size}"
 
 
-class ParallelMLP(Module):
+class ParallelMLP(TPLayer):
     """``fc2(act(fc1(x)))`` with ``fc1`` column- and ``fc2`` row-parallel: one all-reduce each way."""
 
     def __init__(self, fc1: ColumnParallelLinear, act: Module, fc2: RowParallelLinear) -> None:
         self.fc1, self.act, self.fc2 = fc1, act, fc2
+        self.comm = fc1.comm
+        self.cache = None
 
     @classmethod
     def from_serial(cls, mlp: Any, comm: Comm) -> ParallelMLP:
@@ -201,19 +216,17 @@ class ParallelMLP(Module):
         return cls(ColumnParallelLinear.from_serial(mlp.fc1, comm), copy.deepcopy(mlp.act),  # own cache
                    RowParallelLinear.from_serial(mlp.fc2, comm))
 
-    def forward(self, x: Any) -> Any:
-        return self.fc2.forward(self.act.forward(self.fc1.forward(x)))
-
-    def backward(self, grad_out: Any) -> Any:
-        return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)))
+    def compute(self, x: Any) -> Any:
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class ParallelSelfAttention(SelfAttentionBase):
     """Causal multi-head self-attention with the heads split across the tensor-parallel group.
 
     ``qkv`` is column-parallel (rank r holds the q, k and v columns of its heads), the attention
-    of those heads is ``SelfAttentionBase``'s (the serial code on ``n_local_heads`` heads) and
-    ``proj`` is row-parallel: one all-reduce forward, one backward. Needs ``n_heads % tp == 0``.
+    of those heads is ``SelfAttentionBase``'s (the serial code on ``n_local_heads`` heads: on a
+    tensor the core is one node) and ``proj`` is row-parallel: one all-reduce forward, one
+    backward. Needs ``n_heads % tp == 0``.
     """
 
     def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, n_heads: int, comm: Comm) -> None:
@@ -249,7 +262,30 @@ class ParallelSelfAttention(SelfAttentionBase):
         return f"n_heads={self.n_heads} (local {self.n_local_heads}), tp={self.comm.size}"
 
 
-class VocabParallelEmbedding(TapedModule):
+class VocabLookup(Function):
+    """This rank's rows of the embedding at the ids it owns, zeros elsewhere; the rows' gradients
+    are added into ``layer.weight.grad`` with the serial Embedding's scatter (``nn.layers``)."""
+
+    @staticmethod
+    def forward(ctx: Context, idx: Any, w: Any, layer: Any) -> Any:
+        xp = xp_of(w)
+        idx = check_indices(to_device(idx, xp), layer.n, f"VocabParallelEmbedding({layer.n})")
+        mine = (idx >= layer.start) & (idx < layer.stop)
+        local = xp.where(mine, idx - layer.start, 0)
+        ctx.save_for_backward(local, mine)
+        ctx.layer = layer
+        return w[local] * mine[..., None]
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        local, mine = ctx.saved_tensors
+        w = ctx.layer.weight
+        if ctx.needs_input_grad[1]:
+            scatter_add(w.grad, local[mine], g[mine].reshape(-1, w.shape[1]))
+        return None, None, None
+
+
+class VocabParallelEmbedding(TPLayer):
     """An ``Embedding`` whose rows (the vocabulary) are split: rank r looks up only its own ids.
 
     Ids owned by other ranks give zeros locally; one all-reduce assembles the full embeddings.
@@ -270,30 +306,62 @@ class VocabParallelEmbedding(TapedModule):
         rows = partition(n, comm.size, comm.rank)
         return cls(xp_of(emb.weight.data).ascontiguousarray(emb.weight.data[rows[0] : rows[1]]), n, comm, rows)
 
-    def forward(self, idx: Any) -> Any:
-        xp = xp_of(self.weight.data)
-        if idx.dtype.kind not in "iu":
-            raise TypeError(f"VocabParallelEmbedding needs integer ids, got {idx.dtype}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.n):
-            raise IndexError(
-                f"VocabParallelEmbedding({self.n}): ids must be in [0, {self.n}), "
-                f"got range [{int(idx.min())}, {int(idx.max())}]"
-            )
-        idx = to_device(idx, xp)
-        mine = (idx >= self.start) & (idx < self.stop)
-        local = xp.where(mine, idx - self.start, 0)
-        out = self.weight.data[local] * mine[..., None]
-        tape = self.record()
-        tape.local("lookup", self._scatter_grad, local, mine)
-        return tape.map(ReduceFromTP, out)
-
-    def _scatter_grad(self, grad_out: Any, local: Any, mine: Any) -> None:
-        """The rows' gradients into this rank's rows with the serial Embedding's scatter (nn.layers)."""
-        scatter_add(self.weight.grad, local[mine], grad_out[mine].reshape(-1, self.weight.shape[1]))
-        return None
+    def compute(self, idx: Any) -> Any:
+        return ReduceFromTP.apply(VocabLookup.apply(idx, self.weight, self), self.comm)
 
     def extra_repr(self) -> str:
         return f"{self.n} (local rows {self.start}:{self.stop}), {self.weight.shape[1]}, tp={self.comm.size}"
+
+
+class TiedLogits(Function):
+    """``x @ weight.T`` for a head tied to an embedding's ``(rows, d)`` weight; the weight's
+    gradient ``g.T @ x`` is added into ``layer.weight.grad`` here (its other use, the lookup,
+    adds its own: they sum)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, w: Any, layer: Any) -> Any:
+        xp = xp_of(x)
+        ctx.save_for_backward(x, w)
+        ctx.layer = layer
+        y = xp.empty((*x.shape[:-1], w.shape[0]), dtype=np.result_type(x.dtype, w.dtype))
+        matmul(xp, x.reshape(-1, w.shape[1]), w.T, out=y.reshape(-1, w.shape[0]))
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        x, w = ctx.saved_tensors
+        xp = xp_of(g)
+        g2, x2 = g.reshape(-1, w.shape[0]), x.reshape(-1, w.shape[1])
+        if ctx.needs_input_grad[1]:
+            p = ctx.layer.weight
+            p.grad += matmul(xp, g2.T, x2, out=xp.empty(w.shape, dtype=np.result_type(g.dtype, x.dtype)))
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = xp.empty(x.shape, dtype=np.result_type(g.dtype, w.dtype))
+            matmul(xp, g2, w, out=gx.reshape(-1, w.shape[1]))
+        return gx, None, None
+
+
+class VocabParallelTiedHead(TPLayer):
+    """The output layer tied to a ``VocabParallelEmbedding`` (nanoGPT's tied head, split over the
+    vocabulary): ``x @ weight.T`` with the embedding's very ``Parameter`` (this rank's rows of the
+    vocabulary, so its logits are the embedding's columns: left split, as a vocab head's; the
+    loss is ``VocabParallelCrossEntropy``). The weight's two uses add their gradients into one
+    ``.grad``; it is registered here under the head's name too, so a pipeline's last stage (which
+    holds no embedding) lists it, with the embedding's ``shard_index``."""
+
+    def __init__(self, embedding: VocabParallelEmbedding) -> None:
+        self.comm, self.n = embedding.comm, embedding.n
+        self.start, self.stop = embedding.start, embedding.stop
+        self.weight = embedding.weight
+        self.shard_index = {"weight": embedding.shard_index["weight"]}
+        self.cache = None
+
+    def compute(self, x: Any) -> Any:
+        return TiedLogits.apply(CopyToTP.apply(x, self.comm), self.weight, self)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[1]}, {self.n} (local rows {self.start}:{self.stop}), tied, tp={self.comm.size}"
 
 
 class VocabParallelCrossEntropy:

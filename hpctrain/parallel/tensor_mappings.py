@@ -1,5 +1,5 @@
-"""The four communication mappings of Megatron-style tensor parallelism, paired with their
-backward twins by construction, and the tape that runs the twins.
+"""The four communication mappings of Megatron-style tensor parallelism as autograd ``Function``s,
+each paired with its backward twin by construction, and ``TPLayer``: a layer written forward-only.
 
 A tensor-parallel layer only ever needs these (over the tensor-parallel ``Communicator``):
 
@@ -12,12 +12,16 @@ mapping (pair)      forward                          backward (its twin)
 ``ScatterToTP``     keep own slice of the last axis  all-gather (``gather_from_tp``)
 ==================  ===============================  ===============================
 
-Each pair is one class with ``forward`` and ``backward`` (Megatron's autograd functions are the
-model): a twin is not looked up, it is the other half of the object that did the forward. A layer
-does not call either half itself: its forward goes through a :class:`Tape` (``tape.map(CopyToTP,
-x)``, ``tape.run(self.linear, x)``) and :class:`TapedModule`'s backward replays that tape in
-reverse, so a twin cannot be forgotten and a backward without its forward raises.
-``BACKWARD[f]`` (the forward function to its twin) is derived from the pairs.
+Each pair is one ``Function`` (as Megatron's are autograd functions): ``fn`` is its forward on
+arrays, ``grad`` its twin's forward, which its backward runs; ``MyMapping.apply(x, comm)`` records
+the node, so the engine runs the twin when backward reaches it: a layer cannot forget one, and a
+backward without its forward does not exist. ``BACKWARD[f]`` (the forward function to its twin)
+is derived from the pairs.
+
+A layer subclasses ``TPLayer`` and writes only ``compute(x)`` on tensors with these mappings and
+modules (``nn``'s layers: one node each); called on a tensor it is that graph. Called on an array
+(the explicit protocol: ``forward`` then ``backward``, as an explicit parent such as a GPT calls
+its children) it records the same graph into its ``cache`` and ``backward`` runs it once.
 
 Every mapping returns its input untouched when the group has one rank, so a tp=1 model does no
 communication at all. Bytes and seconds are counted in ``traffic`` so a benchmark can compare the
@@ -26,12 +30,13 @@ measured volume with the expected one.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
+from ..autograd import Function, Tensor, is_tensor
+from ..autograd.function import Context, differentiable
 from ..backend import xp_of
 from ..nn.module import Module
 from ..protocols import Comm
@@ -106,142 +111,104 @@ def scatter_to_tp(x: Any, comm: Comm) -> Any:
     return x[..., comm.rank * n : (comm.rank + 1) * n]
 
 
-class TPMapping:
-    """One mapping pair: ``forward(x, comm)`` and its twin ``backward(grad, comm)``.
+class TPMapping(Function):
+    """One mapping pair: ``fn(x, comm)`` forward and its twin ``grad(g, comm)`` backward, as a
+    ``Function`` (``CopyToTP.apply(x, comm)``). Subclasses only name the two halves; ``twin`` is
+    the pair whose forward is this pair's backward (``CopyToTP.twin() is ReduceFromTP``)."""
 
-    Subclasses only name the two halves; they are not instantiated. ``twin`` is the pair whose
-    forward is this pair's backward (``CopyToTP.twin is ReduceFromTP``).
-    """
+    fn: ClassVar[Callable[[Any, Comm], Any]]
+    grad: ClassVar[Callable[[Any, Comm], Any]]
+    #: The output is an array of its own even where ``fn`` hands back its input (one rank): a
+    #: reduction's result, which the model may add into in place (a residual sum).
+    fresh: ClassVar[bool] = False
 
-    forward: ClassVar[Callable[[Any, Comm], Any]]
-    backward: ClassVar[Callable[[Any, Comm], Any]]
+    @classmethod
+    def forward(cls, ctx: Context, x: Any, comm: Comm) -> Any:  # type: ignore[override]
+        ctx.comm = comm
+        out = cls.fn(x, comm)
+        return out.copy() if cls.fresh and out is x else out
+
+    @classmethod
+    def backward(cls, ctx: Context, g: Any) -> Any:  # type: ignore[override]
+        return cls.grad(g, ctx.comm), None
 
     @classmethod
     def twin(cls) -> type[TPMapping]:
-        return next(p for p in PAIRS if p.forward is cls.backward)
+        return next(p for p in PAIRS if p.fn is cls.grad)
 
 
 class CopyToTP(TPMapping):
     """Forward: copy (every rank already holds ``x``). Backward: all-reduce of the gradient."""
 
-    forward = staticmethod(copy_to_tp)
-    backward = staticmethod(reduce_from_tp)
+    fn = staticmethod(copy_to_tp)
+    grad = staticmethod(reduce_from_tp)
 
 
 class ReduceFromTP(TPMapping):
     """Forward: all-reduce of the partial results. Backward: copy (the gradient is replicated)."""
 
-    forward = staticmethod(reduce_from_tp)
-    backward = staticmethod(copy_to_tp)
+    fresh = True
+    fn = staticmethod(reduce_from_tp)
+    grad = staticmethod(copy_to_tp)
 
 
 class GatherFromTP(TPMapping):
     """Forward: all-gather along the last axis. Backward: keep this rank's slice of the gradient."""
 
-    forward = staticmethod(gather_from_tp)
-    backward = staticmethod(scatter_to_tp)
+    fn = staticmethod(gather_from_tp)
+    grad = staticmethod(scatter_to_tp)
 
 
 class ScatterToTP(TPMapping):
     """Forward: keep this rank's slice of the last axis. Backward: all-gather of the gradient."""
 
-    forward = staticmethod(scatter_to_tp)
-    backward = staticmethod(gather_from_tp)
+    view = True  # the slice is a view of the input
+    fn = staticmethod(scatter_to_tp)
+    grad = staticmethod(gather_from_tp)
 
 
 PAIRS: tuple[type[TPMapping], ...] = (CopyToTP, ReduceFromTP, GatherFromTP, ScatterToTP)
 
-BACKWARD: dict[Callable[[Any, Any], Any], Callable[[Any, Any], Any]] = {p.forward: p.backward for p in PAIRS}
+BACKWARD: dict[Callable[[Any, Any], Any], Callable[[Any, Any], Any]] = {p.fn: p.grad for p in PAIRS}
 """The forward function of each pair to its backward twin (derived from ``PAIRS``)."""
 
 
-class Step(NamedTuple):
-    """One thing a forward did: ``backward(grad, *saved)`` undoes it (``what`` names it)."""
-
-    what: str
-    backward: Callable[..., Any]
-    saved: tuple = ()
+_RAN = ()  # a TPLayer's cache once its backward ran (a second one is refused, not run on nothing)
 
 
-class Tape(list):
-    """The steps one forward of a tensor-parallel layer took, in order (a list of :class:`Step`).
-
-    ``map`` applies a mapping pair's forward and records its twin, ``run`` runs a local module's
-    forward and records its backward, ``local`` records a local backward with the arrays it needs.
-    ``backward`` runs the recorded backwards in reverse, once: the tape is the layer's ``cache``,
-    so a pipeline's ``get_cache``/``set_cache`` swap it per micro-batch and the memory meter counts
-    the arrays in it (a list of tuples).
-    """
-
-    def __init__(self, comm: Comm, owner: str) -> None:
-        super().__init__()
-        self.comm, self.owner, self.used = comm, owner, False
-
-    def map(self, pair: type[TPMapping], x: Any) -> Any:
-        """``pair.forward(x)``; its twin runs in backward."""
-        self.append(Step(pair.__name__, pair.backward, (self.comm,)))
-        return pair.forward(x, self.comm)
-
-    def run(self, module: Module, x: Any) -> Any:
-        """``module.forward(x)``; ``module.backward`` runs in backward."""
-        self.append(Step(type(module).__name__, module.backward))
-        return module.forward(x)
-
-    def local(self, what: str, backward: Callable[..., Any], *saved: Any) -> None:
-        """Record ``backward(grad, *saved)`` for a local computation the layer did itself."""
-        self.append(Step(what, backward, saved))
-
-    @property
-    def mappings(self) -> list[str]:
-        """Names of the mapping pairs applied, in forward order."""
-        names = {p.__name__ for p in PAIRS}
-        return [s.what for s in self if s.what in names]
-
-    def backward(self, grad: Any) -> Any:
-        """Run every recorded backward in reverse order; a tape replays once."""
-        if self.used:
-            raise RuntimeError(f"{self.owner}.backward called twice after one forward")
-        self.used = True
-        for step in reversed(self):
-            grad = step.backward(grad, *step.saved)
-        return grad
-
-
-class TapedModule(Module):
-    """A module whose forward records on a :class:`Tape` (``self.record()``) and whose backward
-    is that tape replayed: a subclass writes only ``forward``."""
+class TPLayer(Module):
+    """A layer whose computation is ``compute(x)`` on tensors (see the module docstring): on a
+    tensor it is that graph; on an array ``forward`` keeps the graph in ``cache`` and
+    ``backward`` runs it once (a backward without its forward, or a second one, raises)."""
 
     comm: Comm
+    #: Called on a tensor it records operations, not one node of its own (ZeRO asks).
+    graph_forward = True
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "forward" in cls.__dict__:
-            cls.forward = _dropping_a_partial_tape(cls.__dict__["forward"])
+    def compute(self, x: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.compute")
 
-    def record(self) -> Tape:
-        """A new tape for this forward, kept as the layer's cache."""
-        self.cache = Tape(self.comm, type(self).__name__)
-        return self.cache
+    def __call__(self, x: Any) -> Any:
+        return self.forward(x)
+
+    def forward(self, x: Any) -> Any:
+        if is_tensor(x):
+            return self.compute(x)
+        self.cache = None
+        leaf = Tensor(x, requires_grad=differentiable(x.dtype))
+        out = self.compute(leaf)
+        self.cache = (leaf, out)
+        return out.data
 
     def backward(self, grad_out: Any) -> Any:
-        tape = self.__dict__.get("cache")
-        if not isinstance(tape, Tape):
-            raise RuntimeError(f"{type(self).__name__}.backward called without a forward "
-                               "(no tape recorded: its mappings' twins are unknown)")
-        return tape.backward(grad_out)
-
-
-def _dropping_a_partial_tape(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` that forgets its tape when it raises: the steps recorded before the exception
-    are half a forward, and a backward replaying them would give a wrong gradient without a word
-    (now it raises, as a backward without a forward does)."""
-
-    @functools.wraps(forward)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return forward(self, *args, **kwargs)
-        except BaseException:
-            self.cache = None
-            raise
-
-    return wrapped
+        kept = self.__dict__.get("cache")
+        if kept is None:
+            raise RuntimeError(f"{type(self).__name__}.backward called without a forward (no graph recorded: "
+                               "its mappings' twins are unknown)")
+        if kept is _RAN:
+            raise RuntimeError(f"{type(self).__name__}.backward called twice after one forward")
+        self.cache = _RAN
+        leaf, out = kept
+        if out.requires_grad:
+            out.backward(grad_out)
+        return leaf.grad

@@ -13,15 +13,16 @@ from ..comm import pieces
 from .zero_units import Transient, Units, placeholder
 
 
-def _owners(model: Any, units: list[list[Any]]) -> list[Any]:
-    """The module owning each unit (``None`` where none does)."""
-    by_param: dict[int, Any] = {}
-    if hasattr(model, "named_modules"):
-        for _, m in model.named_modules():
-            for p in m.__dict__.get("_parameters", {}).values():
-                if p is not None:
-                    by_param.setdefault(id(p), m)
-    return [by_param.get(id(u[0])) for u in units]
+def _users(model: Any, units: Units) -> list[tuple[Any, list[int], list[Any]]]:
+    """``(module, units it computes with, its registered parameters)`` for every module that
+    registers a parameter of a unit: the unit's owner, and a module registering another's very
+    parameter (a tied head registers the token embedding's)."""
+    out = []
+    for _, m in model.named_modules() if hasattr(model, "named_modules") else ():
+        own = [p for p in m.__dict__.get("_parameters", {}).values() if p is not None and id(p) in units.of]
+        if own:
+            out.append((m, sorted({units.of[id(p)] for p in own}), own))
+    return out
 
 
 class ParamGathers:
@@ -122,42 +123,85 @@ class ParamGathers:
 
 
 class UnitHooks:
-    """Wraps each unit's module: before its backward the unit's gradient buffer is allocated
-    (``alloc(u)``, zero 2 and 3); with ``gathers`` (zero 3) its forward and backward run between
-    a gather and a release of its parameters. ``active``: whether every unit has a module (zero 2
-    without a module tree allocates every unit's gradient at the step's start instead)."""
+    """Wraps each unit's module so the unit's gradient buffer exists before a gradient reaches it
+    (``alloc(u)``, zero 2 and 3) and, with ``gathers`` (zero 3), its parameters are whole while it
+    computes and placeholders otherwise. ``active``: whether every unit has a module (zero 2
+    without a module tree allocates every unit's gradient at the step's start instead).
+
+    Called on arrays (the explicit protocol: a module with its own ``backward``, as one node of the
+    graph or inside an explicit parent) its ``forward`` and ``backward`` run between a gather and a
+    release, ``backward`` after the allocation. Called on tensors (a module without a ``backward``,
+    a tensor-parallel layer) each call is one ``nn.recompute.Rerun`` node over the unit's
+    parameters: at zero 3 its forward gathers, computes without recording and releases (so no node
+    keeps the gathered arrays) and its backward allocates, gathers, computes again recording, runs
+    that graph's backward and releases; at zero 2 it keeps its graph and its backward allocates
+    the unit's buffer before running it."""
 
     def __init__(self, model: Any, units: Units, alloc: Any, gathers: ParamGathers | None) -> None:
         self._hooked: list[Any] = []
-        owners = _owners(model, units.groups)
-        self.active = all(m is not None for m in owners)
+        self._in_use: dict[int, int] = {}  # unit -> modules computing with it now (gathered once)
+        users = _users(model, units)
+        self.active = {u for _, us, _ in users for u in us} == set(range(len(units)))
         if not self.active:
             if gathers is not None:
                 raise ValueError("zero=3 needs every parameter owned by a Module of the model")
             return
-        for u, m in enumerate(owners):
-            self._wrap(m, u, alloc, gathers)
+        for m, us, own in users:
+            self._wrap(m, us, own, alloc, gathers)
 
-    def _wrap(self, m: Any, u: int, alloc: Any, gathers: ParamGathers | None) -> None:
-        fwd, bwd = m.forward, m.backward
+    def _wrap(self, m: Any, us: list[int], own: list[Any], alloc: Any, gathers: ParamGathers | None) -> None:
+        from ..autograd import is_tensor
+        from ..nn.module import Module
+        from ..nn.recompute import rerun
 
-        def gathered(call: Any, *args: Any, **kwargs: Any) -> Any:
-            if gathers is None:
-                return call(*args, **kwargs)
-            gathers.gather(u)
+        fwd = m.forward
+        in_use = self._in_use
+
+        def enter(backward: bool) -> None:
+            for u in us:
+                if backward:
+                    alloc(u)
+                in_use[u] = in_use.get(u, 0) + 1
+                if gathers is not None and in_use[u] == 1:
+                    gathers.gather(u)
+
+        def leave() -> None:
+            for u in us:
+                in_use[u] -= 1
+                if gathers is not None and in_use[u] == 0:
+                    gathers.release(u)
+
+        def bracket(call: Any, backward: bool, *args: Any, **kwargs: Any) -> Any:
+            enter(backward)
             try:
                 return call(*args, **kwargs)
             finally:
-                gathers.release(u)
+                leave()
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return gathered(fwd, *args, **kwargs)
+            where = [i for i, a in enumerate(args) if is_tensor(a)]
+            if not where:  # arrays: the explicit protocol (its backward is wrapped below)
+                return bracket(fwd, False, *args, **kwargs)
 
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            alloc(u)
-            return gathered(bwd, *args, **kwargs)
+            def run(*tensors: Any) -> Any:
+                full = list(args)
+                for i, t in zip(where, tensors):
+                    full[i] = t
+                return fwd(*full, **kwargs)
 
-        m.__dict__["forward"], m.__dict__["backward"] = forward, backward
+            # On tensors: one node; zero 3 computes again in backward (no node keeps the gathered
+            # arrays), zero 2 keeps its graph (the allocation waits for the backward).
+            return rerun(run, tuple(args[i] for i in where), m, params=own, enter=enter, leave=leave,
+                         keep=gathers is None)
+
+        m.__dict__["forward"] = forward
+        if type(m).backward is not Module.backward:
+            bwd = m.backward
+
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                return bracket(bwd, True, *args, **kwargs)
+
+            m.__dict__["backward"] = backward
         self._hooked.append(m)
 
     def remove(self) -> None:
@@ -166,3 +210,4 @@ class UnitHooks:
             m.__dict__.pop("forward", None)
             m.__dict__.pop("backward", None)
         self._hooked = []
+

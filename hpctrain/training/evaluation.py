@@ -18,6 +18,18 @@ import numpy as np
 from ..protocols import Comm
 
 
+def predict(model: Any, x: Any) -> Any:
+    """``model``'s output on the array ``x`` as an array, recording nothing: a module's call (a
+    forward-only module computes with tensors, an explicit one runs its forward on arrays), or
+    the ``forward`` of a model that keeps the protocol without being an ``nn.Module``."""
+    from ..autograd import is_tensor, no_grad
+    from ..nn import Module
+
+    with no_grad():
+        out = model(x) if isinstance(model, Module) else model.forward(x)
+    return out.data if is_tensor(out) else out
+
+
 def _share(n_batches: int, rank: int, size: int) -> range:
     return range(n_batches * rank // size, n_batches * (rank + 1) // size)
 
@@ -40,7 +52,7 @@ def evaluate(model: Any, data: Any, loss: Any = None, batch: int = 256, comm: Co
     try:
         for b in mine:
             x, y = data[np.arange(b * batch, min((b + 1) * batch, n))][:2]
-            logits = model.forward(x)
+            logits = predict(model, x)
             rows = len(y)  # the mean over samples: each batch weighted by its rows
             right = int((logits.argmax(axis=-1) == y).sum()) if classes else 0
             sums += (float(loss.forward(logits, y)) * rows, right, rows, y.size)

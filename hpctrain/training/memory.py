@@ -4,11 +4,12 @@
 flat bucket, a parameter inside a ZeRO flat buffer) count as their base array, and zero-stride
 placeholders (a ZeRO-3 parameter between its uses) count as the one element they hold.
 ``activation_bytes(model)`` is what the modules keep for backward right now (their ``cache``),
-counted the same way; ``workspace`` is what the layers' reuse pools (``nn.buffers``) hold beyond
-that (arrays kept between steps for reuse). ``MemoryMeter`` watches a model's activations during a step (at the start
-of backward and inside every recomputed block, where the peaks are) and reports per-rank bytes
-of parameters, gradients, optimizer state, named buffers and the activation peak, plus the
-process's peak resident memory.
+counted the same way; ``graph_bytes(*roots)`` what an autograd graph keeps for its backward (its
+nodes' saved arrays, the parameters it ends in excluded); ``workspace`` is what the layers' reuse
+pools (``nn.buffers``) hold beyond that (arrays kept between steps for reuse). ``MemoryMeter``
+watches a model's activations during a step (the graph at the start of backward and inside every
+recomputed block, where the peaks are) and reports per-rank bytes of parameters, gradients,
+optimizer state, named buffers and the activation peak, plus the process's peak resident memory.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd.backprop import collect_arrays
 from ..protocols import Comm
 
 KEYS = ("params", "grads", "optimizer", "buffers", "activations_peak", "workspace")
@@ -33,19 +35,8 @@ def _root(a: Any) -> Any:
     return a
 
 
-def _arrays(obj: Any, out: list[Any], seen: set[int]) -> None:
-    """Every array reachable through tuples, lists and dicts of ``obj``."""
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if hasattr(obj, "nbytes") and hasattr(obj, "shape"):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _arrays(v, out, seen)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _arrays(v, out, seen)
+#: Every array reachable through tuples, lists and dicts of an object (the autograd graph's walk).
+_arrays = collect_arrays
 
 
 def owned_bytes(arrays: Iterable[Any], exclude: set[int] | None = None) -> int:
@@ -91,17 +82,31 @@ def activation_bytes(*roots: Any) -> int:
     return owned_bytes(arrays)
 
 
+def graph_bytes(*roots: Any, exclude: set[int] | None = None) -> int:
+    """Bytes the autograd graph of ``roots`` (tensors) keeps for its backward now: every node's
+    saved arrays (an explicit module's caches in its node included), each buffer once, the
+    parameters the graph ends in not counted (they are no activations)."""
+    from ..autograd import saved_arrays
+    from ..nn.module import Parameter
+
+    arrays, leaves = saved_arrays(*roots)
+    seen = exclude if exclude is not None else set()
+    seen.update(id(_root(t.data)) for t in leaves if isinstance(t, Parameter))
+    return owned_bytes(arrays, seen)
+
+
 class MemoryMeter:
     """Watches one model's activations; reports a trainer's memory per step.
 
-    ``install`` wraps the model's ``backward`` (an instance attribute, removed by ``remove``) to
-    measure what forward left behind, and listens to recomputed blocks, which re-create one
-    block's activations inside backward. ``report`` returns this rank's bytes and starts a new
-    peak.
+    The trainer's backwards tell it where they start (``backward_starts(root)``: it measures the
+    graph forward left behind) and end; ``install`` listens to recomputed blocks, which re-create
+    one block's activations inside a backward of this meter's trainer. ``report`` returns this
+    rank's bytes and starts a new peak.
     """
 
     def __init__(self, model: Any, loss: Any = None) -> None:
         self.model, self.loss = model, loss
+        self._roots: tuple = ()
         self.peak = 0
         self.peak_layers = 0  # caches and pooled arrays together (``workspace`` is the excess)
         self.device_used = 0  # the CuPy pool's bytes in use, highest seen since the last report
@@ -125,44 +130,48 @@ class MemoryMeter:
             _arrays(getattr(pool, "_arrays", None), arrays, seen)
         return arrays
 
-    def measure(self) -> None:
+    def measure(self, roots: tuple = ()) -> None:
+        """Sample the activations now: what the modules' caches and the graphs of ``roots`` hold."""
         self.device_used = max(self.device_used, device_pool()[0])
         caches: list[Any] = []
         seen: set[int] = set()
         for m in self._modules():
             _arrays(m.__dict__.get("cache"), caches, seen)
         counted: set[int] = set()
-        act = owned_bytes(caches, counted)
+        act = owned_bytes(caches, counted) + (graph_bytes(*roots, exclude=counted) if roots else 0)
         self.peak = max(self.peak, act)
         # Everything the layers hold at this moment: caches and the pools' other arrays.
         self.peak_layers = max(self.peak_layers, act + owned_bytes(self._pools(), counted))
 
+    def backward_starts(self, *roots: Any) -> None:
+        """A backward of this meter's trainer starts from ``roots``: measure what forward left."""
+        self._roots = roots
+        self.measure(roots)
+
+    def backward_ends(self) -> None:
+        self._roots = ()
+
     def install(self) -> MemoryMeter:
         from ..nn.recompute import observers
 
-        if self.installed or self.model is None or not hasattr(self.model, "backward"):
+        if self.installed:
             return self
-        inner = self.model.backward
-
-        def backward(grad: Any, *args: Any, **kwargs: Any) -> Any:
-            self.measure()
-            return inner(grad, *args, **kwargs)
-
-        self.model.__dict__["backward"] = backward
+        self._roots: tuple = ()
         self._ref = weakref.WeakMethod(self._observe)
         observers.append(self._ref)
         self.installed = True
         return self
 
-    def _observe(self, block: Any) -> None:
-        # Only blocks inside this meter's model.
-        self.measure()
+    def _observe(self, inner: tuple = ()) -> None:
+        # A block recomputed inside a backward of this meter's trainer (others have no roots here):
+        # what is left of the outer graph, and the block's own graph rebuilt for its backward.
+        if self._roots:
+            self.measure(self._roots + tuple(inner))
 
     def remove(self) -> None:
         from ..nn.recompute import observers
 
         if self.installed:
-            self.model.__dict__.pop("backward", None)
             if self._ref in observers:
                 observers.remove(self._ref)
             self.installed = False

@@ -132,6 +132,8 @@ class TrainStep:
     exact_norm: bool = False
     #: The step's dtypes and fp16's loss scaler (``fp32``: the parameters' own dtype, no scaler).
     precision: Precision
+    #: The memory report's meter (``training.memory.MemoryMeter``): told where backwards start.
+    _meter: Any = None
 
     def __init__(self, *, comm: Communicator | None = None, on_nonfinite: str = "raise") -> None:
         from .guard import POLICIES
@@ -152,6 +154,8 @@ class TrainStep:
         # Parameters replicated over a tensor-parallel group: counted in the norm on tp rank 0 only.
         self._tp_replicated: set[int] = set()
         self._tp_rank = 0
+        # Parameters another rank counts in the norm (a weight two pipeline stages hold).
+        self._uncounted: set[int] = set()
         self._closed = False
         #: What errors call the step's owner (``hpctrain.Trainer`` sets its class name).
         self.name = type(self).__name__
@@ -256,7 +260,8 @@ class TrainStep:
 
     def _counted_grads(self) -> list[Any]:
         """The gradients this rank counts in the global norm (tp-replicated ones on tp rank 0)."""
-        return [g for p, g in self.reducer.counted_grads() if not (self._tp_rank and id(p) in self._tp_replicated)]
+        return [g for p, g in self.reducer.counted_grads()
+                if not (self._tp_rank and id(p) in self._tp_replicated) and id(p) not in self._uncounted]
 
     def _local_sums(self, loss_part: Any, exact: bool, targets: Any) -> tuple[float, float, bool, list[float], bool]:
         """This rank's ``(loss, sum of squared gradients, non-finite?, exact-sum digits, bad
@@ -317,7 +322,8 @@ class TrainStep:
         if self.reducer is not None:
             self.reducer.abort()
             self.reducer.zero_grad()
-        if self.model is not None:
+        # An explicit-protocol model called outside the engine may hold a half step's caches.
+        if self.model is not None and callable(getattr(self.model, "set_cache", None)):
             self.model.set_cache({})
 
     def _check_batch(self, x: Any, y: Any, weight: Any) -> Batch:

@@ -197,6 +197,16 @@ class Trainer:
         """The trainer's settings, compared across ranks and stored in checkpoints."""
         return {"type": type(self).__name__}
 
+    def tied_weights(self) -> dict[str, str]:
+        """``{alias: owner}``: the weights the model uses under two names (a GPT's tied head),
+        stored once in a checkpoint, as the owner (a pipeline stage's part carries the model's)."""
+        model = self.model
+        info = getattr(model, "pipeline", None)
+        if isinstance(info, dict) and "tied" in info:
+            return dict(info["tied"])
+        fn = getattr(model, "tied_weights", None)
+        return dict(fn()) if callable(fn) else {}
+
     # -- memory -----------------------------------------------------------------------------------
 
     def memory_arrays(self) -> dict[str, list[Any]]:

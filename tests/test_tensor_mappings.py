@@ -1,6 +1,7 @@
-"""The tensor-parallel mappings are pairs and layers replay them from a tape: a layer written with
-the tape gets the right gradient (the twins ran), a backward without its forward raises, and the
-layers compute with nn's own code (bitwise the serial model's at tp=1, nn's row scatter)."""
+"""The tensor-parallel mappings are autograd Functions paired with their twins: a layer written
+forward-only with them gets the right gradient (the engine ran the twins), the explicit protocol's
+backward without its forward raises, and the layers compute with nn's own code (bitwise the serial
+model's at tp=1, nn's row scatter)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain import Communicator
+from hpctrain.autograd import Tensor, graph_nodes
 from hpctrain.nn import GPT, MLP, Embedding, Linear, TransformerBlock
 from hpctrain.nn.module import Parameter
 from hpctrain.parallel.tensor import (
@@ -21,8 +23,7 @@ from hpctrain.parallel.tensor import (
     ReduceFromTP,
     RowParallelLinear,
     ScatterToTP,
-    Tape,
-    TapedModule,
+    TPLayer,
     VocabParallelEmbedding,
     tensor_parallel,
     traffic,
@@ -30,9 +31,9 @@ from hpctrain.parallel.tensor import (
 from hpctrain.parallel.tensor_mappings import partition
 
 
-class GatheredLinear(TapedModule):
-    """``x @ W`` with ``W`` split by columns and the output gathered, written with the tape only:
-    no backward of its own."""
+class GatheredLinear(TPLayer):
+    """``x @ W`` with ``W`` split by columns and the output gathered, written forward-only with the
+    mappings: no backward of its own."""
 
     def __init__(self, serial: Linear, comm) -> None:
         self.comm = comm
@@ -41,29 +42,35 @@ class GatheredLinear(TapedModule):
         self.linear = Linear.borrowing(self.weight, None)
         self.cache = None
 
-    def forward(self, x):
-        tape = self.record()
-        return tape.map(GatherFromTP, tape.run(self.linear, tape.map(CopyToTP, x)))
+    def compute(self, x):
+        return GatherFromTP.apply(self.linear(CopyToTP.apply(x, self.comm)), self.comm)
+
+
+def mappings(out) -> list[str]:
+    """The mapping Functions the graph of ``out`` holds, in forward order."""
+    names = {p.__name__ for p in PAIRS}
+    nodes = sorted(graph_nodes(out), key=lambda n: n._seq)
+    return [n._fn.__name__ for n in nodes if n._fn.__name__ in names]
 
 
 def test_pairs_are_twins_by_construction():
     assert {p.twin() for p in PAIRS} == set(PAIRS)
     for p in PAIRS:
-        assert p.twin().forward is p.backward and p.twin().backward is p.forward
-        assert BACKWARD[p.forward] is p.backward
+        assert p.twin().fn is p.grad and p.twin().grad is p.fn
+        assert BACKWARD[p.fn] is p.grad
     assert CopyToTP.twin() is ReduceFromTP and GatherFromTP.twin() is ScatterToTP
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_layer_written_with_the_tape_gets_the_serial_gradient(comm):
+def test_layer_written_forward_only_gets_the_serial_gradient(comm):
     serial = Linear(5, 2 * comm.size, bias=False, rng=0, dtype=np.float64)
     par = GatheredLinear(serial, comm)
     rng = np.random.default_rng(3)
     x, g = rng.standard_normal((3, 5)), rng.standard_normal((3, 2 * comm.size))
     traffic.reset()
     np.testing.assert_allclose(par.forward(x), serial.forward(x), rtol=1e-12)
-    assert par.cache.mappings == ["CopyToTP", "GatherFromTP"]
+    assert mappings(par.cache[1]) == ["CopyToTP", "GatherFromTP"]
     assert traffic.calls == {"allreduce": 0, "allgather": 1}
     # The input gradient needs every rank's columns: only CopyToTP's twin (an all-reduce) gives it.
     np.testing.assert_allclose(par.backward(g), serial.backward(g), rtol=1e-12)
@@ -73,24 +80,23 @@ def test_layer_written_with_the_tape_gets_the_serial_gradient(comm):
 
 
 class FailingMidway(GatheredLinear):
-    """``GatheredLinear`` whose forward raises after its local product when ``fail`` is set: the
-    tape holds half a forward (a user's layer hitting a bad batch, say)."""
+    """``GatheredLinear`` whose forward raises after its local product when ``fail`` is set: half a
+    forward was recorded (a user's layer hitting a bad batch, say)."""
 
     fail = False
 
-    def forward(self, x):
-        tape = self.record()
-        h = tape.run(self.linear, tape.map(CopyToTP, x))
+    def compute(self, x):
+        h = self.linear(CopyToTP.apply(x, self.comm))
         if self.fail:
             raise ValueError("bad batch")
-        return tape.map(GatherFromTP, h)
+        return GatherFromTP.apply(h, self.comm)
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_a_forward_that_raised_midway_leaves_no_tape_to_replay(comm):
-    """Before, a backward after such a forward replayed the half tape and gave a gradient of the
-    wrong shape without a word; the next step must still match the serial layer."""
+def test_a_forward_that_raised_midway_leaves_no_graph_to_run(comm):
+    """A backward after such a forward must not run the half graph (with the tape it once gave a
+    gradient of the wrong shape without a word); the next step must still match the serial layer."""
     serial = Linear(5, 2 * comm.size, bias=False, rng=0, dtype=np.float64)
     par = FailingMidway(serial, comm)
     rng = np.random.default_rng(3)
@@ -130,9 +136,9 @@ def test_backward_without_forward_raises(kind):
         layer.backward(np.ones_like(y))
 
 
-def test_tape_is_the_layers_cache_and_swaps_per_micro_batch():
-    """A pipeline keeps several forwards in flight through get_cache/set_cache: each backward
-    replays its own micro-batch's tape."""
+def test_graph_is_the_layers_cache_and_swaps_per_micro_batch():
+    """Several forwards in flight through the explicit protocol (get_cache/set_cache, as an
+    explicit parent's node does): each backward runs its own micro-batch's graph."""
     one = Communicator(MPI.COMM_SELF)
     serial = Linear(4, 3, rng=0, dtype=np.float64)
     par = ColumnParallelLinear.from_serial(serial, one)
@@ -142,7 +148,7 @@ def test_tape_is_the_layers_cache_and_swaps_per_micro_batch():
     for x in xs:
         par.forward(x)
         caches.append(par.get_cache())
-    assert isinstance(par.cache, Tape)
+    assert isinstance(par.cache[1], Tensor) and mappings(par.cache[1]) == ["CopyToTP"]
     got = []
     for cache, g in reversed(list(zip(caches, gs))):
         par.set_cache(cache)

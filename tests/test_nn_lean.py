@@ -161,7 +161,7 @@ def test_a_gpt_step_creates_no_arrays_after_the_second(rng):
         step()
     assert buffers.created == before
     # the pools hold what they made (and the first step made something)
-    assert sum(m._scratch().nbytes for _, m in gpt.named_modules()) > 0
+    assert sum(m.scratch_buffers().nbytes for _, m in gpt.named_modules()) > 0
 
 
 def test_buffers_reuse_only_free_arrays():
@@ -184,8 +184,8 @@ def test_recomputed_blocks_keep_no_arrays_in_pools(rng):
     for _ in range(2):
         gpt.zero_grad()
         gpt.backward(np.ones_like(gpt.forward(x)))
-    assert all(m._scratch().nbytes == 0 for _, m in gpt.blocks[0].named_modules())
-    assert gpt.head._scratch().nbytes > 0  # outside the recomputed blocks, pools still work
+    assert all(m.scratch_buffers().nbytes == 0 for _, m in gpt.blocks[0].named_modules())
+    assert gpt.head.scratch_buffers().nbytes > 0  # outside the recomputed blocks, pools still work
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -215,6 +215,15 @@ def _own(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
 
 
+def _slots(cls: ast.ClassDef) -> set[str]:
+    """The names a class body's ``__slots__ = (...)`` lists."""
+    for s in cls.body:
+        if (isinstance(s, ast.Assign) and any(isinstance(g, ast.Name) and g.id == "__slots__" for g in s.targets)
+                and isinstance(s.value, (ast.Tuple, ast.List))):
+            return {e.value for e in s.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return set()
+
+
 def _private_uses() -> tuple[dict[str, set[str]], dict[str, set[str]], list[tuple[str, int, str, str]]]:
     """Per package, the private names it defines on its own (functions, classes, module names,
     attributes of ``self``/``cls``) and those it sets on other objects (a marker on a handler, a
@@ -230,6 +239,8 @@ def _private_uses() -> tuple[dict[str, set[str]], dict[str, set[str]], list[tupl
         for n in ast.walk(tree):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 mine.add(n.name)
+                if isinstance(n, ast.ClassDef):  # a class's __slots__ declare its objects' attributes
+                    mine.update(_slots(n))
             elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 mine.add(n.id)
             elif isinstance(n, ast.Attribute) and _private(n.attr):

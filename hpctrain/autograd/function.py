@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backend import xp_of
 from ..errors import AutogradError
 from .grad_mode import state
 
@@ -268,3 +269,37 @@ def check_saved(node: Context) -> None:
                 f"{node._fn.__name__}: {what} was changed by an in-place operation after the forward (version "
                 f"{box[0]}, saved at {version}); its backward would use the new values. Compute out of place "
                 "(y = x + 1 rather than x += 1) or clone before changing")
+
+
+def parameter_grad_standins(ctx: Context) -> dict | None:
+    """For a fused node whose backward adds into its parameters' ``.grad`` itself
+    (``hpctrain.nn.layer_nodes``: its arguments from the third on are parameters), the
+    parameters that need the engine's way: a zeroed ``.grad`` for one that has none; for one with hooks, ``{argument index: (parameter, its own .grad)}`` with
+    a zeroed stand-in in ``.grad`` for the body to add into. ``None``: none of them."""
+    out = None
+    edges = ctx._edges
+    for k in range(2, len(edges)):
+        e = edges[k]
+        if e is None or e[1] >= 0:
+            continue
+        p = e[0]
+        if p.grad is None:
+            p.grad = _zeros_like(p.data)
+        elif p._hooks:
+            out = {} if out is None else out
+            out[k] = (p, p.grad)
+            p.grad = _zeros_like(p.grad)
+    return out
+
+
+def _zeros_like(a: Any) -> Any:
+    return xp_of(a).zeros_like(a)
+
+
+def outside_graph(op: type, needs: tuple[bool, ...]) -> Context:
+    """A context for calling ``op.forward`` and ``op.backward`` on arrays directly, outside any
+    graph (a layer reusing a ``Function``'s arithmetic in its own explicit backward)."""
+    ctx = object.__new__(Context)
+    ctx._fn = op
+    ctx.needs_input_grad = needs
+    return ctx

@@ -67,7 +67,7 @@ def local_pieces(trainer: Checkpointable) -> dict[str, tuple[Any, tuple, tuple]]
     return pieces
 
 
-def _config(trainer: Any) -> dict[str, Any]:
+def _config(trainer: Checkpointable) -> dict[str, Any]:
     """The trainer's ``config()`` and, when its model ties weights, ``tied`` (``{alias: owner}``:
     a tied weight is stored once, as its owner; ``loading`` reads an untied model's alias from it)."""
     cfg = trainer.config()

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..autograd.function import Context
+from ..autograd.function import Context, outside_graph
 from .functional import conv as fconv
 from .module import Module, Parameter, as_rng
 
@@ -24,9 +24,7 @@ from .module import Module, Parameter, as_rng
 def run_op(op: type, needs: tuple[bool, ...], *args: Any) -> tuple[Any, Context]:
     """``op.forward`` (a ``Function`` of ``hpctrain.nn.functional``) on arrays, outside any graph:
     its output and the context its ``backward`` takes (``op.backward(ctx, grad)``)."""
-    ctx = object.__new__(Context)
-    ctx._fn = op
-    ctx.needs_input_grad = needs
+    ctx = outside_graph(op, needs)
     return op.forward(ctx, *args), ctx
 
 

@@ -56,7 +56,8 @@ class Dropout(Module):
         if k is not None:
             seed = int(self.rng.integers(2**63))
             self.cache = seed
-            return k.dropout(x, self._scratch().like("y", x), seed, philox.keep_threshold(self.p), 1.0 / (1.0 - self.p))
+            y = self.scratch_buffers().like("y", x)
+            return k.dropout(x, y, seed, philox.keep_threshold(self.p), 1.0 / (1.0 - self.p))
         mask = dropout_mask(x, self.p, self.rng)
         self.cache = mask
         return x * mask

@@ -220,7 +220,7 @@ def call_module(module: Any, x: Any, params: list[Any]) -> Any:
     """``module`` applied to tensor ``x`` as one graph node over ``params`` (every parameter it
     computes with: see the module docstring)."""
     out = ModuleCall.apply(module, x, *params)
-    node = out._node
+    node = out.grad_fn
     if node is not None:
         node.params_t = params  # the leaves kept quiet inside its backward
     return out

@@ -107,7 +107,7 @@ def usable(*arrays: Any, views: bool = False) -> Kernels | None:
 def scratch(module: Any, *arrays: Any) -> Buffers:
     """Where ``module``'s backward outputs go: the shared pool on the kernels' path (see
     ``shared``), else the module's own."""
-    return shared if usable(*arrays, views=True) is not None else module._scratch()
+    return shared if usable(*arrays, views=True) is not None else module.scratch_buffers()
 
 
 def add_(y: Any, x: Any) -> Any:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..autograd import Function, is_tensor
-from ..autograd.function import Context, version_box
+from ..autograd.function import Context, parameter_grad_standins, version_box
 
 
 class LayerCall(Function):
@@ -66,7 +66,7 @@ class LayerCall(Function):
     def backward(ctx: Context, g: Any) -> Any:
         call = ctx.call
         module, bwd = (call[0], call[2]) if type(call) is tuple else (call, None)
-        held = _prepare(ctx)
+        held = parameter_grad_standins(ctx)
         d = module.__dict__
         d["cache"] = ctx.cache
         try:
@@ -80,32 +80,6 @@ class LayerCall(Function):
         for k, (p, own) in held.items():  # each hooked parameter's own .grad back; its stand-in goes out
             out[k], p.grad = p.grad, own
         return tuple(out)
-
-
-def _prepare(ctx: Context) -> dict | None:
-    """Parameters that need the engine's way (see the module docstring): a zeroed ``.grad`` for
-    one that has none; for one with hooks, ``{argument index: (parameter, its own .grad)}`` with
-    a zeroed stand-in in ``.grad`` for the body to add into. ``None``: none of them."""
-    out = None
-    edges = ctx._edges
-    for k in range(2, len(edges)):
-        e = edges[k]
-        if e is None or e[1] >= 0:
-            continue
-        p = e[0]
-        if p.grad is None:
-            p.grad = _zeros(p.data)
-        elif p._hooks:
-            out = {} if out is None else out
-            out[k] = (p, p.grad)
-            p.grad = _zeros(p.grad)
-    return out
-
-
-def _zeros(a: Any) -> Any:
-    from ..backend import xp_of
-
-    return xp_of(a).zeros_like(a)
 
 
 def call_layer(module: Any, x: Any, params: Any = (), *, fwd: Any = None, bwd: Any = None, **kw: Any) -> Any:

@@ -70,14 +70,14 @@ class Linear(Module):
         b = self.bias.data if self.bias is not None and add_bias else None
         k = gpu.usable(x, w, *(() if b is None else (b,))) if x.dtype == w.dtype else None
         if k is not None:  # cuBLAS called directly (capturable), the bias added by one kernel
-            y = self._scratch().get("y", (*x.shape[:-1], self.d_out), x.dtype, xp)
+            y = self.scratch_buffers().get("y", (*x.shape[:-1], self.d_out), x.dtype, xp)
             k.matmul(x.reshape(-1, self.d_in), w, y.reshape(-1, self.d_out))
             if b is not None:
                 k.bias_add(y.reshape(-1, self.d_out), b)
             return y
         # One 2-D matrix product over every row (B*T of them), written into a reused buffer: a 3-D
         # product would be one small product per batch entry.
-        y = self._scratch().get("y", (*x.shape[:-1], self.d_out), np.result_type(x.dtype, w.dtype), xp)
+        y = self.scratch_buffers().get("y", (*x.shape[:-1], self.d_out), np.result_type(x.dtype, w.dtype), xp)
         matmul(xp, x.reshape(-1, self.d_in), w, out=y.reshape(-1, self.d_out))
         if self.bias is not None and add_bias:
             y += self.bias.data
@@ -97,7 +97,7 @@ class Linear(Module):
                 k.col_sum(g2, bias.grad)
             gx = gpu.shared.get("linear_gx", (*grad_out.shape[:-1], self.d_in), grad_out.dtype, xp)
             return k.matmul(g2, w.T, gx.reshape(-1, self.d_in)).reshape(gx.shape)
-        buf = self._scratch()
+        buf = self.scratch_buffers()
         gw = buf.get("gw", w.shape, np.result_type(x.dtype, grad_out.dtype), xp)
         self.weight.grad += matmul(xp, x2.T, g2, out=gw)  # x2.T is a view: BLAS reads it transposed
         if self.bias is not None:
@@ -186,13 +186,13 @@ class GELU(Module):
 
     def forward(self, x: Any, bias: Any = None) -> Any:
         """GELU of ``x`` (of ``x + bias`` with a bias: a GPU kernel path only, see ``MLP``)."""
-        y, x, t = gelu_forward(x, self._scratch(), bias)
+        y, x, t = gelu_forward(x, self.scratch_buffers(), bias)
         self.cache = (x, t)
         return y
 
     def backward(self, grad_out: Any) -> Any:
         x, t = self.cache
-        return gelu_backward(grad_out, x, t, self._scratch())
+        return gelu_backward(grad_out, x, t, self.scratch_buffers())
 
 
 class Tanh(Module):
@@ -241,12 +241,12 @@ class LayerNorm(Module):
     def forward(self, x: Any) -> Any:
         if x.shape[-1] != self.d:
             raise ValueError(f"LayerNorm({self.d}) got input of shape {x.shape}")
-        y, self.cache = layer_norm_forward(x, self.weight.data, self.bias.data, self.eps, self._scratch())
+        y, self.cache = layer_norm_forward(x, self.weight.data, self.bias.data, self.eps, self.scratch_buffers())
         return y
 
     def backward(self, grad_out: Any) -> Any:
         return layer_norm_backward(grad_out, self.cache, self.weight.data, self.weight.grad, self.bias.grad,
-                                   self._scratch())
+                                   self.scratch_buffers())
 
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}"
@@ -322,7 +322,7 @@ class Embedding(Module):
         xp = xp_of(self.weight.data)
         idx = check_indices(to_device(idx, xp), self.n, f"Embedding({self.n}, {self.d})")
         self.cache = idx
-        out = self._scratch().get("y", (*idx.shape, self.d), self.weight.data.dtype, xp)
+        out = self.scratch_buffers().get("y", (*idx.shape, self.d), self.weight.data.dtype, xp)
         xp.take(self.weight.data, idx, axis=0, out=out)
         return out
 

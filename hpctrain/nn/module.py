@@ -157,7 +157,7 @@ class Module:
                 return call_module(self, args[0], parameters_of(self))
         return self.forward(*args, **kwargs)
 
-    def _scratch(self) -> Buffers:
+    def scratch_buffers(self) -> Buffers:
         """This module's reusable arrays (created on first use; see ``hpctrain.nn.buffers``)."""
         pool = self.__dict__.get("_buffers")
         if pool is None:

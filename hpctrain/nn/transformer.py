@@ -223,7 +223,7 @@ class SelfAttentionBase(Module):
         # (B, T, 3, H, hd) -> (3, B, H, T, hd): q, k, v as strided views of the qkv output (no copy)
         parts = qkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
         q, k, v = parts[0], parts[1], parts[2]
-        xp, buf = xp_of(qkv), self._scratch()
+        xp, buf = xp_of(qkv), self.scratch_buffers()
         # The heads' outputs go straight into the (B, T, H*hd) layout the projection reads.
         y = buf.get("y", (b, t, h * hd), np.result_type(q.dtype, v.dtype), xp)
         _, att = causal_attention(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
@@ -235,7 +235,7 @@ class SelfAttentionBase(Module):
         q, k, v, att = self.cache
         b, h, t, hd = q.shape
         dy = grad_y.reshape(b, t, h, hd).transpose(0, 2, 1, 3)
-        xp, buf = xp_of(dy), self._scratch()
+        xp, buf = xp_of(dy), self.scratch_buffers()
         # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
         dqkv = gpu.scratch(self, dy, q).get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)
         parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
@@ -411,10 +411,10 @@ class GPT(Module):
         xp = xp_of(g)
         k = gpu.usable(g, self.pos_emb.weight.grad)
         if k is not None:  # the column-sum kernel, summed in float32 and kept in the gradient's dtype
-            gpos = self._scratch().get("gpos", g.shape[1:], self.pos_emb.weight.grad.dtype, xp)
+            gpos = self.scratch_buffers().get("gpos", g.shape[1:], self.pos_emb.weight.grad.dtype, xp)
             k.col_sum(g.reshape(g.shape[0], -1), gpos.reshape(-1), accumulate=False)
         else:  # (CuPy's sum may also take CUB, which allocates: not for a captured step)
-            gpos = xp.sum(g, axis=0, out=self._scratch().get("gpos", g.shape[1:], g.dtype, xp))
+            gpos = xp.sum(g, axis=0, out=self.scratch_buffers().get("gpos", g.shape[1:], g.dtype, xp))
         self.pos_emb.backward(gpos)
         return None
 

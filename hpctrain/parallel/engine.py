@@ -31,16 +31,15 @@ from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
 from ..nn.explicit import recording
 from ..optim.clip import clip_norm_problem
-from ..protocols import Comm, Reducer, Stateful
+from ..protocols import Comm, Reducer
 from ..training.graph import forward_loss, run_backward
 from ..training.precision import Precision
 from ..training.step import Batch, TrainStep
-from . import reports
 from .pipeline_probe import per_call_state_problem
 from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_schedules import get_schedule
 from .reducer import AllReduceReducer, ReadyHooks
-from .shards import full_state_dict, shard_map
+from .shards import shard_map
 from .tensor_layers import parallel_loss
 from .ties import PipelineTies
 from .zero import zero_problem, zero_reducer, zero_reducer_problem

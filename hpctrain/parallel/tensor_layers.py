@@ -134,7 +134,7 @@ class BiasAfterReduce(Function):
     def backward(ctx: Context, g: Any) -> Any:
         layer = ctx.layer
         if ctx.needs_input_grad[1]:
-            add_bias_grad(layer.bias, g.reshape(-1, layer.d_out), layer._scratch(), g.dtype)
+            add_bias_grad(layer.bias, g.reshape(-1, layer.d_out), layer.scratch_buffers(), g.dtype)
         return g, None, None
 
 

@@ -33,7 +33,7 @@ from ..checkpoint.format import check_saveable
 from ..comm import Communicator
 from ..log import get_logger
 from ..protocols import restore_of, snapshot_of
-from . import tensors
+from . import views
 from .ddp import DistributedDataParallel
 from .zero_optimizer import ZeroRedundancyOptimizer
 
@@ -57,7 +57,7 @@ class _Param:
 
     def __init__(self, name: str, t: torch.Tensor) -> None:
         try:
-            self.data = tensors.as_array(t)
+            self.data = views.as_array(t)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         self.name, self.dtype = name, self.data.dtype
@@ -146,7 +146,7 @@ class _Bundle:
 
     def shards(self) -> dict[str, tuple[Any, tuple, tuple]]:
         """Every tensor whole, under its name."""
-        tensors.sync()
+        views.sync()
         return {n: (_Param(n, t), tuple(t.shape), tuple(slice(0, d) for d in t.shape)) for n, t in self.tensors.items()}
 
     # -- state --------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ class _Bundle:
             name = self._names[id(p)]
             for key, value in st.items():
                 if torch.is_tensor(value) and value.shape == p.shape and value.dim() > 0:
-                    self.optimizer.state.setdefault(name, {})[key] = tensors.as_array(value.contiguous())
+                    self.optimizer.state.setdefault(name, {})[key] = views.as_array(value.contiguous())
                 else:
                     small.setdefault(name, {})[key] = _plain(value)
         groups = [{**{k: _plain(v) for k, v in g.items() if k != "params"},
@@ -212,7 +212,7 @@ class _Bundle:
         state: dict[int, dict[str, Any]] = {}
         for name, i in index.items():
             st = dict(_unplain(saved["small"].get(name, {})))
-            st.update({k: tensors.as_tensor(v) for k, v in self.optimizer.state.get(name, {}).items()})
+            st.update({k: views.as_tensor(v) for k, v in self.optimizer.state.get(name, {}).items()})
             if st:
                 state[i] = st
         groups = [{**_unplain({k: v for k, v in g.items() if k != "params"}), "params": [index[n] for n in g["params"]]}

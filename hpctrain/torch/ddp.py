@@ -9,7 +9,7 @@ hpctrain's pieces:
   ``MismatchError`` on every rank), then rank 0's parameters and buffers are broadcast.
 - Gradients live in ``hpctrain.comm.buckets.GradBuckets``' flat buffers, packed in registration
   order and started in reverse (the order backward produces them). Each parameter's ``.grad`` is
-  a torch view of its slice of a bucket (``tensors.as_tensor``: the same memory), so backward
+  a torch view of its slice of a bucket (``views.as_tensor``: the same memory), so backward
   accumulates straight into what MPI reduces; a gradient torch made anew (after
   ``zero_grad(set_to_none=True)``) is copied into the slice once, scaled by ``1 / size`` on the
   way as torch's DDP does, and ``.grad`` becomes the view again.
@@ -32,7 +32,7 @@ import torch
 
 from ..comm import Communicator
 from ..comm.buckets import GradBuckets
-from . import tensors
+from . import views
 
 #: What the agreement across ranks is about, in its error message.
 _WHAT = ("DistributedDataParallel's module (trainable parameters and buffers: name, shape, dtype, in registration "
@@ -48,8 +48,8 @@ class _Slot:
 
     def __init__(self, name: str, param: torch.nn.Parameter) -> None:
         self.name, self.param = name, param
-        self.data = tensors.as_array(param)
-        self.grad = tensors.zeros_like(param)
+        self.data = views.as_array(param)
+        self.grad = views.zeros_like(param)
         self.tensor: torch.Tensor | None = None
         self.ready = False
 
@@ -114,7 +114,7 @@ class DistributedDataParallel(torch.nn.Module):
                                  f"{sorted(map(str, devices))}; DistributedDataParallel needs them on one")
         for name, p in self._named:
             try:
-                tensors.check_dtype(p, f"parameter {name}")
+                views.check_dtype(p, f"parameter {name}")
             except TypeError as exc:
                 problem = problem or exc
         self.comm.raise_if_any(problem, what="DistributedDataParallel")
@@ -128,29 +128,29 @@ class DistributedDataParallel(torch.nn.Module):
         """Rank 0's values of ``state`` on every rank (in place)."""
         if self.comm.size == 1:
             return
-        tensors.sync(state[0] if state else None)
+        views.sync(state[0] if state else None)
         with torch.no_grad():
             for t in state:
                 if t.is_contiguous():
-                    self.comm.bcast(tensors.as_array(t), root=0)
+                    self.comm.bcast(views.as_array(t), root=0)
                 else:
                     c = t.detach().contiguous()
-                    self.comm.bcast(tensors.as_array(c), root=0)
-                    tensors.handed_back(c)
+                    self.comm.bcast(views.as_array(c), root=0)
+                    views.handed_back(c)
                     t.copy_(c)
             if state:
-                tensors.handed_back(state[0])
+                views.handed_back(state[0])
 
     def _build(self) -> None:
         """Buckets over ``self.comm`` and a post-accumulate hook on every trainable parameter."""
         slots = [_Slot(n, p) for n, p in self._named]
         first = slots[0].param
-        with tensors.device_scope(first):  # CuPy allocates the buckets on the parameters' GPU
+        with views.device_scope(first):  # CuPy allocates the buckets on the parameters' GPU
             self.buckets = GradBuckets(slots, self.comm, bucket_mb=self.bucket_mb, order="given",
-                                       before_start=functools.partial(tensors.sync, first) if first.is_cuda else None)
+                                       before_start=functools.partial(views.sync, first) if first.is_cuda else None)
         with torch.no_grad():
             for s in slots:
-                s.tensor = tensors.as_tensor(s.grad)
+                s.tensor = views.as_tensor(s.grad)
                 s.data = None  # only for the buckets' allocation: it would keep an old storage alive
                 if s.param.grad is not None:
                     s.tensor.copy_(s.param.grad)
@@ -248,7 +248,7 @@ class DistributedDataParallel(torch.nn.Module):
             nowhere = self._unused_everywhere(unused)
             before = self.buckets.comm_seconds
             self.buckets.finish()
-            tensors.handed_back(self._slots[0].param)
+            views.handed_back(self._slots[0].param)
             self.comm_seconds = self.buckets.comm_seconds - before
             for s in nowhere:
                 s.param.grad = None

@@ -25,7 +25,7 @@ import torch
 
 from ..comm import Communicator, pieces
 from ..optim.sharded import FlatLayout
-from . import tensors
+from . import views
 
 
 def _flat_params(groups: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -75,7 +75,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                  f"and device, got {sorted(str(k) for k in kinds)}")
         else:
             try:
-                tensors.check_dtype(params[0], "the parameters")
+                views.check_dtype(params[0], "the parameters")
             except TypeError as exc:
                 problem = exc
         self.comm.raise_if_any(problem, what="ZeroRedundancyOptimizer")
@@ -121,11 +121,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _allgather(self) -> None:
         lo, hi = self.layout.piece(self.comm.rank)
-        tensors.sync(self.flat)
+        views.sync(self.flat)
         piece = self.flat[lo:hi].clone()  # MPI's send and receive buffers must not overlap
-        tensors.sync(self.flat)
-        pieces.allgather(self.comm, tensors.as_array(piece), tensors.as_array(self.flat), self.layout.counts)
-        tensors.handed_back(self.flat)
+        views.sync(self.flat)
+        pieces.allgather(self.comm, views.as_array(piece), views.as_array(self.flat), self.layout.counts)
+        views.handed_back(self.flat)
 
     # -- full state (checkpoints) ---------------------------------------------------------------
 
@@ -162,9 +162,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if value is not None:
                 piece[r.offset: r.offset + r.size] = value
         full = torch.empty_like(self.flat)
-        tensors.sync(piece)
-        pieces.allgather(self.comm, tensors.as_array(piece), tensors.as_array(full), self.layout.counts)
-        tensors.handed_back(full)
+        views.sync(piece)
+        pieces.allgather(self.comm, views.as_array(piece), views.as_array(full), self.layout.counts)
+        views.handed_back(full)
         return full
 
     def _groups_with_indices(self) -> list[dict[str, Any]]:

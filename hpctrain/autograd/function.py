@@ -274,8 +274,9 @@ def check_saved(node: Context) -> None:
 def parameter_grad_standins(ctx: Context) -> dict | None:
     """For a fused node whose backward adds into its parameters' ``.grad`` itself
     (``hpctrain.nn.layer_nodes``: its arguments from the third on are parameters), the
-    parameters that need the engine's way: a zeroed ``.grad`` for one that has none; for one with hooks, ``{argument index: (parameter, its own .grad)}`` with
-    a zeroed stand-in in ``.grad`` for the body to add into. ``None``: none of them."""
+    parameters that need the engine's way: a zeroed ``.grad`` for one that has none; for one
+    with hooks, ``{argument index: (parameter, its own .grad)}`` with a zeroed stand-in in
+    ``.grad`` for the body to add into. ``None``: none of them."""
     out = None
     edges = ctx._edges
     for k in range(2, len(edges)):

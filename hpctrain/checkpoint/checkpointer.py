@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_host
-from ..errors import CheckpointError
+from ..errors import CheckpointWriteError
 from ..log import get_logger
 from . import format as fmt
 from . import rawio
@@ -66,6 +66,9 @@ class Checkpointer:
         self.job: Job | None = None
         #: Host buffers an asynchronous save copies slabs into, by slab name, kept across saves.
         self.buffers: dict[str, np.ndarray] = {}
+        #: Checkpoints the last ``load_latest`` skipped (damaged, another run's): ``{path: why}``,
+        #: the same on every rank. ``save_in`` moves one aside before it writes over its name.
+        self.skipped: dict[str, str] = {}
 
     def private(self, comm: Any) -> Any:
         """The private communicator for a save over ``comm`` (the trainer's communicator, which a
@@ -99,7 +102,7 @@ class Checkpointer:
         job.write()
         job.finish()
         if job.error:
-            raise CheckpointError(job.error)
+            raise CheckpointWriteError(job.error)
         return path
 
     def _fill(self, job: Job, pieces: dict[str, tuple], shapes: dict[str, tuple], slabs: dict[str, list],
@@ -165,9 +168,9 @@ class Checkpointer:
             job.commit()
         job.error = job.raw.bcast_obj(job.error, root=0)
         if older:
-            raise CheckpointError(older)
+            raise CheckpointWriteError(older)
         if job.error:
-            raise CheckpointError(job.error)
+            raise CheckpointWriteError(job.error)
         return job.result
 
     def _handover(self) -> Job | None:
@@ -183,7 +186,7 @@ class Checkpointer:
                 prev.commit()
                 if prev.error:
                     _log.warning("%s", prev.error)
-            raise CheckpointError(older)
+            raise CheckpointWriteError(older)
         return prev if prev.raw.rank == 0 else None
 
 

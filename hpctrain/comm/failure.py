@@ -35,6 +35,8 @@ from ..protocols import Comm
 EXCEPTION_EXIT = 1
 #: Exit status of a job ended by Ctrl-C (128 + SIGINT, as a shell reports it).
 INTERRUPT_EXIT = 130
+#: Exit status of a job stopped at a step with its checkpoint (``errors.ExitStatus.PREEMPTED``).
+PREEMPTED_EXIT = 75
 #: Seconds a failing rank waits for the others to fail alike before it ends the whole job.
 AGREE_GRACE = 3.0
 # MPI_Abort makes the launcher kill every process at once; output still in its forwarding pipes
@@ -73,6 +75,16 @@ def _ranges(ranks: list[int]) -> str:
 
 def _world() -> tuple[int, int]:
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def _write_once(size: int, text: str) -> None:
+    """:func:`write_lines` once MPI is finalized (the rank prefix as before)."""
+    prefix = "[rank 0] " if size > 1 else ""
+    try:
+        sys.stderr.write(prefix + text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def write_lines(text: str) -> None:
@@ -243,6 +255,40 @@ def interrupted(what: str = "hpctrain") -> None:
     if everyone and rank != 0:
         time.sleep(FLUSH_GRACE + 5.0)  # rank 0's abort ends this process
     _end_job(INTERRUPT_EXIT)
+
+
+def end_program(status: int) -> int:
+    """The ``hpctrain`` program's last MPI act, after its command returned ``status``: run the
+    exit hooks, then ``MPI_Finalize`` now, with SIGINT and SIGTERM held; returns the status to
+    exit with.
+
+    Left to the interpreter's exit, ``MPI_Finalize`` runs after Python has put the default
+    signal actions back, while a rank may still wait there for a slower one: a Ctrl-C then
+    killed the process by signal, which ``mpiexec`` reports as exit status 2 ("usage"). Held,
+    it is seen once MPI is done: after a stop (status 75, the checkpoint written) it is the
+    Ctrl-C pressed again, and the status is 130, the interrupt's; after any other ending the
+    job had already ended as its status says. Later signals stay held until the process ends."""
+    import atexit
+    import signal
+
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return status
+    came: list[int] = []
+    # Handlers, not a signal mask: a mask holds the signal off this thread only, and the kernel
+    # hands a process's signal to any thread that does not (MPI's and ours run beside this one).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: came.append(signum))
+    # What must run before MPI_Finalize (atexit: the stall watchdog stopped, windows freed),
+    # run now and not again at exit. (A private function of CPython's atexit, the one way in.)
+    atexit._run_exitfuncs()
+    rank, size = _world()
+    MPI.Finalize()
+    if status == PREEMPTED_EXIT and signal.SIGINT in came:
+        if rank == 0:
+            _write_once(size, "hpctrain: interrupted (Ctrl-C again) while the job ended; its checkpoint was written "
+                        f"(exit status {INTERRUPT_EXIT})")
+        status = INTERRUPT_EXIT
+    return status
 
 
 def abort_job(exc: BaseException, code: int = EXCEPTION_EXIT, head: str = "") -> None:

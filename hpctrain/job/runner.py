@@ -18,10 +18,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted, ReplicaLeft
+from ..errors import CheckpointError, ConfigError, HpctrainError, Preempted, ReplicaLeft
 from ..files import rundir
 from ..log import get_logger
 from ..training.evaluation import evaluate
+from . import ending
 from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .config import _BY_NAME, Config, merge, read_config, resolve
@@ -173,8 +174,9 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     Collective. ``callbacks`` are extra ``fit`` callbacks (called before the job's own).
     Returns the summary, the same on every rank.
     """
-    from ..comm import Communicator
+    from ..comm import Communicator, ulfm
     from ..comm.validate import agree
+    from ..log import world_rank
 
     comm = comm if comm is not None else Communicator()
     c = everywhere(comm, lambda: resolve(cfg, comm.size))
@@ -194,7 +196,8 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
         locks.append(rundir.RunLock(c.checkpoint_dir, "checkpoint directory", "--checkpoint-dir"))
     everywhere(comm, lambda: _acquire(locks) if comm.rank == 0 else None)
     try:
-        return _run_locked(c, given, comm, callbacks, device, locks[1] if len(locks) > 1 else None)
+        with ending.recorded(c.run_dir, lambda: world_rank() == ulfm.leader()):
+            return _run_locked(c, given, comm, callbacks, device, locks[1] if len(locks) > 1 else None)
     except ReplicaLeft:  # rank 0's replica left (--on-rank-loss shrink): the job goes on in this directory
         locks = []
         raise
@@ -222,9 +225,10 @@ RESUME_KEYS = ("model", "data", "d_model", "n_layers", "n_heads", "block_size", 
                "max_samples", "val_fraction")
 
 
-def _claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunLock | None) -> None:
+def _claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunLock | None, size: int) -> None:
     """Rank 0, holding the locks: clean up after dead jobs and decide what may happen to the files
-    already in the run directory, before anything is written there."""
+    already in the run directory, before anything is written there; then say how the last job
+    there ended and record this one as running (``job.ending``)."""
     from .. import checkpoint
 
     rundir.clean_stale_temporaries(c.run_dir, c.checkpoint_dir)
@@ -240,6 +244,7 @@ def _claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.Run
     elif checkpoint.list_checkpoints(c.checkpoint_dir):
         raise ConfigError(f"{c.checkpoint_dir} already holds checkpoints: pass --resume to continue that run, "
                           f"--restart to start it over (its files are moved aside), or choose another --run-dir")
+    ending.start(c.run_dir, size)
 
 
 class _AfterResume:
@@ -286,7 +291,8 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     """The job once its directories are locked: claim them, build, train (resuming inside
     ``fit``), evaluate the final checkpoint, write the summary."""
     metrics = os.path.join(c.run_dir, "metrics.jsonl")
-    everywhere(comm, lambda: _claim(c, given, metrics, ckpt_lock) if comm.rank == 0 else None)
+    everywhere(comm, lambda: _claim(c, given, metrics, ckpt_lock, comm.size) if comm.rank == 0 else None)
+    ending.started(c.run_dir)
     setup = _build(c, comm, device)
     if comm.rank == 0:
         _announce(c, setup, device)
@@ -298,7 +304,8 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     memory = setup.trainer.memory_summary()  # bytes on the rank that holds most (collective)
     _finish_training(c, setup.trainer, comm, timeline, trace)
     result = _evaluate_final(c, comm, setup)
-    summary = _summary(c, setup, device, history, result, wall, memory, metrics, trace, comm)
+    summary = _report.build(c, setup.trainer, setup.n_params, device, history, result, wall, memory, metrics, trace,
+                            comm)
     if comm.rank == 0:
         # Valid JSON: null for a non-finite value (a NaN validation loss), never a bare NaN.
         rundir.write_exclusive(os.path.join(c.run_dir, "summary.json"),
@@ -418,27 +425,6 @@ def _evaluate_final(c: Config, comm: Any, setup: _Setup) -> dict[str, Any]:
     return evaluate(fresh, setup.val_set, build_loss(c), comm=comm)
 
 
-def _summary(c: Config, setup: _Setup, device: str, history: Sequence[Any], result: dict[str, Any], wall: float,
-             memory: Any, metrics: str, trace: str, comm: Any) -> dict[str, Any]:
-    """The run's summary (``summary.json``), the same on every rank."""
-    trainer = setup.trainer
-    rate, share = _report.steady_rates(history)
-    # The recent loss from the metrics of the whole run: a resumed job made only part of those
-    # steps itself. One reader, one value for every rank.
-    final_loss, final_steps = comm.bcast_obj(_report.final_loss(metrics) if comm.rank == 0 else None)
-    return {
-        "model": c.model, "parameters": setup.n_params, "strategy": c.strategy, "device": device,
-        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
-        "steps_this_run": len(history), "epochs": c.epochs,
-        "final_loss": final_loss, "final_loss_steps": final_steps,
-        "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
-        "samples_per_s": rate, "comm_share": share,
-        "wall_seconds": wall, "checkpoint": trainer.last_checkpoint,
-        "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
-        "rank_loss": trainer.rank_loss.events if trainer.rank_loss is not None else [],
-    }
-
-
 def _layout_text(c: Config) -> str:
     if c.strategy == "ps":
         return f"parameter server ({c.ps_mode}) with {c.dp} workers"
@@ -463,7 +449,7 @@ def main(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     from .. import preempt
     from ..comm import Communicator, ulfm
-    from ..errors import ExitStatus, GridError, MismatchError
+    from ..errors import ExitStatus
     from ..log import world_rank
 
     flags = {k: v for k, v in vars(args).items() if k in _BY_NAME}
@@ -488,11 +474,10 @@ def _main(args: argparse.Namespace) -> int:
         # that rank's traceback, and the whole job ends instead of the others waiting.
         from ..comm.failure import fail
 
-        refused = isinstance(exc, (ConfigError, DatasetError, CheckpointError, MismatchError, GridError))
         if getattr(exc, "failures", None):  # --resume found checkpoints and none loads
             exc.args = (f"{exc}\n(nothing was changed or deleted; --restart starts over in this run directory, "
                         "moving its checkpoints aside)",)
-        return fail(exc, code=ExitStatus.CONFIG if refused else ExitStatus.FAILURE, what="hpctrain train")
+        return fail(exc, code=ending.exit_status(exc), what="hpctrain train")
     finally:
         preempt.uninstall()
         preempt.clear()

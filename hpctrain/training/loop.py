@@ -16,8 +16,9 @@ global batch for them); ``False`` re-raises. Checkpoints are written through
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,7 @@ def fit(trainer: Any, loader: Any, epochs: int, *, cadence: Cadence, resume: boo
         metrics_file: str | None, progress: bool | None, callbacks: Sequence[Any],
         max_steps: int | None) -> list[StepStats]:
     """``Trainer.fit`` (see its docstring): resume, then the loop with the callbacks and the logger."""
+    trainer.enter_fit()  # first: a rank that left the last fit alone is refused before any other collective
     loop = Loop(trainer, loader, epochs, cadence, max_steps)
     loop.resume(resume)
     trainer.memory_report()  # starts watching activations before the first step
@@ -126,7 +128,8 @@ class Loop:
                 t.epoch = max(t.epoch, self.epochs)
             if self.cadence.directory is not None and self.cadence.every and self.saved_at != t.global_step:
                 self._save(last=True)
-            ckpt.wait(t)  # the last background save is committed before fit returns
+            with self._intact_said():
+                ckpt.wait(t)  # the last background save is committed before fit returns
         finally:
             hooks.call("on_fit_end", t)
         return self.history
@@ -195,9 +198,32 @@ class Loop:
             return ckpt.save_in(c.directory, t, keep=c.keep, asynchronous=c.asynchronous and not last)
 
         # Ranks lost mid-save: the survivors write it again (the interrupted one was never committed).
-        path = write() if t.rank_loss is None else t.rank_loss.save(t, write)
+        with self._intact_said():
+            path = write() if t.rank_loss is None else t.rank_loss.save(t, write)
         t.last_checkpoint = path
         return path
+
+    @contextlib.contextmanager
+    def _intact_said(self) -> Iterator[None]:
+        """A checkpoint that could not be written (``CheckpointWriteError``, raised on every rank)
+        says which committed checkpoint is left intact for a resume (rank 0 looks; collective)."""
+        from .. import checkpoint as ckpt
+        from ..errors import CheckpointWriteError
+
+        try:
+            yield
+        except CheckpointWriteError as exc:
+            t, directory = self.trainer, self.cadence.directory
+            skipped = ckpt.checkpointer_of(t).skipped
+            newest = None
+            if t.comm.rank == 0 and directory is not None:
+                ours = [p for p in ckpt.list_checkpoints(directory)
+                        if p not in skipped and ckpt.step_of(p) <= t.global_step]
+                newest = ours[-1] if ours else None
+            newest = t.comm.bcast_obj(newest)
+            exc.args = (f"{exc}; " + (f"the last checkpoint {newest} is intact: --resume continues from it once "
+                                      "the directory can be written" if newest else "no checkpoint was committed"),)
+            raise
 
     def _stop(self) -> None:
         """Some rank was asked to stop: every rank writes its checkpoint (once) and raises ``Preempted``."""
@@ -208,7 +234,8 @@ class Loop:
         t, path = self.trainer, None
         if self.cadence.directory is not None:
             path = t.last_checkpoint if self.saved_at == t.global_step else self._save(last=True)
-            ckpt.wait(t)  # a background save of this very step is on disk before we stop
+            with self._intact_said():
+                ckpt.wait(t)  # a background save of this very step is on disk before we stop
         raise Preempted(t.global_step, path, preempt.reason())
 
 

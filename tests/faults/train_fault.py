@@ -9,6 +9,9 @@
     mpiexec -n 3 python tests/faults/train_fault.py kill RANKS STEPS -- <hpctrain train args>
     mpiexec -n 3 python tests/faults/train_fault.py kill-reduce RANKS STEPS -- <hpctrain train args>
     mpiexec -n 4 python tests/faults/train_fault.py kill-recover RANKS STEPS -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py ctrl-c-exit 0 STEP -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py exit RANK STEP,STATUS -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py readonly DIR STEP -- <hpctrain train args>
 
 stop: rank RANK stops itself (SIGSTOP) when it reaches step STEP: a rank that neither computes
 nor answers, as a frozen node looks to the others (STEP -1: the first epoch's last step). raise:
@@ -22,6 +25,15 @@ as a node that dies mid-save. kill: each rank of RANKS kills itself
 synchronous strategies. kill-reduce: the same while its gradient all-reduces are in flight (dp).
 kill-recover: the same, except that the last rank of RANKS dies as it starts to recover from the
 others' loss (a second loss during the shrink).
+
+ctrl-c-exit: every rank sends itself SIGINT at step STEP (a stop: checkpoint, status 75); the
+last rank is then 3 s late to finalize MPI, and every rank gets a second SIGINT 1.5 s into its
+end of the program, the others while they wait for that rank (Ctrl-C pressed again as the job
+exits; the program as ``hpctrain`` runs it: ``cli.command``).
+exit: rank RANK ends its process with ``os._exit(STATUS)`` as its step STEP begins: no word, no
+exception, nothing flushed (a library that exits, say). readonly: as step STEP begins, rank 0
+makes DIR read-only: remounted (``mount -o remount,ro``) when it is a mount point and this is
+root, else its write permissions taken away (``chmod``: refused to a user that is not root).
 
 With ``FAULT_SLOW_SAY=S`` in the environment, world rank 0 waits S seconds before each line it
 reports through ``hpctrain.comm.failure`` (a loaded node): the others must not end the job first.
@@ -99,6 +111,65 @@ def _slow_say(seconds: float) -> None:
     failure.write_lines = slow
 
 
+def _ctrl_c_exit(at: int) -> None:
+    """ctrl-c-exit: a stop at step ``at``, then a second Ctrl-C while rank 0 waits for a late rank."""
+    import subprocess
+    import time
+
+    from hpctrain.comm import failure
+
+    rank, last = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size() - 1
+    step, end = Trainer.step, failure.end_program
+
+    def stopping(self, *args, **kwargs):
+        if self.global_step == at:
+            print(f"rank {rank}: injected SIGINT at step {at}", flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(self, *args, **kwargs)
+
+    def late_end(status: int) -> int:
+        import atexit
+
+        if rank == last:  # runs inside the end, before MPI_Finalize: the others wait there for it
+            atexit.register(time.sleep, 3)
+        subprocess.Popen(["sh", "-c", f"sleep 1.5; kill -INT {os.getpid()}"])  # Ctrl-C again, every rank
+        return end(status)
+
+    Trainer.step = stopping
+    failure.end_program = late_end
+
+
+def _exit_at(rank: int, at: int, status: int) -> None:
+    """exit: ``os._exit(status)`` on ``rank`` as its step ``at`` begins."""
+    step = Trainer.step
+
+    def exiting(self, *args, **kwargs):
+        if self.global_step == at and MPI.COMM_WORLD.Get_rank() == rank:
+            os._exit(status)
+        return step(self, *args, **kwargs)
+
+    Trainer.step = exiting
+
+
+def _readonly_at(directory: str, at: int) -> None:
+    """readonly: rank 0 makes ``directory`` read-only as step ``at`` begins."""
+    import subprocess
+
+    step = Trainer.step
+
+    def freezing(self, *args, **kwargs):
+        if self.global_step == at and MPI.COMM_WORLD.Get_rank() == 0:
+            if os.path.ismount(directory) and os.geteuid() == 0:
+                subprocess.run(["mount", "-o", "remount,ro", directory], check=True)
+            else:
+                for where, _, _ in os.walk(directory):
+                    os.chmod(where, 0o555)
+            print(f"rank 0: made {directory} read-only at step {at}", flush=True)
+        return step(self, *args, **kwargs)
+
+    Trainer.step = freezing
+
+
 def main() -> int:
     if os.environ.get("FAULT_SLOW_SAY"):
         _slow_say(float(os.environ["FAULT_SLOW_SAY"]))
@@ -106,6 +177,15 @@ def main() -> int:
         assert sys.argv[4] == "--", sys.argv
         _kill(*sys.argv[1:4])
         return cli.main(["train", *sys.argv[5:]])
+    if sys.argv[1] == "ctrl-c-exit":
+        _ctrl_c_exit(int(sys.argv[3]))
+        cli.command(["train", *sys.argv[5:]])  # (exits)
+    if sys.argv[1] == "readonly":
+        _readonly_at(sys.argv[2], int(sys.argv[3]))
+        cli.command(["train", *sys.argv[5:]])
+    if sys.argv[1] == "exit":
+        _exit_at(int(sys.argv[2]), *map(int, sys.argv[3].split(",")))
+        cli.command(["train", *sys.argv[5:]])
     mode, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     assert sys.argv[4] == "--", sys.argv
     if mode in ("stop-save", "kill-save") and MPI.COMM_WORLD.Get_rank() == rank:

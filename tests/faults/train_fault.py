@@ -45,6 +45,7 @@ import math
 import os
 import signal
 import sys
+from typing import Any
 
 from mpi4py import MPI
 
@@ -111,7 +112,7 @@ def _slow_say(seconds: float) -> None:
     failure.write_lines = slow
 
 
-def _ctrl_c_exit(at: int) -> None:
+def _ctrl_c_exit(at: int) -> Any:
     """ctrl-c-exit: a stop at step ``at``, then a second Ctrl-C while rank 0 waits for a late rank."""
     import subprocess
     import time
@@ -119,7 +120,7 @@ def _ctrl_c_exit(at: int) -> None:
     from hpctrain.comm import failure
 
     rank, last = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size() - 1
-    step, end = Trainer.step, failure.end_program
+    step, end = Trainer.step, getattr(failure, "end_program", lambda status: status)  # (before issue 38: none)
 
     def stopping(self, *args, **kwargs):
         if self.global_step == at:
@@ -137,6 +138,7 @@ def _ctrl_c_exit(at: int) -> None:
 
     Trainer.step = stopping
     failure.end_program = late_end
+    return late_end
 
 
 def _exit_at(rank: int, at: int, status: int) -> None:
@@ -170,6 +172,14 @@ def _readonly_at(directory: str, at: int) -> None:
     Trainer.step = freezing
 
 
+def _command(argv: list[str], end=None) -> None:
+    """The program as ``hpctrain`` runs it (``cli.command``; before it existed, main then exit)."""
+    if hasattr(cli, "command"):
+        cli.command(argv)
+    status = cli.main(argv)
+    sys.exit(end(status) if end is not None else status)
+
+
 def main() -> int:
     if os.environ.get("FAULT_SLOW_SAY"):
         _slow_say(float(os.environ["FAULT_SLOW_SAY"]))
@@ -178,14 +188,13 @@ def main() -> int:
         _kill(*sys.argv[1:4])
         return cli.main(["train", *sys.argv[5:]])
     if sys.argv[1] == "ctrl-c-exit":
-        _ctrl_c_exit(int(sys.argv[3]))
-        cli.command(["train", *sys.argv[5:]])  # (exits)
+        _command(["train", *sys.argv[5:]], _ctrl_c_exit(int(sys.argv[3])))
     if sys.argv[1] == "readonly":
         _readonly_at(sys.argv[2], int(sys.argv[3]))
-        cli.command(["train", *sys.argv[5:]])
+        _command(["train", *sys.argv[5:]])
     if sys.argv[1] == "exit":
         _exit_at(int(sys.argv[2]), *map(int, sys.argv[3].split(",")))
-        cli.command(["train", *sys.argv[5:]])
+        _command(["train", *sys.argv[5:]])
     mode, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     assert sys.argv[4] == "--", sys.argv
     if mode in ("stop-save", "kill-save") and MPI.COMM_WORLD.Get_rank() == rank:

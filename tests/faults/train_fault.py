@@ -9,6 +9,7 @@
     mpiexec -n 3 python tests/faults/train_fault.py kill RANKS STEPS -- <hpctrain train args>
     mpiexec -n 3 python tests/faults/train_fault.py kill-reduce RANKS STEPS -- <hpctrain train args>
     mpiexec -n 4 python tests/faults/train_fault.py kill-recover RANKS STEPS -- <hpctrain train args>
+    mpiexec -n 4 python tests/faults/train_fault.py kill-buddy RANKS STEPS -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py ctrl-c-exit 0 STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py exit RANK STEP,STATUS -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py readonly DIR STEP -- <hpctrain train args>
@@ -24,7 +25,9 @@ as a node that dies mid-save. kill: each rank of RANKS kills itself
 (SIGKILL) as its step of STEPS begins (lists: ``kill 2,3 3,8``), as a node that dies; for the
 synchronous strategies. kill-reduce: the same while its gradient all-reduces are in flight (dp).
 kill-recover: the same, except that the last rank of RANKS dies as it starts to recover from the
-others' loss (a second loss during the shrink).
+others' loss (a second loss during the shrink). kill-buddy: the same, just before the victim sends
+its ZeRO pieces of that step to its buddy (its dp neighbours then hold its pieces of the step
+before, the other dp groups those of this step).
 
 ctrl-c-exit: every rank sends itself SIGINT at step STEP (a stop: checkpoint, status 75); the
 last rank is then 3 s late to finalize MPI, and every rank gets a second SIGINT 1.5 s into its
@@ -73,6 +76,18 @@ def _kill(mode: str, ranks: str, steps: str) -> None:
             die()
 
         ulfm.shrink = dying_shrink
+        return
+    if mode == "kill-buddy":  # before its ZeRO pieces go to its buddy for step ``at``
+        from hpctrain.resilience import buddies
+
+        refresh = buddies.Buddies.refresh
+
+        def dying_refresh(self, trainer, step):
+            if step == at:
+                die()
+            return refresh(self, trainer, step)
+
+        buddies.Buddies.refresh = dying_refresh
         return
     if mode == "kill-reduce":  # one reduction per step (no --accum-steps): the (at+1)-th
         finish, calls = reducer.AllReduceReducer.finish, [0]
@@ -183,7 +198,7 @@ def _command(argv: list[str], end=None) -> None:
 def main() -> int:
     if os.environ.get("FAULT_SLOW_SAY"):
         _slow_say(float(os.environ["FAULT_SLOW_SAY"]))
-    if sys.argv[1] in ("kill", "kill-reduce", "kill-recover"):
+    if sys.argv[1] in ("kill", "kill-reduce", "kill-recover", "kill-buddy"):
         assert sys.argv[4] == "--", sys.argv
         _kill(*sys.argv[1:4])
         return cli.main(["train", *sys.argv[5:]])

@@ -2,13 +2,15 @@
 run on NumPy arrays and on CuPy arrays (the kernels' path), largest error relative to the twin's
 largest value. Prints one JSON object per case (``gpu_check.py`` tables them).
 
-    python benchmarks/gpu_kernels.py [--cpu]     (--cpu: the structure on NumPy only, a dry run)
+    python benchmarks/gpu_kernels.py [--cpu | --emulate]   (dry runs: --cpu the structure on NumPy only;
+                                                             --emulate the device branch, kernels emulated)
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import time
 
@@ -19,6 +21,11 @@ from hpctrain import backend
 from hpctrain.backend import BF16
 
 CPU = "--cpu" in sys.argv
+if "--emulate" in sys.argv:  # the device branch on the CPU: the tests' stand-in, the kernels emulated
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpt_gpu import emulation
+
+    emulation()
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 
 
@@ -61,6 +68,10 @@ def cases():
         yield lambda dt=dt: layer_case("attention", lambda: _cast(ht.nn.CausalSelfAttention(64, 4, rng=0), dt),
                                        (2, 48, 64), dt, ("qkv.weight",))
         yield lambda dt=dt: loss_case(dt)
+    # 600 tokens: the causal blocks of the attention's products (gpu.causal_blocks: 2 here)
+    yield lambda: layer_case("attention, 600 tokens", lambda: ht.nn.CausalSelfAttention(64, 2, rng=0), (1, 600, 64),
+                             np.float32, ("qkv.weight",))
+    yield sumsq_case
     yield dropout_case
     yield embedding_case
     for opt in ("AdamW", "SGD"):
@@ -85,6 +96,18 @@ def loss_case(dt):
     gv = loss.backward(2.0)
     return "cross-entropy", np.dtype(dt).name, {"forward": rel(np.asarray(float(lv)), np.asarray(lr_)),
                                                 "backward": rel(gv, gr)}
+
+
+def sumsq_case():
+    """The trainer's squared gradient norm over many tensors (optim.multi_tensor.sumsq)."""
+    from hpctrain.optim import multi_tensor
+
+    g = np.random.default_rng(4)
+    host_arrays = [g.standard_normal(n).astype(dt) for n, dt in ((5, np.float32), (40000, np.float32),
+                                                                 (70000, BF16), (3, BF16))]
+    ref = sum(float((a.astype(np.float64) ** 2).sum()) for a in host_arrays)
+    got = ref if CPU else float(host(multi_tensor.sumsq([dev(a) for a in host_arrays]))[0])
+    return "squared norm (multi-tensor)", "float32", {"sum": abs(got - ref) / ref}
 
 
 def dropout_case():

@@ -86,6 +86,8 @@ def is_device_array(a: Any) -> bool:
     """True for arrays that live in GPU memory (CuPy or anything with the CUDA interface)."""
     if _device_module is not None and isinstance(a, _device_module.ndarray):
         return True
+    if _cupy is not None and isinstance(a, _cupy.ndarray):  # the common case, without building CuPy's interface dict
+        return True
     return hasattr(a, "__cuda_array_interface__")
 
 

@@ -7,6 +7,7 @@ for the whole job) and ``make_mlp`` (``from conftest import make_mlp``)."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -27,10 +28,22 @@ def _device_standin():
     from hpctrain import backend
 
     previous = backend.use_device_module(devicearray)
+    kernels = None
+    if os.environ.get("HPCTRAIN_TEST_EMULATED_KERNELS") == "1":  # the GPU kernels' path, emulated on the CPU
+        from gpu_emulator import EmulatedKernels
+
+        from hpctrain.nn import gpu
+
+        kernels = gpu.use_kernels(EmulatedKernels())
     try:
         yield devicearray
     finally:
         backend.use_device_module(previous)
+        if kernels is not None or os.environ.get("HPCTRAIN_TEST_EMULATED_KERNELS") == "1":
+            from hpctrain.nn import gpu
+
+            gpu.use_kernels(kernels)
+            gpu.shared.clear()
 
 
 @pytest.fixture

@@ -15,6 +15,14 @@ CuPy's part: its ``ndarray`` wraps a NumPy array but is *not* one, and
 
 It is a guard, not a claim: it runs on the CPU and proves nothing about speed or about CUDA
 itself; GPU results are stated only from real GPU runs.
+
+CUDA graph capture (``cuda.Stream().begin_capture()`` ... ``end_capture()``) is played too: while
+capturing, a host read, a host->device copy, a new array (anything but a view or an ``out=``
+result) or a matrix product through the module (CuPy's cuBLAS, which refuses a capturing stream)
+raises ``CaptureError``; every write (``out=`` ufuncs, in-place operators, ``fill``, item
+assignment, the emulated kernels of ``tests/gpu_emulator.py`` through ``record``) is recorded,
+not run, and the returned graph's ``launch()`` runs the recorded writes in order, on the same
+memory, as a CUDA graph replays its kernels.
 """
 
 from __future__ import annotations
@@ -32,8 +40,30 @@ staged = 0
 to_device = 0
 
 
+_recording: list | None = None  # the writes of a capture in progress (None: not capturing)
+
+
+class CaptureError(RuntimeError):
+    """Something a CUDA graph capture cannot contain happened while capturing."""
+
+
+def _refuse_in_capture(what: str) -> None:
+    if _recording is not None:
+        raise CaptureError(f"{what} while a CUDA graph is being captured")
+
+
+def record(thunk: Any) -> Any:
+    """Run ``thunk`` (a write to device memory); while capturing, record it instead (a capture
+    runs nothing, as CUDA's: the graph's launches do)."""
+    if _recording is not None:
+        _recording.append(thunk)
+        return None
+    return thunk()
+
+
 def _sync() -> None:
     global syncs
+    _refuse_in_capture("a device->host read")
     syncs += 1
 
 
@@ -49,9 +79,21 @@ def _unwrap(obj: Any, what: str) -> Any:
     return obj
 
 
-def _wrap(obj: Any) -> Any:
+def _fresh(obj: Any, inputs: Any = ()) -> bool:
+    """Whether ``obj`` is newly allocated memory (not a view, not one of the inputs)."""
+    return isinstance(obj, np.ndarray) and obj.flags.owndata and not any(obj is i for i in inputs)
+
+
+def _wrap(obj: Any, inputs: Any = (), owner: Any = None) -> Any:
+    """``obj`` as a device array; a view of ``owner``'s memory keeps ``owner`` alive as CuPy's
+    views do (``.base``): reference counts then say who still uses an array (``Buffers``)."""
+    if _recording is not None and (_fresh(obj, inputs) or isinstance(obj, np.generic)):
+        raise CaptureError(f"a new {getattr(obj, 'shape', ())} array allocated while a CUDA graph is being captured")
     if isinstance(obj, np.ndarray):
-        return ndarray(obj)
+        out = ndarray(obj)
+        if owner is not None and not obj.flags.owndata:
+            out._owner = owner
+        return out
     if isinstance(obj, np.generic) and not isinstance(obj, (np.str_, np.bytes_)):
         return ndarray(np.asarray(obj))  # CuPy returns 0-d arrays, never NumPy scalars
     if isinstance(obj, tuple):
@@ -64,11 +106,12 @@ def _wrap(obj: Any) -> Any:
 class ndarray:  # noqa: N801 - the name CuPy's array type has
     """An array in "device memory": see the module docstring for what it refuses."""
 
-    __slots__ = ("_a",)
+    __slots__ = ("_a", "_owner")
     __array_priority__ = 100
 
     def __init__(self, a: np.ndarray) -> None:
         self._a = a
+        self._owner = None
 
     # -- the boundary ----------------------------------------------------------------------------
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
@@ -84,8 +127,14 @@ class ndarray:  # noqa: N801 - the name CuPy's array type has
         np.copyto(out, self._a)
         return out
 
+    @property
+    def data(self) -> Any:
+        """CuPy's memory pointer: ``.ptr``, the address (the emulated kernels read pointer tables)."""
+        return types.SimpleNamespace(ptr=int(self._a.__array_interface__["data"][0]))
+
     def set(self, arr: np.ndarray, stream: Any = None) -> None:
         global to_device
+        _refuse_in_capture("a host->device copy (set)")
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"set() takes a NumPy array, got {type(arr).__name__}")
         if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
@@ -124,28 +173,34 @@ class ndarray:  # noqa: N801 - the name CuPy's array type has
     # -- staying on the device -------------------------------------------------------------------
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         what = f"{ufunc.__name__}.{method}"
+        if ufunc is np.matmul:
+            _refuse_in_capture("a matrix product through the array module (CuPy's cuBLAS)")
         out = kwargs.get("out")
         if out is not None:
             kwargs["out"] = _unwrap(out, what)
-        result = getattr(ufunc, method)(*_unwrap(inputs, what), **kwargs)
-        if out is not None:  # in place: the device array(s) themselves, as NumPy returns ``out``
-            return out[0] if len(out) == 1 else out
-        return _wrap(result)
+        args = _unwrap(inputs, what)
+        fn = getattr(ufunc, method)
+        if out is not None or method == "at":  # in place: the device array(s) themselves, as NumPy returns ``out``
+            record(lambda: fn(*args, **kwargs))
+            return None if out is None else (out[0] if len(out) == 1 else out)
+        return _wrap(fn(*args, **kwargs), args)
 
     def __array_function__(self, func: Any, types_: Any, args: Any, kwargs: Any) -> Any:
         what = func.__name__
         return _wrap(func(*_unwrap(args, what), **{k: _unwrap(v, what) for k, v in kwargs.items()}))
 
     def __getitem__(self, key: Any) -> Any:
-        return _wrap(self._a[_index(key)])
+        return _wrap(self._a[_index(key)], owner=self)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         global to_device
         if isinstance(value, np.ndarray):
+            _refuse_in_capture("a host->device copy (item assignment)")
             to_device += 1  # CuPy copies a host value in (a host->device transfer)
         else:
             value = _unwrap(value, "__setitem__")
-        self._a[_index(key)] = value
+        a, k = self._a, _index(key)
+        record(lambda: a.__setitem__(k, value))
 
     def __len__(self) -> int:
         return len(self._a)
@@ -163,13 +218,17 @@ class ndarray:  # noqa: N801 - the name CuPy's array type has
         if callable(attr):
             def method(*args: Any, **kwargs: Any) -> Any:
                 what = f"ndarray.{name}"
-                return _wrap(attr(*_unwrap(args, what), **{k: _unwrap(v, what) for k, v in kwargs.items()}))
+                a, kw = _unwrap(args, what), {k: _unwrap(v, what) for k, v in kwargs.items()}
+                if name == "fill" or "out" in kw:
+                    return record(lambda: attr(*a, **kw))
+                result = attr(*a, **kw)
+                return self if result is self._a else _wrap(result, (self._a, *a), owner=self)
             return method
         return _wrap(attr) if isinstance(attr, np.ndarray) else attr
 
     @property
     def T(self) -> ndarray:  # noqa: N802
-        return ndarray(self._a.T)
+        return _wrap(self._a.T, owner=self)
 
     @property
     def shape(self) -> tuple:
@@ -244,6 +303,7 @@ def asarray(a: Any, dtype: Any = None, order: Any = None) -> ndarray:
     global to_device
     if isinstance(a, ndarray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    _refuse_in_capture("a host->device copy (asarray)")
     to_device += 1
     return ndarray(np.array(a, dtype=dtype, order=order or "K", copy=True))
 
@@ -290,8 +350,17 @@ class _Ufunc:
 
 def _call(fn: Any, args: tuple, kwargs: dict) -> Any:
     what = getattr(fn, "__name__", "function")
-    out = fn(*_unwrap(args, what), **{k: _unwrap(v, what) for k, v in kwargs.items()})
-    return _wrap(out)
+    if what in ("matmul", "dot", "tensordot", "einsum", "inner", "vdot"):
+        _refuse_in_capture("a matrix product through the array module (CuPy's cuBLAS)")
+    a, kw = _unwrap(args, what), {k: _unwrap(v, what) for k, v in kwargs.items()}
+    if kw.get("out") is not None:  # a write into an existing array
+        record(lambda: fn(*a, **kw))
+        return _wrap(kw["out"], (kw["out"],))
+    result = fn(*a, **kw)
+    same = next((x for x in args if isinstance(x, ndarray) and x._a is result), None)
+    if same is not None:  # CuPy hands back the array itself (ascontiguousarray of a contiguous one)
+        return same
+    return _wrap(result, a, owner=next((x for x in args if isinstance(x, ndarray)), None))
 
 
 def __getattr__(name: str) -> Any:
@@ -304,11 +373,47 @@ def __getattr__(name: str) -> Any:
     return lambda *a, **k: _call(attr, a, k)
 
 
+class _Graph:
+    """A captured step: ``launch`` replays the recorded writes in order."""
+
+    def __init__(self, thunks: list) -> None:
+        self.thunks = thunks
+
+    def launch(self, stream: Any = None) -> None:
+        for t in self.thunks:
+            t()
+
+
 class _Stream:
     ptr = 0
 
+    def __init__(self, non_blocking: bool = False) -> None:
+        pass
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
+
+    def is_capturing(self) -> bool:
+        return _recording is not None
+
+    def begin_capture(self) -> None:
+        global _recording
+        if _recording is not None:
+            raise CaptureError("a capture is already in progress")
+        _recording = []
+
+    def end_capture(self) -> _Graph:
+        global _recording
+        if _recording is None:
+            raise CaptureError("end_capture without begin_capture")
+        graph, _recording = _Graph(_recording), None
+        return graph
 
     def record(self) -> None:
         return None
@@ -332,7 +437,7 @@ class _Device:
 
 
 cuda = types.SimpleNamespace(get_current_stream=lambda: _Stream(), runtime=_Runtime(), Device=_Device,
-                             Stream=lambda non_blocking=False: _Stream())  # fmt: skip
+                             Stream=_Stream)  # fmt: skip
 random = types.SimpleNamespace(
     RandomState=lambda seed=None: types.SimpleNamespace(
         random_sample=lambda size=None: ndarray(np.random.RandomState(seed).random_sample(size))))

@@ -48,7 +48,7 @@ def test_every_kernel_compiles_for_sm90_with_nvrtc():
     names = cuda_src.kernel_names()
     for name in names:
         assert f"void {name}(" in source
-    assert len(names) == len(set(names)) == 3 * 12 + 2 * 9
+    assert len(names) == len(set(names)) == 3 * 14 + 2 + 3 + 2 * 9
 
 
 def test_a_broken_source_is_refused():

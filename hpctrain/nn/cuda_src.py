@@ -157,7 +157,8 @@ template <typename T> __device__ void attn_softmax_bwd(const float* s, const flo
   float dsum = block_sum(acc);
   // p may alias s and ds may alias dp: each element is read and then written by the same thread.
   for (int j = threadIdx.x; j < t; j += blockDim.x) {
-    float pj = j <= i ? expf(sr[j] * scale - l) : 0.0f, dj = dr[j];
+    // above the diagonal s and dp were never computed (the products skip the masked future)
+    float pj = j <= i ? expf(sr[j] * scale - l) : 0.0f, dj = j <= i ? dr[j] : 0.0f;
     st(p + row * t, j, pj); st(ds + row * t, j, pj * (dj - dsum) * scale); } }
 // Softmax cross-entropy over a row of V logits in one pass (online max and sum): lse, and the
 // row's loss (lse - x[target]) times its weight (w null: 1).
@@ -171,10 +172,11 @@ template <typename T> __device__ void ce_fwd(const T* x, const i64* target, cons
   if (threadIdx.x == 0) {
     float l = m + logf(z); lse[row] = l;
     nll[row] = (l - ld(xr, target[row])) * (w ? w[row] : 1.0f); } }
-// The logits' gradient (softmax - onehot) * coef[row], written into g (which may be x itself).
-template <typename T> __device__ void ce_bwd(const T* x, const i64* target, const float* lse, const float* coef, T* g,
-                                            i64 v) {
-  i64 row = blockIdx.x; float l = lse[row], c = coef[row]; i64 t = target[row];
+// The logits' gradient (softmax - onehot) * c written into g (which may be x itself), with
+// c = (cdev ? cdev[0] : coef) * (w ? w[row] : 1): a host coefficient or a device one.
+template <typename T> __device__ void ce_bwd(const T* x, const i64* target, const float* lse, const float* w,
+                                            const float* cdev, float coef, T* g, i64 v) {
+  i64 row = blockIdx.x; float l = lse[row], c = (cdev ? cdev[0] : coef) * (w ? w[row] : 1.0f); i64 t = target[row];
   for (i64 j = threadIdx.x; j < v; j += blockDim.x) {
     float p = expf(ld(x, row * v + j) - l); st(g, row * v + j, (p - (j == t ? 1.0f : 0.0f)) * c); } }
 // Dropout: keep element i when the top 24 bits of its Philox word are >= thresh; y = x * scale.
@@ -182,6 +184,18 @@ template <typename T> __device__ void dropout(const T* x, T* y, i64 n, unsigned 
                                              unsigned thresh, float scale) {
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
     bool keep = (philox_word(i, seed_lo, seed_hi) >> 8) >= thresh; st(y, i, keep ? ld(x, i) * scale : 0.0f); } }
+// y[i] += bias[i % d]: a Linear's bias over its rows, a residual sum (d = n), the positions'
+// embedding over a batch (CuPy's bfloat16 arithmetic is a slow generic loop).
+template <typename T> __device__ void bias_add(T* y, const T* b, i64 n, int d) {
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+    st(y, i, ld(y, i) + ld(b, i % d)); }
+// Column sums of g (n, d) over a chunk of rows into float32 partials (cols_add adds them in order).
+template <typename T> __device__ void col_part(const T* g, float* part, i64 n, int d, int rows) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x; if (j >= d) return;
+  i64 r0 = (i64)blockIdx.y * rows, r1 = min(r0 + rows, n);
+  float s = 0.0f;
+  for (i64 i = r0; i < r1; ++i) s += ld(g, i * d + j);
+  part[(i64)blockIdx.y * d + j] = s; }
 // Embedding backward: grad[idx[i], :] += g[i, :] (float32 atomics).
 template <typename T> __device__ void embed_bwd(const i64* idx, const T* g, float* grad, i64 n, int d) {
   for (i64 k = blockIdx.x * (i64)blockDim.x + threadIdx.x; k < n * d; k += (i64)gridDim.x * blockDim.x) {
@@ -205,16 +219,19 @@ extern "C" __global__ void attn_softmax_bwd_{s}(const float* s, const float* dp,
   int t, float scale) {{ attn_softmax_bwd(s, dp, lse, p, ds, t, scale); }}
 extern "C" __global__ void ce_fwd_{s}(const {T}* x, const i64* target, const float* w, float* lse, float* nll, i64 v)
   {{ ce_fwd(x, target, w, lse, nll, v); }}
-extern "C" __global__ void ce_bwd_{s}(const {T}* x, const i64* target, const float* lse, const float* coef, {T}* g,
-  i64 v) {{ ce_bwd(x, target, lse, coef, g, v); }}
+extern "C" __global__ void ce_bwd_{s}(const {T}* x, const i64* target, const float* lse, const float* w,
+  const float* cdev, float coef, {T}* g, i64 v) {{ ce_bwd(x, target, lse, w, cdev, coef, g, v); }}
 extern "C" __global__ void dropout_{s}(const {T}* x, {T}* y, i64 n, unsigned lo, unsigned hi, unsigned thresh,
   float scale) {{ dropout(x, y, n, lo, hi, thresh, scale); }}
 extern "C" __global__ void embed_bwd_{s}(const i64* idx, const {T}* g, float* grad, i64 n, int d)
   {{ embed_bwd(idx, g, grad, n, d); }}
-extern "C" __global__ void cols_add_{s}(const float* part, int chunks, int d, {T}* out) {{
+extern "C" __global__ void cols_add_{s}(const float* part, int chunks, int d, {T}* out, int acc) {{
   int j = blockIdx.x * blockDim.x + threadIdx.x; if (j >= d) return;
   float s = 0.0f; for (int c = 0; c < chunks; ++c) s += part[(i64)c * d + j];
-  st(out, j, ld(out, j) + s); }}
+  st(out, j, acc ? ld(out, j) + s : s); }}
+extern "C" __global__ void bias_add_{s}({T}* y, const {T}* b, i64 n, int d) {{ bias_add(y, b, n, d); }}
+extern "C" __global__ void col_part_{s}(const {T}* g, float* part, i64 n, int d, int rows)
+  {{ col_part(g, part, n, d, rows); }}
 """
 
 # The optimizers over many tensors in one launch. ``chunks`` lists (tensor, start, stop) per block
@@ -249,6 +266,42 @@ template <typename G, typename H> __device__ void sgd_mt(const i64* chunks, cons
     if (h) st(h, i, pi); } }
 """
 
+# A float32 vector's sum times a scale, in one block of 1024 threads (a loss's batch mean); the
+# squared norm of many tensors (float64 partial sums per block of the optimizers' block table, then
+# summed in a fixed order: the same sum every run), for the trainer's gradient norm and finite check.
+REDUCE = r"""
+__device__ double block_sum_d(double v) {
+  __shared__ double red_d[32];
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (lane == 0) red_d[w] = v;
+  __syncthreads();
+  v = lane < nw ? red_d[lane] : 0.0;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v; }
+template <typename G> __device__ void sumsq_mt(const i64* chunks, const i64* gp, double* part) {
+  i64 tsr = chunks[3 * blockIdx.x], a = chunks[3 * blockIdx.x + 1], e = chunks[3 * blockIdx.x + 2];
+  const G* g = (const G*)gp[tsr];
+  double s = 0.0;
+  for (i64 i = a + threadIdx.x; i < e; i += blockDim.x) { double v = (double)ld(g, i); s += v * v; }
+  s = block_sum_d(s);
+  if (threadIdx.x == 0) part[blockIdx.x] = s; }
+extern "C" __global__ void sumsq_mt_f(const i64* c, const i64* g, double* part) { sumsq_mt<float>(c, g, part); }
+extern "C" __global__ void sumsq_mt_b(const i64* c, const i64* g, double* part) { sumsq_mt<bf16>(c, g, part); }
+extern "C" __global__ void sumsq_mt_h(const i64* c, const i64* g, double* part) { sumsq_mt<f16>(c, g, part); }
+extern "C" __global__ void sum_parts(const double* part, i64 n, double* out) {
+  double s = 0.0;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) s += part[i];
+  s = block_sum_d(s);
+  if (threadIdx.x == 0) out[0] = s; }
+extern "C" __global__ void sum_scaled(const float* x, i64 n, float scale, float* out) {
+  float s = 0.0f;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) out[0] = s * scale; }
+"""
+
 INSTANTIATE_OPTIM = r"""
 extern "C" __global__ void adam_mt_{g}{h}(const i64* c, const i64* p, const i64* g, const i64* m, const i64* v,
   const i64* h16, const float* hp) {{ adam_mt<{G}, {H}>(c, p, g, m, v, h16, hp); }}
@@ -259,7 +312,7 @@ extern "C" __global__ void sgd_mt_{g}{h}(const i64* c, const i64* p, const i64* 
 
 def source() -> str:
     """The whole translation unit: every kernel for every storage type (one NVRTC compile)."""
-    parts = [PRELUDE, PER_TYPE, OPTIM]
+    parts = [PRELUDE, PER_TYPE, OPTIM, REDUCE]
     parts += [INSTANTIATE_T.format(s=s, T=t) for s, t in TYPES.items()]
     # The 16-bit copy a master rounds into: float32 (f) stands for "none" (a null pointer table).
     parts += [INSTANTIATE_OPTIM.format(g=g, G=gt, h=h, H=ht) for g, gt in TYPES.items() for h, ht in TYPES.items()]
@@ -269,7 +322,8 @@ def source() -> str:
 def kernel_names() -> list[str]:
     """Every ``extern "C"`` kernel of :func:`source`."""
     per_t = ["gelu_fwd", "gelu_bwd", "ln_fwd", "ln_bwd_rows", "ln_bwd_cols", "attn_softmax_fwd", "attn_softmax_bwd",
-             "ce_fwd", "ce_bwd", "dropout", "embed_bwd", "cols_add"]
-    names = [f"{k}_{s}" for s in TYPES for k in per_t]
+             "ce_fwd", "ce_bwd", "dropout", "embed_bwd", "cols_add", "bias_add", "col_part"]
+    names = [f"{k}_{s}" for s in TYPES for k in per_t] + ["sum_scaled", "sum_parts"]
+    names += [f"sumsq_mt_{s}" for s in TYPES]
     names += [f"{k}_mt_{g}{h}" for k in ("adam", "sgd") for g in TYPES for h in TYPES]
     return names

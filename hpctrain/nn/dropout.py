@@ -48,7 +48,7 @@ class Dropout(Module):
         k = gpu.usable(x)
         if k is not None:
             self.cache = seed
-            return k.dropout(x, xp.empty_like(x), seed, philox.keep_threshold(self.p), 1.0 / (1.0 - self.p))
+            return k.dropout(x, self._scratch().like("y", x), seed, philox.keep_threshold(self.p), 1.0 / (1.0 - self.p))
         mask = to_device(philox.keep_mask(seed, x.shape, self.p), xp).astype(x.dtype) * (1.0 / (1.0 - self.p))
         self.cache = mask
         return x * mask
@@ -57,7 +57,7 @@ class Dropout(Module):
         mask = self.cache
         if isinstance(mask, int):  # the kernel's seed: the same words again
             g = xp_of(grad_out).ascontiguousarray(grad_out)
-            return gpu.usable(g).dropout(g, xp_of(g).empty_like(g), mask, philox.keep_threshold(self.p),
+            return gpu.usable(g).dropout(g, gpu.shared.like("dropout_gx", g), mask, philox.keep_threshold(self.p),
                                          1.0 / (1.0 - self.p))
         return grad_out if mask is None else grad_out * mask
 

@@ -5,9 +5,11 @@ and widens float16 to float32 (and does not take bfloat16 through cuBLAS at all)
 attention's q, k, v are strided views of the qkv output and its scores want float32 from 16-bit
 inputs. ``plan`` turns a product of row-major ``(B, H, rows, cols)`` views into the arguments of
 ``cublasGemmStridedBatchedEx`` (column-major, so C^T = op(B)^T op(A)^T): one call when the batch
-axes fold into one stride, else one call per leading index. ``emulate`` runs a plan with NumPy on
-the host (the CPU check of the argument arithmetic: ``tests/test_cuda_kernels.py``); ``run``
-hands it to cuBLAS.
+axes fold into one stride, else one call per leading index (which ``hpctrain.nn.cublas`` runs as
+one ``cublasGemmBatchedEx`` over the ``addresses`` of every matrix); ``plan2d`` does the same for
+2-D products, transposed views included (a Linear's three products). ``emulate`` runs a plan with NumPy on
+the host (the CPU check of the argument arithmetic: ``tests/test_cuda_kernels.py``);
+``hpctrain.nn.cublas`` hands it to cuBLAS.
 """
 
 from __future__ import annotations
@@ -75,6 +77,35 @@ def plan(x: Any, y: Any, out: Any, trans_x: bool = False, trans_y: bool = False)
                  stride_c=so[1], batch=h) for i in range(bsz)]
 
 
+def plan2d(x: Any, y: Any, out: Any) -> list[Call]:
+    """The call computing ``out = x @ y`` for 2-D arrays, each row-major (unit stride along its
+    last axis) or the transpose of one (``x2.T``: unit stride along its first axis), read in
+    place with the matching transpose flag; ``out`` row-major."""
+    (m, k), (k2, n) = x.shape, y.shape
+    if k2 != k or out.shape != (m, n):
+        raise ValueError(f"shapes do not multiply: {x.shape} @ {y.shape} -> {out.shape}")
+    # Column-major: C^T (n x m) = op(A) op(B) with A the storage of y and B that of x; a row-major
+    # matrix is stored as its transpose (no flag), a transposed view as itself (the T flag).
+    transa, lda = _stored(y, "y")
+    transb, ldb = _stored(x, "x")
+    so = _strides(out)
+    if so[1] != 1 and n > 1 or so[0] < max(n, 1) and m > 1:
+        raise ValueError(f"out must be row-major, got strides {out.strides}")
+    return [Call(transa=transa, transb=transb, m=n, n=m, k=k, a_off=0, lda=lda, stride_a=0, b_off=0, ldb=ldb,
+                 stride_b=0, c_off=0, ldc=max(so[0], n, 1), stride_c=0, batch=1)]
+
+
+def _stored(a: Any, name: str) -> tuple[int, int]:
+    """``(transpose flag, leading dimension)`` of a 2-D operand as cuBLAS reads its memory."""
+    rows, cols = a.shape
+    s0, s1 = _strides(a)
+    if (s1 == 1 or cols == 1) and s0 >= max(cols, 1):
+        return OP_N, max(s0, 1)
+    if (s0 == 1 or rows == 1) and s1 >= max(rows, 1):
+        return OP_T, max(s1, 1)
+    raise ValueError(f"{name} must be row-major or the transpose of a row-major array, got strides {a.strides}")
+
+
 def _fold(s: tuple[int, ...], bsz: int, h: int) -> int | None:
     """The one batch stride of a ``(B, H, ...)`` array's ``B * H`` matrices, if there is one."""
     if h == 1:
@@ -82,6 +113,19 @@ def _fold(s: tuple[int, ...], bsz: int, h: int) -> int | None:
     if bsz == 1 or s[0] == h * s[1]:
         return s[1]
     return None
+
+
+def addresses(calls: list[Call], pa: int, pb: int, pc: int, sx: int, so: int) -> np.ndarray:
+    """``(3, n)`` uint64: the addresses of every A, B and C matrix of ``calls`` (A in ``y``'s
+    memory at ``pa``, B in ``x``'s at ``pb``, C in ``out``'s at ``pc``; element sizes ``sx`` of
+    the inputs, ``so`` of ``out``), in the order ``cublasGemmBatchedEx`` takes them."""
+    rows = [[], [], []]
+    for c in calls:
+        i = np.arange(c.batch, dtype=np.uint64)
+        rows[0].append(np.uint64(pa + c.a_off * sx) + i * np.uint64(c.stride_a * sx))
+        rows[1].append(np.uint64(pb + c.b_off * sx) + i * np.uint64(c.stride_b * sx))
+        rows[2].append(np.uint64(pc + c.c_off * so) + i * np.uint64(c.stride_c * so))
+    return np.stack([np.concatenate(r) for r in rows])
 
 
 def _colmajor(base: np.ndarray, off: int, rows: int, cols: int, ld: int, itemsize: int) -> np.ndarray:
@@ -99,8 +143,9 @@ def _flat(a: np.ndarray) -> tuple[np.ndarray, int]:
     return base.reshape(-1), (a.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // a.itemsize
 
 
-def emulate(calls: list[Call], x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
-    """Run ``calls`` as cuBLAS would, on host arrays (views of contiguous arrays)."""
+def emulate(calls: list[Call], x: np.ndarray, y: np.ndarray, out: np.ndarray, beta: float = 0.0) -> None:
+    """Run ``calls`` as cuBLAS would, on host arrays (views of contiguous arrays): 16-bit inputs
+    multiplied in float32 and rounded once into ``out``; ``beta=1`` adds to what ``out`` holds."""
     (fx, ox), (fy, oy), (fo, oo) = _flat(x), _flat(y), _flat(out)
     for c in calls:
         for i in range(c.batch):
@@ -111,26 +156,7 @@ def emulate(calls: list[Call], x: np.ndarray, y: np.ndarray, out: np.ndarray) ->
             a = a.T if c.transa == OP_T else a
             b = b.T if c.transb == OP_T else b
             dst = _colmajor(fo, oo + c.c_off + i * c.stride_c, c.m, c.n, c.ldc, out.itemsize)
-            dst[...] = a @ b
-
-
-def run(x: Any, y: Any, out: Any, trans_x: bool = False, trans_y: bool = False) -> Any:
-    """``out = op(x) @ op(y)`` on CuPy arrays through cuBLAS (float32 accumulation; float32 or the
-    inputs' 16-bit dtype out). Returns ``out``."""
-    import cupy as cp
-    from cupy_backends.cuda.libs import cublas
-
-    if x.dtype != y.dtype:
-        raise TypeError(f"a batched product needs one input dtype, got {x.dtype} and {y.dtype}")
-    handle = cp.cuda.device.get_cublas_handle()
-    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
-    ti, to = CUDA_TYPES[np.dtype(x.dtype).name], CUDA_TYPES[np.dtype(out.dtype).name]
-    size = {a.itemsize for a in (x, y)}.pop()
-    for c in plan(x, y, out, trans_x, trans_y):
-        cublas.gemmStridedBatchedEx(
-            handle, c.transa, c.transb, c.m, c.n, c.k, one.ctypes.data,
-            y.data.ptr + c.a_off * size, ti, c.lda, c.stride_a,
-            x.data.ptr + c.b_off * size, ti, c.ldb, c.stride_b,
-            zero.ctypes.data, out.data.ptr + c.c_off * out.itemsize, to, c.ldc, c.stride_c,
-            c.batch, COMPUTE_32F, GEMM_DEFAULT)
-    return out
+            if a.itemsize == 2:
+                a, b = a.astype(np.float32), b.astype(np.float32)
+            prod = a @ b
+            dst[...] = prod + dst.astype(prod.dtype) if beta else prod

@@ -102,6 +102,14 @@ class Linear(Module):
             raise ValueError(f"Linear({self.d_in}, {self.d_out}) got input of shape {x.shape}")
         self.cache = x
         xp, w = xp_of(x), self.weight.data
+        b = self.bias.data if self.bias is not None and add_bias else None
+        k = gpu.usable(x, w, *(() if b is None else (b,))) if x.dtype == w.dtype else None
+        if k is not None:  # cuBLAS called directly (capturable), the bias added by one kernel
+            y = self._scratch().get("y", (*x.shape[:-1], self.d_out), x.dtype, xp)
+            k.matmul(x.reshape(-1, self.d_in), w, y.reshape(-1, self.d_out))
+            if b is not None:
+                k.bias_add(y.reshape(-1, self.d_out), b)
+            return y
         # One 2-D matrix product over every row (B*T of them), written into a reused buffer: a 3-D
         # product would be one small product per batch entry.
         y = self._scratch().get("y", (*x.shape[:-1], self.d_out), np.result_type(x.dtype, w.dtype), xp)
@@ -113,9 +121,18 @@ class Linear(Module):
     def backward(self, grad_out: Any) -> Any:
         x = self.cache
         xp, w = xp_of(grad_out), self.weight.data
-        buf = self._scratch()
         x2 = x.reshape(-1, self.d_in)
         g2 = grad_out.reshape(-1, self.d_out)
+        bias = self.bias
+        k = gpu.usable(grad_out, x, w, self.weight.grad, *(() if bias is None else (bias.grad,))) \
+            if grad_out.dtype == x.dtype == w.dtype else None
+        if k is not None:  # the weight gradient accumulated by the product itself (beta 1), no copy
+            k.matmul(x2.T, g2, self.weight.grad, beta=1.0)
+            if bias is not None:
+                k.col_sum(g2, bias.grad)
+            gx = gpu.shared.get("linear_gx", (*grad_out.shape[:-1], self.d_in), grad_out.dtype, xp)
+            return k.matmul(g2, w.T, gx.reshape(-1, self.d_in)).reshape(gx.shape)
+        buf = self._scratch()
         gw = buf.get("gw", w.shape, np.result_type(x.dtype, grad_out.dtype), xp)
         self.weight.grad += matmul(xp, x2.T, g2, out=gw)  # x2.T is a view: BLAS reads it transposed
         if self.bias is not None:
@@ -196,10 +213,10 @@ class GELU(Module):
         xp = xp_of(x)
         buf = self._scratch()
         # d/dx = 0.5 ((1 + t) + x (1 - t^2) c (1 + 3 * 0.044715 x^2)), by row chunks as forward.
-        a = buf.get("gx", x.shape, np.result_type(x.dtype, grad_out.dtype), xp)
         if t is None:  # the GPU kernel's forward kept x only
             g = grad_out if grad_out.dtype == x.dtype else grad_out.astype(x.dtype)
-            return gpu.usable(x).gelu_backward(x, xp.ascontiguousarray(g), a.astype(x.dtype, copy=False))
+            return gpu.usable(x).gelu_backward(x, xp.ascontiguousarray(g), gpu.shared.like("gelu_gx", x))
+        a = buf.get("gx", x.shape, np.result_type(x.dtype, grad_out.dtype), xp)
         k = fused.usable(x, t, grad_out, a) if grad_out.shape == x.shape else None
         if k is not None:  # one pass instead of ten
             k.gelu_backward(x.reshape(-1), t.reshape(-1), grad_out.reshape(-1), a.reshape(-1),
@@ -267,8 +284,10 @@ class LayerNorm(Module):
         w, b = self.weight.data, self.bias.data
         k = gpu.usable(x, w, b) if x.dtype == w.dtype == b.dtype else None
         if k is not None:  # one block per row, float32 statistics; x, mean and rstd kept
-            y = self._scratch().like("y", x)
-            mean, rstd = k.layernorm_forward(x.reshape(-1, self.d), w, b, self.eps, y.reshape(-1, self.d))
+            buf, xp, n = self._scratch(), xp_of(x), x.size // self.d
+            y = buf.like("y", x)
+            stats = (buf.get("mean", (n,), np.float32, xp), buf.get("rstd", (n,), np.float32, xp))
+            mean, rstd = k.layernorm_forward(x.reshape(-1, self.d), w, b, self.eps, y.reshape(-1, self.d), *stats)
             self.cache = (x, mean, rstd)
             return y
         if is_half(x.dtype):  # mixed precision: statistics in float32, the output rounded back
@@ -317,7 +336,7 @@ class LayerNorm(Module):
             x, mean, rstd = self.cache
             g = grad_out if grad_out.dtype == x.dtype else grad_out.astype(x.dtype)
             g = xp_of(g).ascontiguousarray(g)
-            gx = self._scratch().like("gx", x)
+            gx = gpu.shared.like("ln_gx", x)
             k = gpu.usable(x, g, self.weight.grad, self.bias.grad)
             k.layernorm_backward(g.reshape(-1, self.d), x.reshape(-1, self.d), w, mean, rstd, gx.reshape(-1, self.d),
                                  self.weight.grad, self.bias.grad)

@@ -207,21 +207,27 @@ class CrossEntropyLoss:
     def _forward_gpu(self, k: Any, logits: Any, target: Any, weight: Any) -> Any:
         """One kernel pass over the logits (online max and sum, float32): each row's log-sum-exp
         is kept, and backward writes the gradient over the logits themselves (no probabilities,
-        no second logits-sized array)."""
-        xp = xp_of(logits)
+        no second logits-sized array). Without weights nothing is allocated and nothing read back
+        (the mean is one more kernel into a reused 0-d array): what a captured CUDA graph needs."""
+        xp, buf = xp_of(logits), self._buffers
         target = check_targets(target, logits.shape[-1], "CrossEntropyLoss")
         v = logits.shape[-1]
         t = xp.ascontiguousarray(target.reshape(-1), dtype=np.int64)
-        nll_shape = logits.shape[:-1]
-        w, denom = _per_sample_weight(weight, xp.empty(nll_shape, dtype=np.float32))
-        wrow = None if w is None else xp.ascontiguousarray(xp.broadcast_to(w, nll_shape).reshape(-1), np.float32)
-        lse, nll = k.cross_entropy_forward(logits.reshape(-1, v), t, wrow)
+        n = t.size
+        if weight is None:
+            wrow, denom = None, float(n)
+        else:
+            w, denom = _per_sample_weight(weight, xp.empty(logits.shape[:-1], dtype=np.float32))
+            wrow = xp.ascontiguousarray(xp.broadcast_to(w, logits.shape[:-1]).reshape(-1), np.float32)
+        lse, nll = k.cross_entropy_forward(logits.reshape(-1, v), t, wrow, buf.get("lse", (n,), np.float32, xp),
+                                           buf.get("nll", (n,), np.float32, xp))
         self.cache = ("gpu", logits, t, wrow, lse, denom, None)
-        return batch_mean(nll.sum(), denom)
+        if is_device_array(denom):
+            return batch_mean(nll.sum(), denom)
+        return k.sum_scaled(nll, 1.0 / denom if denom else 0.0, buf.get("loss", (), np.float32, xp))
 
     def _backward_gpu(self, scale: float) -> Any:
         _, logits, t, wrow, lse, denom, done = self.cache
-        xp = xp_of(logits)
         coef = scale / nonzero(denom) if not all_weights_zero(denom) else 0.0
         if done is not None:  # a second backward of one forward: the gradient is already there
             if not (is_device_array(done) or done):
@@ -229,12 +235,9 @@ class CrossEntropyLoss:
                                    "wrote that gradient over the logits")
             logits *= coef / done
         else:
-            n = t.size
-            c = xp.full(n, coef, dtype=np.float32) if not is_device_array(coef) else \
-                xp.broadcast_to(coef.astype(np.float32), (n,))
-            c = c * wrow if wrow is not None else xp.ascontiguousarray(c)
-            gpu.usable(logits).cross_entropy_backward(logits.reshape(-1, logits.shape[-1]), t, lse, c,
-                                                     logits.reshape(-1, logits.shape[-1]))
+            c = coef.astype(np.float32) if is_device_array(coef) else float(coef)
+            g2 = logits.reshape(-1, logits.shape[-1])
+            gpu.usable(logits).cross_entropy_backward(g2, t, lse, wrow, c, g2)
         self.cache = (*self.cache[:6], coef)
         return logits
 

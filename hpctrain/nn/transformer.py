@@ -73,7 +73,7 @@ def causal_attention(q: Any, k: Any, v: Any, *, out: Any = None, buffers: Buffer
         out = xp.empty((b, h, t, v.shape[-1]), dtype=np.result_type(q.dtype, k.dtype, v.dtype))
     kern = gpu.usable(q, k, v, out, views=True) if q.dtype == k.dtype == v.dtype == out.dtype else None
     if kern is not None:  # batched products and one softmax kernel; att is the rows' log-sum-exp
-        return out, kern.attention_forward(q, k, v, out)
+        return out, kern.attention_forward(q, k, v, out, _get(buffers, "lse", (b, h, t), np.float32, xp))
     dtype = stat_dtype(np.result_type(q.dtype, k.dtype))  # 16-bit q, k: the softmax in float32
     scale = 1.0 / float(np.sqrt(hd))
     att = _get(buffers, "att", (b, h, t, t), dtype, xp)
@@ -216,7 +216,7 @@ class SelfAttentionBase(Module):
         dy = self.proj.backward(grad_out).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
         xp, buf = xp_of(dy), self._scratch()
         # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
-        dqkv = buf.get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)  # att may be wider
+        dqkv = gpu.scratch(self, dy, q).get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)
         parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
         causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
         return self.qkv.backward(dqkv)
@@ -291,18 +291,12 @@ class TransformerBlock(Module):
         # The residual sums go into the sublayers' fresh outputs (nobody caches those; Dropout
         # returns a new array or, when off, that output), not into new arrays; x itself is never
         # changed (ln1 caches it).
-        h = self._drop("drop1", self.attn.forward(self.ln1.forward(x)))
-        h += x
-        y = self._drop("drop2", self.mlp.forward(self.ln2.forward(h)))
-        y += h
-        return y
+        h = gpu.add_(self._drop("drop1", self.attn.forward(self.ln1.forward(x))), x)
+        return gpu.add_(self._drop("drop2", self.mlp.forward(self.ln2.forward(h))), h)
 
     def backward(self, grad_out: Any) -> Any:
-        g = self.ln2.backward(self.mlp.backward(self._drop("drop2", grad_out, True)))
-        g += grad_out
-        gx = self.ln1.backward(self.attn.backward(self._drop("drop1", g, True)))
-        gx += g
-        return gx
+        g = gpu.add_(self.ln2.backward(self.mlp.backward(self._drop("drop2", grad_out, True))), grad_out)
+        return gpu.add_(self.ln1.backward(self.attn.backward(self._drop("drop1", g, True))), g)
 
 
 class GPT(Module):
@@ -347,7 +341,7 @@ class GPT(Module):
         if idx.ndim != 2 or idx.shape[1] > self.block_size:
             raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={self.block_size}, got {idx.shape}")
         x = self.tok_emb.forward(idx)
-        x += self.pos_emb.forward(self._positions(idx.shape[1], xp))  # into the lookup's fresh output
+        x = gpu.add_(x, self.pos_emb.forward(self._positions(idx.shape[1], xp)))  # into the lookup's fresh output
         return self.head.forward(self.ln_f.forward(self.blocks.forward(x)))
 
     def _positions(self, t: int, xp: Any) -> Any:
@@ -360,7 +354,13 @@ class GPT(Module):
         g = self.blocks.backward(self.ln_f.backward(self.head.backward(grad_out)))
         self.tok_emb.backward(g)
         xp = xp_of(g)
-        self.pos_emb.backward(xp.sum(g, axis=0, out=self._scratch().get("gpos", g.shape[1:], g.dtype, xp)))
+        k = gpu.usable(g, self.pos_emb.weight.grad)
+        if k is not None:  # the column-sum kernel, summed in float32 and kept in the gradient's dtype
+            gpos = self._scratch().get("gpos", g.shape[1:], self.pos_emb.weight.grad.dtype, xp)
+            k.col_sum(g.reshape(g.shape[0], -1), gpos.reshape(-1), accumulate=False)
+        else:  # (CuPy's sum may also take CUB, which allocates: not for a captured step)
+            gpos = xp.sum(g, axis=0, out=self._scratch().get("gpos", g.shape[1:], g.dtype, xp))
+        self.pos_emb.backward(gpos)
         return None
 
     def extra_repr(self) -> str:

@@ -149,6 +149,46 @@ def update_one(opt: Any, p: Any, state: dict, lr: float, step_count: int, scratc
     return True
 
 
+class _SumSq:
+    """The tables of one list of gradients for ``sumsq``: per dtype, its block table and pointers."""
+
+    def __init__(self, k: Any, grads: list[Any]) -> None:
+        cp = k.cp
+        self.groups = []
+        blocks = 0
+        for sfx in sorted({gpu.SUFFIX[np.dtype(g.dtype).name] for g in grads}):
+            group = [g for g in grads if gpu.SUFFIX[np.dtype(g.dtype).name] == sfx]
+            table = chunk_table([int(g.size) for g in group])
+            self.groups.append((sfx, cp.asarray(table), cp.asarray(np.array([g.data.ptr for g in group], np.int64)),
+                                blocks, table.shape[0]))
+            blocks += table.shape[0]
+        self.part = cp.zeros(blocks, np.float64)
+        self.out = cp.zeros(1, np.float64)
+
+
+_sumsq_tables: dict[tuple, _SumSq] = {}
+
+
+def sumsq(grads: list[Any]) -> Any | None:
+    """The float64 sum of squares of every element of ``grads`` as a ``(1,)`` device array (inf or
+    NaN when one is not finite): one launch per gradient dtype over the block table, one to add the
+    blocks' sums, in a fixed order. Instead of a float64 copy and a dot product per gradient (twice
+    the gradients' memory for a moment, ~300 launches at 85 M). ``None``: not kernel arrays."""
+    k = gpu.usable(*grads) if grads else None
+    if k is None:
+        return None
+    key = tuple((g.data.ptr, g.size, str(g.dtype)) for g in grads)
+    t = _sumsq_tables.get(key)
+    if t is None:
+        if len(_sumsq_tables) > 8:
+            _sumsq_tables.clear()
+        t = _sumsq_tables[key] = _SumSq(k, grads)
+    for sfx, chunks, ptrs, offset, n in t.groups:
+        k.fn(f"sumsq_mt_{sfx}")((n,), (256,), (chunks, ptrs, t.part[offset:]))
+    k.fn("sum_parts")((1,), (1024,), (t.part, np.int64(t.part.size), t.out))
+    return t.out
+
+
 def advance(opt: Any) -> None:
     """What ``opt.step()`` does on the host when its launches are replayed from a CUDA graph: the
     step count and the step's scalars uploaded for the captured kernels to read."""

@@ -184,6 +184,7 @@ class TrainStep:
         self.reducer.zero_grad()
         with collect_target_checks() as targets:  # read with the step's one transfer below
             loss_part, extra, fb_comm = self._forward_backward(batch)
+        self._release_caches()
         comm_s = fb_comm + self.reducer.finish()
         if scale != 1.0:  # the loss gradient carried the loss scale (a power of two: exact)
             loss_part = loss_part / scale
@@ -277,15 +278,30 @@ class TrainStep:
     def _device_sums(self, loss_part: Any, grads: list[Any], exact: bool,
                      targets: Any) -> tuple[float, float, bool, list[float], bool]:
         """``_local_sums`` on the device: the norm and the flags computed there, one host read."""
+        from ..optim import multi_tensor
+
         xp = xp_of(grads[0]) if grads else xp_of(loss_part)
-        flat = [g.astype(np.float64, copy=False).ravel() for g in grads]
+        flat = [g.astype(np.float64, copy=False).ravel() for g in grads] if exact else []
         head = [xp.asarray(loss_part if self._loss_lead else 0.0, dtype=np.float64).reshape(1)]
-        head.append(xp.stack([g @ g for g in flat]).sum().reshape(1) if flat else xp.zeros(1))
+        norm = multi_tensor.sumsq(grads)  # one kernel over every gradient where it can
+        if norm is None:
+            flat = flat or [g.astype(np.float64, copy=False).ravel() for g in grads]
+            norm = xp.stack([g @ g for g in flat]).sum().reshape(1) if flat else xp.zeros(1)
+        head.append(norm)
         head.append(targets.flag(xp))
         host = to_host(xp.concatenate(head + (flat if exact else [])))  # the step's one device->host transfer
         loss_part, sumsq, bad_targets = float(host[0]), float(host[1]), bool(host[2])
         bad = not (math.isfinite(loss_part) and math.isfinite(sumsq))
         return loss_part, sumsq, bad, list(sumsq_digits([] if bad else [host[3:]])) if exact else [], bad_targets
+
+    def _release_caches(self) -> None:
+        """Drop what the layers and the loss kept for this step's backward, now done: otherwise the
+        next forward finds each layer's previous activations still held and makes a second set
+        (its buffers are reused only once free), doubling activation memory."""
+        if hasattr(self.model, "set_cache"):
+            self.model.set_cache({})
+        if hasattr(self.loss, "cache"):
+            self.loss.cache = None
 
     def _abandon_step(self) -> None:
         """Undo what a raising step did before the update: the reduction and the gradients."""

@@ -296,15 +296,38 @@ def abort_job(exc: BaseException, code: int = EXCEPTION_EXIT, head: str = "") ->
     from . import ulfm
 
     rank, size = _world()
+    if ulfm.is_rank_loss(exc):
+        _lost_rank_ends(exc, rank, size, code)
+        return
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-    if ulfm.is_rank_loss(exc):  # said first: the traceback only shows where this rank noticed
-        write_lines(f"hpctrain: rank {rank} of {size}: another rank of this job died (a lost process: "
-                    f"{exc}); {ulfm.ABORT_HINT}")
     write_lines(
         (head or f"hpctrain: {type(exc).__name__} on rank {rank} of {size}")
         + " and not on every rank; aborting the whole job so the other ranks do not wait forever:\n"
         + text
     )
+    _end_job(code)
+
+
+#: Seconds a survivor that does not speak for the job waits before ending it (``_lost_rank_ends``).
+SPEAKER_GRACE = 5.0
+
+
+def _lost_rank_ends(exc: BaseException, rank: int, size: int, code: int) -> None:
+    """A rank died and this job cannot go on: one line for the whole job, naming the dead, then
+    the end. No traceback (it would only show where this survivor noticed). The lowest survivor
+    this one knows of speaks; the others wait for its end a moment, and speak themselves when it
+    does not come (a speaker stuck elsewhere)."""
+    from . import ulfm
+
+    dead = ulfm.failed_ranks()
+    who = (f"rank{'s' if len(dead) > 1 else ''} {_ranges(dead)} of {size}" if dead
+           else f"another rank of these {size}")
+    if dead and min(set(range(size)) - set(dead)) != rank:
+        for hook in _before_abort:
+            hook()
+        time.sleep(SPEAKER_GRACE)  # the speaker's MPI_Abort normally ends this process first
+    write_lines(f"hpctrain: {who} died (a lost process: killed, out of memory, its node gone; rank {rank} "
+                f"saw it: {exc}); ending the job: {ulfm.hint()}")
     _end_job(code)
 
 

@@ -105,6 +105,7 @@ class RankLoss:
         self._pending: dict[str, Any] | None = None  # the loss waiting for its next finished step
         self.buddies: Buddies | None = None  # ZeRO's redundant pieces (made at the first step)
         self._fallback: str | None = None  # why the last checkpoint is read (a piece lost with its buddy)
+        ulfm.set_shrinking()  # a loss this hook cannot go on from says so, not "use shrink"
 
     def before_step(self, trainer: Any, batch: Any) -> None:
         """Keep the state from before the step on ``batch`` (and the one before it)."""

@@ -9,6 +9,7 @@ the trainer's checkpointer; nothing is kept on the trainer's or the communicator
 
 from __future__ import annotations
 
+import shutil
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -172,6 +173,27 @@ class Checkpointer:
         if job.error:
             raise CheckpointWriteError(job.error)
         return job.result
+
+    def abandon(self) -> str | None:
+        """After lost ranks: drop the background save in flight, uncommitted (agreeing on it
+        would need the dead): its writer thread joined, its part directory removed. Returns its
+        path (``None``: none was in flight). Not collective; the next save makes a private
+        communicator over the survivors."""
+        job = self.job
+        if job is None:
+            return None
+        self.job = None
+        if job.thread is not None:  # (no MPI in it: it finishes on its own)
+            job.thread.join()
+            job.thread = None
+        if job.previous is not None and job.previous.error:  # rank 0's commit of the save before it ran there
+            _log.warning("%s", job.previous.error)
+        job.previous = None
+        from .saving import _IN_FLIGHT
+
+        shutil.rmtree(job.parts_path, ignore_errors=True)
+        _IN_FLIGHT.discard(job.parts_path)
+        return job.path
 
     def _handover(self) -> Job | None:
         """For an asynchronous save: finish the previous one's writing (join, agree) and return it

@@ -300,7 +300,19 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     hooks = _hooks(c, given, comm, setup, callbacks, metrics, timeline)
     trace = os.path.join(c.run_dir, "trace.json")
     history, wall = _fit(c, comm, setup, hooks, metrics, timeline, trace)
-    comm = setup.trainer.comm  # the survivors, when ranks were lost (--on-rank-loss shrink)
+
+    def closing() -> dict[str, Any]:
+        return _close(c, setup, device, history, wall, metrics, timeline, trace)
+
+    loss = setup.trainer.rank_loss  # a rank lost now: the survivors finish the job (--on-rank-loss shrink)
+    return loss.closing(setup.trainer, closing) if loss is not None else closing()
+
+
+def _close(c: Config, setup: _Setup, device: str, history: Sequence[Any], wall: float, metrics: str,
+           timeline: Timeline, trace: str) -> dict[str, Any]:
+    """After ``fit`` (collective over the trainer's ranks: the survivors, when ranks were lost):
+    the memory figures, the trace, the final evaluation, the summary (written by rank 0)."""
+    comm = setup.trainer.comm
     memory = setup.trainer.memory_summary()  # bytes on the rank that holds most (collective)
     _finish_training(c, setup.trainer, comm, timeline, trace)
     result = _evaluate_final(c, comm, setup)
@@ -393,11 +405,19 @@ def _fit(c: Config, comm: Any, setup: _Setup, hooks: list[Any], metrics: str, ti
 
 
 def _finish_training(c: Config, trainer: Any, comm: Any, timeline: Timeline, trace: str) -> None:
-    """After ``fit`` (collective): the trace, the pipeline's executed schedule, the trainer closed."""
+    """After ``fit`` (collective): the trace, the pipeline's executed schedule (not after lost
+    ranks: the pipeline's groups hold the dead), the trainer closed."""
+    from ..comm import ulfm
+
     timeline.write(comm, trace)
-    if getattr(trainer, "runs_schedule", False):  # optional: a pipeline's executed schedule of its last step
+    lost = bool(ulfm.lost_ranks())
+    if getattr(trainer, "runs_schedule", False) and not lost:  # optional: a pipeline's executed schedule
         trainer.save_timeline(c.run_dir, png=False)
-    trainer.close()  # hooks removed; the parameter server: final pull, windows freed on every rank
+    try:
+        trainer.close()  # hooks removed; the parameter server: final pull, windows freed on every rank
+    except ulfm.Error:
+        if not lost:
+            raise  # (after lost ranks: sub-communicators that hold the dead cannot be freed; nothing to do)
 
 
 def _evaluate_final(c: Config, comm: Any, setup: _Setup) -> dict[str, Any]:

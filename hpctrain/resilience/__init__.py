@@ -326,6 +326,30 @@ class RankLoss:
                 f"epoch: resume from it with --resume"), comm)
         return path
 
+    def closing(self, trainer: Any, fn: Callable[[], Any]) -> Any:
+        """``fn()``, the job's closing collectives after ``fit`` (the memory figures, the final
+        evaluation, the summary); when ranks are lost meanwhile the survivors shrink to themselves
+        and run it again (collective over them). Training is done: nothing is restored or redone,
+        and the loss is recorded at the last step."""
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                if not ulfm.is_rank_loss(exc):
+                    raise
+                t0 = time.monotonic()
+                mpi, lost = ulfm.shrink(trainer.comm.mpi)
+                if not lost:  # nothing new died: a communicator of an earlier loss, still in use
+                    raise
+                comm = Communicator(mpi)
+                trainer.comm = comm
+                failure.rebind(mpi)
+                ulfm.set_leader(mpi)
+                self.events.append({"step": trainer.global_step, "ranks": lost, "seconds": time.monotonic() - t0})
+                if comm.rank == 0:
+                    _log.warning("lost rank(s) %s after the last step (%d): the %d survivor(s) finish the job", lost,
+                                 trainer.global_step, comm.size)
+
     # -- as a fit callback -------------------------------------------------------------------------
 
     def on_step_end(self, trainer: Any, stats: Any) -> None:

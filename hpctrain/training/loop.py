@@ -79,6 +79,7 @@ class Loop:
         self.cadence, self.max_steps = cadence, max_steps
         self.sampler = getattr(loader, "sampler", None)  # optional: a plain iterable has none
         self.history: list[StepStats] = []
+        self._steps: list[int] = []  # the global step of each entry of ``history``
         self.resumed_mid_epoch = False
         self.capped = False  # stopped by max_steps before the epochs were done
         self.saved_at = trainer.global_step  # the step of the newest checkpoint this fit wrote
@@ -172,12 +173,23 @@ class Loop:
         except Exception as exc:
             if rank_loss is None or not rank_loss.recover(t, exc):
                 raise
+            self._forget_redone()
+            from .. import checkpoint as ckpt
+
+            lost = ckpt.checkpointer_of(t).abandon()  # a background save the loss interrupted: never committed
+            if lost is not None:  # (its agreement would need the dead): the survivors write one now
+                path = self._save()
+                self.saved_at = t.global_step
+                if t.comm.rank == 0:
+                    _log.warning("the background save of %s was not committed before the loss: the survivors "
+                                 "write %s", lost, path)
             return False
         if not stats.memory:
             stats.memory = t.memory_report(stats)
         if stats.stop is None:
             stats.stop = agree_stop(t.comm)
         self.history.append(stats)
+        self._steps.append(t.global_step)
         hooks.call("on_step_end", t, stats)
         if self.cadence.due(t.global_step):
             self._save()
@@ -185,6 +197,13 @@ class Loop:
         if stats.stop:
             self._stop()
         return True
+
+    def _forget_redone(self) -> None:
+        """After a lost rank: the steps the survivors redo (from the restored ``global_step`` on)
+        are counted once, when redone (this fit's history, so its summary's step count)."""
+        keep = [i for i, step in enumerate(self._steps) if step <= self.trainer.global_step]
+        self.history = [self.history[i] for i in keep]
+        self._steps = [self._steps[i] for i in keep]
 
     def _save(self, last: bool = False) -> str:
         """A checkpoint in the cadence's directory; ``keep`` deletes older ones once this one is
@@ -200,6 +219,8 @@ class Loop:
         # Ranks lost mid-save: the survivors write it again (the interrupted one was never committed).
         with self._intact_said():
             path = write() if t.rank_loss is None else t.rank_loss.save(t, write)
+        if self._steps and t.global_step < self._steps[-1]:  # ranks lost mid-save, the last checkpoint read
+            self._forget_redone()
         t.last_checkpoint = path
         return path
 

@@ -10,6 +10,7 @@
     mpiexec -n 3 python tests/faults/train_fault.py kill-reduce RANKS STEPS -- <hpctrain train args>
     mpiexec -n 4 python tests/faults/train_fault.py kill-recover RANKS STEPS -- <hpctrain train args>
     mpiexec -n 4 python tests/faults/train_fault.py kill-buddy RANKS STEPS -- <hpctrain train args>
+    mpiexec -n 3 python tests/faults/train_fault.py kill-end RANK 0|1 -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py ctrl-c-exit 0 STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py exit RANK STEP,STATUS -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py readonly DIR STEP -- <hpctrain train args>
@@ -27,7 +28,8 @@ synchronous strategies. kill-reduce: the same while its gradient all-reduces are
 kill-recover: the same, except that the last rank of RANKS dies as it starts to recover from the
 others' loss (a second loss during the shrink). kill-buddy: the same, just before the victim sends
 its ZeRO pieces of that step to its buddy (its dp neighbours then hold its pieces of the step
-before, the other dp groups those of this step).
+before, the other dp groups those of this step). kill-end: RANK dies after the training, just after
+its final checkpoint: as the memory figures are gathered (0) or as the final evaluation starts (1).
 
 ctrl-c-exit: every rank sends itself SIGINT at step STEP (a stop: checkpoint, status 75); the
 last rank is then 3 s late to finalize MPI, and every rank gets a second SIGINT 1.5 s into its
@@ -76,6 +78,26 @@ def _kill(mode: str, ranks: str, steps: str) -> None:
             die()
 
         ulfm.shrink = dying_shrink
+        return
+    if mode == "kill-end":  # after fit: ``at`` 0 as the memory figures are gathered, 1 as the final evaluation starts
+        from hpctrain.job import runner
+
+        if at == 0:
+            summary = Trainer.memory_summary
+
+            def dying_summary(self):
+                die()
+                return summary(self)
+
+            Trainer.memory_summary = dying_summary
+        else:
+            evaluate = runner._evaluate_final
+
+            def dying_evaluation(*args, **kwargs):
+                die()
+                return evaluate(*args, **kwargs)
+
+            runner._evaluate_final = dying_evaluation
         return
     if mode == "kill-buddy":  # before its ZeRO pieces go to its buddy for step ``at``
         from hpctrain.resilience import buddies
@@ -198,7 +220,7 @@ def _command(argv: list[str], end=None) -> None:
 def main() -> int:
     if os.environ.get("FAULT_SLOW_SAY"):
         _slow_say(float(os.environ["FAULT_SLOW_SAY"]))
-    if sys.argv[1] in ("kill", "kill-reduce", "kill-recover", "kill-buddy"):
+    if sys.argv[1] in ("kill", "kill-reduce", "kill-recover", "kill-buddy", "kill-end"):
         assert sys.argv[4] == "--", sys.argv
         _kill(*sys.argv[1:4])
         return cli.main(["train", *sys.argv[5:]])

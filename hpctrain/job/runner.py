@@ -25,6 +25,7 @@ from ..training.evaluation import evaluate
 from . import ending
 from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
+from .callbacks import LearningRate, Validation
 from .config import _BY_NAME, Config, merge, read_config, resolve
 from .inputs import data_path, open_data
 from .sections import nccl_problem
@@ -80,63 +81,6 @@ def limit_blas_threads(comm: Any) -> int | None:
 
     threadpool_limits(limits=n, user_api="blas")
     return n
-
-
-class LearningRate:
-    """``fit`` callback: the learning rate the step just took (after the schedule) as ``stats.extra["lr"]``."""
-
-    def on_step_end(self, trainer: Any, stats: Any) -> None:
-        opt = trainer.optimizer  # None for the parameter server (its SGD lives in its windows)
-        if opt is not None and opt.step_count > 0:
-            stats.extra["lr"] = opt.lr * (opt.schedule(opt.step_count - 1) if opt.schedule else 1.0)
-
-
-class Validation:
-    """``fit`` callback: the validation loss every ``every`` steps, as ``stats.extra["val_loss"]``.
-
-    Collective. The full weights come from the trainer's shards under any layout (one allgather
-    of this rank's pieces), go into a serial model, and every rank evaluates its share of the
-    validation set (``hpctrain.training.evaluation.evaluate``), so the value is the same everywhere.
-    """
-
-    def __init__(self, c: Config, meta: dict[str, Any], data: Any, comm: Any, every: int) -> None:
-        self.model = build_model(c, meta)
-        self.data, self.comm, self.every = data, comm, every
-        self.loss = None if c.loss == "ce" else build_loss(c)
-
-    def on_step_end(self, trainer: Any, stats: Any) -> None:
-        if trainer.global_step % self.every:
-            return
-        from ..training.evaluation import evaluate as evaluate_everywhere
-
-        load_full_weights(trainer, self.model)
-        if self.loss is None:  # cross-entropy: every rank its share of the batches
-            # Over the trainer's ranks now: the survivors after lost ranks (--on-rank-loss shrink).
-            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=trainer.comm)["loss"]
-        else:  # another loss: each rank evaluates the whole set alike (same weights, same data)
-            stats.extra["val_loss"] = evaluate(self.model, self.data, self.loss)["loss"]
-        self.model.train()
-
-
-def load_full_weights(trainer: Any, model: Any) -> None:
-    """Copy the trainer's parameters, whatever the layout, into the whole serial ``model`` (collective).
-
-    Each rank contributes the pieces it holds (``trainer.shards()``); every rank assembles them.
-    Meant for models that fit one process (the evaluation during training).
-    """
-    from ..backend import to_host
-
-    mine = []
-    for name, (p, full, index) in trainer.shards().items():
-        mine.append((name, tuple(full), index, to_host(p.data)))
-    params = dict(model.named_parameters())
-    for pieces in trainer.comm.allgather_obj(mine):
-        for name, _full, index, data in pieces:
-            target = params[name].data
-            if isinstance(index, tuple) and index and index[0] == "flat":
-                target.reshape(-1)[index[1]:index[2]] = data.reshape(-1)
-            else:
-                target[index] = data
 
 
 def pick_device(c: Config, comm: Any) -> str:
@@ -225,10 +169,9 @@ RESUME_KEYS = ("model", "data", "d_model", "n_layers", "n_heads", "block_size", 
                "max_samples", "val_fraction")
 
 
-def _claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunLock | None, size: int) -> None:
+def _claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunLock | None) -> None:
     """Rank 0, holding the locks: clean up after dead jobs and decide what may happen to the files
-    already in the run directory, before anything is written there; then say how the last job
-    there ended and record this one as running (``job.ending``)."""
+    already in the run directory, before anything is written there."""
     from .. import checkpoint
 
     rundir.clean_stale_temporaries(c.run_dir, c.checkpoint_dir)
@@ -244,21 +187,23 @@ def _claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.Run
     elif checkpoint.list_checkpoints(c.checkpoint_dir):
         raise ConfigError(f"{c.checkpoint_dir} already holds checkpoints: pass --resume to continue that run, "
                           f"--restart to start it over (its files are moved aside), or choose another --run-dir")
-    ending.start(c.run_dir, size)
 
 
 class _AfterResume:
     """A ``fit`` callback for the moment the run's state is settled (resumed, or fresh): rank 0
-    writes ``config.json`` (a refused resume leaves the earlier one as it was) and drops the
-    metrics lines an interrupted job wrote after its last checkpoint (the resumed job makes those
-    steps again)."""
+    says how the last job in the run directory ended and records this one as running
+    (``job.ending``), writes ``config.json`` and drops the metrics lines an interrupted job wrote
+    after its last checkpoint (the resumed job makes those steps again). A refused resume leaves
+    all of them as they were."""
 
-    def __init__(self, rank: int, config_file: str, config: dict[str, Any], metrics: str) -> None:
-        self.rank, self.config_file, self.config, self.metrics = rank, config_file, config, metrics
+    def __init__(self, rank: int, run_dir: str, config: dict[str, Any], metrics: str, size: int) -> None:
+        self.rank, self.run_dir, self.config, self.metrics, self.size = rank, run_dir, config, metrics, size
 
     def on_fit_start(self, trainer: Any) -> None:
+        ending.started(self.run_dir)  # (every rank: whoever speaks for the job at its end records how)
         if self.rank == 0:
-            rundir.write_exclusive(self.config_file, json.dumps(self.config, indent=1))
+            ending.start(self.run_dir, self.size)
+            rundir.write_exclusive(os.path.join(self.run_dir, "config.json"), json.dumps(self.config, indent=1))
             rundir.trim_metrics(self.metrics, trainer.global_step)
 
 
@@ -291,8 +236,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     """The job once its directories are locked: claim them, build, train (resuming inside
     ``fit``), evaluate the final checkpoint, write the summary."""
     metrics = os.path.join(c.run_dir, "metrics.jsonl")
-    everywhere(comm, lambda: _claim(c, given, metrics, ckpt_lock, comm.size) if comm.rank == 0 else None)
-    ending.started(c.run_dir)
+    everywhere(comm, lambda: _claim(c, given, metrics, ckpt_lock) if comm.rank == 0 else None)
     setup = _build(c, comm, device)
     if comm.rank == 0:
         _announce(c, setup, device)
@@ -373,8 +317,8 @@ def _hooks(c: Config, given: dict[str, Any], comm: Any, setup: _Setup, callbacks
     """The ``fit`` callbacks of the job, in order: the resume bookkeeping first, the user's, the
     validation loss, the learning rate, the timeline, and the rank-loss recovery last."""
     hooks: list[Any] = [
-        _AfterResume(comm.rank, os.path.join(c.run_dir, "config.json"),
-                     {**given, "dp": c.dp, "local_batch": c.local_batch, "info": setup.meta}, metrics),
+        _AfterResume(comm.rank, c.run_dir, {**given, "dp": c.dp, "local_batch": c.local_batch, "info": setup.meta},
+                     metrics, comm.size),
         *callbacks, LearningRate(), timeline,
     ]
     if c.eval_every:

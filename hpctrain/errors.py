@@ -95,7 +95,7 @@ class Preempted(HpctrainError, RuntimeError):
 
 
 class ExitStatus(IntEnum):
-    """Exit statuses of the ``hpctrain`` command (documented in the README)."""
+    """Exit statuses of the ``hpctrain`` command (documented in docs/reference/command-line.md)."""
 
     OK = 0
     #: Anything unexpected: an exception escaped on some rank (the whole job is aborted).

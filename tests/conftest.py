@@ -97,15 +97,18 @@ def make_mlp(d_in: int, d_out: int, *, width: int, depth: int = 2, seed: int = 0
     return Sequential(*layers)
 
 
-def pytest_configure(config):
-    # Only rank 0 prints the per-test progress; every rank still reports its own failures.
-    try:
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_size() > 1 and MPI.COMM_WORLD.Get_rank() != 0:
-            config.option.verbose = -1
-    except ImportError:
-        pass
+def pytest_terminal_summary(terminalreporter):
+    """The skips folded by reason, one line each (``-r`` without ``s``: pytest lists a skip by
+    marker per test, hundreds of "need --with-mpi" lines in the serial pass). Under MPI only rank 0
+    has a terminal report (hpctrain's pytest plugin)."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"skipped {count:>4}: {reason}")
 
 
 @contextlib.contextmanager

@@ -111,3 +111,33 @@ def test_generate_from_a_pipeline_checkpoint(comm, shared_dir, capsys):
         assert code == 0, err
         assert _generate(capsys, one["run_dir"], *args)[1] == a
     comm.barrier()
+
+
+def test_generate_samples_with_one_blas_thread_and_shows_progress(solo, tmp_path, capsys, monkeypatch):
+    """One BLAS thread by default (a thread per core made 200 tokens 3-17x slower), --threads N
+    otherwise; --progress draws a bar on stderr and says the time; the text does not change."""
+    from threadpoolctl import threadpool_info
+
+    from hpctrain.nn import GPT as Model
+
+    run({**GPT, "run_dir": str(tmp_path / "g")}, solo)
+    capsys.readouterr()
+    seen: list[int] = []
+    forward = Model.forward
+
+    def counting(self, x):  # the BLAS pools' sizes while generate samples
+        seen.append(max(p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"))
+        return forward(self, x)
+
+    monkeypatch.setattr(Model, "forward", counting)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    args = [str(tmp_path / "g"), "--prompt", "ROMEO:", "--tokens", "20", "--seed", "1"]
+    code, plain, err = _generate(capsys, *args, "--no-progress")
+    assert code == 0 and set(seen) == {1} and err == "", (seen, err)
+    seen.clear()
+    code, shown, err = _generate(capsys, *args, "--progress", "--threads", "2")
+    assert code == 0 and shown == plain
+    assert set(seen) == {2} or (set(seen) == {1} and os.cpu_count() == 1), seen  # a pool has no more than the cores
+    assert "20/20" in err and "hpctrain generate: 20 characters in" in err and "(2 BLAS thread(s))" in err, err
+    assert _generate(capsys, *args, "--threads", "0")[0] == 2

@@ -13,7 +13,7 @@ from hpctrain import nn, optim
 from hpctrain.errors import ConfigError
 from hpctrain.nn import fused
 
-pytest.importorskip("numba", reason="the fused kernels need Numba (pip install 'hpctrain[fast]')")
+pytest.importorskip("numba", reason="the fused kernels need Numba (pip install numba)")
 
 TOL = {np.float32: {"rtol": 1e-5, "atol": 1e-6}, np.float64: {"rtol": 1e-12, "atol": 1e-14}}
 

@@ -443,3 +443,15 @@ def test_mixed_precision_with_the_hierarchical_backend_trains_as_the_flat_one(co
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(flat.params, hier.params):
         np.testing.assert_allclose(b.data.astype(np.float32), a.data.astype(np.float32), rtol=1e-2, atol=1e-3)
+
+
+def test_fp16_overflow_the_scaler_handles_prints_no_warning(comm):
+    """An overflowing fp16 step is the loss scaler's business (skipped, scale halved): NumPy's
+    "RuntimeWarning: overflow" for each one was noise in every fp16 run's output."""
+    import warnings
+
+    tr = build(comm, Precision("fp16-mixed", scaler=DynamicLossScaler(init_scale=2.0**24)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        stats = train(tr, 2)
+    assert stats[0].skipped  # it did overflow

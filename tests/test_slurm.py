@@ -280,8 +280,18 @@ def test_test_sbatch_runs_pytest_under_srun(cluster, tmp_path):
     state, out = _sbatch_and_wait(cluster, tmp_path, REPO / "slurm" / "test.sbatch", "tests/test_grid.py",
                                   options=(f"--chdir={REPO}",))
     assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{cluster.logs()}"
-    assert out.count(" passed") == 2, out  # both ranks report their run: the tests ran in one world of 2
-    assert "world size       : 2" in out, out
+    # One world of 2 ranks (hpctrain info says so; the pytest plugin agreed over both), one report.
+    assert "world size       : 2" in out and "MPI: 2 ranks" in out, out
+    assert out.count(" passed") == 1, out
+
+
+def test_example_sbatch_runs_the_array_script_under_srun(cluster, tmp_path):
+    """examples/train_arrays.sbatch: the library example (examples/train_arrays.py) on 2 ranks."""
+    cluster.env.pop("TP", None)
+    state, out = _sbatch_and_wait(cluster, tmp_path, REPO / "examples" / "train_arrays.sbatch", "2",
+                                  options=(f"--chdir={REPO}",))
+    assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{cluster.logs()}"
+    assert "on 2 rank(s), 32 steps per epoch of 64 samples" in out, out
 
 
 def _job_state(cluster: Cluster, job: str) -> tuple[str, int]:

@@ -27,7 +27,7 @@ LAYERS = [
     ("nn",),
     ("optim", "data"),
     ("comm",),
-    ("checkpoint",),
+    ("checkpoint", "testing"),  # testing: the pytest plugin, over comm's rendezvous
     ("training",),
     ("parallel",),
     ("resilience", "torch"),

@@ -225,6 +225,7 @@ def test_timeout_reaches_the_trainer(solo, tmp_path):
     assert seen.timeout == 12.5
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the NaN is the point
 def test_on_nonfinite_skip_or_raise(solo, tmp_path):
     # A learning rate this large sends the weights to inf after one step: the next loss is not finite.
     cfg = {"optimizer": "sgd", "momentum": 0.0, "lr": 1e300, "max_steps": 3}

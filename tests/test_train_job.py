@@ -101,7 +101,11 @@ def test_sigterm_to_the_job_checkpoints_its_step_and_resume_ends_bitwise(serial,
     assert Path(path).exists() and "all checksums verified" in checkpoint.inspect(path)
     assert not (run / ".hpctrain.lock").exists()  # released on the way out
 
-    resumed = hpctrain("train", *args, "--run-dir", str(run), "--resume", n=2)
+    # The command the job printed, run as printed (issue 37: it once said "resubmit with --resume",
+    # and --run-dir RUN --resume alone was refused: the run's settings were not read back).
+    said = re.search(r"; to continue: (.*)$", out, flags=re.M).group(1)
+    assert said == f"mpiexec -n 2 hpctrain train --run-dir {run} --resume", said
+    resumed = _as_printed(said)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed from {path} at step {step}" in resumed.stdout
     got = json.loads((run / "summary.json").read_text())
@@ -113,6 +117,17 @@ def test_sigterm_to_the_job_checkpoints_its_step_and_resume_ends_bitwise(serial,
     with h5py.File(got["checkpoint"], "r") as a, h5py.File(want["checkpoint"], "r") as b:
         for name in b["model"]:
             assert np.array_equal(a["model"][name][()], b["model"][name][()]), name  # bitwise
+
+
+def _as_printed(command: str) -> subprocess.CompletedProcess:
+    """A command hpctrain printed, run as printed (this venv's mpiexec and ``python -m hpctrain``)."""
+    import shlex
+
+    words = shlex.split(command)
+    hpc = words.index("hpctrain")
+    launch = [_mpiexec(), *words[1:hpc]] if words[0] == "mpiexec" else []
+    return subprocess.run([*launch, sys.executable, "-m", "hpctrain", *words[hpc + 1:]], capture_output=True,
+                          text=True, timeout=300, env=_env())
 
 
 # -- in process, every world size -------------------------------------------------------------------
@@ -357,8 +372,8 @@ def test_default_run_directories_of_one_second_differ(comm, tmp_path, capsys, mo
 # -- exit statuses, python -m hpctrain, tools without MPI ------------------------------------------
 
 
-def test_exit_statuses_are_documented_in_the_readme():
-    text = (REPO / "README.md").read_text()
+def test_exit_statuses_are_documented():
+    text = (REPO / "docs" / "reference" / "command-line.md").read_text()
     table = dict(re.findall(r"^\| (\d+) \| (\w+)", text, flags=re.M))
     assert {int(k): v for k, v in table.items()} == {
         0: "done", 1: "failure", 2: "usage", 3: "stall", 4: "refused", 5: "unsaved", 75: "preempted",
@@ -372,3 +387,66 @@ def test_config_problems_exit_4(serial, tmp_path):
     assert p.returncode == ExitStatus.CONFIG and "does not exist" in p.stderr
     p = hpctrain("train", "--resume", "--restart", "--run-dir", str(tmp_path))
     assert p.returncode == ExitStatus.CONFIG and "give one of them" in p.stderr
+
+
+# -- a resume continues the run as it was configured (issue 37) ------------------------------------------
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``hpctrain ARGS`` in this process, as ``_train`` but with no settings added."""
+    from hpctrain import Communicator
+    from hpctrain.cli import main
+
+    rc = main(list(args))
+    cap = capsys.readouterr()
+    out, err = Communicator().bcast_obj((cap.out, cap.err))
+    return rc, out, err
+
+
+def _said(comm, run: Path) -> dict:
+    return comm.bcast_obj(json.loads((run / "config.json").read_text()) if comm.rank == 0 else None)
+
+
+@pytest.mark.timeout(180)
+def test_resume_starts_from_the_runs_config_and_what_it_changes_stays(comm, tmp_path, capsys):
+    run = _shared(comm, tmp_path / "run")
+    first = _cli(capsys, "train", *TINY, "--d-model", "24", "--lr", "0.004", "--epochs", "1", "--run-dir", str(run))
+    assert first[0] == 0, first
+    # Only the run directory, --resume and what changes: the rest (a d_model, an lr the defaults do
+    # not have) comes from the run's config.json. It was refused before (d_model=24, not 64).
+    rc, out, err = _cli(capsys, "train", "--run-dir", str(run), "--resume", "--epochs", "2", "--lr", "0.001")
+    assert rc == 0, out + err
+    if comm.rank == 0:
+        assert (f"resuming the run in {run} as its config.json says; this job changes --epochs 1 -> 2, "
+                "--lr 0.004 -> 0.001 (kept for the next resume)") in out, out
+        assert "1 of 2 epochs done (epochs count the whole run, resumes included)" in out, out
+    said = _said(comm, run)
+    assert (said["d_model"], said["lr"], said["epochs"]) == (24, 0.001, 2)
+    # The next resume keeps the lr the last one set (it once went back to the run's first lr).
+    rc, out, err = _cli(capsys, "train", "--run-dir", str(run), "--resume", "--epochs", "3")
+    assert rc == 0, out + err
+    if comm.rank == 0:
+        assert "this job changes --epochs 2 -> 3 (kept" in out and "--lr" not in out.split("resuming")[1].split("\n")[0]
+        lrs = {round(json.loads(line)["lr"], 9) for line in (run / "metrics.jsonl").read_text().splitlines()[-3:]}
+        assert lrs == {0.001}, lrs
+    assert _said(comm, run)["lr"] == 0.001
+    rc, out, _ = _cli(capsys, "train", "--run-dir", str(run), "--resume")
+    assert rc == 0 and (comm.rank != 0 or "(no setting changed)" in out and "nothing left to train" in out), out
+    if comm.size % 2 == 0:  # the layout is this launch's: what the run derived (strategy dp) is derived again
+        rc, out, err = _cli(capsys, "train", "--run-dir", str(run), "--resume", "--epochs", "4", "--tp", "2")
+        assert rc == 0, out + err
+        assert _said(comm, run)["strategy"] == "hybrid"
+
+
+@pytest.mark.timeout(180)
+def test_refusals_that_suggest_a_command_print_one_that_works(comm, tmp_path, capsys):
+    run = _shared(comm, tmp_path / "run")
+    assert _cli(capsys, "train", *TINY, "--d-model", "24", "--epochs", "1", "--run-dir", str(run))[0] == 0
+    for refused in (("train", *TINY, "--run-dir", str(run)),  # checkpoints there, no --resume
+                    ("train", *TINY, "--run-dir", str(run), "--resume")):  # d_model 16 (TINY), not 24
+        rc, _, err = _cli(capsys, *refused)
+        assert rc == ExitStatus.CONFIG, err
+        command = re.search(r"(hpctrain train --run-dir \S+ --resume)", err).group(1)
+        assert command == f"hpctrain train --run-dir {run} --resume", err
+        again = _cli(capsys, *command.split()[1:])
+        assert again[0] == 0 and (comm.rank != 0 or "resumed from" in again[1]), again

@@ -11,7 +11,9 @@ import pytest
 from hpctrain import errors
 from hpctrain.job import resolve, run
 
-USER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "user_model.py") + ":build"
+# The example users copy (examples/custom_model.py): the tests train exactly what the docs show.
+USER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "custom_model.py")
+USER += ":build"
 SMALL = {"model": USER, "max_samples": 128, "batch_size": 32, "epochs": 1, "d_model": 16, "log_every": 1000}
 
 
@@ -103,3 +105,53 @@ def test_user_model_under_each_layout_matches_one_process(comm, shared_dir, name
     assert s["steps"] == ref["steps"] == 4
     assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4)
     assert s["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-4)
+
+
+# -- regression on your own data (issue 37: the built-in mlp read n_classes; (N,) targets crashed mid-run) --
+
+
+@pytest.mark.parametrize("shape, model", [("n", "mlp"), ("n", USER), ("n1", "mlp"), ("n2", USER)],
+                         ids=["n-mlp", "n-user", "n1-mlp", "n2-user"])
+def test_builtin_mlp_and_your_model_regress_on_your_targets(serial, solo, tmp_path, shape, model):
+    """``--loss mse`` on float targets (N,), (N, 1) or (N, 2): the built-in mlp and examples/custom_model.py
+    train and learn the map (the mlp once stopped at ``'n_classes'``, (N,) targets at a shape error)."""
+    g = np.random.default_rng(0)
+    x = g.normal(size=(256, 5)).astype(np.float32)
+    w = g.normal(size=(5, 2)).astype(np.float32)
+    y = {"n": (x @ w)[:, 0], "n1": (x @ w)[:, :1], "n2": x @ w}[shape]
+    path = _h5(tmp_path / "reg.h5", inputs=x, values=y)
+    s = run({**SMALL, "model": model, "data": path, "x_key": "inputs", "y_key": "values", "loss": "mse",
+             "epochs": 5, "lr": 0.01, "max_samples": None, "run_dir": str(tmp_path / "run")}, solo)
+    assert s["val_loss"] < 0.5 * float((y**2).mean()), s  # it learned the linear map
+
+
+def test_array_dataset_with_1d_float_targets_trains_one_output(comm):
+    """A script's ``ArrayDataset(x, y)`` with y of shape (N,) and a model of one output: the loss takes
+    (B,) targets as (B, 1) (it once raised a shape error at the first step)."""
+    from hpctrain import nn, optim
+    from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
+    from hpctrain.parallel import DataParallelTrainer
+
+    g = np.random.default_rng(0)
+    x = g.normal(size=(64 * comm.size, 3)).astype(np.float32)
+    y = x.sum(axis=1)
+    loader = DataLoader(ArrayDataset(x, y), batch_size=16, sampler=ShardedSampler(len(x), comm.rank, comm.size))
+    model = nn.Sequential(nn.Linear(3, 1, rng=0))
+    tr = DataParallelTrainer(model=model, loss=nn.MSELoss(), optimizer=optim.SGD(model.parameters(), lr=0.1),
+                             comm=comm)
+    stats = tr.fit(loader, epochs=5, progress=False, log_every=10**6)
+    assert stats[-1].loss < 0.1 * stats[0].loss
+
+
+def test_mse_takes_targets_row_by_row_and_never_broadcasts():
+    from hpctrain.nn import MSELoss
+
+    loss = MSELoss()
+    pred = np.array([[1.0], [2.0]])
+    assert loss.forward(pred, np.array([1.0, 4.0])) == 2.0  # (B,) fits (B, 1): (0 + 4) / 2
+    np.testing.assert_array_equal(loss.backward(), [[0.0], [-2.0]])
+    assert loss.forward(np.zeros((2, 6)), np.ones((2, 3, 2))) == 1.0  # (B, ...) with n values per row
+    with pytest.raises(ValueError, match=r"pred shape \(2, 2\) != target shape \(2,\)"):
+        loss.forward(np.zeros((2, 2)), np.zeros(2))  # two outputs, one target: refused, not broadcast
+    with pytest.raises(ValueError, match="pred shape"):
+        loss.forward(np.zeros((3, 1)), np.zeros(2))

@@ -346,7 +346,8 @@ def test_no_whole_replica_left_ends_with_a_checkpoint_and_75(serial, uninterrupt
     how = ("the state before step 8 saved from the survivors' parts" if saved == 7 else
            "no survivor holds the (tp, pp) part(s) [(0, 0)] of the model: the last committed checkpoint is kept")
     assert (f"hpctrain train: preempted on lost rank(s) [{victims.replace(',', ', ')}]: no whole dp replica left, "
-            f"{how}: stopped at step 7; checkpoint {last}; resubmit with --resume to continue") in p.stdout, out
+            f"{how}: stopped at step 7; checkpoint {last}; to continue: mpiexec -n 4 hpctrain train --run-dir "
+            f"{run} --resume") in p.stdout, out
     assert sorted(x.name for x in (run / "checkpoints").glob("ckpt-*.h5")) == sorted({"ckpt-00000005.h5", last.name})
     assert f"step {saved}" in checkpoint.inspect(str(last))
     assert not (run / "summary.json").exists()

@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # The subcommands that start MPI; the others (ckpt, generate, plot, data) never load it.
 NEEDS_MPI = ("info", "train")
-INSTALL_MPI = ("install one: pip install 'hpctrain[mpich]' (MPICH from PyPI), or load the site's MPI module "
-               "(e.g. module load openmpi) and build mpi4py against it (README: Installing on a cluster)")
+INSTALL_MPI = ("install one: pip install mpich (MPICH from PyPI), or load the site's MPI module "
+               "(e.g. module load openmpi) and build mpi4py against it (docs/install.md: Installing on a cluster)")
 
 
 def missing_mpi() -> str | None:

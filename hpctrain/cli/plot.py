@@ -2,7 +2,7 @@
 schedule timeline, as PNG files.
 
 RUN is a run directory of ``hpctrain train`` (or its ``metrics.jsonl``); without RUN the newest
-directory under ``runs/`` is used. matplotlib is optional (``pip install 'hpctrain[plot]'``).
+directory under ``runs/`` is used. matplotlib is optional (``pip install matplotlib``, the extra ``plot``).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
         for path in plot(run, args.out):
             print(path)
     except ImportError:
-        print("hpctrain plot needs matplotlib: pip install matplotlib (or the extra: pip install 'hpctrain[plot]')",
+        print("hpctrain plot needs matplotlib: pip install matplotlib",
               file=sys.stderr)
         return 1
     except (OSError, ValueError) as exc:

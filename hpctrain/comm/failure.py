@@ -200,8 +200,10 @@ def first_traceback(comm: Comm, text: str | None) -> None:
         write_lines(text)
 
 
-def _end_job(code: int) -> None:
-    """Stop the watchdog, let the lines written so far reach the launcher, end every rank."""
+def end_job(code: int) -> None:
+    """End every rank of the job now with ``code`` (``MPI_Abort``): the ``before_abort`` hooks
+    first (the watchdog stops; a test runner shows what it captured), then a pause that lets the
+    lines written so far reach the launcher."""
     for hook in _before_abort:
         hook()
     time.sleep(FLUSH_GRACE)
@@ -237,7 +239,7 @@ def exited(exc: SystemExit, what: str = "hpctrain") -> int:
         return code
     write_lines(f"{what}: rank {rank} of {size} exited with status {code} (sys.exit at "
                 f"{_call_site(exc.__traceback__)}) while the other ranks went on; aborting the whole job")
-    _end_job(code or EXCEPTION_EXIT)
+    end_job(code or EXCEPTION_EXIT)
     return code  # not reached
 
 
@@ -254,7 +256,7 @@ def interrupted(what: str = "hpctrain") -> None:
         return
     if everyone and rank != 0:
         time.sleep(FLUSH_GRACE + 5.0)  # rank 0's abort ends this process
-    _end_job(INTERRUPT_EXIT)
+    end_job(INTERRUPT_EXIT)
 
 
 def end_program(status: int) -> int:
@@ -305,7 +307,7 @@ def abort_job(exc: BaseException, code: int = EXCEPTION_EXIT, head: str = "") ->
         + " and not on every rank; aborting the whole job so the other ranks do not wait forever:\n"
         + text
     )
-    _end_job(code)
+    end_job(code)
 
 
 #: Seconds a survivor that does not speak for the job waits before ending it (``_lost_rank_ends``).

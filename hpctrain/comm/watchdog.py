@@ -40,7 +40,7 @@ from mpi4py import MPI
 from .. import settings
 from ..protocols import Comm
 from . import ulfm
-from .failure import EXCEPTION_EXIT, FLUSH_GRACE, before_abort, write_lines
+from .failure import EXCEPTION_EXIT, before_abort, end_job, write_lines
 from .health import Health
 from .nodes import describe, node_name, nodes
 
@@ -51,7 +51,6 @@ __all__ = ["EXCEPTION_EXIT", "STALL_EXIT", "attach", "begin", "end", "running", 
 _QUERY, _ANSWER = 1, 2
 _POLL = 0.2  # seconds between two looks of the watchdog thread
 _ANSWER_WAIT = 5.0  # how long a stalled rank waits for the others to describe themselves
-_FLUSH_GRACE = FLUSH_GRACE  # pause between the report and MPI_Abort (see failure.py)
 _REPORT_GRACE = 5.0  # beyond _ANSWER_WAIT: a report not done by then is stuck inside MPI
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -207,8 +206,7 @@ class _Dog:
             done.wait()  # the rest of the report makes no MPI call; a non-lead rank waits for the lead
         else:
             self._report_alone(rec, age, limit)
-        time.sleep(_FLUSH_GRACE)
-        MPI.COMM_WORLD.Abort(STALL_EXIT)
+        end_job(STALL_EXIT)  # the before_abort hooks too: a test runner's capture shows the report
 
     def _report_alone(self, rec: tuple, age: float, limit: float) -> None:
         """The stall report without the peers' answers (asking them blocked)."""

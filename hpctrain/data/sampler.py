@@ -30,7 +30,8 @@ class ShardedSampler:
 
     Args:
         num_samples: size of the dataset (> 0).
-        rank, size: this rank and the number of ranks sharing the data (``0 <= rank < size``).
+        rank: this rank among the ranks sharing the data (``0 <= rank < size``).
+        size: the number of ranks sharing the data.
         shuffle: draw a new permutation each epoch (from ``seed`` and the epoch) or keep
             ``range(num_samples)``.
         seed: the seed of the permutations; must be the same on every rank.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import socket
 import time
 from typing import Any
@@ -274,8 +275,9 @@ def check_resume_compatible(config_file: str, wanted: dict[str, Any], keys: tupl
     if diff:
         run_dir = os.path.dirname(config_file) or "."
         raise ConfigError(f"--resume: the run in {run_dir} was made with " + "; ".join(diff)
-                          + ": its checkpoints cannot continue this configuration (nothing was changed; use "
-                          "another --run-dir, or --restart to start over there)")
+                          + ": its checkpoints cannot continue this configuration (nothing was changed). To "
+                          f"continue the run as it was: hpctrain train --run-dir {shlex.quote(run_dir)} --resume; "
+                          "or use another --run-dir, or add --restart to start over there")
 
 
 def set_aside(*paths: str) -> list[tuple[str, str]]:

@@ -50,7 +50,7 @@ def build_model(c: Config, meta: dict[str, Any]) -> Any:
 
     A user's ``--model module:factory`` is called with the Config, its ``info`` filled with
     ``meta`` (the data's facts), and must return a Module (``forward``, ``backward``,
-    ``parameters``, ``named_parameters``, ...; see the README).
+    ``parameters``, ``named_parameters``, ...; see docs/tutorials/your-model.md).
     """
     if c.model not in models.BUILTIN:
         from ..errors import ConfigError

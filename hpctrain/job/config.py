@@ -19,20 +19,54 @@ from .options import _BY_NAME, DERIVED, OPTIONS, Config, Option, flag
 from .sections import SECTIONS, Section, loss_scaler
 
 __all__ = ["DERIVED", "OPTIONS", "SECTIONS", "Config", "Option", "Section", "add_arguments", "as_config", "flag",
-           "loss_scaler", "merge", "read_config", "read_toml", "resolve"]
+           "loss_scaler", "merge", "read_config", "read_settings", "read_toml", "resolve"]
+
+
+#: ``hpctrain train --help``: the sections' flags under these headings, in this order.
+HELP_SECTIONS = {
+    "model": "model: what is trained",
+    "data": "data: what it trains on (--data FILE.h5, or the built-in sets)",
+    "parallel": "parallel layout: how the job is split over the ranks (dp is what tp x pp leaves)",
+    "optim": "optimizer and learning rate",
+    "runtime": "length, device, progress and failures",
+    "checkpoint": "run directory, checkpoints, resume",
+    "precision": "precision (mixed 16-bit training)",
+    "reduction": "gradient all-reduce",
+}
+
+#: The end of ``hpctrain train --help`` (tests/test_train_config.py parses each line).
+EXAMPLES = """examples:
+  mpiexec -n 2 hpctrain train                                    # MLP classifier on the built-in set, dp=2
+  mpiexec -n 2 hpctrain train --dry-run                          # try everything once, say what a run would do
+  mpiexec -n 4 hpctrain train --strategy hybrid --tp 2           # tensor parallel x data parallel
+  mpiexec -n 4 hpctrain train --model gpt --pp 2 --epochs 1      # a GPT in 2 pipeline stages x 2 replicas
+  mpiexec -n 2 hpctrain train --data mine.h5 --x-key inputs --y-key targets --loss mse   # your regression
+  mpiexec -n 2 hpctrain train --model examples/custom_model.py:build                     # your model
+  mpiexec -n 2 hpctrain train --config recipes/gpt_shakespeare.toml --lr 1e-3            # a file; flags win
+  mpiexec -n 2 hpctrain train --run-dir runs/a --resume          # continue runs/a as its config.json says
+  mpiexec -n 2 hpctrain train --run-dir runs/a --resume --epochs 6   # ... to 6 epochs in all (kept)
+more: docs/tutorials/first-run.md and docs/reference/training-controls.md"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``hpctrain train``: ``--config FILE`` plus one per option (unset unless given)."""
+    """The flags of ``hpctrain train``: ``--config FILE`` plus one per option (unset unless given),
+    grouped by the configuration's sections, then examples."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the examples keep their lines
+    p.epilog = EXAMPLES
+    p.usage = "%(prog)s [-h] [--config FILE] [--FLAG VALUE ...]   (flags by section below)"
     p.add_argument("--config", metavar="FILE",
-                   help="TOML file with the same keys as the flags, or the config.json a run wrote")
+                   help="TOML file with the same keys as the flags, or the config.json a run wrote "
+                        "(--resume reads the run's config.json itself)")
+    section_of = {name: s.name for s in ALL_SECTIONS for name in s.fields}
+    groups = {name: p.add_argument_group(title) for name, title in HELP_SECTIONS.items()}
     for o in OPTIONS:
+        g = groups[section_of[o.name]]
         default = "" if o.default is None else f" [{o.default}]"
         if o.type is bool:
-            p.add_argument(flag(o.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+            g.add_argument(flag(o.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=o.help + default)
         else:
-            p.add_argument(flag(o.name), type=o.type, choices=o.choices, default=argparse.SUPPRESS,
+            g.add_argument(flag(o.name), type=o.type, choices=o.choices, default=argparse.SUPPRESS,
                            metavar=o.name.upper() if o.choices is None else None, help=o.help + default)
 
 
@@ -40,7 +74,8 @@ def read_config(path: str) -> dict[str, Any]:
     """The settings of a TOML file (top level or ``[train]``) or of a run's ``config.json``.
 
     Keys are checked against the options (a misspelt key is refused with the closest name);
-    a JSON file may also hold the derived fields a run wrote, which are dropped.
+    a JSON file may also hold the derived fields a run wrote, which are dropped, and so are the
+    settings it lists as filled in by ``resolve`` (``unset``): they are derived again.
     """
     from ..files.h5safe import regular_file
 
@@ -52,7 +87,10 @@ def read_config(path: str) -> dict[str, Any]:
                 raw = json.load(f)
             if not isinstance(raw, dict):
                 raise ConfigError(f"config file {path} must hold a JSON object, got {type(raw).__name__}")
-            raw = {k: v for k, v in raw.items() if k not in DERIVED}
+            # What that run's resolve filled in (its layout, the optimizer's defaults) is derived
+            # again for this job, as if not given: a run's settings, not its launch's.
+            unset = raw.get("unset") if isinstance(raw.get("unset"), list) else []
+            raw = {k: v for k, v in raw.items() if k not in DERIVED and k not in unset}
         else:
             try:
                 import tomllib
@@ -115,6 +153,32 @@ def merge(file_values: dict[str, Any], flags: dict[str, Any]) -> Config:
     return Config(**values)
 
 
+#: Settings of a run's config.json a resume does not take over: what this job itself asks.
+NOT_INHERITED = ("resume", "restart")
+
+
+def read_settings(config_file: str | None, flags: dict[str, Any]) -> tuple[Config, dict[str, tuple[Any, Any]] | None]:
+    """The job's settings: defaults < the run's ``config.json`` < ``--config FILE`` < the flags.
+
+    The run's ``config.json`` counts only for ``--resume`` with a run directory that has one: a
+    resume continues the run as it was last configured, and what this job changes (listed in the
+    returned ``{name: (run's value, this job's value)}``; ``None`` when not resuming) is written
+    back to ``config.json`` by the job, so the next resume keeps it.
+    """
+    import os
+
+    file_values = read_config(config_file) if config_file else {}
+    given = {**file_values, **{k: v for k, v in flags.items() if k in _BY_NAME}}
+    saved = os.path.join(given["run_dir"], "config.json") if given.get("resume") and given.get("run_dir") else None
+    if saved is None or not os.path.exists(saved):
+        return merge(file_values, flags), None
+    base = {k: v for k, v in read_config(saved).items() if k not in NOT_INHERITED}
+    cfg = merge({**base, **file_values}, flags)
+    before, now = merge(base, {}).to_dict(), cfg.to_dict()
+    changed = {k: (before[k], now[k]) for k in given if k not in NOT_INHERITED and now[k] != before[k]}
+    return cfg, changed
+
+
 def as_config(cfg: Config | dict[str, Any]) -> Config:
     """``cfg`` itself, or a dict of options (refused if it names no option) over the defaults."""
     if isinstance(cfg, Config):
@@ -125,6 +189,11 @@ def as_config(cfg: Config | dict[str, Any]) -> Config:
     return merge({}, {k: v for k, v in cfg.items() if k not in DERIVED})
 
 def _runtime_values(c: Config) -> None:
+    if c.logger == "tensorboard":
+        from ..training.tensorboard import missing
+
+        if missing() is not None:  # refused before training, not at the first step
+            raise ConfigError(f"--logger tensorboard: {missing()}")
     if c.timeout is not None:
         from ..settings import resolve_timeout
 
@@ -140,8 +209,8 @@ def _runtime(c: Config, world: int) -> None:
 #: Every section in the order ``resolve`` runs them: each may read what the earlier ones settled.
 ALL_SECTIONS: tuple[Section, ...] = (
     *SECTIONS,
-    Section("runtime", ("epochs", "max_steps", "log_every", "eval_every", "timeout", "on_rank_loss", "on_nonfinite",
-                        "device"), _runtime, _runtime_values),
+    Section("runtime", ("epochs", "max_steps", "log_every", "logger", "eval_every", "timeout", "on_rank_loss",
+                        "on_nonfinite", "device", "dry_run"), _runtime, _runtime_values),
 )
 
 
@@ -153,10 +222,12 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
     ``ALL_SECTIONS`` checks its own settings: first every value alone, then the rules between them.
     """
     c = as_config(cfg).replace()  # a copy: the caller's config stays as given
+    empty = [o.name for o in OPTIONS if getattr(c, o.name) is None]
     for section in ALL_SECTIONS:
         section.check_values(c)
     for section in ALL_SECTIONS:
         section.rules(c, world)
+    c.unset = [name for name in empty if getattr(c, name) is not None]
     return c
 
 

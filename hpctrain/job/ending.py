@@ -90,8 +90,8 @@ _started: set[str] = set()
 
 
 def started(run_dir: str) -> None:
-    """Every rank, once the job's claim of ``run_dir`` passed: :func:`recorded` will write its ending."""
-    _started.add(run_dir)
+    """Every rank, once the run's state is settled: :func:`recorded` will write the job's ending."""
+    _started.add(os.path.abspath(run_dir))
 
 
 @contextlib.contextmanager
@@ -112,10 +112,11 @@ def recorded(run_dir: str, leader: Callable[[], bool]) -> Iterator[None]:
         message = str(exc).split("\n", 1)[0][:500] or type(exc).__name__
         raise
     finally:
-        if run_dir in _started and speaks and leader():
+        key = os.path.abspath(run_dir)
+        if key in _started and speaks and leader():
             _write(run_dir, {**(read(run_dir) or {}), "state": state, "exit_status": int(status), "message": message,
                              "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-        _started.discard(run_dir)
+        _started.discard(key)
 
 
 def last_step(run_dir: str) -> int | None:

@@ -55,8 +55,9 @@ def build_gpt(c: Config, meta: dict[str, Any]) -> nn.GPT:
 
 
 def build_classifier(c: Config, meta: dict[str, Any]) -> nn.Sequential:
-    """``--model mlp``: a flat Sequential so a pipeline can cut it anywhere; MLP blocks so tensor
-    parallelism has something to shard (fc1 column-wise, fc2 row-wise).
+    """``--model mlp``, a classifier (``--loss ce``) or a regressor (``--loss mse``): a flat
+    Sequential so a pipeline can cut it anywhere; MLP blocks so tensor parallelism has something to
+    shard (fc1 column-wise, fc2 row-wise).
 
     With ``--dropout``, a Dropout after each hidden activation, seeded from a generator of its
     own so the weights are the same with and without it.
@@ -69,5 +70,11 @@ def build_classifier(c: Config, meta: dict[str, Any]) -> nn.Sequential:
     for _ in range(c.n_layers):
         drop = [nn.Dropout(c.dropout, rng=int(masks.integers(2**31)))] if c.dropout else []
         layers += [nn.MLP(d, CLASSIFIER_HIDDEN * d, rng=rng), nn.GELU(), *drop]
-    layers.append(nn.Linear(d, meta["n_classes"], rng=rng))
+    layers.append(nn.Linear(d, outputs(meta), rng=rng))
     return nn.Sequential(*layers)
+
+
+def outputs(meta: dict[str, Any]) -> int:
+    """The output width the data asks for: its classes (``--loss ce``) or its regression targets'
+    values per row (``--loss mse``: 1 for targets of shape (N,))."""
+    return int(meta["n_classes"] if "n_classes" in meta else meta["n_out"])

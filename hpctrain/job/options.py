@@ -41,8 +41,8 @@ class Config:
     tp: int | None = field(default=None, metadata=_opt("tensor-parallel group size (tp: all ranks; hybrid: 1)",
                                                          at_least=1))
     pp: int | None = field(default=None, metadata=_opt("pipeline stages (pp: all ranks; hybrid: 1)", at_least=1))
-    model: str = field(default="mlp", metadata=_opt("mlp: classifier on the built-in set; gpt: character-level "
-                                                     "GPT; or your own, package.module:factory or "
+    model: str = field(default="mlp", metadata=_opt("mlp: an MLP (a classifier; a regressor with --loss mse); "
+                                                     "gpt: character-level GPT; or your own, package.module:factory or "
                                                      "path/to/file.py:factory (a callable taking this Config "
                                                      "and returning a Module)"))
     data: str | None = field(default=None, metadata=_opt("HDF5 file (keys --x-key/--y-key, or --tokens-key for "
@@ -55,7 +55,8 @@ class Config:
                                                                "--block-size (default for --model gpt: tokens)"))
     loss: str = field(default="ce", metadata=_opt("ce: cross-entropy on class indices; mse: mean squared error "
                                                   "on float targets", ("ce", "mse")))
-    epochs: int = field(default=3, metadata=_opt("passes over the training data", at_least=1))
+    epochs: int = field(default=3, metadata=_opt("passes over the training data in all: a --resume trains up to "
+                                                 "this many, not this many more", at_least=1))
     batch_size: int = field(default=64, metadata=_opt("global batch: samples per optimizer step over the whole job",
                                                           at_least=1))
     lr: float | None = field(default=None, metadata=_opt("learning rate (default: 3e-3 adam/adamw; sgd: 0.1, "
@@ -75,6 +76,9 @@ class Config:
                                                                      "(default: once per epoch)", at_least=1))
     resume: bool = field(default=False, metadata=_opt("continue from the newest checkpoint in the checkpoint "
                                                       "directory (a missing or empty one: start fresh)"))
+    dry_run: bool = field(default=False, metadata=_opt("build everything, take one step, one evaluation and a "
+                                                       "checkpoint round trip, say what a full run would do, and "
+                                                       "stop (nothing is written to the run directory)"))
     restart: bool = field(default=False, metadata=_opt("start over in a run directory that holds checkpoints "
                                                        "(they and metrics.jsonl are moved aside, not deleted)"))
     d_model: int = field(default=64, metadata=_opt("model width", at_least=1))
@@ -94,6 +98,9 @@ class Config:
     val_fraction: float = field(default=0.1, metadata=_opt("share of the data held out for the final evaluation",
                                                            finite=True))
     log_every: int = field(default=20, metadata=_opt("steps between progress lines", at_least=1))
+    logger: str = field(default="jsonl", metadata=_opt("jsonl: the metrics in RUN_DIR/metrics.jsonl; tensorboard: "
+                                                       "also TensorBoard event files in RUN_DIR/tensorboard, from "
+                                                       "rank 0 (needs tensorboardX)", ("jsonl", "tensorboard")))
     # Training controls.
     max_steps: int | None = field(default=None, metadata=_opt("stop after this many steps in all (the epochs "
                                                               "stay an upper bound)", at_least=1))
@@ -151,6 +158,9 @@ class Config:
     #: Facts of the opened data a model factory may need (``n_in``, ``x_shape``, ``n_classes`` or
     #: ``n_out``, ``vocab_size``, ``path``): filled by the job before it calls the factory.
     info: dict | None = field(default=None, metadata=_derived("facts of the opened data"))
+    #: The settings ``resolve`` filled in because none was given (the layout, the optimizer's
+    #: defaults, what ends the job on a lost rank): a resume derives them again for its own launch.
+    unset: list | None = field(default=None, compare=False, metadata=_derived("settings resolve filled in"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``config.json`` holds and ranks compare)."""

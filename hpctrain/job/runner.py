@@ -26,8 +26,9 @@ from . import ending
 from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .callbacks import LearningRate, Validation
-from .config import _BY_NAME, Config, merge, read_config, resolve
+from .config import _BY_NAME, Config, read_settings, resolve
 from .inputs import data_path, open_data
+from .resume import AfterResume, claim, describe_changes, resume_command
 from .sections import nccl_problem
 from .summary import finite_or_none, format_summary
 from .trace import Timeline
@@ -127,6 +128,10 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     agree(comm, "hpctrain train configuration", c.to_dict())
     device = pick_device(c, comm)
     limit_blas_threads(comm)
+    if c.dry_run:  # one of everything, nothing written to the run directory
+        from .dryrun import dry_run
+
+        return dry_run(c, comm, _build(c, comm, device), everywhere)
     if c.run_dir is None:  # a new directory nobody else can get, even starting in the same second
         c.run_dir = comm.bcast_obj(everywhere(comm, lambda: rundir.new_run_dir("runs") if comm.rank == 0 else None))
     # config.json keeps the setting as given, so a run started from it with another --run-dir
@@ -145,6 +150,9 @@ def run(cfg: Config | dict[str, Any], comm: Any = None, callbacks: Sequence[Any]
     except ReplicaLeft:  # rank 0's replica left (--on-rank-loss shrink): the job goes on in this directory
         locks = []
         raise
+    except Preempted as stop:  # the command says how to continue: in this run directory
+        stop.run_dir = c.run_dir
+        raise
     finally:
         if comm.rank == 0:
             for lock in reversed(locks):
@@ -161,50 +169,6 @@ def _acquire(locks: list[rundir.RunLock]) -> None:
         for lock in reversed(taken):
             lock.release()
         raise
-
-
-#: Settings a resumed run must share with the run it continues (the model, its data, its optimizer
-#: state, the data order): anything else (epochs, layout, cadence) may change across a resume.
-RESUME_KEYS = ("model", "data", "d_model", "n_layers", "n_heads", "block_size", "optimizer", "seed",
-               "max_samples", "val_fraction")
-
-
-def _claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunLock | None) -> None:
-    """Rank 0, holding the locks: clean up after dead jobs and decide what may happen to the files
-    already in the run directory, before anything is written there."""
-    from .. import checkpoint
-
-    rundir.clean_stale_temporaries(c.run_dir, c.checkpoint_dir)
-    if c.restart:
-        moved = rundir.set_aside(c.checkpoint_dir, metrics, os.path.join(c.run_dir, "trace.json"))
-        for old, new in moved:
-            if ckpt_lock is not None and old == c.checkpoint_dir:  # its lock file went along
-                ckpt_lock.moved(new)
-        if moved:
-            _log.info("started over (--restart): moved %s", ", ".join(f"{a} to {b}" for a, b in moved))
-    elif c.resume:
-        rundir.check_resume_compatible(os.path.join(c.run_dir, "config.json"), given, RESUME_KEYS)
-    elif checkpoint.list_checkpoints(c.checkpoint_dir):
-        raise ConfigError(f"{c.checkpoint_dir} already holds checkpoints: pass --resume to continue that run, "
-                          f"--restart to start it over (its files are moved aside), or choose another --run-dir")
-
-
-class _AfterResume:
-    """A ``fit`` callback for the moment the run's state is settled (resumed, or fresh): rank 0
-    says how the last job in the run directory ended and records this one as running
-    (``job.ending``), writes ``config.json`` and drops the metrics lines an interrupted job wrote
-    after its last checkpoint (the resumed job makes those steps again). A refused resume leaves
-    all of them as they were."""
-
-    def __init__(self, rank: int, run_dir: str, config: dict[str, Any], metrics: str, size: int) -> None:
-        self.rank, self.run_dir, self.config, self.metrics, self.size = rank, run_dir, config, metrics, size
-
-    def on_fit_start(self, trainer: Any) -> None:
-        ending.started(self.run_dir)  # (every rank: whoever speaks for the job at its end records how)
-        if self.rank == 0:
-            ending.start(self.run_dir, self.size)
-            rundir.write_exclusive(os.path.join(self.run_dir, "config.json"), json.dumps(self.config, indent=1))
-            rundir.trim_metrics(self.metrics, trainer.global_step)
 
 
 @dataclass
@@ -236,7 +200,7 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Any, callbacks: Sequence
     """The job once its directories are locked: claim them, build, train (resuming inside
     ``fit``), evaluate the final checkpoint, write the summary."""
     metrics = os.path.join(c.run_dir, "metrics.jsonl")
-    everywhere(comm, lambda: _claim(c, given, metrics, ckpt_lock) if comm.rank == 0 else None)
+    everywhere(comm, lambda: claim(c, given, metrics, ckpt_lock) if comm.rank == 0 else None)
     setup = _build(c, comm, device)
     if comm.rank == 0:
         _announce(c, setup, device)
@@ -317,12 +281,16 @@ def _hooks(c: Config, given: dict[str, Any], comm: Any, setup: _Setup, callbacks
     """The ``fit`` callbacks of the job, in order: the resume bookkeeping first, the user's, the
     validation loss, the learning rate, the timeline, and the rank-loss recovery last."""
     hooks: list[Any] = [
-        _AfterResume(comm.rank, c.run_dir, {**given, "dp": c.dp, "local_batch": c.local_batch, "info": setup.meta},
-                     metrics, comm.size),
+        AfterResume(comm.rank, os.path.join(c.run_dir, "config.json"),
+                    {**given, "dp": c.dp, "local_batch": c.local_batch, "info": setup.meta}, metrics, comm.size),
         *callbacks, LearningRate(), timeline,
     ]
     if c.eval_every:
         hooks.insert(1 + len(callbacks), Validation(c, setup.meta, setup.val_set, comm, c.eval_every))
+    if c.logger == "tensorboard":  # after the callbacks that add the lr and the validation loss
+        from ..training.tensorboard import TensorBoardLogger
+
+        hooks.append(TensorBoardLogger(os.path.join(c.run_dir, "tensorboard")))
     if c.on_rank_loss == "shrink" and comm.size > 1:
         from ..resilience import RankLoss
 
@@ -424,14 +392,16 @@ def _main(args: argparse.Namespace) -> int:
     try:
         comm = Communicator()
         # Read on every rank, verdict shared: a file missing on one node fails the whole job.
-        cfg = everywhere(comm, lambda: merge(read_config(args.config) if args.config else {}, flags))
+        cfg, changed = everywhere(comm, lambda: read_settings(args.config, flags))
+        if changed is not None and comm.rank == 0:
+            _log.info("resuming the run in %s as its config.json says%s", cfg.run_dir, describe_changes(changed))
         run(cfg, comm)
     except ReplicaLeft as left:  # its tp/pp group lost a member: the whole replicas go on without it
         print(f"[rank {world_rank()}] hpctrain train: this rank leaves the job: {left}", flush=True)
         return ExitStatus.OK
     except Preempted as stop:
         if world_rank() == ulfm.leader():  # rank 0, or the survivors' rank 0 if it was lost
-            print(f"hpctrain train: {stop}; resubmit with --resume to continue", flush=True)
+            print(f"hpctrain train: {stop}; to continue: {resume_command(stop.run_dir, comm.size)}", flush=True)
         return ExitStatus.PREEMPTED
     except HpctrainError as exc:
         # Raised on every rank: said once. On some ranks only (a rank's own wait timed out, say):

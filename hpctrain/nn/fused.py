@@ -5,7 +5,7 @@ several passes over memory in NumPy (one per operation); a fused kernel makes on
 them from PyTorch's fused kernels (GELU's tanh and the softmax's exp stay NumPy's vectorised
 passes: Numba would call the C library's scalar functions). The NumPy code stays the fallback
 and the reference: the kernels are used only when Numba is importable (``pip install
-'hpctrain[fast]'``), on NumPy arrays that are C-contiguous and of one floating dtype; CuPy
+numba``, the extra ``fast``), on NumPy arrays that are C-contiguous and of one floating dtype; CuPy
 arrays never reach them. GELU and Adam give bitwise the NumPy code's results, LayerNorm and the
 attention softmax the same to rounding (they sum rows in float64), the embedding backward too
 (it adds rows one after another, as ``np.add.at``).
@@ -46,7 +46,7 @@ def kernels() -> ModuleType | None:
         return None
     k = _load()
     if k is None and choice:
-        raise ConfigError("HPCTRAIN_FUSED=1 needs Numba, which is not importable (pip install 'hpctrain[fast]')")
+        raise ConfigError("HPCTRAIN_FUSED=1 needs Numba, which is not importable (pip install numba)")
     return k
 
 

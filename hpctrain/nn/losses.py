@@ -9,6 +9,7 @@ added, 1 otherwise): the loss is then ``sum(w * l) / sum(w)``, so padded samples
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -136,6 +137,20 @@ def check_targets(target: Any, n_classes: int, who: str) -> Any:
     return target
 
 
+def _as_rows_of(target: Any, pred: Any) -> Any:
+    """``target`` in ``pred``'s shape: as it is, or, for a prediction of rows ``(B, n)``, targets
+    ``(B,)`` (one output, n = 1) or ``(B, ...)`` holding n values per row (what ``--loss mse`` reads
+    from a file), taken row by row. Anything else is a ``ValueError`` naming both shapes (never a
+    broadcast: ``(B, 1) - (B,)`` would be a ``(B, B)`` difference)."""
+    if target.shape == pred.shape:
+        return target
+    if pred.ndim == 2 and target.ndim >= 1 and target.shape[0] == pred.shape[0] \
+            and math.prod(target.shape[1:]) == pred.shape[1]:
+        return target.reshape(pred.shape)
+    raise ValueError(f"MSELoss: pred shape {pred.shape} != target shape {target.shape} (targets of shape (B,) "
+                     "fit one output (B, 1); (B, ...) fit (B, n) with n values per row)")
+
+
 class MSELoss:
     """Mean squared error over all elements (the widely used reference's default)."""
 
@@ -143,8 +158,7 @@ class MSELoss:
         self.cache = None
 
     def forward(self, pred: Any, target: Any, weight: Any = None) -> float:
-        if pred.shape != target.shape:
-            raise ValueError(f"MSELoss: pred shape {pred.shape} != target shape {target.shape}")
+        target = _as_rows_of(target, pred)
         diff = pred - target.astype(pred.dtype, copy=False)
         sq = diff * diff
         w, denom = _per_sample_weight(weight, sq)

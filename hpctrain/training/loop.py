@@ -109,7 +109,21 @@ class Loop:
             and 0 < int(pending.get("position", 0)) < _length(self.sampler)
         )
         if t.comm.rank == 0:
-            _log.info("resumed from %s at step %d, epoch %d", path, t.global_step, t.epoch)
+            _log.info("resumed from %s at step %d, %s", path, t.global_step, self._progress(pending))
+
+    def _progress(self, pending: Any) -> str:
+        """Where a resume stands in the epochs, which count the whole run (a resume trains up to
+        ``epochs`` in all, not ``epochs`` more)."""
+        t = self.trainer
+        if self.resumed_mid_epoch:
+            return f"in epoch {t.epoch + 1} of {self.epochs} (epochs count the whole run, resumes included)"
+        finished = pending is not None and int(pending.get("epoch", -1)) == t.epoch \
+            and int(pending.get("position", 0)) >= _length(self.sampler)
+        done = t.epoch + 1 if finished else t.epoch
+        text = f"{done} of {self.epochs} epochs done (epochs count the whole run, resumes included)"
+        if done >= self.epochs and (self.max_steps is None or t.global_step < self.max_steps):
+            text += f": nothing left to train; give more than {done} epochs to go on"
+        return text
 
     def run(self, hooks: Callbacks) -> list[StepStats]:
         """The epochs (collective); ``on_fit_end`` runs also when training raises."""

@@ -182,7 +182,11 @@ class TrainStep:
         from ..nn.losses import collect_target_checks
 
         self.reducer.zero_grad()
-        with collect_target_checks() as targets:  # read with the step's one transfer below
+        # fp16 with a loss scaler: a gradient overflowing (and the inf - inf after it) is what the
+        # scaler looks for (the step is skipped, the scale halves), not a warning for the user;
+        # NumPy would print one per overflow.
+        overflow = "ignore" if self.precision.scaler is not None else "warn"
+        with collect_target_checks() as targets, np.errstate(over=overflow, invalid=overflow):  # targets: read below
             loss_part, extra, fb_comm = self._forward_backward(batch)
         self._release_caches()
         comm_s = fb_comm + self.reducer.finish()

@@ -1,8 +1,10 @@
-"""A model of your own for ``hpctrain train``: the protocol, runnable.
+"""A model of your own for ``hpctrain train``: the protocol, runnable (from a clone of the repository).
 
-    mpiexec -n 2 hpctrain train --model tests/user_model.py:build              # data parallel
-    mpiexec -n 2 hpctrain train --model tests/user_model.py:build --tp 2       # its nn.MLP split over tp
-    mpiexec -n 2 hpctrain train --model tests/user_model.py:build --pp 2       # a Sequential: cut into stages
+    mpiexec -n 2 hpctrain train --model examples/custom_model.py:build              # data parallel
+    mpiexec -n 2 hpctrain train --model examples/custom_model.py:build --tp 2       # its nn.MLP split over tp
+    mpiexec -n 2 hpctrain train --model examples/custom_model.py:build --pp 2       # a Sequential: cut into stages
+
+With an installed wheel, copy this file (the documentation shows it whole) and name your copy.
 
 The factory takes the job's ``hpctrain.job.Config`` (every flag as a typed field; ``config.info``
 holds the data's facts: ``n_in``, ``x_shape``, ``n_classes`` with ``--loss ce`` or ``n_out`` with

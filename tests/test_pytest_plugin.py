@@ -1,0 +1,163 @@
+"""The pytest plugin for users' MPI tests (hpctrain/testing, the ``pytest11`` entry point).
+
+Each case runs a small test file under a real ``mpiexec -n 2 python -m pytest --with-mpi`` (the
+form pytest-mpi documents) or ``python -m mpi4py -m pytest``, bounded by a timeout: without the
+plugin the hanging cases run into that timeout and the reporting cases print every rank's
+summary, so each check here fails without it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jobs import clean_env, mpiexec
+
+PYTEST = ("-m", "pytest")
+MPI4PY_PYTEST = ("-m", "mpi4py", "-m", "pytest")
+
+FAILS_BEFORE_A_COLLECTIVE = """
+    import pytest
+    from mpi4py import MPI
+
+    @pytest.mark.mpi(min_size=2)
+    def test_rank0_fails_first():
+        comm = MPI.COMM_WORLD
+        if comm.rank == 0:
+            print("rank 0 is about to fail")
+            assert comm.rank == 1, "rank 0 fails before the collective"
+        comm.allreduce(1)  # rank 1 waits here for a rank 0 that never comes
+
+    def test_next():
+        assert MPI.COMM_WORLD.allreduce(1) == MPI.COMM_WORLD.size
+"""
+
+ONE_RANK_FAILS_ALONE = """
+    import pytest
+    from mpi4py import MPI
+
+    @pytest.mark.mpi(min_size=2)
+    def test_rank1_fails_alone():
+        if MPI.COMM_WORLD.rank == 1:
+            print("rank 1 says why")
+            assert 1 == 2, "only rank 1 fails"
+
+    def test_collective_after():
+        assert MPI.COMM_WORLD.allreduce(1) == MPI.COMM_WORLD.size
+
+    def test_skipped_everywhere():
+        pytest.skip("a reason")
+
+    def test_fails_alike_everywhere():
+        assert MPI.COMM_WORLD.size == 0, "every rank fails alike"
+"""
+
+
+def _run(tmp_path, body: str, *extra: str, n: int = 2, entry=PYTEST, timeout: float = 90):
+    """``mpiexec -n n python ENTRY --with-mpi -q FILE EXTRA``: (completed process, seconds)."""
+    (tmp_path / "test_user.py").write_text(textwrap.dedent(body))
+    cmd = [mpiexec(), "-n", str(n), sys.executable, *entry, "--with-mpi", "-q", "-p", "no:cacheprovider",
+           "test_user.py", *extra]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+                       env=clean_env(COLUMNS="200"))
+    return p, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("entry", [PYTEST, MPI4PY_PYTEST], ids=["pytest", "mpi4py"])
+def test_a_rank_failing_before_a_collective_ends_the_job_within_seconds(serial, tmp_path, entry):
+    p, took = _run(tmp_path, FAILS_BEFORE_A_COLLECTIVE, "--mpi-failure-grace", "2", entry=entry)
+    out = p.stdout + p.stderr
+    assert p.returncode == 3, out
+    assert took < 45, f"took {took:.0f} s"  # the failure grace (2 s) plus start-up on a loaded machine
+    assert "test_user.py::test_rank0_fails_first FAILED on rank 0, and rank(s) [1] did not finish it" in out
+    assert "AssertionError: rank 0 fails before the collective" in out  # the report, not swallowed
+    assert "rank 0 is about to fail" in out  # and its captured output
+    assert "ending the job (MPI_Abort, exit 3)" in out
+
+
+def test_a_failure_on_one_rank_fails_on_every_rank_and_rank0_reports_once(serial, tmp_path):
+    p, _ = _run(tmp_path, ONE_RANK_FAILS_ALONE, entry=MPI4PY_PYTEST)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stdout.count("short test summary info") == 1  # one summary for the job
+    assert p.stdout.count("2 failed, 1 passed, 1 skipped") == 1
+    assert "FAILED test_user.py::test_rank1_fails_alone - [rank 1] AssertionError: only rank 1 fails" in p.stdout
+    assert "passed on rank 0; failed on rank(s) 1" in p.stdout
+    assert "rank 1 says why" in p.stdout  # rank 1's captured output, in rank 0's report
+    # The same error on every rank: rank 0's traceback, and one line for the others.
+    assert p.stdout.count("AssertionError: every rank fails alike") == 3, p.stdout  # traceback, alike line, summary
+    assert "failed alike on rank(s) 1 (call): AssertionError: every rank fails alike" in p.stdout
+    assert "MPI Information" not in p.stdout and "MPI: 2 ranks" in p.stdout
+
+
+def test_exitfirst_stops_every_rank_at_the_same_test(serial, tmp_path):
+    # Without agreement rank 1 stops after its failure and rank 0 waits in the next collective.
+    p, _ = _run(tmp_path, ONE_RANK_FAILS_ALONE, "-x")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "stopping after 1 failures" in p.stdout and "1 failed in" in p.stdout
+    assert "test_fails_alike_everywhere" not in p.stdout
+
+
+def test_a_rank_that_stops_answering_ends_the_job_naming_the_test(serial, tmp_path):
+    body = """
+        import time
+        from mpi4py import MPI
+
+        def test_rank1_hangs():
+            if MPI.COMM_WORLD.rank == 1:
+                time.sleep(120)
+    """
+    p, took = _run(tmp_path, body, "--mpi-timeout", "2")
+    out = p.stdout + p.stderr
+    assert p.returncode == 3 and took < 45, (took, out)
+    assert "test_user.py::test_rank1_hangs passed on rank 0, but rank(s) [1] did not finish it within 2 s" in out
+
+
+def test_a_stall_report_inside_a_test_is_not_swallowed_by_capture(serial, tmp_path):
+    body = """
+        import time
+        import numpy as np
+        import hpctrain as ht
+
+        def test_stalls():
+            comm = ht.Communicator()
+            comm.set_timeout(2)
+            if comm.rank == 0:
+                time.sleep(120)
+            comm.allreduce(np.ones(1))
+    """
+    p, took = _run(tmp_path, body)
+    assert p.returncode == 3 and took < 45, (took, p.stdout + p.stderr)
+    assert "the job ends during test_user.py::test_stalls; this rank's captured output" in p.stderr
+    assert "StallError on rank 1: allreduce" in p.stderr and "[rank 1] [rank 1]" not in p.stderr
+
+
+def test_ranks_that_collect_different_tests_are_refused(serial, tmp_path):
+    body = """
+        import pytest
+        from mpi4py import MPI
+
+        @pytest.mark.parametrize("i", range(1 + MPI.COMM_WORLD.rank))
+        def test_depends_on_the_rank(i):
+            MPI.COMM_WORLD.barrier()
+    """
+    p, took = _run(tmp_path, body)
+    assert p.returncode == 2 and took < 45, p.stdout + p.stderr
+    assert "the ranks collected different tests (rank 0: 1 tests, 0 collection errors, rank 1: 2 tests" in p.stdout
+
+
+def test_one_rank_is_plain_pytest(serial, tmp_path):
+    p, _ = _run(tmp_path, ONE_RANK_FAILS_ALONE, n=1)
+    assert p.returncode == 1 and "1 failed, 1 passed, 2 skipped" in p.stdout, p.stdout + p.stderr
+    assert "agree on each test's outcome" not in p.stdout
+
+
+def test_the_plugin_is_installed_and_agrees_in_this_suite(comm, request):
+    """``make test`` runs under it: registered by the entry point, agreeing when there are ranks."""
+    manager = request.config.pluginmanager
+    assert manager.get_plugin("hpctrain") is not None
+    assert (manager.get_plugin("hpctrain-mpi-agreement") is not None) == (comm.size > 1)

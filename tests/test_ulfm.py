@@ -8,6 +8,7 @@ expect from the library this interpreter runs.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import time
@@ -292,36 +293,73 @@ def test_a_checkpoint_written_after_a_shrink_resumes_under_another_layout(serial
 # -- dp x tp: a broken tensor-parallel group leaves as a whole replica ------------------------------
 
 
-@pytest.mark.fault
-@pytest.mark.timeout(170)
-@pytest.mark.parametrize(("layout", "replica"), [
-    (("--tp", "2"), [2, 3]), (("--pp", "2", "--microbatches", "2"), [1, 3]), (("--tp", "2", "--zero", "1"), [2, 3]),
-])
-def test_a_broken_tp_group_leaves_and_the_whole_replicas_go_on(serial, uninterrupted, tmp_path, layout, replica):
-    # tp=2 (or pp=2) x dp=2: ``replica`` is the world ranks of dp replica 1. One of them is
-    # killed at a random step: its partner leaves saying so (exit 0), replica 0 goes on alone with
-    # the whole global batch and ends where the uninterrupted run ends. With --zero 1 each tp rank
-    # of replica 0 held the optimizer-state pieces of its dp partner in replica 1 as its buddy:
-    # they come back from that copy (the leaving partner's and the lost rank's alike).
-    pick = random.Random()
-    victim, step = pick.choice(replica), pick.randrange(1, 19)
+#: tp=2 or pp=2 x dp=2: the flags, and the world ranks of dp replica 1.
+LAYOUTS = {"tp2": (("--tp", "2"), [2, 3]), "pp2": (("--pp", "2", "--microbatches", "2"), [1, 3])}
+
+
+def _broken_replica(uninterrupted, tmp_path, layout: str, zero: int, where: str, victim: int, step: int) -> None:
+    """Kill ``victim`` of replica 1 at ``step`` (``where``: as the step begins, or just before it
+    sends its ZeRO pieces to its buddy) and check the job ends as the uninterrupted one, once."""
+    flags, replica = LAYOUTS[layout]
     (partner,) = set(replica) - {victim}
     env = clean_env(HPCTRAIN_DATA=str(uninterrupted / "data"))
-    p = hpctrain("kill", str(victim), str(step), "--", *KILL_RUN, *layout, "--run-dir", str(tmp_path / "run"),
+    run = tmp_path / "run"
+    p = hpctrain(where, str(victim), str(step), "--", *KILL_RUN, *flags, "--zero", str(zero), "--run-dir", str(run),
                  n=4, env=env, launch=ulfm_flags(), entry=FAULT, cwd=REPO)
-    said = f"(victim {victim}, step {step})\n{p.stdout}{p.stderr}"
+    said = f"({layout} --zero {zero}, {where} victim {victim} at step {step})\n{p.stdout}{p.stderr}"
     assert p.returncode == 0, said
     assert (f"[rank {partner}] hpctrain train: this rank leaves the job: its dp replica lost rank(s) [{victim}]; "
             "1 whole replica(s) go on") in p.stdout, said
-    assert (f"hpctrain: lost rank(s) [{victim}] in step {step + 1}: going on with 2 rank(s), 12 sample(s) each of "
-            "the 1 whole replica(s)") in p.stdout, said
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert [(e["step"], e["ranks"]) for e in summary["rank_loss"]] == [(step + 1, [victim])], said
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # The step redone: the interrupted one, or (its pieces for the buddy lost with the victim) the
+    # one before, the same for every part's dp group.
+    redone = re.findall(rf"hpctrain: lost rank\(s\) \[{victim}\] in step (\d+): going on with 2 rank\(s\), 12 "
+                        r"sample\(s\) each of the 1 whole replica\(s\)", p.stdout)
+    assert len(redone) == 1 and int(redone[0]) in ((step,) if where == "kill-buddy" else (step, step + 1)), said
+    summary = json.loads((run / "summary.json").read_text())
+    assert [(e["step"], e["ranks"]) for e in summary["rank_loss"]] == [(int(redone[0]), [victim])], said
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 21)) and all(m["samples"] == 12 for m in metrics), said
-    want, got = _final_params(uninterrupted / "run"), _final_params(tmp_path / "run")
+    _counted_once(run, p.stdout, said)
+    want, got = _final_params(uninterrupted / "run"), _final_params(run)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{name} {said}")
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize(("layout", "zero", "where"), [
+    ("tp2", 0, "kill"), ("pp2", 0, "kill"), ("tp2", 1, "kill"), ("tp2", 3, "kill"),
+    ("tp2", 2, "kill-buddy"), ("tp2", 3, "kill-buddy"), ("pp2", 2, "kill-buddy"), ("pp2", 3, "kill-buddy"),
+])
+def test_a_broken_tp_group_leaves_and_the_whole_replicas_go_on(serial, uninterrupted, tmp_path, layout, zero, where):
+    # tp=2 (or pp=2) x dp=2: a member of dp replica 1 is killed at a random step: its partner
+    # leaves saying so (exit 0), replica 0 goes on alone with the whole global batch and ends where
+    # the uninterrupted run ends. Under ZeRO each tp (pp) rank of replica 0 held the pieces of its
+    # dp partner in replica 1 as its buddy: they come back from that copy. kill-buddy kills the
+    # victim just before it sends this step's copy: its buddy then holds the step before while the
+    # other part's group holds this one; they once decided apart (one read the last checkpoint, the
+    # other stepped on: a stall, issue 38) and now agree on the step before.
+    pick = random.Random()
+    _broken_replica(uninterrupted, tmp_path, layout, zero, where, pick.choice(LAYOUTS[layout][1]),
+                    pick.randrange(2, 19))
+
+
+RACE_RUNS = int(os.environ.get("HPCTRAIN_TEST_RACE", "0") or 0)
+
+
+@pytest.mark.race
+@pytest.mark.fault
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("run", range(RACE_RUNS))
+def test_losses_under_tp_or_pp_with_zero_2_or_3_repeated(serial, uninterrupted, tmp_path, run):
+    # HPCTRAIN_TEST_RACE=N (make test-openmpi runs a bounded count): N random losses of a
+    # member of replica 1 under tp=2 or pp=2 x dp=2 with --zero 2 or 3, at random steps, as the
+    # step begins or as the victim sends its pieces to its buddy (issue 38: the race stalled most
+    # such jobs).
+    pick = random.Random()
+    layout, zero, where = pick.choice(list(LAYOUTS)), pick.choice([2, 3]), pick.choice(["kill", "kill-buddy"])
+    _broken_replica(uninterrupted, tmp_path, layout, zero, where, pick.choice(LAYOUTS[layout][1]),
+                    pick.randrange(2, 19))
 
 
 @pytest.mark.fault

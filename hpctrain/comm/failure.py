@@ -330,7 +330,7 @@ def _lost_rank_ends(exc: BaseException, rank: int, size: int, code: int) -> None
         time.sleep(SPEAKER_GRACE)  # the speaker's MPI_Abort normally ends this process first
     write_lines(f"hpctrain: {who} died (a lost process: killed, out of memory, its node gone; rank {rank} "
                 f"saw it: {exc}); ending the job: {ulfm.hint()}")
-    _end_job(code)
+    end_job(code)
 
 
 def fail(exc: BaseException, *, code: int = 2, what: str = "hpctrain") -> int:

@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 from ..comm import Communicator, failure, ulfm, watchdog
 from ..errors import Preempted, RankLossError, ReplicaLeft
 from ..log import get_logger
-from . import groups
+from . import buddies, groups
 from .buddies import Buddies
 
 _log = get_logger("resilience")
@@ -152,12 +152,16 @@ class RankLoss:
         replica, whole = groups.replicas(trainer.grid, old_world, lost)
         if not whole:
             self._end_without_replica(trainer, comm, lost, step, old_world)
+        missing: list[tuple[int, int]] = []
+        if self.buddies is not None and step >= 0:  # ZeRO: a step whose pieces every part's group holds
+            step, missing = self._pieces_step(trainer, comm, step, old_world, {w for w, d in replica.items()
+                                                                                   if d in whole})
         self._check(trainer, comm, lost, step, whole)
         if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
             self._snapshots[step].restore(trainer)
             self._snapshots = {step: self._snapshots[step]}
         comm = self._leave_broken(trainer, comm, lost, replica[ulfm.world_rank()] in whole, len(whole))
-        read = self._rebind(trainer, comm, old_dp, lost, step)
+        read = self._rebind(trainer, comm, old_dp, lost, step, missing)
         ulfm.set_leader(comm.mpi)
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
         self.events.append(event)
@@ -170,6 +174,20 @@ class RankLoss:
             _log.warning("lost rank(s) %s in step %d: going on with %d rank(s), %d sample(s) %s per step, from %s",
                          lost, step + 1, comm.size, self.global_batch // dp, each, start)
         return True
+
+    def _pieces_step(self, trainer: Any, comm: Communicator, step: int, old_world: list[int],
+                     whole_members: set[int]) -> tuple[int, list[tuple[int, int]]]:
+        """ZeRO: the step to redo, agreed by every survivor (one allgather over them): ``step`` or
+        the one before, the newest every survivor going on can go back to and whose pieces every
+        tp x pp part's dp group holds; and the ``(dp rank, world rank)`` pieces missing when
+        neither is (then every survivor reads the last checkpoint, or ends). Decided per dp group
+        alone, a part whose buddy copy of this step was lost with the rank read the checkpoint
+        while the others went on, and their collectives no longer matched (issue 38)."""
+        mine, left = self.buddies.steps()
+        held = comm.allgather_obj((ulfm.world_rank(), mine, left, sorted(self._snapshots), trainer.global_step))
+        goes_on = {w for w, *_ in held} & whole_members
+        grid = trainer.grid
+        return buddies.common_step([step, step - 1], held, old_world, grid.tp_size, grid.pp_size, goes_on)
 
     def _shrink(self, trainer: Any) -> tuple[Communicator, list[int], int]:
         """The survivors' communicator, every world rank lost, and the step to redo. More ranks
@@ -278,7 +296,7 @@ class RankLoss:
         return mine
 
     def _rebind(self, trainer: Any, comm: Communicator, old_dp: ulfm.Handle, lost: list[int],
-                step: int) -> str | None:
+                step: int, missing: list[tuple[int, int]]) -> str | None:
         """Point the trainer, its gradient reduction and its data at the survivors' communicator
         (ZeRO: with the state from before ``step`` put together from the pieces, see ``Buddies``;
         the checkpoint read instead, when pieces were lost with their buddy, is returned)."""
@@ -290,7 +308,13 @@ class RankLoss:
         trainer.comm, trainer.dp = grid.world, grid.dp
         if self.buddies is not None:
             _drop_reducer(trainer)
-            problem = self.buddies.rebuild(trainer, old_dp, step)
+            problem = None
+            if missing:  # (the same on every survivor: agreed in _pieces_step)
+                problem = (f"no copy of the ZeRO pieces of dp rank(s) {sorted({d for d, _ in missing})} (world "
+                           f"{sorted(w for _, w in missing)}) survived: a rank and its buddy (the next dp rank) "
+                           "were lost together")
+            else:
+                problem = self.buddies.rebuild(trainer, old_dp, step)
             if problem is not None:
                 if trainer.last_checkpoint is None:
                     raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}; "

@@ -163,6 +163,8 @@ class RankLoss:
         comm = self._leave_broken(trainer, comm, lost, replica[ulfm.world_rank()] in whole, len(whole))
         read = self._rebind(trainer, comm, old_dp, lost, step, missing)
         ulfm.set_leader(comm.mpi)
+        if not lost:  # a communicator of an earlier loss raised, nobody new died: no loss to record
+            return True
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
         self.events.append(event)
         self._pending = {"event": event, "t0": t0}

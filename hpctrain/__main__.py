@@ -1,7 +1,5 @@
 """``python -m hpctrain ...``: the same as the ``hpctrain`` command."""
 
-import sys
+from .cli import command
 
-from .cli import main
-
-sys.exit(main())
+command()

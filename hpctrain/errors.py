@@ -82,6 +82,12 @@ class CheckpointError(HpctrainError, RuntimeError):
     """A checkpoint is corrupt, truncated, foreign or does not fit the trainer."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a read-only or full file system, a quota, an I/O error):
+    nothing of it was committed, and the checkpoints committed before it are intact. ``hpctrain
+    train`` exits with ``ExitStatus.CHECKPOINT_WRITE``."""
+
+
 class ConfigError(HpctrainError, ValueError):
     """A configuration (flags, TOML file, layout) is invalid."""
 
@@ -115,6 +121,8 @@ class ExitStatus(IntEnum):
     STALL = 3
     #: Refused before or instead of training: configuration, data, checkpoints, run directory.
     CONFIG = 4
+    #: A checkpoint could not be written (read-only or full file system): the last one is intact.
+    CHECKPOINT_WRITE = 5
     #: Stopped on a signal with a checkpoint of the step (sysexits' EX_TEMPFAIL: try again).
     PREEMPTED = 75
     #: Ctrl-C pressed again while stopping: ended at once, no checkpoint (128 + SIGINT).

@@ -149,6 +149,35 @@ def cuda_kernels() -> bool | None:
     return env_bool("HPCTRAIN_CUDA_KERNELS", None)
 
 
+#: The shortest checkpoint key accepted (bytes): an HMAC key shorter than this is guessable.
+MIN_KEY_BYTES = 16
+
+
+def checkpoint_key() -> bytes | None:
+    """The key checkpoints are signed and verified with (an HMAC over every byte of their files,
+    see ``hpctrain.checkpoint.seal``): ``HPCTRAIN_CHECKPOINT_KEY`` (the key itself) or
+    ``HPCTRAIN_CHECKPOINT_KEY_FILE`` (a file holding it; a trailing newline is not part of it).
+    ``None`` when neither is set: checkpoints are then sealed against damage, not signed."""
+    raw = os.environ.get("HPCTRAIN_CHECKPOINT_KEY", "")
+    path = os.environ.get("HPCTRAIN_CHECKPOINT_KEY_FILE", "").strip()
+    if raw and path:
+        raise ConfigError("HPCTRAIN_CHECKPOINT_KEY and HPCTRAIN_CHECKPOINT_KEY_FILE are both set: give one")
+    key = raw.encode()
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"HPCTRAIN_CHECKPOINT_KEY_FILE={path!r} is not a readable file")
+        try:
+            with open(path, "rb") as f:
+                key = f.read(1 << 16).rstrip(b"\r\n")
+        except OSError as exc:
+            raise ConfigError(f"HPCTRAIN_CHECKPOINT_KEY_FILE={path!r} cannot be read ({exc.strerror})") from None
+    if (raw or path) and len(key) < MIN_KEY_BYTES:
+        where = "HPCTRAIN_CHECKPOINT_KEY_FILE's file" if path else "HPCTRAIN_CHECKPOINT_KEY"
+        raise ConfigError(f"{where} holds a {len(key)}-byte key: a checkpoint key has at least {MIN_KEY_BYTES} "
+                          "bytes (e.g. `openssl rand -hex 32`)")
+    return key or None
+
+
 #: Every HPCTRAIN_* variable the library reads, with its parser (``check_environment`` runs them).
 PARSERS = {
     "HPCTRAIN_TIMEOUT": resolve_timeout,
@@ -161,6 +190,8 @@ PARSERS = {
     "HPCTRAIN_PROGRESS": progress,
     "HPCTRAIN_FUSED": fused,
     "HPCTRAIN_CUDA_KERNELS": cuda_kernels,
+    "HPCTRAIN_CHECKPOINT_KEY": checkpoint_key,
+    "HPCTRAIN_CHECKPOINT_KEY_FILE": checkpoint_key,
 }
 
 

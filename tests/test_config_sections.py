@@ -25,6 +25,10 @@ CASES = [
     ("model", ["--model", "mlp", "--tie-embeddings"], 'model = "mlp"\ntie_embeddings = true\n', {"model": "mlp"},
      "--tie-embeddings ties the GPT's head to its token embedding; --model mlp has none (a model of your own "
      "ties its weights itself)"),
+    ("model", ["--loss", "mse"], 'loss = "mse"\n', {},
+     "--model mlp is a classifier: it trains with --loss ce on class indices, not --loss mse; a model of yours "
+     "(--model package.module:factory) trains on float targets, with config.info['n_out'] outputs"),
+    ("model", ["--seed", "-1"], "seed = -1\n", {}, "--seed must be >= 0, got -1"),
     ("data", ["--val-fraction", "1.5"], "val_fraction = 1.5\n", {},
      "--val-fraction must be between 0 and 1, got 1.5"),
     ("parallel", ["--zero", "5"], "zero = 5\n", {}, "--zero must be 0, 1, 2 or 3, got 5"),

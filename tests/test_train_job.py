@@ -376,7 +376,8 @@ def test_exit_statuses_are_documented():
     text = (REPO / "docs" / "reference" / "command-line.md").read_text()
     table = dict(re.findall(r"^\| (\d+) \| (\w+)", text, flags=re.M))
     assert {int(k): v for k, v in table.items()} == {
-        0: "done", 1: "failure", 2: "usage", 3: "stall", 4: "refused", 75: "preempted", 130: "interrupted"}
+        0: "done", 1: "failure", 2: "usage", 3: "stall", 4: "refused", 5: "unsaved", 75: "preempted",
+        130: "interrupted"}
     assert sorted(int(s) for s in ExitStatus) == sorted(int(k) for k in table)
 
 

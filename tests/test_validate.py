@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain.comm.validate import _first_difference, _ranges, agree, describe_model, digest
+from hpctrain.comm.validate import _first_difference, agree, describe_model, digest, rank_ranges
 from hpctrain.errors import MismatchError
 
 
@@ -21,8 +21,8 @@ def test_first_difference_names_the_path():
 
 
 def test_ranges():
-    assert _ranges([0, 1, 2, 5]) == "0-2,5"
-    assert _ranges([3]) == "3"
+    assert rank_ranges([0, 1, 2, 5]) == "0-2,5"
+    assert rank_ranges([3]) == "3"
 
 
 def test_describe_model_sorted():

@@ -25,16 +25,17 @@ from ..errors import CheckpointError
 from ..log import get_logger
 from ..protocols import Checkpointable
 from . import seal
-from .checkpointer import Checkpointer, save, wait
-from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index
+from .checkpointer import Checkpointer, checkpointer_of, save, wait
+from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index, step_of
 from .header import read_header
 from .inspection import inspect, verify
 from .loading import load, load_weights
 from .saving import busy, remove
 
 __all__ = [
-    "Checkpointer", "FORMAT", "FORMAT_VERSION", "beyond_keep", "checkpoint_path", "copy", "inspect", "list_checkpoints",
-    "load", "load_latest", "load_weights", "read_header", "remove", "save", "save_in", "verify", "wait",
+    "Checkpointer", "FORMAT", "FORMAT_VERSION", "beyond_keep", "checkpoint_path", "checkpointer_of", "copy", "inspect",
+    "list_checkpoints", "load", "load_latest", "load_weights", "read_header", "remove", "save", "save_in", "set_aside",
+    "step_of", "verify", "wait",
 ]
 
 _log = get_logger("checkpoint")
@@ -44,8 +45,26 @@ _norm_index = norm_index  # the name tests and older callers use
 def save_in(directory: str, trainer: Checkpointable, keep: int = 3, *, asynchronous: bool = False) -> str:
     """Save as ``ckpt-<step>.h5`` in ``directory``; once it is committed (for an asynchronous save:
     when a later call commits it), delete what :func:`beyond_keep` names and the part files of
-    interrupted saves. Collective."""
+    interrupted saves. A checkpoint :func:`load_latest` skipped at that name (damaged, another
+    run's) is first moved aside, whole, into ``<name>.skipped-<date>-<time>/`` beside it: never
+    written over. Collective."""
+    from ..comm.validate import raise_if_any
+
     path = checkpoint_path(directory, trainer.global_step)
+    skipped = checkpointer_of(trainer).skipped
+    if path in skipped:
+        comm, moved, problem = trainer.comm, None, None
+        if comm.rank == 0:
+            try:
+                moved = set_aside(path)
+            except OSError as exc:
+                problem = CheckpointError(f"cannot move {path}, which the resume skipped, aside before writing "
+                                          f"step {trainer.global_step} over its name: {exc}")
+        raise_if_any(comm, problem)
+        del skipped[path]
+        if moved is not None and comm.rank == 0:
+            _log.warning("moved %s, which the resume skipped, aside to %s/ before writing step %d at its name "
+                         "(nothing was deleted)", path, moved, trainer.global_step)
 
     def clean() -> None:
         for old in beyond_keep(directory, path, keep):
@@ -53,6 +72,33 @@ def save_in(directory: str, trainer: Checkpointable, keep: int = 3, *, asynchron
         _remove_orphans(directory)
 
     return save(path, trainer, asynchronous=asynchronous, after=clean)
+
+
+def set_aside(path: str) -> str | None:
+    """Move the checkpoint ``path`` (its index file and every part directory of its name) into a
+    new directory ``<path>.skipped-<date>-<time>`` beside it, where it stays loadable; returns
+    that directory (``None`` when nothing is at ``path`` any more). Not collective."""
+    import time
+
+    from .format import PARTS_SUFFIX
+
+    if not os.path.lexists(path):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = f"{path}.skipped-{stamp}", 1
+    while True:
+        try:
+            os.mkdir(target)
+            break
+        except FileExistsError:
+            n += 1
+            target = f"{path}.skipped-{stamp}-{n}"
+    where, base = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    for name in os.listdir(where):
+        if name.startswith(base + ".") and name.endswith(PARTS_SUFFIX) and not busy(os.path.join(where, name)):
+            os.rename(os.path.join(where, name), os.path.join(target, name))
+    os.rename(path, os.path.join(target, base))
+    return target
 
 
 def beyond_keep(directory: str, committed: str, keep: int) -> list[str]:
@@ -66,8 +112,8 @@ def beyond_keep(directory: str, committed: str, keep: int) -> list[str]:
     """
     if keep <= 0:
         return []
-    step = int(_NAME.search(committed).group(1))
-    older = [p for p in list_checkpoints(directory) if int(_NAME.search(p).group(1)) < step]
+    step = step_of(committed)
+    older = [p for p in list_checkpoints(directory) if step_of(p) < step]
     return older[:max(0, len(older) - (keep - 1))]
 
 
@@ -119,11 +165,14 @@ def load_latest(directory: str, trainer: Checkpointable) -> str | None:
     comm = trainer.comm
     candidates = comm.bcast_obj(list_checkpoints(directory) if comm.rank == 0 else None)
     failures: list[tuple[str, str]] = []
+    skipped = checkpointer_of(trainer).skipped
+    skipped.clear()
     for path in reversed(candidates):
         try:
             load(path, trainer)
         except (CheckpointError, FileNotFoundError) as exc:
             failures.append((path, str(exc)))
+            skipped[path] = str(exc)
             if comm.rank == 0:
                 _log.warning("skipping checkpoint %s: %s", path, exc)
             continue
@@ -132,8 +181,12 @@ def load_latest(directory: str, trainer: Checkpointable) -> str | None:
         return path
     if not failures:
         return None
-    err = CheckpointError(
-        f"no checkpoint in {directory} loads: " + "; ".join(f"{os.path.basename(p)}: {why}" for p, why in failures)
-    )
+    # One reason said once for every file it refuses (another seed, another model), naming them.
+    by_why: dict[str, list[str]] = {}
+    for p, why in failures:
+        why = why.replace(f"checkpoint {p}: ", "").replace(f"checkpoint {p}", "it").replace(p, "it")
+        by_why.setdefault(why, []).append(os.path.basename(p))
+    err = CheckpointError(f"no checkpoint in {directory} loads: "
+                          + "; ".join(f"{', '.join(names)}: {why}" for why, names in by_why.items()))
     err.failures = failures  # type: ignore[attr-defined]
     raise err

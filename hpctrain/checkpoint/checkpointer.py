@@ -9,6 +9,7 @@ the trainer's checkpointer; nothing is kept on the trainer's or the communicator
 
 from __future__ import annotations
 
+import shutil
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_host
-from ..errors import CheckpointError
+from ..errors import CheckpointWriteError
 from ..log import get_logger
 from ..protocols import Checkpointable, Comm
 from . import format as fmt
@@ -67,6 +68,9 @@ class Checkpointer:
         self.job: Job | None = None
         #: Host buffers an asynchronous save copies slabs into, by slab name, kept across saves.
         self.buffers: dict[str, np.ndarray] = {}
+        #: Checkpoints the last ``load_latest`` skipped (damaged, another run's): ``{path: why}``,
+        #: the same on every rank. ``save_in`` moves one aside before it writes over its name.
+        self.skipped: dict[str, str] = {}
 
     def private(self, comm: Comm) -> Comm:
         """The private communicator for a save over ``comm`` (the trainer's communicator, which a
@@ -100,7 +104,7 @@ class Checkpointer:
         job.write()
         job.finish()
         if job.error:
-            raise CheckpointError(job.error)
+            raise CheckpointWriteError(job.error)
         return path
 
     def _fill(self, job: Job, pieces: dict[str, tuple], shapes: dict[str, tuple], slabs: dict[str, list],
@@ -167,10 +171,31 @@ class Checkpointer:
             job.commit()
         job.error = job.raw.bcast_obj(job.error, root=0)
         if older:
-            raise CheckpointError(older)
+            raise CheckpointWriteError(older)
         if job.error:
-            raise CheckpointError(job.error)
+            raise CheckpointWriteError(job.error)
         return job.result
+
+    def abandon(self) -> str | None:
+        """After lost ranks: drop the background save in flight, uncommitted (agreeing on it
+        would need the dead): its writer thread joined, its part directory removed. Returns its
+        path (``None``: none was in flight). Not collective; the next save makes a private
+        communicator over the survivors."""
+        job = self.job
+        if job is None:
+            return None
+        self.job = None
+        if job.thread is not None:  # (no MPI in it: it finishes on its own)
+            job.thread.join()
+            job.thread = None
+        if job.previous is not None and job.previous.error:  # rank 0's commit of the save before it ran there
+            _log.warning("%s", job.previous.error)
+        job.previous = None
+        from .saving import _IN_FLIGHT
+
+        shutil.rmtree(job.parts_path, ignore_errors=True)
+        _IN_FLIGHT.discard(job.parts_path)
+        return job.path
 
     def _handover(self) -> Job | None:
         """For an asynchronous save: finish the previous one's writing (join, agree) and return it
@@ -185,7 +210,7 @@ class Checkpointer:
                 prev.commit()
                 if prev.error:
                     _log.warning("%s", prev.error)
-            raise CheckpointError(older)
+            raise CheckpointWriteError(older)
         return prev if prev.raw.rank == 0 else None
 
 

@@ -49,9 +49,28 @@ Box = tuple[tuple[int, int], ...]
 # -- names -----------------------------------------------------------------------------------
 
 
+#: The largest counter a checkpoint's state may hold (a step, an epoch, a position): far beyond
+#: any run, well inside int64 and the 8+ digits of a checkpoint's name. A seal proves a file is
+#: whole, not that its values are sane: loads refuse anything outside ``[least, MAX_COUNT]``.
+MAX_COUNT = 10**12
+
+
+def whole(value: Any, what: str, least: int = 0) -> int:
+    """``value`` when it is a whole number in ``[least, MAX_COUNT]``, else ``ValueError`` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_COUNT:
+        raise ValueError(f"its {what} is {value!r}, not a whole number from {least} to {MAX_COUNT:,}")
+    return value
+
+
 def checkpoint_path(directory: str, step: int) -> str:
     """``directory/ckpt-<step, 8 digits>.h5``."""
     return os.path.join(directory, f"ckpt-{step:08d}.h5")
+
+
+def step_of(path: str) -> int | None:
+    """The step a checkpoint's name ``ckpt-<step>.h5`` says (``None`` for another name)."""
+    named = _NAME.fullmatch(os.path.basename(path))
+    return int(named.group(1)) if named else None
 
 
 def list_checkpoints(directory: str) -> list[str]:
@@ -62,7 +81,7 @@ def list_checkpoints(directory: str) -> list[str]:
     except OSError:
         return []
     found = [os.path.join(directory, n) for n in names if _NAME.fullmatch(n)]
-    return sorted(found, key=lambda p: int(_NAME.search(p).group(1)))
+    return sorted(found, key=step_of)
 
 
 def parts_dir_name(path: str, token: str) -> str:

@@ -57,4 +57,10 @@ def _summary(path: str, header: dict[str, Any]) -> str:
         states = sorted(k[len(prefix):] for k in index if k.startswith(prefix) and "/" not in k[len(prefix):])
         lines.append(f"  {name:<40} {str(tuple(entry['shape'])):<18} {entry['dtype']}  {' '.join(states)}")
     lines.append(f"  {total:,} parameters in {slabs} slabs from {len(writers)} writer(s); all checksums verified")
+    keyed = (header.get("seal") or {}).get("keyed")
+    if keyed is not None:
+        from .. import settings
+
+        verified = "verified with your key" if settings.checkpoint_key() else "not verified: no key set"
+        lines.append(f"  signed with key id {keyed['key_id']} ({verified})")
     return "\n".join(lines)

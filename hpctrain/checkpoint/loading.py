@@ -208,7 +208,11 @@ def load(path: str, trainer: Checkpointable) -> dict[str, Any]:
     checkpointer_of(trainer).wait()
     comm = trainer.comm
     header = _agreed_header(path, comm)
-    staged, problems, wanted = stage(path, trainer, header, tree=comm.rank == 0)
+    state, refused = _checked_state(path, header, trainer)
+    if refused is None:
+        staged, problems, wanted = stage(path, trainer, header, tree=comm.rank == 0)
+    else:  # nothing read: the ranks still meet below, whatever each found
+        staged, problems, wanted = {}, [refused], set()
     everyone = comm.allgather_obj((problems, sorted(wanted)))
     all_problems = list(dict.fromkeys(p for ps, _ in everyone for p in ps))
     corrupt = [p for p in all_problems if "fit this model" not in p and p.startswith("checkpoint ")]
@@ -222,14 +226,34 @@ def load(path: str, trainer: Checkpointable) -> dict[str, Any]:
         if k[6:] in ties else "") for k in sorted(stored - all_wanted)]
     if all_problems:
         raise CheckpointError(f"checkpoint {path} does not fit this model: " + "; ".join(all_problems[:6]))
-    try:
-        state = fmt.from_json(header["trainer_state"], header["state_arrays"])
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {path}: damaged trainer state ({type(exc).__name__}: {exc})") from None
     problem = commit(trainer, staged, state, header)
     raise_if_any(comm, problem, what=f"checkpoint {path}: cannot restore the trainer state (nothing was changed)")
     header.pop("state_arrays", None)
     return header
+
+
+def _checked_state(path: str, header: dict[str, Any], trainer: Checkpointable) -> tuple[Any, str | None]:
+    """The trainer state of the checkpoint ``path`` and why it is refused before anything is read
+    (``None``: it is not): damaged JSON, a step that is not the one its name says, a value out
+    of range or that this trainer cannot take (its optional ``state_problem``; see
+    ``training.state``). The same verdict on every rank (the header is rank 0's)."""
+    try:
+        state = fmt.from_json(header["trainer_state"], header["state_arrays"])
+    except Exception as exc:
+        return None, f"checkpoint {path}: damaged trainer state ({type(exc).__name__}: {exc})"
+    if not isinstance(state, dict):
+        return None, f"checkpoint {path}: damaged trainer state (a {type(state).__name__}, not a dict)"
+    opt = header.get("optimizer") or {}
+    check = getattr(trainer, "state_problem", None)  # optional in the trainer interface
+    try:
+        fmt.whole(opt.get("step", 0) if isinstance(opt, dict) else None, "optimizer step")
+        why = check(state) if check is not None else None
+    except ValueError as exc:
+        why = str(exc)
+    named = fmt.step_of(path)
+    if why is None and named is not None and state.get("global_step") != named:
+        why = f"holds step {state.get('global_step')!r}, not the step {named} its name says (renamed?)"
+    return state, (f"checkpoint {path}: {why}" if why else None)
 
 
 def commit(trainer: Checkpointable, staged: dict[str, Any], state: Any, header: dict[str, Any]) -> BaseException | None:

@@ -107,7 +107,7 @@ def write_part(path: str, items: list[tuple[str, np.ndarray]]) -> dict[str, Any]
         # bytes between them (HDF5 metadata, padding) read back.
         size = os.fstat(fd).st_size
         extents = [(off, byte_view(arr)) for _, arr, off in placed if off is not None and arr.size]
-        digests[WHOLE_FILE] = [size, seal.pieces_digest(fd, size, extents)]
+        digests[WHOLE_FILE] = [size, *seal.pieces_digest(fd, size, extents)]  # (+ HMAC, key id: signed)
     finally:
         os.close(fd)
         if direct is not None:

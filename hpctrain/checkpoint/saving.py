@@ -249,7 +249,7 @@ class Job:
                 os.makedirs(self.parts_path, exist_ok=True)
                 mine = write_part(os.path.join(self.parts_path, fmt.part_file(self.comm.rank)), self.items)
         except BaseException as exc:
-            mine = ("error", f"rank {self.comm.rank}: {why(exc)}")
+            mine = ("error", why(exc))
         self.items = []  # the snapshot is on disk (or lost); its buffers stay with the checkpointer
         self.written = mine
 
@@ -269,9 +269,15 @@ class Job:
 
     def _collected(self, everyone: list[Any] | None) -> None:
         if self.raw.rank == 0:
-            errors = [m[1] for m in everyone if isinstance(m, tuple)]
-            if errors:
-                self.error = f"cannot write checkpoint {self.path}: " + "; ".join(errors[:4])
+            by_why: dict[str, list[int]] = {}  # one reason said once, with the ranks it stopped
+            for rank, m in enumerate(everyone):
+                if isinstance(m, tuple):
+                    by_why.setdefault(m[1], []).append(rank)
+            if by_why:
+                from ..comm.failure import rank_ranges
+
+                self.error = f"cannot write checkpoint {self.path}: " + "; ".join(
+                    f"rank{'s' if len(rs) > 1 else ''} {rank_ranges(rs)}: {w}" for w, rs in list(by_why.items())[:4])
             self.everyone = everyone
         self.result = self.path
 

@@ -16,6 +16,7 @@ from .. import __version__, backend
 from .. import job as _job
 from . import generate as _generate
 from . import plot as _plot
+from . import status as _status
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
@@ -152,6 +153,8 @@ COMMANDS: dict[str, Command] = {
     "generate": ("sample text from a GPT checkpoint (a run directory or a checkpoint file; no MPI)",
                  _generate.add_arguments, _generate.main),
     "plot": ("draw loss and throughput curves of a run to PNG (needs matplotlib)", _plot.add_arguments, _plot.main),
+    "status": ("how the last job in a run directory ended (finished, preempted, failed, or without a word); no "
+               "MPI", _status.add_arguments, _status.main),
     "data": ("built-in data sets: `hpctrain data make [--dir D]` writes them as HDF5", _data_args, run_data),
 }
 
@@ -160,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpctrain", description="MPI training for HPC clusters",
                                      epilog="exit statuses: 0 done, 1 failure, 2 usage, 3 stall (watchdog), "
                                             "4 refused (configuration, data, checkpoints, run directory), "
+                                            "5 a checkpoint could not be written (the last one is intact), "
                                             "75 preempted (checkpoint written; resubmit with --resume), "
                                             "130 interrupted (Ctrl-C twice)")
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
@@ -219,5 +223,17 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(log.ROOT).removeHandler(handler)
 
 
+def command(argv: list[str] | None = None) -> None:
+    """The ``hpctrain`` program (``python -m hpctrain`` too): :func:`main`, then, for a command
+    that started MPI, its end (``comm.failure.end_program``: MPI finalized while a Ctrl-C can
+    still be told apart from a crash); exits with the status."""
+    status = main(argv)
+    if "mpi4py.MPI" in sys.modules:  # (imported only by the commands that start MPI)
+        from ..comm.failure import end_program
+
+        status = end_program(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

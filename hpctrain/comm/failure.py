@@ -35,6 +35,8 @@ from ..protocols import Comm
 EXCEPTION_EXIT = 1
 #: Exit status of a job ended by Ctrl-C (128 + SIGINT, as a shell reports it).
 INTERRUPT_EXIT = 130
+#: Exit status of a job stopped at a step with its checkpoint (``errors.ExitStatus.PREEMPTED``).
+PREEMPTED_EXIT = 75
 #: Seconds a failing rank waits for the others to fail alike before it ends the whole job.
 AGREE_GRACE = 3.0
 # MPI_Abort makes the launcher kill every process at once; output still in its forwarding pipes
@@ -61,7 +63,7 @@ def before_abort(hook: Callable[[], None]) -> None:
         _before_abort.append(hook)
 
 
-def _ranges(ranks: list[int]) -> str:
+def rank_ranges(ranks: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5'."""
     out, start = [], ranks[0]
     for prev, cur in zip(ranks, ranks[1:] + [None]):
@@ -73,6 +75,16 @@ def _ranges(ranks: list[int]) -> str:
 
 def _world() -> tuple[int, int]:
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def _write_once(size: int, text: str) -> None:
+    """:func:`write_lines` once MPI is finalized (the rank prefix as before)."""
+    prefix = "[rank 0] " if size > 1 else ""
+    try:
+        sys.stderr.write(prefix + text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def write_lines(text: str) -> None:
@@ -167,7 +179,7 @@ def say_once(text: str) -> None:
     if len(by_text) == 1:
         write_lines(text)
     else:
-        write_lines("\n".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {t}" for t, rs in by_text.items()))
+        write_lines("\n".join(f"rank{'s' if len(rs) > 1 else ''} {rank_ranges(rs)}: {t}" for t, rs in by_text.items()))
 
 
 def user_traceback(exc: BaseException) -> str | None:
@@ -247,20 +259,77 @@ def interrupted(what: str = "hpctrain") -> None:
     end_job(INTERRUPT_EXIT)
 
 
+def end_program(status: int) -> int:
+    """The ``hpctrain`` program's last MPI act, after its command returned ``status``: run the
+    exit hooks, then ``MPI_Finalize`` now, with SIGINT and SIGTERM held; returns the status to
+    exit with.
+
+    Left to the interpreter's exit, ``MPI_Finalize`` runs after Python has put the default
+    signal actions back, while a rank may still wait there for a slower one: a Ctrl-C then
+    killed the process by signal, which ``mpiexec`` reports as exit status 2 ("usage"). Held,
+    it is seen once MPI is done: after a stop (status 75, the checkpoint written) it is the
+    Ctrl-C pressed again, and the status is 130, the interrupt's; after any other ending the
+    job had already ended as its status says. Later signals stay held until the process ends."""
+    import atexit
+    import signal
+
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return status
+    came: list[int] = []
+    # Handlers, not a signal mask: a mask holds the signal off this thread only, and the kernel
+    # hands a process's signal to any thread that does not (MPI's and ours run beside this one).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: came.append(signum))
+    # What must run before MPI_Finalize (atexit: the stall watchdog stopped, windows freed),
+    # run now and not again at exit. (A private function of CPython's atexit, the one way in.)
+    atexit._run_exitfuncs()
+    rank, size = _world()
+    MPI.Finalize()
+    if status == PREEMPTED_EXIT and signal.SIGINT in came:
+        if rank == 0:
+            _write_once(size, "hpctrain: interrupted (Ctrl-C again) while the job ended; its checkpoint was written "
+                        f"(exit status {INTERRUPT_EXIT})")
+        status = INTERRUPT_EXIT
+    return status
+
+
 def abort_job(exc: BaseException, code: int = EXCEPTION_EXIT, head: str = "") -> None:
     """Print this rank's traceback of ``exc`` and end every rank of the job (``MPI_Abort``)."""
     from . import ulfm
 
     rank, size = _world()
+    if ulfm.is_rank_loss(exc):
+        _lost_rank_ends(exc, rank, size, code)
+        return
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-    if ulfm.is_rank_loss(exc):  # said first: the traceback only shows where this rank noticed
-        write_lines(f"hpctrain: rank {rank} of {size}: another rank of this job died (a lost process: "
-                    f"{exc}); {ulfm.ABORT_HINT}")
     write_lines(
         (head or f"hpctrain: {type(exc).__name__} on rank {rank} of {size}")
         + " and not on every rank; aborting the whole job so the other ranks do not wait forever:\n"
         + text
     )
+    end_job(code)
+
+
+#: Seconds a survivor that does not speak for the job waits before ending it (``_lost_rank_ends``).
+SPEAKER_GRACE = 5.0
+
+
+def _lost_rank_ends(exc: BaseException, rank: int, size: int, code: int) -> None:
+    """A rank died and this job cannot go on: one line for the whole job, naming the dead, then
+    the end. No traceback (it would only show where this survivor noticed). The lowest survivor
+    this one knows of speaks; the others wait for its end a moment, and speak themselves when it
+    does not come (a speaker stuck elsewhere)."""
+    from . import ulfm
+
+    dead = ulfm.failed_ranks()
+    who = (f"rank{'s' if len(dead) > 1 else ''} {rank_ranges(dead)} of {size}" if dead
+           else f"another rank of these {size}")
+    if dead and min(set(range(size)) - set(dead)) != rank:
+        for hook in _before_abort:
+            hook()
+        time.sleep(SPEAKER_GRACE)  # the speaker's MPI_Abort normally ends this process first
+    write_lines(f"hpctrain: {who} died (a lost process: killed, out of memory, its node gone; rank {rank} "
+                f"saw it: {exc}); ending the job: {ulfm.hint()}")
     end_job(code)
 
 

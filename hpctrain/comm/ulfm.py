@@ -26,8 +26,11 @@ LAUNCH_HINT = "mpiexec --with-ft ulfm"
 #: Open MPI's switch for failure detection; ``--with-ft ulfm`` exports it to every process.
 FT_PARAM = "OMPI_MCA_mpi_ft_enable"
 #: What a job that ended on a lost rank could have done instead.
-ABORT_HINT = ("--on-rank-loss shrink goes on with the survivors (pure data parallelism, Open MPI launched "
+ABORT_HINT = ("--on-rank-loss shrink goes on with the survivors (data-parallel replicas, Open MPI launched "
               f"with {LAUNCH_HINT}); otherwise resubmit with --resume from the last checkpoint")
+#: What a job in shrink mode says when a loss reached where it cannot go on.
+SHRINK_LIMIT = ("--on-rank-loss shrink goes on from losses in training steps and checkpoint saves, not from this "
+                "one; resubmit with --resume from the last checkpoint")
 #: What a failed MPI call raises (``is_rank_loss`` tells a lost rank's from the others).
 Error = MPI.Exception
 #: The mpi4py communicator recovery works on (``Communicator.mpi``): a raw handle, revoked and shrunk.
@@ -148,6 +151,38 @@ def shrink_agreeing(comm: MPI.Intracomm, step: int,
         except MPI.Exception as again:
             if not is_rank_loss(again):
                 raise
+
+
+def failed_ranks() -> list[int]:
+    """The world ranks this process knows to be dead (ULFM's failure detector; local, no
+    communication); empty without ULFM or when it knows of none yet."""
+    if not library_has_ulfm():
+        return []
+    try:
+        group = MPI.COMM_WORLD.Get_failed()
+        try:
+            world = MPI.COMM_WORLD.Get_group()
+            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+            world.Free()
+        finally:
+            group.Free()
+    except MPI.Exception:
+        return []
+    return sorted(int(r) for r in ranks)
+
+
+#: Whether this job goes on without lost ranks (``--on-rank-loss shrink``: the trainer's hook is set).
+_shrinking = [False]
+
+
+def set_shrinking(on: bool = True) -> None:
+    """Say that this job goes on without lost ranks where it can (``resilience.RankLoss`` does)."""
+    _shrinking[0] = on
+
+
+def hint() -> str:
+    """What a job that ends on a lost rank says it could do (another mode, or where shrink stops)."""
+    return SHRINK_LIMIT if _shrinking[0] else ABORT_HINT
 
 
 def lost_ranks() -> list[int]:

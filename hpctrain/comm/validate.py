@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import MismatchError
 from ..protocols import Comm
-from .failure import _ranges, mark_everywhere
+from .failure import mark_everywhere, rank_ranges
 
 
 def _canonical(value: Any) -> str:
@@ -65,8 +65,8 @@ def agree(comm: Comm, what: str, value: Any) -> None:
     ranks_ref, ranks_odd = groups[ref], groups[digests[odd]]
     diff = _first_difference(values[0], values[odd])
     raise mark_everywhere(MismatchError(
-        f"ranks disagree on {what}: ranks {_ranges(ranks_ref)} differ from ranks "
-        f"{_ranges(ranks_odd)}{' (and others)' if len(groups) > 2 else ''}; first difference "
+        f"ranks disagree on {what}: ranks {rank_ranges(ranks_ref)} differ from ranks "
+        f"{rank_ranges(ranks_odd)}{' (and others)' if len(groups) > 2 else ''}; first difference "
         f"(rank {ranks_ref[0]} vs rank {odd}): {diff}"
     ), comm)
 
@@ -105,7 +105,7 @@ def raise_if_any(comm: Comm, problem: BaseException | str | None, *, what: str =
     by_text: dict[str, list[int]] = {}
     for r, (_, text) in bad:
         by_text.setdefault(text, []).append(r)
-    parts = [f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {text}" for text, rs in by_text.items()]
+    parts = [f"rank{'s' if len(rs) > 1 else ''} {rank_ranges(rs)}: {text}" for text, rs in by_text.items()]
     message = (f"{what}: " if what else "") + "; ".join(parts)
     kind = bad[0][1][0]
     try:

@@ -128,6 +128,11 @@ class RunLock:
         raise RunDirBusy(f"{self.what} {self.run_dir}: could not take its lock {self.path} (other jobs keep "
                          f"taking it)")
 
+    def owner(self) -> dict[str, Any] | None:
+        """The record of the live job that holds this lock (``None``: nobody, or a job gone)."""
+        o = self._read()
+        return o if o is not None and _stale_reason(o) is None else None
+
     def _read(self) -> dict[str, Any] | None:
         try:
             with open(self.path) as f:
@@ -137,10 +142,18 @@ class RunLock:
             return None
 
     def release(self) -> None:
-        """Remove the lock if it is still ours (a taken-over lock is left to its new owner)."""
+        """Remove the lock if it is still ours (a taken-over lock is left to its new owner). A
+        directory that can no longer be written (remounted read-only) keeps it, said in a line:
+        the next job on this host takes it over, as any lock of a process gone."""
         if self.record is not None and self._read() == self.record:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.remove(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not remove the lock %s (%s): the next job on %s takes it over; elsewhere, "
+                            "delete it once no job uses %s", self.path, exc.strerror, self.record.get("host"),
+                            self.run_dir)
         self.record = None
 
     def moved(self, old_dir: str) -> None:

@@ -68,7 +68,8 @@ class Config:
                                                                "which take none)", at_least=0, finite=True))
     weight_decay: float = field(default=0.0, metadata=_opt("weight decay (decoupled for adamw)", at_least=0,
                                                            finite=True))
-    seed: int = field(default=0, metadata=_opt("seed of the model's initial weights and of the data order"))
+    seed: int = field(default=0, metadata=_opt("seed of the model's initial weights and of the data order",
+                                                at_least=0))
     run_dir: str | None = field(default=None, metadata=_opt("where metrics, trace, checkpoints go "
                                                             "(default: runs/<date-time>)"))
     checkpoint_dir: str | None = field(default=None, metadata=_opt("default: RUN_DIR/checkpoints"))

@@ -65,14 +65,21 @@ def claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunL
 
 class AfterResume:
     """A ``fit`` callback for the moment the run's state is settled (resumed, or fresh): rank 0
-    writes ``config.json`` (a refused resume leaves the earlier one as it was) and drops the
-    metrics lines an interrupted job wrote after its last checkpoint (the resumed job makes those
-    steps again)."""
+    says how the last job in the run directory ended and records this one as running
+    (``job.ending``), writes ``config.json`` and drops the metrics lines an interrupted job wrote
+    after its last checkpoint (the resumed job makes those steps again). A refused resume leaves
+    all of them as they were."""
 
-    def __init__(self, rank: int, config_file: str, config: dict[str, Any], metrics: str) -> None:
+    def __init__(self, rank: int, config_file: str, config: dict[str, Any], metrics: str, size: int = 1) -> None:
         self.rank, self.config_file, self.config, self.metrics = rank, config_file, config, metrics
+        self.size = size
 
     def on_fit_start(self, trainer: TrainerView) -> None:
+        from . import ending
+
+        run_dir = os.path.dirname(self.config_file) or "."
+        ending.started(run_dir)  # (every rank: whoever speaks for the job at its end records how)
         if self.rank == 0:
+            ending.start(run_dir, self.size)
             rundir.write_exclusive(self.config_file, json.dumps(self.config, indent=1))
             rundir.trim_metrics(self.metrics, trainer.global_step)

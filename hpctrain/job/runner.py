@@ -18,13 +18,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigError, DatasetError, HpctrainError, Preempted, ReplicaLeft
+from ..errors import CheckpointError, ConfigError, HpctrainError, Preempted, ReplicaLeft
 from ..files import rundir
 from ..log import get_logger
-from ..protocols import Checkpointable, Comm, Fittable, Module, TrainerView
+from ..protocols import Comm, Fittable
 from ..training.evaluation import evaluate
+from . import ending
 from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
+from .callbacks import LearningRate, Validation
 from .config import _BY_NAME, Config, read_settings, resolve
 from .inputs import data_path, open_data
 from .resume import AfterResume, claim, describe_changes, resume_command
@@ -83,63 +85,6 @@ def limit_blas_threads(comm: Comm) -> int | None:
     return n
 
 
-class LearningRate:
-    """``fit`` callback: the learning rate the step just took (after the schedule) as ``stats.extra["lr"]``."""
-
-    def on_step_end(self, trainer: TrainerView, stats: Any) -> None:
-        opt = trainer.optimizer  # None for the parameter server (its SGD lives in its windows)
-        if opt is not None and opt.step_count > 0:
-            stats.extra["lr"] = opt.lr * (opt.schedule(opt.step_count - 1) if opt.schedule else 1.0)
-
-
-class Validation:
-    """``fit`` callback: the validation loss every ``every`` steps, as ``stats.extra["val_loss"]``.
-
-    Collective. The full weights come from the trainer's shards under any layout (one allgather
-    of this rank's pieces), go into a serial model, and every rank evaluates its share of the
-    validation set (``hpctrain.training.evaluation.evaluate``), so the value is the same everywhere.
-    """
-
-    def __init__(self, c: Config, meta: dict[str, Any], data: Any, comm: Comm, every: int) -> None:
-        self.model = build_model(c, meta)
-        self.data, self.comm, self.every = data, comm, every
-        self.loss = None if c.loss == "ce" else build_loss(c)
-
-    def on_step_end(self, trainer: Checkpointable, stats: Any) -> None:
-        if trainer.global_step % self.every:
-            return
-        from ..training.evaluation import evaluate as evaluate_everywhere
-
-        load_full_weights(trainer, self.model)
-        if self.loss is None:  # cross-entropy: every rank its share of the batches
-            # Over the trainer's ranks now: the survivors after lost ranks (--on-rank-loss shrink).
-            stats.extra["val_loss"] = evaluate_everywhere(self.model, self.data, comm=trainer.comm)["loss"]
-        else:  # another loss: each rank evaluates the whole set alike (same weights, same data)
-            stats.extra["val_loss"] = evaluate(self.model, self.data, self.loss)["loss"]
-        self.model.train()
-
-
-def load_full_weights(trainer: Checkpointable, model: Module) -> None:
-    """Copy the trainer's parameters, whatever the layout, into the whole serial ``model`` (collective).
-
-    Each rank contributes the pieces it holds (``trainer.shards()``); every rank assembles them.
-    Meant for models that fit one process (the evaluation during training).
-    """
-    from ..backend import to_host
-
-    mine = []
-    for name, (p, full, index) in trainer.shards().items():
-        mine.append((name, tuple(full), index, to_host(p.data)))
-    params = dict(model.named_parameters())
-    for pieces in trainer.comm.allgather_obj(mine):
-        for name, _full, index, data in pieces:
-            target = params[name].data
-            if isinstance(index, tuple) and index and index[0] == "flat":
-                target.reshape(-1)[index[1]:index[2]] = data.reshape(-1)
-            else:
-                target[index] = data
-
-
 def pick_device(c: Config, comm: Comm) -> str:
     """``"cuda"`` or ``"cpu"`` for ``--device`` (collective: the same answer on every rank).
 
@@ -175,8 +120,9 @@ def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Seque
     Collective. ``callbacks`` are extra ``fit`` callbacks (called before the job's own).
     Returns the summary, the same on every rank.
     """
-    from ..comm import Communicator
+    from ..comm import Communicator, ulfm
     from ..comm.validate import agree
+    from ..log import world_rank
 
     comm = comm if comm is not None else Communicator()
     c = everywhere(comm, lambda: resolve(cfg, comm.size))
@@ -200,7 +146,8 @@ def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Seque
         locks.append(rundir.RunLock(c.checkpoint_dir, "checkpoint directory", "--checkpoint-dir"))
     everywhere(comm, lambda: _acquire(locks) if comm.rank == 0 else None)
     try:
-        return _run_locked(c, given, comm, callbacks, device, locks[1] if len(locks) > 1 else None)
+        with ending.recorded(c.run_dir, lambda: world_rank() == ulfm.leader()):
+            return _run_locked(c, given, comm, callbacks, device, locks[1] if len(locks) > 1 else None)
     except ReplicaLeft:  # rank 0's replica left (--on-rank-loss shrink): the job goes on in this directory
         locks = []
         raise
@@ -262,11 +209,24 @@ def _run_locked(c: Config, given: dict[str, Any], comm: Comm, callbacks: Sequenc
     hooks = _hooks(c, given, comm, setup, callbacks, metrics, timeline)
     trace = os.path.join(c.run_dir, "trace.json")
     history, wall = _fit(c, comm, setup, hooks, metrics, timeline, trace)
-    comm = setup.trainer.comm  # the survivors, when ranks were lost (--on-rank-loss shrink)
+
+    def closing() -> dict[str, Any]:
+        return _close(c, setup, device, history, wall, metrics, timeline, trace)
+
+    loss = setup.trainer.rank_loss  # a rank lost now: the survivors finish the job (--on-rank-loss shrink)
+    return loss.closing(setup.trainer, closing) if loss is not None else closing()
+
+
+def _close(c: Config, setup: _Setup, device: str, history: Sequence[Any], wall: float, metrics: str,
+           timeline: Timeline, trace: str) -> dict[str, Any]:
+    """After ``fit`` (collective over the trainer's ranks: the survivors, when ranks were lost):
+    the memory figures, the trace, the final evaluation, the summary (written by rank 0)."""
+    comm = setup.trainer.comm
     memory = setup.trainer.memory_summary()  # bytes on the rank that holds most (collective)
     _finish_training(c, setup.trainer, comm, timeline, trace)
     result = _evaluate_final(c, comm, setup)
-    summary = _summary(c, setup, device, history, result, wall, memory, metrics, trace, comm)
+    summary = _report.build(c, setup.trainer, setup.n_params, device, history, result, wall, memory, metrics, trace,
+                            comm)
     if comm.rank == 0:
         # Valid JSON: null for a non-finite value (a NaN validation loss), never a bare NaN.
         rundir.write_exclusive(os.path.join(c.run_dir, "summary.json"),
@@ -323,7 +283,7 @@ def _hooks(c: Config, given: dict[str, Any], comm: Comm, setup: _Setup, callback
     validation loss, the learning rate, the timeline, and the rank-loss recovery last."""
     hooks: list[Any] = [
         AfterResume(comm.rank, os.path.join(c.run_dir, "config.json"),
-                     {**given, "dp": c.dp, "local_batch": c.local_batch, "info": setup.meta}, metrics),
+                    {**given, "dp": c.dp, "local_batch": c.local_batch, "info": setup.meta}, metrics, comm.size),
         *callbacks, LearningRate(), timeline,
     ]
     if c.eval_every:
@@ -358,11 +318,19 @@ def _fit(c: Config, comm: Comm, setup: _Setup, hooks: list[Any], metrics: str, t
 
 
 def _finish_training(c: Config, trainer: Fittable, comm: Comm, timeline: Timeline, trace: str) -> None:
-    """After ``fit`` (collective): the trace, the pipeline's executed schedule, the trainer closed."""
+    """After ``fit`` (collective): the trace, the pipeline's executed schedule (not after lost
+    ranks: the pipeline's groups hold the dead), the trainer closed."""
+    from ..comm import ulfm
+
     timeline.write(comm, trace)
-    if getattr(trainer, "runs_schedule", False):  # optional: a pipeline's executed schedule of its last step
+    lost = bool(ulfm.lost_ranks())
+    if getattr(trainer, "runs_schedule", False) and not lost:  # optional: a pipeline's executed schedule
         trainer.save_timeline(c.run_dir, png=False)
-    trainer.close()  # hooks removed; the parameter server: final pull, windows freed on every rank
+    try:
+        trainer.close()  # hooks removed; the parameter server: final pull, windows freed on every rank
+    except ulfm.Error:
+        if not lost:
+            raise  # (after lost ranks: sub-communicators that hold the dead cannot be freed; nothing to do)
 
 
 def _evaluate_final(c: Config, comm: Comm, setup: _Setup) -> dict[str, Any]:
@@ -390,27 +358,6 @@ def _evaluate_final(c: Config, comm: Comm, setup: _Setup) -> dict[str, Any]:
     return evaluate(fresh, setup.val_set, build_loss(c), comm=comm)
 
 
-def _summary(c: Config, setup: _Setup, device: str, history: Sequence[Any], result: dict[str, Any], wall: float,
-             memory: Any, metrics: str, trace: str, comm: Comm) -> dict[str, Any]:
-    """The run's summary (``summary.json``), the same on every rank."""
-    trainer = setup.trainer
-    rate, share = _report.steady_rates(history)
-    # The recent loss from the metrics of the whole run: a resumed job made only part of those
-    # steps itself. One reader, one value for every rank.
-    final_loss, final_steps = comm.bcast_obj(_report.final_loss(metrics) if comm.rank == 0 else None)
-    return {
-        "model": c.model, "parameters": setup.n_params, "strategy": c.strategy, "device": device,
-        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
-        "steps_this_run": len(history), "epochs": c.epochs,
-        "final_loss": final_loss, "final_loss_steps": final_steps,
-        "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
-        "samples_per_s": rate, "comm_share": share,
-        "wall_seconds": wall, "checkpoint": trainer.last_checkpoint,
-        "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
-        "rank_loss": trainer.rank_loss.events if trainer.rank_loss is not None else [],
-    }
-
-
 def _layout_text(c: Config) -> str:
     if c.strategy == "ps":
         return f"parameter server ({c.ps_mode}) with {c.dp} workers"
@@ -435,7 +382,7 @@ def main(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     from .. import preempt
     from ..comm import Communicator, ulfm
-    from ..errors import ExitStatus, GridError, MismatchError
+    from ..errors import ExitStatus
     from ..log import world_rank
 
     flags = {k: v for k, v in vars(args).items() if k in _BY_NAME}
@@ -462,11 +409,10 @@ def _main(args: argparse.Namespace) -> int:
         # that rank's traceback, and the whole job ends instead of the others waiting.
         from ..comm.failure import fail
 
-        refused = isinstance(exc, (ConfigError, DatasetError, CheckpointError, MismatchError, GridError))
         if getattr(exc, "failures", None):  # --resume found checkpoints and none loads
             exc.args = (f"{exc}\n(nothing was changed or deleted; --restart starts over in this run directory, "
                         "moving its checkpoints aside)",)
-        return fail(exc, code=ExitStatus.CONFIG if refused else ExitStatus.FAILURE, what="hpctrain train")
+        return fail(exc, code=ending.exit_status(exc), what="hpctrain train")
     finally:
         preempt.uninstall()
         preempt.clear()

@@ -8,6 +8,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..protocols import Comm, Fittable
+
 
 def finite_or_none(value: Any) -> Any:
     """``value`` with every non-finite float replaced by ``None`` (JSON has no NaN or inf)."""
@@ -46,6 +48,26 @@ def steady_rates(history: Sequence[Any]) -> tuple[float | None, float | None]:
     if seconds <= 0:
         return None, None
     return sum(s.samples for s in steady) / seconds, sum(s.comm_seconds for s in steady) / seconds
+
+
+def build(c: Any, trainer: Fittable, n_params: int, device: str, history: Sequence[Any], result: dict[str, Any],
+          wall: float, memory: Any, metrics: str, trace: str, comm: Comm) -> dict[str, Any]:
+    """The run's summary (``summary.json``) of the job configured by ``c``, the same on every rank."""
+    rate, share = steady_rates(history)
+    # The recent loss from the metrics of the whole run: a resumed job made only part of those
+    # steps itself. One reader, one value for every rank.
+    loss, loss_steps = comm.bcast_obj(final_loss(metrics) if comm.rank == 0 else None)
+    return {
+        "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
+        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "steps": trainer.global_step,
+        "steps_this_run": len(history), "epochs": c.epochs,
+        "final_loss": loss, "final_loss_steps": loss_steps,
+        "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
+        "samples_per_s": rate, "comm_share": share,
+        "wall_seconds": wall, "checkpoint": trainer.last_checkpoint,
+        "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
+        "rank_loss": trainer.rank_loss.events if trainer.rank_loss is not None else [],
+    }
 
 
 def format_summary(s: dict[str, Any]) -> str:

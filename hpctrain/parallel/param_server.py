@@ -268,6 +268,11 @@ class ParameterServerTrainer(Trainer):
 
     # -- the step --------------------------------------------------------------------------------
 
+    def enter_fit(self) -> None:
+        """Counts the fit, without the synchronous trainers' agreement: asynchronous workers do not
+        step together, so no all-reduce of theirs could meet another fit's."""
+        self.strategy.fits += 1
+
     def step(self, x: Any, y: Any, weight: Any = None) -> StepStats:
         """One worker step on this rank's batch; see the module docstring for each mode.
 

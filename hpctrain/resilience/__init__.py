@@ -39,7 +39,7 @@ from ..comm import Communicator, failure, ulfm
 from ..errors import Preempted, RankLossError, ReplicaLeft, Say, as_argument
 from ..log import get_logger
 from ..protocols import Checkpointable, Recoverable
-from . import groups
+from . import buddies, groups
 from .buddies import Buddies
 
 _log = get_logger("resilience")
@@ -142,6 +142,7 @@ class RankLoss:
         self.buddies: Buddies | None = None  # ZeRO's redundant pieces (made at the first step)
         self._fallback: str | None = None  # why the last checkpoint is read (a piece lost with its buddy)
         self._checked: Any = None  # the trainer check_shrinkable passed (asked again of another one)
+        ulfm.set_shrinking()  # a loss this hook cannot go on from says so, not "use shrink"
 
     def before_step(self, trainer: Recoverable, batch: Any) -> None:
         """Keep the state from before the step on ``batch`` (and the one before it). The first
@@ -193,13 +194,19 @@ class RankLoss:
         replica, whole = groups.replicas(trainer.grid, old_world, lost)
         if not whole:
             self._end_without_replica(trainer, comm, lost, step, old_world)
+        missing: list[tuple[int, int]] = []
+        if self.buddies is not None and step >= 0:  # ZeRO: a step whose pieces every part's group holds
+            step, missing = self._pieces_step(trainer, comm, step, old_world, {w for w, d in replica.items()
+                                                                                   if d in whole})
         self._check(trainer, comm, lost, step, whole)
         if step in self._snapshots:  # else this survivor was between steps, at exactly that boundary
             self._snapshots[step].restore(trainer, self.loader.sampler)
             self._snapshots = {step: self._snapshots[step]}
         comm = self._leave_broken(trainer, comm, lost, replica[ulfm.world_rank()] in whole, len(whole))
-        read = self._rebind(trainer, comm, old_dp, lost, step)
+        read = self._rebind(trainer, comm, old_dp, lost, step, missing)
         ulfm.set_leader(comm.mpi)
+        if not lost:  # a communicator of an earlier loss raised, nobody new died: no loss to record
+            return True
         event = {"step": step + 1, "ranks": lost, "seconds": None}  # numbered as in metrics.jsonl
         self.events.append(event)
         self._pending = {"event": event, "t0": t0}
@@ -211,6 +218,20 @@ class RankLoss:
             _log.warning("lost rank(s) %s in step %d: going on with %d rank(s), %d sample(s) %s per step, from %s",
                          lost, step + 1, comm.size, self.global_batch // dp, each, start)
         return True
+
+    def _pieces_step(self, trainer: Recoverable, comm: Communicator, step: int, old_world: list[int],
+                     whole_members: set[int]) -> tuple[int, list[tuple[int, int]]]:
+        """ZeRO: the step to redo, agreed by every survivor (one allgather over them): ``step`` or
+        the one before, the newest every survivor going on can go back to and whose pieces every
+        tp x pp part's dp group holds; and the ``(dp rank, world rank)`` pieces missing when
+        neither is (then every survivor reads the last checkpoint, or ends). Decided per dp group
+        alone, a part whose buddy copy of this step was lost with the rank read the checkpoint
+        while the others went on, and their collectives no longer matched (issue 38)."""
+        mine, left = self.buddies.steps()
+        held = comm.allgather_obj((ulfm.world_rank(), mine, left, sorted(self._snapshots), trainer.global_step))
+        goes_on = {w for w, *_ in held} & whole_members
+        grid = trainer.grid
+        return buddies.common_step([step, step - 1], held, old_world, grid.tp_size, grid.pp_size, goes_on)
 
     def _shrink(self, trainer: Recoverable) -> tuple[Communicator, list[int], int]:
         """The survivors' communicator, every world rank lost, and the step to redo. More ranks
@@ -312,7 +333,7 @@ class RankLoss:
         return mine
 
     def _rebind(self, trainer: Recoverable, comm: Communicator, old_dp: ulfm.Handle, lost: list[int],
-                step: int) -> str | None:
+                step: int, missing: list[tuple[int, int]]) -> str | None:
         """Point the trainer, its gradient reduction and its data at the survivors' communicator
         (``trainer.rebind``; ZeRO: with the state from before ``step`` put together from the
         pieces, see ``Buddies``; the checkpoint read instead, when pieces were lost with their
@@ -321,7 +342,13 @@ class RankLoss:
         full = None
         if self.buddies is not None:
             _drop_reducer(trainer)
-            full, problem = self.buddies.assemble(old_dp, grid.dp, step)
+            full, problem = None, None
+            if missing:  # (the same on every survivor: agreed in _pieces_step)
+                problem = (f"no copy of the ZeRO pieces of dp rank(s) {sorted({d for d, _ in missing})} (world "
+                           f"{sorted(w for _, w in missing)}) survived: a rank and its buddy (the next dp rank) "
+                           "were lost together")
+            else:
+                full, problem = self.buddies.assemble(old_dp, grid.dp, step)
             if problem is not None:
                 if trainer.last_checkpoint is None:
                     raise failure.mark_everywhere(RankLossError(f"lost rank(s) {lost}; cannot go on: {problem}; "
@@ -351,6 +378,30 @@ class RankLoss:
                 f"lost rank(s) {lost}; cannot go on: {problem}; the last checkpoint {path} is of an earlier "
                 f"epoch: resume from it with --resume"), comm)
         return path
+
+    def closing(self, trainer: Recoverable, fn: Callable[[], Any]) -> Any:
+        """``fn()``, the job's closing collectives after ``fit`` (the memory figures, the final
+        evaluation, the summary); when ranks are lost meanwhile the survivors shrink to themselves
+        and run it again (collective over them). Training is done: nothing is restored or redone,
+        and the loss is recorded at the last step."""
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                if not ulfm.is_rank_loss(exc):
+                    raise
+                t0 = time.monotonic()
+                mpi, lost = ulfm.shrink(trainer.comm.mpi)
+                if not lost:  # nothing new died: a communicator of an earlier loss, still in use
+                    raise
+                comm = Communicator(mpi)
+                trainer.comm = comm
+                failure.rebind(mpi)
+                ulfm.set_leader(mpi)
+                self.events.append({"step": trainer.global_step, "ranks": lost, "seconds": time.monotonic() - t0})
+                if comm.rank == 0:
+                    _log.warning("lost rank(s) %s after the last step (%d): the %d survivor(s) finish the job", lost,
+                                 trainer.global_step, comm.size)
 
     # -- as a fit callback -------------------------------------------------------------------------
 

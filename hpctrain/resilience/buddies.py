@@ -24,6 +24,7 @@ import numpy as np
 
 from ..backend import to_host
 from ..comm import ulfm
+from ..comm.grid import coords
 from ..optim.sharded import assemble
 from ..protocols import Comm, Recoverable, Reducer
 
@@ -75,6 +76,10 @@ class Buddies:
             got = ulfm.exchange(dp.mpi, mine, dest=(dp.rank + 1) % dp.size, source=(dp.rank - 1) % dp.size)
             self.left[step] = _owned(got)
 
+    def steps(self) -> tuple[list[int], list[int]]:
+        """The steps of the copies held: this rank's own pieces, and its left neighbour's."""
+        return sorted(self.mine), sorted(self.left)
+
     def arrays(self) -> list[np.ndarray]:
         """Every array held (``buffers`` in the memory report: the cost of surviving a loss)."""
         return [a for kept in (self.mine, self.left) for p in kept.values() for a in arrays_of(p)]
@@ -110,6 +115,44 @@ class Buddies:
         if world[left] not in alive and step in self.left:
             held[left] = self.left[step]
         return held
+
+
+def common_step(candidates: list[int], held: list[tuple], old_world: list[int], tp: int, pp: int,
+                goes_on: set[int]) -> tuple[int, list[tuple[int, int]]]:
+    """The newest of ``candidates`` (steps to redo, newest first) that every survivor going on can
+    go back to and for which every tp x pp part's dp group holds every ZeRO piece, agreed from
+    ``held`` (every survivor's ``(world rank, steps of its own pieces, steps of its left
+    neighbour's, steps of its snapshots, its global step)``), with ``[]``; when none is, the
+    first candidate and the ``(dp rank, world rank)`` pieces missing for it. Local: every survivor
+    decides alike from the same ``held``.
+
+    A piece of old dp rank ``d`` of a part comes from ``d`` itself if it goes on, else from its
+    buddy ``d + 1`` (the next dp rank, which keeps its left neighbour's copies) if that one goes on.
+    A rank lost while its copy went to its buddy leaves the buddy with the copy of the step before,
+    while the other parts' groups hold this step's: only a step all of them hold is one to redo."""
+    by_world = {w: (set(mine), set(left), set(snaps), at) for w, mine, left, snaps, at in held}
+    parts: dict[tuple[int, int], dict[int, int]] = {}
+    for i, w in enumerate(old_world):
+        c = coords(i, len(old_world), tp, pp)
+        parts.setdefault((c.tp, c.pp), {})[c.dp] = w
+    first_missing: list[tuple[int, int]] | None = None
+    for s in candidates:
+        if s < 0 or any(not (s in by_world[w][2] or by_world[w][3] == s) for w in goes_on):
+            continue
+        missing = []
+        for members in parts.values():
+            n = len(members)
+            for d, w in sorted(members.items()):
+                right = members[(d + 1) % n]
+                own = w in goes_on and s in by_world[w][0]
+                copy = right != w and right in goes_on and s in by_world[right][1]
+                if not (own or copy):
+                    missing.append((d, w))
+        if not missing:
+            return s, []
+        if first_missing is None:
+            first_missing = missing
+    return candidates[0], first_missing or []
 
 
 def _world(comm: ulfm.Handle) -> list[int]:

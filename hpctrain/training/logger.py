@@ -33,6 +33,7 @@ class ProgressLogger:
         self.bar = None
         self.window: list[StepStats] = []
         self.val_loss: float | None = None  # the newest validation loss a callback reported
+        self.written: int | None = None  # the step of the last line (a later one at or before it: a redo)
         # When this fit's first step ended, and the global step then: the ETA leaves that
         # (warm-up) step out.
         self.first_end: tuple[float, int] | None = None
@@ -55,14 +56,19 @@ class ProgressLogger:
                 self.bar = None
 
     def on_step_end(self, trainer: TrainerView, s: StepStats) -> None:
-        if not self.on and trainer.comm.rank == 0:  # rank 0 was lost (--on-rank-loss shrink): this one writes on
-            from ..files.rundir import open_append
+        from ..files.rundir import open_append, trim_metrics
 
-            self.on = True
+        redo = self.written is not None and trainer.global_step <= self.written
+        if not self.on and trainer.comm.rank == 0:  # rank 0 was lost (--on-rank-loss shrink): this one writes on
+            self.on, redo = True, True  # (the lost one may have written the steps this one redoes)
             self.metrics = open_append(self.metrics_file) if self.metrics_file else None
         if not self.on:
+            self.written = trainer.global_step
             return
         t = self.trainer
+        if redo and self.metrics is not None:  # steps redone after a lost rank: one line each, the last
+            trim_metrics(self.metrics_file, t.global_step - 1)  # (in place: this handle appends after)
+        self.written = t.global_step
         if self.metrics is not None:
             rec = {
                 "step": t.global_step, "epoch": t.epoch, "loss": s.loss, "grad_norm": s.grad_norm,

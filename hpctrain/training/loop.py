@@ -16,8 +16,9 @@ global batch for them); ``False`` re-raises. Checkpoints are written through
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,7 @@ def fit(trainer: Fittable, loader: Any, epochs: int, *, cadence: Cadence, resume
         metrics_file: str | None, progress: bool | None, callbacks: Sequence[Any],
         max_steps: int | None) -> list[StepStats]:
     """``Trainer.fit`` (see its docstring): resume, then the loop with the callbacks and the logger."""
+    trainer.enter_fit()  # first: a rank that left the last fit alone is refused before any other collective
     loop = Loop(trainer, loader, epochs, cadence, max_steps)
     loop.resume(resume)
     trainer.memory_report()  # starts watching activations before the first step
@@ -78,6 +80,7 @@ class Loop:
         self.cadence, self.max_steps = cadence, max_steps
         self.sampler = getattr(loader, "sampler", None)  # optional: a plain iterable has none
         self.history: list[StepStats] = []
+        self._steps: list[int] = []  # the global step of each entry of ``history``
         self.resumed_mid_epoch = False
         self.capped = False  # stopped by max_steps before the epochs were done
         self.saved_at = trainer.global_step  # the step of the newest checkpoint this fit wrote
@@ -141,7 +144,8 @@ class Loop:
                 t.epoch = max(t.epoch, self.epochs)
             if self.cadence.directory is not None and self.cadence.every and self.saved_at != t.global_step:
                 self._save(last=True)
-            ckpt.wait(t)  # the last background save is committed before fit returns
+            with self._intact_said():
+                ckpt.wait(t)  # the last background save is committed before fit returns
         finally:
             hooks.call("on_fit_end", t)
         return self.history
@@ -184,12 +188,23 @@ class Loop:
         except Exception as exc:
             if rank_loss is None or not rank_loss.recover(t, exc):
                 raise
+            self._forget_redone()
+            from .. import checkpoint as ckpt
+
+            lost = ckpt.checkpointer_of(t).abandon()  # a background save the loss interrupted: never committed
+            if lost is not None:  # (its agreement would need the dead): the survivors write one now
+                path = self._save()
+                self.saved_at = t.global_step
+                if t.comm.rank == 0:
+                    _log.warning("the background save of %s was not committed before the loss: the survivors "
+                                 "write %s", lost, path)
             return False
         if not stats.memory:
             stats.memory = t.memory_report(stats)
         if stats.stop is None:
             stats.stop = agree_stop(t.comm)
         self.history.append(stats)
+        self._steps.append(t.global_step)
         hooks.call("on_step_end", t, stats)
         if self.cadence.due(t.global_step):
             self._save()
@@ -197,6 +212,13 @@ class Loop:
         if stats.stop:
             self._stop()
         return True
+
+    def _forget_redone(self) -> None:
+        """After a lost rank: the steps the survivors redo (from the restored ``global_step`` on)
+        are counted once, when redone (this fit's history, so its summary's step count)."""
+        keep = [i for i, step in enumerate(self._steps) if step <= self.trainer.global_step]
+        self.history = [self.history[i] for i in keep]
+        self._steps = [self._steps[i] for i in keep]
 
     def _save(self, last: bool = False) -> str:
         """A checkpoint in the cadence's directory; ``keep`` deletes older ones once this one is
@@ -210,9 +232,34 @@ class Loop:
             return ckpt.save_in(c.directory, t, keep=c.keep, asynchronous=c.asynchronous and not last)
 
         # Ranks lost mid-save: the survivors write it again (the interrupted one was never committed).
-        path = write() if t.rank_loss is None else t.rank_loss.save(t, write)
+        with self._intact_said():
+            path = write() if t.rank_loss is None else t.rank_loss.save(t, write)
+        if self._steps and t.global_step < self._steps[-1]:  # ranks lost mid-save, the last checkpoint read
+            self._forget_redone()
         t.last_checkpoint = path
         return path
+
+    @contextlib.contextmanager
+    def _intact_said(self) -> Iterator[None]:
+        """A checkpoint that could not be written (``CheckpointWriteError``, raised on every rank)
+        says which committed checkpoint is left intact for a resume (rank 0 looks; collective)."""
+        from .. import checkpoint as ckpt
+        from ..errors import CheckpointWriteError
+
+        try:
+            yield
+        except CheckpointWriteError as exc:
+            t, directory = self.trainer, self.cadence.directory
+            skipped = ckpt.checkpointer_of(t).skipped
+            newest = None
+            if t.comm.rank == 0 and directory is not None:
+                ours = [p for p in ckpt.list_checkpoints(directory)
+                        if p not in skipped and ckpt.step_of(p) <= t.global_step]
+                newest = ours[-1] if ours else None
+            newest = t.comm.bcast_obj(newest)
+            exc.args = (f"{exc}; " + (f"the last checkpoint {newest} is intact: --resume continues from it once "
+                                      "the directory can be written" if newest else "no checkpoint was committed"),)
+            raise
 
     def _stop(self) -> None:
         """Some rank was asked to stop: every rank writes its checkpoint (once) and raises ``Preempted``."""
@@ -223,7 +270,8 @@ class Loop:
         t, path = self.trainer, None
         if self.cadence.directory is not None:
             path = t.last_checkpoint if self.saved_at == t.global_step else self._save(last=True)
-            ckpt.wait(t)  # a background save of this very step is on disk before we stop
+            with self._intact_said():
+                ckpt.wait(t)  # a background save of this very step is on disk before we stop
         raise Preempted(t.global_step, path, preempt.reason())
 
 

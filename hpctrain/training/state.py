@@ -41,6 +41,8 @@ class TrainerState:
         self.pending_sampler: dict[str, Any] | None = None
         #: The user's objects saved with the trainer's state (``track``), by name.
         self.tracked: dict[str, Any] = {}
+        #: While the tracked objects' states are taken (a state_dict() of theirs that calls back is refused).
+        self._taking_state = False
 
     def track(self, name: str, obj: Any) -> None:
         """Save ``obj`` (a ``hpctrain.protocols.Stateful``, or any object with ``state_dict`` and
@@ -58,6 +60,10 @@ class TrainerState:
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"track: name must be a non-empty string, got {name!r}")
+        if obj is self or isinstance(obj, TrainerState):
+            what = "the trainer itself" if obj is self else f"another trainer ({type(obj).__name__})"
+            raise ValueError(f"track({name!r}): {what} cannot be tracked: a trainer's state is saved with its own "
+                             "checkpoints (track the objects of yours it does not save)")
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"track({name!r}): {type(obj).__name__} has no state_dict()/load_state_dict() "
                             "(see hpctrain.protocols.Stateful)")  # fmt: skip
@@ -82,7 +88,14 @@ class TrainerState:
         """
         rngs: dict[str, list[Any]] = {}
         mine = {n: m.rng.bit_generator.state for n, m in self._modules_with_rng()}
-        tracked, checks = self._tracked_states()
+        if self._taking_state:  # a tracked object whose state_dict() asks the trainer's: refused, not recursed
+            raise RuntimeError("state_dict() of a tracked object called the trainer's state_dict(): a tracked "
+                               "object must not hold the trainer's state")
+        self._taking_state = True
+        try:
+            tracked, checks = self._tracked_states()
+        finally:
+            self._taking_state = False
         everyone = self.owner.comm.allgather_obj((self.owner.dp.rank, mine, checks))
         for d, states, _ in everyone:
             for k, v in states.items():
@@ -121,6 +134,46 @@ class TrainerState:
             except Exception as exc:
                 checks[name] = f"error: track({name!r}): {type(exc).__name__}: {exc}"
         return states, checks
+
+    def state_problem(self, state: dict[str, Any]) -> str | None:
+        """What in a saved ``state`` this trainer refuses before a load reads or changes anything
+        (``None``: nothing): a counter that is not a whole number in range, a sampler position
+        beyond this run's epoch, a data order drawn from another seed. A checkpoint's seal proves
+        its bytes are whole, not that its values are sane (a file can be forged and sealed
+        again). Not collective: ``state`` and the checks are the same on every rank."""
+        from ..checkpoint.format import whole
+
+        try:
+            for key, least in (("global_step", 0), ("epoch", 0), ("world_size", 1), ("dp_size", 1)):
+                if key in state or key in ("global_step", "epoch"):
+                    whole(state.get(key), key, least)
+            sampler = state.get("sampler")
+            if sampler is not None:
+                return self._sampler_problem(sampler, int(state.get("dp_size", state.get("world_size", 1))))
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def _sampler_problem(self, saved: Any, saved_dp: int) -> str | None:
+        """The saved sampler state against this run's sampler: its seed, and its position within
+        an epoch of this run's data (the samples all replicas consumed, with one of slack per
+        replica for the rescaling across dp sizes)."""
+        if not isinstance(saved, dict):
+            raise ValueError(f"sampler state is a {type(saved).__name__}, not a dict")
+        from ..checkpoint.format import whole
+
+        position = whole(saved.get("position"), "sampler position", 0)
+        epoch = whole(saved["epoch"], "sampler epoch", 0) if "epoch" in saved else 0
+        sampler = self._sampler
+        mine = getattr(sampler, "seed", None)  # optional: a user's sampler may have no seed
+        if "seed" in saved and isinstance(mine, int) and whole(saved["seed"], "sampler seed", 0) != mine:
+            return (f"its data order was drawn with seed {saved['seed']} and this run's with seed {mine}: a resume "
+                    f"keeps the run's seed (--seed {saved['seed']}); nothing was read")
+        length = _length_or_none(sampler)
+        if length is not None and position * saved_dp > length * self.dp.size + saved_dp:
+            return (f"its sampler position {position} (epoch {epoch}, over {saved_dp} replica(s)) is beyond this "
+                    f"run's epoch of {length} per replica over {self.dp.size}")
+        return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved, under this trainer's layout.
@@ -195,6 +248,13 @@ class TrainerState:
         restore_of(self.owner.precision.scaler, snap["loss_scaler"])
         for name, obj in self.tracked.items():
             restore_of(obj, snap.get("tracked", {}).get(name))
+
+
+def _length_or_none(sampler: Any) -> int | None:
+    try:
+        return len(sampler) if sampler is not None else None
+    except TypeError:  # a sampler of unknown length
+        return None
 
 
 def _agree_tracked(checks: list[dict[str, str]]) -> None:

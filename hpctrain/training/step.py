@@ -127,6 +127,8 @@ class TrainStep:
     reducer: Reducer | None = None
     clip_norm: float | None = None
     microbatches: int = 1
+    #: How many fits this trainer entered (``enter_fit``): every step's batch check agrees on it.
+    fits: int = 0
     #: Clip by the exactly rounded global norm (``optim.exactsum``; identical on every rank):
     #: strategies set it where all gradients are float64.
     exact_norm: bool = False
@@ -348,14 +350,14 @@ class TrainStep:
         wsum = float(sum(part_w))
         real = float(n if w_host is None else np.count_nonzero(w_host))
         d, nd = self.dp.rank, self.dp.size
-        v = np.full(4 * nd + 1, -np.inf)  # max over the world: others' slots stay -inf
+        v = self._check_vector(problem is not None)
         digest = _batch_digest(x, y, weight, wsum)
         v[4 * d : 4 * d + 4] = (wsum if self._batch_lead else 0.0, real if self._batch_lead else 0.0, digest, -digest)
-        v[-1] = 1.0 if problem is not None else 0.0
         totals = self.comm.allreduce(v, op="max")
+        self._same_fit(totals, entering=False)
         if totals[-1]:
             raise_if_any(self.comm, problem, what=f"{self.name}.step")
-        per = totals[:-1].reshape(nd, 4)
+        per = totals[:-3].reshape(nd, 4)
         odd = [r for r in range(nd) if per[r, 2] != -per[r, 3]]
         if odd:
             raise MismatchError(
@@ -364,6 +366,41 @@ class TrainStep:
             )
         return Batch(x=x, y=y, weight=w_host, parts=parts, part_weights=part_w,
                      weight_total=float(per[:, 0].sum()), samples=int(round(per[:, 1].sum())))  # fmt: skip
+
+    def _check_vector(self, problem: bool) -> np.ndarray:
+        """The batch check's all-reduce (max) operand: 4 slots per dp replica (others' stay
+        -inf), this fit's number and its negation (max and -min: do all ranks agree?), the
+        problem flag. A fit's entry all-reduces the same operand (:meth:`enter_fit`)."""
+        v = np.full(4 * self.dp.size + 3, -np.inf)
+        v[-3:] = (self.fits, -self.fits, 1.0 if problem else 0.0)
+        return v
+
+    def enter_fit(self) -> None:
+        """A fit begins (collective): count it, and agree on its number in the same all-reduce as
+        a step's batch check. A rank that left a fit alone (an exception on it only, caught by the
+        script) and entered the next meets the others' next step check instead of their next fit:
+        refused at once, on every rank, naming the ranks, instead of running on with collectives
+        that no longer match."""
+        self.fits += 1
+        self._same_fit(self.comm.allreduce(self._check_vector(False), op="max"), entering=True)
+
+    def _same_fit(self, totals: np.ndarray, entering: bool) -> None:
+        """Raise ``MismatchError`` on every rank of the all-reduce when its ranks are not all in
+        the same fit (collective only then: they all saw it in the same result)."""
+        if totals[-3] == -totals[-2]:
+            return
+        from ..comm.failure import mark_everywhere, rank_ranges
+        from ..errors import MismatchError
+
+        where: dict[tuple, list[int]] = {}
+        for r, (fits, step, ent) in enumerate(self.comm.allgather_obj((self.fits, self.global_step, entering))):
+            where.setdefault((fits, step if not ent else None), []).append(r)
+        said = [f"rank{'s' if len(rs) > 1 else ''} {rank_ranges(rs)} " + (f"entering fit {fits}" if step is None else
+                f"in fit {fits} at step {step + 1}") for (fits, step), rs in sorted(where.items())]
+        raise mark_everywhere(MismatchError(
+            "ranks disagree on which fit they are in (" + ", ".join(said) + "): a fit left on some ranks only (an "
+            "exception there, caught) cannot be called again while the others go on; their collectives no longer "
+            "match"), self.comm)
 
     def batch_problem(self, x: Any, y: Any, weight: Any) -> Exception | str | None:
         """What is wrong with this rank's batch (``None`` when nothing): lengths, micro-batches."""

@@ -140,6 +140,11 @@ class Trainer:
         the strategy's step: ``training.step``)."""
         return self.strategy.step(x, y, weight)
 
+    def enter_fit(self) -> None:
+        """A fit begins (collective): the ranks agree that they are all entering the same one (the
+        strategy's check, ``TrainStep.enter_fit``)."""
+        self.strategy.enter_fit()
+
     def step_microbatches(self, n: int) -> int:
         """Micro-batches a step cuts a local batch of ``n`` samples into (the strategy's rule)."""
         return self.strategy.step_microbatches(n)

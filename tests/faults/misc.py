@@ -10,6 +10,7 @@
     mpiexec -n 2 python tests/faults/misc.py raise-all    # every rank raises the same untagged error, unhandled
     mpiexec -n 2 python tests/faults/misc.py fail-all     # every rank ends with failure.fail of the same error
     mpiexec -n 2 python tests/faults/misc.py node-stop    # each rank claims a node; the last freezes (SIGSTOP)
+    mpiexec -n 2 python tests/faults/misc.py fit-again    # a callback raises on the last rank; caught; fit again
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def main(mode: str) -> int:
         if comm.rank == last:  # neither computes nor answers: a node that hangs or is cut off
             os.kill(os.getpid(), signal.SIGSTOP)
         comm.allreduce(np.ones(2))
+    elif mode == "fit-again":
+        return _fit_again(comm)
     elif mode == "fail-all":
         from hpctrain.comm.failure import fail
 
@@ -98,6 +101,39 @@ def main(mode: str) -> int:
         raise SystemExit(f"unknown mode {mode!r}")
     print(f"rank {comm.rank} finished", flush=True)
     return 0
+
+
+def _fit_again(comm) -> int:
+    """A callback raises on the last rank only at step 3; the script catches it there and calls
+    fit again, while the other ranks go on with their first fit."""
+    from hpctrain.data import ArrayDataset, DataLoader, ShardedSampler
+
+    last = comm.size - 1
+    g = np.random.default_rng(0)
+    rows = ArrayDataset(g.normal(size=(64 * comm.size, 5)), g.integers(0, 3, 64 * comm.size))
+    loader = DataLoader(rows, 4, ShardedSampler(len(rows), comm.rank, comm.size, seed=0))
+    model = Sequential(Linear(5, 8, rng=np.random.default_rng(1)), ReLU(), Linear(8, 3, rng=np.random.default_rng(2)))
+    trainer = DataParallelTrainer(model=model, loss=ht.nn.CrossEntropyLoss(), comm=comm,
+                                  optimizer=ht.optim.SGD(model.parameters(), lr=0.1))
+
+    class Flaky:
+        fired = False
+
+        def on_step_end(self, tr, stats):
+            if comm.rank == last and tr.global_step == 3 and not Flaky.fired:
+                Flaky.fired = True
+                raise RuntimeError("injected in a callback on the last rank")
+
+    for attempt in (1, 2):
+        try:
+            trainer.fit(loader, epochs=2, callbacks=[Flaky()], log_every=1000)
+            print(f"rank {comm.rank} fit {attempt} finished at step {trainer.global_step}", flush=True)
+            return 0
+        except (RuntimeError, HpctrainError) as exc:
+            print(f"rank {comm.rank} fit {attempt}: {type(exc).__name__}: {exc}", flush=True)
+            if not str(exc).startswith("injected"):
+                return 2
+    return 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@
     mpiexec -n 3 python tests/faults/train_fault.py kill RANKS STEPS -- <hpctrain train args>
     mpiexec -n 3 python tests/faults/train_fault.py kill-reduce RANKS STEPS -- <hpctrain train args>
     mpiexec -n 4 python tests/faults/train_fault.py kill-recover RANKS STEPS -- <hpctrain train args>
+    mpiexec -n 4 python tests/faults/train_fault.py kill-buddy RANKS STEPS -- <hpctrain train args>
+    mpiexec -n 3 python tests/faults/train_fault.py kill-end RANK 0|1 -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py ctrl-c-exit 0 STEP -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py exit RANK STEP,STATUS -- <hpctrain train args>
+    mpiexec -n 2 python tests/faults/train_fault.py readonly DIR STEP -- <hpctrain train args>
 
 stop: rank RANK stops itself (SIGSTOP) when it reaches step STEP: a rank that neither computes
 nor answers, as a frozen node looks to the others (STEP -1: the first epoch's last step). raise:
@@ -21,7 +26,19 @@ as a node that dies mid-save. kill: each rank of RANKS kills itself
 (SIGKILL) as its step of STEPS begins (lists: ``kill 2,3 3,8``), as a node that dies; for the
 synchronous strategies. kill-reduce: the same while its gradient all-reduces are in flight (dp).
 kill-recover: the same, except that the last rank of RANKS dies as it starts to recover from the
-others' loss (a second loss during the shrink).
+others' loss (a second loss during the shrink). kill-buddy: the same, just before the victim sends
+its ZeRO pieces of that step to its buddy (its dp neighbours then hold its pieces of the step
+before, the other dp groups those of this step). kill-end: RANK dies after the training, just after
+its final checkpoint: as the memory figures are gathered (0) or as the final evaluation starts (1).
+
+ctrl-c-exit: every rank sends itself SIGINT at step STEP (a stop: checkpoint, status 75); the
+last rank is then 3 s late to finalize MPI, and every rank gets a second SIGINT 1.5 s into its
+end of the program, the others while they wait for that rank (Ctrl-C pressed again as the job
+exits; the program as ``hpctrain`` runs it: ``cli.command``).
+exit: rank RANK ends its process with ``os._exit(STATUS)`` as its step STEP begins: no word, no
+exception, nothing flushed (a library that exits, say). readonly: as step STEP begins, rank 0
+makes DIR read-only: remounted (``mount -o remount,ro``) when it is a mount point and this is
+root, else its write permissions taken away (``chmod``: refused to a user that is not root).
 
 With ``FAULT_SLOW_SAY=S`` in the environment, world rank 0 waits S seconds before each line it
 reports through ``hpctrain.comm.failure`` (a loaded node): the others must not end the job first.
@@ -33,6 +50,7 @@ import math
 import os
 import signal
 import sys
+from typing import Any
 
 from mpi4py import MPI
 
@@ -60,6 +78,38 @@ def _kill(mode: str, ranks: str, steps: str) -> None:
             die()
 
         ulfm.shrink = dying_shrink
+        return
+    if mode == "kill-end":  # after fit: ``at`` 0 as the memory figures are gathered, 1 as the final evaluation starts
+        from hpctrain.job import runner
+
+        if at == 0:
+            summary = Trainer.memory_summary
+
+            def dying_summary(self):
+                die()
+                return summary(self)
+
+            Trainer.memory_summary = dying_summary
+        else:
+            evaluate = runner._evaluate_final
+
+            def dying_evaluation(*args, **kwargs):
+                die()
+                return evaluate(*args, **kwargs)
+
+            runner._evaluate_final = dying_evaluation
+        return
+    if mode == "kill-buddy":  # before its ZeRO pieces go to its buddy for step ``at``
+        from hpctrain.resilience import buddies
+
+        refresh = buddies.Buddies.refresh
+
+        def dying_refresh(self, trainer, step):
+            if step == at:
+                die()
+            return refresh(self, trainer, step)
+
+        buddies.Buddies.refresh = dying_refresh
         return
     if mode == "kill-reduce":  # one reduction per step (no --accum-steps): the (at+1)-th
         finish, calls = reducer.AllReduceReducer.finish, [0]
@@ -99,13 +149,89 @@ def _slow_say(seconds: float) -> None:
     failure.write_lines = slow
 
 
+def _ctrl_c_exit(at: int) -> Any:
+    """ctrl-c-exit: a stop at step ``at``, then a second Ctrl-C while rank 0 waits for a late rank."""
+    import subprocess
+    import time
+
+    from hpctrain.comm import failure
+
+    rank, last = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size() - 1
+    step, end = Trainer.step, getattr(failure, "end_program", lambda status: status)  # (before issue 38: none)
+
+    def stopping(self, *args, **kwargs):
+        if self.global_step == at:
+            print(f"rank {rank}: injected SIGINT at step {at}", flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(self, *args, **kwargs)
+
+    def late_end(status: int) -> int:
+        import atexit
+
+        if rank == last:  # runs inside the end, before MPI_Finalize: the others wait there for it
+            atexit.register(time.sleep, 3)
+        subprocess.Popen(["sh", "-c", f"sleep 1.5; kill -INT {os.getpid()}"])  # Ctrl-C again, every rank
+        return end(status)
+
+    Trainer.step = stopping
+    failure.end_program = late_end
+    return late_end
+
+
+def _exit_at(rank: int, at: int, status: int) -> None:
+    """exit: ``os._exit(status)`` on ``rank`` as its step ``at`` begins."""
+    step = Trainer.step
+
+    def exiting(self, *args, **kwargs):
+        if self.global_step == at and MPI.COMM_WORLD.Get_rank() == rank:
+            os._exit(status)
+        return step(self, *args, **kwargs)
+
+    Trainer.step = exiting
+
+
+def _readonly_at(directory: str, at: int) -> None:
+    """readonly: rank 0 makes ``directory`` read-only as step ``at`` begins."""
+    import subprocess
+
+    step = Trainer.step
+
+    def freezing(self, *args, **kwargs):
+        if self.global_step == at and MPI.COMM_WORLD.Get_rank() == 0:
+            if os.path.ismount(directory) and os.geteuid() == 0:
+                subprocess.run(["mount", "-o", "remount,ro", directory], check=True)
+            else:
+                for where, _, _ in os.walk(directory):
+                    os.chmod(where, 0o555)
+            print(f"rank 0: made {directory} read-only at step {at}", flush=True)
+        return step(self, *args, **kwargs)
+
+    Trainer.step = freezing
+
+
+def _command(argv: list[str], end=None) -> None:
+    """The program as ``hpctrain`` runs it (``cli.command``; before it existed, main then exit)."""
+    if hasattr(cli, "command"):
+        cli.command(argv)
+    status = cli.main(argv)
+    sys.exit(end(status) if end is not None else status)
+
+
 def main() -> int:
     if os.environ.get("FAULT_SLOW_SAY"):
         _slow_say(float(os.environ["FAULT_SLOW_SAY"]))
-    if sys.argv[1] in ("kill", "kill-reduce", "kill-recover"):
+    if sys.argv[1] in ("kill", "kill-reduce", "kill-recover", "kill-buddy", "kill-end"):
         assert sys.argv[4] == "--", sys.argv
         _kill(*sys.argv[1:4])
         return cli.main(["train", *sys.argv[5:]])
+    if sys.argv[1] == "ctrl-c-exit":
+        _command(["train", *sys.argv[5:]], _ctrl_c_exit(int(sys.argv[3])))
+    if sys.argv[1] == "readonly":
+        _readonly_at(sys.argv[2], int(sys.argv[3]))
+        _command(["train", *sys.argv[5:]])
+    if sys.argv[1] == "exit":
+        _exit_at(int(sys.argv[2]), *map(int, sys.argv[3].split(",")))
+        _command(["train", *sys.argv[5:]])
     mode, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     assert sys.argv[4] == "--", sys.argv
     if mode in ("stop-save", "kill-save") and MPI.COMM_WORLD.Get_rank() == rank:

@@ -26,8 +26,8 @@ CASES = [
      "--tie-embeddings ties the GPT's head to its token embedding; --model mlp has none (a model of your own "
      "ties its weights itself)"),
     ("model", ["--loss", "mse"], 'loss = "mse"\n', {},
-     "--model mlp is a classifier: it trains with --loss ce on class indices, not --loss mse; a model of yours "
-     "(--model package.module:factory) trains on float targets, with config.info['n_out'] outputs"),
+     "--loss mse trains on float targets, and the built-in data sets hold class indices: train them with --loss "
+     "ce, or give --data FILE whose --y-key holds float values"),
     ("model", ["--seed", "-1"], "seed = -1\n", {}, "--seed must be >= 0, got -1"),
     ("data", ["--val-fraction", "1.5"], "val_fraction = 1.5\n", {},
      "--val-fraction must be between 0 and 1, got 1.5"),

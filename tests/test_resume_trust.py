@@ -54,7 +54,8 @@ def test_skipped_checkpoints_are_moved_aside_and_another_seed_is_refused(serial,
     foreign = copy_checkpoint(str(other / "checkpoints" / "ckpt-00000020.h5"), str(ckpts))
     before = {damaged: _digest(damaged), foreign: _digest(foreign)}
 
-    p = _train(tmp_path, "--checkpoint-every", "5", "--run-dir", str(run), "--resume")
+    # --max-steps 20: the run's config.json remembers the first job's 10 (a resume keeps its settings).
+    p = _train(tmp_path, "--checkpoint-every", "5", "--max-steps", "20", "--run-dir", str(run), "--resume")
     said = p.stdout + p.stderr
     assert p.returncode == 0, said
     assert (f"skipping checkpoint {foreign}: checkpoint {foreign}: its data order was drawn with seed 1 and this "

@@ -74,10 +74,9 @@ def _model(c: Config, world: int) -> None:
                           f"(or path/to/file.py:factory); the built-in models are {', '.join(models.BUILTIN)}")
     if c.model == "gpt" and c.loss != "ce":
         raise ConfigError("--model gpt predicts the next token: it trains with --loss ce")
-    if c.model == "mlp" and c.loss != "ce":
-        raise ConfigError(f"--model mlp is a classifier: it trains with --loss ce on class indices, not --loss "
-                          f"{c.loss}; a model of yours (--model package.module:factory) trains on float targets, "
-                          "with config.info['n_out'] outputs")
+    if c.loss != "ce" and not c.data:
+        raise ConfigError(f"--loss {c.loss} trains on float targets, and the built-in data sets hold class indices: "
+                          "train them with --loss ce, or give --data FILE whose --y-key holds float values")
     if c.model == "gpt":
         _refuse(heads_problem(c.d_model, c.n_heads, as_flag))
     elif c.tie_embeddings:

@@ -418,7 +418,7 @@ class ParallelStep(TrainStep):
                 wi = None if w is None else to_device(w[part], xp)
                 root = forward_loss(self.model, self.loss, x[part], y[part], wi, scales[i])
                 loss_sum = loss_sum + root.data * scales[i]  # on the GPU: stays there until the step's one read
-                run_backward(root, meter=self._meter)
+                run_backward(root, meter=self.meter)
                 del root  # the graph goes before the next micro-batch's forward
             finally:
                 if last and hooks:
@@ -444,7 +444,7 @@ class ParallelStep(TrainStep):
         self.reducer.begin()
         with recording() as calls:  # the explicit modules' first inputs, for the check below
             r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, self._scales(batch), self.loss,
-                                 xp, meter=self._meter)  # fmt: skip
+                                 xp, meter=self.meter)  # fmt: skip
         self._ties.sum_grads()
         if not self._state_checked:  # once: explicit modules keeping state outside their cache refused
             raise_if_any(self.comm, per_call_state_problem(calls, self.chunks), what=self.preset.name)

@@ -291,7 +291,7 @@ class ParameterServerTrainer(Trainer):
         with collect_target_checks() as targets:  # read with the gradients below
             root = loss_node(pred, self.loss, y, weight, 1.0)
         loss = root.data
-        run_backward(root, meter=self._meter)
+        run_backward(root, meter=self.strategy.meter)
         del root
         loss, n_local = self._read_step(loss, weight, targets)
         n_local = float(len(x)) if n_local is None else n_local

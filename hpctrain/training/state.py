@@ -164,15 +164,15 @@ class TrainerState:
 
         position = whole(saved.get("position"), "sampler position", 0)
         epoch = whole(saved["epoch"], "sampler epoch", 0) if "epoch" in saved else 0
-        sampler = self._sampler
+        sampler = self.sampler
         mine = getattr(sampler, "seed", None)  # optional: a user's sampler may have no seed
         if "seed" in saved and isinstance(mine, int) and whole(saved["seed"], "sampler seed", 0) != mine:
             return (f"its data order was drawn with seed {saved['seed']} and this run's with seed {mine}: a resume "
                     f"keeps the run's seed (--seed {saved['seed']}); nothing was read")
         length = _length_or_none(sampler)
-        if length is not None and position * saved_dp > length * self.dp.size + saved_dp:
+        if length is not None and position * saved_dp > length * self.owner.dp.size + saved_dp:
             return (f"its sampler position {position} (epoch {epoch}, over {saved_dp} replica(s)) is beyond this "
-                    f"run's epoch of {length} per replica over {self.dp.size}")
+                    f"run's epoch of {length} per replica over {self.owner.dp.size}")
         return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -134,8 +134,9 @@ class TrainStep:
     exact_norm: bool = False
     #: The step's dtypes and fp16's loss scaler (``fp32``: the parameters' own dtype, no scaler).
     precision: Precision
-    #: The memory report's meter (``training.memory.MemoryMeter``): told where backwards start.
-    _meter: Any = None
+    #: The memory report's meter (``training.memory.MemoryMeter``, made by the trainer's first
+    #: ``memory_report``): told where backwards start.
+    meter: Any = None
 
     def __init__(self, *, comm: Communicator | None = None, on_nonfinite: str = "raise") -> None:
         from .guard import POLICIES

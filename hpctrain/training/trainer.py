@@ -115,7 +115,6 @@ class Trainer:
         # Seconds any wait may last (0 = off everywhere: watchdog and pipeline waits alike): held
         # by the job's Health, which the stall watchdog reads (with the step, for its reports).
         self.health = Health(resolve_timeout(timeout), _step_of(weakref.ref(self)))
-        self._meter: Any = None  # memory_report's MemoryMeter, made at its first call
         self._memory_most: dict[str, int] | None = None
         watchdog.attach(self.health)
         # The checkpoints' machinery with its private communicator, made now while every rank is
@@ -165,6 +164,11 @@ class Trainer:
     def take_pending_sampler(self) -> dict[str, Any] | None:
         """The sampler state the last load restored (``None``: none), forgotten from now on."""
         return self.state.take_pending_sampler()
+
+    def state_problem(self, state: dict[str, Any]) -> str | None:
+        """What in a saved trainer ``state`` this trainer refuses before a load reads anything
+        (``None``: nothing; the state part's check, ``TrainerState.state_problem``)."""
+        return self.state.state_problem(state)
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the sampler's state and module RNG states (collective; ``TrainerState``)."""
@@ -243,9 +247,9 @@ class Trainer:
         """
         from .memory import MemoryMeter
 
-        meter = self._meter
+        meter = self.strategy.meter  # the strategy's backwards tell it where they start
         if meter is None:
-            meter = self._meter = MemoryMeter(self.model, self.loss).install()
+            meter = self.strategy.meter = MemoryMeter(self.model, self.loss).install()
         report = meter.report(self.memory_arrays())
         staged = int((stats.extra or {}).get("peak_activation_bytes", 0)) if stats is not None else 0
         if staged > report["activations_peak"]:

@@ -99,7 +99,7 @@ def test_tied_head_equals_one_process(comm, tp, pp):
     for n, w in weights.items():
         np.testing.assert_allclose(have[n], w, rtol=1e-10, atol=1e-12, err_msg=n)
     if pp > 1:  # both stages' copies stayed equal
-        ties = tr._ties.groups
+        ties = tr.strategy._ties.groups
         assert (tr.grid.pp.rank in (0, pp - 1)) == bool(ties)
     tr.close()
 

@@ -60,8 +60,9 @@ class TrainerState:
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"track: name must be a non-empty string, got {name!r}")
-        if obj is self or isinstance(obj, TrainerState):
-            what = "the trainer itself" if obj is self else f"another trainer ({type(obj).__name__})"
+        part = obj if isinstance(obj, TrainerState) else getattr(obj, "state", None)  # a trainer holds one
+        if isinstance(part, TrainerState):
+            what = "the trainer itself" if part is self else f"another trainer ({type(obj).__name__})"
             raise ValueError(f"track({name!r}): {what} cannot be tracked: a trainer's state is saved with its own "
                              "checkpoints (track the objects of yours it does not save)")
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):

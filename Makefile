@@ -29,7 +29,7 @@ PYTEST_MPI := -m mpi4py -m pytest --with-mpi -q -p no:cacheprovider
 NO_TORCH := --ignore-glob='tests/test_torch_*'
 MPIFLAGS ?=
 
-.PHONY: gpu-check venv test test-serial test-mpi2 test-mpi4 test-mpi8 test-openmpi test-openmpi-subset test-slurm demo \
+.PHONY: gpu-check venv test test-long test-jobs test-mpi4-all test-serial test-mpi2 test-mpi4 test-mpi8 test-openmpi test-openmpi-subset test-slurm demo \
         bench lint docs wheel test-wheel torch-venv test-torch test-torch-ulfm clean
 
 venv: $(STAMP)
@@ -40,15 +40,32 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard]'
 	touch $(STAMP)
 
+# make test: the quick check (under 6 minutes on 2 cores). make test-long: what it leaves out, the
+# tests that start their own jobs and the whole suite at -n 4; CI runs it right after make test.
 test: test-serial test-mpi2 test-mpi4 test-mpi8
+test-long: test-jobs test-mpi4-all
 
 test-serial: venv
-	$(PY) -m pytest -q -p no:cacheprovider $(NO_TORCH)
+	$(PY) -m pytest -q -p no:cacheprovider $(NO_TORCH) -m "not jobs"
+
+# The tests that start their own jobs (mpiexec, the command line, pytest under mpiexec; the
+# jobs marker: tests/conftest.py), serially: 3-4 minutes.
+test-jobs: venv
+	$(PY) -m pytest -q -p no:cacheprovider $(NO_TORCH) -m jobs
 
 test-mpi2: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 2 $(PY) $(PYTEST_MPI) $(NO_TORCH)
 
+# At -n 4 make test runs the files where 4 ranks compose what 2 cannot (tp or pp x dp, ZeRO and
+# the parameter server over 3 workers, checkpoints across layouts); test-mpi4-all the whole suite
+# (4 ranks oversubscribe 2 cores: 4-5 minutes).
+MPI4_TESTS := $(addprefix tests/test_,checkpoint_matrix.py grid.py parallelize.py param_server.py pipeline.py \
+                precision.py recompute.py short_batch.py tensor.py tied_embeddings.py train_config.py \
+                train_mpi.py zero.py)
 test-mpi4: venv
+	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI) $(MPI4_TESTS)
+
+test-mpi4-all: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI) $(NO_TORCH)
 
 # dp=2 x tp=2 x pp=2: only the composition's equivalence tests and the README's -n 8 job shape

@@ -13,6 +13,19 @@ import numpy as np
 import pytest
 
 
+# Files whose tests start their own jobs (mpiexec, the hpctrain command, pytest under mpiexec):
+# seconds each, 3-4 of the serial pass's 5 minutes. With the fault tests they carry the ``jobs``
+# marker: ``make test`` leaves them to ``make test-jobs``, which CI runs right after it.
+JOB_FILES = {"test_faults.py", "test_train_job.py", "test_cli_tools.py", "test_job_endings.py",
+             "test_checkpoint_bytes.py", "test_resume_trust.py", "test_pytest_plugin.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in JOB_FILES or item.get_closest_marker("fault"):
+            item.add_marker(pytest.mark.jobs)
+
+
 @pytest.fixture
 def comm():
     from hpctrain import Communicator

@@ -12,7 +12,6 @@ import os
 import numpy as np
 import pytest
 
-
 # Files whose tests start their own jobs (mpiexec, the hpctrain command, pytest under mpiexec):
 # seconds each, 3-4 of the serial pass's 5 minutes. With the fault tests they carry the ``jobs``
 # marker: ``make test`` leaves them to ``make test-jobs``, which CI runs right after it.

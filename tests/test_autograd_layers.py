@@ -54,6 +54,17 @@ def _tensor_grads(model, x, y, loss=None):
     return out.data, {n: p.grad.copy() for n, p in model.named_parameters()}
 
 
+def explicit_and_engine_grads(model, x, y):
+    """The loss and gradients of ``model`` by its hand-written backward, then through the engine
+    with the same dropout masks (its generators rewound)."""
+    rngs = [m.rng for _, m in model.named_modules() if isinstance(m, nn.Dropout)]
+    states = [r.bit_generator.state for r in rngs]
+    explicit = _explicit_grads(model, x, y)
+    for r, s in zip(rngs, states):
+        r.bit_generator.state = s  # the same masks again
+    return explicit, _tensor_grads(model, x, y)
+
+
 # -- the built-in layers and models as nodes --------------------------------------------------------
 
 
@@ -77,12 +88,7 @@ def test_gpt_through_the_engine_equals_its_hand_written_backward(variant, device
     if device is not None:  # the device stand-in: host/device mixing fails as on a GPU
         model.to("gpu")
         x, y = device.asarray(x), device.asarray(y)
-    rngs = [m.rng for _, m in model.named_modules() if isinstance(m, nn.Dropout)]
-    states = [r.bit_generator.state for r in rngs]
-    want_v, want = _explicit_grads(model, x, y)
-    for r, s in zip(rngs, states):
-        r.bit_generator.state = s  # the same masks again
-    got_v, got = _tensor_grads(model, x, y)
+    (want_v, want), (got_v, got) = explicit_and_engine_grads(model, x, y)
     assert float(to_host(got_v)) == pytest.approx(float(to_host(want_v)), rel=1e-12)
     assert got.keys() == want.keys()
     for n in want:

@@ -73,15 +73,32 @@ def test_a_checkpoint_directory_turned_read_only_ends_in_one_line_with_status_5(
     assert (record["state"], record["exit_status"]) == ("failed", 5), record
 
 
+def _wait_gone(pid: int, seconds: float = 60) -> None:
+    """Until process ``pid`` (on this machine) has ended."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"process {pid} still runs after {seconds} s")
+
+
 @pytest.mark.fault
 @pytest.mark.timeout(200)
 def test_a_rank_that_exits_without_a_word_is_never_reported_as_finished(serial, tmp_path):
     # Rank 1 calls os._exit(0) as step 5 begins: under MPICH the launcher kills the others at
     # once and may return 0; the run directory still tells the truth, and so does the next job.
+    # When the launcher does not end rank 0 (seen once on a loaded machine: it stayed in the
+    # step's collective), the stall watchdog does, after HPCTRAIN_TIMEOUT: either way no ending
+    # is recorded, and the status below is read once the leader's process is gone.
     run = tmp_path / "run"
-    p, _ = _fault(tmp_path, "exit", "1", "5,0", "--", *SMALL, "--run-dir", str(run))
+    p, _ = _fault(tmp_path, "exit", "1", "5,0", "--", *SMALL, "--run-dir", str(run), env={"HPCTRAIN_TIMEOUT": "20"})
     assert not (run / "summary.json").exists(), p.stdout + p.stderr
-    assert json.loads((run / "job.json").read_text())["state"] == "running"
+    record = json.loads((run / "job.json").read_text())
+    assert record["state"] == "running", record
+    _wait_gone(record["pid"])
     status = hpctrain("status", str(run))
     assert status.returncode == 1, status.stdout + status.stderr
     assert re.search(r"last job +started \S+ on \S+, pid \d+: did not finish and recorded no ending: it was killed, "

@@ -39,7 +39,7 @@ def main(repo: Path) -> None:
         corpus = [f.name for f in (resources.files("hpctrain") / "data" / "corpus").iterdir()]
         assert any(name.endswith(".txt") for name in corpus), f"the wheel lacks the shipped corpus: {corpus}"
         scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
-        assert scripts.get("hpctrain") == "hpctrain.cli:main", scripts
+        assert scripts.get("hpctrain") == "hpctrain.cli:command", scripts
         plugins = {ep.name: ep.value for ep in metadata.entry_points(group="pytest11")}
         assert plugins.get("hpctrain") == "hpctrain.testing.plugin", plugins
 

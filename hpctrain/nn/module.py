@@ -18,16 +18,17 @@ graph, on arrays they run their explicit forward and backward as before.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from ..autograd import Tensor
+from ..autograd import Tensor, is_grad_enabled
 from ..autograd.function import differentiable
 from ..backend import get_xp, to_device, xp_of
 from .buffers import Buffers
-from .explicit import call_module
+from .explicit import call_module, explicit_depth, explicit_forward
 from .layer_nodes import LayerCall
 
 
@@ -68,6 +69,30 @@ def parameters_of(module: Any) -> list[Any]:
 
 def _is_array(a: Any) -> bool:
     return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, Tensor)
+
+
+def trains(module: Any) -> bool:
+    """Whether some parameter ``module`` computes with requires a gradient."""
+    return any(p.requires_grad for p in parameters_of(module))
+
+
+def as_graph_input(module: Any, x: Any) -> Any:
+    """What a module call does with its first argument ``x`` (the one calling convention): an
+    array handed to a module that trains (``trains``), with recording on (``autograd.no_grad``
+    off) and outside another module's explicit forward, becomes a constant ``Tensor``, the input
+    of the graph whose ``backward`` fills every parameter's gradient; otherwise ``x`` itself (on
+    arrays a module with its own ``backward`` runs the explicit protocol: ``forward`` then
+    ``backward`` on arrays)."""
+    if explicit_depth[0] or not _is_array(x) or not is_grad_enabled() or not trains(module):
+        return x
+    # Called from the forward of a module with its own backward (``model.forward(x)`` run by
+    # hand, then ``model.backward(g)``): that forward's explicit protocol, arrays stay arrays.
+    caller = sys._getframe(2)  # this function's caller is the module's __call__: its caller
+    if caller.f_code.co_name == "forward":
+        owner = caller.f_locals.get("self")
+        if isinstance(owner, Module) and owner._call_kind is not _FREE:
+            return x
+    return Tensor(x)
 
 
 def as_rng(rng: int | np.random.Generator | None) -> np.random.Generator:
@@ -146,15 +171,22 @@ class Module:
         kind = self._call_kind
         if kind is _FREE:
             return self.forward(*(Tensor(a) if _is_array(a) else a for a in args), **kwargs)
-        if args and isinstance(args[0], Tensor):
-            if kind is _LAYER:
-                d = self.__dict__
-                params = d.get("_call_params")
-                if params is None:  # forgotten whenever an attribute changes (Module.__setattr__)
-                    params = d["_call_params"] = tuple(v for v in d.values() if isinstance(v, Parameter))
-                return LayerCall.apply(self, args[0], *params, **kwargs)
-            if kind is _NODE and len(args) == 1 and not kwargs:
-                return call_module(self, args[0], parameters_of(self))
+        if not args:
+            return self.forward(**kwargs)
+        x = args[0]
+        if not isinstance(x, Tensor):
+            t = as_graph_input(self, x)
+            if t is x:  # the explicit protocol: forward on arrays, its own backward to follow
+                return explicit_forward(self, *args, **kwargs)
+            args, x = (t, *args[1:]), t
+        if kind is _LAYER:
+            d = self.__dict__
+            params = d.get("_call_params")
+            if params is None:  # forgotten whenever an attribute changes (Module.__setattr__)
+                params = d["_call_params"] = tuple(v for v in d.values() if isinstance(v, Parameter))
+            return LayerCall.apply(self, x, *params, **kwargs)
+        if kind is _NODE and len(args) == 1 and not kwargs:
+            return call_module(self, x, parameters_of(self))
         return self.forward(*args, **kwargs)
 
     def scratch_buffers(self) -> Buffers:
@@ -208,6 +240,17 @@ class Module:
         for p in self.parameters():
             p.data = to_device(p.data, xp)
             p.grad = xp.zeros_like(p.data)
+        return self
+
+    def astype(self, dtype: Any) -> Module:
+        """Every floating-point parameter this module computes with cast to ``dtype`` (its
+        gradient zeroed in it), in place; returns the module. ``astype(np.float64)`` (PyTorch's
+        ``double()``) gives the float64 run that tells rounding from a bug: feed it float64 data."""
+        dtype = np.dtype(dtype)
+        for p in parameters_of(self):
+            if differentiable(p.data.dtype) and p.data.dtype != dtype:
+                p.data = p.data.astype(dtype)
+                p.grad = None if p.grad is None else xp_of(p.data).zeros_like(p.data)
         return self
 
     # -- state --------------------------------------------------------------------------------
@@ -295,7 +338,7 @@ class Sequential(Module):
         cls = type(self)
         if cls.backward is not Sequential.backward or cls.forward is not Sequential.forward:
             return Module.__call__(self, x)
-        return self.forward(x)
+        return self.forward(as_graph_input(self, x))
 
     def forward(self, x: Any) -> Any:
         for m in self:

@@ -36,8 +36,8 @@ import numpy as np
 from ..autograd import Function, Tensor, backward, enable_grad, is_tensor, no_grad, quiet_post_hooks
 from ..autograd.function import Context
 from .buffers import transient
-from .explicit import recompute_depth, recomputing  # noqa: F401 - recomputing: its home was here
-from .module import Module, Sequential, parameters_of
+from .explicit import explicit_forward, recompute_depth, recomputing  # noqa: F401 - recomputing: its home was here
+from .module import Module, Sequential, as_graph_input, parameters_of
 
 # Weak references to callables taking the recomputed outputs (a tuple of tensors; empty for the
 # explicit protocol, whose layers' caches hold them), called after each recomputed forward while
@@ -94,6 +94,8 @@ class Run:
 class Rerun(Function):
     """``run.fn(*inputs)`` as one node that keeps only its inputs; its backward runs it again,
     recording, and backward through that (see the module docstring)."""
+
+    accumulates_in_place = True  # the parameters' gradients are added into their .grad here
 
     @staticmethod
     def forward(ctx: Context, run: Run, n: int, *arrays: Any) -> Any:
@@ -238,8 +240,9 @@ class Recompute(Module):
 
     def __call__(self, x: Any) -> Any:
         """On a tensor: each run one ``Rerun`` node (see the module docstring); on an array: ``forward``."""
+        x = as_graph_input(self, x)
         if not is_tensor(x):
-            return self.forward(x)
+            return explicit_forward(self, x)
         self.block.train(self.training)
         for run in self._runs():
             x = rerun(run, (x,), run)

@@ -2,7 +2,8 @@
 
 ``Recompute(block)`` wraps any ``Module``. Its forward runs the block, then drops every cache the
 block's layers kept for backward and keeps only the input (and the state of the block's random
-generators). Its backward puts the generators back to where they were before that forward, runs
+generators and of NumPy's global one, ``np.random``: PyTorch's ``preserve_rng_state``). Its
+backward puts the generators back to where they were before that forward, runs
 the block's forward again on the kept input (so dropout draws the same masks), then the block's
 backward, and leaves the generators where the first forward left them. Same operations on the
 same values in the same order: losses and gradients are bitwise those of the unwrapped block,
@@ -55,6 +56,20 @@ def generators(m: Any) -> list[np.random.Generator]:
     return list(unique.values())
 
 
+def rng_states(gens: list[np.random.Generator]) -> list[Any]:
+    """The state of each generator of ``gens``, then that of NumPy's global generator (what
+    ``np.random.rand`` and friends draw from): a forward that draws from either replays the same
+    draws when recomputed, as PyTorch's checkpoint does with ``preserve_rng_state``."""
+    return [g.bit_generator.state for g in gens] + [np.random.get_state()]
+
+
+def set_rng_states(gens: list[np.random.Generator], states: list[Any]) -> None:
+    """Put ``gens`` and NumPy's global generator back to ``states`` (``rng_states``)."""
+    for g, st in zip(gens, states):
+        g.bit_generator.state = st
+    np.random.set_state(states[-1])
+
+
 def _notify(inner: tuple) -> None:
     for ref in list(observers):
         observe = ref()
@@ -105,7 +120,7 @@ class Rerun(Function):
             ctx.leaves = [Tensor(a, requires_grad=ctx.needs_input_grad[2 + i]) for i, a in enumerate(inputs)]
             out = ctx.outs = run(ctx.leaves, False)
         else:
-            ctx.states = [g.bit_generator.state for g in run.gens]
+            ctx.states = rng_states(run.gens)
             ctx.save_for_backward(*inputs)
             with no_grad():
                 out = run([Tensor(a) for a in inputs], False)
@@ -125,17 +140,15 @@ class Rerun(Function):
                 return Rerun._grads(ctx.leaves, need, n)
             leaves = [Tensor(a, requires_grad=need[2 + i]) for i, a in enumerate(ctx.saved_tensors)]
             gens = run.gens
-            after = [g.bit_generator.state for g in gens]
+            after = rng_states(gens)
             recompute_depth[0] += 1
             try:
-                for g, st in zip(gens, ctx.states):
-                    g.bit_generator.state = st  # replay the same random draws (dropout masks)
+                set_rng_states(gens, ctx.states)  # replay the same random draws (dropout masks)
                 with enable_grad():
                     out = run.fn(*leaves)
             finally:
                 recompute_depth[0] -= 1
-                for g, st in zip(gens, after):
-                    g.bit_generator.state = st  # as if the forward had drawn only once
+                set_rng_states(gens, after)  # as if the forward had drawn only once
             _notify(out if isinstance(out, tuple) else (out,))
             Rerun._inner(run, out, grads)
             return Rerun._grads(leaves, need, n)
@@ -252,7 +265,7 @@ class Recompute(Module):
         self.block.train(self.training)
         kept = []
         for run in self._runs():
-            kept.append((x, [g.bit_generator.state for g in self._generators(run)]))
+            kept.append((x, rng_states(self._generators(run))))
             x = run.forward(x)
             run.set_cache({})  # drop every activation the run kept for its backward
         self.cache = kept
@@ -264,16 +277,14 @@ class Recompute(Module):
         kept, self.cache = self.cache, None
         for run, (x, states) in zip(reversed(self._runs()), reversed(kept)):
             gens = self._generators(run)
-            after = [g.bit_generator.state for g in gens]
+            after = rng_states(gens)
             recompute_depth[0] += 1
             try:
-                for g, s in zip(gens, states):
-                    g.bit_generator.state = s  # replay the same random draws (dropout masks)
+                set_rng_states(gens, states)  # replay the same random draws (dropout masks)
                 run.forward(x)
             finally:
                 recompute_depth[0] -= 1
-                for g, s in zip(gens, after):
-                    g.bit_generator.state = s  # as if the forward had drawn only once
+                set_rng_states(gens, after)  # as if the forward had drawn only once
             _notify(())
             try:
                 grad_out = run.backward(grad_out)

@@ -85,13 +85,19 @@ def as_graph_input(module: Any, x: Any) -> Any:
     ``backward`` on arrays)."""
     if explicit_depth[0] or not _is_array(x) or not is_grad_enabled() or not trains(module):
         return x
-    # Called from the forward of a module with its own backward (``model.forward(x)`` run by
-    # hand, then ``model.backward(g)``): that forward's explicit protocol, arrays stay arrays.
-    caller = sys._getframe(2)  # this function's caller is the module's __call__: its caller
-    if caller.f_code.co_name == "forward":
-        owner = caller.f_locals.get("self")
-        if isinstance(owner, Module) and owner._call_kind is not _FREE:
-            return x
+    # Called by a module with its own backward (its ``forward`` run by hand, ``model.forward(x)``
+    # then ``model.backward(g)``; or a helper or lambda of it): that module's explicit protocol,
+    # arrays stay arrays. The nearest caller that is a module's method decides (a forward-only
+    # module's: the graph); none (a script): the graph.
+    frame = sys._getframe(2)  # this function's caller is the module's __call__: its caller
+    for _ in range(_CALLERS):
+        if frame is None:
+            break
+        if "self" in frame.f_code.co_varnames:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Module):
+                return x if owner._call_kind is not _FREE else Tensor(x)
+        frame = frame.f_back
     return Tensor(x)
 
 
@@ -99,6 +105,8 @@ def as_rng(rng: int | np.random.Generator | None) -> np.random.Generator:
     """A Generator from a seed, a Generator, or ``None`` (fresh entropy)."""
     return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
 
+
+_CALLERS = 3  # the callers as_graph_input looks through for a module's method (a lambda, a helper)
 
 # How ``Module.__call__`` runs a module on a tensor (decided once per class, ``_call_kind``).
 _FREE = "free"  # no backward written: forward on tensors, array arguments made constant tensors

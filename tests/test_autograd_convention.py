@@ -212,3 +212,29 @@ def test_a_function_that_forgets_a_needed_gradient_is_refused_naming_it():
     c = ag.Tensor(np.ones(3), requires_grad=True)
     _Forgets.apply(c, np.full(3, 2.0)).sum().backward()  # None for a constant: as it should be
     np.testing.assert_array_equal(c.grad, np.ones(3))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_a_frozen_weight_stays_as_it_was_under_data_parallel_training_and_zero(zero):
+    """The trainers honor ``requires_grad = False`` too: the frozen weight, as a checkpoint sees it,
+    is bitwise its initial value after AdamW steps with weight decay; the others train."""
+    import hpctrain as ht
+
+    comm = ht.Communicator()
+    model = nn.Sequential(nn.Linear(4, 8, rng=0, dtype=F64), nn.GELU(), nn.Linear(8, 3, rng=1, dtype=F64))
+    model[0].weight.requires_grad = False
+    before = {n: p.data.copy() for n, p in model.named_parameters()}
+    opt = optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    tr = ht.parallel.DataParallelTrainer(model=model, loss=nn.CrossEntropyLoss(), optimizer=opt, comm=comm, zero=zero)
+    g = np.random.default_rng(comm.rank)
+    try:
+        for _ in range(3):
+            tr.step(g.standard_normal((6, 4)), g.integers(0, 3, 6))
+        after = {n: np.array(p.data).reshape(full) for n, (p, full, _) in tr.shards().items()}
+    finally:
+        tr.close()
+    for name, value in after.items():
+        same = np.array_equal(value, before[name])
+        assert same if name == "0.weight" else not same, name

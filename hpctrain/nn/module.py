@@ -8,7 +8,9 @@ with this protocol trains with every hpctrain trainer.
 
 With autograd (``hpctrain.autograd``) a module may instead write only ``forward`` on tensors (the
 operations of ``hpctrain.nn.functional``): calling it (``model(x)``) turns array arguments into
-tensors, and ``loss.backward()`` fills its parameters' ``.grad``. A module with its own
+tensors, and ``loss.backward()`` fills its parameters' ``.grad``. One calling convention for every
+module: an array handed to a module that trains, while recording, is a constant input of the graph
+(``as_graph_input``); the explicit protocol is ``forward`` called by hand (or under ``no_grad``). A module with its own
 ``backward`` called on a tensor runs as one node of the graph (``hpctrain.nn.explicit``), so both
 kinds mix in one model. The built-in layers are fused nodes (``hpctrain.nn.layer_nodes``: their own
 forward and backward, per-call state in the node), and the built-in models (``MLP``, the
@@ -175,7 +177,9 @@ class Module:
         arguments become constant tensors, and ``loss.backward()`` fills the parameters'
         gradients. A module with its own ``backward`` called on a ``Tensor`` runs as the class
         says (see the class docstring): its forward on tensors, one fused node, or one node of
-        its whole explicit forward and backward; on arrays it runs as it always did."""
+        its whole explicit forward and backward. An array first argument becomes a constant
+        tensor where ``as_graph_input`` says so (the module trains, recording is on, no explicit
+        forward is calling it); otherwise the module runs its explicit forward on arrays."""
         kind = self._call_kind
         if kind is _FREE:
             return self.forward(*(Tensor(a) if _is_array(a) else a for a in args), **kwargs)

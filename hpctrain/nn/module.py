@@ -10,12 +10,13 @@ With autograd (``hpctrain.autograd``) a module may instead write only ``forward`
 operations of ``hpctrain.nn.functional``): calling it (``model(x)``) turns array arguments into
 tensors, and ``loss.backward()`` fills its parameters' ``.grad``. One calling convention for every
 module: an array handed to a module that trains, while recording, is a constant input of the graph
-(``as_graph_input``); the explicit protocol is ``forward`` called by hand (or under ``no_grad``). A module with its own
-``backward`` called on a tensor runs as one node of the graph (``hpctrain.nn.explicit``), so both
-kinds mix in one model. The built-in layers are fused nodes (``hpctrain.nn.layer_nodes``: their own
-forward and backward, per-call state in the node), and the built-in models (``MLP``, the
-attention, ``TransformerBlock``, ``GPT``) compose them: on a tensor every layer is a node of the
-graph, on arrays they run their explicit forward and backward as before.
+(``as_graph_input``); the explicit protocol is ``forward`` called by hand (or under ``no_grad``).
+A module with its own ``backward`` called on a tensor runs as one node of the graph
+(``hpctrain.nn.explicit``), so both kinds mix in one model. The built-in layers are fused nodes
+(``hpctrain.nn.layer_nodes``: their own forward and backward, per-call state in the node), and
+the built-in models (``MLP``, the attention, ``TransformerBlock``, ``GPT``) compose them: on a
+tensor every layer is a node of the graph, on arrays they run their explicit forward and backward
+as before.
 """
 
 from __future__ import annotations

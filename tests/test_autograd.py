@@ -305,6 +305,8 @@ def test_post_accumulate_hook_fires_once_after_all_contributions():
 
 def test_post_accumulate_hook_fires_for_a_leaf_given_no_gradient():
     class Drop(ag.Function):
+        accumulates_in_place = True  # as the built-in layers' nodes: None for what they add themselves
+
         @staticmethod
         def forward(ctx, a, b):
             return a * 1.0

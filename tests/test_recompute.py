@@ -231,3 +231,60 @@ def test_parallelize_recompute_without_blocks():
     grid = ht.ProcessGrid(ht.Communicator(MPI.COMM_SELF))
     part = parallelize(mlp(), grid, recompute=True)
     assert isinstance(part, Recompute) and part.segments is not None
+
+
+class _GlobalNoise(ht.nn.Module):
+    """Forward only: ``fc(x)`` times noise drawn from NumPy's global generator."""
+
+    def __init__(self):
+        self.fc = Linear(4, 4, rng=0, dtype=np.float64)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * (1.0 + np.random.standard_normal(h.shape))
+
+
+class _GlobalNoiseExplicit(ht.nn.Module):
+    """The same with its own backward (the explicit protocol)."""
+
+    def __init__(self):
+        self.fc = Linear(4, 4, rng=0, dtype=np.float64)
+        self.cache = None
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.cache = 1.0 + np.random.standard_normal(h.shape)
+        return h * self.cache
+
+    def backward(self, g):
+        noise, self.cache = self.cache, None
+        return self.fc.backward(g * noise)
+
+
+@pytest.mark.parametrize("path", ["graph", "explicit"])
+def test_a_forward_drawing_from_numpys_global_generator_recomputes_the_same_draws(path):
+    """Issue 47.9: recomputation replays NumPy's global generator too (PyTorch's
+    ``preserve_rng_state``): gradients bitwise those without it, and the generator left where
+    one forward leaves it."""
+    keep = np.random.get_state()
+
+    def run(wrap):
+        block = _GlobalNoise() if path == "graph" else _GlobalNoiseExplicit()
+        model = Recompute(block) if wrap else block
+        np.random.seed(7)
+        x = np.linspace(-1.0, 1.0, 12).reshape(3, 4)
+        if path == "graph":
+            (model(ht.autograd.Tensor(x)) ** 2).sum().backward()
+        else:
+            out = model.forward(x)
+            model.backward(2 * out)
+        return [p.grad.copy() for p in block.parameters()], np.random.get_state()[1].copy()
+
+    try:
+        (plain, after_plain), (rerun, after_rerun) = run(False), run(True)
+    finally:
+        np.random.set_state(keep)
+    for a, b in zip(plain, rerun, strict=True):
+        assert np.any(a)
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(after_plain, after_rerun)

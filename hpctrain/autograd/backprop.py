@@ -187,6 +187,8 @@ class _Backward:
                 continue
             g = out[k]
             target, idx, shape, dtype = e
+            if g is None and not n._fn.accumulates_in_place:
+                raise_forgotten(n, k)
             if g is not None:
                 gshape = getattr(g, "shape", None)
                 if gshape != shape:
@@ -249,6 +251,13 @@ class _Backward:
                 return
             for fn in list(t._post):
                 fn(t)
+
+
+def raise_forgotten(n: Context, k: int) -> None:
+    """Refuse a ``None`` gradient for argument ``k`` of node ``n``, which needs one."""
+    raise AutogradError(
+        f"{n._fn.__name__}.backward returned None for argument {k} of apply, which needs a gradient "
+        f"(ctx.needs_input_grad[{k}] is True): return its gradient, zeros if it really is zero")
 
 
 def current_run() -> _Backward | None:

@@ -103,8 +103,10 @@ class Function:
     their arrays) and returns an array or a tuple of arrays; ``backward(ctx, *grads)`` gets one
     gradient per output (an unused output's as zeros) and returns one gradient per positional
     argument of ``apply`` (``None`` where an argument is a constant or
-    ``ctx.needs_input_grad[i]`` is false). A gradient may have the broadcast shape of the
-    computation: the engine sums it back to the argument's shape, and casts it to its dtype.
+    ``ctx.needs_input_grad[i]`` is false; ``None`` where it is true raises ``AutogradError``
+    naming the function and the argument: return zeros for a gradient that is really zero, where
+    PyTorch would read the ``None`` as zeros silently). A gradient may have the broadcast shape of
+    the computation: the engine sums it back to the argument's shape, and casts it to its dtype.
     ``backward`` must not change its incoming gradients in place (they may be shared or read-only).
 
     Call it as ``MyOp.apply(x, y, ...)``; check it with ``hpctrain.autograd.gradcheck``.
@@ -116,6 +118,11 @@ class Function:
     #: ``True`` when the output is argument 0's array written in place (``Tensor.__iadd__``): the
     #: tensor that held it carries on as the output, so nothing is shared.
     inplace = False
+    #: ``True`` when ``backward`` adds some arguments' gradients into their ``.grad`` itself and
+    #: returns ``None`` for them (the built-in layers' fused nodes, a module with its own backward,
+    #: recomputation). Otherwise a ``None`` for an argument whose ``needs_input_grad`` is true is
+    #: refused (``AutogradError``): a gradient forgotten is never read as zero.
+    accumulates_in_place = False
 
     @staticmethod
     def forward(ctx: Context, *args: Any, **kwargs: Any) -> Any:

@@ -126,7 +126,8 @@ class Config:
     compression: str | None = field(default=None, metadata=_opt("16-bit gradient all-reduce (dp)",
                                                                 ("fp16", "bf16")))
     precision: str = field(default="fp32", metadata=_opt("compute in bf16/fp16 with float32 master weights and "
-                                                         "optimizer state (fp16: dynamic loss scaling)",
+                                                         "optimizer state (fp16: dynamic loss scaling); fp64: "
+                                                         "everything in float64, to tell rounding from a bug",
                                                          PRECISIONS))
     grad_reduce_dtype: str = field(default="fp32", metadata=_opt("dtype gradients accumulate and are all-reduced "
                                                                  "in under mixed precision (bf16/fp16 halve the "

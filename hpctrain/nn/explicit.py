@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..autograd import Function, is_grad_enabled, quiet_post_hooks
+from ..autograd import Function, is_grad_enabled, is_tensor, quiet_post_hooks
 from ..autograd.backprop import current_run
 from ..autograd.function import Context
 from ..autograd.grad_mode import state
+from ..backend import xp_of
 
 # While not None: {id(module): (module, [inputs])}, the first two inputs of each explicit module
 # called on tensors (a pipeline's check of per-call state, ``hpctrain.parallel.pipeline_probe``).
@@ -120,6 +121,19 @@ class _Swapped:
 
 # > 0 while nn.recompute reruns a forward inside a backward (set there): not another use.
 recompute_depth = [0]
+# > 0 while a module's explicit forward runs on arrays (its own backward follows, on arrays): the
+# arrays its sub-modules get stay arrays. At 0 an array handed to a module that trains in grad mode
+# is a constant input of the graph (``Module.__call__``).
+explicit_depth = [0]
+
+
+def explicit_forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """``module.forward(*args)`` as the explicit protocol: sub-module calls on arrays stay arrays."""
+    explicit_depth[0] += 1
+    try:
+        return module.forward(*args, **kwargs)
+    finally:
+        explicit_depth[0] -= 1
 
 
 def recomputing() -> bool:
@@ -156,8 +170,30 @@ def _signalling_backwards(owners: list, counts: dict[int, int], run: Any, quiet:
     return swap
 
 
+class frozen_grads:  # noqa: N801 - a context manager
+    """For a backward that adds into every parameter's ``.grad`` itself (a layer's or a module's
+    hand-written one): the parameters among ``params`` that need no gradient (``requires_grad``
+    false) get a zeroed stand-in ``.grad`` for the call, and their own ``.grad`` back, untouched,
+    after it. A frozen weight then stays as it is: its gradient stays zero and the optimizers
+    skip it."""
+
+    def __init__(self, params: Any) -> None:
+        self.held = [(p, p.grad) for p in params if is_tensor(p) and not p.requires_grad]
+
+    def __enter__(self) -> None:
+        for p, own in self.held:
+            xp = xp_of(p.data)
+            p.grad = xp.zeros(p.data.shape, dtype=p.data.dtype if own is None else own.dtype)
+
+    def __exit__(self, *exc: Any) -> None:
+        for p, own in self.held:
+            p.grad = own
+
+
 class ModuleCall(Function):
     """``module.forward(x)`` as one node; ``module.backward`` is its backward."""
+
+    accumulates_in_place = True  # the parameters' gradients are added into their .grad here
 
     @staticmethod
     def forward(ctx: Context, module: Any, x: Any, *params: Any) -> Any:
@@ -195,7 +231,8 @@ class ModuleCall(Function):
         run = current_run() if owners else None
         swap = _signalling_backwards(owners, ctx.counts, run, state.quiet) if run is not None else None
         try:
-            with quiet_post_hooks(ctx.__dict__.get("params_t", ())):
+            params = ctx.__dict__.get("params_t", ())
+            with quiet_post_hooks(params), frozen_grads(params if not all(ctx.needs_input_grad[2:]) else ()):
                 gx = module.backward(g)
         finally:
             if swap is not None:
@@ -206,7 +243,7 @@ class ModuleCall(Function):
 
 
 def _plain_forward(ctx: Context, module: Any, x: Any) -> Any:
-    out = module.forward(x)
+    out = explicit_forward(module, x)
     if not hasattr(out, "dtype"):
         raise TypeError(f"{type(module).__name__}.forward returned {type(out).__name__}; a module with its own "
                         "backward must return one array")

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..autograd import Function, is_tensor
 from ..autograd.function import Context, parameter_grad_standins, version_box
+from .explicit import explicit_depth, frozen_grads
 
 
 class LayerCall(Function):
@@ -41,14 +42,20 @@ class LayerCall(Function):
     of it: the module's own methods are looked up at each call so that wrappers installed on the
     instance run), the input, the parameters."""
 
+    accumulates_in_place = True  # the parameters' gradients are added into their .grad here
+
     @staticmethod
     def forward(ctx: Context, call: Any, x: Any, *params: Any, **kw: Any) -> Any:
-        if type(call) is tuple:
-            module, fwd, _ = call
-            out = fwd(x, **kw)
-        else:
-            module = call
-            out = module.forward(x, **kw)
+        explicit_depth[0] += 1  # the layer's own forward on arrays: what it calls stays arrays
+        try:
+            if type(call) is tuple:
+                module, fwd, _ = call
+                out = fwd(x, **kw)
+            else:
+                module = call
+                out = module.forward(x, **kw)
+        finally:
+            explicit_depth[0] -= 1
         d = module.__dict__
         cache = d.get("cache")
         d["cache"] = None
@@ -69,11 +76,12 @@ class LayerCall(Function):
         held = parameter_grad_standins(ctx)
         d = module.__dict__
         d["cache"] = ctx.cache
+        need = ctx.needs_input_grad
         try:
-            gx = (module.backward if bwd is None else bwd)(g)
+            with frozen_grads(d.values() if not all(need[2:]) else ()):  # requires_grad=False honored
+                gx = (module.backward if bwd is None else bwd)(g)
         finally:
             d["cache"] = None
-        need = ctx.needs_input_grad
         if held is None:
             return (None, gx if need[1] else None) + (None,) * (len(need) - 2)
         out = [None, gx if need[1] else None] + [None] * (len(need) - 2)
@@ -131,4 +139,4 @@ def call_loss(loss: Any, pred: Any, target: Any, weight: Any = None) -> Any:
                                  f"{what}.detach()")
     target = target.data if is_tensor(target) else target
     weight = weight.data if is_tensor(weight) else weight
-    return LossCall.apply(loss, version_box(pred), pred, target, weight)
+    return LossCall.apply(loss, version_box(pred) if is_tensor(pred) else None, pred, target, weight)

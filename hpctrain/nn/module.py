@@ -8,26 +8,30 @@ with this protocol trains with every hpctrain trainer.
 
 With autograd (``hpctrain.autograd``) a module may instead write only ``forward`` on tensors (the
 operations of ``hpctrain.nn.functional``): calling it (``model(x)``) turns array arguments into
-tensors, and ``loss.backward()`` fills its parameters' ``.grad``. A module with its own
-``backward`` called on a tensor runs as one node of the graph (``hpctrain.nn.explicit``), so both
-kinds mix in one model. The built-in layers are fused nodes (``hpctrain.nn.layer_nodes``: their own
-forward and backward, per-call state in the node), and the built-in models (``MLP``, the
-attention, ``TransformerBlock``, ``GPT``) compose them: on a tensor every layer is a node of the
-graph, on arrays they run their explicit forward and backward as before.
+tensors, and ``loss.backward()`` fills its parameters' ``.grad``. One calling convention for every
+module: an array handed to a module that trains, while recording, is a constant input of the graph
+(``as_graph_input``); the explicit protocol is ``forward`` called by hand (or under ``no_grad``).
+A module with its own ``backward`` called on a tensor runs as one node of the graph
+(``hpctrain.nn.explicit``), so both kinds mix in one model. The built-in layers are fused nodes
+(``hpctrain.nn.layer_nodes``: their own forward and backward, per-call state in the node), and
+the built-in models (``MLP``, the attention, ``TransformerBlock``, ``GPT``) compose them: on a
+tensor every layer is a node of the graph, on arrays they run their explicit forward and backward
+as before.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from ..autograd import Tensor
+from ..autograd import Tensor, is_grad_enabled
 from ..autograd.function import differentiable
 from ..backend import get_xp, to_device, xp_of
 from .buffers import Buffers
-from .explicit import call_module
+from .explicit import call_module, explicit_depth, explicit_forward
 from .layer_nodes import LayerCall
 
 
@@ -70,10 +74,42 @@ def _is_array(a: Any) -> bool:
     return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, Tensor)
 
 
+def trains(module: Any) -> bool:
+    """Whether some parameter ``module`` computes with requires a gradient."""
+    return any(p.requires_grad for p in parameters_of(module))
+
+
+def as_graph_input(module: Any, x: Any) -> Any:
+    """What a module call does with its first argument ``x`` (the one calling convention): an
+    array handed to a module that trains (``trains``), with recording on (``autograd.no_grad``
+    off) and outside another module's explicit forward, becomes a constant ``Tensor``, the input
+    of the graph whose ``backward`` fills every parameter's gradient; otherwise ``x`` itself (on
+    arrays a module with its own ``backward`` runs the explicit protocol: ``forward`` then
+    ``backward`` on arrays)."""
+    if explicit_depth[0] or not _is_array(x) or not is_grad_enabled() or not trains(module):
+        return x
+    # Called by a module with its own backward (its ``forward`` run by hand, ``model.forward(x)``
+    # then ``model.backward(g)``; or a helper or lambda of it): that module's explicit protocol,
+    # arrays stay arrays. The nearest caller that is a module's method decides (a forward-only
+    # module's: the graph); none (a script): the graph.
+    frame = sys._getframe(2)  # this function's caller is the module's __call__: its caller
+    for _ in range(_CALLERS):
+        if frame is None:
+            break
+        if "self" in frame.f_code.co_varnames:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Module):
+                return x if owner._call_kind is not _FREE else Tensor(x)
+        frame = frame.f_back
+    return Tensor(x)
+
+
 def as_rng(rng: int | np.random.Generator | None) -> np.random.Generator:
     """A Generator from a seed, a Generator, or ``None`` (fresh entropy)."""
     return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
 
+
+_CALLERS = 3  # the callers as_graph_input looks through for a module's method (a lambda, a helper)
 
 # How ``Module.__call__`` runs a module on a tensor (decided once per class, ``_call_kind``).
 _FREE = "free"  # no backward written: forward on tensors, array arguments made constant tensors
@@ -142,19 +178,28 @@ class Module:
         arguments become constant tensors, and ``loss.backward()`` fills the parameters'
         gradients. A module with its own ``backward`` called on a ``Tensor`` runs as the class
         says (see the class docstring): its forward on tensors, one fused node, or one node of
-        its whole explicit forward and backward; on arrays it runs as it always did."""
+        its whole explicit forward and backward. An array first argument becomes a constant
+        tensor where ``as_graph_input`` says so (the module trains, recording is on, no explicit
+        forward is calling it); otherwise the module runs its explicit forward on arrays."""
         kind = self._call_kind
         if kind is _FREE:
             return self.forward(*(Tensor(a) if _is_array(a) else a for a in args), **kwargs)
-        if args and isinstance(args[0], Tensor):
-            if kind is _LAYER:
-                d = self.__dict__
-                params = d.get("_call_params")
-                if params is None:  # forgotten whenever an attribute changes (Module.__setattr__)
-                    params = d["_call_params"] = tuple(v for v in d.values() if isinstance(v, Parameter))
-                return LayerCall.apply(self, args[0], *params, **kwargs)
-            if kind is _NODE and len(args) == 1 and not kwargs:
-                return call_module(self, args[0], parameters_of(self))
+        if not args:
+            return self.forward(**kwargs)
+        x = args[0]
+        if not isinstance(x, Tensor):
+            t = as_graph_input(self, x)
+            if t is x:  # the explicit protocol: forward on arrays, its own backward to follow
+                return explicit_forward(self, *args, **kwargs)
+            args, x = (t, *args[1:]), t
+        if kind is _LAYER:
+            d = self.__dict__
+            params = d.get("_call_params")
+            if params is None:  # forgotten whenever an attribute changes (Module.__setattr__)
+                params = d["_call_params"] = tuple(v for v in d.values() if isinstance(v, Parameter))
+            return LayerCall.apply(self, x, *params, **kwargs)
+        if kind is _NODE and len(args) == 1 and not kwargs:
+            return call_module(self, x, parameters_of(self))
         return self.forward(*args, **kwargs)
 
     def scratch_buffers(self) -> Buffers:
@@ -208,6 +253,17 @@ class Module:
         for p in self.parameters():
             p.data = to_device(p.data, xp)
             p.grad = xp.zeros_like(p.data)
+        return self
+
+    def astype(self, dtype: Any) -> Module:
+        """Every floating-point parameter this module computes with cast to ``dtype`` (its
+        gradient zeroed in it), in place; returns the module. ``astype(np.float64)`` (PyTorch's
+        ``double()``) gives the float64 run that tells rounding from a bug: feed it float64 data."""
+        dtype = np.dtype(dtype)
+        for p in parameters_of(self):
+            if differentiable(p.data.dtype) and p.data.dtype != dtype:
+                p.data = p.data.astype(dtype)
+                p.grad = None if p.grad is None else xp_of(p.data).zeros_like(p.data)
         return self
 
     # -- state --------------------------------------------------------------------------------
@@ -295,7 +351,7 @@ class Sequential(Module):
         cls = type(self)
         if cls.backward is not Sequential.backward or cls.forward is not Sequential.forward:
             return Module.__call__(self, x)
-        return self.forward(x)
+        return self.forward(as_graph_input(self, x))
 
     def forward(self, x: Any) -> Any:
         for m in self:

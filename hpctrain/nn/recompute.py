@@ -2,7 +2,8 @@
 
 ``Recompute(block)`` wraps any ``Module``. Its forward runs the block, then drops every cache the
 block's layers kept for backward and keeps only the input (and the state of the block's random
-generators). Its backward puts the generators back to where they were before that forward, runs
+generators and of NumPy's global one, ``np.random``: PyTorch's ``preserve_rng_state``). Its
+backward puts the generators back to where they were before that forward, runs
 the block's forward again on the kept input (so dropout draws the same masks), then the block's
 backward, and leaves the generators where the first forward left them. Same operations on the
 same values in the same order: losses and gradients are bitwise those of the unwrapped block,
@@ -36,8 +37,8 @@ import numpy as np
 from ..autograd import Function, Tensor, backward, enable_grad, is_tensor, no_grad, quiet_post_hooks
 from ..autograd.function import Context
 from .buffers import transient
-from .explicit import recompute_depth, recomputing  # noqa: F401 - recomputing: its home was here
-from .module import Module, Sequential, parameters_of
+from .explicit import explicit_forward, recompute_depth, recomputing  # noqa: F401 - recomputing: its home was here
+from .module import Module, Sequential, as_graph_input, parameters_of
 
 # Weak references to callables taking the recomputed outputs (a tuple of tensors; empty for the
 # explicit protocol, whose layers' caches hold them), called after each recomputed forward while
@@ -53,6 +54,30 @@ def generators(m: Any) -> list[np.random.Generator]:
         if isinstance(g, np.random.Generator):
             unique.setdefault(id(g), g)
     return list(unique.values())
+
+
+def rng_states(gens: list[np.random.Generator]) -> list[Any]:
+    """The state of each generator of ``gens``, then that of NumPy's global generator (what
+    ``np.random.rand`` and friends draw from): a forward that draws from either replays the same
+    draws when recomputed, as PyTorch's checkpoint does with ``preserve_rng_state``."""
+    return [g.bit_generator.state for g in gens] + [np.random.get_state()]
+
+
+def drawn(states: list[Any]) -> list[Any]:
+    """``states`` (``rng_states`` before a forward) as the forward that has run keeps them: NumPy's
+    global state only if the forward drew from it (else ``None``: 2.5 KB a block kept for nothing)."""
+    before, now = states[-1], np.random.get_state()
+    if before[2:] == now[2:] and np.array_equal(before[1], now[1]):
+        states[-1] = None
+    return states
+
+
+def set_rng_states(gens: list[np.random.Generator], states: list[Any]) -> None:
+    """Put ``gens`` and NumPy's global generator (unless ``None``) back to ``states``."""
+    for g, st in zip(gens, states):
+        g.bit_generator.state = st
+    if states[-1] is not None:
+        np.random.set_state(states[-1])
 
 
 def _notify(inner: tuple) -> None:
@@ -95,6 +120,8 @@ class Rerun(Function):
     """``run.fn(*inputs)`` as one node that keeps only its inputs; its backward runs it again,
     recording, and backward through that (see the module docstring)."""
 
+    accumulates_in_place = True  # the parameters' gradients are added into their .grad here
+
     @staticmethod
     def forward(ctx: Context, run: Run, n: int, *arrays: Any) -> Any:
         inputs = arrays[:n]
@@ -103,10 +130,11 @@ class Rerun(Function):
             ctx.leaves = [Tensor(a, requires_grad=ctx.needs_input_grad[2 + i]) for i, a in enumerate(inputs)]
             out = ctx.outs = run(ctx.leaves, False)
         else:
-            ctx.states = [g.bit_generator.state for g in run.gens]
+            ctx.states = rng_states(run.gens)
             ctx.save_for_backward(*inputs)
             with no_grad():
                 out = run([Tensor(a) for a in inputs], False)
+            drawn(ctx.states)
         if isinstance(out, tuple):
             return tuple(o.data if is_tensor(o) else o for o in out)
         return out.data if is_tensor(out) else out
@@ -123,17 +151,15 @@ class Rerun(Function):
                 return Rerun._grads(ctx.leaves, need, n)
             leaves = [Tensor(a, requires_grad=need[2 + i]) for i, a in enumerate(ctx.saved_tensors)]
             gens = run.gens
-            after = [g.bit_generator.state for g in gens]
+            after = rng_states(gens)
             recompute_depth[0] += 1
             try:
-                for g, st in zip(gens, ctx.states):
-                    g.bit_generator.state = st  # replay the same random draws (dropout masks)
+                set_rng_states(gens, ctx.states)  # replay the same random draws (dropout masks)
                 with enable_grad():
                     out = run.fn(*leaves)
             finally:
                 recompute_depth[0] -= 1
-                for g, st in zip(gens, after):
-                    g.bit_generator.state = st  # as if the forward had drawn only once
+                set_rng_states(gens, after)  # as if the forward had drawn only once
             _notify(out if isinstance(out, tuple) else (out,))
             Rerun._inner(run, out, grads)
             return Rerun._grads(leaves, need, n)
@@ -238,8 +264,9 @@ class Recompute(Module):
 
     def __call__(self, x: Any) -> Any:
         """On a tensor: each run one ``Rerun`` node (see the module docstring); on an array: ``forward``."""
+        x = as_graph_input(self, x)
         if not is_tensor(x):
-            return self.forward(x)
+            return explicit_forward(self, x)
         self.block.train(self.training)
         for run in self._runs():
             x = rerun(run, (x,), run)
@@ -249,8 +276,9 @@ class Recompute(Module):
         self.block.train(self.training)
         kept = []
         for run in self._runs():
-            kept.append((x, [g.bit_generator.state for g in self._generators(run)]))
+            kept.append((x, rng_states(self._generators(run))))
             x = run.forward(x)
+            drawn(kept[-1][1])
             run.set_cache({})  # drop every activation the run kept for its backward
         self.cache = kept
         return x
@@ -261,16 +289,14 @@ class Recompute(Module):
         kept, self.cache = self.cache, None
         for run, (x, states) in zip(reversed(self._runs()), reversed(kept)):
             gens = self._generators(run)
-            after = [g.bit_generator.state for g in gens]
+            after = rng_states(gens)
             recompute_depth[0] += 1
             try:
-                for g, s in zip(gens, states):
-                    g.bit_generator.state = s  # replay the same random draws (dropout masks)
+                set_rng_states(gens, states)  # replay the same random draws (dropout masks)
                 run.forward(x)
             finally:
                 recompute_depth[0] -= 1
-                for g, s in zip(gens, after):
-                    g.bit_generator.state = s  # as if the forward had drawn only once
+                set_rng_states(gens, after)  # as if the forward had drawn only once
             _notify(())
             try:
                 grad_out = run.backward(grad_out)

@@ -126,10 +126,14 @@ def step(opt: Any, lr: float, step_count: int) -> bool:
     masters = opt.masters
     items = []
     for name, p in zip(opt.names, opt.params):
+        if not p.requires_grad:  # frozen: left as it is (Optimizer.step)
+            continue
         if masters is None:
             items.append((p.data, p.grad, None, opt.state[name]))
         else:
             items.append((masters[name].data, p.grad, p.data, opt.state[name]))
+    if not items:
+        return True  # every parameter frozen: nothing to update
     rows = _rows(opt, rule, items)
     if rows is None:
         return False

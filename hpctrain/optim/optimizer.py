@@ -18,7 +18,9 @@ from . import multi_tensor
 
 
 class Optimizer:
-    """Base: holds parameters, the step count and per-parameter state."""
+    """Base: holds parameters, the step count and per-parameter state. A parameter whose
+    ``requires_grad`` is false (frozen) is left as it is by ``step``, as PyTorch's optimizers
+    skip a parameter without a gradient."""
 
     state_keys: tuple[str, ...] = ()
     #: Whether ``update`` is elementwise: a slice of a parameter updated with the same slice of its
@@ -74,6 +76,8 @@ class Optimizer:
             return
         masters = self.masters
         for name, p in zip(self.names, self.params):
+            if not p.requires_grad:  # frozen (requires_grad = False): not even weight decay moves it
+                continue
             if masters is None:
                 self.update(p, self.state[name], lr, self.step_count)
                 continue

@@ -194,10 +194,15 @@ class ShardedOptimizer:
         self.step_count += 1
         owned = self.owned
         if owned.size:  # a rank may hold no piece at all (more ranks than elements)
+            # Frozen parameters (requires_grad false) are left as they are, as Optimizer.step does.
+            frozen = {p.name for p in opt.params if not p.requires_grad}
+            kept = [(r.local, owned[r.local].copy()) for r in self.ranges if r.name in frozen]
             p = self._piece
             p.data, p.grad = owned, grads if grads.dtype == owned.dtype else grads.astype(owned.dtype)
             opt.update(p, self.flat_state, lr, self.step_count, scratch=self._work)
             p.grad = None
+            for where, values in kept:
+                owned[where] = values
         if self.master is not None:
             self.params[...] = self.master  # round to nearest even into the compute copy
 

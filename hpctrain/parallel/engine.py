@@ -90,8 +90,10 @@ def mixed_reduce_problem(precision: str, compression: str | None, backend: str, 
     if precision == "fp32":
         return None
     if compression is not None:
-        return (f"{say('precision', precision)} reduces gradients in {say('grad_reduce_dtype')} "
-                f"(not {say('compression')})")
+        dtype = "float64" if precision == "fp64" else say("grad_reduce_dtype")
+        return f"{say('precision', precision)} reduces gradients in {dtype} (not {say('compression')})"
+    if precision == "fp64":
+        return None
     if backend == "nccl":
         return (f"{say('precision', precision)} reduces gradients in {say('grad_reduce_dtype')} over MPI "
                 f"(not {say('backend', 'nccl')})")
@@ -171,6 +173,7 @@ class ParallelStep(TrainStep):
         self._batch_lead = tp.rank == 0 and pp.rank == 0
         self._loss_lead = tp.rank == 0 and pp.rank == pp.size - 1
         self._agree_parts(model, optimizer)
+        self.precision.cast(self.params)  # fp64: the float64 check, before anything is laid out
         # Clipping float64 models by the exactly rounded norm (every rank decides alike).
         not64 = any(np.dtype(p.dtype) != np.float64 for p in self.params)
         self.exact_norm = clip_norm is not None and not self.comm.allreduce(np.array([float(not64)]), op="max")[0]
@@ -329,7 +332,7 @@ class ParallelStep(TrainStep):
             "bucket_mb": self.bucket_mb, "compression": self.compression, "backend": self.backend,
             "loss": type(self.loss).__name__,
             **({"zero": self.zero} if self.zero else {}),
-            **(self.precision.config() if self.precision.mixed else {}),
+            **(self.precision.config() if self.precision.name != "fp32" else {}),
         }  # fmt: skip
         return {self.preset.renames.get(k, k): v for k, v in cfg.items()}
 

@@ -125,6 +125,8 @@ class BiasAfterReduce(Function):
     added into ``layer.bias.grad`` here (column sums as a BLAS product,
     ``nn.layers.add_bias_grad``), so the node gives the bias none of its own."""
 
+    accumulates_in_place = True  # the parameters' gradients are added into their .grad here
+
     @staticmethod
     def forward(ctx: Context, y: Any, bias: Any, layer: Any) -> Any:
         ctx.layer = layer
@@ -266,6 +268,8 @@ class VocabLookup(Function):
     """This rank's rows of the embedding at the ids it owns, zeros elsewhere; the rows' gradients
     are added into ``layer.weight.grad`` with the serial Embedding's scatter (``nn.layers``)."""
 
+    accumulates_in_place = True  # the parameters' gradients are added into their .grad here
+
     @staticmethod
     def forward(ctx: Context, idx: Any, w: Any, layer: Any) -> Any:
         xp = xp_of(w)
@@ -317,6 +321,8 @@ class TiedLogits(Function):
     """``x @ weight.T`` for a head tied to an embedding's ``(rows, d)`` weight; the weight's
     gradient ``g.T @ x`` is added into ``layer.weight.grad`` here (its other use, the lookup,
     adds its own: they sum)."""
+
+    accumulates_in_place = True  # the parameters' gradients are added into their .grad here
 
     @staticmethod
     def forward(ctx: Context, x: Any, w: Any, layer: Any) -> Any:

@@ -6,6 +6,7 @@
 policy        parameters   compute      gradients (reduced in)      masters
 ============  ===========  ===========  ==========================  ============
 fp32          float32      float32      float32                     (none)
+fp64          float64      float64      float64                     (none)
 bf16-mixed    bfloat16     bfloat16     float32 (or ``bf16``)       float32
 fp16-mixed    float16      float16      float32 (or ``bf16``/fp16)  float32
 ============  ===========  ===========  ==========================  ============
@@ -15,7 +16,12 @@ compute with; the optimizer (or ZeRO's sharded update) keeps float32 *masters* a
 float32, updates the masters with the float32 gradient and rounds them into the parameters.
 Gradients accumulate in and are all-reduced in ``reduce`` (float32 by default: 16-bit sums over
 many ranks lose the small contributions). Loss, softmax and LayerNorm statistics are computed in
-float32 whatever the compute dtype (``stat_dtype``). fp16 has a narrow exponent range: its
+float32 whatever the compute dtype (``stat_dtype``). ``fp64`` is not for speed: the trainer casts
+the (float32) parameters to float64 once, so parameters, activations, gradients, their reduction
+and the optimizer state are float64, and runs that should agree (1 and N ranks, dp and a pipeline)
+agree to ~1e-12 where float32 drifts apart by rounding: the check that a difference is rounding,
+not a bug. (``fp32`` means the parameters' own dtype: a model built in float64 trains in float64
+under it too.) fp16 has a narrow exponent range: its
 policy carries a ``DynamicLossScaler`` (the loss gradient is multiplied by the scale; a step
 whose gradients overflow is skipped on every rank and the scale backs off).
 
@@ -33,11 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd.function import differentiable
 from ..backend import BF16, FP16, FP32, xp_of
 from ..errors import Say, as_argument
 from ..nn.module import Parameter
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+PRECISIONS = ("fp32", "fp64", "bf16-mixed", "fp16-mixed")
+FP64 = np.dtype(np.float64)
+_UNMIXED = ("fp32", "fp64")  # no masters, no loss scale: the parameters' own dtype throughout
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 _NAMED = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
 # What a refusal of fp32 with a 16-bit reduce adds for a library caller (the flags have no compression=).
@@ -52,7 +61,7 @@ def precision_problem(name: str, grad_reduce_dtype: str, say: Say = as_argument)
         return f"{say('precision')} must be one of {PRECISIONS}, got {name!r}"
     if grad_reduce_dtype not in REDUCE_DTYPES:
         return f"{say('grad_reduce_dtype')} must be one of {REDUCE_DTYPES}, got {grad_reduce_dtype!r}"
-    if name == "fp32" and grad_reduce_dtype != "fp32":
+    if name in _UNMIXED and grad_reduce_dtype != "fp32":
         return f"{say('grad_reduce_dtype', grad_reduce_dtype)} needs {say('precision')} bf16-mixed or fp16-mixed"
     if name == "bf16-mixed" and grad_reduce_dtype == "fp16":
         return f"{say('precision', name)} gradients can overflow fp16: {say('grad_reduce_dtype')} fp32 or bf16"
@@ -144,12 +153,12 @@ class Precision:
 
     @property
     def mixed(self) -> bool:
-        return self.name != "fp32"
+        return self.name not in _UNMIXED
 
     @property
     def param(self) -> np.dtype:
         """The dtype of the model's parameters (what forward and backward read)."""
-        return {"fp32": FP32, "bf16-mixed": BF16, "fp16-mixed": FP16}[self.name]
+        return {"fp32": FP32, "fp64": FP64, "bf16-mixed": BF16, "fp16-mixed": FP16}[self.name]
 
     @property
     def compute(self) -> np.dtype:
@@ -158,7 +167,7 @@ class Precision:
     @property
     def reduce(self) -> np.dtype:
         """The dtype gradients accumulate in and are all-reduced in."""
-        return _NAMED[self.grad_reduce_dtype]
+        return FP64 if self.name == "fp64" else _NAMED[self.grad_reduce_dtype]
 
     @property
     def master(self) -> np.dtype:
@@ -171,8 +180,22 @@ class Precision:
 
     def config(self) -> dict[str, Any]:
         """Settings every rank must share (and checkpoints record)."""
+        if self.name == "fp64":  # reduces in float64: no grad_reduce_dtype to record
+            return {"precision": self.name}
         return {"precision": self.name, "grad_reduce_dtype": self.grad_reduce_dtype,
                 **({"loss_scaler": self.scaler.config()} if self.scaler is not None else {})}  # fmt: skip
+
+    def cast(self, params: list[Any]) -> None:
+        """``fp64``: every floating-point parameter cast to float64, its gradient a float64 zero
+        (the optimizer's state, made at its first step, follows). Other policies: nothing here
+        (mixed ones cast in ``make_masters``). Every rank casts alike: call it on identical
+        parameters, before the gradient buffers are laid out."""
+        if self.name != "fp64":
+            return
+        for p in params:
+            if differentiable(p.data.dtype) and p.data.dtype != FP64:
+                p.data = p.data.astype(FP64)
+                p.grad = _zeros(p, FP64)
 
     def make_masters(self, params: list[Any]) -> dict[str, Any]:
         """Float32 master copies of ``params`` (by name), then the parameters cast to ``param``

@@ -275,6 +275,10 @@ def _announce(c: Config, setup: _Setup, device: str) -> None:
           f"{len(setup.train_set):,} training samples, {_layout_text(c)} on {device}, "
           f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
           f"{len(setup.loader)} steps each; run dir {c.run_dir}", flush=True)
+    shape = setup.meta.get("x_shape") or []
+    if c.model == "mlp" and len(shape) > 1:  # build_classifier's leading Flatten, said once
+        print(f"mlp: each input of shape {tuple(shape)} is flattened to {setup.meta['n_in']:,} features (its first "
+              "layer is nn.Flatten); --model cnn or a model of yours takes the images as they are", flush=True)
 
 
 def _hooks(c: Config, given: dict[str, Any], comm: Comm, setup: _Setup, callbacks: Sequence[Any], metrics: str,

@@ -94,10 +94,12 @@ def build_optimizer(c: Config, params: list[Any], total_steps: int = 1) -> Any:
     return cls(params, lr=c.lr, weight_decay=c.weight_decay, schedule=schedule)
 
 
-def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1) -> Any:
+def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sample: Any = None) -> Any:
     """The trainer of ``c.strategy`` around ``model`` (collective: trainers agree on configs).
 
-    ``total_steps``: the steps the run will take (the cosine schedule's length).
+    ``total_steps``: the steps the run will take (the cosine schedule's length). ``sample``: a
+    micro-batch of inputs, on which a pipeline's pieces are timed to balance its stages
+    (:func:`pipeline_cut`; without it, by parameter count).
     """
     from .. import parallel
     from ..comm import ProcessGrid
@@ -125,12 +127,47 @@ def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1) -> An
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,
                                             accum_steps=c.accum_steps, **common)
     grid = ProcessGrid(comm, tp=c.tp, pp=c.pp)
-    part = parallel.parallelize(model, grid)  # this rank's pipeline stage, split over tp
+    counts, plan = pipeline_cut(c, model, comm, sample) if c.pp > 1 else (None, "")
+    part = parallel.parallelize(model, grid, balance=counts)  # this rank's pipeline stage, split over tp
+    if plan:
+        part.pipeline["plan"] = plan  # the header's "stages:" line
     opt = build_optimizer(c, part.parameters(), total_steps)
     # A pipeline's micro-batches already accumulate: --accum-steps multiplies them.
     microbatches = c.microbatches * c.accum_steps if c.pp > 1 else c.accum_steps
     return parallel.ParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid, microbatches=microbatches,
                                     schedule=c.schedule, **common)
+
+
+def pipeline_cut(c: Config, model: Any, comm: Comm, sample: Any = None) -> tuple[list[int], str]:
+    """(pieces per stage, the header's description) of ``c.pp`` stages of ``model``: where
+    ``--pp-cut`` says, else balanced by each piece's forward and backward time on ``sample``,
+    measured on rank 0 and broadcast so that every rank cuts alike (by parameter count without a
+    sample). Collective; a bad ``--pp-cut`` is the same ``ConfigError`` on every rank."""
+    from ..errors import ConfigError
+    from ..parallel.cut import balance_by_cost, counts_at, describe_stages, piece_cost, piece_times, pipeline_pieces
+
+    pieces = pipeline_pieces(model)
+    times: Any = None
+    if sample is not None:
+        if comm.rank == 0:
+            try:
+                times = piece_times(pieces, sample)
+            except Exception as exc:  # every rank learns it from the broadcast, none waits
+                times = f"{type(exc).__name__}: {exc}"
+        times = comm.bcast_obj(times, root=0)
+        if isinstance(times, str):
+            raise ConfigError(f"timing the model's pieces on a micro-batch to cut the pipeline failed: {times}")
+    if c.pp_cut:
+        try:
+            counts = counts_at(c.pp_cut.split(","), [p.name for p in pieces], c.pp)
+        except ValueError as exc:
+            raise ConfigError(f"--pp-cut {c.pp_cut}: {exc}") from None
+        how = "as --pp-cut says"
+    elif times is not None:
+        counts, how = balance_by_cost(times, c.pp), "balanced by measured time"
+    else:
+        counts, how = balance_by_cost([piece_cost(p) for p in pieces], c.pp), "balanced by parameter count"
+    return counts, f"{describe_stages(pieces, counts, times)} ({how})"
 
 
 def with_recompute(model: Any) -> Any:

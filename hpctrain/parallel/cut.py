@@ -84,8 +84,8 @@ def piece_times(pieces: list[Piece], x: Any, repeats: int = 3) -> list[float]:
         for piece in pieces:
             runs = []
             for _ in range(1 + max(1, repeats)):
-                for q in params:
-                    q.grad = None
+                for q in params:  # scratch gradients (explicit modules add into .grad)
+                    q.grad = q.data * 0
                 floating = np.dtype(x.dtype).kind == "f"
                 leaf = Tensor(x, requires_grad=floating)
                 synchronize(x)

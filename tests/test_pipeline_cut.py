@@ -75,6 +75,26 @@ def test_cut_points_by_name_or_index_and_what_a_bad_cut_is_told():
             counts_at(starts, names, stages)
 
 
+def test_every_stage_holds_parameters_however_the_time_falls():
+    from hpctrain.parallel.cut import balance_stages, empty_stage, holds_parameters
+
+    model = models.build_cnn(merge({}, {**CNN, "dropout": 0.0}), IMAGES)
+    pieces = pipeline_pieces(model)
+    holds = [holds_parameters(p) for p in pieces]
+    # Most of the time in a parameter-free layer (the first pooling): a plain balance gives it a
+    # stage of its own, which has nothing to optimize (the trainer refused it on that rank alone).
+    times = [1.0] * len(pieces)
+    times[2] = 3.0 * len(pieces)
+    assert empty_stage(pieces, balance_by_cost(times, 3)) == "stage 1 (2 MaxPool2d) holds no parameters"
+    for stages in range(2, sum(holds) + 1):
+        counts = balance_stages(times, stages, holds)
+        assert sum(counts) == len(pieces) and empty_stage(pieces, counts) is None, counts
+    with pytest.raises(ValueError, match=f"{sum(holds)} of the model's {len(pieces)} pieces hold parameters"):
+        balance_stages(times, sum(holds) + 1, holds)
+    assert empty_stage(pieces, counts_at(["2", "3"], [p.name for p in pieces], 3)) == \
+        "stage 1 (2 MaxPool2d) holds no parameters"
+
+
 def test_pp_cut_needs_a_pipeline():
     from hpctrain.job import resolve
 

@@ -144,30 +144,34 @@ def pipeline_cut(c: Config, model: Any, comm: Comm, sample: Any = None) -> tuple
     measured on rank 0 and broadcast so that every rank cuts alike (by parameter count without a
     sample). Collective; a bad ``--pp-cut`` is the same ``ConfigError`` on every rank."""
     from ..errors import ConfigError
-    from ..parallel.cut import balance_by_cost, counts_at, describe_stages, piece_cost, piece_times, pipeline_pieces
+    from ..parallel import cut
 
-    pieces = pipeline_pieces(model)
+    pieces = cut.pipeline_pieces(model)
     times: Any = None
     if sample is not None:
         if comm.rank == 0:
             try:
-                times = piece_times(pieces, sample)
+                times = cut.piece_times(pieces, sample)
             except Exception as exc:  # every rank learns it from the broadcast, none waits
                 times = f"{type(exc).__name__}: {exc}"
         times = comm.bcast_obj(times, root=0)
         if isinstance(times, str):
             raise ConfigError(f"timing the model's pieces on a micro-batch to cut the pipeline failed: {times}")
-    if c.pp_cut:
-        try:
-            counts = counts_at(c.pp_cut.split(","), [p.name for p in pieces], c.pp)
-        except ValueError as exc:
-            raise ConfigError(f"--pp-cut {c.pp_cut}: {exc}") from None
-        how = "as --pp-cut says"
-    elif times is not None:
-        counts, how = balance_by_cost(times, c.pp), "balanced by measured time"
-    else:
-        counts, how = balance_by_cost([piece_cost(p) for p in pieces], c.pp), "balanced by parameter count"
-    return counts, f"{describe_stages(pieces, counts, times)} ({how})"
+    # Every stage needs parameters (its optimizer takes them): the same verdict on every rank.
+    holds = [cut.holds_parameters(p) for p in pieces]
+    try:
+        if c.pp_cut:
+            counts, how = cut.counts_at(c.pp_cut.split(","), [p.name for p in pieces], c.pp), "as --pp-cut says"
+            problem = cut.empty_stage(pieces, counts)
+            if problem:
+                raise ValueError(f"{problem}: every stage needs a layer with parameters")
+        else:
+            costs = times if times is not None else [cut.piece_cost(p) for p in pieces]
+            counts = cut.balance_stages(costs, c.pp, holds)
+            how = "balanced by measured time" if times is not None else "balanced by parameter count"
+    except ValueError as exc:
+        raise ConfigError(f"--pp-cut {c.pp_cut}: {exc}" if c.pp_cut else f"--pp {c.pp}: {exc}") from None
+    return counts, f"{cut.describe_stages(pieces, counts, times)} ({how})"
 
 
 def with_recompute(model: Any) -> Any:

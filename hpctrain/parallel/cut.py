@@ -156,6 +156,40 @@ def describe_stages(pieces: list[Piece], counts: list[int], times: list[float] |
     return " | ".join(parts)
 
 
+def holds_parameters(piece: Piece) -> bool:
+    """Whether any module of ``piece`` has parameters (a stage needs one: its optimizer)."""
+    return any(True for m in piece.modules.values() for _ in m.parameters())
+
+
+def balance_stages(costs: list[float], stages: int, holds: list[bool]) -> list[int]:
+    """:func:`balance_by_cost` over pieces where a stage may begin only at a piece that holds
+    parameters (``holds``), so that every stage holds some: a parameter-free piece (an
+    activation, a pooling) stays with the piece before it, leading ones with the first.
+    ``ValueError`` when fewer pieces than ``stages`` hold parameters."""
+    n = len(costs)
+    starts = [i for i, h in enumerate(holds) if h]
+    if len(starts) < stages:
+        raise ValueError(f"{len(starts)} of the model's {n} pieces hold parameters: a pipeline of {stages} stages "
+                         "needs one in every stage")
+    bounds = [0, *starts[1:], n]
+    groups = balance_by_cost([sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])], stages)
+    counts, g = [], 0
+    for k in groups:
+        counts.append(bounds[g + k] - bounds[g])
+        g += k
+    return counts
+
+
+def empty_stage(pieces: list[Piece], counts: list[int]) -> str | None:
+    """The first stage of the cut ``counts`` that holds no parameters, described (None: none)."""
+    start = 0
+    for k, c in enumerate(counts):
+        if not any(holds_parameters(p) for p in pieces[start : start + c]):
+            return f"stage {k} ({describe_stages(pieces[start : start + c], [c])[3:]}) holds no parameters"
+        start += c
+    return None
+
+
 def balance_by_cost(costs: list[int], stages: int) -> list[int]:
     """Layer counts per stage for ``stages`` contiguous parts minimising the largest part's cost.
 

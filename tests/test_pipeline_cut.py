@@ -95,13 +95,6 @@ def test_every_stage_holds_parameters_however_the_time_falls():
         "stage 1 (2 MaxPool2d) holds no parameters"
 
 
-def test_pp_cut_needs_a_pipeline():
-    from hpctrain.job import resolve
-
-    with pytest.raises(errors.ConfigError, match="--pp-cut 3 says where pipeline stages begin, but pp=1"):
-        resolve(merge({}, {"pp_cut": "3"}), 1)
-
-
 SMALL = {"model": "cnn", "d_model": 4, "n_layers": 2, "max_samples": 128, "batch_size": 32, "epochs": 1,
          "log_every": 4}
 

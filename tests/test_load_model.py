@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -103,3 +104,23 @@ def test_load_model_says_what_is_missing(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(errors.CheckpointError, match="no checkpoints in"):
         ht.load_model(tmp_path / "empty")
+
+
+@pytest.mark.timeout(300)
+def test_the_docs_predict_example_runs_as_written(comm, tmp_path, monkeypatch, capsys):
+    text = open(os.path.join(os.path.dirname(HERE), "docs", "tutorials", "trained-model.md"), encoding="utf-8").read()
+    code = re.search(r"<!-- the predict example: tests/test_load_model.py runs this block as written -->\n"
+                     r"```python\n(.*?)```", text, re.S).group(1)
+    where = tmp_path / f"rank{comm.rank}"  # every rank its own one-process run, as the page's runs/cnn
+    where.mkdir()
+    monkeypatch.chdir(where)
+    solo = comm.split(comm.rank)
+    try:
+        run(merge({}, {"model": "cnn", "d_model": 8, "max_samples": 512, "epochs": 2, "batch_size": 32,
+                       "log_every": 1000, "run_dir": "runs/cnn"}), solo)
+    finally:
+        solo.free()
+    capsys.readouterr()
+    exec(compile(code, "predict.py", "exec"), {"__name__": "__main__"})
+    accuracy = float(re.fullmatch(r"accuracy (\S+)\n", capsys.readouterr().out).group(1))
+    assert accuracy > 0.4  # five classes: chance is 0.2

@@ -95,6 +95,13 @@ def test_every_stage_holds_parameters_however_the_time_falls():
         "stage 1 (2 MaxPool2d) holds no parameters"
 
 
+def test_pp_cut_auto_is_the_default_and_drops_a_stored_cut():
+    from hpctrain.job import resolve
+
+    # At pp=1 too: a resumed run's config.json may hold a cut from a pipelined job.
+    assert resolve(merge({}, {"pp_cut": "auto"}), 1).pp == 1
+
+
 SMALL = {"model": "cnn", "d_model": 4, "n_layers": 2, "max_samples": 128, "batch_size": 32, "epochs": 1,
          "log_every": 4}
 

@@ -159,8 +159,9 @@ def pipeline_cut(c: Config, model: Any, comm: Comm, sample: Any = None) -> tuple
             raise ConfigError(f"timing the model's pieces on a micro-batch to cut the pipeline failed: {times}")
     # Every stage needs parameters (its optimizer takes them): the same verdict on every rank.
     holds = [cut.holds_parameters(p) for p in pieces]
+    given = c.pp_cut not in (None, "", "auto")
     try:
-        if c.pp_cut:
+        if given:
             counts, how = cut.counts_at(c.pp_cut.split(","), [p.name for p in pieces], c.pp), "as --pp-cut says"
             problem = cut.empty_stage(pieces, counts)
             if problem:
@@ -170,7 +171,7 @@ def pipeline_cut(c: Config, model: Any, comm: Comm, sample: Any = None) -> tuple
             counts = cut.balance_stages(costs, c.pp, holds)
             how = "balanced by measured time" if times is not None else "balanced by parameter count"
     except ValueError as exc:
-        raise ConfigError(f"--pp-cut {c.pp_cut}: {exc}" if c.pp_cut else f"--pp {c.pp}: {exc}") from None
+        raise ConfigError(f"--pp-cut {c.pp_cut}: {exc}" if given else f"--pp {c.pp}: {exc}") from None
     return counts, f"{cut.describe_stages(pieces, counts, times)} ({how})"
 
 

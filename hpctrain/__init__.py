@@ -20,12 +20,13 @@ from . import errors  # noqa: E402 - needs no MPI
 from .errors import HpctrainError  # noqa: E402
 
 # name -> submodule that defines it
-_NAMES = {"Communicator": "comm", "ProcessGrid": "comm", "StepStats": "training.trainer", "Trainer": "training.trainer"}
+_NAMES = {"Communicator": "comm", "ProcessGrid": "comm", "StepStats": "training.trainer", "Trainer": "training.trainer",
+          "load_model": "job.trained"}
 _MODULES = ("autograd", "backend", "checkpoint", "comm", "data", "log", "nn", "optim", "parallel", "preempt")
 
 __all__ = [
     "Communicator", "HpctrainError", "ProcessGrid", "StepStats", "Trainer", "__version__",
-    "autograd", "backend", "checkpoint", "data", "errors", "nn", "optim", "parallel",
+    "autograd", "backend", "checkpoint", "data", "errors", "load_model", "nn", "optim", "parallel",
 ]  # fmt: skip
 
 

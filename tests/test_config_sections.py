@@ -34,6 +34,8 @@ CASES = [
     ("parallel", ["--zero", "5"], "zero = 5\n", {}, "--zero must be 0, 1, 2 or 3, got 5"),
     ("parallel", ["--strategy", "tp", "--pp", "2"], 'strategy = "tp"\npp = 2\n', {"strategy": "tp"},
      "--strategy tp does not use --pp: use --strategy hybrid for tp x pp x dp"),
+    ("parallel", ["--pp-cut", "3"], 'pp_cut = "3"\n', {},
+     "--pp-cut 3 says where pipeline stages begin, but pp=1: give --pp 2 or more (or --pp-cut auto)"),
     ("optim", ["--strategy", "ps", "--optimizer", "adam"], 'strategy = "ps"\noptimizer = "adam"\n',
      {"strategy": "ps"}, "--strategy ps applies SGD on the servers: --optimizer adam is not possible"),
     ("optim", ["--lr", "nan"], 'lr = nan\n', {}, "--lr nan is not a finite number"),

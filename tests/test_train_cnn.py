@@ -27,7 +27,7 @@ def small(comm) -> dict:
 
 def test_fields_are_balanced_deterministic_and_cached(tmp_path):
     x, y = builtin.make_fields()
-    assert x.shape == (2048, 256) and x.dtype == np.float32 and y.dtype == np.int64
+    assert x.shape == (2048, 1, 16, 16) and x.dtype == np.float32 and y.dtype == np.int64
     assert np.bincount(y).tolist() == [410, 410, 410, 409, 409]
     x2, y2 = builtin.make_fields()
     assert np.array_equal(x, x2) and np.array_equal(y, y2)
@@ -50,7 +50,7 @@ def test_the_cnn_is_a_flat_sequential_of_convolutions_pooling_and_a_head():
                      "Linear", "GELU", "Dropout", "Linear"]
     assert len(model) - 3 >= models.cnn_pieces(2)  # the config's bound on pipeline stages holds
     assert model.forward(np.zeros((3, 256), np.float32)).shape == (3, 5)
-    with pytest.raises(errors.ConfigError, match="200 values are not a square"):
+    with pytest.raises(errors.ConfigError, match="rows of 200 values, not a square"):
         models.build_cnn(c, {"n_in": 200, "n_classes": 5})
     assert isinstance(model[1], nn.Conv2d) and model[1].weight.shape == (4, 1, 3, 3)
 

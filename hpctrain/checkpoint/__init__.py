@@ -26,14 +26,24 @@ from ..log import get_logger
 from ..protocols import Checkpointable
 from . import seal
 from .checkpointer import Checkpointer, checkpointer_of, save, wait
-from .format import _NAME, FORMAT, FORMAT_VERSION, checkpoint_path, list_checkpoints, norm_index, step_of
+from .format import (
+    _NAME,
+    FORMAT,
+    FORMAT_VERSION,
+    checkpoint_path,
+    checkpoints_of,
+    list_checkpoints,
+    norm_index,
+    step_of,
+)
 from .header import read_header
 from .inspection import inspect, verify
 from .loading import load, load_weights
 from .saving import busy, remove
 
 __all__ = [
-    "Checkpointer", "FORMAT", "FORMAT_VERSION", "beyond_keep", "checkpoint_path", "checkpointer_of", "copy", "inspect",
+    "Checkpointer", "FORMAT", "FORMAT_VERSION", "beyond_keep", "checkpoint_path", "checkpointer_of", "checkpoints_of",
+    "copy", "inspect",
     "list_checkpoints", "load", "load_latest", "load_weights", "read_header", "remove", "save", "save_in", "set_aside",
     "step_of", "verify", "wait",
 ]

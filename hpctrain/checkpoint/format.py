@@ -84,6 +84,25 @@ def list_checkpoints(directory: str) -> list[str]:
     return sorted(found, key=step_of)
 
 
+def checkpoints_of(run: str) -> list[str]:
+    """The checkpoint files ``run`` names, newest first: those of a run directory
+    (``RUN/checkpoints``) or of a directory of checkpoints, or ``run`` itself when it is a file
+    (what ``--resume``, ``ckpt inspect``, ``generate`` and ``load_weights`` take).
+    ``CheckpointError`` for a directory without any, ``ConfigError`` for no such path."""
+    from ..errors import CheckpointError, ConfigError
+
+    run = os.fspath(run)
+    if os.path.isdir(run):
+        ckpt_dir = os.path.join(run, "checkpoints") if os.path.isdir(os.path.join(run, "checkpoints")) else run
+        found = list_checkpoints(ckpt_dir)
+        if not found:
+            raise CheckpointError(f"no checkpoints in {ckpt_dir}")
+        return found[::-1]
+    if os.path.isfile(run):
+        return [run]
+    raise ConfigError(f"{run} is neither a run directory nor a checkpoint file")
+
+
 def parts_dir_name(path: str, token: str) -> str:
     """The part directory's name (relative to the index file's directory) for one save."""
     return f"{os.path.basename(path)}.{token}{PARTS_SUFFIX}"

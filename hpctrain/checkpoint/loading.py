@@ -376,11 +376,19 @@ del _probe
 def load_weights(path: str, model: Any) -> dict[str, Any]:
     """Read the parameters of a checkpoint into a whole (serial) ``model``; no MPI, no trainer.
 
+    ``path``: a checkpoint file, or a run directory (or a directory of checkpoints): its newest
+    checkpoint that loads, as ``--resume`` takes it (a damaged or misfitting newer one is skipped,
+    with a warning; ``CheckpointError`` naming each when none loads).
+
     For evaluation and sampling: the header and every slab read are checked against their
     checksums, and the names and shapes must match the model's exactly (a ``CheckpointError``
     lists what differs; the model is unchanged then), tied weights as ``load`` says. Returns the
-    header.
+    header (its ``"path"``: the file read).
     """
+    import os
+
+    if os.path.isdir(path):
+        return _load_newest(fmt.checkpoints_of(path), model)
     header = read_header(path, with_state=False)
     params = dict(model.named_parameters())
     index = header["index"]
@@ -415,4 +423,19 @@ def load_weights(path: str, model: Any) -> dict[str, Any]:
     for name, data in arrays.items():
         p = params[name]
         p.data[...] = to_device(data.astype(p.data.dtype, copy=False), xp_of(p.data))
-    return header
+    return {**header, "path": path}
+
+
+def _load_newest(paths: list[str], model: Any) -> dict[str, Any]:
+    """:func:`load_weights` of the first of ``paths`` (newest first) that loads; the model is
+    unchanged by each one skipped."""
+    from ..log import get_logger
+
+    failures = []
+    for path in paths:
+        try:
+            return load_weights(path, model)
+        except (CheckpointError, OSError) as exc:
+            failures.append(f"{path}: {exc}")
+            get_logger("checkpoint").warning("skipping checkpoint %s: %s", path, exc)
+    raise CheckpointError("no checkpoint loads: " + "; ".join(failures))

@@ -38,20 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def checkpoints_of(run: str) -> list[str]:
-    """The checkpoint files ``run`` names, newest first: those of a run directory
-    (``RUN/checkpoints``) or of a directory of checkpoints, or ``run`` itself when it is a file.
-    ``CheckpointError`` for a directory without any, ``ConfigError`` for no such path."""
+    """The checkpoint files ``run`` names, newest first (``hpctrain.checkpoint.checkpoints_of``)."""
     from .. import checkpoint
 
-    if os.path.isdir(run):
-        ckpt_dir = os.path.join(run, "checkpoints") if os.path.isdir(os.path.join(run, "checkpoints")) else run
-        found = checkpoint.list_checkpoints(ckpt_dir)
-        if not found:
-            raise CheckpointError(f"no checkpoints in {ckpt_dir}")
-        return found[::-1]
-    if os.path.isfile(run):
-        return [run]
-    raise ConfigError(f"{run} is neither a run directory nor a checkpoint file")
+    return checkpoint.checkpoints_of(run)
 
 
 def newest_checkpoint(run: str) -> str:
@@ -62,14 +52,10 @@ def newest_checkpoint(run: str) -> str:
 def locate(run: str) -> tuple[list[str], str]:
     """(checkpoint files to try, newest first; config.json) of a run directory or of a checkpoint
     file in one."""
+    from ..job.trained import run_config
+
     found = checkpoints_of(run)
-    path = found[0]
-    here = os.path.dirname(os.path.abspath(path))
-    for d in (here, os.path.dirname(here)):  # RUN/checkpoints/ckpt-*.h5 or RUN/ckpt-*.h5
-        if os.path.isfile(os.path.join(d, "config.json")):
-            return found, os.path.join(d, "config.json")
-    raise ConfigError(f"no config.json next to {path} or in its run directory: generate needs the run's "
-                      f"model shape and vocabulary")
+    return found, run_config(found[0], "generate needs the run's model shape and vocabulary")
 
 
 def load_gpt(run: str) -> tuple[Any, str]:

@@ -7,8 +7,8 @@
 * :func:`fields`: 2048 scalar fields on a 16 x 16 grid, 5 classes, one per kind of pattern
   (stripes along x, stripes along y, diagonal stripes, rings about a point, a Gaussian bump),
   each with a random wavelength, phase, centre and amplitude under noise: what a convolutional
-  net (``--model cnn``) learns from local structure. Keys ``x`` (N, 256) float32 (each row a
-  field, row-major) and ``y`` (N,) int64.
+  net (``--model cnn``) learns from local structure. Keys ``x`` (N, 1, 16, 16) float32 (images
+  of one channel, as PyTorch's ``(N, C, H, W)``) and ``y`` (N,) int64.
 * :func:`corpus`: a character-level corpus from the text shipped in ``hpctrain/data/corpus/*.txt``
   (Act I of Shakespeare's *Coriolanus*, public domain). Key ``tokens`` (N,) int64 and the root
   attribute ``vocab``: the characters of the vocabulary in token order (``vocab[t]`` is token t).
@@ -35,6 +35,8 @@ from ..errors import ConfigError, DatasetError
 from ..log import get_logger
 
 VERSION = 1
+#: The fields' own version: 2 stores them as images (N, 1, 16, 16) (1: flat rows and a ``side``).
+FIELDS_VERSION = 2
 CLASSIFICATION_SHAPE = (4096, 20)
 CLASSIFICATION_CLASSES = 6
 FIELDS_SHAPE = (2048, 16, 16)
@@ -48,11 +50,12 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "hpctrain"
 
 
-def _is_current(path: Path, name: str, expect: dict[str, tuple[tuple[int, ...], str]] | None = None) -> bool:
-    """True if ``path`` holds built-in set ``name`` of this VERSION; raises if it is someone
-    else's file, or ours damaged: a dataset of ``expect`` (``{key: (shape, dtype)}``) missing or
-    of another shape or dtype (a half-written or edited cache would otherwise train on whatever
-    it holds)."""
+def _is_current(path: Path, name: str, expect: dict[str, tuple[tuple[int, ...], str]] | None = None,
+                version_now: int = VERSION) -> bool:
+    """True if ``path`` holds built-in set ``name`` of this VERSION (``version_now``: the set's
+    own); raises if it is someone else's file, or ours damaged: a dataset of ``expect``
+    (``{key: (shape, dtype)}``) missing or of another shape or dtype (a half-written or edited
+    cache would otherwise train on whatever it holds)."""
     import h5py
 
     from ..files.h5safe import regular_file
@@ -65,7 +68,7 @@ def _is_current(path: Path, name: str, expect: dict[str, tuple[tuple[int, ...], 
             version = f.attrs.get("version")
             if isinstance(tag, bytes):
                 tag = tag.decode()
-            misfits = _misfits(f, expect or {}, where) if tag == name and version == VERSION else []
+            misfits = _misfits(f, expect or {}, where) if tag == name and version == version_now else []
     except OSError as exc:
         raise DatasetError(f"{path}: exists but is not readable HDF5 ({exc}); remove it to rebuild {name!r}") from exc
     if tag != name:
@@ -73,7 +76,7 @@ def _is_current(path: Path, name: str, expect: dict[str, tuple[tuple[int, ...], 
     if misfits:
         raise DatasetError(f"{path}: the built-in {name!r} set is damaged ({'; '.join(misfits)}); "
                            "remove it to rebuild it")
-    return version == VERSION
+    return version == version_now
 
 
 def _misfits(f: Any, expect: dict[str, tuple[tuple[int, ...], str]], where: str) -> list[str]:
@@ -124,12 +127,13 @@ def _write_atomic(path: Path, fill: Callable[[Any], None]) -> None:
 
 def _ensure(path: str | os.PathLike | None, default_name: str, name: str, fill: Callable[[Any], None],
             rewrite: Callable[[Path], bool] | None = None,
-            expect: dict[str, tuple[tuple[int, ...], str]] | None = None) -> Path:
+            expect: dict[str, tuple[tuple[int, ...], str]] | None = None, version: int = VERSION) -> Path:
     """The set's path, written first when absent or of another VERSION, or when ``rewrite(path)``
     says the current file is to be replaced (``hpctrain data make --force``, a fallback corpus).
-    ``expect``: the datasets a current file must hold (``_is_current``)."""
+    ``expect``: the datasets a current file must hold (``_is_current``); ``version``: the set's."""
     target = Path(path).expanduser() if path is not None else cache_dir() / default_name
-    if not (target.exists() and _is_current(target, name, expect)) or (rewrite is not None and rewrite(target)):
+    current = target.exists() and _is_current(target, name, expect, version)
+    if not current or (rewrite is not None and rewrite(target)):
         _write_atomic(target, fill)
     return target
 
@@ -183,7 +187,7 @@ def classification(path: str | os.PathLike | None = None) -> Path:
 
 
 def make_fields(n: int = FIELDS_SHAPE[0], side: int = FIELDS_SHAPE[1], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """The pattern-labelled fields ``(x float32 (n, side * side), y int64 (n,))``, deterministic in
+    """The pattern-labelled fields ``(x float32 (n, 1, side, side), y int64 (n,))``, deterministic in
     ``seed``; the classes take turns (balanced). See the module docstring for the patterns."""
     rng = np.random.default_rng([seed, 20260307])
     y = np.arange(n, dtype=np.int64) % FIELDS_CLASSES
@@ -204,7 +208,7 @@ def make_fields(n: int = FIELDS_SHAPE[0], side: int = FIELDS_SHAPE[1], seed: int
     }
     field = np.select([(y == c)[:, None, None] for c in waves], list(waves.values()))
     field = field * rng.uniform(0.7, 1.3, n)[:, None, None] + 0.3 * rng.standard_normal((n, side, side))
-    return field.reshape(n, side * side).astype(np.float32), y
+    return field.reshape(n, 1, side, side).astype(np.float32), y
 
 
 def fields(path: str | os.PathLike | None = None) -> Path:
@@ -215,12 +219,12 @@ def fields(path: str | os.PathLike | None = None) -> Path:
         x, y = make_fields()
         f.create_dataset("x", data=x)
         f.create_dataset("y", data=y)
-        f.attrs.update(hpctrain_builtin="fields", version=VERSION, classes=FIELDS_CLASSES, side=side,
+        f.attrs.update(hpctrain_builtin="fields", version=FIELDS_VERSION, classes=FIELDS_CLASSES,
                        description="16 x 16 fields, one class per pattern: x stripes, y stripes, diagonal "
                                    "stripes, rings, a Gaussian bump; random wavelength, phase, centre, noise")
 
-    expect = {"x": ((n, side * side), "float32"), "y": ((n,), "int64")}
-    return _ensure(path, "fields.h5", "fields", fill, expect=expect)
+    expect = {"x": ((n, 1, side, side), "float32"), "y": ((n,), "int64")}
+    return _ensure(path, "fields.h5", "fields", fill, expect=expect, version=FIELDS_VERSION)
 
 
 def corpus_text() -> str:

@@ -1,7 +1,8 @@
 """The data of a run, opened and checked before any training: only the rows the run uses, read in
 bounded chunks, the reading split over the ranks.
 
-``open_classification`` (keys ``x`` (N, D), ``y`` (N,)) and ``open_tokens`` (key ``tokens`` (N,))
+``open_classification`` (keys ``x`` (N, ...): rows (N, D), images (N, C, H, W), any shape per
+sample; ``y`` (N,)) and ``open_tokens`` (key ``tokens`` (N,))
 return ``(train, val, meta)``: two datasets of rows and what the model needs to be built
 (``n_in``/``n_classes`` or ``vocab_size``). Training uses the first ``n_train`` rows (at most
 ``max_samples``), the evaluation the last ``n_val`` of the file (a ``val_fraction`` of it, at most
@@ -10,7 +11,7 @@ return ``(train, val, meta)``: two datasets of rows and what the model needs to 
 Everything that would otherwise fail later, deep in NumPy or as a silent wrong answer, is refused
 here with the file, the key and the offending value (``DatasetError``, on every rank):
 
-* keys of the wrong rank (2-D tokens, 3-D x), no rows, no features, non-numeric dtypes;
+* keys of the wrong rank (2-D tokens, 1-D x), no rows, no features, non-numeric dtypes;
 * labels and tokens that are not integers (float tokens were truncated silently), negative
   (a label of -1 picked the last class), or so large that the model could not be allocated
   (a label of 10^9 meant a 10^9-class output layer): at most :data:`MAX_CLASSES` /
@@ -283,22 +284,27 @@ def _open(path: str, keys: tuple[str, ...], comm: Agreement | None) -> HDF5Datas
 def open_classification(path: str | os.PathLike, *, val_fraction: float, max_samples: int | None = None,
                         comm: Agreement | None = None, x_key: str = "x", y_key: str = "y",
                         loss: str = "ce") -> tuple[Rows, Rows, dict[str, Any]]:
-    """Train and validation rows of a file of inputs ``x_key`` (N, D) and targets ``y_key``, and
-    ``meta = {"n_in", "x_shape", "path"}`` plus ``n_classes`` (``loss="ce"``: integer labels (N,),
-    the largest label of the rows used plus one) or ``n_out`` (``loss="mse"``: finite numbers
-    (N,) or (N, ...)). Collective with ``comm``."""
+    """Train and validation rows of a file of inputs ``x_key`` (N, ...): rows (N, D), images
+    (N, C, H, W), any shape per sample) and targets ``y_key``, and ``meta = {"n_in", "x_shape",
+    "path"}`` (``n_in``: the values per sample, ``x_shape``: a sample's shape) plus
+    ``n_classes`` (``loss="ce"``: integer labels (N,), the largest label of the rows used plus
+    one) or ``n_out`` (``loss="mse"``: finite numbers (N,) or (N, ...)). Collective with ``comm``."""
     path = os.fspath(path)
     ds = _open(path, (x_key, y_key), comm)
 
     def layout() -> tuple[int, int, Any, Any]:
-        x = _check_key(ds, x_key, 2, "fiu", f"{x_key} (the features)")
+        x = _check_key(ds, x_key, None, "fiu", f"{x_key} (the features)")
+        if x.ndim < 2:  # (N,): one number per sample, which a model cannot tell from N samples of a row
+            raise DatasetError(f"{path}: key {x_key!r} has shape {tuple(x.shape)}: {x_key} (the features) must have "
+                               "shape (N, ...), one sample per row: (N, D) rows, (N, C, H, W) images (one feature "
+                               "per sample: store it as (N, 1))")
         if loss == "ce":
             y = _check_key(ds, y_key, 1, "iu", f"{y_key} (the class indices)")
         else:
             y = _check_key(ds, y_key, None, "fiu", f"{y_key} (the targets)")
-        if x.shape[1] < 1 or x.shape[1] > MAX_FEATURES:
-            raise DatasetError(f"{path}: key {x_key!r} has {x.shape[1]:,} features per row: 1 to {MAX_FEATURES:,} "
-                               "are supported")
+        if not 1 <= math.prod(x.shape[1:]) <= MAX_FEATURES:
+            raise DatasetError(f"{path}: key {x_key!r} has {math.prod(x.shape[1:]):,} features per sample (shape "
+                               f"{tuple(x.shape[1:])}): 1 to {MAX_FEATURES:,} are supported")
         if loss != "ce" and not 1 <= math.prod(y.shape[1:]) <= MAX_FEATURES:
             raise DatasetError(f"{path}: key {y_key!r} has {math.prod(y.shape[1:]):,} values per row: 1 to "
                                f"{MAX_FEATURES:,} are supported")
@@ -315,7 +321,9 @@ def open_classification(path: str | os.PathLike, *, val_fraction: float, max_sam
         else:
             scan(y, spans, "features", f"{path}: key {y_key!r}", comm=comm)
         scan(x, spans, "features", f"{path}: key {x_key!r}", comm=comm)
-    meta: dict[str, Any] = {"n_in": int(x.shape[1]), "x_shape": [int(x.shape[1])], "path": path}
+    # n_in: the values of one sample (what a flat first layer takes); x_shape: its shape as stored.
+    meta: dict[str, Any] = {"n_in": int(math.prod(x.shape[1:])), "x_shape": [int(d) for d in x.shape[1:]],
+                            "path": path}
     if loss == "ce":
         meta["n_classes"] = labels.hi + 1
         dtypes: tuple[Any, ...] = (np.float32, np.int64)

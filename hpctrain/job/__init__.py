@@ -19,9 +19,11 @@ from .config import OPTIONS, Config, Option, add_arguments, merge, read_config, 
 from .inputs import open_data
 from .runner import evaluate, everywhere, format_summary, limit_blas_threads, main, run
 from .trace import Timeline
+from .trained import load_model
 
 __all__ = [
     "OPTIONS", "Config", "Option", "Timeline", "add_arguments", "build_model", "build_optimizer", "build_trainer",
-    "data_rank", "evaluate", "everywhere", "format_summary", "limit_blas_threads", "main", "merge", "open_data",
+    "data_rank", "evaluate", "everywhere", "format_summary", "limit_blas_threads", "load_model", "main", "merge",
+    "open_data",
     "read_config", "read_toml", "resolve", "run",
 ]  # fmt: skip

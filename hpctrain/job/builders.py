@@ -94,10 +94,12 @@ def build_optimizer(c: Config, params: list[Any], total_steps: int = 1) -> Any:
     return cls(params, lr=c.lr, weight_decay=c.weight_decay, schedule=schedule)
 
 
-def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1) -> Any:
+def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sample: Any = None) -> Any:
     """The trainer of ``c.strategy`` around ``model`` (collective: trainers agree on configs).
 
-    ``total_steps``: the steps the run will take (the cosine schedule's length).
+    ``total_steps``: the steps the run will take (the cosine schedule's length). ``sample``: a
+    micro-batch of inputs, on which a pipeline's pieces are timed to balance its stages
+    (:func:`pipeline_cut`; without it, by parameter count).
     """
     from .. import parallel
     from ..comm import ProcessGrid
@@ -125,12 +127,52 @@ def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1) -> An
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,
                                             accum_steps=c.accum_steps, **common)
     grid = ProcessGrid(comm, tp=c.tp, pp=c.pp)
-    part = parallel.parallelize(model, grid)  # this rank's pipeline stage, split over tp
+    counts, plan = pipeline_cut(c, model, comm, sample) if c.pp > 1 else (None, "")
+    part = parallel.parallelize(model, grid, balance=counts)  # this rank's pipeline stage, split over tp
+    if plan:
+        part.pipeline["plan"] = plan  # the header's "stages:" line
     opt = build_optimizer(c, part.parameters(), total_steps)
     # A pipeline's micro-batches already accumulate: --accum-steps multiplies them.
     microbatches = c.microbatches * c.accum_steps if c.pp > 1 else c.accum_steps
     return parallel.ParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid, microbatches=microbatches,
                                     schedule=c.schedule, **common)
+
+
+def pipeline_cut(c: Config, model: Any, comm: Comm, sample: Any = None) -> tuple[list[int], str]:
+    """(pieces per stage, the header's description) of ``c.pp`` stages of ``model``: where
+    ``--pp-cut`` says, else balanced by each piece's forward and backward time on ``sample``,
+    measured on rank 0 and broadcast so that every rank cuts alike (by parameter count without a
+    sample). Collective; a bad ``--pp-cut`` is the same ``ConfigError`` on every rank."""
+    from ..errors import ConfigError
+    from ..parallel import cut
+
+    pieces = cut.pipeline_pieces(model)
+    times: Any = None
+    if sample is not None:
+        if comm.rank == 0:
+            try:
+                times = cut.piece_times(pieces, sample)
+            except Exception as exc:  # every rank learns it from the broadcast, none waits
+                times = f"{type(exc).__name__}: {exc}"
+        times = comm.bcast_obj(times, root=0)
+        if isinstance(times, str):
+            raise ConfigError(f"timing the model's pieces on a micro-batch to cut the pipeline failed: {times}")
+    # Every stage needs parameters (its optimizer takes them): the same verdict on every rank.
+    holds = [cut.holds_parameters(p) for p in pieces]
+    given = c.pp_cut not in (None, "", "auto")
+    try:
+        if given:
+            counts, how = cut.counts_at(c.pp_cut.split(","), [p.name for p in pieces], c.pp), "as --pp-cut says"
+            problem = cut.empty_stage(pieces, counts)
+            if problem:
+                raise ValueError(f"{problem}: every stage needs a layer with parameters")
+        else:
+            costs = times if times is not None else [cut.piece_cost(p) for p in pieces]
+            counts = cut.balance_stages(costs, c.pp, holds)
+            how = "balanced by measured time" if times is not None else "balanced by parameter count"
+    except ValueError as exc:
+        raise ConfigError(f"--pp-cut {c.pp_cut}: {exc}" if given else f"--pp {c.pp}: {exc}") from None
+    return counts, f"{cut.describe_stages(pieces, counts, times)} ({how})"
 
 
 def with_recompute(model: Any) -> Any:

@@ -39,9 +39,10 @@ def classifier_pieces(n_layers: int) -> int:
 
 
 def cnn_pieces(n_layers: int) -> int:
-    """Layers of :func:`build_cnn` at least (a pooling layer joins each block while the field is
-    two cells or wider): Unflatten, (Conv2d, ReLU) x n, Flatten, Linear, GELU, Linear."""
-    return 5 + 2 * n_layers
+    """Layers of :func:`build_cnn` at least (an Unflatten leads for flat rows or (H, W) fields, a
+    pooling layer joins each block while the field is two cells or wider): (Conv2d, ReLU) x n,
+    Flatten, Linear, GELU, Linear."""
+    return 4 + 2 * n_layers
 
 
 def splits(c: Config) -> Splits | None:
@@ -76,7 +77,10 @@ def build_classifier(c: Config, meta: dict[str, Any]) -> nn.Sequential:
     d = c.d_model
     masks = np.random.default_rng([c.seed, 1])
     drop = [nn.Dropout(c.dropout, rng=int(masks.integers(2**31)))] if c.dropout else []
-    layers: list[Any] = [nn.Linear(meta["n_in"], d, rng=rng), nn.GELU(), *drop]
+    # Samples of more than one axis (images) are flattened by the model's first layer, as a PyTorch
+    # MLP does with nn.Flatten (the job's header says so); rows (N, D) go straight in.
+    flat = [nn.Flatten()] if len(meta.get("x_shape") or [meta["n_in"]]) > 1 else []
+    layers: list[Any] = [*flat, nn.Linear(meta["n_in"], d, rng=rng), nn.GELU(), *drop]
     for _ in range(c.n_layers):
         drop = [nn.Dropout(c.dropout, rng=int(masks.integers(2**31)))] if c.dropout else []
         layers += [nn.MLP(d, CLASSIFIER_HIDDEN * d, rng=rng), nn.GELU(), *drop]
@@ -84,38 +88,52 @@ def build_classifier(c: Config, meta: dict[str, Any]) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def field_side(n_in: int, where: str = "the data") -> int:
-    """The side of the square single-channel fields of ``n_in`` values a row (``ConfigError`` when
-    ``n_in`` is not a square)."""
+def image_shape(meta: dict[str, Any]) -> tuple[int, int, int]:
+    """``(C, H, W)`` of the samples ``--model cnn`` reads (``meta["x_shape"]``, else ``n_in``):
+    images (C, H, W) as they are, (H, W) fields as one channel, flat rows of ``side * side``
+    values as one square channel (``ConfigError`` for anything else, saying what to store)."""
     import math
 
-    side = math.isqrt(n_in)
-    if side * side != n_in:
-        from ..errors import ConfigError
+    from ..errors import ConfigError
 
-        raise ConfigError(f"--model cnn reads each row of {where} as a square field (side x side values, one "
-                          f"channel); {n_in} values are not a square: bring your own model for other shapes")
-    return side
+    shape = tuple(int(d) for d in (meta.get("x_shape") or [meta["n_in"]]))
+    where = meta.get("path", "the data")
+    if len(shape) == 3:
+        return shape  # type: ignore[return-value]
+    if len(shape) == 2:
+        return (1, *shape)
+    side = math.isqrt(shape[0]) if len(shape) == 1 else 0
+    if len(shape) == 1 and side * side == shape[0]:
+        return (1, side, side)
+    what = f"rows of {shape[0]} values, not a square" if len(shape) == 1 else f"samples of shape {shape}"
+    raise ConfigError(f"--model cnn reads images: store {where}'s inputs as (N, C, H, W), (N, H, W) or square "
+                      f"rows (N, side * side); it holds {what}: reshape them, or bring your own model")
 
 
 def build_cnn(c: Config, meta: dict[str, Any]) -> nn.Sequential:
-    """``--model cnn``: rows of ``side * side`` values as one-channel fields, ``--n-layers`` blocks of
-    a 3 x 3 convolution (``--d-model`` channels), ReLU and 2 x 2 max pooling (while the field is
-    two cells or wider), then an MLP head (``--d-model`` hidden, GELU). A flat Sequential: a
-    pipeline cuts it between any two layers. ``--dropout``: before the head's last layer."""
-    side = field_side(meta["n_in"], meta.get("path", "the data"))
+    """``--model cnn``: images ``(N, C, H, W)`` (``(N, H, W)`` and square rows of ``side * side``
+    values are read as one channel: an Unflatten leads), ``--n-layers`` blocks of a 3 x 3
+    convolution (``--d-model`` channels), ReLU and 2 x 2 max pooling (while the field is two cells
+    or wider), then an MLP head (``--d-model`` hidden, GELU). A flat Sequential: a pipeline cuts it
+    between any two layers. ``--dropout``: before the head's last layer."""
+    cin, h, w = image_shape(meta)
+    stored = tuple(meta.get("x_shape") or [meta["n_in"]])
     rng = np.random.default_rng(c.seed)
-    ch, cin, size = c.d_model, 1, side
-    layers: list[Any] = [nn.Unflatten(1, (1, side, side))]
+    ch = c.d_model
+    layers: list[Any] = []
+    if len(stored) == 1:
+        layers.append(nn.Unflatten(1, (cin, h, w)))
+    elif len(stored) == 2:
+        layers.append(nn.Unflatten(1, (1, h)))  # (N, H, W) -> (N, 1, H, W)
     for _ in range(c.n_layers):
         layers += [nn.Conv2d(cin, ch, 3, padding=1, rng=rng), nn.ReLU()]
-        if size >= 2:
+        if min(h, w) >= 2:
             layers.append(nn.MaxPool2d(2))
-            size //= 2
+            h, w = h // 2, w // 2
         cin = ch
     drop = [nn.Dropout(c.dropout, rng=int(np.random.default_rng([c.seed, 1]).integers(2**31)))] if c.dropout else []
     n_out = meta["n_classes"] if "n_classes" in meta else meta["n_out"]
-    layers += [nn.Flatten(), nn.Linear(ch * size * size, ch, rng=rng), nn.GELU(), *drop, nn.Linear(ch, n_out, rng=rng)]
+    layers += [nn.Flatten(), nn.Linear(ch * h * w, ch, rng=rng), nn.GELU(), *drop, nn.Linear(ch, n_out, rng=rng)]
     return nn.Sequential(*layers)
 
 

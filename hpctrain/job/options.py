@@ -93,6 +93,10 @@ class Config:
     recompute: bool = field(default=False, metadata=_opt("recompute activations in backward (each transformer "
                                                          "block / MLP block keeps only its input)"))
     schedule: str = field(default="1f1b", metadata=_opt("pipeline schedule (pp)", ("1f1b", "gpipe")))
+    pp_cut: str | None = field(default=None, metadata=_opt("where pipeline stages 1.. begin: piece names or "
+                                                           "indices, comma-separated (--pp 2: one, e.g. 5); "
+                                                           "default (auto): balanced by each piece's measured "
+                                                           "time"))
     ps_mode: str = field(default="sync", metadata=_opt("parameter-server mode (ps)", ("sync", "async", "ssp")))
     staleness: int = field(default=2, metadata=_opt("bound on how far a worker may run ahead (ps, ssp)"))
     max_samples: int | None = field(default=None, metadata=_opt("train on only the first N samples "

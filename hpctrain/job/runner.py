@@ -257,8 +257,16 @@ def _build(c: Config, comm: Comm, device: str) -> _Setup:
     loader = DataLoader(train_set, batch_size=c.local_batch, sampler=sampler,
                         device="gpu" if device == "cuda" else "cpu")
     total_steps = planned_steps(loader, c.epochs, c.max_steps)
+    # A pipeline's pieces are timed on one micro-batch of the training rows (the cut's balance).
+    sample = None
+    if c.pp > 1:
+        from ..backend import to_device
+
+        sample = to_device(train_set[np.arange(c.local_batch // (c.microbatches * c.accum_steps))][0], loader.xp)
     try:
-        trainer = build_trainer(c, model, comm, total_steps)
+        trainer = build_trainer(c, model, comm, total_steps, sample)
+    except ConfigError:
+        raise  # already in the command's words (--pp-cut)
     except (ValueError, TypeError) as exc:  # trainers check their arguments alike on every rank
         raise ConfigError(f"the {c.strategy} trainer refuses this setup: {exc}") from exc
     return _Setup(train_set, val_set, meta, n_params, loader, trainer)
@@ -275,6 +283,13 @@ def _announce(c: Config, setup: _Setup, device: str) -> None:
           f"{len(setup.train_set):,} training samples, {_layout_text(c)} on {device}, "
           f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
           f"{len(setup.loader)} steps each; run dir {c.run_dir}", flush=True)
+    plan = (getattr(setup.trainer.model, "pipeline", None) or {}).get("plan")
+    if plan:
+        print(f"stages: {plan}", flush=True)
+    shape = setup.meta.get("x_shape") or []
+    if c.model == "mlp" and len(shape) > 1:  # build_classifier's leading Flatten, said once
+        print(f"mlp: each input of shape {tuple(shape)} is flattened to {setup.meta['n_in']:,} features (its first "
+              "layer is nn.Flatten); --model cnn or a model of yours takes the images as they are", flush=True)
 
 
 def _hooks(c: Config, given: dict[str, Any], comm: Comm, setup: _Setup, callbacks: Sequence[Any], metrics: str,

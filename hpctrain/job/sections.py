@@ -205,6 +205,9 @@ def _parallel(c: Config, world: int) -> None:
         raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp} x dp: "
                           f"the world size must be a multiple of {tp * pp}")
     c.tp, c.pp, c.dp = tp, pp, world // (tp * pp)
+    if c.pp_cut not in (None, "auto") and c.pp == 1:  # (auto: a run's stored cut dropped, e.g. on a resume)
+        raise ConfigError(f"--pp-cut {c.pp_cut} says where pipeline stages begin, but pp=1: give --pp 2 or more "
+                          "(or --pp-cut auto)")
     _batch(c)
 
 
@@ -302,8 +305,8 @@ def _checkpoint(c: Config, world: int) -> None:
 
 
 SECTIONS: tuple[Section, ...] = (
-    Section("parallel", ("strategy", "tp", "pp", "batch_size", "accum_steps", "microbatches", "schedule", "zero",
-                         "ps_mode", "staleness"), _parallel, _parallel_values),
+    Section("parallel", ("strategy", "tp", "pp", "batch_size", "accum_steps", "microbatches", "schedule", "pp_cut",
+                         "zero", "ps_mode", "staleness"), _parallel, _parallel_values),
     Section("model", ("model", "loss", "d_model", "n_layers", "n_heads", "block_size", "dropout", "recompute",
                       "tie_embeddings", "seed"), _model, _model_values),
     Section("data", ("data", "x_key", "y_key", "tokens_key", "max_samples", "val_fraction"), _no_rules, _data_values),

@@ -4,7 +4,8 @@ Two transforms in one call: the model is split over ``grid.tp`` (``tensor.tensor
 attention heads, MLP hidden units, and what the model's ``tp_plan()`` names: a GPT's vocabulary),
 then cut into pipeline stages along its *pieces* (``cut``: a ``Sequential``'s layers, or what the
 model's ``pipeline_cuts()`` names: a GPT's embeddings, blocks, final LayerNorm and head),
-balanced by the serial parameter counts. Parameter names stay the serial model's
+balanced by the serial parameter counts unless ``balance`` says (``hpctrain train`` balances by
+measured time: ``cut.piece_times``). Parameter names stay the serial model's
 (``blocks.3.attn.qkv.weight``, ``tok_emb.weight``) under every layout, so checkpoints move
 between layouts and ``shards()`` tells where each local array sits in the full tensor.
 """

@@ -132,6 +132,21 @@ def key_mismatch(ids: list[str | None]) -> ConfigError | None:
                        "mpiexec -genv, -x; srun --export), or none")
 
 
+def agree_environment(comm: Comm, problem: BaseException | None) -> None:
+    """The world's first check (collective): ``problem`` (this rank's bad ``HPCTRAIN_*`` setting,
+    or ``None``) raised on every rank if any rank has one; and the checkpoint key's id riding on
+    the same exchange (a digest, never the key): a key set on some ranks only, or different keys,
+    refused now on every rank (:func:`key_mismatch`: one verdict from one list), not at the first
+    save."""
+    from .. import settings
+
+    ids = raise_if_any(comm, problem, what="hpctrain environment",
+                       payload=settings.checkpoint_key_id() if problem is None else None)
+    mismatch = key_mismatch(ids)
+    if mismatch is not None:
+        raise mark_everywhere(ConfigError(f"hpctrain environment: {mismatch}"), comm)
+
+
 class Agreeing:
     """:func:`raise_if_any` and :func:`agree` as methods of a communicator (``Communicator`` has
     them): layers that know no ``comm`` (``data``) reach one verdict on every rank through the

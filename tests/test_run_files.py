@@ -145,3 +145,17 @@ def test_resume_on_a_planted_fifo_or_device_is_refused_on_every_rank_before_anyt
     assert len(said) == 1 and f"{run / name} {WHAT[kind]}: refused" in said[0], p.stderr
     assert "Traceback" not in p.stderr and "step " not in p.stdout, (p.stdout, p.stderr)
     assert sorted(os.listdir(run)) == before  # nothing written, moved or trimmed
+
+
+@pytest.mark.jobs
+@pytest.mark.timeout(300)
+def test_resume_over_a_garbage_job_json_says_so_and_replaces_it(serial, finished_run, tmp_path):
+    tmp, _ = finished_run
+    run = _copy(finished_run, tmp_path)
+    _plant(run / "job.json", "garbage")
+    p = hpctrain("train", "--run-dir", str(run), "--resume", "--epochs", "2", n=2, cwd=REPO, timeout=150,
+                 env=clean_env(HPCTRAIN_DATA=str(tmp / "data"), HPCTRAIN_TIMEOUT="60"))
+    assert p.returncode == 0, p.stderr
+    assert (f"how the last job in {run} ended is unknown: {run / 'job.json'} is not a record hpctrain wrote: "
+            "not JSON") in p.stdout + p.stderr
+    assert rundir.read_record(str(run / "job.json"))["state"] == "finished"

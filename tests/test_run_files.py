@@ -159,3 +159,16 @@ def test_resume_over_a_garbage_job_json_says_so_and_replaces_it(serial, finished
     assert (f"how the last job in {run} ended is unknown: {run / 'job.json'} is not a record hpctrain wrote: "
             "not JSON") in p.stdout + p.stderr
     assert rundir.read_record(str(run / "job.json"))["state"] == "finished"
+
+
+@pytest.mark.jobs
+@pytest.mark.timeout(300)
+def test_resume_with_an_oversized_config_json_is_refused_before_it_is_read(serial, finished_run, tmp_path):
+    tmp, _ = finished_run
+    run = _copy(finished_run, tmp_path)
+    _plant(run / "config.json", "huge")
+    p = hpctrain("train", "--run-dir", str(run), "--resume", n=2, cwd=REPO, timeout=150,
+                 env=clean_env(HPCTRAIN_DATA=str(tmp / "data"), HPCTRAIN_TIMEOUT="60"))
+    assert p.returncode == ExitStatus.CONFIG, (p.stdout, p.stderr)
+    said = [line for line in p.stderr.splitlines() if "hpctrain train: error:" in line]
+    assert len(said) == 1 and f"config file {run / 'config.json'} has " in said[0] and WHAT["huge"] in said[0], p.stderr

@@ -283,9 +283,20 @@ def open_regular(path: str, flags: int = os.O_RDONLY, limit: int | None = None) 
 def _check_mode(path: str, st: os.stat_result, limit: int | None) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"{path} is {file_kind(st.st_mode)}, not a regular file: refused")
-    if limit is not None and st.st_size > limit:
-        raise ConfigError(f"{path} has {st.st_size:,} bytes, more than the {limit:,} of any such file hpctrain "
-                          "writes: refused")
+    if limit is not None and st.st_size > limit:  # (the descriptor's own size: the file that is read)
+        raise _too_large(path, st.st_size, limit)
+
+
+def _too_large(what: str, size: int, limit: int) -> ConfigError:
+    return ConfigError(f"{what} has {size:,} bytes, more than the {limit:,} of any such file hpctrain writes: refused")
+
+
+def check_size(path: str, limit: int, what: str) -> None:
+    """Refuse (``ConfigError``) the file at ``path`` when it has more than ``limit`` bytes: a
+    record read whole is never read into memory at any size."""
+    size = os.stat(path).st_size
+    if size > limit:
+        raise _too_large(what, size, limit)
 
 
 def read_record(path: str, limit: int = MAX_RECORD) -> dict[str, Any] | None:

@@ -174,9 +174,8 @@ class RunLock:
         lock file that went with it (ours) and lock the directory now at the original name."""
         moved = os.path.join(old_dir, LOCK_NAME)
         try:
-            with open(moved) as f:
-                ours = json.load(f) == self.record
-        except (OSError, ValueError):
+            ours = read_record(moved, MAX_LOCK) == self.record
+        except ConfigError:  # not a lock this process wrote
             ours = False
         if ours:
             os.remove(moved)

@@ -172,3 +172,17 @@ def test_resume_with_an_oversized_config_json_is_refused_before_it_is_read(seria
     assert p.returncode == ExitStatus.CONFIG, (p.stdout, p.stderr)
     said = [line for line in p.stderr.splitlines() if "hpctrain train: error:" in line]
     assert len(said) == 1 and f"config file {run / 'config.json'} has " in said[0] and WHAT["huge"] in said[0], p.stderr
+
+
+@pytest.mark.jobs
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+def test_plot_refuses_a_metrics_file_that_is_not_a_file(serial, finished_run, tmp_path, kind):
+    run = _copy(finished_run, tmp_path)
+    _plant(run / "metrics.jsonl", kind)
+    try:
+        p = hpctrain("plot", str(run), "--out", str(tmp_path / "plots"), timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"hpctrain plot hung on a {kind} at metrics.jsonl")
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert f"hpctrain plot: error: {run / 'metrics.jsonl'} {WHAT[kind]}: refused" in p.stderr, p.stderr

@@ -149,12 +149,15 @@ bench: venv
 
 # The documentation site (docs/, mkdocs.yml) into site/: strict, so a broken link, a missing
 # included file or an API name that no longer exists fails it (CI runs it). Tools: the docs extra.
+# First tests/docs_check.py: a page left out of the nav, or a public module left out of the API
+# reference, fails it too (mkdocs builds such a page and says nothing).
 DOCS_STAMP := $(VENV)/.docs-installed
 $(DOCS_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard,docs]'
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
+	$(PY) tests/docs_check.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The wheel users install (hpctrain is not on PyPI): dist/hpctrain-VERSION-py3-none-any.whl.

@@ -82,6 +82,45 @@ def gpu_available() -> bool:
     return cupy() is not None
 
 
+#: Slurm's variables that say an allocation gave this node, step or task GPUs: counts, possibly
+#: typed (``4``, ``a100:4``), or lists of GPU indices (``SLURM_JOB_GPUS=0,1``).
+SLURM_GPU_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_PER_NODE",
+                  "SLURM_GPUS_PER_TASK", "SLURM_GPUS")
+
+
+def gpus_allocated() -> str | None:
+    """``NAME=value`` of the first Slurm variable saying this process's allocation has GPUs
+    (``SLURM_GPUS_ON_NODE=4``), ``None`` when none does: a job that asked for GPUs and sees none
+    (:func:`gpu_missing`) says so instead of training on the CPU with a word in its header only."""
+    import re
+
+    for name in SLURM_GPU_VARS:
+        value = os.environ.get(name, "").strip()
+        if name in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):  # indices: any is a GPU (GPU 0 too)
+            asked = any(part.strip() for part in value.split(","))
+        else:  # counts: the numbers that start the value or follow a ':' or ',' ("gpu:a100:2")
+            asked = any(int(n) > 0 for n in re.findall(r"(?:^|[:,])(\d+)", value))
+        if asked:
+            return f"{name}={value}"
+    return None
+
+
+def gpu_missing() -> str | None:
+    """Why this process has no GPU to use (CuPy missing, no device, a driver error); ``None`` when
+    it has one."""
+    if cupy() is not None:
+        return None
+    try:
+        import cupy as cp
+    except Exception as exc:  # ImportError, or a CuPy built for another CUDA failing to load
+        return f"CuPy does not import ({type(exc).__name__}: {str(exc)[:120]}; pip install cupy-cuda12x)"
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, CUDA_VISIBLE_DEVICES naming nothing
+        return f"CuPy sees no GPU ({type(exc).__name__}: {str(exc)[:120]})"
+    return "CuPy sees no GPU" if count == 0 else None
+
+
 def is_device_array(a: Any) -> bool:
     """True for arrays that live in GPU memory (CuPy or anything with the CUDA interface)."""
     if _device_module is not None and isinstance(a, _device_module.ndarray):

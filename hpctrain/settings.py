@@ -153,29 +153,60 @@ def cuda_kernels() -> bool | None:
 MIN_KEY_BYTES = 16
 
 
+KEY_VARIABLES = ("HPCTRAIN_CHECKPOINT_KEY", "HPCTRAIN_CHECKPOINT_KEY_FILE")
+
+
 def checkpoint_key() -> bytes | None:
     """The key checkpoints are signed and verified with (an HMAC over every byte of their files,
     see ``hpctrain.checkpoint.seal``): ``HPCTRAIN_CHECKPOINT_KEY`` (the key itself) or
     ``HPCTRAIN_CHECKPOINT_KEY_FILE`` (a file holding it; a trailing newline is not part of it).
-    ``None`` when neither is set: checkpoints are then sealed against damage, not signed."""
+    ``None`` when neither is set: checkpoints are then sealed against damage, not signed.
+
+    A variable set but empty, or a key of blanks only, is refused (``ConfigError``): it would
+    otherwise turn signing off (or sign with a guessable key) without a word. The ranks of a job
+    compare :func:`key_id` at start (the world ``Communicator``), never the key itself."""
+    for name in KEY_VARIABLES:
+        if name in os.environ and not os.environ[name].strip():
+            raise ConfigError(f"{name} is set but empty: that would turn checkpoint signing off without a word; "
+                              "unset it to write unsigned checkpoints, or give a key (e.g. `openssl rand -hex 32`)")
     raw = os.environ.get("HPCTRAIN_CHECKPOINT_KEY", "")
     path = os.environ.get("HPCTRAIN_CHECKPOINT_KEY_FILE", "").strip()
     if raw and path:
         raise ConfigError("HPCTRAIN_CHECKPOINT_KEY and HPCTRAIN_CHECKPOINT_KEY_FILE are both set: give one")
+    if not raw and not path:
+        return None
     key = raw.encode()
     if path:
-        if not os.path.isfile(path):
+        if not os.path.isfile(path):  # (not a FIFO either: its open would block)
             raise ConfigError(f"HPCTRAIN_CHECKPOINT_KEY_FILE={path!r} is not a readable file")
         try:
             with open(path, "rb") as f:
                 key = f.read(1 << 16).rstrip(b"\r\n")
         except OSError as exc:
             raise ConfigError(f"HPCTRAIN_CHECKPOINT_KEY_FILE={path!r} cannot be read ({exc.strerror})") from None
-    if (raw or path) and len(key) < MIN_KEY_BYTES:
-        where = "HPCTRAIN_CHECKPOINT_KEY_FILE's file" if path else "HPCTRAIN_CHECKPOINT_KEY"
+    where = "HPCTRAIN_CHECKPOINT_KEY_FILE's file" if path else "HPCTRAIN_CHECKPOINT_KEY"
+    if not key.strip():
+        raise ConfigError(f"{where} is empty or holds only blanks: a checkpoint key has at least {MIN_KEY_BYTES} "
+                          "bytes that are not all blanks (e.g. `openssl rand -hex 32`)")
+    if len(key) < MIN_KEY_BYTES:
         raise ConfigError(f"{where} holds a {len(key)}-byte key: a checkpoint key has at least {MIN_KEY_BYTES} "
                           "bytes (e.g. `openssl rand -hex 32`)")
-    return key or None
+    return key
+
+
+def key_id(key: bytes) -> str:
+    """A short name of ``key`` that does not reveal it: which key signed a checkpoint (its
+    manifest records it), and what the ranks of a job compare to agree on one key."""
+    import hashlib
+    import hmac
+
+    return hmac.new(key, b"hpctrain checkpoint key", hashlib.sha256).hexdigest()[:16]
+
+
+def checkpoint_key_id() -> str | None:
+    """:func:`key_id` of :func:`checkpoint_key` (``None``: no key set)."""
+    key = checkpoint_key()
+    return None if key is None else key_id(key)
 
 
 #: Every HPCTRAIN_* variable the library reads, with its parser (``check_environment`` runs them).

@@ -105,7 +105,7 @@ def test_open_append_refuses_a_symlink(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("x")
     (tmp_path / "metrics.jsonl").symlink_to(victim)
-    with pytest.raises(OSError):
+    with pytest.raises(ConfigError, match="metrics.jsonl cannot be opened .it is a symbolic link"):
         rundir.open_append(str(tmp_path / "metrics.jsonl"))
     assert victim.read_text() == "x"
 

@@ -85,9 +85,16 @@ SlurmdTimeout=30
 InactiveLimit=0
 MinJobAge=300
 KillWait=5
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+GresTypes=gpu
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} Gres=gpu:{GPUS} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
+
+
+#: GPUs the test node declares (gres.conf over empty files standing in for devices): a job can ask for them, as
+#: hybrid.sbatch does, and gets Slurm's GPU variables but no GPU: what a GPU job sees when CuPy or
+#: the driver is missing on its nodes.
+GPUS = 4
 
 
 def _first_job_id() -> int:
@@ -110,6 +117,10 @@ class Cluster:
     def start(self) -> None:
         (self.tmp / "slurmd").mkdir()
         (self.tmp / "slurm.conf").write_text(_slurm_conf(self.tmp, self.host, os.cpu_count() or 1))
+        for i in range(GPUS):  # (a gres without device files is counted 0: the node would be drained)
+            (self.tmp / f"gpu{i}").touch()
+        (self.tmp / "gres.conf").write_text(f"AutoDetect=off\nNodeName={self.host} Name=gpu "
+                                            f"File={self.tmp}/gpu[0-{GPUS - 1}]\n")
         self._start_munge()
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.tmp / "slurm.conf")])
         self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 60, "slurmctld to answer")
@@ -249,6 +260,8 @@ def test_train_sbatch_two_tasks(cluster, tmp_path):
     assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{cluster.logs()}"
     # `hpctrain info` under srun: one MPI world of 2 ranks (not two singletons).
     assert "world size       : 2" in out, out
+    assert "2 ranks, 1 thread(s) each, GPUs per node: none asked" in out, out  # OMP_NUM_THREADS = --cpus-per-task
+    assert "GPUs allocated but not used" not in out, out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 1}, summary
     assert summary["steps"] > 0 and summary["val_accuracy"] > 0.5, summary
@@ -261,14 +274,19 @@ def test_train_sbatch_two_tasks(cluster, tmp_path):
 
 
 def test_hybrid_sbatch_tp2(cluster, tmp_path):
-    """hybrid.sbatch with TP=2 on the 2 tasks: a (small) GPT trains tensor parallel under srun."""
+    """hybrid.sbatch with TP=2 on the 2 tasks: a (small) GPT trains tensor parallel under srun. It
+    asks for a GPU per rank; the test node's are declared only, so the job says loudly that it
+    trains on the CPU with GPUs allocated (issue 45, item 11)."""
     run_dir = tmp_path / "run"
     cluster.env.update(HPCTRAIN_RUN_DIR=str(run_dir), TP="2", PP="1")
     small = ("--n-layers", "1", "--d-model", "32", "--n-heads", "4", "--block-size", "16", "--batch-size", "16",
              "--max-samples", "128", "--epochs", "1")
-    state, out = _sbatch_and_wait(cluster, tmp_path, REPO / "slurm" / "hybrid.sbatch", *small)
+    state, out = _sbatch_and_wait(cluster, tmp_path, REPO / "slurm" / "hybrid.sbatch", *small,
+                                  options=("--gpus-per-node=2",))
     assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{cluster.logs()}"
-    assert "2 ranks = tp 2 x pp 1 x dp 1" in out, out
+    assert "2 ranks = tp 2 x pp 1 x dp 1, 1 thread(s) each, GPUs per node: 2" in out, out
+    assert re.search(r"WARNING: GPUs allocated but not used: the Slurm allocation gives this job GPUs "
+                     r"\(SLURM_\w+=\S+ on rank 0\), but rank\(s\) 0-1 see none .*TRAINING ON THE CPU", out), out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["model"], summary["layout"]) == ("gpt", {"dp": 1, "tp": 2, "pp": 1}), summary
     assert Path(summary["checkpoint"]).exists()

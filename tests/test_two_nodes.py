@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from netns_cluster import ADDRESSES, ENV, kill_all, pids, two_nodes, why_not
-from test_slurm import DAEMONS, Cluster, _job_state, _sbatch_and_wait, _slurm_conf, _which, preempt_and_requeue
+from test_slurm import DAEMONS, GPUS, Cluster, _job_state, _sbatch_and_wait, _slurm_conf, _which, preempt_and_requeue
 
 from jobs import REPO, clean_env, mpiexec
 
@@ -159,8 +159,12 @@ class TwoNodeSlurm(Cluster):
 
     def start(self) -> None:
         conf = _slurm_conf(self.tmp, "unused", 2)
-        nodes = "\n".join(f"NodeName={h} NodeAddr={a} CPUs=2 State=UNKNOWN"
-                          for h, a in zip(self.net.hostnames, ADDRESSES))
+        nodes = "\n".join(f"NodeName={h} NodeAddr={a} CPUs=2 Gres=gpu:{GPUS} State=UNKNOWN"
+                           for h, a in zip(self.net.hostnames, ADDRESSES))
+        for i in range(GPUS):  # declared GPUs over stand-in files, as test_slurm's node (hybrid.sbatch asks)
+            (self.tmp / f"gpu{i}").touch()
+        (self.tmp / "gres.conf").write_text("AutoDetect=off\n" + "".join(
+            f"NodeName={h} Name=gpu File={self.tmp}/gpu[0-{GPUS - 1}]\n" for h in self.net.hostnames))
         conf = re.sub(r"(?m)^SlurmctldHost=.*$", f"SlurmctldHost={self.net.hostnames[0]}({ADDRESSES[0]})", conf)
         conf = re.sub(r"(?m)^NodeName=.*$", nodes, conf)
         for key in ("SlurmdSpoolDir", "SlurmdPidFile", "SlurmdLogFile"):  # one of each per node: %n
@@ -232,7 +236,7 @@ def test_hybrid_sbatch_on_two_slurm_nodes_keeps_tp_inside_a_node(slurm2, tmp_pat
     small = ("--n-layers", "1", "--d-model", "32", "--n-heads", "4", "--block-size", "16", "--batch-size", "16",
              "--max-samples", "128", "--epochs", "1")
     state, out = _sbatch_and_wait(slurm2, tmp_path, REPO / "slurm" / "hybrid.sbatch", *small,
-                                  options=("--nodes=2", "--ntasks-per-node=2"))
+                                  options=("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2"))
     assert state == "COMPLETED", f"job ended {state}\n--- job output\n{out}\n{slurm2.logs()}"
     a, b = slurm2.net.hostnames
     assert f"nodes            : 2  (ranks per node: {a}=2, {b}=2)" in out, out

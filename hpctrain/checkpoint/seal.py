@@ -70,8 +70,9 @@ def new_mac(key: bytes) -> Any:
 
 
 def key_id(key: bytes) -> str:
-    """A short name of ``key`` that does not reveal it: which key signed a file."""
-    return hmac.new(key, b"hpctrain checkpoint key", hashlib.sha256).hexdigest()[:16]
+    """A short name of ``key`` that does not reveal it: which key signed a file
+    (``settings.key_id``, which the ranks also compare at start)."""
+    return settings.key_id(key)
 
 
 def _manifest_mac(key: bytes, manifest: dict[str, Any]) -> str:

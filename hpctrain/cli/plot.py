@@ -22,8 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """The per-step records of a metrics JSON-lines file (lines without a step are skipped)."""
+    from ..files.rundir import open_regular
+
     rows = []
-    with open(path) as f:
+    fd = open_regular(path)  # a FIFO or a device is refused (ConfigError, a ValueError), never opened to block
+    if fd is None:
+        raise FileNotFoundError(f"no metrics file at {path}")
+    with os.fdopen(fd) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

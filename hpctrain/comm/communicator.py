@@ -30,7 +30,7 @@ from .fingerprint import tracer_from_env
 from .owned import _OWNED, _free_dead, _owned
 from .request import Request
 from .staging import _copy_from_host, _copy_to_host, _HostStage
-from .validate import Agreeing, raise_if_any
+from .validate import Agreeing, agree_environment
 from .wire import _BF16, _FAST_OPS, _OPS16, _as_array, _bf16_op, _bits, _check_dtype, _check_out, _op, _send_ready
 
 _NO_ARG = object()  # _enter's "no argument" (None is a value a fingerprint may show)
@@ -74,7 +74,7 @@ class Communicator(Agreeing):
             # The first world Communicator (collective) checks every HPCTRAIN_* setting (a bad one
             # refused on every rank alike), starts the stall watchdog and makes an exception
             # raised on some ranks only end the whole job.
-            raise_if_any(self, _environment_problem(), what="hpctrain environment")
+            agree_environment(self, _environment_problem())  # (and on one checkpoint key)
             _watch.start(self)
             _failure.setup()
             _world_ready = True

@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any
 
-from ..errors import MismatchError
+from ..errors import ConfigError, MismatchError
 from ..protocols import Comm
 from .failure import mark_everywhere, rank_ranges
 
@@ -113,6 +113,38 @@ def raise_if_any(comm: Comm, problem: BaseException | str | None, *, what: str =
     except Exception:
         exc = RuntimeError(message)
     raise mark_everywhere(exc, comm)
+
+
+def key_mismatch(ids: list[str | None]) -> ConfigError | None:
+    """The problem when the ranks' checkpoint key ids (``settings.checkpoint_key_id``, by rank)
+    differ, naming which ranks have which key (by its id) or none; ``None`` when they agree. The
+    same verdict on every rank from the same list: each raises it, no rank waits at a first save
+    that one rank's missing key would refuse."""
+    if len(set(ids)) <= 1:
+        return None
+    ranks: dict[str | None, list[int]] = {}
+    for r, k in enumerate(ids):
+        ranks.setdefault(k, []).append(r)
+    said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rank_ranges(rs)}: {'key id ' + k if k else 'no key'}"
+                     for k, rs in ranks.items())
+    return ConfigError(f"the checkpoint key (HPCTRAIN_CHECKPOINT_KEY[_FILE]) is not the same on every rank ({said}): "
+                       "set the same key on every rank (exported before mpiexec/srun, or passed by the launcher: "
+                       "mpiexec -genv, -x; srun --export), or none")
+
+
+def agree_environment(comm: Comm, problem: BaseException | None) -> None:
+    """The world's first check (collective): ``problem`` (this rank's bad ``HPCTRAIN_*`` setting,
+    or ``None``) raised on every rank if any rank has one; and the checkpoint key's id riding on
+    the same exchange (a digest, never the key): a key set on some ranks only, or different keys,
+    refused now on every rank (:func:`key_mismatch`: one verdict from one list), not at the first
+    save."""
+    from .. import settings
+
+    ids = raise_if_any(comm, problem, what="hpctrain environment",
+                       payload=settings.checkpoint_key_id() if problem is None else None)
+    mismatch = key_mismatch(ids)
+    if mismatch is not None:
+        raise mark_everywhere(ConfigError(f"hpctrain environment: {mismatch}"), comm)
 
 
 class Agreeing:

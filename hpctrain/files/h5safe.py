@@ -31,10 +31,14 @@ def regular_mode(mode: int, where: str, error: type[Exception] = DatasetError) -
     """:func:`regular_file` for a mode already known (``fstat`` of a descriptor opened with
     ``O_NONBLOCK``, which checks the very file that will be read)."""
     if not stat.S_ISREG(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "not a file")
-        raise error(f"{where} is {kind}, not a regular file: refused")
+        raise error(f"{where} is {file_kind(mode)}, not a regular file: refused")
+
+
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` is, in words (``a FIFO``, ``a device``, ...), for messages."""
+    return ("a regular file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a directory" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a file")
 
 
 def open_file(path: str | os.PathLike, where: str, error: type[Exception] = DatasetError) -> Any:

@@ -11,25 +11,40 @@
   truncates a file someone else has open; readers see the old or the new file, never half.
 * :func:`clean_stale_temporaries` removes what dead jobs left half-written (``*.tmp.*``) in a
   directory the caller holds the lock of.
+* The directory's own files are read as checkpoints are (:func:`open_regular`, :func:`read_record`,
+  :func:`check_files`): a regular file only, opened without blocking and checked with ``fstat``, of
+  a bounded size, or a ``ConfigError`` naming the file and what is wrong. A FIFO planted at
+  ``job.json`` or ``metrics.jsonl`` would otherwise hang the job in ``open``, and ``/dev/zero``
+  would be read forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shlex
 import socket
+import stat
 import time
 from typing import Any
 
 from ..errors import ConfigError
 from ..log import get_logger
+from .h5safe import file_kind
 
 log = get_logger("rundir")
 
 LOCK_NAME = ".hpctrain.lock"
 TMP_MARK = ".tmp."
+#: The largest run-directory file read whole (``job.json``, ``config.json``, ``summary.json``):
+#: hpctrain's own are a few KiB, so a larger one is not one it wrote, refused before it is read.
+MAX_RECORD = 16 << 20
+#: The largest lock file read (its record is one line).
+MAX_LOCK = 64 << 10
+#: The longest ``metrics.jsonl`` line read (a step's record is a few hundred bytes).
+MAX_LINE = 1 << 20
 
 
 class RunDirBusy(ConfigError):
@@ -134,11 +149,9 @@ class RunLock:
         return o if o is not None and _stale_reason(o) is None else None
 
     def _read(self) -> dict[str, Any] | None:
-        try:
-            with open(self.path) as f:
-                o = json.load(f)
-            return o if isinstance(o, dict) else None
-        except (OSError, ValueError):
+        try:  # (never a plain open: a FIFO planted here would block it)
+            return read_record(self.path, MAX_LOCK)
+        except ConfigError:  # not a lock hpctrain wrote: the callers say "unreadable lock"
             return None
 
     def release(self) -> None:
@@ -161,9 +174,8 @@ class RunLock:
         lock file that went with it (ours) and lock the directory now at the original name."""
         moved = os.path.join(old_dir, LOCK_NAME)
         try:
-            with open(moved) as f:
-                ours = json.load(f) == self.record
-        except (OSError, ValueError):
+            ours = read_record(moved, MAX_LOCK) == self.record
+        except ConfigError:  # not a lock this process wrote
             ours = False
         if ours:
             os.remove(moved)
@@ -228,9 +240,101 @@ def write_exclusive(path: str, text: str) -> None:
 
 
 def open_append(path: str) -> Any:
-    """``open(path, "a")`` that refuses to follow a symlink at ``path`` (``O_NOFOLLOW``)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    """``open(path, "a")`` that refuses to follow a symlink at ``path`` (``O_NOFOLLOW``) and
+    anything but a regular file there (:func:`open_regular`: a FIFO would block the open)."""
+    fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW)
+    assert fd is not None  # (O_CREAT: a missing file is created)
     return os.fdopen(fd, "a")
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, limit: int | None = None) -> int | None:
+    """A descriptor of the regular file at ``path`` opened with ``flags``; ``None`` when nothing
+    is there (and ``flags`` has no ``O_CREAT``).
+
+    ``stat`` first (it opens nothing: a device is never opened), then the open with ``O_NONBLOCK``
+    (a FIFO's open would otherwise wait for a writer, or a reader) and ``fstat`` of the very file
+    opened. Anything else (a FIFO, a device such as a link to ``/dev/zero``, a directory, a
+    symlink under ``O_NOFOLLOW``), or a file over ``limit`` bytes, is a ``ConfigError`` naming
+    the file and what it is. (``O_NONBLOCK`` changes nothing for a regular file.)
+    """
+    try:
+        _check_mode(path, os.stat(path), limit)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            return None
+    except OSError as exc:  # a symlink loop, no permission
+        raise ConfigError(f"{path} cannot be read ({exc.strerror}): refused") from None
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        why = "it is a symbolic link, never followed here" if exc.errno == errno.ELOOP else exc.strerror
+        raise ConfigError(f"{path} cannot be opened ({why}): refused") from None
+    try:
+        _check_mode(path, os.fstat(fd), limit)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_mode(path: str, st: os.stat_result, limit: int | None) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path} is {file_kind(st.st_mode)}, not a regular file: refused")
+    if limit is not None and st.st_size > limit:  # (the descriptor's own size: the file that is read)
+        raise _too_large(path, st.st_size, limit)
+
+
+def _too_large(what: str, size: int, limit: int) -> ConfigError:
+    return ConfigError(f"{what} has {size:,} bytes, more than the {limit:,} of any such file hpctrain writes: refused")
+
+
+def check_size(path: str, limit: int, what: str) -> None:
+    """Refuse (``ConfigError``) the file at ``path`` when it has more than ``limit`` bytes: a
+    record read whole is never read into memory at any size."""
+    size = os.stat(path).st_size
+    if size > limit:
+        raise _too_large(what, size, limit)
+
+
+def read_record(path: str, limit: int = MAX_RECORD) -> dict[str, Any] | None:
+    """The JSON object in the run-directory file ``path`` (``None``: no file there); a
+    ``ConfigError`` naming the file when it is not a regular file of at most ``limit`` bytes
+    (:func:`open_regular`) or does not hold a JSON object."""
+    fd = open_regular(path, limit=limit)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    try:
+        record = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise ConfigError(f"{path} is not a record hpctrain wrote: not JSON ({type(exc).__name__}: "
+                          f"{str(exc)[:200]})") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{path} is not a record hpctrain wrote: it holds a JSON {type(record).__name__}, not "
+                          "an object")
+    return record
+
+
+def check_files(run_dir: str, limits: dict[str, int | None]) -> None:
+    """Refuse the files of ``run_dir`` named in ``limits`` that are there but are not regular
+    files, or are larger than their limit (``None``: any size), in one ``ConfigError`` naming each:
+    before a job reads or appends to any of them (nothing is changed)."""
+    problems = []
+    for name, limit in limits.items():
+        try:
+            fd = open_regular(os.path.join(run_dir, name), limit=limit)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        if fd is not None:
+            os.close(fd)
+    if problems:
+        them = ("these files", "them") if len(problems) > 1 else ("this file", "it")
+        raise ConfigError("; ".join(problems) + f" (hpctrain writes {them[0]} itself: move {them[1]} away, or choose "
+                          "another --run-dir)")
 
 
 def clean_stale_temporaries(*directories: str) -> list[str]:
@@ -263,14 +367,11 @@ def check_resume_compatible(config_file: str, wanted: dict[str, Any], keys: tupl
     """Refuse (``ConfigError``) to resume the run whose ``config.json`` is ``config_file`` with
     settings that differ in any of ``keys`` (the model, the data, ...); a missing file passes."""
     try:
-        with open(config_file) as f:
-            before = json.load(f)
-    except FileNotFoundError:
+        before = read_record(config_file)
+    except ConfigError as exc:
+        raise ConfigError(f"--resume: cannot read the run's configuration: {exc}") from None
+    if before is None:
         return
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--resume: cannot read the run's {config_file} ({exc})") from None
-    if not isinstance(before, dict):
-        raise ConfigError(f"--resume: {config_file} does not hold a configuration")
     diff = [f"{k}={before.get(k)!r}, not {wanted.get(k)!r}" for k in keys if k in before and before[k] != wanted.get(k)]
     if diff:
         run_dir = os.path.dirname(config_file) or "."
@@ -304,13 +405,12 @@ def trim_metrics(path: str, step: int) -> int:
     Truncates the same file rather than replacing it, so a handle already open for appending
     keeps writing to it. A torn last line (the job died mid-write) goes too.
     """
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
+    fd = open_regular(path, os.O_RDWR | os.O_NOFOLLOW)
+    if fd is None:
         return 0
     with os.fdopen(fd, "rb+") as f:
         keep_bytes, dropped = 0, 0
-        for line in f:
+        for line in iter(lambda: f.readline(MAX_LINE + 1), b""):  # a line that long is not ours: dropped
             try:
                 ok = line.endswith(b"\n") and int(json.loads(line)["step"]) <= step
             except (ValueError, KeyError, TypeError):

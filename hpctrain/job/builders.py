@@ -51,7 +51,7 @@ def build_model(c: Config, meta: dict[str, Any]) -> Any:
 
     A user's ``--model module:factory`` is called with the Config, its ``info`` filled with
     ``meta`` (the data's facts), and must return a Module (``forward``, ``backward``,
-    ``parameters``, ``named_parameters``, ...; see docs/tutorials/your-model.md).
+    ``parameters``, ``named_parameters``, ...; see docs/own-model.md).
     """
     if c.model not in models.BUILTIN:
         from ..errors import ConfigError

@@ -83,6 +83,9 @@ def read_config(path: str) -> dict[str, Any]:
     try:
         regular_file(path, f"config file {path} cannot be read: it", ConfigError)  # a FIFO's open blocks
         if is_json:
+            from ..files.rundir import MAX_RECORD, check_size
+
+            check_size(path, MAX_RECORD, f"config file {path}")  # (a run's config.json is a few KiB)
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
             if not isinstance(raw, dict):

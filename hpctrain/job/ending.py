@@ -37,6 +37,7 @@ from ..log import get_logger
 
 RECORD = "job.json"
 SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"
 _log = get_logger("train")
 
 
@@ -54,13 +55,18 @@ def exit_status(exc: BaseException) -> int:
 
 
 def read(run_dir: str) -> dict[str, Any] | None:
-    """The record of the last job in ``run_dir`` (``None``: none, or unreadable)."""
+    """The record of the last job in ``run_dir`` (``None``: none there); a ``ConfigError`` naming
+    the file when it is not one hpctrain wrote (not a regular file, too large, not a JSON object:
+    ``rundir.read_record``), so that it is never mistaken for a directory without a record."""
+    return rundir.read_record(os.path.join(run_dir, RECORD))
+
+
+def _read_or_none(run_dir: str) -> dict[str, Any] | None:
+    """:func:`read`, with a record that is not hpctrain's taken as none (said by the caller's warning)."""
     try:
-        with open(os.path.join(run_dir, RECORD)) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
+        return read(run_dir)
+    except ConfigError:
         return None
-    return record if isinstance(record, dict) else None
 
 
 def _write(run_dir: str, record: dict[str, Any]) -> None:
@@ -75,10 +81,13 @@ def _write(run_dir: str, record: dict[str, Any]) -> None:
 def start(run_dir: str, world_size: int) -> None:
     """Rank 0, holding the run directory: say how the last job there ended, move its summary
     aside, and record this one as running."""
-    last = read(run_dir)
-    if last is not None:
-        line = describe(last, last_step(run_dir))
-        (_log.warning if last.get("state") == "running" else _log.info)("the last job in %s, %s", run_dir, line)
+    try:  # (the job's claim refused what is not a regular file: here only a damaged record is left)
+        last = read(run_dir)
+        if last is not None:
+            line = describe(last, last_step(run_dir))
+            (_log.warning if last.get("state") == "running" else _log.info)("the last job in %s, %s", run_dir, line)
+    except ConfigError as exc:
+        _log.warning("how the last job in %s ended is unknown: %s; this job's record replaces it", run_dir, exc)
     summary = os.path.join(run_dir, SUMMARY)
     if os.path.lexists(summary):
         os.replace(summary, os.path.join(run_dir, "summary.previous.json"))
@@ -114,15 +123,19 @@ def recorded(run_dir: str, leader: Callable[[], bool]) -> Iterator[None]:
     finally:
         key = os.path.abspath(run_dir)
         if key in _started and speaks and leader():
-            _write(run_dir, {**(read(run_dir) or {}), "state": state, "exit_status": int(status), "message": message,
-                             "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            _write(run_dir, {**(_read_or_none(run_dir) or {}), "state": state, "exit_status": int(status),
+                             "message": message, "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         _started.discard(key)
 
 
 def last_step(run_dir: str) -> int | None:
-    """The step of the last whole line of ``metrics.jsonl`` (``None``: none)."""
+    """The step of the last whole line of ``metrics.jsonl`` (``None``: none); a ``ConfigError``
+    naming the file when it is not a regular file (``rundir.open_regular``: never blocks)."""
+    fd = rundir.open_regular(os.path.join(run_dir, METRICS))
+    if fd is None:
+        return None
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
+        with os.fdopen(fd, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 4096))
             lines = f.read().splitlines()

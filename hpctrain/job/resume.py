@@ -46,8 +46,14 @@ def claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunL
     """Rank 0, holding the locks: clean up after dead jobs and decide what may happen to the files
     already in the run directory, before anything is written there."""
     from .. import checkpoint
+    from . import ending
 
     rundir.clean_stale_temporaries(c.run_dir, c.checkpoint_dir)
+    # The directory's own files, before anything reads, appends to or moves them: a FIFO or a
+    # device there would hang rank 0 in an open (or read forever) while the others wait.
+    rundir.check_files(c.run_dir, {ending.RECORD: rundir.MAX_RECORD, "config.json": rundir.MAX_RECORD,
+                                   ending.SUMMARY: rundir.MAX_RECORD, os.path.basename(metrics): None,
+                                   "trace.json": None})
     if c.restart:
         moved = rundir.set_aside(c.checkpoint_dir, metrics, os.path.join(c.run_dir, "trace.json"))
         for old, new in moved:

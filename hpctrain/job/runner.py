@@ -95,10 +95,13 @@ def pick_device(c: Config, comm: Comm) -> str:
 
     has_gpu = backend.gpu_available()
     if c.device == "auto":
-        if not all(comm.allgather_obj(has_gpu)):
+        seen = comm.allgather_obj((has_gpu, backend.gpus_allocated(), None if has_gpu else backend.gpu_missing()))
+        if not all(gpu for gpu, _, _ in seen):
             problem = nccl_problem(c, gpus_everywhere=False)
             if problem is not None:
                 raise ConfigError(problem)
+            if comm.rank == 0 and unused_gpus(seen):
+                _log.warning("%s", unused_gpus(seen))
             return "cpu"
     elif c.device == "cpu":
         return "cpu"
@@ -112,6 +115,22 @@ def pick_device(c: Config, comm: Comm) -> str:
     everywhere(comm, check)  # every rank raises, naming the ranks without a GPU
     backend.select_device(comm.local_rank)
     return "cuda"
+
+
+def unused_gpus(seen: Sequence[tuple[bool, str | None, str | None]]) -> str | None:
+    """The warning for a job whose Slurm allocation has GPUs that its ranks cannot use (``seen``:
+    by rank, whether it has a GPU, the Slurm variable that gave it some, why it has none); ``None``
+    when no rank without a GPU was given one."""
+    from ..comm.failure import rank_ranges
+
+    blind = [r for r, (gpu, given, _) in enumerate(seen) if given and not gpu]
+    if not blind:
+        return None
+    given, why = seen[blind[0]][1], seen[blind[0]][2]
+    return (f"WARNING: GPUs allocated but not used: the Slurm allocation gives this job GPUs ({given} on rank "
+            f"{blind[0]}), but rank(s) {rank_ranges(blind)} see none ({why}): TRAINING ON THE CPU, many times "
+            "slower. Check the node "
+            "with `make gpu-check` (or `hpctrain info`); --device cuda refuses instead of falling back")
 
 
 def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Sequence[Any] = ()) -> dict[str, Any]:

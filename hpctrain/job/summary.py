@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,8 +32,13 @@ def final_loss(path: str) -> tuple[float | None, int]:
     """Mean training loss of the last ``FINAL_LOSS_STEPS`` steps in ``metrics.jsonl`` (skipped
     steps left out), and how many it averaged: over the whole run (this job and the ones it
     resumed), so a resumed job that made only a few steps itself still reports a full window."""
+    from ..files.rundir import open_regular
+
     recent: list[float] = []
-    with open(path) as f:
+    fd = open_regular(path)  # (checked when the job claimed its directory: never a FIFO's blocking open)
+    if fd is None:
+        return None, 0
+    with os.fdopen(fd) as f:
         for line in f:
             rec = json.loads(line)
             if not rec.get("skipped"):

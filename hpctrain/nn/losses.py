@@ -24,9 +24,10 @@ from .buffers import Buffers
 from .layer_nodes import call_loss
 
 
-def _per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, Any]:
+def per_sample_weight(weight: Any, per_sample: Any) -> tuple[Any, Any]:
     """Broadcastable weights and their total (the denominator of the mean: a float, or a 0-d
-    device array for device weights)."""
+    device array for device weights): the losses' one sample-weight rule, which the
+    vocabulary-parallel loss (``parallel.tensor_layers``) applies too."""
     xp = xp_of(per_sample)
     b = per_sample.shape[0]
     if weight is None:
@@ -184,7 +185,7 @@ class MSELoss(Loss):
         target = _as_rows_of(target, pred)
         diff = pred - target.astype(pred.dtype, copy=False)
         sq = diff * diff
-        w, denom = _per_sample_weight(weight, sq)
+        w, denom = per_sample_weight(weight, sq)
         if w is not None:
             sq = sq * w
         self.cache = (diff, w, denom)
@@ -236,7 +237,7 @@ class CrossEntropyLoss(Loss):
         sumexp = xp.sum(probs, axis=-1, keepdims=True, out=buf.get("sumexp", row, logits.dtype, xp))
         logp_t = xp.take_along_axis(shifted, target[..., None], axis=-1)[..., 0] - xp.log(sumexp[..., 0])
         nll = -logp_t
-        w, denom = _per_sample_weight(weight, nll)
+        w, denom = per_sample_weight(weight, nll)
         if w is not None:
             nll = nll * w
         probs /= sumexp
@@ -256,7 +257,7 @@ class CrossEntropyLoss(Loss):
         if weight is None:
             wrow, denom = None, float(n)
         else:
-            w, denom = _per_sample_weight(weight, xp.empty(logits.shape[:-1], dtype=np.float32))
+            w, denom = per_sample_weight(weight, xp.empty(logits.shape[:-1], dtype=np.float32))
             wrow = xp.ascontiguousarray(xp.broadcast_to(w, logits.shape[:-1]).reshape(-1), np.float32)
         lse, nll = k.cross_entropy_forward(logits.reshape(-1, v), t, wrow, buf.get("lse", (n,), np.float32, xp),
                                            buf.get("nll", (n,), np.float32, xp))

@@ -27,7 +27,7 @@ from ..autograd.function import Context
 from ..backend import matmul, to_device, widen, xp_of
 from ..errors import Say, as_argument
 from ..nn.layers import Linear, add_bias_grad, check_indices, scatter_add
-from ..nn.losses import CrossEntropyLoss, _per_sample_weight, all_weights_zero, batch_mean, check_targets, nonzero
+from ..nn.losses import CrossEntropyLoss, all_weights_zero, batch_mean, check_targets, nonzero, per_sample_weight
 from ..nn.module import Module, Parameter
 from ..nn.transformer import SelfAttentionBase
 from ..protocols import Comm
@@ -409,7 +409,7 @@ class VocabParallelCrossEntropy:
         picked = xp.take_along_axis(shifted, safe[..., None], axis=-1)[..., 0] * mine
         target_logit = reduce_from_tp(picked, self.comm)
         nll = xp.log(sumexp) - target_logit
-        w, denom = _per_sample_weight(weight, nll)
+        w, denom = per_sample_weight(weight, nll)
         if w is not None:
             nll = nll * w
         self.cache = (exp / sumexp[..., None], safe, mine, w, denom)

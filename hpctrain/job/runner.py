@@ -27,7 +27,7 @@ from . import ending
 from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .callbacks import LearningRate, Validation
-from .config import _BY_NAME, Config, read_settings, resolve
+from .config import _BY_NAME, Config, layout_text, read_settings, resolve
 from .inputs import data_path, open_data
 from .resume import AfterResume, claim, describe_changes, resume_command
 from .sections import nccl_problem
@@ -361,7 +361,8 @@ def _evaluate_final(c: Config, comm: Comm, setup: _Setup) -> dict[str, Any]:
 def _layout_text(c: Config) -> str:
     if c.strategy == "ps":
         return f"parameter server ({c.ps_mode}) with {c.dp} workers"
-    return f"{c.strategy} with dp={c.dp} tp={c.tp} pp={c.pp}"
+    note = f" ({c.layout_note})" if c.layout_note else ""
+    return f"{c.strategy} with {layout_text(c.dp, c.tp, c.pp, c.zero)}{note}"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -393,7 +394,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         comm = Communicator()
         # Read on every rank, verdict shared: a file missing on one node fails the whole job.
-        cfg, changed = everywhere(comm, lambda: read_settings(args.config, flags))
+        cfg, changed = everywhere(comm, lambda: read_settings(args.config, flags, comm.size))
         if changed is not None and comm.rank == 0:
             _log.info("resuming the run in %s as its config.json says%s", cfg.run_dir, describe_changes(changed))
         run(cfg, comm)

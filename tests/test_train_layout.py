@@ -1,0 +1,95 @@
+"""What ``hpctrain train`` says and does at its edges, as users run it (real ``mpiexec`` jobs):
+a resume under another layout (the layout is the job's; issue 47 item 2), and what the command
+says about itself (issue 47 item 8, issue 45 items 4 and 8).
+
+Every test starts its own jobs: they run once, in the serial pass (the ``jobs`` marker).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpctrain.errors import ExitStatus
+from jobs import hpctrain
+
+pytestmark = pytest.mark.jobs
+
+# A tiny MLP job: 6 steps an epoch, 12 in all; the global batch 48 splits over 1, 2 and 4 ranks.
+TINY = ("--max-samples", "288", "--batch-size", "48", "--epochs", "2", "--d-model", "16", "--n-layers", "1",
+        "--log-every", "1")
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def _ok(p) -> str:
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout + p.stderr
+
+
+# -- a resume takes this job's layout (issue 47 item 2) ----------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_tp2_pp2_run_resumes_at_2_ranks_with_strategy_dp_and_at_1_rank_with_no_flags(serial, tmp_path):
+    """A run made with ``--tp 2 --pp 2`` on 4 ranks, stopped at step 3, continues with ``-n 2
+    --strategy dp`` and with 1 process and no layout flag: its layout does not fit, the job's own is
+    taken, the header says so, and the losses go on as the uninterrupted 4-rank run's."""
+    layout = ("--tp", "2", "--pp", "2")
+    steps = 2 * 288 // 48
+    ref, first = tmp_path / "ref", tmp_path / "a"
+    _ok(hpctrain("train", *TINY, *layout, "--run-dir", str(ref), n=4))
+    _ok(hpctrain("train", *TINY, *layout, "--max-steps", "3", "--run-dir", str(first), n=4))
+    second = tmp_path / "b"
+    shutil.copytree(first, second)
+    more = ("--max-steps", str(steps))  # the first job's --max-steps 3 is the run's until changed
+
+    out = _ok(hpctrain("train", "--run-dir", str(first), "--resume", "--strategy", "dp", *more, n=2))
+    assert ("dp with dp=2 tp=1 pp=1 (the run's dp=1 tp=2 pp=2 does not go with this job's --strategy dp; "
+            "resharded from the checkpoint)") in out, out
+    out = _ok(hpctrain("train", "--run-dir", str(second), "--resume", *more))
+    assert "dp with dp=1 tp=1 pp=1 (the run's dp=1 tp=2 pp=2 does not fit 1 rank; resharded from the checkpoint)" \
+        in out, out
+
+    want = _losses(ref)
+    assert sorted(want) == list(range(1, steps + 1))
+    for run in (first, second):
+        got = _losses(run)
+        assert sorted(got) == sorted(want), run  # every step once: none lost, none made twice
+        # float32 under other splits of the same sums: equal to rounding, not bitwise
+        np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-5, err_msg=str(run))
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_keeps_the_runs_layout_where_it_fits_and_refuses_a_bad_one_of_its_own(serial, tmp_path):
+    """At the run's world size with no flag the run's layout stays (no note); this job's own
+    impossible layout is refused as for a fresh run."""
+    run = tmp_path / "r"
+    _ok(hpctrain("train", *TINY, "--tp", "2", "--max-steps", "3", "--run-dir", str(run), n=2))
+    out = _ok(hpctrain("train", "--run-dir", str(run), "--resume", "--max-steps", "4", n=2))
+    assert "hybrid with dp=1 tp=2 pp=1 on" in out, out
+    p = hpctrain("train", "--run-dir", str(run), "--resume", "--max-steps", "5", "--tp", "3", n=2)
+    assert p.returncode == ExitStatus.CONFIG and "2 ranks do not factor into tp=3" in p.stderr, p.stdout + p.stderr
+
+
+# -- what the command says (issue 47 item 8) ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_resume_without_the_runs_config_json_says_it_is_missing_before_building_anything(serial, tmp_path):
+    run = tmp_path / "r"
+    _ok(hpctrain("train", *TINY, "--d-model", "24", "--max-steps", "2", "--run-dir", str(run)))
+    kept = tmp_path / "kept.json"
+    (run / "config.json").rename(kept)
+    p = hpctrain("train", "--run-dir", str(run), "--resume")
+    assert p.returncode == ExitStatus.CONFIG, p.stdout + p.stderr
+    assert f"--resume: {run / 'config.json'} is missing" in p.stderr and "--config FILE" in p.stderr, p.stderr
+    assert "hpctrain train: mlp" not in p.stdout, p.stdout  # refused before the (default) model was built
+    out = _ok(hpctrain("train", "--config", str(kept), "--run-dir", str(run), "--resume", "--max-steps", "3"))
+    assert "resumed from" in out and sorted(_losses(run)) == [1, 2, 3], out

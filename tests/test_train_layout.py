@@ -93,3 +93,43 @@ def test_resume_without_the_runs_config_json_says_it_is_missing_before_building_
     assert "hpctrain train: mlp" not in p.stdout, p.stdout  # refused before the (default) model was built
     out = _ok(hpctrain("train", "--config", str(kept), "--run-dir", str(run), "--resume", "--max-steps", "3"))
     assert "resumed from" in out and sorted(_losses(run)) == [1, 2, 3], out
+
+
+# -- a model of one's own (issue 45 items 4 and 8) -----------------------------------------------------------
+
+MYOP = '''
+from hpctrain import nn
+
+
+def head(n_in, n_out, rng):
+    return [nn.Linear(n_in, 16, rng=rng), nn.GELU(), nn.Linear(16, n_out, rng=rng)]
+'''
+MYMODEL = '''
+import numpy as np
+from myop import head  # the file's neighbour, as `python mymodel.py` would import it
+
+from hpctrain import nn
+
+
+def build(config):
+    info = config.info
+    return nn.Sequential(*head(info["n_in"], info["n_classes"], np.random.default_rng(config.seed)))
+'''
+
+
+@pytest.mark.timeout(180)
+def test_a_model_file_imports_its_neighbour_and_tp_on_a_model_that_does_not_split_is_refused(serial, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "myop.py").write_text(MYOP)
+    (tmp_path / "mine" / "mymodel.py").write_text(MYMODEL)
+    elsewhere = tmp_path / "elsewhere"  # not the file's directory: only sys.path can find myop
+    elsewhere.mkdir()
+    spec = f"{tmp_path / 'mine' / 'mymodel.py'}:build"
+    out = _ok(hpctrain("train", *TINY, "--model", spec, "--max-steps", "2", "--run-dir", "r", n=2, cwd=elsewhere))
+    assert "done: 2 steps" in out, out
+    p = hpctrain("train", *TINY, "--model", spec, "--tp", "2", "--max-steps", "2", "--run-dir", "t", n=2,
+                 cwd=elsewhere)
+    assert p.returncode == ExitStatus.CONFIG, p.stdout + p.stderr
+    assert "--tp 2: --model" in p.stderr and "has no layer that splits over tensor-parallel ranks" in p.stderr \
+        and "nn.MLP" in p.stderr, p.stderr
+    assert "step 1" not in p.stdout, p.stdout  # refused before training, not trained replicated

@@ -133,3 +133,23 @@ def test_a_model_file_imports_its_neighbour_and_tp_on_a_model_that_does_not_spli
     assert "--tp 2: --model" in p.stderr and "has no layer that splits over tensor-parallel ranks" in p.stderr \
         and "nn.MLP" in p.stderr, p.stderr
     assert "step 1" not in p.stdout, p.stdout  # refused before training, not trained replicated
+
+
+@pytest.mark.timeout(180)
+def test_the_header_and_closing_line_say_zero_and_a_dry_run_says_what_the_run_would_do(serial, tmp_path):
+    run = str(tmp_path / "r")
+    job = (*TINY, "--zero", "1", "--max-steps", "2", "--run-dir", run)
+    out = _ok(hpctrain("train", *job, n=2))
+    assert "dp with dp=2 tp=1 pp=1, ZeRO-1 on cpu" in out and "done: 2 steps (2 in total)" in out \
+        and "dp dp=2 tp=1 pp=1, ZeRO-1\n" in out, out
+    # The run's directory holds checkpoints: the command without --dry-run is refused, so is the dry run.
+    p = hpctrain("train", *job, "--dry-run", n=2)
+    assert p.returncode == ExitStatus.CONFIG and "already holds checkpoints: pass --resume" in p.stderr, \
+        p.stdout + p.stderr
+    assert "start fresh" not in p.stdout, p.stdout
+    out = _ok(hpctrain("train", *job, "--dry-run", "--resume", n=2))
+    header = next(line for line in out.splitlines() if line.startswith("hpctrain train: mlp"))  # as the run's
+    assert "ZeRO-1 on cpu" in header and f"run dir {run}" in header, out
+    assert f"a full run would: resume from {run}/checkpoints/ckpt-00000002.h5 (it loads) at step 2" in out, out
+    out = _ok(hpctrain("train", *job, "--dry-run", "--restart", n=2))
+    assert f"a full run would: start over (1 checkpoint(s) in {run}/checkpoints moved aside" in out, out

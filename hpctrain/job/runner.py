@@ -29,7 +29,7 @@ from .builders import build_loss, build_model, build_trainer, data_rank
 from .callbacks import LearningRate, Validation
 from .config import _BY_NAME, Config, layout_text, read_settings, resolve
 from .inputs import data_path, open_data
-from .resume import AfterResume, claim, describe_changes, resume_command
+from .resume import AfterResume, check_claim, claim, describe_changes, resume_command
 from .sections import nccl_problem
 from .summary import finite_or_none, format_summary
 from .trace import Timeline
@@ -132,7 +132,13 @@ def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Seque
     if c.dry_run:  # one of everything, nothing written to the run directory
         from .dryrun import dry_run
 
-        return dry_run(c, comm, _build(c, comm, device), everywhere)
+        # What the run itself would refuse in its directory, refused here too (nothing touched).
+        ckpts = c.checkpoint_dir or (os.path.join(c.run_dir, "checkpoints") if c.run_dir else None)
+        everywhere(comm, lambda: check_claim(c.replace(checkpoint_dir=ckpts), c.to_dict()) if comm.rank == 0 else None)
+        setup = _build(c, comm, device)
+        if comm.rank == 0:
+            _announce(c, setup, device)
+        return dry_run(c, comm, setup, everywhere)
     if c.run_dir is None:  # a new directory nobody else can get, even starting in the same second
         c.run_dir = comm.bcast_obj(everywhere(comm, lambda: rundir.new_run_dir("runs") if comm.rank == 0 else None))
     # config.json keeps the setting as given, so a run started from it with another --run-dir
@@ -274,7 +280,7 @@ def _announce(c: Config, setup: _Setup, device: str) -> None:
     print(f"hpctrain train: {c.model} ({setup.n_params:,} parameters) on {on}: "
           f"{len(setup.train_set):,} training samples, {_layout_text(c)} on {device}, "
           f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
-          f"{len(setup.loader)} steps each; run dir {c.run_dir}", flush=True)
+          f"{len(setup.loader)} steps each; run dir {c.run_dir or 'runs/<date>-<time>'}", flush=True)
 
 
 def _hooks(c: Config, given: dict[str, Any], comm: Comm, setup: _Setup, callbacks: Sequence[Any], metrics: str,

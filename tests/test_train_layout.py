@@ -153,3 +153,15 @@ def test_the_header_and_closing_line_say_zero_and_a_dry_run_says_what_the_run_wo
     assert f"a full run would: resume from {run}/checkpoints/ckpt-00000002.h5 (it loads) at step 2" in out, out
     out = _ok(hpctrain("train", *job, "--dry-run", "--restart", n=2))
     assert f"a full run would: start over (1 checkpoint(s) in {run}/checkpoints moved aside" in out, out
+
+
+@pytest.mark.timeout(180)
+def test_logger_tensorboard_into_a_directory_it_cannot_write_is_refused_before_training(serial, tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "tensorboard").write_text("")  # a file where the event files' directory goes (root can write anywhere)
+    p = hpctrain("train", *TINY, "--logger", "tensorboard", "--run-dir", str(run), n=2)
+    assert p.returncode == ExitStatus.CONFIG, p.stdout + p.stderr
+    assert f"--logger tensorboard: cannot write TensorBoard event files into {run / 'tensorboard'}" in p.stderr, \
+        p.stderr
+    assert "Traceback" not in p.stderr and "step 1" not in p.stdout, p.stdout + p.stderr

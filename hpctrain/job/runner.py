@@ -295,9 +295,17 @@ def _hooks(c: Config, given: dict[str, Any], comm: Comm, setup: _Setup, callback
     if c.eval_every:
         hooks.insert(1 + len(callbacks), Validation(c, setup.meta, setup.val_set, comm, c.eval_every))
     if c.logger == "tensorboard":  # after the callbacks that add the lr and the validation loss
-        from ..training.tensorboard import TensorBoardLogger
+        from ..training.tensorboard import TensorBoardLogger, logdir_problem
 
-        hooks.append(TensorBoardLogger(os.path.join(c.run_dir, "tensorboard")))
+        logdir = os.path.join(c.run_dir, "tensorboard")
+        # Refused on every rank before training (exit 4), not on rank 0 alone at its first step.
+        def check() -> None:
+            problem = logdir_problem(logdir) if comm.rank == 0 else None  # (rank 0 writes them)
+            if problem is not None:
+                raise ConfigError(f"--logger tensorboard: {problem}")
+
+        everywhere(comm, check)
+        hooks.append(TensorBoardLogger(logdir))
     if c.on_rank_loss == "shrink" and comm.size > 1:
         from ..resilience import RankLoss
 

@@ -165,3 +165,54 @@ def test_logger_tensorboard_into_a_directory_it_cannot_write_is_refused_before_t
     assert f"--logger tensorboard: cannot write TensorBoard event files into {run / 'tensorboard'}" in p.stderr, \
         p.stderr
     assert "Traceback" not in p.stderr and "step 1" not in p.stdout, p.stdout + p.stderr
+
+
+# Ctrl-C at step AT (a stop with a checkpoint), then again: "teardown": without end, from the moment
+# the program's end has finalized MPI (Python's own exit then put SIGINT's default action back: the
+# process was killed by it, mpiexec said 2); "save": while the stop's checkpoint is being written.
+CTRL_C_AGAIN = """
+import os, signal, subprocess, sys
+from hpctrain import cli, preempt
+from hpctrain.checkpoint import saving
+from hpctrain.comm import failure
+from hpctrain.training.trainer import Trainer
+
+mode, at = sys.argv[1], int(sys.argv[2])
+step, write, end = Trainer.step, saving.write_part, failure.end_program
+
+def stopping(self, *args, **kwargs):
+    if self.global_step == at:
+        os.kill(os.getpid(), signal.SIGINT)
+    return step(self, *args, **kwargs)
+
+def ended(status):
+    status = end(status)
+    subprocess.Popen(["sh", "-c", f"while kill -INT {os.getpid()} 2>/dev/null; do sleep 0.005; done"])
+    return status
+
+def again(*args):
+    if preempt.requested():
+        os.kill(os.getpid(), signal.SIGINT)
+    return write(*args)
+
+Trainer.step = stopping
+if mode == "teardown":
+    failure.end_program = ended
+else:
+    saving.write_part = again
+cli.command(sys.argv[3:])
+"""
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(180)
+def test_ctrl_c_again_as_the_program_ends_or_while_the_stop_saves_never_exits_2_or_5(serial, tmp_path):
+    p = hpctrain("teardown", "3", "train", *TINY, "--run-dir", str(tmp_path / "a"), n=2, entry=("-c", CTRL_C_AGAIN))
+    said = p.stdout + p.stderr
+    assert p.returncode == ExitStatus.PREEMPTED, (p.returncode, said)  # ended before the second: its status
+    assert "preempted on SIGINT: stopped at step 4" in p.stdout, said
+    p = hpctrain("save", "3", "train", *TINY, "--run-dir", str(tmp_path / "b"), n=2, entry=("-c", CTRL_C_AGAIN))
+    said = p.stdout + p.stderr
+    assert p.returncode == ExitStatus.INTERRUPTED, (p.returncode, said)  # not 5, "cannot write checkpoint"
+    assert "interrupted (Ctrl-C again)" in p.stderr and "cannot write" not in said, said
+    assert not list((tmp_path / "b" / "checkpoints").glob("ckpt-00000004*")), said  # no half checkpoint

@@ -216,3 +216,21 @@ def test_ctrl_c_again_as_the_program_ends_or_while_the_stop_saves_never_exits_2_
     assert p.returncode == ExitStatus.INTERRUPTED, (p.returncode, said)  # not 5, "cannot write checkpoint"
     assert "interrupted (Ctrl-C again)" in p.stderr and "cannot write" not in said, said
     assert not list((tmp_path / "b" / "checkpoints").glob("ckpt-00000004*")), said  # no half checkpoint
+
+
+@pytest.mark.timeout(180)
+def test_no_checkpoint_loads_names_each_damaged_part_file_by_its_whole_path(serial, tmp_path):
+    run = tmp_path / "r"
+    _ok(hpctrain("train", *TINY, "--max-steps", "2", "--checkpoint-every", "1", "--run-dir", str(run), n=2))
+    parts = sorted((run / "checkpoints").glob("ckpt-*.h5.*.parts/w00000.h5"))
+    assert len(parts) == 2, parts
+    for part in parts:
+        with open(part, "r+b") as f:  # a flipped byte inside: its whole-file digest no longer matches
+            f.seek(100)
+            f.write(b"XXXXXXXX")
+    p = hpctrain("train", "--run-dir", str(run), "--resume", "--max-steps", "3", n=2)
+    assert p.returncode == ExitStatus.CONFIG, p.stdout + p.stderr
+    line = next(x for x in p.stderr.splitlines() if "loads:" in x)
+    for part in parts:  # (the message once said 'part file /abs/it.<token>.parts/w00000.h5')
+        assert f"{part.parent.name.split('.h5.')[0]}.h5: it is corrupt: part file {part} does not match" in line, line
+    assert "/it." not in line, line

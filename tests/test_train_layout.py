@@ -8,6 +8,7 @@ Every test starts its own jobs: they run once, in the serial pass (the ``jobs`` 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -234,3 +235,45 @@ def test_no_checkpoint_loads_names_each_damaged_part_file_by_its_whole_path(seri
     for part in parts:  # (the message once said 'part file /abs/it.<token>.parts/w00000.h5')
         assert f"{part.parent.name.split('.h5.')[0]}.h5: it is corrupt: part file {part} does not match" in line, line
     assert "/it." not in line, line
+
+
+# World rank 0 stops itself (SIGSTOP, a frozen node) just before it sends its AT-th pipeline activation.
+STOP_IN_PIPELINE = """
+import os, signal, sys
+from mpi4py import MPI
+from hpctrain import cli
+from hpctrain.parallel import pipeline_runner
+
+at, seen = int(sys.argv[1]), [0]
+schedule = next(c for c in vars(pipeline_runner).values() if isinstance(c, type) and hasattr(c, "_send_activation"))
+send = schedule._send_activation
+
+def stopping(self, *args, **kwargs):
+    seen[0] += 1
+    if seen[0] == at and MPI.COMM_WORLD.Get_rank() == 0:
+        print("rank 0: stops itself before sending an activation", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return send(self, *args, **kwargs)
+
+schedule._send_activation = stopping
+cli.command(sys.argv[2:])
+"""
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(180)
+def test_a_stall_report_names_a_rank_waiting_in_the_pipelines_receive(serial, tmp_path):
+    """--pp 2 --zero 3 on 4 ranks, rank 0 frozen mid-step: its next stage waits in the pipeline's
+    receive, and the report says so (it said "not in any communication")."""
+    from hpctrain.comm.grid import Coords, rank_of
+    from jobs import clean_env
+
+    n, timeout = 4, 10
+    after = rank_of(Coords(dp=0, tp=0, pp=1), n, pp=2)  # the stage that waits for rank 0's activations
+    p = hpctrain("10", "train", *TINY, "--pp", "2", "--zero", "3", "--run-dir", str(tmp_path / "r"), n=n,
+                 entry=("-c", STOP_IN_PIPELINE), env=clean_env(HPCTRAIN_TIMEOUT=str(timeout)), timeout=150)
+    said = p.stdout + p.stderr
+    assert p.returncode == ExitStatus.STALL, (p.returncode, said)
+    assert re.search(rf"rank {after}: blocked for \d+ s in a different call: irecv\.wait from rank 0 at step", said) \
+        or re.search(rf"StallError on rank {after}: irecv\.wait from rank 0 has not completed", said), said
+    assert "not in any communication" not in said, said

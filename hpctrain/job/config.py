@@ -175,7 +175,7 @@ def read_settings(config_file: str | None, flags: dict[str, Any],
     (``LAYOUT_KEYS``): with ``world``, the run's is kept only where it fits ``world`` ranks and this
     job's layout flags, and the returned Config's ``layout_note`` says what this job does instead.
     A run directory with checkpoints but no ``config.json`` is refused (its settings are unknown)
-    unless ``--config`` gives them.
+    unless ``--config`` or flags give them.
     """
     import os
 
@@ -197,17 +197,23 @@ def read_settings(config_file: str | None, flags: dict[str, Any],
 
 
 def _refuse_unknown_run(saved: str, given: dict[str, Any]) -> None:
-    """``--resume`` into a run directory whose checkpoints have no ``config.json`` beside them: the
-    model they hold is unknown (the defaults would be built and the load refused), so say so."""
+    """``--resume`` into a run directory whose own checkpoints have no ``config.json`` beside them
+    and no setting of the run given instead: the model they hold is unknown (the defaults would
+    be built and the load refused), so say so. Flags naming the run's settings, or checkpoints of
+    another directory (``--checkpoint-dir``), are a resume the user describes: not refused."""
     import os
 
     from ..checkpoint import list_checkpoints
+    from .resume import RESUME_KEYS
 
-    ckpt_dir = given.get("checkpoint_dir") or os.path.join(given["run_dir"], "checkpoints")
+    if given.get("checkpoint_dir") or any(k in given for k in RESUME_KEYS):
+        return
+    ckpt_dir = os.path.join(given["run_dir"], "checkpoints")
     if list_checkpoints(ckpt_dir):
         raise ConfigError(f"--resume: {saved} is missing, so the settings of the run whose checkpoints are in "
                           f"{ckpt_dir} (its model, data, optimizer) are unknown; put the run's config.json back, or "
-                          "give its settings with --config FILE (a TOML file, or a copy of its config.json)")
+                          "give its settings with --config FILE (a TOML file, or a copy of its config.json) or as "
+                          "flags (--model, --d-model, ...)")
 
 
 def _run_layout(saved: str) -> dict[str, Any]:

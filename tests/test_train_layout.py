@@ -52,6 +52,7 @@ def test_a_tp2_pp2_run_resumes_at_2_ranks_with_strategy_dp_and_at_1_rank_with_no
     more = ("--max-steps", str(steps))  # the first job's --max-steps 3 is the run's until changed
 
     out = _ok(hpctrain("train", "--run-dir", str(first), "--resume", "--strategy", "dp", *more, n=2))
+    assert "this job changes --strategy 'hybrid' -> 'dp', --max-steps 3 -> 12" in out, out  # (the run's, resolved)
     assert ("dp with dp=2 tp=1 pp=1 (the run's dp=1 tp=2 pp=2 does not go with this job's --strategy dp; "
             "resharded from the checkpoint)") in out, out
     out = _ok(hpctrain("train", "--run-dir", str(second), "--resume", *more))

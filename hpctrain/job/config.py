@@ -188,9 +188,12 @@ def read_settings(config_file: str | None, flags: dict[str, Any],
         return merge(file_values, flags), None
     run = read_config(saved)
     base = {k: v for k, v in run.items() if k not in NOT_INHERITED}
-    cfg, note = _fitting_layout(base, file_values, flags, given, world, _run_layout(saved)) if world else \
+    ran = _run_record(saved)
+    cfg, note = _fitting_layout(base, file_values, flags, given, world, ran) if world else \
         (merge({**base, **file_values}, flags), None)
-    before, now = merge(base, {}).to_dict(), cfg.to_dict()
+    # What the run's resolve filled in is said as it was (--strategy 'hybrid' -> 'dp', not None -> 'dp').
+    filled = {k: ran[k] for k in ran.get("unset") or () if k in _BY_NAME and k in ran}
+    before, now = {**merge(base, {}).to_dict(), **filled}, cfg.to_dict()
     changed = {k: (before[k], now[k]) for k in given if k not in NOT_INHERITED and now[k] != before[k]}
     cfg.layout_note = note
     return cfg, changed
@@ -216,14 +219,15 @@ def _refuse_unknown_run(saved: str, given: dict[str, Any]) -> None:
                           "flags (--model, --d-model, ...)")
 
 
-def _run_layout(saved: str) -> dict[str, Any]:
-    """The layout the run last ran under, as its ``config.json`` records it (resolved)."""
+def _run_record(saved: str) -> dict[str, Any]:
+    """The run's ``config.json`` as written: its settings resolved (the layout it last ran under,
+    the derived ``dp``) and the list of those its resolve filled in (``unset``)."""
     try:
         with open(saved, encoding="utf-8") as f:
-            raw = json.load(f)  # read_config has read it already: it is a JSON object
+            raw = json.load(f)  # read_config has read it already: a JSON object
     except (OSError, ValueError):
         return {}
-    return {k: raw.get(k) for k in ("strategy", "dp", "tp", "pp", "zero")}
+    return raw if isinstance(raw, dict) else {}
 
 
 def _fitting_layout(base: dict[str, Any], file_values: dict[str, Any], flags: dict[str, Any],

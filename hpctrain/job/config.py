@@ -267,7 +267,7 @@ def _layout_note(c: Config, run: dict[str, Any], world: int, dropped: tuple[str,
     elif dropped:
         why = f"the run's {was} does not go with this job's " + " ".join(f"{flag(k)} {getattr(c, k)}" for k in mine)
     else:
-        why = f"the run's was {was}"
+        why = f"the run's layout was {was}"
     return f"{why}; resharded from the checkpoint"
 
 

@@ -226,4 +226,4 @@ def test_fit_progress_bar_and_plain_lines(capsys):
     assert "4/4" in cap.err and "samples/s" in cap.err  # tqdm bar with the metrics as postfix
     trainer(comm).fit(batches, epochs=1, progress=False, log_every=2)
     cap = capsys.readouterr()
-    assert cap.out.count("samples/s") == 2 and "epoch 0 step 4" in cap.out
+    assert cap.out.count("samples/s") == 2 and "epoch 1 step 4" in cap.out

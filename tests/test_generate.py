@@ -61,9 +61,9 @@ def test_generate_refuses_what_it_cannot_sample(solo, tmp_path, capsys):
          "run_dir": str(tmp_path / "mlp")}, solo)
     capsys.readouterr()
     code, _, err = _generate(capsys, str(tmp_path / "mlp"), "--tokens", "5")
-    assert code == 2 and "holds a 'mlp' model, not a GPT" in err
+    assert code == 4 and "holds a 'mlp' model, not a GPT" in err  # the run is refused: 4, as every command's
     code, _, err = _generate(capsys, str(tmp_path / "nothing"))
-    assert code == 2 and "neither a run directory nor a checkpoint file" in err
+    assert code == 4 and "neither a run directory nor a checkpoint file" in err
     run({**GPT, "run_dir": str(tmp_path / "g")}, solo)
     capsys.readouterr()
     code, _, err = _generate(capsys, str(tmp_path / "g"), "--prompt", "\u00e9t\u00e9")
@@ -82,11 +82,11 @@ def test_generate_on_a_token_file_says_how_to_give_it_a_vocabulary(solo, tmp_pat
     run({**GPT, "data": str(data), "tokens_key": "chars", "block_size": 8, "run_dir": str(tmp_path / "g")}, solo)
     capsys.readouterr()
     code, _, err = _generate(capsys, str(tmp_path / "g"), "--prompt", "a", "--tokens", "5")
-    assert code == 2 and f"{data} has no 'vocab' attribute" in err and "f.attrs['vocab']" in err, err
+    assert code == 4 and f"{data} has no 'vocab' attribute" in err and "f.attrs['vocab']" in err, err
     with h5py.File(data, "a") as f:
         f.attrs["vocab"] = "ab"  # fewer characters than the 4 token ids: still refused, saying so
     code, _, err = _generate(capsys, str(tmp_path / "g"), "--prompt", "a", "--tokens", "5")
-    assert code == 2 and "a 'vocab' of 2 characters for 4 token ids" in err, err
+    assert code == 4 and "a 'vocab' of 2 characters for 4 token ids" in err, err
     with h5py.File(data, "a") as f:
         f.attrs["vocab"] = "abcd"  # as the message says: no retraining
     code, out, err = _generate(capsys, str(tmp_path / "g"), "--prompt", "a", "--tokens", "5")

@@ -168,6 +168,20 @@ def test_eval_every_logs_validation_loss_during_training(solo, tmp_path, capsys)
     assert metrics(t)[-1]["val_loss"] == pytest.approx(t["val_loss"], rel=1e-6)
 
 
+def test_progress_lines_count_epochs_from_1_and_say_a_validation_loss_once_with_its_step(solo, tmp_path, capsys):
+    s = job(solo, tmp_path, "lines", eval_every=3, log_every=2)
+    val = {r["step"]: r["val_loss"] for r in metrics(s) if "val_loss" in r}
+    per_epoch = s["steps"] // BASE["epochs"]
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("epoch ")]
+    assert len(lines) == s["steps"] // 2, lines
+    for line in lines:
+        step = int(line.split()[3].split("/")[0])
+        assert line.startswith(f"epoch {(step - 1) // per_epoch + 1} step {step}/"), line  # as --epochs counts
+        fresh = [v for v in val if step - 2 < v <= step]  # reported since the line before
+        said = f"| val {val[fresh[0]]:.4f} (step {fresh[0]})" if fresh else None
+        assert (said in line) if said else "| val" not in line, (line, val)
+
+
 def test_keep_bounds_the_checkpoints(solo, tmp_path):
     s = job(solo, tmp_path, "keep", keep=2, checkpoint_every=1)
     names = sorted(os.path.basename(p) for p in ht.checkpoint.list_checkpoints(os.path.dirname(s["checkpoint"])))

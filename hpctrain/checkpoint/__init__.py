@@ -20,6 +20,7 @@ Modules: :mod:`.format` (names, index, checksums), :mod:`.checkpointer` (``save`
 from __future__ import annotations
 
 import os
+import re
 
 from ..errors import CheckpointError
 from ..log import get_logger
@@ -164,6 +165,14 @@ def copy(src: str, dst: str) -> str:
     return dst
 
 
+def _as_it(text: str, path: str) -> str:
+    """``text`` with the checkpoint ``path`` said as "it" where it names that file, not where it
+    begins a longer path (its part directory ``PATH.<token>.parts/...``, kept whole)."""
+    whole = rf"(?<![\w./-]){re.escape(path)}(?![\w/-]|\.\w)"
+    text = re.sub(rf"checkpoint {whole}: ", "", text)
+    return re.sub(whole, "it", re.sub(rf"checkpoint {whole}", "it", text))
+
+
 def load_latest(directory: str, trainer: Checkpointable) -> str | None:
     """Load the newest checkpoint in ``directory`` that loads; ``None`` if there is none at all.
 
@@ -194,7 +203,7 @@ def load_latest(directory: str, trainer: Checkpointable) -> str | None:
     # One reason said once for every file it refuses (another seed, another model), naming them.
     by_why: dict[str, list[str]] = {}
     for p, why in failures:
-        why = why.replace(f"checkpoint {p}: ", "").replace(f"checkpoint {p}", "it").replace(p, "it")
+        why = _as_it(why, p)
         by_why.setdefault(why, []).append(os.path.basename(p))
     err = CheckpointError(f"no checkpoint in {directory} loads: "
                           + "; ".join(f"{', '.join(names)}: {why}" for why, names in by_why.items()))

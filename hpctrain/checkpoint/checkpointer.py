@@ -22,7 +22,7 @@ from ..log import get_logger
 from ..protocols import Checkpointable, Comm
 from . import format as fmt
 from . import rawio
-from .saving import Job, agree, describe
+from .saving import INTERRUPTED, Job, agree, describe
 
 _log = get_logger("checkpoint")
 
@@ -103,6 +103,8 @@ class Checkpointer:
             return path
         job.write()
         job.finish()
+        if job.error and INTERRUPTED in job.error:  # (the parts were removed: no checkpoint of this step)
+            raise KeyboardInterrupt(job.error)
         if job.error:
             raise CheckpointWriteError(job.error)
         return path

@@ -171,6 +171,10 @@ def agree(path: str, comm: Comm, problem: BaseException | None,
 # -- writing ---------------------------------------------------------------------------------
 
 
+#: What a rank whose part file was cut short by ``KeyboardInterrupt`` tells the others.
+INTERRUPTED = "interrupted (Ctrl-C again)"
+
+
 def why(exc: BaseException) -> str:
     """A one-line cause for a file-system error, e.g. 'No space left on device'."""
     if isinstance(exc, OSError) and exc.errno:
@@ -248,6 +252,8 @@ class Job:
             if self.items:
                 os.makedirs(self.parts_path, exist_ok=True)
                 mine = write_part(os.path.join(self.parts_path, fmt.part_file(self.comm.rank)), self.items)
+        except KeyboardInterrupt:  # Ctrl-C again while a stop's checkpoint is written: the whole job is
+            mine = ("error", INTERRUPTED)  # interrupted (130), once every rank knows (not "cannot write", 5)
         except BaseException as exc:
             mine = ("error", why(exc))
         self.items = []  # the snapshot is on disk (or lost); its buffers stay with the checkpointer

@@ -229,9 +229,17 @@ def command(argv: list[str] | None = None) -> None:
     still be told apart from a crash); exits with the status."""
     status = main(argv)
     if "mpi4py.MPI" in sys.modules:  # (imported only by the commands that start MPI)
+        import os
+
         from ..comm.failure import end_program
 
-        status = end_program(status)
+        status = end_program(status)  # its exit hooks run, MPI finalized: signals are held from there
+        # Python's own exit would put the default signal actions back while it tears the process
+        # down (a few hundred ms after a job): a Ctrl-C pressed again then killed it by signal,
+        # which mpiexec reports as status 2 (issue 47). Nothing is left to tear down but memory.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     sys.exit(status)
 
 

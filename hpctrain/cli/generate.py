@@ -110,14 +110,22 @@ def _no_vocab(data: str, size: int, vocab: str | None) -> str:
             "f.attrs['vocab'] = ''.join(chars)), then run generate again (no retraining needed)")
 
 
+def sampling_problem(temperature: float, top_k: int | None) -> str | None:
+    """Why ``--temperature``/``--top-k`` cannot sample (``None``: they can)."""
+    if temperature <= 0:
+        return f"--temperature must be > 0, got {temperature}"
+    if top_k is not None and top_k < 1:
+        return f"--top-k must be >= 1, got {top_k}"
+    return None
+
+
 def sample(model: Any, prompt: list[int], tokens: int, temperature: float = 1.0, top_k: int | None = None,
            seed: int = 0, step: Any = None) -> list[int]:
     """``prompt`` continued by ``tokens`` sampled tokens (deterministic for a ``seed``); ``step()``,
     if given, is called after each token (a progress bar's update)."""
-    if temperature <= 0:
-        raise ConfigError(f"--temperature must be > 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ConfigError(f"--top-k must be >= 1, got {top_k}")
+    problem = sampling_problem(temperature, top_k)
+    if problem is not None:
+        raise ConfigError(problem)
     rng = np.random.default_rng(seed)
     out = list(prompt)
     for _ in range(tokens):
@@ -168,23 +176,38 @@ def generate(model: Any, prompt: list[int], args: argparse.Namespace) -> list[in
     return ids
 
 
-def main(args: argparse.Namespace) -> int:
-    """Entry of ``hpctrain generate``: the prompt and its continuation on stdout; a refused
-    checkpoint exits 4, other errors 2."""
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """Why a flag's value alone cannot work (``None``: none): a usage error, said before the run is read."""
+    if args.tokens < 0:
+        return f"--tokens must be >= 0, got {args.tokens}"
+    if not args.prompt:
+        return "--prompt must hold at least one character"
     try:
-        if args.tokens < 0:
-            raise ConfigError(f"--tokens must be >= 0, got {args.tokens}")
+        blas_threads(args.threads)  # (its own check of --threads)
+    except ConfigError as exc:
+        return str(exc)
+    return sampling_problem(args.temperature, args.top_k)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry of ``hpctrain generate``: the prompt and its continuation on stdout. A bad flag value
+    (the prompt's characters included) exits 2, like argparse's; the run refused (not a GPT, no
+    checkpoint that loads, no vocabulary) 4, like every command's refusals."""
+    problem = _flag_problem(args)
+    if problem is not None:
+        print(f"hpctrain generate: error: {problem}", file=sys.stderr)
+        return ExitStatus.USAGE
+    try:
         model, vocab = load_gpt(args.run)
-        table = {ch: i for i, ch in enumerate(vocab)}
-        unknown = sorted({ch for ch in args.prompt if ch not in table})
-        if unknown:
-            raise ConfigError(f"the prompt has characters outside the run's vocabulary: {''.join(unknown)!r}")
-        if not args.prompt:
-            raise ConfigError("--prompt must hold at least one character")
-        ids = generate(model, [table[ch] for ch in args.prompt], args)
     except (HpctrainError, FileNotFoundError) as exc:
         print(f"hpctrain generate: error: {exc}", file=sys.stderr)
-        # A damaged or missing checkpoint is a refusal (4), like every other command's, not usage.
-        return ExitStatus.CONFIG if isinstance(exc, (CheckpointError, FileNotFoundError)) else ExitStatus.USAGE
+        return ExitStatus.CONFIG
+    table = {ch: i for i, ch in enumerate(vocab)}
+    unknown = sorted({ch for ch in args.prompt if ch not in table})
+    if unknown:
+        print(f"hpctrain generate: error: the prompt has characters outside the run's vocabulary: "
+              f"{''.join(unknown)!r}", file=sys.stderr)
+        return ExitStatus.USAGE
+    ids = generate(model, [table[ch] for ch in args.prompt], args)
     print("".join(vocab[i] for i in ids))
     return 0

@@ -14,7 +14,8 @@ from .options import Config
 
 
 def load_factory(spec: str) -> Any:
-    """The callable named by ``package.module:factory`` or ``path/to/file.py:factory``."""
+    """The callable named by ``package.module:factory`` or ``path/to/file.py:factory`` (the file's
+    directory goes first on ``sys.path``, as ``python path/to/file.py`` puts it: its neighbours import)."""
     import importlib
     import importlib.util
     import os
@@ -27,6 +28,10 @@ def load_factory(spec: str) -> Any:
         if where.endswith(".py"):
             if not os.path.isfile(where):
                 raise ConfigError(f"--model {spec}: {where} does not exist")
+            # Its neighbours import as under `python file.py`, whose directory is sys.path[0].
+            home = os.path.dirname(os.path.abspath(where))
+            if home not in sys.path:
+                sys.path.insert(0, home)
             mod_name = "hpctrain_user_" + os.path.splitext(os.path.basename(where))[0]
             module = sys.modules.get(mod_name)
             if module is None or getattr(module, "__file__", None) != os.path.abspath(where):
@@ -126,6 +131,7 @@ def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sampl
         opt = build_optimizer(c, model.parameters(), total_steps)
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,
                                             accum_steps=c.accum_steps, **common)
+    _check_tp_splits(c, model)
     grid = ProcessGrid(comm, tp=c.tp, pp=c.pp)
     counts, plan = pipeline_cut(c, model, comm, sample) if c.pp > 1 else (None, "")
     part = parallel.parallelize(model, grid, balance=counts)  # this rank's pipeline stage, split over tp
@@ -173,6 +179,20 @@ def pipeline_cut(c: Config, model: Any, comm: Comm, sample: Any = None) -> tuple
     except ValueError as exc:
         raise ConfigError(f"--pp-cut {c.pp_cut}: {exc}" if given else f"--pp {c.pp}: {exc}") from None
     return counts, f"{cut.describe_stages(pieces, counts, times)} ({how})"
+
+
+def _check_tp_splits(c: Config, model: Any) -> None:
+    """Refuse ``--tp`` > 1 for a model with no layer that splits over the tensor-parallel ranks:
+    each would hold and train the whole model, replicated, for nothing (the same verdict on every
+    rank: the model is built alike everywhere). The built-in models are checked from their sizes."""
+    from ..errors import ConfigError
+    from ..parallel.tensor import tp_split_layers
+
+    if c.tp > 1 and not tp_split_layers(model):
+        raise ConfigError(f"--tp {c.tp}: --model {c.model} has no layer that splits over tensor-parallel ranks "
+                          "(the layers that split: nn.MLP, nn.CausalSelfAttention, or what the model's tp_plan() "
+                          "names), so every tp rank would train the whole model, replicated: use data parallelism, "
+                          "--pp or --zero, or build the model from those layers")
 
 
 def with_recompute(model: Any) -> Any:

@@ -160,13 +160,25 @@ def merge(file_values: dict[str, Any], flags: dict[str, Any]) -> Config:
 NOT_INHERITED = ("resume", "restart")
 
 
-def read_settings(config_file: str | None, flags: dict[str, Any]) -> tuple[Config, dict[str, tuple[Any, Any]] | None]:
+#: How a job is split over its ranks: the job's, not the run's (a checkpoint holds full tensors and
+#: loads under any layout). A resume keeps the run's where they still fit this job's world size and
+#: flags; ``LAYOUT_SHAPE`` goes first, then the rest, derived again as for a fresh run.
+LAYOUT_KEYS = ("strategy", "tp", "pp", "microbatches", "schedule", "zero")
+LAYOUT_SHAPE = ("strategy", "tp", "pp")
+
+
+def read_settings(config_file: str | None, flags: dict[str, Any],
+                  world: int | None = None) -> tuple[Config, dict[str, tuple[Any, Any]] | None]:
     """The job's settings: defaults < the run's ``config.json`` < ``--config FILE`` < the flags.
 
     The run's ``config.json`` counts only for ``--resume`` with a run directory that has one: a
     resume continues the run as it was last configured, and what this job changes (listed in the
     returned ``{name: (run's value, this job's value)}``; ``None`` when not resuming) is written
-    back to ``config.json`` by the job, so the next resume keeps it.
+    back to ``config.json`` by the job, so the next resume keeps it. The layout is the job's
+    (``LAYOUT_KEYS``): with ``world``, the run's is kept only where it fits ``world`` ranks and this
+    job's layout flags, and the returned Config's ``layout_note`` says what this job does instead.
+    A run directory with checkpoints but no ``config.json`` is refused (its settings are unknown)
+    unless ``--config`` or flags give them.
     """
     import os
 
@@ -174,12 +186,92 @@ def read_settings(config_file: str | None, flags: dict[str, Any]) -> tuple[Confi
     given = {**file_values, **{k: v for k, v in flags.items() if k in _BY_NAME}}
     saved = os.path.join(given["run_dir"], "config.json") if given.get("resume") and given.get("run_dir") else None
     if saved is None or not os.path.exists(saved):
+        if saved is not None and config_file is None:
+            _refuse_unknown_run(saved, given)
         return merge(file_values, flags), None
-    base = {k: v for k, v in read_config(saved).items() if k not in NOT_INHERITED}
-    cfg = merge({**base, **file_values}, flags)
-    before, now = merge(base, {}).to_dict(), cfg.to_dict()
+    run = read_config(saved)
+    base = {k: v for k, v in run.items() if k not in NOT_INHERITED}
+    ran = _run_record(saved)
+    cfg, note = _fitting_layout(base, file_values, flags, given, world, ran) if world else \
+        (merge({**base, **file_values}, flags), None)
+    # What the run's resolve filled in is said as it was (--strategy 'hybrid' -> 'dp', not None -> 'dp').
+    filled = {k: ran[k] for k in ran.get("unset") or () if k in _BY_NAME and k in ran}
+    before, now = {**merge(base, {}).to_dict(), **filled}, cfg.to_dict()
     changed = {k: (before[k], now[k]) for k in given if k not in NOT_INHERITED and now[k] != before[k]}
+    cfg.layout_note = note
     return cfg, changed
+
+
+def _refuse_unknown_run(saved: str, given: dict[str, Any]) -> None:
+    """``--resume`` into a run directory whose own checkpoints have no ``config.json`` beside them
+    and no setting of the run given instead: the model they hold is unknown (the defaults would
+    be built and the load refused), so say so. Flags naming the run's settings, or checkpoints of
+    another directory (``--checkpoint-dir``), are a resume the user describes: not refused."""
+    import os
+
+    from ..checkpoint import list_checkpoints
+    from .resume import RESUME_KEYS
+
+    if given.get("checkpoint_dir") or any(k in given for k in RESUME_KEYS):
+        return
+    ckpt_dir = os.path.join(given["run_dir"], "checkpoints")
+    if list_checkpoints(ckpt_dir):
+        raise ConfigError(f"--resume: {saved} is missing, so the settings of the run whose checkpoints are in "
+                          f"{ckpt_dir} (its model, data, optimizer) are unknown; put the run's config.json back, or "
+                          "give its settings with --config FILE (a TOML file, or a copy of its config.json) or as "
+                          "flags (--model, --d-model, ...)")
+
+
+def _run_record(saved: str) -> dict[str, Any]:
+    """The run's ``config.json`` as written: its settings resolved (the layout it last ran under,
+    the derived ``dp``) and the list of those its resolve filled in (``unset``)."""
+    try:
+        with open(saved, encoding="utf-8") as f:
+            raw = json.load(f)  # read_config has read it already: a JSON object
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _fitting_layout(base: dict[str, Any], file_values: dict[str, Any], flags: dict[str, Any],
+                    given: dict[str, Any], world: int, run: dict[str, Any]) -> tuple[Config, str | None]:
+    """The resumed job's Config: the run's settings under this job's, with the run's layout
+    settings that this job does not give kept as long as the layout resolves on ``world`` ranks
+    (the shape dropped first, then the rest); and what the header says of the layout, ``None``
+    when it is the run's."""
+    mine = [k for k in LAYOUT_KEYS if k in given]
+    attempts = [(), tuple(k for k in LAYOUT_SHAPE if k not in mine), tuple(k for k in LAYOUT_KEYS if k not in mine)]
+    for dropped in dict.fromkeys(attempts):  # (without repeats, in order)
+        cfg = merge({**{k: v for k, v in base.items() if k not in dropped}, **file_values}, flags)
+        try:
+            c = resolve(cfg, world)
+        except ConfigError:
+            continue
+        return cfg, _layout_note(c, run, world, dropped, mine)
+    # Not even this job's own layout resolves: the refusal of the run's settings as this job gives them.
+    return merge({**base, **file_values}, flags), None
+
+
+def layout_text(dp: Any, tp: Any, pp: Any, zero: Any = 0) -> str:
+    """``dp=2 tp=2 pp=1`` (``, ZeRO-3``): a layout as the header, the closing line and a resumed
+    job's note say it."""
+    return f"dp={dp} tp={tp} pp={pp}" + (f", ZeRO-{zero}" if zero else "")
+
+
+def _layout_note(c: Config, run: dict[str, Any], world: int, dropped: tuple[str, ...], mine: list[str]) -> str | None:
+    """What the header adds to a resumed job's layout when it is not the run's: the run's, and why
+    it changed (the run's layout not fitting ``world`` ranks, or this job's flags)."""
+    now = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "zero": c.zero}
+    if not run.get("dp") or all(run.get(k) == v for k, v in now.items()):
+        return None
+    was = layout_text(run.get("dp"), run.get("tp"), run.get("pp"), run.get("zero") if run.get("zero") != c.zero else 0)
+    if dropped and not mine:  # nothing asked: the run's layout could not be kept
+        why = f"the run's {was} does not fit {world} rank{'s' if world > 1 else ''}"
+    elif dropped:
+        why = f"the run's {was} does not go with this job's " + " ".join(f"{flag(k)} {getattr(c, k)}" for k in mine)
+    else:
+        why = f"the run's layout was {was}"
+    return f"{why}; resharded from the checkpoint"
 
 
 def as_config(cfg: Config | dict[str, Any]) -> Config:

@@ -49,7 +49,8 @@ def dry_run(c: Config, comm: Any, setup: Any, everywhere: Any) -> dict[str, Any]
             shutil.rmtree(scratch, ignore_errors=True)
     report = {"step_loss": float(stats.loss), "step_seconds": step_s, "second_step_seconds": again_s,
               "checkpoint_bytes": size, "val_loss": held_out["loss"], "val_samples": held_out["samples"],
-              "resumed_from": resumed, "steps_per_epoch": len(loader), "start": start}
+              "resumed_from": resumed, "steps_per_epoch": len(loader), "start": start,
+              "set_aside": len(checkpoint.list_checkpoints(ckpt_dir)) if c.run_dir is not None else 0}
     if comm.rank == 0:
         print(_text(c, setup, report, run_dir, ckpt_dir), flush=True)
     trainer.close()
@@ -105,6 +106,8 @@ def _text(c: Config, setup: Any, r: dict[str, Any], run_dir: str, ckpt_dir: str)
     total = planned_steps(setup.loader, c.epochs, c.max_steps)
     left = max(0, total - r["start"])
     start = f"resume from {r['resumed_from']} (it loads) at step {r['start']}" if r["resumed_from"] else "start fresh"
+    if c.restart and r["set_aside"]:  # (without --restart, checkpoints there were refused before the dry run)
+        start = f"start over ({r['set_aside']} checkpoint(s) in {ckpt_dir} moved aside with metrics.jsonl)"
     every = c.checkpoint_every or r["steps_per_epoch"]
     return "\n".join([
         "dry run: the data, the model and the trainer build; one step, one evaluation and a checkpoint round trip "

@@ -171,6 +171,8 @@ class Config:
     #: The settings ``resolve`` filled in because none was given (the layout, the optimizer's
     #: defaults, what ends the job on a lost rank): a resume derives them again for its own launch.
     unset: list | None = field(default=None, compare=False, metadata=_derived("settings resolve filled in"))
+    #: A resumed job whose layout is not the run's: the run's and why (``read_settings``), said in the header.
+    layout_note: str | None = field(default=None, compare=False, metadata=_derived("how the run's layout changed"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``config.json`` holds and ranks compare)."""

@@ -45,7 +45,6 @@ RESUME_KEYS = ("model", "data", "d_model", "n_layers", "n_heads", "block_size", 
 def claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunLock | None) -> None:
     """Rank 0, holding the locks: clean up after dead jobs and decide what may happen to the files
     already in the run directory, before anything is written there."""
-    from .. import checkpoint
     from . import ending
 
     rundir.clean_stale_temporaries(c.run_dir, c.checkpoint_dir)
@@ -61,7 +60,19 @@ def claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunL
                 ckpt_lock.moved(new)
         if moved:
             _log.info("started over (--restart): moved %s", ", ".join(f"{a} to {b}" for a, b in moved))
-    elif c.resume:
+    else:
+        check_claim(c, given)
+
+
+def check_claim(c: Config, given: dict[str, Any]) -> None:
+    """What :func:`claim` refuses in a run directory, checked without touching anything (a dry
+    run asks it too): a resume of a run made with other settings (``RESUME_KEYS``), or a fresh
+    start where checkpoints already are. ``c.checkpoint_dir`` is the job's (filled in)."""
+    from .. import checkpoint
+
+    if c.restart or c.run_dir is None:
+        return
+    if c.resume:
         rundir.check_resume_compatible(os.path.join(c.run_dir, "config.json"), given, RESUME_KEYS)
     elif checkpoint.list_checkpoints(c.checkpoint_dir):
         raise ConfigError(f"{c.checkpoint_dir} already holds checkpoints: pass --resume to continue that run ("

@@ -27,9 +27,9 @@ from . import ending
 from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .callbacks import LearningRate, Validation
-from .config import _BY_NAME, Config, read_settings, resolve
+from .config import _BY_NAME, Config, layout_text, read_settings, resolve
 from .inputs import data_path, open_data
-from .resume import AfterResume, claim, describe_changes, resume_command
+from .resume import AfterResume, check_claim, claim, describe_changes, resume_command
 from .sections import nccl_problem
 from .summary import finite_or_none, format_summary
 from .trace import Timeline
@@ -151,7 +151,13 @@ def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Seque
     if c.dry_run:  # one of everything, nothing written to the run directory
         from .dryrun import dry_run
 
-        return dry_run(c, comm, _build(c, comm, device), everywhere)
+        # What the run itself would refuse in its directory, refused here too (nothing touched).
+        ckpts = c.checkpoint_dir or (os.path.join(c.run_dir, "checkpoints") if c.run_dir else None)
+        everywhere(comm, lambda: check_claim(c.replace(checkpoint_dir=ckpts), c.to_dict()) if comm.rank == 0 else None)
+        setup = _build(c, comm, device)
+        if comm.rank == 0:
+            _announce(c, setup, device)
+        return dry_run(c, comm, setup, everywhere)
     if c.run_dir is None:  # a new directory nobody else can get, even starting in the same second
         c.run_dir = comm.bcast_obj(everywhere(comm, lambda: rundir.new_run_dir("runs") if comm.rank == 0 else None))
     # config.json keeps the setting as given, so a run started from it with another --run-dir
@@ -301,7 +307,7 @@ def _announce(c: Config, setup: _Setup, device: str) -> None:
     print(f"hpctrain train: {c.model} ({setup.n_params:,} parameters) on {on}: "
           f"{len(setup.train_set):,} training samples, {_layout_text(c)} on {device}, "
           f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
-          f"{len(setup.loader)} steps each; run dir {c.run_dir}", flush=True)
+          f"{len(setup.loader)} steps each; run dir {c.run_dir or 'runs/<date>-<time>'}", flush=True)
     plan = (getattr(setup.trainer.model, "pipeline", None) or {}).get("plan")
     if plan:
         print(f"stages: {plan}", flush=True)
@@ -323,9 +329,17 @@ def _hooks(c: Config, given: dict[str, Any], comm: Comm, setup: _Setup, callback
     if c.eval_every:
         hooks.insert(1 + len(callbacks), Validation(c, setup.meta, setup.val_set, comm, c.eval_every))
     if c.logger == "tensorboard":  # after the callbacks that add the lr and the validation loss
-        from ..training.tensorboard import TensorBoardLogger
+        from ..training.tensorboard import TensorBoardLogger, logdir_problem
 
-        hooks.append(TensorBoardLogger(os.path.join(c.run_dir, "tensorboard")))
+        logdir = os.path.join(c.run_dir, "tensorboard")
+        # Refused on every rank before training (exit 4), not on rank 0 alone at its first step.
+        def check() -> None:
+            problem = logdir_problem(logdir) if comm.rank == 0 else None  # (rank 0 writes them)
+            if problem is not None:
+                raise ConfigError(f"--logger tensorboard: {problem}")
+
+        everywhere(comm, check)
+        hooks.append(TensorBoardLogger(logdir))
     if c.on_rank_loss == "shrink" and comm.size > 1:
         from ..resilience import RankLoss
 
@@ -395,7 +409,8 @@ def _evaluate_final(c: Config, comm: Comm, setup: _Setup) -> dict[str, Any]:
 def _layout_text(c: Config) -> str:
     if c.strategy == "ps":
         return f"parameter server ({c.ps_mode}) with {c.dp} workers"
-    return f"{c.strategy} with dp={c.dp} tp={c.tp} pp={c.pp}"
+    note = f" ({c.layout_note})" if c.layout_note else ""
+    return f"{c.strategy} with {layout_text(c.dp, c.tp, c.pp, c.zero)}{note}"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -427,7 +442,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         comm = Communicator()
         # Read on every rank, verdict shared: a file missing on one node fails the whole job.
-        cfg, changed = everywhere(comm, lambda: read_settings(args.config, flags))
+        cfg, changed = everywhere(comm, lambda: read_settings(args.config, flags, comm.size))
         if changed is not None and comm.rank == 0:
             _log.info("resuming the run in %s as its config.json says%s", cfg.run_dir, describe_changes(changed))
         run(cfg, comm)

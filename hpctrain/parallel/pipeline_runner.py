@@ -27,7 +27,7 @@ import numpy as np
 from ..autograd import Tensor
 from ..autograd.function import differentiable
 from ..backend import to_device, xp_of
-from ..comm import Communicator
+from ..comm import Communicator, watchdog
 from ..errors import StallError
 from ..nn.module import Module
 from ..training.graph import loss_node, run_backward, run_model
@@ -74,7 +74,10 @@ class PipelineRunner:
 
     def _wait(self, req: Any, what: str) -> Any:
         """Complete ``req``; with a timeout (0 = none), poll and raise ``StallError`` naming it."""
-        if not self.timeout:
+        if not self.timeout or watchdog.running():
+            # The stall watchdog bounds the wait (the trainer's timeout) and then reports every
+            # rank's state, this one's as waiting in this receive; a poll of our own hid it from the
+            # watchdog ("not in any communication") and raced its report.
             return req.wait()
         deadline = time.perf_counter() + self.timeout
         while not req.test():

@@ -58,7 +58,7 @@ __all__ = [
     "ParallelSelfAttention", "ReduceFromTP", "RowParallelLinear", "ScatterToTP", "TPLayer", "TPMapping",
     "TensorParallelTrainer", "VocabParallelCrossEntropy", "VocabParallelEmbedding", "VocabParallelTiedHead",
     "copy_to_tp", "full_state_dict", "gather_from_tp", "parallel_loss", "reduce_from_tp", "scatter_to_tp",
-    "shard_map", "tensor_parallel", "traffic",
+    "shard_map", "tensor_parallel", "tp_split_layers", "traffic",
 ]  # fmt: skip
 
 
@@ -166,3 +166,12 @@ def tensor_parallel(model: Module, tp_comm: Comm) -> Module:
     out.tp_comm = tp_comm
     list(out.named_parameters())  # refresh Parameter.name to the serial dotted names
     return out
+
+
+def tp_split_layers(model: Module) -> list[str]:
+    """The names of ``model``'s modules that ``tensor_parallel`` splits (its ``MLP`` and
+    ``CausalSelfAttention`` blocks, recomputed or not, and what its ``tp_plan()`` names): an empty
+    list means a tensor-parallel group would hold replicas of the whole model."""
+    names = [n or type(m).__name__ for n, m in model.named_modules() if isinstance(m, (MLP, CausalSelfAttention))]
+    plan = model.tp_plan() if callable(getattr(model, "tp_plan", None)) else {}
+    return [*names, *plan]

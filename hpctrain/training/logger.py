@@ -32,7 +32,9 @@ class ProgressLogger:
         self.metrics_file = metrics_file  # appended to by the next rank 0 when rank 0 is lost
         self.bar = None
         self.window: list[StepStats] = []
-        self.val_loss: float | None = None  # the newest validation loss a callback reported
+        # The validation loss a callback reported since the last line, and its step: said once, on
+        # the next line (a later line without one does not repeat an older value as if new).
+        self.val_loss: tuple[float, int] | None = None
         self.written: int | None = None  # the step of the last line (a later one at or before it: a redo)
         # When this fit's first step ended, and the global step then: the ETA leaves that
         # (warm-up) step out.
@@ -83,7 +85,7 @@ class ProgressLogger:
         if self.first_end is None:
             self.first_end = (time.perf_counter(), t.global_step)
         if "val_loss" in s.extra:
-            self.val_loss = s.extra["val_loss"]
+            self.val_loss = (s.extra["val_loss"], t.global_step)
         if self.bar is not None:
             self.bar.update(1)
         if len(self.window) >= self.every:
@@ -95,12 +97,15 @@ class ProgressLogger:
             text = (f"loss {loss:.4f} | {samples / secs if secs else 0:,.0f} samples/s | "
                     f"step {1000 * secs / len(self.window):.1f} ms | comm {100 * comm / secs if secs else 0:.0f}%"
                     + (f" | mem {mem / 2**20:,.1f} MiB" if mem else "")
-                    + (f" | val {self.val_loss:.4f}" if self.val_loss is not None else ""))
+                    + (f" | val {self.val_loss[0]:.4f} (step {self.val_loss[1]})" if self.val_loss is not None
+                       else ""))
             if self.bar is not None:  # tqdm shows N/total and the ETA itself
                 self.bar.set_postfix_str(text)
             else:
-                print(f"epoch {t.epoch} step {self._where()} | {text}", flush=True)
-            self.window = []
+                # Epochs counted from 1, as the resume line and --epochs count them (metrics.jsonl
+                # keeps the sampler's 0-based epoch).
+                print(f"epoch {t.epoch + 1} step {self._where()} | {text}", flush=True)
+            self.window, self.val_loss = [], None
 
     def _where(self) -> str:
         """``N/total`` and the estimated time left, from the steps after this fit's first."""

@@ -32,6 +32,20 @@ def missing() -> str | None:
     return None
 
 
+def logdir_problem(logdir: str) -> str | None:
+    """Why event files cannot be written into ``logdir`` (made if missing; ``None``: they can): a
+    file in its place, no permission, a read-only file system. Asked before the first step."""
+    import tempfile
+
+    try:
+        os.makedirs(logdir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=logdir):  # the permission and the file system, tried
+            pass
+    except OSError as exc:
+        return f"cannot write TensorBoard event files into {logdir}: {exc.strerror or exc}"
+    return None
+
+
 class TensorBoardLogger:
     """A ``fit`` callback writing rank 0's scalars to TensorBoard event files in ``logdir``."""
 
@@ -47,7 +61,9 @@ class TensorBoardLogger:
             raise ImportError(why)
         from tensorboardX import SummaryWriter
 
-        os.makedirs(self.logdir, exist_ok=True)
+        problem = logdir_problem(self.logdir)
+        if problem is not None:
+            raise OSError(problem)
         # The file's name holds the second it was made and the host: two jobs of a run in one second
         # (a quick resume) would write the same file; the step each starts at tells them apart.
         self.writer = SummaryWriter(self.logdir, filename_suffix=f".step{trainer.global_step}")

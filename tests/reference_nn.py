@@ -156,14 +156,14 @@ class ReferenceCrossEntropy:
     """The previous CrossEntropyLoss."""
 
     def forward(self, logits, target, weight=None):
-        from hpctrain.nn.losses import _per_sample_weight
+        from hpctrain.nn.losses import per_sample_weight
 
         shifted = logits - logits.max(axis=-1, keepdims=True)
         exp = np.exp(shifted)
         sumexp = exp.sum(axis=-1, keepdims=True)
         logp_t = np.take_along_axis(shifted, target[..., None], axis=-1)[..., 0] - np.log(sumexp[..., 0])
         nll = -logp_t
-        w, denom = _per_sample_weight(weight, nll)
+        w, denom = per_sample_weight(weight, nll)
         if w is not None:
             nll = nll * w
         self.cache = (exp / sumexp, target, w, denom)

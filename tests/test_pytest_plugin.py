@@ -191,6 +191,7 @@ def test_a_test_stuck_on_one_rank_ends_in_seconds_with_its_stack_in_rank0s_one_r
     # One report, rank 0's: the summary of what ran, the stuck rank's stack naming its file and line.
     assert p.stdout.count("short test summary info") == 1, out
     assert "1 failed, 1 passed in" in p.stdout and "rank's report" not in p.stdout, out
+    assert "did not finish test_user.py::test_rank1_hangs: the job ends, 1 test(s) after it not run" in p.stdout, out
     assert "FAILED test_user.py::test_rank1_hangs - [rank 1] is still in it after" in p.stdout, out
     where = f"test_user.py:{_line_of(body, 'the stuck line')} in stuck_here"
     assert f"at {where}" in p.stdout and "time.sleep(600)  # the stuck line" in p.stdout, out
@@ -307,3 +308,23 @@ def test_plain_pytest_on_several_ranks_says_the_mpi_tests_are_skipped(serial, tm
     warning = (f"{n} ranks run these tests, but pytest-mpi skips the 1 test(s) marked mpi without --with-mpi: "
                f"mpiexec -n {n} python -m pytest --with-mpi")
     assert p.stdout.count(warning) == 1, out  # rank 0 says it, once
+
+
+def test_a_rank_stuck_holding_the_gil_has_its_stack_written_by_faulthandler(serial, tmp_path):
+    # mpi4py's lowercase collectives hold the GIL while they wait: the rank cannot answer, so
+    # faulthandler (a C thread) writes its stack, and rank 0's report says where to look.
+    body = """
+        from mpi4py import MPI
+
+        def test_hangs_in_a_collective():
+            if MPI.COMM_WORLD.rank != 0:
+                MPI.COMM_WORLD.allreduce(1)  # stuck holding the GIL
+    """
+    p, took = _run(tmp_path, body, ini="mpi_timeout = 2")
+    out = p.stdout + p.stderr
+    assert p.returncode == 3 and took < 45, (took, out)
+    from hpctrain.testing.clock import STACK_WAIT
+
+    assert f"[rank 1] did not answer within {STACK_WAIT:g} s: stuck in code that holds Python's GIL" in p.stdout, out
+    line = _line_of(body, "stuck holding the GIL")
+    assert f'test_user.py", line {line} in test_hangs_in_a_collective' in out, out

@@ -8,10 +8,16 @@ asks the stuck ranks with it, so its one report shows where each of them is (fil
 A test every rank is stuck in leaves no rank waiting to report it: the helper thread of a rank
 still in a test ``FALLBACK`` seconds after its limit calls ``on_overrun`` itself (unless a
 reporting rank already said it speaks for the job).
+
+A main thread stuck in C code that holds Python's GIL (mpi4py's lowercase collectives, such as
+``comm.allreduce(x)``, wait so) leaves the helper thread unable to answer: for that case
+:mod:`faulthandler` (a C thread) writes the stack on this rank's stderr ``DUMP_AFTER`` seconds
+after the limit, unless the rank answered a reporting rank first.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
@@ -28,6 +34,8 @@ STACK_WAIT = 5.0
 #: Seconds past its limit after which a rank still in a test reports and ends the job itself:
 #: long enough for a rank that finished the test to have reported it first.
 FALLBACK = 10.0
+#: Seconds after a test's limit at which faulthandler writes the stack of a rank still in it.
+DUMP_AFTER = 1.5
 # A question that says "I report this test" (a plain question asks only where the rank is).
 REPORTING = "reporting"
 _POLL = 0.1
@@ -60,8 +68,9 @@ def _short(path: str) -> str:
 class Clock:
     """This rank's test in progress, its limit, and the helper thread answering questions."""
 
-    def __init__(self, inquiry: Inquiry, on_overrun: Callable[[str, float], None]) -> None:
+    def __init__(self, inquiry: Inquiry, on_overrun: Callable[[str, float], None], dump_to: Any = None) -> None:
         self.inquiry = inquiry
+        self.dump_to = dump_to  # a file for faulthandler's stack of a stuck rank (None: no dump)
         self.on_overrun = on_overrun
         self.main_ident = threading.main_thread().ident
         self.test: str | None = None
@@ -79,9 +88,13 @@ class Clock:
         """``test`` starts now, limited to ``limit`` seconds (0: no limit)."""
         self.start, self.limit, self._fired, self.reporter = time.monotonic(), limit, False, None
         self.test = test
+        if limit and self.dump_to is not None:
+            faulthandler.dump_traceback_later(limit + DUMP_AFTER, file=self.dump_to)
 
     def disarm(self) -> None:
         self.test = None
+        if self.dump_to is not None:
+            faulthandler.cancel_dump_traceback_later()
 
     def left(self) -> float | None:
         """Seconds left of the test's limit (``None``: no limit)."""
@@ -91,6 +104,8 @@ class Clock:
         """What this rank tells a rank that asks: its test, for how long, where its main thread is."""
         if isinstance(question, tuple) and question[0] == REPORTING:
             self.reporter = question[1]
+            if self.dump_to is not None:  # the reporter gets the stack with this answer
+                faulthandler.cancel_dump_traceback_later()
         where, stack = stack_of(self.main_ident)
         return {"test": self.test, "elapsed": time.monotonic() - self.start, "where": where, "stack": stack}
 

@@ -60,13 +60,14 @@ class Ending:
             failure.end_job(code)
 
     def guard_exit(self, handler: Callable[[int, str], None]) -> None:
-        """Route ``os._exit`` in this process through ``handler(status, where)`` first (a forked
-        child's ``os._exit`` is its own business)."""
+        """Route the main thread's ``os._exit`` in this process through ``handler(status, where)``
+        first (a forked child's is its own business; another thread's, pytest-timeout's say, ends
+        the process as it asks: the main thread may be agreeing on the rendezvous meanwhile)."""
         real, pid = os._exit, os.getpid()
 
         def guarded(status: int) -> None:
             try:
-                if os.getpid() == pid:
+                if os.getpid() == pid and threading.current_thread() is threading.main_thread():
                     caller = sys._getframe(1)
                     handler(status, f"{os.path.relpath(caller.f_code.co_filename)}:{caller.f_lineno}")
             finally:  # whatever the handler met, the process ends as asked

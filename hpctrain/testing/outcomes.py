@@ -24,6 +24,8 @@ error, a report of a stuck test when rank 0 is the stuck one).
 from __future__ import annotations
 
 import io
+import os
+import sys
 import time
 import warnings
 import zlib
@@ -181,8 +183,10 @@ def skip_on_every_rank(item: pytest.Item, reports: list[pytest.TestReport], skip
 def where_is(rank: int, answer: dict[str, Any] | None, nodeid: str) -> tuple[str, str]:
     """``(one line, stack)`` saying where ``rank`` is, from its answer to "where are you?"."""
     if answer is None:
-        return (f"did not answer within {STACK_WAIT:g} s (its process is gone, or stuck in code that holds "
-                "Python's GIL)"), ""
+        line = (f"did not answer within {STACK_WAIT:g} s: stuck in code that holds Python's GIL (mpi4py's "
+                "lowercase collectives, comm.allreduce(x) say, wait so; faulthandler writes its stack on its "
+                "stderr, 'Timeout' then the stack, most recent call first), or its process is gone")
+        return line, line
     if answer["test"] == nodeid:
         line = f"is still in it after {answer['elapsed']:.0f} s, at {answer['where']}"
     elif answer["test"] is None:
@@ -190,6 +194,17 @@ def where_is(rank: int, answer: dict[str, Any] | None, nodeid: str) -> tuple[str
     else:
         line = f"is in another test, {answer['test']}, at {answer['where']}"
     return line, f"rank {rank} {line}; its stack (most recent call last):\n{answer['stack']}"
+
+
+def _stack_file(config: pytest.Config) -> Any:
+    """Where faulthandler writes a stuck rank's stack: this process's stderr as it is now, before
+    pytest captures it (``None`` when pytest's own ``faulthandler_timeout`` uses faulthandler's one timer)."""
+    if float(config.getini("faulthandler_timeout") or 0) > 0:
+        return None
+    try:
+        return os.fdopen(os.dup(sys.stderr.fileno()), "w")
+    except (OSError, ValueError, AttributeError):  # no real stderr (an embedding): no dump
+        return None
 
 
 def limit_of(item: pytest.Item, default: float) -> float:
@@ -214,7 +229,7 @@ class Agreement:
         self.buffer: io.StringIO | None = None
         self.speak = False  # this rank knows something rank 0's report cannot show
         self.exitstatus: int = 0
-        self.clock = Clock(inquiry, self._overrun)
+        self.clock = Clock(inquiry, self._overrun, _stack_file(config))
         self.ending = Ending(self.rank)
         failure.before_abort(self._show_captured)
         failure.before_abort(self.clock.stop)
@@ -263,9 +278,6 @@ class Agreement:
 
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self, config: pytest.Config) -> None:
-        import sys
-        import time
-
         self.ending.restore_exit()
         said = self.exitstatus in _SAID_BY_RANK0 or self.stopped or self.ending.doomed is not None
         if self.buffer is not None and (self.speak or not said):
@@ -327,14 +339,16 @@ class Agreement:
 
     def _agree(self, item: pytest.Item, reports: list[pytest.TestReport], mine: Outcome) -> None:
         """Agree on ``item``'s outcome (bounded waits), then change this rank's reports to it."""
-        left = self.clock.left()
-        wait = self.grace if mine.code not in (PASSED, SKIPPED) or left is None else left + 1.0
+        wait: float | None = self.grace  # after a failure or a stop: a peer may never come
+        if mine.code in (PASSED, SKIPPED):  # the peers have until the test's limit (and a second)
+            left = self.clock.left()
+            wait = None if left is None else left + 1.0
         met = self.meeting.meet((mine.code, zlib.crc32(item.nodeid.encode())), wait)
         if met.missing:
             return self._missing(item, reports, mine, met.missing, wait)
         codes = {r: rec[0] for r, rec in met.records.items()}
-        if len({rec[1] for rec in met.records.values()}) == 1 and set(codes.values()) <= {PASSED}:
-            return None  # the common case: one small message each way
+        if len({rec[1] for rec in met.records.values()}) == 1 and set(codes.values()) in ({PASSED}, {SKIPPED}):
+            return None  # the common cases (passed, or skipped, everywhere): one small message each way
         said = self.meeting.exchange((item.nodeid, mine), self.grace)
         if said.missing:
             return self._missing(item, reports, mine, said.missing, self.grace)
@@ -395,7 +409,10 @@ class Agreement:
         if self.rank == reporter and reports:
             merge(reports, others, self.rank)
             self.speak = self.rank != 0
-        item.session.shouldstop = f"rank(s) {bad} did not finish {item.nodeid}: the job ends"
+        items = item.session.items
+        after = len(items) - 1 - items.index(item) if item in items else 0
+        item.session.shouldstop = (f"rank(s) {bad} did not finish {item.nodeid}: the job ends"
+                                   + (f", {after} test(s) after it not run" if after else ""))
         self.ending.doom(head, code, reporter)
 
     def _exit_in_test(self, code: int, where: str) -> None:

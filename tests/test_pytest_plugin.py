@@ -68,7 +68,7 @@ def _run(tmp_path, body: str, *extra: str, n: int = 2, entry=PYTEST, timeout: fl
            "-p", "no:cacheprovider", "test_user.py", *extra]
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
-                       env=clean_env(COLUMNS="200"))
+                       env=clean_env(COLUMNS="200", PY_COLORS="0"))
     return p, time.monotonic() - t0
 
 

@@ -328,3 +328,22 @@ def test_a_rank_stuck_holding_the_gil_has_its_stack_written_by_faulthandler(seri
     assert f"[rank 1] did not answer within {STACK_WAIT:g} s: stuck in code that holds Python's GIL" in p.stdout, out
     line = _line_of(body, "stuck holding the GIL")
     assert f'test_user.py", line {line} in test_hangs_in_a_collective' in out, out
+
+
+def test_when_rank0_is_the_stuck_rank_the_next_rank_reports(serial, tmp_path):
+    body = """
+        import time
+        from mpi4py import MPI
+
+        def test_rank0_hangs():
+            if MPI.COMM_WORLD.rank == 0:
+                time.sleep(600)  # rank 0 waits here
+    """
+    p, took = _run(tmp_path, body, ini="mpi_timeout = 2")
+    out = p.stdout + p.stderr
+    assert p.returncode == 3 and took < 45, (took, out)
+    assert p.stdout.count("---- rank 1's report (rank 0's does not show it) ----") == 1, out
+    assert p.stdout.count("short test summary info") == 1 and "1 failed in" in p.stdout, out
+    where = f"test_user.py:{_line_of(body, 'waits here')} in test_rank0_hangs"
+    assert "rank 0 is still in it after" in p.stdout and f"at {where}" in p.stdout, out
+    assert "[rank 1] hpctrain (pytest): test_user.py::test_rank0_hangs: rank(s) [0] did not finish it" in p.stderr, out

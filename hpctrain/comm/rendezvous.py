@@ -118,7 +118,7 @@ class Rendezvous:
                 for r in peers:  # a probe first: a receive could not be given up
                     if r not in out.records and self._comm.iprobe(source=r, tag=tag):
                         out.records[r] = self._comm.recv(source=r, tag=tag)
-            except MPI.Exception:  # a peer died (ULFM reports it)
+            except Exception:  # a peer died (ULFM reports it), or sent a meeting's record (out of step)
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break

@@ -92,6 +92,7 @@ class Clock:
             faulthandler.dump_traceback_later(limit + DUMP_AFTER, file=self.dump_to)
 
     def disarm(self) -> None:
+        """The test in progress is over (its faulthandler dump called off)."""
         self.test = None
         if self.dump_to is not None:
             faulthandler.cancel_dump_traceback_later()
@@ -117,6 +118,7 @@ class Clock:
         return self.inquiry.ask(ranks, STACK_WAIT, question, serve=own)  # type: ignore[return-value]
 
     def stop(self) -> None:
+        """Stop the helper thread (the session ends)."""
         self._stop.set()
 
     def _run(self) -> None:

@@ -77,6 +77,7 @@ class Ending:
         os._exit = guarded
 
     def restore_exit(self) -> None:
+        """Put ``os._exit`` back (the session is over)."""
         if self._real_exit is not None:
             os._exit = self._real_exit
             self._real_exit = None

@@ -159,31 +159,37 @@ class Inquiry:
         """Answer every question waiting with ``answer(question)`` (the helper thread calls it often)."""
         status = MPI.Status()
         with self._lock:
-            self._pending = [r for r in self._pending if not r.Test()]
-            while self._comm.iprobe(MPI.ANY_SOURCE, _ASK, status):
-                source = status.Get_source()
-                qid, question = self._comm.recv(source=source, tag=_ASK)
-                self._pending.append(self._comm.isend((qid, answer(question)), dest=source, tag=_TELL))
+            try:
+                self._pending = [r for r in self._pending if not r.Test()]
+                while self._comm.iprobe(MPI.ANY_SOURCE, _ASK, status):
+                    source = status.Get_source()
+                    qid, question = self._comm.recv(source=source, tag=_ASK)
+                    self._pending.append(self._comm.isend((qid, answer(question)), dest=source, tag=_TELL))
+            except MPI.Exception:  # a rank is gone (ULFM reports it): the job is ending; nothing to answer
+                self._pending = []
 
     def ask(self, ranks: Sequence[int], seconds: float, question: object = None,
             serve: Callable[[object], object] | None = None) -> dict[int, object]:
         """Ask ``ranks`` ``question``; their answers that came within ``seconds``. A helper thread
         that asks passes its own ``serve`` answer: two ranks may be asking each other at once."""
-        with self._lock:
-            self._asked += 1
-            qid = (self.rank, self._asked)
-            self._pending.extend(self._comm.isend((qid, question), dest=r, tag=_ASK) for r in ranks)
         answers: dict[int, object] = {}
-        deadline = time.monotonic() + seconds
-        status = MPI.Status()
-        while len(answers) < len(ranks) and time.monotonic() < deadline:
-            if serve is not None:
-                self.serve(serve)
+        try:
             with self._lock:
-                while self._comm.iprobe(MPI.ANY_SOURCE, _TELL, status):
-                    source = status.Get_source()
-                    got, answer = self._comm.recv(source=source, tag=_TELL)
-                    if got == qid:  # a late answer to an earlier question is stale
-                        answers[source] = answer
-            time.sleep(0.02)
+                self._asked += 1
+                qid = (self.rank, self._asked)
+                self._pending.extend(self._comm.isend((qid, question), dest=r, tag=_ASK) for r in ranks)
+            deadline = time.monotonic() + seconds
+            status = MPI.Status()
+            while len(answers) < len(ranks) and time.monotonic() < deadline:
+                if serve is not None:
+                    self.serve(serve)
+                with self._lock:
+                    while self._comm.iprobe(MPI.ANY_SOURCE, _TELL, status):
+                        source = status.Get_source()
+                        got, answer = self._comm.recv(source=source, tag=_TELL)
+                        if got == qid:  # a late answer to an earlier question is stale
+                            answers[source] = answer
+                time.sleep(0.02)
+        except MPI.Exception:  # a rank asked is gone (ULFM reports it): the answers so far
+            pass
         return answers

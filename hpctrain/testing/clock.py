@@ -117,6 +117,12 @@ class Clock:
         own = self.answer if threading.current_thread() is self.thread else None
         return self.inquiry.ask(ranks, STACK_WAIT, question, serve=own)  # type: ignore[return-value]
 
+    def serve_for(self, seconds: float) -> None:
+        """Go on answering questions for ``seconds`` (the helper thread, while it waits)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not self._stop.wait(_POLL):
+            self.inquiry.serve(self.answer)
+
     def stop(self) -> None:
         """Stop the helper thread (the session ends)."""
         self._stop.set()

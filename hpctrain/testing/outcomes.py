@@ -343,9 +343,11 @@ class Agreement:
         if mine.code in (PASSED, SKIPPED):  # the peers have until the test's limit (and a second)
             left = self.clock.left()
             wait = None if left is None else left + 1.0
+        t0 = time.monotonic()
         met = self.meeting.meet((mine.code, zlib.crc32(item.nodeid.encode())), wait)
-        if met.missing:
-            return self._missing(item, reports, mine, met.missing, wait)
+        if met.missing:  # (before the deadline: the library reported them lost, under ULFM)
+            gone = wait is not None and time.monotonic() - t0 < wait - 0.5
+            return self._missing(item, reports, mine, met.missing, wait, gone)
         codes = {r: rec[0] for r, rec in met.records.items()}
         if len({rec[1] for rec in met.records.values()}) == 1 and set(codes.values()) in ({PASSED}, {SKIPPED}):
             return None  # the common cases (passed, or skipped, everywhere): one small message each way
@@ -385,7 +387,7 @@ class Agreement:
         return None
 
     def _missing(self, item: pytest.Item, reports: list[pytest.TestReport], mine: Outcome, missing: list[int],
-                 wait: float) -> None:
+                 wait: float, gone: bool = False) -> None:
         """Some rank did not finish the test in time: the lowest rank that did asks the silent
         ones where they are and reports it all; the job ends once pytest has said what ran."""
         reporter = min(set(range(self.size)) - set(missing))
@@ -394,6 +396,8 @@ class Agreement:
         if mine.code == FAILED:
             head = (f"{item.nodeid} FAILED on rank {self.rank}, and rank(s) {missing} did not finish it within "
                     f"{wait:g} s (waiting in a collective this rank left?)")
+        elif gone:
+            head = f"{item.nodeid}: rank(s) {missing} did not finish it: gone (the MPI library reports them lost)"
         else:
             head = (f"{item.nodeid}: rank(s) {missing} did not finish it within its limit of "
                     f"{limit_of(item, self.timeout):g} s")
@@ -432,7 +436,7 @@ class Agreement:
         answers = self.clock.ask(peers)
         stuck = [self.rank] + [r for r, a in answers.items() if a["test"] == test]
         if self.rank != min(stuck):
-            time.sleep(FALLBACK)  # that rank's MPI_Abort normally ends this process first
+            self.clock.serve_for(FALLBACK)  # that rank asks this one, then its MPI_Abort ends this process
         mine = self.clock.answer(None)
         lines = [f"hpctrain (pytest): {test} has run {elapsed:.0f} s on rank {self.rank}, past its limit of "
                  f"{self.clock.limit:g} s; no rank finished it to report it; rank(s) {sorted(stuck)} are in it"]

@@ -199,8 +199,11 @@ def where_is(rank: int, answer: dict[str, Any] | None, nodeid: str) -> tuple[str
 def _stack_file(config: pytest.Config) -> Any:
     """Where faulthandler writes a stuck rank's stack: this process's stderr as it is now, before
     pytest captures it (``None`` when pytest's own ``faulthandler_timeout`` uses faulthandler's one timer)."""
-    if float(config.getini("faulthandler_timeout") or 0) > 0:
-        return None
+    try:
+        if float(config.getini("faulthandler_timeout") or 0) > 0:
+            return None
+    except ValueError:  # -p no:faulthandler: no such ini key, and faulthandler's timer is free
+        pass
     try:
         return os.fdopen(os.dup(sys.stderr.fileno()), "w")
     except (OSError, ValueError, AttributeError):  # no real stderr (an embedding): no dump

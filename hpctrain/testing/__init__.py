@@ -10,12 +10,17 @@ entry point ``hpctrain``) makes the ranks agree on each test's outcome when it e
 
 - a test that fails on any rank fails on every rank, and rank 0's report shows each failing rank's
   traceback and captured output;
-- a rank that does not finish a test (it waits in a collective a failed peer left, or hangs)
-  ends the job, naming the test and the ranks that did not answer, with the failing rank's report
-  on stderr: within ``--mpi-failure-grace`` seconds (default 10) of a failure, else
-  ``--mpi-timeout`` (default 300; ``0``: no limit);
+- each test has a limit, ``--mpi-timeout`` seconds from its start on every rank (default 60;
+  ini ``mpi_timeout``; ``@pytest.mark.mpi_timeout(seconds)`` for one test; ``0``: no limit). A
+  rank still in the test then is asked where it is: rank 0's report of the test shows its Python
+  stack (file and line), pytest stops and prints its summary, and the job ends (``MPI_Abort``,
+  exit 3). A rank that failed the test waits only ``--mpi-failure-grace`` seconds (default 10);
+- ``pytest.exit`` or ``KeyboardInterrupt`` on one rank stops every rank's session alike;
+  ``os._exit`` in a test on one rank ends the job non-zero after rank 0's summary names the rank;
+  a skip on some ranks only is a skip on every rank;
 - rank 0 reports; the other ranks print only what rank 0 cannot show (their own collection
-  errors, an internal error).
+  errors, an internal error). Several ranks without ``--with-mpi`` get a warning that pytest-mpi
+  skips the tests marked ``mpi``.
 
 One rank (plain ``pytest``) changes nothing. ``-p no:hpctrain`` turns the plugin off.
 """

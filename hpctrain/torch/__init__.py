@@ -8,8 +8,9 @@
     htt.load("ckpt", model=ddp, optimizer=opt, sampler=sampler)             # all or nothing
 
 ``hpctrain.torch.fit`` runs a step function with checkpoints, preemption at step boundaries, the
-stall watchdog and, under ULFM, ``on_rank_loss="shrink"``. ``import hpctrain`` never imports torch:
-only ``import hpctrain.torch`` does.
+stall watchdog and, under ULFM, ``on_rank_loss="shrink"``; a loop of one's own checks
+``hpctrain.torch.stop_requested(comm)`` at each step to stop at a step boundary the same way.
+``import hpctrain`` never imports torch: only ``import hpctrain.torch`` does.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ except ImportError as exc:  # pragma: no cover - said to whoever imports us with
 
 from .checkpoint import Loaded, load, save, wait
 from .ddp import DistributedDataParallel
-from .fitting import FitResult, fit
+from .fitting import FitResult, fit, stop_requested
 from .sharding import ShardedSampler
 from .zero_optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["DistributedDataParallel", "FitResult", "Loaded", "ShardedSampler", "ZeroRedundancyOptimizer", "fit", "load",
-           "save", "wait"]
+           "save", "stop_requested", "wait"]

@@ -166,6 +166,28 @@ class _Run:
         raise Preempted(r.global_step, r.checkpoint if self.directory is not None else None, preempt.reason())
 
 
+def stop_requested(comm: Communicator | None = None) -> bool:
+    """Whether any rank of ``comm`` (default: every rank) was asked to stop: what ``fit`` checks
+    after each step, for a loop of one's own. Collective (one small all-reduce): call it at the same
+    point of every step on every rank; it is ``True`` on all of them at the same step.
+
+    Its first call installs ``hpctrain.preempt``'s handlers when none are: from then on SIGTERM,
+    SIGUSR1 and the first Ctrl-C ask for a stop instead of ending the process (call it once before
+    the loop to have them from the first step); a second Ctrl-C still ends the job at once. Once
+    ``True`` it stays so (``hpctrain.preempt.clear()`` forgets the request)::
+
+        for x, y in loader:
+            ...                                   # forward, backward, opt.step()
+            step += 1
+            if htt.stop_requested(ddp.comm):
+                htt.save("ckpt", step=step, model=ddp, optimizer=opt, sampler=sampler)
+                sys.exit(hpctrain.errors.ExitStatus.PREEMPTED)   # 75: resubmit, load, go on
+    """
+    if not preempt.installed():
+        preempt.install()
+    return agree_stop(Communicator() if comm is None else comm)
+
+
 def _checkpoints(directory: str) -> list[str]:
     from ..checkpoint import list_checkpoints
 

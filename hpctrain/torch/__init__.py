@@ -1,4 +1,4 @@
-"""PyTorch models over MPI with hpctrain (needs PyTorch: ``pip install torch``).
+"""PyTorch models over MPI with hpctrain (needs PyTorch: ``make torch-venv`` in a clone, or docs/torch.md).
 
     import hpctrain.torch as htt
     ddp = htt.DistributedDataParallel(model)                 # an nn.Module: ddp(x), ddp.module
@@ -18,7 +18,8 @@ from __future__ import annotations
 try:
     import torch  # noqa: F401
 except ImportError as exc:  # pragma: no cover - said to whoever imports us without torch
-    raise ImportError("hpctrain.torch needs PyTorch: pip install torch") from exc
+    raise ImportError("hpctrain.torch needs PyTorch: pip install torch (on Linux PyPI's is the CUDA build; the "
+                      "pinned CPU one: make torch-venv in the clone, or the pip command of docs/torch.md)") from exc
 
 from .checkpoint import Loaded, load, save, wait
 from .ddp import DistributedDataParallel

@@ -205,6 +205,11 @@ def test_the_example_trains_as_the_readme_says(serial, tmp_path):
     assert "GPT of 17," in p.stdout and "2 ranks, global batch 16" in p.stdout, p.stdout
     assert "step 4 | loss " in p.stdout and "done: 4 steps" in p.stdout, p.stdout
     assert sorted(f.name for f in (tmp_path / "ckpt").glob("*.h5")) == ["ckpt-00000003.h5", "ckpt-00000004.h5"]
+    # Run again (after a Ctrl-C, a time limit): it says it resumes, and counts on from step 4.
+    p = hpctrain(*args[:-5], "6", *args[-4:], n=2, entry=("examples/torch_train.py",), cwd=REPO, timeout=160)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"resuming from {tmp_path / 'ckpt' / 'ckpt-00000004.h5'}: step 4, epoch 1" in p.stdout, p.stdout
+    assert "step 6 | loss " in p.stdout and "step 2 |" not in p.stdout and "done: 6 steps" in p.stdout, p.stdout
 
 
 def test_import_hpctrain_never_imports_torch(serial):

@@ -96,9 +96,11 @@ test-openmpi-subset: venv
 
 # PyTorch models over MPI (hpctrain.torch, the torch extra): torch joins the venv of the MPI in use.
 # PyPI's torch for Linux is the CUDA build (a 0.5 GB wheel that pulls several GB of CUDA libraries),
-# so the pinned CPU build comes from PyTorch's own index, named beside PyPI in the one command
-# docs/torch.md gives (the local version +cpu is there only; torch's few pure-Python dependencies
-# come from either). `make test-torch` runs the torch tests serially and under -n 2 and -n 4
+# so the pinned CPU build comes from PyTorch's own index. docs/torch.md gives it as one command, that
+# index named beside PyPI (the local version +cpu is there only); here torch comes from it alone
+# (--no-deps), then its few pure-Python dependencies with the extra from PyPI: pip asks that index
+# for torch only (where it cannot be reached, as in a sandbox, the retries cost one package, not
+# each dependency). `make test-torch` runs the torch tests serially and under -n 2 and -n 4
 # (MPICH), then the lost-rank case under Open MPI's ULFM.
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
@@ -108,7 +110,8 @@ TORCH_TESTS   := tests/test_torch_ddp.py tests/test_torch_zero.py tests/test_tor
 torch-venv: $(TORCH_STAMP)
 
 $(TORCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[$(EXTRAS),torch]' 'torch==$(TORCH_VERSION)+cpu' --extra-index-url $(TORCH_INDEX)
+	$(PY) -m pip install -q --no-deps --index-url $(TORCH_INDEX) 'torch==$(TORCH_VERSION)+cpu'
+	$(PY) -m pip install -q -e '.[$(EXTRAS),torch]'
 	touch $(TORCH_STAMP)
 
 test-torch: torch-venv

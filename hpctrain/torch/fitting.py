@@ -31,7 +31,7 @@ from ..comm.health import Health
 from ..errors import Preempted
 from ..training.loop import agree_stop
 from .checkpoint import Loaded, comm_of, load, save, wait
-from .resilience import Shrink, shrink_problem
+from .resilience import Shrink, guard_exit, shrink_problem
 from .sharding import ShardedSampler
 
 ON_RANK_LOSS = ("abort", "shrink")
@@ -217,6 +217,7 @@ def fit(step: Callable[[Any], Any], loader: torch.utils.data.DataLoader, *, epoc
     if on_rank_loss == "shrink":
         run.comm.raise_if_any(shrink_problem(objects), what="hpctrain.torch.fit")
         run.shrink = Shrink(run.objects, sampler, loader.batch_size * run.comm.size)
+    guard_exit(run.comm)  # under ULFM: a rank lost later does not hang the others' MPI_Finalize
     installed = preempt.install() if signals else []
     try:
         if resume:

@@ -154,8 +154,9 @@ def _meet_at_exit() -> None:
     arrived = meeting.meet([], None)
     if not arrived.missing:
         return  # everyone is here and alive: MPI_Finalize as usual
-    known = set(ulfm.lost_ranks())  # said by the shrink already
-    new = [r for r in arrived.missing if r not in known]
+    # The dead ULFM knows of, less those the shrink said already (a rank still on its way when the
+    # meeting broke off is missing too, but alive: it ends the same way when it gets here).
+    new = sorted(set(arrived.missing) & set(ulfm.failed_ranks()) - set(ulfm.lost_ranks()))
     if new and meeting.rank == min(arrived.records):
         failure.write_lines(f"hpctrain.torch: rank(s) {failure.rank_ranges(new)} of {meeting.size} died before the "
                             "end of the program; the others end without MPI_Finalize, which would wait for them")

@@ -35,7 +35,7 @@ def main(out: str, mode: str, ranks: str, steps: str, on_rank_loss: str = "shrin
     torch.set_num_threads(1)
     comm = Communicator()
     world_rank = comm.rank
-    at = dict(zip(map(int, ranks.split(",")), map(int, steps.split(",")))) if mode != "none" else {}
+    at = dict(zip(map(int, ranks.split(",")), map(float, steps.split(",")))) if mode != "none" else {}
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 6, generator=g, dtype=torch.float64),
                                           torch.randn(SAMPLES, 2, generator=g, dtype=torch.float64))

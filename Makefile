@@ -34,10 +34,13 @@ MPIFLAGS ?=
 
 venv: $(STAMP)
 
+# cuda-check: NVRTC wheels, so tests/test_cuda_kernels.py compiles every CUDA kernel without a GPU.
+EXTRAS := $(MPI),test,cuda-check,fast,tensorboard
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 # make test: the quick check (under 6 minutes on 2 cores). make test-long: what it leaves out, the
@@ -91,11 +94,14 @@ test-openmpi-subset: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 2 $(PY) $(PYTEST_MPI) $(OPENMPI_MPI)
 	HPCTRAIN_TEST_RACE=$(RACE_RUNS) $(PY) -m pytest -q -p no:cacheprovider -m race tests/test_ulfm.py
 
-# PyTorch models over MPI (hpctrain.torch, `pip install hpctrain[torch]`): torch joins the venv of the
-# MPI in use. PyPI's torch for Linux is the CUDA build (a 0.5 GB wheel that pulls several GB of CUDA
-# libraries), so the pinned CPU build comes from PyTorch's own index first (--no-deps: torch's few
-# pure-Python dependencies then come from PyPI with the extra). `make test-torch` runs the torch
-# tests serially and under -n 2 and -n 4 (MPICH), then the lost-rank case under Open MPI's ULFM.
+# PyTorch models over MPI (hpctrain.torch, the torch extra): torch joins the venv of the MPI in use.
+# PyPI's torch for Linux is the CUDA build (a 0.5 GB wheel that pulls several GB of CUDA libraries),
+# so the pinned CPU build comes from PyTorch's own index. docs/torch.md gives it as one command, that
+# index named beside PyPI (the local version +cpu is there only); here torch comes from it alone
+# (--no-deps), then its few pure-Python dependencies with the extra from PyPI: pip asks that index
+# for torch only (where it cannot be reached, as in a sandbox, the retries cost one package, not
+# each dependency). `make test-torch` runs the torch tests serially and under -n 2 and -n 4
+# (MPICH), then the lost-rank case under Open MPI's ULFM.
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 TORCH_STAMP   := $(VENV)/.torch-$(TORCH_VERSION)
@@ -105,7 +111,7 @@ torch-venv: $(TORCH_STAMP)
 
 $(TORCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps --index-url $(TORCH_INDEX) 'torch==$(TORCH_VERSION)+cpu'
-	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard,torch]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS),torch]'
 	touch $(TORCH_STAMP)
 
 test-torch: torch-venv
@@ -153,7 +159,7 @@ bench: venv
 # reference, fails it too (mkdocs builds such a page and says nothing).
 DOCS_STAMP := $(VENV)/.docs-installed
 $(DOCS_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[$(MPI),test,fast,tensorboard,docs]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS),docs]'
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)

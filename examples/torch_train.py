@@ -128,13 +128,19 @@ def main(argv: list[str] | None = None) -> int:
             clock["t"] = time.perf_counter()
         return loss.item()
 
+    def resumed(got: htt.Loaded) -> None:  # fit found a checkpoint in --checkpoint-dir: go on from its step
+        clock["steps"] = got.step
+        if comm.rank == 0:
+            print(f"resuming from {got.path}: step {got.step}, epoch {got.epoch + 1}", flush=True)
+
     try:
         result = htt.fit(step, loader, epochs=args.epochs, max_steps=args.max_steps,
                          checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                         on_rank_loss=args.on_rank_loss, model=ddp, optimizer=opt)
+                         on_rank_loss=args.on_rank_loss, on_resume=resumed, model=ddp, optimizer=opt)
     except Preempted as stop:
         if comm.rank == 0:
-            print(f"stopped: {stop}", flush=True)
+            again = " (run the same command again to resume from it)" if stop.checkpoint else ""
+            print(f"stopped: {stop}{again}", flush=True)
         return stop.exit_status
     if ddp.comm.rank == 0:
         last = sum(result.history[-10:]) / max(1, len(result.history[-10:]))

@@ -12,8 +12,13 @@ that step and stops with :class:`hpctrain.errors.Preempted`.
     except hpctrain.errors.Preempted as stop:
         sys.exit(stop.exit_status)   # requeue and resume later
 
+A loop of one's own checks the flag the same way at each step: ``hpctrain.torch.stop_requested(comm)``
+(it installs the handlers on its first call) is ``True`` on every rank at the same step once any
+rank was asked to stop; the loop then saves and exits with ``ExitStatus.PREEMPTED`` (75).
+
 A second SIGINT (Ctrl-C pressed again while the job winds down) raises ``KeyboardInterrupt`` as
-usual: the impatient user still gets out at once.
+usual: the impatient user still gets out at once. Without these handlers the first Ctrl-C is
+Python's ``KeyboardInterrupt``, and the job ends at once without a checkpoint.
 """
 
 from __future__ import annotations
@@ -56,11 +61,22 @@ def clear() -> None:
     _signal.clear()
 
 
+class InterruptedAgain(KeyboardInterrupt):
+    """Ctrl-C pressed again after a first one asked for a stop: out now (what the job says tells it
+    from a first Ctrl-C that nothing handled, even once the request is cleared on the way out)."""
+
+
 def _handler(signum: int, frame: Any) -> None:
     name = signal.Signals(signum).name
     if signum == signal.SIGINT and _flag.is_set():
-        raise KeyboardInterrupt  # the second Ctrl-C: out now
+        raise InterruptedAgain  # the second Ctrl-C: out now
     request(name)
+
+
+def installed() -> bool:
+    """Whether :func:`install`'s handlers are in place (a signal asks for a stop instead of ending
+    the process)."""
+    return bool(_previous)
 
 
 def install(signals: Iterable[str] = SIGNALS) -> list[str]:

@@ -1,5 +1,5 @@
 """The GPU kernels, checked without a GPU (issue 40): every CUDA source compiles for sm_90 through
-NVRTC (``cuda-bindings`` and the NVRTC wheel, in the test extra; cached by the source's hash), and
+NVRTC (``cuda-bindings`` and the NVRTC wheel, in the cuda-check extra; cached by the source's hash), and
 each kernel's algorithm is checked against its NumPy twin as a NumPy model of what its blocks do.
 On a GPU, ``make gpu-check`` runs the kernels themselves against the twins."""
 
@@ -34,9 +34,10 @@ def _nvrtc_compile(source: str, arch: str = "sm_90") -> tuple[bool, str]:
 
 
 def test_every_kernel_compiles_for_sm90_with_nvrtc():
-    """A compile error fails CI, not the GPU run. Needs the test extra's ``cuda-bindings`` and
+    """A compile error fails CI, not the GPU run. Needs the cuda-check extra's ``cuda-bindings`` and
     ``nvidia-cuda-nvrtc`` (``make venv`` installs them); a passing source is remembered by hash."""
-    pytest.importorskip("cuda.bindings.nvrtc", reason="pip install cuda-bindings nvidia-cuda-nvrtc (the test extra)")
+    pytest.importorskip("cuda.bindings.nvrtc",
+                        reason="pip install cuda-bindings nvidia-cuda-nvrtc (the cuda-check extra)")
     source = cuda_src.source()
     digest = hashlib.sha256((source + repr(cuda_src.OPTIONS)).encode()).hexdigest()[:20]
     stamp = CACHE / f"{digest}.ok"

@@ -4,6 +4,8 @@ with one error on every rank (issue 39)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -112,6 +114,60 @@ def test_unused_parameters_count_as_zero_or_stay_none_everywhere(comm):
         (ref(x, "a").sum() / comm.size + (ref(x, "b").sum() * (comm.size - 1) / comm.size)).backward()
         for p, q in zip(ddp2.module.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_parameter_frozen_mid_run_stops_moving_as_in_one_process(comm):
+    # Frozen after two steps (fine-tuning): no gradient from then on, so AdamW (weight decay, moments)
+    # leaves it alone, as it does in one process; the reduction still pairs (it sends a zero).
+    data = batches(4)
+    model = mlp()
+    ddp = htt.DistributedDataParallel(model, comm, bucket_mb=SMALL)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.05, weight_decay=0.1)
+    ref = mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    train(ddp, opt, data[:2], comm.rank, comm.size)
+    train(ref, ref_opt, data[:2])
+    model[0].weight.requires_grad_(False)
+    ref[0].weight.requires_grad_(False)
+    before = model[0].weight.detach().clone()
+    train(ddp, opt, data[2:], comm.rank, comm.size)
+    train(ref, ref_opt, data[2:])
+    assert model[0].weight.grad is None and ref[0].weight.grad is None
+    assert torch.equal(model[0].weight, before)
+    assert max_diff(model, ref) < 1e-12
+
+
+@pytest.mark.mpi(min_size=2)
+def test_no_sync_on_some_ranks_only_is_one_error_on_every_rank_at_once(comm):
+    # Rank 0 accumulates one micro-batch more than the others: its reduction would pair with their
+    # next one, a hang until the stall watchdog. Every rank raises at the end of the paired backward.
+    import time
+
+    comm.set_timeout(60)  # before the check: the watchdog's report after 60 s, not an error
+    (x1, y1), (x2, y2) = batches(2)
+    ddp = htt.DistributedDataParallel(mlp(), comm, bucket_mb=SMALL)
+    t0 = time.monotonic()
+    with pytest.raises(MismatchError, match=r"ranks ran different numbers of backwards under ddp.no_sync\(\) before "
+                                            r"this synchronised one \(0 to 1; this rank [01]\)"):
+        for i, (x, y) in enumerate([(x1, y1), (x2, y2)]):
+            ctx = ddp.no_sync() if comm.rank == 0 and i == 0 else contextlib.nullcontext()
+            with ctx:
+                torch.nn.functional.mse_loss(ddp(share(x, comm.rank, comm.size)), share(y, comm.rank, comm.size)
+                                             ).backward()
+    assert time.monotonic() - t0 < 30
+    # The wrapper goes on once the ranks agree again.
+    torch.nn.functional.mse_loss(ddp(share(x1, comm.rank, comm.size)), share(y1, comm.rank, comm.size)).backward()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_parameters_frozen_on_some_ranks_only_are_refused_on_every_rank(comm):
+    model = mlp()
+    ddp = htt.DistributedDataParallel(model, comm, bucket_mb=SMALL)
+    model[2].bias.requires_grad_(comm.rank != 0)
+    x, y = batches(1)[0]
+    with pytest.raises(MismatchError, match="the ranks froze different parameters"):
+        torch.nn.functional.mse_loss(ddp(share(x, comm.rank, comm.size)), share(y, comm.rank, comm.size)).backward()
 
 
 @pytest.mark.mpi(min_size=2)

@@ -88,3 +88,26 @@ def test_zero1_refuses_what_a_flat_buffer_cannot_hold(comm):
     opt = htt.ZeroRedundancyOptimizer(mlp().parameters(), torch.optim.SGD, comm, lr=0.1)
     with pytest.raises(NotImplementedError, match="after construction"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero1_refuses_optimizers_that_are_not_elementwise(comm):
+    # On a piece of the flattened parameters they compute something else (Adafactor's factored
+    # moments, Muon's orthogonalisation) or cannot run at all (LBFGS): refused, saying why.
+    for klass in (torch.optim.LBFGS, torch.optim.Adafactor, getattr(torch.optim, "Muon", torch.optim.LBFGS)):
+        with pytest.raises(ValueError, match=rf"torch.optim.*{klass.__name__} is not one of torch's elementwise "
+                                             r"optimizers \(SGD, Adam, AdamW.*\): use it without ZeRO, or"):
+            htt.ZeroRedundancyOptimizer(mlp().parameters(), klass, comm, lr=0.1)
+
+    class MySGD(torch.optim.SGD):  # a subclass may change the rule: it must say it is elementwise
+        pass
+
+    with pytest.raises(ValueError, match="MySGD is not one of torch's elementwise optimizers"):
+        htt.ZeroRedundancyOptimizer(mlp().parameters(), MySGD, comm, lr=0.1)
+    model, ref = mlp(), mlp()
+    ddp = htt.DistributedDataParallel(model, comm)
+    opt = htt.ZeroRedundancyOptimizer(ddp.parameters(), MySGD, comm, elementwise=True, lr=0.1)
+    data = batches(2)
+    train(ddp, opt, data, comm.rank, comm.size)
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
+    assert max_diff(model, ref) < 1e-12

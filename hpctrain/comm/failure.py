@@ -14,7 +14,7 @@ The pieces, used by the watchdog, the excepthook and ``hpctrain train``:
 - ``exited(exc)``: a rank that calls ``sys.exit`` while the others go on is reported at once as
   "rank R exited with status S" and ends the job with that status, instead of leaving the others
   waiting for the watchdog. A ``KeyboardInterrupt`` (Ctrl-C pressed again while a stop is under
-  way) ends the job with one line and status 130, no traceback.
+  way, or a first one nothing handled) ends the job with one line and status 130, no traceback.
 """
 
 from __future__ import annotations
@@ -243,15 +243,22 @@ def exited(exc: SystemExit, what: str = "hpctrain") -> int:
     return code  # not reached
 
 
-def interrupted(what: str = "hpctrain") -> None:
-    """Ctrl-C again while the job stops (``KeyboardInterrupt``): one line, said once when every
-    rank was interrupted, and the whole job ends at once with status 130 (no checkpoint)."""
+def interrupted(what: str = "hpctrain", again: bool = True) -> None:
+    """Ctrl-C (``KeyboardInterrupt``): one line, said once when every rank was interrupted, and
+    the whole job ends at once with status 130 (no checkpoint). ``again``: a first Ctrl-C had
+    asked for a stop (``hpctrain.preempt``'s handlers); otherwise nothing handled this one (a loop
+    of one's own), and the line says how to stop at a step with a checkpoint."""
     rank, size = _world()
     everyone = size > 1 and _all_failed(AGREE_GRACE)
     if rank == 0 or not everyone:
         where = f"on rank {rank} of {size}" if not everyone else f"on all {size} ranks"
-        write_lines(f"{what}: interrupted (Ctrl-C again) {where}; ending the job now, without writing a checkpoint "
-                    "(one Ctrl-C or SIGTERM stops at the next step with one)")
+        if again:
+            hint = "(the first Ctrl-C or SIGTERM asked for a stop at the next step, with one)"
+        else:  # nothing asked for a stop: Python's default Ctrl-C, which a loop of one's own gets
+            hint = ("(to stop at the next step with one instead, check hpctrain.torch.stop_requested() at each step "
+                    "of your own loop, or use hpctrain.torch.fit or hpctrain train, which do)")
+        write_lines(f"{what}: interrupted (Ctrl-C{' again' if again else ''}) {where}; ending the job now, "
+                    f"without writing a checkpoint {hint}")
     if size == 1:
         return
     if everyone and rank != 0:
@@ -363,7 +370,9 @@ def _excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
         exc = exc.with_traceback(tb)
     rank, size = _world()
     if issubclass(exc_type, KeyboardInterrupt):
-        interrupted()
+        from .. import preempt
+
+        interrupted(again=isinstance(exc, preempt.InterruptedAgain) or preempt.requested())
         return
     tagged = raised_everywhere(exc)
     if not (tagged or _all_failed(AGREE_GRACE)):

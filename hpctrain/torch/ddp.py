@@ -18,12 +18,21 @@ hpctrain's pieces:
   on the autograd engine runs at the end of backward: it marks what got no gradient (a zero
   contribution), waits for every bucket, and so the optimizer steps on the mean over the global
   batch.
+- Each synchronised backward first starts one small non-blocking all-reduce of what must pair
+  across ranks: the backwards under ``no_sync`` since the last reduction (``no_sync`` on some ranks
+  only, or another number of accumulated micro-batches, pairs one rank's reduction with another's
+  next one)
+  and which parameters are frozen (``requires_grad=False`` since construction). It completes with
+  the buckets, so a mismatch is one ``MismatchError`` on every rank at the end of that backward,
+  not a hang until the stall watchdog. A parameter frozen on every rank gets ``.grad = None``
+  after the reduction, as in one process (a zero gradient would still move it under AdamW).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +41,7 @@ import torch
 
 from ..comm import Communicator
 from ..comm.buckets import GradBuckets
+from ..errors import MismatchError
 from . import views
 
 #: What the agreement across ranks is about, in its error message.
@@ -93,6 +103,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync_enabled = True
         self._will_sync = False
         self._armed = False
+        self._local = 0  # backwards under no_sync() since the last synchronised one (the pairing check)
+        self._in_local = False  # a backward under no_sync() is running (its end counts it)
+        self._pairing: Any = None  # that check's request while its backward runs, and its buffer
         self._learned = False
         self.comm_seconds = 0.0
         self._slots: list[_Slot] = []
@@ -202,12 +215,16 @@ class DistributedDataParallel(torch.nn.Module):
         """The parameter's gradient is final for this backward: into its bucket slice, scaled;
         the bucket starts when it is full."""
         if not self._will_sync:
+            if not self._in_local:  # the first gradient of a backward under no_sync(): count it at its end
+                self._in_local = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_local)
             return
         if not self._armed:
             self.buckets.begin()
             for s in self._slots:
                 s.ready = False
             self._armed = True
+            self._start_pairing()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if slot.ready:
             raise RuntimeError(f"parameter {slot.name} got its gradient twice in one synchronised backward: run "
@@ -216,12 +233,51 @@ class DistributedDataParallel(torch.nn.Module):
         slot.ready = True
         self.buckets.mark_ready((slot,))
 
+    def _end_local(self) -> None:
+        self._local += 1
+        self._in_local = False
+
+    def _start_pairing(self) -> None:
+        """Start the check that this reduction pairs with the same one on every rank (before the
+        first bucket, so the two are matched in order): the maximum of ``v`` and of ``-v`` for
+        ``v`` = (backwards under ``no_sync()`` since the last reduction, a digest of the frozen
+        parameters)."""
+        local, self._local = self._local, 0
+        if self.comm.size == 1:
+            return
+        frozen = bytes(0 if s.param.requires_grad else 1 for s in self._slots)
+        v = [float(local), float(zlib.crc32(frozen))]
+        buf = np.array(v + [-x for x in v], dtype=np.float64)
+        self._pairing = (self.comm.iallreduce(buf, op="max", out=buf), buf, v)
+
+    def _check_pairing(self) -> None:
+        """Wait for the pairing check; a mismatch raises the same ``MismatchError`` on every rank."""
+        if self._pairing is None:
+            return
+        req, buf, mine = self._pairing
+        self._pairing = None
+        req.wait()
+        n = len(mine)
+        (lmax, zmax), (lmin, zmin) = buf[:n], -buf[n:]
+        if lmax != lmin:
+            raise MismatchError(
+                f"DistributedDataParallel: the ranks ran different numbers of backwards under ddp.no_sync() before "
+                f"this synchronised one ({int(lmin)} to {int(lmax)}; this rank {int(mine[0])}), so one rank's "
+                "reduction paired with another's next one: accumulate the same number of micro-batches under "
+                "no_sync() on every rank")
+        if zmax != zmin:
+            frozen = [s.name for s in self._slots if not s.param.requires_grad]
+            raise MismatchError(
+                "DistributedDataParallel: the ranks froze different parameters (requires_grad=False); this rank "
+                f"froze {frozen if frozen else 'none'}: freeze the same parameters on every rank")
+
     def _adopt(self, slot: _Slot) -> None:
-        """``slot``'s gradient into its bucket slice, times ``1 / size``; ``.grad`` is the slice."""
+        """``slot``'s gradient into its bucket slice, times ``1 / size``; ``.grad`` is the slice.
+        A frozen parameter contributes a zero (its gradient is dropped after the reduction)."""
         p, view, size = slot.param, slot.tensor, self.comm.size
         g = p.grad
         with torch.no_grad():
-            if g is None:
+            if g is None or not p.requires_grad:
                 view.zero_()
             elif g.is_sparse:
                 raise RuntimeError(f"parameter {slot.name} has a sparse gradient; DistributedDataParallel reduces "
@@ -250,8 +306,12 @@ class DistributedDataParallel(torch.nn.Module):
             self.buckets.finish()
             views.handed_back(self._slots[0].param)
             self.comm_seconds = self.buckets.comm_seconds - before
+            self._check_pairing()
             for s in nowhere:
                 s.param.grad = None
+            for s in self._slots:  # frozen (on every rank: the check agreed): no gradient, as in one process
+                if not s.param.requires_grad:
+                    s.param.grad = None
             if not self._learned:  # start buckets from now on in the order rank 0's backward filled them
                 self.buckets.adopt_order()
                 self._learned = True
@@ -270,6 +330,10 @@ class DistributedDataParallel(torch.nn.Module):
     def _abandon(self) -> None:
         """Forget the reduction in progress (its backward raised)."""
         self._armed = False
+        self._local = 0
+        if self._pairing is not None:  # started before any bucket: every peer that started a bucket started it
+            req, self._pairing = self._pairing[0], None
+            req.wait()
         for s in self._slots:
             s.ready = False
         if self.buckets is not None:

@@ -30,8 +30,8 @@ from ..comm import Communicator, watchdog
 from ..comm.health import Health
 from ..errors import Preempted
 from ..training.loop import agree_stop
-from .checkpoint import comm_of, load, save, wait
-from .resilience import Shrink, shrink_problem
+from .checkpoint import Loaded, comm_of, load, save, wait
+from .resilience import Shrink, guard_exit, shrink_problem
 from .sharding import ShardedSampler
 
 ON_RANK_LOSS = ("abort", "shrink")
@@ -90,8 +90,9 @@ class _Run:
     """One ``fit``: the counters, the loader (rebuilt after a lost rank) and what is saved."""
 
     def __init__(self, step: Callable[[Any], Any], loader: Any, objects: dict[str, Any], *, sampler: ShardedSampler,
-                 directory: str | None, every: int, keep: int, asynchronous: bool, timeout: float | None) -> None:
-        self.step, self.loader, self.sampler = step, loader, sampler
+                 directory: str | None, every: int, keep: int, asynchronous: bool, timeout: float | None,
+                 on_resume: Callable[[Loaded], Any] | None = None) -> None:
+        self.step, self.loader, self.sampler, self.on_resume = step, loader, sampler, on_resume
         self.objects = {**objects, "sampler": sampler}
         self.comm: Communicator = comm_of(objects, None)
         self.directory, self.every, self.keep, self.asynchronous = directory, every, keep, asynchronous
@@ -118,6 +119,8 @@ class _Run:
             self.result.global_step, self.result.epoch, self.result.checkpoint = got.step, got.epoch, got.path
             self.saved_at = got.step
             self.consumed = self.sampler.position
+            if self.on_resume is not None:
+                self.on_resume(got)
 
     def epoch(self, max_steps: int | None) -> bool:
         """Run the rest of epoch ``result.epoch``; ``False`` when ``max_steps`` cut it short."""
@@ -166,6 +169,28 @@ class _Run:
         raise Preempted(r.global_step, r.checkpoint if self.directory is not None else None, preempt.reason())
 
 
+def stop_requested(comm: Communicator | None = None) -> bool:
+    """Whether any rank of ``comm`` (default: every rank) was asked to stop: what ``fit`` checks
+    after each step, for a loop of one's own. Collective (one small all-reduce): call it at the same
+    point of every step on every rank; it is ``True`` on all of them at the same step.
+
+    Its first call installs ``hpctrain.preempt``'s handlers when none are: from then on SIGTERM,
+    SIGUSR1 and the first Ctrl-C ask for a stop instead of ending the process (call it once before
+    the loop to have them from the first step); a second Ctrl-C still ends the job at once. Once
+    ``True`` it stays so (``hpctrain.preempt.clear()`` forgets the request)::
+
+        for x, y in loader:
+            ...                                   # forward, backward, opt.step()
+            step += 1
+            if htt.stop_requested(ddp.comm):
+                htt.save("ckpt", step=step, model=ddp, optimizer=opt, sampler=sampler)
+                sys.exit(hpctrain.errors.ExitStatus.PREEMPTED)   # 75: resubmit, load, go on
+    """
+    if not preempt.installed():
+        preempt.install()
+    return agree_stop(Communicator() if comm is None else comm)
+
+
 def _checkpoints(directory: str) -> list[str]:
     from ..checkpoint import list_checkpoints
 
@@ -175,21 +200,24 @@ def _checkpoints(directory: str) -> list[str]:
 def fit(step: Callable[[Any], Any], loader: torch.utils.data.DataLoader, *, epochs: int = 1,
         max_steps: int | None = None, checkpoint_dir: str | None = None, checkpoint_every: int = 0, keep: int = 3,
         asynchronous: bool = False, resume: bool = True, on_rank_loss: str = "abort", timeout: float | None = None,
-        signals: bool = True, **objects: Any) -> FitResult:
+        signals: bool = True, on_resume: Callable[[Loaded], Any] | None = None, **objects: Any) -> FitResult:
     """Run ``step(batch)`` over ``loader`` for ``epochs`` (see the module docstring).
 
     ``objects``: what a checkpoint holds, by keyword (``model=`` a ``DistributedDataParallel``,
     ``optimizer=``, a scheduler, ...); the loader's sampler is added as ``sampler``. With
     ``checkpoint_dir`` and ``resume`` (the default), ``fit`` starts from the newest checkpoint there
-    that loads. ``signals``: SIGTERM, SIGUSR1 and SIGINT ask for a stop at the next step boundary
+    that loads; ``on_resume(loaded)`` is then called on every rank before the first step
+    (``hpctrain.torch.Loaded``: the file, its step and epoch), to say so and to count steps on from
+    there. ``signals``: SIGTERM, SIGUSR1 and SIGINT ask for a stop at the next step boundary
     while ``fit`` runs. Collective over the model's communicator.
     """
     sampler = _check(loader, epochs, on_rank_loss, checkpoint_every)
     run = _Run(step, loader, objects, sampler=sampler, directory=checkpoint_dir, every=checkpoint_every, keep=keep,
-               asynchronous=asynchronous, timeout=timeout)
+               asynchronous=asynchronous, timeout=timeout, on_resume=on_resume)
     if on_rank_loss == "shrink":
         run.comm.raise_if_any(shrink_problem(objects), what="hpctrain.torch.fit")
         run.shrink = Shrink(run.objects, sampler, loader.batch_size * run.comm.size)
+    guard_exit(run.comm)  # under ULFM: a rank lost later does not hang the others' MPI_Finalize
     installed = preempt.install() if signals else []
     try:
         if resume:

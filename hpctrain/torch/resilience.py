@@ -15,6 +15,7 @@ pieces die with their rank (refused up front).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import time
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from ..comm import Communicator, failure, ulfm, watchdog
+from ..comm.rendezvous import Rendezvous
 from ..errors import RankLossError
 from ..log import get_logger
 from ..protocols import restore_of, snapshot_of
@@ -125,3 +127,38 @@ class Shrink:
 
     def _wrappers(self) -> list[DistributedDataParallel]:
         return [o for o in self.objects.values() if isinstance(o, DistributedDataParallel)]
+
+
+#: The meeting at the program's end (``guard_exit``), made once per process.
+_exit_meeting: list[Rendezvous] = []
+
+
+def guard_exit(comm: Communicator) -> None:
+    """Under ULFM, make the survivors of a rank lost after ``fit`` (or during it) end instead of
+    hanging: Open MPI's ``MPI_Finalize`` waits forever for a dead rank. At the program's end, before
+    ``MPI_Finalize`` (an ``atexit`` hook, run before mpi4py's), every rank meets the others
+    (``comm.rendezvous``: point to point on a private duplicate of the world, no limit for a slow
+    rank, and a dead one is reported by ULFM instead of waited for); when some rank did not come,
+    this one ends without ``MPI_Finalize`` (status 0: its work is done; the lowest survivor names
+    the missing). Collective over the world the first time (it duplicates it); nothing without
+    ULFM at launch (a lost rank ends the whole job there), when ``comm`` is not the whole world, or
+    once a rank was lost (a meeting of the world cannot be made then)."""
+    if _exit_meeting or not ulfm.available() or ulfm.lost_ranks() or comm.size != Communicator().size:
+        return
+    _exit_meeting.append(Rendezvous())
+    atexit.register(_meet_at_exit)
+
+
+def _meet_at_exit() -> None:
+    meeting = _exit_meeting[0]
+    arrived = meeting.meet([], None)
+    if not arrived.missing:
+        return  # everyone is here and alive: MPI_Finalize as usual
+    # The dead ULFM knows of, less those the shrink said already (a rank still on its way when the
+    # meeting broke off is missing too, but alive: it ends the same way when it gets here).
+    new = sorted(set(arrived.missing) & set(ulfm.failed_ranks()) - set(ulfm.lost_ranks()))
+    if new and meeting.rank == min(arrived.records):
+        failure.write_lines(f"hpctrain.torch: rank(s) {failure.rank_ranges(new)} of {meeting.size} died before the "
+                            "end of the program; the others end without MPI_Finalize, which would wait for them")
+    ulfm.end_process(0)
+

@@ -8,8 +8,10 @@ optimizer class runs over the shards only (so it holds the state of ``1 / size``
 with the gradients as views of the parameters' (averaged) gradients. After its step the pieces are
 all-gathered into the flat buffer (``hpctrain.comm.pieces.allgather``): every rank holds the new
 parameters again. The optimizer class must be elementwise (SGD, Adam, AdamW, RMSprop, ...: a
-piece's update is exactly that piece of the full update); LAMB-like rules over whole tensors are
-not.
+piece's update is exactly that piece of the full update): torch's are named in ``ELEMENTWISE``, and
+any other class is refused unless the caller declares it elementwise. Rules over whole tensors or
+the whole model (Adafactor's factored moments, Muon's orthogonalised matrices, LBFGS's line search,
+LAMB's trust ratio) would compute something else on a piece, silently.
 
 ``state_dict()`` is collective and returns torch's format with full tensors (the pieces gathered),
 so a checkpoint holds full tensors whatever the dp size; ``load_state_dict`` takes this rank's
@@ -27,6 +29,23 @@ from ..comm import Communicator, pieces
 from ..optim.sharded import FlatLayout
 from . import views
 
+#: torch.optim's classes whose update of an element reads only that element's gradient and state
+#: (and per-tensor counters such as ``step``): a rank's piece gives exactly its piece of the update.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad", "Adadelta",
+               "ASGD")
+
+
+def _elementwise_problem(optimizer_class: type, elementwise: bool) -> str | None:
+    """Why ``optimizer_class`` cannot run on pieces of the parameters, or ``None``."""
+    known = {getattr(torch.optim, n) for n in ELEMENTWISE if hasattr(torch.optim, n)}
+    if elementwise or optimizer_class in known:
+        return None
+    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    return (f"ZeroRedundancyOptimizer runs optimizer_class on each rank's contiguous piece of the flattened "
+            f"parameters, which is exact only for an elementwise update; {name} is not one of torch's elementwise "
+            f"optimizers ({', '.join(ELEMENTWISE)}): use it without ZeRO, or, if each element's update reads only "
+            "that element's gradient and state, pass elementwise=True")
+
 
 def _flat_params(groups: list[dict[str, Any]]) -> list[torch.Tensor]:
     return [p for g in groups for p in g["params"]]
@@ -36,13 +55,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """``optimizer_class(params, **defaults)`` with its state sharded over ``comm`` (ZeRO-1; see
     the module docstring). Takes parameters or parameter groups like any torch optimizer; works
     with LR schedulers (the groups' hyperparameters are read at each step) and ``zero_grad``.
+    ``optimizer_class`` must be one of torch's elementwise optimizers (``ELEMENTWISE``); another
+    class (a subclass of one, your own) only with ``elementwise=True``, your word that each
+    element's update reads only that element's gradient and state.
     """
 
-    def __init__(self, params: Any, optimizer_class: type, comm: Communicator | None = None, **defaults: Any) -> None:
+    def __init__(self, params: Any, optimizer_class: type, comm: Communicator | None = None, *,
+                 elementwise: bool = False, **defaults: Any) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got {optimizer_class!r}")
         if issubclass(optimizer_class, ZeroRedundancyOptimizer):
             raise ValueError("optimizer_class is a ZeroRedundancyOptimizer already")
+        problem = _elementwise_problem(optimizer_class, elementwise)
+        if problem is not None:  # a check of the arguments alone: every rank raises it
+            raise ValueError(problem)
         probe = optimizer_class([torch.nn.Parameter(torch.zeros(1))], **defaults)  # every default it takes
         self._building = True
         super().__init__(params, dict(probe.defaults))

@@ -5,7 +5,9 @@
 MODE: ``none`` (nothing injected), ``kill`` (each rank of RANKS SIGKILLs itself as its step of
 STEPS begins: ``kill 1,2 3,6``), ``kill-reduce`` (the same inside backward, once its first bucket's
 all-reduce is in flight), ``stall`` (rank RANKS sleeps 60 s at step STEPS: the watchdog's case).
-ON_RANK_LOSS: ``shrink`` (default) or ``abort``; ``FAULT_TIMEOUT``: the watchdog's timeout (20 s).
+``kill-after``: each rank of RANKS SIGKILLs itself STEPS seconds after ``fit`` returned (the
+survivors must still end). ON_RANK_LOSS: ``shrink`` (default) or ``abort``; ``FAULT_TIMEOUT``: the
+watchdog's timeout (20 s).
 Rank 0 of the survivors writes the final parameters and the run's facts to OUT (``.npz``).
 96 samples, a global batch of 12 (it splits over 4, 3, 2 and 1 ranks), one epoch: 8 steps, float64.
 """
@@ -33,7 +35,7 @@ def main(out: str, mode: str, ranks: str, steps: str, on_rank_loss: str = "shrin
     torch.set_num_threads(1)
     comm = Communicator()
     world_rank = comm.rank
-    at = dict(zip(map(int, ranks.split(",")), map(int, steps.split(",")))) if mode != "none" else {}
+    at = dict(zip(map(int, ranks.split(",")), map(float, steps.split(",")))) if mode != "none" else {}
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 6, generator=g, dtype=torch.float64),
                                           torch.randn(SAMPLES, 2, generator=g, dtype=torch.float64))
@@ -75,6 +77,9 @@ def main(out: str, mode: str, ranks: str, steps: str, on_rank_loss: str = "shrin
         facts = {"steps": result.global_step, "history": len(result.history), "size": ddp.comm.size,
                  "rank_loss": [{k: e[k] for k in ("step", "ranks")} for e in result.rank_loss]}
         np.savez(out, facts=json.dumps(facts), **{n: p.detach().numpy() for n, p in model.named_parameters()})
+    if mode == "kill-after" and world_rank in at:
+        time.sleep(at[world_rank])  # fit has returned everywhere: now die (STEPS: seconds after it)
+        die(mode)
     if result.rank_loss:
         from hpctrain.comm import ulfm
 

@@ -2,7 +2,7 @@
 recompute x a lost rank x a resume under another layout (``tests/matrix/``), each ending as its
 uninterrupted one-process reference.
 
-The fixed pairwise-covering set (seed ``COVER_SEED``) runs in ``make test-openmpi`` (Open MPI, so
+The fixed pairwise-covering set (``COVER_SEED``) runs in ``make test-openmpi`` (Open MPI, so
 the rows with a killed rank run under ULFM; under MPICH those skip and the others run):
 ``make test-matrix``. ``HPCTRAIN_TEST_MATRIX=N`` adds N rows drawn at random from every valid
 combination (seed ``HPCTRAIN_TEST_MATRIX_SEED``, else drawn; both are printed after collection).
@@ -21,7 +21,8 @@ from mpi4py import MPI
 
 from hpctrain.comm import ulfm
 
-COVER_SEED = 47
+#: The seed of the covering set: of seeds 0-29 and 47, the one whose greedy set is smallest (37 rows).
+COVER_SEED = 4
 EXTRA = int(os.environ.get("HPCTRAIN_TEST_MATRIX", "0") or 0)
 EXTRA_SEED = int(os.environ.get("HPCTRAIN_TEST_MATRIX_SEED") or random.SystemRandom().randrange(10**6))
 

@@ -10,9 +10,10 @@ from matrix import design
 from matrix.design import Row
 
 
-def test_the_covering_set_holds_every_pair_of_axis_values_a_valid_row_can_hold():
+@pytest.mark.parametrize("seed", [4, 47])  # (4: CI's, tests/test_matrix.py)
+def test_the_covering_set_holds_every_pair_of_axis_values_a_valid_row_can_hold(seed):
     pool = design.candidates()
-    cover = design.covering(47)
+    cover = design.covering(seed)
     assert all(design.problem(r) is None for r in cover)
     missing = design.pairs_to_cover(pool) - design.pairs_to_cover(cover)
     assert not missing
@@ -57,7 +58,7 @@ def _row(**changes) -> Row:
     ({"layout": "tp2xpp2", "event": "kill-mid"}, "(dp=1) leaves no whole replica"),
     ({"precision": "bf16-mixed", "event": "kill-early"}, "--on-rank-loss shrink continues data-parallel replicas "
                                                          "only"),
-    ({"event": "kill-after-final", "resume": "dp1"}, "nothing is left to resume"),
+    ({"event": "kill-after-final", "resume": "flags1"}, "nothing is left to resume"),
     ({"layout": "tp2xdp2", "event": "kill-mid", "victim": 0}, "rank 0 is not a rank whose loss tp2xdp2 goes on"),
     ({"victim": 1}, "a victim without a kill"),
 ])
@@ -72,7 +73,17 @@ def test_what_hpctrain_train_refuses_is_excluded_in_its_words(monkeypatch):
     monkeypatch.setitem(design.LAYOUTS, "dp5", (5, {}))
     assert "refused by hpctrain train: --batch-size 12 does not split over dp=5 replicas" in design.problem(
         _row(layout="dp5"))
-    assert design.problem(_row(layout="tp2xdp2", resume="pp2")) is None
+    assert design.problem(_row(layout="tp2xdp2", resume="flags2")) is None
+
+
+def test_a_resume_takes_another_layout_of_its_rank_count():
+    assert _row(layout="tp2xpp2", resume="flags2").resumed() == (2, {"strategy": "dp"})  # issue 47's case
+    assert _row(layout="tp2xdp2", resume="flags2").resumed() == (2, {"pp": 2})
+    assert _row(layout="pp2xdp2", resume="flags2").resumed() == (2, {"tp": 2})
+    assert _row(layout="dp4", resume="flags1").resumed() == (1, {"strategy": "dp"})
+    assert _row(layout="dp4", model="gpt", resume="flags2").resumed() == (2, {"pp": 2})
+    assert _row(layout="tp2xpp2", resume="bare1").resumed() == (1, {})
+    assert _row(resume="none").resumed() is None
 
 
 def test_victims_are_the_ranks_a_layout_goes_on_without():

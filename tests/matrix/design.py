@@ -39,12 +39,25 @@ EVENTS: dict[str, int | None] = {
     "none": None, "kill-early": 2, "kill-after-ckpt": CHECKPOINT_EVERY, "kill-mid": 9, "kill-late": 13,
     "kill-after-final": STEPS,
 }
-#: The second job: none, or a ``--resume`` under another layout and rank count, with the layout's
-#: flags (dpN/tp2/pp2) or with no flag at all (bareN: the run's own settings, on N ranks).
-RESUMES: dict[str, tuple[int, dict[str, Any]] | None] = {
-    "none": None, "dp1": (1, {"strategy": "dp"}), "dp2": (2, {"strategy": "dp"}), "tp2": (2, {"tp": 2}),
-    "pp2": (2, {"pp": 2}), "bare1": (1, {}), "bare2": (2, {}),
+#: The second job: none, or a ``--resume`` on 1 or 2 ranks under another layout, with that
+#: layout's flags (``other_layout``) or with no flag at all (the run's own settings, on N ranks).
+RESUMES: dict[str, tuple[int, bool] | None] = {
+    "none": None, "flags1": (1, True), "flags2": (2, True), "bare1": (1, False), "bare2": (2, False),
 }
+
+
+def other_layout(layout: str, model: str, ranks: int) -> dict[str, Any]:
+    """The flags of a layout of another kind than ``layout`` on ``ranks`` (1 or 2): dp on one rank;
+    on two, what the run did not split (tp2 x pp2: plain dp, issue 47's case; tp: pp; pp: tp; plain
+    dp: tp for the MLP, pp for the GPT, so that both kinds follow a dp run)."""
+    run = LAYOUTS[layout][1]
+    if ranks == 1 or ("tp" in run and "pp" in run):
+        return {"strategy": "dp"}
+    if "tp" in run:
+        return {"pp": 2}
+    if "pp" in run:
+        return {"tp": 2}
+    return {"tp": 2} if model == "mlp" else {"pp": 2}
 
 
 def precisions() -> tuple[str, ...]:
@@ -91,8 +104,11 @@ class Row:
     @property
     def id(self) -> str:
         """A short name for test ids and messages."""
+        target = self.resumed()
+        to = "none" if target is None else f"{target[0]}-" + ("".join(f"{k}{v}" for k, v in target[1].items())
+                                                              or "noflags")
         parts = [self.model, self.layout, f"z{self.zero}", self.precision, "rc" if self.recompute else "norc",
-                 self.event, f"to-{self.resume}"]
+                 self.event, f"to-{to}"]
         return "-".join(parts) + ("" if self.victim is None else f"-v{self.victim}")
 
     @property
@@ -121,7 +137,11 @@ class Row:
 
     def resumed(self) -> tuple[int, dict[str, Any]] | None:
         """The resume's ``(ranks, flags)``, or ``None``."""
-        return RESUMES[self.resume]
+        spec = RESUMES[self.resume]
+        if spec is None:
+            return None
+        ranks, flagged = spec
+        return ranks, other_layout(self.layout, self.model, ranks) if flagged else {}
 
 
 @cache

@@ -91,3 +91,43 @@ def test_victims_are_the_ranks_a_layout_goes_on_without():
     assert design.victims("tp2xdp2") == [2, 3]  # dp replica 1 (tests/test_ulfm.py's LAYOUTS)
     assert design.victims("pp2xdp2") == [1, 3]
     assert _row(layout="dp3", event="kill-mid").killed() == 2
+
+
+def _write_run(run, losses, steps=None, state="finished", this_run=design.STEPS):
+    """A run directory as a job leaves it: metrics.jsonl, summary.json, job.json."""
+    import json
+
+    run.mkdir(parents=True)
+    steps = steps or list(range(1, len(losses) + 1))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": x, "samples": 12}) + "\n"
+                                               for s, x in zip(steps, losses)))
+    summary = {"steps": design.STEPS, "steps_this_run": this_run, "final_loss_steps": design.STEPS,
+               "final_loss": sum(losses) / len(losses), "val_loss": losses[-1]}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "job.json").write_text(json.dumps({"state": state, "exit_status": 0 if state == "finished" else 75}))
+    return run
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_a_row_that_does_not_end_as_its_reference_fails_its_check(tmp_path, precision):
+    # The check a row ends with (no job here): a run equal to the reference to within the
+    # precision's tolerance passes; a loss off by twice it, a step logged twice or missing, a
+    # job left unfinished, a wrong count of this run's steps each fail it.
+    from matrix import rows
+
+    tol = rows.tolerance(precision)
+    losses = [2.0 - 0.01 * k for k in range(design.STEPS)]
+    ref = _write_run(tmp_path / "ref", losses)
+    near = [x * (1 + tol / 2) for x in losses]
+    rows.check(_write_run(tmp_path / "ok", near), ref, precision, design.STEPS, "ok")
+    off = list(losses)
+    off[7] *= 1 + 2 * tol
+    bad = {"loss": (off, None, "finished", design.STEPS),
+           "twice": (losses[:8] + losses[7:-1], list(range(1, 9)) + list(range(8, 20)), "finished", design.STEPS),
+           "missing": (losses[:-1], None, "finished", design.STEPS),
+           "state": (losses, None, "running", design.STEPS),
+           "this run": (losses, None, "finished", 4)}
+    for name, (got, steps, state, this_run) in bad.items():
+        with pytest.raises(AssertionError):
+            rows.check(_write_run(tmp_path / name, got, steps, state, this_run), ref, precision, design.STEPS, name)
+    assert rows.tolerance("bf16-mixed") > rows.tolerance("fp16-mixed") > rows.tolerance("fp32")

@@ -21,8 +21,17 @@ JOB_FILES = {"test_faults.py", "test_train_job.py", "test_cli_tools.py", "test_j
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in JOB_FILES or item.get_closest_marker("fault"):
+        if item.path.name in JOB_FILES or item.get_closest_marker("fault") or item.get_closest_marker("matrix"):
             item.add_marker(pytest.mark.jobs)
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    """The combination matrix's size and seeds (tests/test_matrix.py), when its rows were collected."""
+    if any(item.get_closest_marker("matrix") for item in items):
+        import test_matrix
+
+        return test_matrix.header()
+    return []
 
 
 @pytest.fixture

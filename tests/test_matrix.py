@@ -32,26 +32,10 @@ COVER = design.covering(COVER_SEED)
 SAMPLE = design.sample(EXTRA, EXTRA_SEED, exclude=COVER) if EXTRA and MPI.COMM_WORLD.Get_size() == 1 else []
 
 
-def _resume_refused(row: design.Row) -> bool:
-    """Today a resume keeps the run's --tp/--pp over this job's flags and rank count: refused
-    where they no longer fit (``--strategy dp`` on a tp or pp run; 1 or 2 ranks for tp2 x pp2...)."""
-    target = row.resumed()
-    run_layout = design.LAYOUTS[row.layout][1]
-    if target is None or not run_layout:
-        return False
-    ranks, flags = target
-    if flags.get("strategy") == "dp":
-        return True
-    kept = {**run_layout, **{k: v for k, v in flags.items() if k in ("tp", "pp")}}
-    return kept.get("tp", 1) * kept.get("pp", 1) > ranks
-
-
 #: The rows that fail today because of a known bug, each with the issue item whose fix they wait
 #: for: the one place to remove a mark once that fix is merged (strict=False: a fixed row passes
 #: without a word, and a race fails only sometimes).
-KNOWN_FAILURES: list[tuple[str, Callable[[design.Row], bool]]] = [
-    ("issue 47 item 2: a resume under another layout is refused (the run's --tp/--pp kept)", _resume_refused),
-]
+KNOWN_FAILURES: list[tuple[str, Callable[[design.Row], bool]]] = []
 
 
 def _param(row: design.Row):

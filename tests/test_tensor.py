@@ -343,3 +343,16 @@ def test_gpt_with_a_non_ce_loss_refused(comm):
     model = tensor_parallel(GPT(7, 4, 2 * comm.size, comm.size, 1, rng=0), grid.tp)
     with pytest.raises(ValueError, match="CrossEntropyLoss, got MSELoss"):
         TensorParallelTrainer(model=model, loss=MSELoss(), optimizer=AdamW(model.parameters()), grid=grid)
+
+
+def test_a_recomputed_block_still_counts_as_one_that_splits():
+    """``--tp 2 --recompute`` on the built-in MLP was refused as "no layer that splits": the
+    Recompute wrapper shares its block's children, so the block itself was never seen (found by
+    the combination matrix)."""
+    from hpctrain.nn.recompute import Recompute
+    from hpctrain.parallel.tensor import tp_split_layers
+
+    plain = Sequential(Linear(4, 8, rng=0), MLP(8, 16, rng=1), Linear(8, 2, rng=2))
+    wrapped = Sequential(Linear(4, 8, rng=0), Recompute(MLP(8, 16, rng=1)), Linear(8, 2, rng=2))
+    assert tp_split_layers(plain) == tp_split_layers(wrapped) == ["1"]
+    assert tp_split_layers(Sequential(Linear(4, 2, rng=0), Recompute(Linear(2, 2, rng=1)))) == []

@@ -172,6 +172,8 @@ def tp_split_layers(model: Module) -> list[str]:
     """The names of ``model``'s modules that ``tensor_parallel`` splits (its ``MLP`` and
     ``CausalSelfAttention`` blocks, recomputed or not, and what its ``tp_plan()`` names): an empty
     list means a tensor-parallel group would hold replicas of the whole model."""
-    names = [n or type(m).__name__ for n, m in model.named_modules() if isinstance(m, (MLP, CausalSelfAttention))]
+    # A Recompute wrapper shares its block's children, not the block: named_modules sees the wrapper.
+    names = [n or type(m).__name__ for n, m in model.named_modules()
+             if isinstance(m.block if isinstance(m, Recompute) else m, (MLP, CausalSelfAttention))]
     plan = model.tp_plan() if callable(getattr(model, "tp_plan", None)) else {}
     return [*names, *plan]

@@ -185,6 +185,7 @@ class RankLoss:
         if not ulfm.is_rank_loss(exc):
             return False
         t0 = time.monotonic()
+        ulfm.revoke_held(trainer.comm.mpi)  # (done already where an hpctrain wait saw the loss)
         try:
             trainer.abandon_step()
         except ulfm.Error:  # its in-flight buckets fail with the loss: the reducer is replaced below
@@ -236,7 +237,6 @@ class RankLoss:
     def _shrink(self, trainer: Recoverable) -> tuple[Communicator, list[int], int]:
         """The survivors' communicator, every world rank lost, and the step to redo. More ranks
         may die meanwhile: then the survivors shrink again."""
-        groups.revoke(trainer.grid)  # a survivor blocked in a gradient bucket (or a tp wait) returns too
         # Every survivor must hold the state from before the step to redo (see the docstring), or
         # be at that step's start: the loss was seen between two steps (a callback's wait).
         mpi, lost, step = ulfm.shrink_agreeing(trainer.comm.mpi, trainer.global_step,

@@ -18,7 +18,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from mpi4py import MPI
 
@@ -205,13 +205,24 @@ def shrink(comm: MPI.Intracomm) -> tuple[MPI.Intracomm, list[int]]:
     return new, lost
 
 
-def shrink_agreeing(comm: MPI.Intracomm, step: int,
-                    holds: Callable[[int], bool]) -> tuple[MPI.Intracomm, list[int], int]:
-    """The survivors of ``comm`` (shrunk again while more ranks die), every world rank lost, and
-    the step to redo: the earliest ``step`` any survivor is in (MPI does not promise that a failed
-    collective fails on every rank, so one may have finished the step the others failed in), or
-    ``-1`` when some survivor cannot go back to it (``holds(step)`` false there). Collective over
-    the survivors; the same answer on each."""
+class Agreed(NamedTuple):
+    """What the survivors of a loss agreed on (``shrink_and_agree``)."""
+
+    comm: MPI.Intracomm  #: the survivors
+    lost: list[int]  #: every world rank lost
+    redo: int  #: the step to redo, ``-1`` when some survivor cannot go back to it
+    finished: bool  #: whether some survivor had finished training (``done``)
+
+
+def shrink_and_agree(comm: MPI.Intracomm, step: int, holds: Callable[[int], bool], done: bool = False) -> Agreed:
+    """Shrink ``comm`` to the survivors (again while more ranks die) and agree on the step to
+    redo: the earliest ``step`` any survivor is in (MPI does not promise that a failed collective
+    fails on every rank, so one may have finished the step the others failed in), or ``-1`` when
+    some survivor cannot go back to it (``holds(step)`` false there); and on whether any survivor
+    had finished training (``done``: it saw the loss in the job's closing collectives, while
+    another still saw it in the last checkpoint's save). Every survivor comes here whichever way
+    it saw the loss, so their collectives match. Collective over the survivors; the same answer
+    on each."""
     lost: list[int] = []
     while True:
         comm, gone = shrink(comm)
@@ -219,10 +230,18 @@ def shrink_agreeing(comm: MPI.Intracomm, step: int,
         try:
             redo = min_over(comm, step)
             have = min_over(comm, int(bool(holds(redo))))
-            return comm, sorted(lost), redo if have else -1
+            finished = min_over(comm, int(not done)) == 0
+            return Agreed(comm, sorted(lost), redo if have else -1, finished)
         except MPI.Exception as again:
             if not is_rank_loss(again):
                 raise
+
+
+def shrink_agreeing(comm: MPI.Intracomm, step: int,
+                    holds: Callable[[int], bool]) -> tuple[MPI.Intracomm, list[int], int]:
+    """``shrink_and_agree`` in training (``done`` false): the survivors, the ranks lost, the step to redo."""
+    agreed = shrink_and_agree(comm, step, holds)
+    return agreed.comm, agreed.lost, agreed.redo
 
 
 def failed_ranks() -> list[int]:

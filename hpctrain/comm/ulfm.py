@@ -159,10 +159,10 @@ def _broken(comm: MPI.Comm | None) -> bool:
 
 
 def noticed(exc: BaseException, comm: MPI.Comm | None = None) -> BaseException:
-    """A call on ``comm`` raised ``exc``: what to raise instead. When it is a lost rank, every
-    communicator this process holds is revoked (``revoke_held``) at once, before it waits on
-    anything else. Every wait hpctrain makes calls this on its errors (``Communicator``'s
-    bracket, ``Request``).
+    """A call on ``comm`` raised ``exc``: what to raise instead. When it is a lost rank in a job
+    that goes on without it (``set_shrinking``), every communicator this process holds is
+    revoked (``revoke_held``) at once, before it waits on anything else. Every wait hpctrain
+    makes calls this on its errors (``Communicator``'s bracket, ``Request``).
 
     Open MPI's non-blocking collectives (ZeRO's reduce-scatter rounds) report a lost or revoked
     member met inside their schedule as ``MPI_ERR_OTHER`` (``NBC_Start_round``), which no
@@ -173,7 +173,7 @@ def noticed(exc: BaseException, comm: MPI.Comm | None = None) -> BaseException:
         loss = MPI.Exception(MPI.ERR_REVOKED)
         loss.__cause__ = exc
         exc = loss
-    if is_rank_loss(exc):
+    if is_rank_loss(exc) and _shrinking[0]:  # (--on-rank-loss abort: the job ends, nothing to unblock)
         revoke_held()
     return exc
 

@@ -90,8 +90,10 @@ class Request:
         """The operation failed: remember it, revoke everything on a lost rank (``ulfm.noticed``:
         no survivor may stay waiting where the loss did not reach), raise it."""
         comm = getattr(self._watch[0], "mpi", None) if self._watch is not None else None
-        self._error = ulfm.noticed(exc, comm)
-        ulfm.raise_noticed(exc, comm)
+        error = self._error = ulfm.noticed(exc, comm)
+        if error is exc:
+            raise exc
+        raise error from exc
 
     def _complete(self) -> None:
         self._done = True

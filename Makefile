@@ -97,8 +97,9 @@ OPENMPI_MPI    := tests/test_ulfm.py tests/test_data_parallel.py tests/test_zero
 test-openmpi:
 	$(MAKE) --no-print-directory MPI=openmpi test-openmpi-subset
 
-# RACE_RUNS: random rank losses under tp/pp x ZeRO 2/3 repeated after the rest (issue 38's race,
-# tests/test_ulfm.py -m race); 0 skips them, more shows the race gone with more confidence.
+# RACE_RUNS: random rank losses repeated after the rest (tests/test_ulfm.py -m race), RACE_RUNS jobs
+# of each: under tp/pp x ZeRO 2/3 (issue 38's race) and at a random moment of a step under dp=4 x
+# ZeRO 1-3 (issue 47's); 0 skips them, more shows the races gone with more confidence.
 RACE_RUNS ?= 6
 test-openmpi-subset: venv
 	$(PY) -m pytest -q -p no:cacheprovider $(OPENMPI_SERIAL)

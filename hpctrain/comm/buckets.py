@@ -43,6 +43,7 @@ from ..backend import BF16, FP16, xp_of
 from . import progress as _progress
 from .communicator import Communicator, Request
 from .half import from_bf16, to_bf16
+from .request import wait_all
 
 COMPRESSIONS = (None, "fp16", "bf16")
 #: How parameters are packed: by natural name order, or in the order they are handed in.
@@ -209,10 +210,10 @@ class GradBuckets:
         if self._poking:
             _progress.end()
             self._poking = False
+        started = [b.request for b in self._order[: self._next] if b.request is not None]
         for b in self._order[: self._next]:
-            if b.request is not None:
-                b.request.wait()
             b.request = None
+        wait_all(started)  # each one, even after one failed (a lost rank)
 
     def mark_ready(self, params: Iterable[Any]) -> None:
         """Declare these parameters' gradients final; starts every bucket that can start.

@@ -25,6 +25,7 @@ from ..errors import BufferError, ConfigError
 from . import cuda_aware as _cuda_aware
 from . import failure as _failure
 from . import objects as _objects
+from . import ulfm as _ulfm
 from . import watchdog as _watch
 from .fingerprint import tracer_from_env
 from .owned import _OWNED, _free_dead, _owned
@@ -161,6 +162,8 @@ class Communicator(Agreeing):
         token = self._enter(what, x, arg)
         try:
             return call(*args)
+        except MPI.Exception as exc:
+            _ulfm.raise_noticed(exc, self.mpi)  # a lost rank: no survivor may stay waiting where it did not reach
         finally:
             _watch.end(token)
 
@@ -190,6 +193,8 @@ class Communicator(Agreeing):
             for host in (host_in, host_out) if host_out is not host_in else (host_in,):
                 if host is not None:
                     self._stage.give(host)
+        except MPI.Exception as exc:
+            _ulfm.raise_noticed(exc, self.mpi)  # as in _watched
         finally:
             _watch.end(token)
 
@@ -307,11 +312,8 @@ class Communicator(Agreeing):
         return x, out, mpi_op, inplace
 
     def iallreduce(self, x: Any, op: str = "sum", out: Any = None) -> Request:
-        """Start an all-reduce; ``req.wait()`` returns the result (``out`` if given).
-
-        ``x`` (and ``out``) must not be touched until the request has completed. ``op`` as for
-        ``allreduce``.
-        """
+        """Start an all-reduce; ``req.wait()`` returns the result (``out`` if given). ``x`` (and
+        ``out``) must not be touched until the request has completed. ``op`` as for ``allreduce``."""
         if getattr(x, "dtype", None) == _BF16:
             res = x.copy() if out is None else out
             if res is not x:
@@ -330,18 +332,13 @@ class Communicator(Agreeing):
                            after=(lambda: out.__itruediv__(scale)) if scale else None)
 
     def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None) -> Any:
-        """Reduce ``x`` over ranks and give rank r block r of the result along axis 0.
-
-        ``x.shape[0]`` must be divisible by ``size``; the result has shape
-        ``(x.shape[0] // size, *x.shape[1:])``.
-        """
+        """Reduce ``x`` over ranks and give rank r block r of the result along axis 0: ``x.shape[0]``
+        must be divisible by ``size``; the result has shape ``(x.shape[0] // size, *x.shape[1:])``."""
         x = _send_ready(x)
         mpi_op = _op(op, np.dtype(x.dtype))
         if x.ndim == 0 or x.shape[0] % self.size:
-            raise BufferError(
-                f"reduce_scatter: first dimension {x.shape[:1]} is not divisible by "
-                f"the communicator size {self.size}"
-            )
+            raise BufferError(f"reduce_scatter: first dimension {x.shape[:1]} is not divisible by the "
+                              f"communicator size {self.size}")
         shape = (x.shape[0] // self.size, *x.shape[1:])
         if out is None:
             out = backend.xp_of(x).empty(shape, dtype=x.dtype)

@@ -204,9 +204,16 @@ def end_job(code: int) -> None:
     """End every rank of the job now with ``code`` (``MPI_Abort``): the ``before_abort`` hooks
     first (the watchdog stops; a test runner shows what it captured), then a pause that lets the
     lines written so far reach the launcher."""
+    from . import ulfm
+
     for hook in _before_abort:
         hook()
     time.sleep(FLUSH_GRACE)
+    rank, size = _world()
+    if size > 1 and len(ulfm.failed_ranks()) == size - 1:
+        # The last process left of a job that lost the others (Open MPI, ULFM): its launcher
+        # drops the code of an MPI_Abort from it and exits 0; the code as exit status it reports.
+        ulfm.end_process(code)
     MPI.COMM_WORLD.Abort(code)
 
 

@@ -41,6 +41,12 @@ def _free_dead() -> None:
         MPI.Comm.fromhandle(_DEAD.pop()).Free()
 
 
+def held() -> list[MPI.Intracomm]:
+    """The communicators ``split``/``dup`` made that something still refers to (``ulfm.revoke_held``)."""
+    found = (release.peek() for release in list(_OWNED.values()))
+    return [f[0] for f in found if f is not None]
+
+
 def is_world(comm: Any) -> bool:
     """Whether ``comm`` (a ``Communicator`` or an mpi4py communicator) is ``COMM_WORLD`` itself,
     the one communicator that is never made nor freed here."""

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, NoReturn
 
 from mpi4py import MPI
+
+from .owned import held as _held_owned
 
 #: How to launch a job that survives a lost rank (said by ``hpctrain info`` and error messages).
 LAUNCH_HINT = "mpiexec --with-ft ulfm"
@@ -116,30 +119,110 @@ def revoke(comm: MPI.Comm) -> None:
         pass
 
 
+#: Communicators ``shrink`` and ``split`` made (the survivors' groups): ``revoke_held`` revokes them too.
+_made: list[weakref.ref] = []
+
+
+def _keep(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """Remember ``comm`` (weakly: MPI handles are not hashable) for ``revoke_held``."""
+    _made[:] = [r for r in _made if r() is not None] + [weakref.ref(comm)]
+    return comm
+
+
+def revoke_held(comm: MPI.Comm | None = None) -> None:
+    """Revoke ``comm``, the world and every communicator this process still holds (those
+    ``Communicator.split``/``dup`` made: the grid's groups, ZeRO's pair rounds, a checkpoint's
+    private one; the survivors' groups of an earlier loss). Local.
+
+    A lost rank reaches only the calls that involve it. A survivor waiting on a group whose
+    members are all alive (ZeRO's reduce-scatter rounds between two ranks, say) would wait
+    there forever for a partner that left for the recovery after its own call on another group
+    failed: so the first survivor that sees a loss revokes everything it holds, and every wait
+    of every survivor fails with ``MPI_ERR_REVOKED`` and brings it to the recovery as well.
+    Nothing revoked is used again: the recovery rebuilds every group over the survivors.
+    """
+    if not library_has_ulfm():
+        return
+    for c in (comm, MPI.COMM_WORLD, *_held_owned(), *(r() for r in list(_made))):
+        if c is not None and c != MPI.COMM_NULL:
+            revoke(c)
+
+
+def _broken(comm: MPI.Comm | None) -> bool:
+    """Whether ``comm`` was revoked or this process knows of a dead rank (local)."""
+    try:
+        if comm is not None and comm != MPI.COMM_NULL and comm.Is_revoked():
+            return True
+    except MPI.Exception:
+        return True
+    return bool(failed_ranks())
+
+
+def noticed(exc: BaseException, comm: MPI.Comm | None = None) -> BaseException:
+    """A call on ``comm`` raised ``exc``: what to raise instead. When it is a lost rank in a job
+    that goes on without it (``set_shrinking``), every communicator this process holds is
+    revoked (``revoke_held``) at once, before it waits on anything else. Every wait hpctrain
+    makes calls this on its errors (``Communicator``'s bracket, ``Request``).
+
+    Open MPI's non-blocking collectives (ZeRO's reduce-scatter rounds) report a lost or revoked
+    member met inside their schedule as ``MPI_ERR_OTHER`` (``NBC_Start_round``), which no
+    recovery would take for a loss: with ULFM, an ``MPI_ERR_OTHER`` on a revoked communicator,
+    or once a rank is known dead, comes back as ``MPI_ERR_REVOKED`` raised from it."""
+    if (library_has_ulfm() and isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_OTHER
+            and _broken(comm)):
+        loss = MPI.Exception(MPI.ERR_REVOKED)
+        loss.__cause__ = exc
+        exc = loss
+    if is_rank_loss(exc) and _shrinking[0]:  # (--on-rank-loss abort: the job ends, nothing to unblock)
+        revoke_held()
+    return exc
+
+
+def raise_noticed(exc: BaseException, comm: MPI.Comm | None = None) -> NoReturn:
+    """Raise what ``noticed`` makes of ``exc`` (from ``exc`` when it is another error)."""
+    loss = noticed(exc, comm)
+    if loss is exc:
+        raise exc
+    raise loss from exc
+
+
 def shrink(comm: MPI.Intracomm) -> tuple[MPI.Intracomm, list[int]]:
     """The survivors of ``comm`` after a lost rank, and the world ranks that were lost.
 
-    Collective over the survivors. ``comm`` is revoked first, so a survivor still blocked in a
-    call on it (one that had not noticed the loss) returns with ``MPI_ERR_REVOKED`` and comes here
-    too; ``Shrink`` then agrees on who is alive, even when more ranks die meanwhile. The new
-    communicator reports errors as exceptions (``ERRORS_RETURN``), as mpi4py's world does.
+    Collective over the survivors. ``comm`` and every other communicator this process holds are
+    revoked first (``revoke_held``), so a survivor still blocked in a call on one (one that had
+    not noticed the loss) returns with ``MPI_ERR_REVOKED`` and comes here too; ``Shrink`` then
+    agrees on who is alive, even when more ranks die meanwhile. The new communicator reports
+    errors as exceptions (``ERRORS_RETURN``), as mpi4py's world does.
     """
-    revoke(comm)
+    revoke_held(comm)
     new = comm.Shrink()
     new.Set_errhandler(MPI.ERRORS_RETURN)
+    _keep(new)
     alive = set(world_ranks(new))
     lost = [r for r in world_ranks(comm) if r not in alive]
     _lost.extend(r for r in lost if r not in _lost)
     return new, lost
 
 
-def shrink_agreeing(comm: MPI.Intracomm, step: int,
-                    holds: Callable[[int], bool]) -> tuple[MPI.Intracomm, list[int], int]:
-    """The survivors of ``comm`` (shrunk again while more ranks die), every world rank lost, and
-    the step to redo: the earliest ``step`` any survivor is in (MPI does not promise that a failed
-    collective fails on every rank, so one may have finished the step the others failed in), or
-    ``-1`` when some survivor cannot go back to it (``holds(step)`` false there). Collective over
-    the survivors; the same answer on each."""
+class Agreed(NamedTuple):
+    """What the survivors of a loss agreed on (``shrink_and_agree``)."""
+
+    comm: MPI.Intracomm  #: the survivors
+    lost: list[int]  #: every world rank lost
+    redo: int  #: the step to redo, ``-1`` when some survivor cannot go back to it
+    finished: bool  #: whether some survivor had finished training (``done``)
+
+
+def shrink_and_agree(comm: MPI.Intracomm, step: int, holds: Callable[[int], bool], done: bool = False) -> Agreed:
+    """Shrink ``comm`` to the survivors (again while more ranks die) and agree on the step to
+    redo: the earliest ``step`` any survivor is in (MPI does not promise that a failed collective
+    fails on every rank, so one may have finished the step the others failed in), or ``-1`` when
+    some survivor cannot go back to it (``holds(step)`` false there); and on whether any survivor
+    had finished training (``done``: it saw the loss in the job's closing collectives, while
+    another still saw it in the last checkpoint's save). Every survivor comes here whichever way
+    it saw the loss, so their collectives match. Collective over the survivors; the same answer
+    on each."""
     lost: list[int] = []
     while True:
         comm, gone = shrink(comm)
@@ -147,10 +230,18 @@ def shrink_agreeing(comm: MPI.Intracomm, step: int,
         try:
             redo = min_over(comm, step)
             have = min_over(comm, int(bool(holds(redo))))
-            return comm, sorted(lost), redo if have else -1
+            finished = min_over(comm, int(not done)) == 0
+            return Agreed(comm, sorted(lost), redo if have else -1, finished)
         except MPI.Exception as again:
             if not is_rank_loss(again):
                 raise
+
+
+def shrink_agreeing(comm: MPI.Intracomm, step: int,
+                    holds: Callable[[int], bool]) -> tuple[MPI.Intracomm, list[int], int]:
+    """``shrink_and_agree`` in training (``done`` false): the survivors, the ranks lost, the step to redo."""
+    agreed = shrink_and_agree(comm, step, holds)
+    return agreed.comm, agreed.lost, agreed.redo
 
 
 def failed_ranks() -> list[int]:
@@ -239,6 +330,7 @@ def split(comm: MPI.Intracomm, member: bool, key: int) -> MPI.Intracomm | None:
     if new == MPI.COMM_NULL:
         return None
     new.Set_errhandler(MPI.ERRORS_RETURN)
+    _keep(new)
     return new
 
 

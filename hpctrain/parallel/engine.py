@@ -219,6 +219,8 @@ class ParallelStep(TrainStep):
         if self._hooks is not None:
             self._hooks.remove()
         self.grid, self.comm, self.dp = grid, grid.world, grid.dp
+        if self._ties.groups:  # their groups were revoked with everything else (ulfm.revoke_held)
+            self._ties = PipelineTies(self.model, grid.pp, self._shards)
         if full is not None:
             xp = xp_of(self.params[0].data) if self.params else np
             for p in self.params:  # the reducer lays out what they hold (zero 3: placeholders now)

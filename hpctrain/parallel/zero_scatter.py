@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from ..comm import pieces
+from ..comm.request import wait_all
 from .zero_units import Transient, Units, placeholder
 
 
@@ -149,8 +150,7 @@ class GradScatter:
         return self.comm_seconds
 
     def abort(self) -> None:
-        # Started reductions were started by every rank (same order): wait so none still writes.
-        for r in self._reqs:
-            r.wait()
-        self._reqs = []
-        self._active = False
+        # Started reductions were started by every rank (same order): wait so none still writes,
+        # each of them even after one failed (a lost rank: ``ulfm.noticed`` revoked the rest).
+        reqs, self._reqs, self._active = self._reqs, [], False
+        wait_all(reqs)

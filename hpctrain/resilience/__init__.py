@@ -142,6 +142,7 @@ class RankLoss:
         self.buddies: Buddies | None = None  # ZeRO's redundant pieces (made at the first step)
         self._fallback: str | None = None  # why the last checkpoint is read (a piece lost with its buddy)
         self._checked: Any = None  # the trainer check_shrinkable passed (asked again of another one)
+        self._finished = False  # a recovery found another survivor past fit: the save in hand is committed
         ulfm.set_shrinking()  # a loss this hook cannot go on from says so, not "use shrink"
 
     def before_step(self, trainer: Recoverable, batch: Any) -> None:
@@ -173,6 +174,11 @@ class RankLoss:
             except Exception as exc:
                 if not self.recover(trainer, exc):
                     raise
+                if self._finished:  # committed: a survivor that left fit had rank 0's word on it
+                    from .. import checkpoint
+
+                    self._finished = False
+                    return checkpoint.checkpoint_path(self.checkpoint_dir, trainer.global_step)
 
     def memory_arrays(self) -> list[Any]:
         """The redundant copies kept to survive a loss (ZeRO's pieces; none for pure dp)."""
@@ -185,12 +191,18 @@ class RankLoss:
         if not ulfm.is_rank_loss(exc):
             return False
         t0 = time.monotonic()
+        ulfm.revoke_held(trainer.comm.mpi)  # (done already where an hpctrain wait saw the loss)
         try:
             trainer.abandon_step()
         except ulfm.Error:  # its in-flight buckets fail with the loss: the reducer is replaced below
             pass
         old_dp, old_world = trainer.dp.mpi, ulfm.world_ranks(trainer.comm.mpi)
-        comm, lost, step = self._shrink(trainer)
+        agreed = self._shrink(trainer)
+        if agreed.finished:  # another survivor had the last save's outcome and left fit: so does this one
+            self._finished = True
+            self._finish_with(trainer, agreed, t0)
+            return True
+        comm, lost, step = Communicator(agreed.comm), agreed.lost, agreed.redo
         replica, whole = groups.replicas(trainer.grid, old_world, lost)
         if not whole:
             self._end_without_replica(trainer, comm, lost, step, old_world)
@@ -233,15 +245,13 @@ class RankLoss:
         grid = trainer.grid
         return buddies.common_step([step, step - 1], held, old_world, grid.tp_size, grid.pp_size, goes_on)
 
-    def _shrink(self, trainer: Recoverable) -> tuple[Communicator, list[int], int]:
-        """The survivors' communicator, every world rank lost, and the step to redo. More ranks
-        may die meanwhile: then the survivors shrink again."""
-        groups.revoke(trainer.grid)  # a survivor blocked in a gradient bucket (or a tp wait) returns too
+    def _shrink(self, trainer: Recoverable) -> ulfm.Agreed:
+        """The survivors, every world rank lost, the step to redo, and whether one of them had
+        finished training. More ranks may die meanwhile: then the survivors shrink again."""
         # Every survivor must hold the state from before the step to redo (see the docstring), or
         # be at that step's start: the loss was seen between two steps (a callback's wait).
-        mpi, lost, step = ulfm.shrink_agreeing(trainer.comm.mpi, trainer.global_step,
-                                               lambda s: s in self._snapshots or trainer.global_step == s)
-        return Communicator(mpi), lost, step
+        return ulfm.shrink_and_agree(trainer.comm.mpi, trainer.global_step,
+                                     lambda s: s in self._snapshots or trainer.global_step == s)
 
     def _end_without_replica(self, trainer: Recoverable, comm: Communicator, lost: list[int], step: int,
                              old_world: list[int]) -> NoReturn:
@@ -391,17 +401,26 @@ class RankLoss:
                 if not ulfm.is_rank_loss(exc):
                     raise
                 t0 = time.monotonic()
-                mpi, lost = ulfm.shrink(trainer.comm.mpi)
-                if not lost:  # nothing new died: a communicator of an earlier loss, still in use
+                # The agreement the survivors still in fit make too (one that saw the loss in the
+                # last checkpoint's save, after this one had its outcome): their collectives match.
+                agreed = ulfm.shrink_and_agree(trainer.comm.mpi, trainer.global_step, lambda s: True, done=True)
+                if not agreed.lost:  # nothing new died: a communicator of an earlier loss, still in use
                     raise
-                comm = Communicator(mpi)
-                trainer.comm = comm
-                failure.rebind(mpi)
-                ulfm.set_leader(mpi)
-                self.events.append({"step": trainer.global_step, "ranks": lost, "seconds": time.monotonic() - t0})
-                if comm.rank == 0:
-                    _log.warning("lost rank(s) %s after the last step (%d): the %d survivor(s) finish the job", lost,
-                                 trainer.global_step, comm.size)
+                self._finish_with(trainer, agreed, t0)
+
+    def _finish_with(self, trainer: Recoverable, agreed: ulfm.Agreed, t0: float) -> None:
+        """Training is done: the survivors ``agreed.comm`` finish the job (its closing collectives)
+        without restoring or redoing anything; the loss is recorded at the last step."""
+        comm = Communicator(agreed.comm)
+        trainer.comm = comm
+        failure.rebind(agreed.comm)
+        ulfm.set_leader(agreed.comm)
+        if not agreed.lost:
+            return
+        self.events.append({"step": trainer.global_step, "ranks": agreed.lost, "seconds": time.monotonic() - t0})
+        if comm.rank == 0:
+            _log.warning("lost rank(s) %s after the last step (%d): the %d survivor(s) finish the job", agreed.lost,
+                         trainer.global_step, comm.size)
 
     # -- as a fit callback -------------------------------------------------------------------------
 

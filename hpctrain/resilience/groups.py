@@ -16,14 +16,6 @@ from ..comm import Communicator, ulfm
 from ..comm.grid import Coords, ProcessGrid, coords, rank_of
 
 
-def revoke(grid: ProcessGrid) -> None:
-    """Revoke the grid's group communicators, so that no survivor stays blocked in one (a tp
-    all-reduce waiting for a partner that is shrinking the world, say)."""
-    for group in (grid.dp, grid.tp, grid.pp):
-        if group.mpi is not grid.world.mpi:
-            ulfm.revoke(group.mpi)
-
-
 def replicas(grid: ProcessGrid, old_world: list[int], lost: list[int]) -> tuple[dict[int, int], list[int]]:
     """Each member's dp replica (world rank -> the grid's dp coordinate) and the whole replicas
     (no member lost). ``old_world``: the grid's world ranks (``COMM_WORLD`` numbers) in its rank

@@ -11,6 +11,9 @@
     mpiexec -n 4 python tests/faults/train_fault.py kill-recover RANKS STEPS -- <hpctrain train args>
     mpiexec -n 4 python tests/faults/train_fault.py kill-buddy RANKS STEPS -- <hpctrain train args>
     mpiexec -n 3 python tests/faults/train_fault.py kill-end RANK 0|1 -- <hpctrain train args>
+    mpiexec -n 4 python tests/faults/train_fault.py kill-round RANK STEP -- <hpctrain train args>
+    mpiexec -n 4 python tests/faults/train_fault.py kill-within RANK STEP -- <hpctrain train args>
+    mpiexec -n 4 python tests/faults/train_fault.py kill-commit RANK STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py ctrl-c-exit 0 STEP -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py exit RANK STEP,STATUS -- <hpctrain train args>
     mpiexec -n 2 python tests/faults/train_fault.py readonly DIR STEP -- <hpctrain train args>
@@ -30,6 +33,10 @@ others' loss (a second loss during the shrink). kill-buddy: the same, just befor
 its ZeRO pieces of that step to its buddy (its dp neighbours then hold its pieces of the step
 before, the other dp groups those of this step). kill-end: RANK dies after the training, just after
 its final checkpoint: as the memory figures are gathered (0) or as the final evaluation starts (1).
+kill-round: RANK dies as it starts the second round of a ZeRO reduce-scatter in step STEP (4 dp
+ranks: ``comm.pieces.PairTree``'s rounds); kill-within: at a random moment of step STEP.
+kill-commit: RANK dies once the ranks agreed on what they wrote of step STEP's checkpoint, as
+rank 0 commits it and shares the outcome (a broadcast the others may get before the loss or not).
 
 ctrl-c-exit: every rank sends itself SIGINT at step STEP (a stop: checkpoint, status 75); the
 last rank is then 3 s late to finalize MPI, and every rank gets a second SIGINT 1.5 s into its
@@ -99,6 +106,22 @@ def _kill(mode: str, ranks: str, steps: str) -> None:
 
             runner._evaluate_final = dying_evaluation
         return
+    if mode == "kill-commit":  # as the outcome of step ``at``'s checkpoint is shared (rank 0 committed it)
+        from hpctrain.checkpoint import format as fmt
+        from hpctrain.checkpoint import saving
+
+        gather = saving.Job.gather
+
+        def dying_gather(self):
+            gather(self)
+            if os.path.basename(self.path) == os.path.basename(fmt.checkpoint_path("", at)):
+                die()
+
+        saving.Job.gather = dying_gather
+        return
+    if mode in ("kill-round", "kill-within"):
+        _kill_within_step(mode, at, die)
+        return
     if mode == "kill-buddy":  # before its ZeRO pieces go to its buddy for step ``at``
         from hpctrain.resilience import buddies
 
@@ -130,6 +153,41 @@ def _kill(mode: str, ranks: str, steps: str) -> None:
         return step(self, *args, **kwargs)
 
     Trainer.step = killed
+
+
+def _kill_within_step(mode: str, at: int, die: Any) -> None:
+    """kill-round: ``die`` as this rank starts the second round of a ZeRO reduce-scatter in step
+    ``at`` (``comm.pieces.PairTree``, 4 or 8 dp ranks: its partner of the first round has moved on
+    to the next reduction); kill-within: at a random moment of step ``at`` (a timer started as the
+    step begins, up to the previous step's duration: a SIGKILL from outside, wherever it lands)."""
+    import random
+    import threading
+    import time
+
+    from hpctrain.comm import pieces
+
+    step, now, took = Trainer.step, [-1], [0.05]
+
+    def stepping(self, *args, **kwargs):
+        now[0] = self.global_step
+        if mode == "kill-within" and now[0] == at:
+            threading.Timer(random.uniform(0, took[0]), die).start()
+        t0 = time.monotonic()
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            took[0] = time.monotonic() - t0
+
+    Trainer.step = stepping
+    if mode == "kill-round":
+        start_round = pieces._Chain._round
+
+        def dying_round(self):
+            if self.j == 1 and now[0] == at:
+                die()
+            return start_round(self)
+
+        pieces._Chain._round = dying_round
 
 
 def _slow_say(seconds: float) -> None:
@@ -220,7 +278,8 @@ def _command(argv: list[str], end=None) -> None:
 def main() -> int:
     if os.environ.get("FAULT_SLOW_SAY"):
         _slow_say(float(os.environ["FAULT_SLOW_SAY"]))
-    if sys.argv[1] in ("kill", "kill-reduce", "kill-recover", "kill-buddy", "kill-end"):
+    if sys.argv[1] in ("kill", "kill-reduce", "kill-recover", "kill-buddy", "kill-end", "kill-round", "kill-within",
+                       "kill-commit"):
         assert sys.argv[4] == "--", sys.argv
         _kill(*sys.argv[1:4])
         return cli.main(["train", *sys.argv[5:]])

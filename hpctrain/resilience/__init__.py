@@ -58,17 +58,18 @@ def shrink_problem(strategy: str, backend: str = "mpi", precision: str = "fp32",
     place of this rule (``RankLoss`` asks it of the trainer it is handed, ``hpctrain train`` with
     its flags). Data-parallel replicas go on (``strategy`` ``"dp"`` or ``"hybrid"``: dp x tp x
     pp, ZeRO 0-3); a parameter server's windows do not, nor a reduction by node or over NCCL, nor
-    mixed precision (its float32 masters and loss scale are not kept across a loss yet)."""
+    mixed precision (its float32 masters and loss scale are not kept across a loss yet); float64
+    is full precision like float32 (no masters, no loss scale) and goes on alike."""
     if strategy not in SHRINKS:
         what = say("strategy", strategy)
     elif backend != "mpi":
         what = say("backend", backend)
-    elif precision != "fp32":
+    elif precision not in ("fp32", "fp64"):
         what = say("precision", precision)
     else:
         return None
     return (f"{say('on_rank_loss', 'shrink')} continues data-parallel replicas only ({say('strategy', 'dp')} or "
-            f"hybrid: dp x tp x pp, with {say('zero', '0-3')}; {say('backend', 'mpi')}, {say('precision', 'fp32')}), "
+            f"hybrid: dp x tp x pp, with {say('zero', '0-3')}; {say('backend', 'mpi')}, {say('precision', 'fp32')} or fp64), "
             f"not {what}; use {say('on_rank_loss', 'abort')}")
 
 

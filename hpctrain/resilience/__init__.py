@@ -69,7 +69,8 @@ def shrink_problem(strategy: str, backend: str = "mpi", precision: str = "fp32",
     else:
         return None
     return (f"{say('on_rank_loss', 'shrink')} continues data-parallel replicas only ({say('strategy', 'dp')} or "
-            f"hybrid: dp x tp x pp, with {say('zero', '0-3')}; {say('backend', 'mpi')}, {say('precision', 'fp32')} or fp64), "
+            f"hybrid: dp x tp x pp, with {say('zero', '0-3')}; {say('backend', 'mpi')}, "
+            f"{say('precision', 'fp32')} or fp64), "
             f"not {what}; use {say('on_rank_loss', 'abort')}")
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import preempt
 from ..backend import to_host
 from ..errors import CheckpointWriteError
 from ..log import get_logger
@@ -104,7 +105,9 @@ class Checkpointer:
         job.write()
         job.finish()
         if job.error and INTERRUPTED in job.error:  # (the parts were removed: no checkpoint of this step)
-            raise KeyboardInterrupt(job.error)
+            # The second Ctrl-C of a stop (INTERRUPTED says so): said as "again" even after the
+            # stop request is cleared on the way out.
+            raise preempt.InterruptedAgain(job.error)
         if job.error:
             raise CheckpointWriteError(job.error)
         return path

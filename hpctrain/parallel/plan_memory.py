@@ -56,8 +56,9 @@ def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: fl
     dp, tp, z = layout.dp, layout.tp, layout.zero
     for s, pieces in enumerate(stages):
         local = sum(p.local_params(tp) for p in pieces)
-        units = [p.local_params(tp) * costs.itemsize for p in pieces if p.params]
-        big = max(units, default=0)
+        # A unit's share on this tp rank: the piece's split applies to its units alike.
+        big = max((p.largest_unit * p.local_params(tp) // p.params * costs.itemsize for p in pieces if p.params),
+                  default=0)
         nbytes = local * costs.itemsize
         shard = -(-nbytes // dp)
         out = {"params": shard if z == 3 else nbytes,

@@ -100,17 +100,17 @@ def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: in
     x, y = spec["data"](costs.batch // lay.dp, seed=2 + grid.dp.rank)
     tr.memory_report()  # watch the activations from the first step on
     for _ in range(2):
-        tr.step(x, y)
+        tr.memory_report(tr.step(x, y))
     times, tp_s = [], 0.0
     for _ in range(steps):
         comm.barrier()
         traffic.reset()
         t0 = time.perf_counter()
-        tr.step(x, y)
+        stats = tr.step(x, y)
         dt = time.perf_counter() - t0
         tp_s += traffic.seconds
         times.append(comm.mpi.allreduce(dt, op=MPI.MAX))
-        tr.memory_report()
+        tr.memory_report(stats)  # with the pipeline's stashed micro-batches, as the job reports them
     mem = int(tr.memory_summary()["total"])
     tp_s = comm.mpi.allreduce(tp_s / steps, op=MPI.MAX)
     grid.free()

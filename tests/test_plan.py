@@ -156,11 +156,12 @@ def test_memory_per_zero_level_is_the_hand_count(zero):
     p, dp, unit = 4_000_000, 4, 1_000_000
     c = costs([piece("0", 2 * unit, units=2, act=1000), piece("1", 2 * unit, units=2, act=3000)], batch=16)
     pred = predict(Layout(dp, 1, 1, zero=zero), c, links(), None)
-    buffers = {0: 0, 1: 4 * p // dp, 2: 4 * unit, 3: 3 * 4 * unit}[zero]
+    # zero 1: the reduced piece; zero 2: the unit gradients (all of them at the peak); zero 3: and two gathered units
+    buffers = {0: 0, 1: 4 * p // dp, 2: 4 * p, 3: 4 * p + 2 * 4 * unit}[zero]
     activations = (1000 + 3000) * 16 // dp
     assert pred.memory_parts == {"params": pred.memory_parts["params"], "grads": pred.memory_parts["grads"],
                                  "optimizer": pred.memory_parts["optimizer"], "buffers": buffers,
-                                 "activations_peak": activations}
+                                 "activations_peak": activations, "workspace": 0}
     assert pred.memory_bytes == model_states(p, dp, zero) + buffers + activations
 
 
@@ -197,7 +198,7 @@ def test_a_layout_that_cannot_fit_is_refused_with_what_it_needs():
     refused = {p.layout: p.why for p in best if not p.fits}
     assert refused[Layout(2, 1, 1)] == "needs 31.2 GiB per rank, has 24"
     assert all(p.memory_bytes <= 24 * GIB for p in best if p.fits) and best[0].fits
-    assert any(p.fits and p.layout.zero == 3 for p in best) and any(p.fits and p.layout.pp == 2 for p in best)
+    assert any(p.fits and p.layout.pp == 2 for p in best)  # each stage holds half
 
 
 def test_plan_is_sorted_fastest_first_and_says_why_the_first_wins():

@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     names = node_names(comm)
     t0 = time.perf_counter()
     links = probe(comm, names)
+    meet = next(link.meet for link in links.values() if link is not None)
     specs = models(args.quick)
     rows, verdicts = [], []
     for name in args.models:
@@ -177,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
              ["model", "layout", "compute ms", "comm ms", "bubble ms", "predicted ms", "measured ms", "error",
               "predicted MiB", "measured MiB", "mem error", "tp comm ms plan / measured", "measured rank"],
              rows, args.markdown,
-             notes=["Links (`linkprobe`, as `hpctrain info --probe`):\n\n```\n" + table(links) + "\n```",
+             notes=["Links (`linkprobe`, as `hpctrain info --probe`):\n\n```\n" + table(links) + "\n```\n\n"
+                    f"A blocking collective's meeting of ranks arriving from compute (`Link.meet`): "
+                    f"{meet * 1e3:.2f} ms.",
                     *verdicts,
                     "predicted: hpctrain.parallel.plan (its docstring gives each term) from pieces measured by every "
                     "rank at once; measured: ParallelTrainer.step, the slowest rank, and memory_summary's total "

@@ -127,14 +127,16 @@ def probe(comm: Comm, names: list[str], sizes: tuple[int, ...] = SIZES, meet: bo
     return out
 
 
-def meeting_seconds(comm: Comm, work_s: float = 0.002, rounds: int = 15, skew: float = 0.0) -> float:
+def meeting_seconds(comm: Comm, work_s: float = 0.0005, rounds: int = 8, repeats: int = 5,
+                    skew: float = 0.0) -> float:
     """Seconds one blocking collective costs beyond its latency when every rank reaches it from
     ``work_s`` of compute (collective; the same value on every rank).
 
-    Every rank runs ``rounds`` chunks of compute at once, first alone, then each chunk followed by
-    an all-reduce of one number; the difference per round is what meeting costs: the wait for the
-    slowest rank, and where ranks share cores, for a descheduled one to run again. ``skew``: seconds
-    the last rank sleeps before each meeting (a test's known imbalance)."""
+    Every rank runs ``rounds`` chunks of compute at once, alone, then each chunk followed by an
+    all-reduce of one number, ``repeats`` times in turn; the median difference per round is what
+    meeting costs: the wait for the slowest rank and, where ranks share cores, for a descheduled
+    one to run again (a ping-pong between two ranks that do nothing else never sees it). ``skew``:
+    seconds the last rank sleeps before each meeting (a test's known imbalance)."""
     a = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     one = np.ones(1)
     t0 = time.perf_counter()
@@ -143,22 +145,23 @@ def meeting_seconds(comm: Comm, work_s: float = 0.002, rounds: int = 15, skew: f
     per = max((time.perf_counter() - t0) / 20, 1e-7)
     n = int(comm.allreduce(np.array([work_s / per]), op="max")[0]) + 1  # one chunk size everywhere
 
-    def chunk() -> None:
-        for _ in range(n):
-            a @ a
-
-    times = []
-    for sync in (False, True):
+    def block(sync: bool) -> float:
         comm.barrier()
         t0 = time.perf_counter()
         for _ in range(rounds):
-            chunk()
+            for _ in range(n):
+                a @ a
             if sync:
                 if skew and comm.rank == comm.size - 1:
                     time.sleep(skew)
                 comm.allreduce(one)
-        times.append(comm.allreduce(np.array([time.perf_counter() - t0]), op="max")[0])
-    return max(0.0, float(times[1] - times[0]) / rounds)
+        return float(comm.allreduce(np.array([time.perf_counter() - t0]), op="max")[0])
+
+    diffs = []
+    for _ in range(repeats):
+        alone = block(False)
+        diffs.append(block(True) - alone)
+    return max(0.0, float(np.median(diffs)) / rounds)
 
 
 def table(links: dict[str, Link | None]) -> str:

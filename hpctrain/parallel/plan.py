@@ -13,30 +13,37 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
 - **tensor parallel**: per micro-batch, each split layer's all-reduce of its ``(rows, d_model)``
   activation in forward and of its input's gradient in backward (a GPT block: four), the
   vocabulary embedding's and head's, the vocab-parallel loss's three small ones, each priced on
-  the link the tp group spans. These are blocking calls in the middle of compute: each also
-  costs a synchronisation of the tp ranks (``sync``, see ``Link``'s collective prices).
+  the link the tp group spans, and each a meeting (below): they block in the middle of compute.
 - **pipeline**: each micro-batch's activation forward and its gradient back (``alpha + n /
   beta``) lengthen the stage's actions; the schedule (1F1B or GPipe) is executed by
   ``pipeline_schedules.simulate`` with these durations, whose makespan is the pipeline's time:
   its part beyond the busiest stage's own work is the **bubble** (``(p-1)/(m+p-1)`` of it when
-  the stages are even and sends free).
-- **data parallel**: the gradients of this rank's parameters in buckets of ``bucket_mb``
-  (``comm.buckets``: packed in name order, each one all-reduce ``2 ceil(log2 p) alpha + 2
-  (p-1)/p n / beta``); with overlap a bucket starts when backward has produced its last
-  gradient, during the last micro-batch's backward, so only what is left after backward ends
-  is exposed. ZeRO 1 and 2: a reduce-scatter per unit as backward finishes it (overlapped the
-  same way), then one all-gather of the updated parameters after the step (exposed); ZeRO 3:
-  no final all-gather, but every unit's parameters are gathered before its forward and its
-  backward (and a recomputation's forward), prefetched one unit ahead: what a gather takes
-  beyond its neighbour's compute is exposed. Groups crossing nodes share the node's link:
-  ``k`` groups leaving one node at once each get ``beta / k``.
+  the stages are even and sends free). A stage meets its neighbour once per micro-batch.
+- **data parallel**: the gradients of this rank's parameters in buckets of ``bucket_mb`` MiB
+  (``comm.buckets``: packed in name order, started in reverse, each one all-reduce ``2
+  ceil(log2 p) alpha + 2 (p-1)/p n / beta`` and a meeting); with overlap a bucket starts when
+  backward has produced its last gradient, during the last micro-batch's backward, so only what
+  is left after backward ends is exposed. ZeRO 1 and 2: a reduce-scatter per unit started as
+  backward finishes it (overlapped the same way, waited on together), then one all-gather of
+  the updated parameters after the step (exposed); ZeRO 3: no final all-gather, but every
+  unit's parameters are gathered before its forward and its backward (and a recomputation's
+  forward), prefetched one unit ahead: what a gather takes beyond its unit's compute is exposed,
+  and each wait meets the other ranks. Groups crossing nodes share the node's link: ``k`` groups
+  leaving one node at once each get ``beta / k``.
+- **meeting** (``Link.meet``, ``linkprobe.meeting_seconds``): a blocking collective between two
+  stretches of compute waits for the last rank to arrive; where ranks share cores (this 2-core
+  machine runs 4), for a descheduled one to run again. Every blocking call above pays it once.
 - **optimizer**: the measured seconds per parameter times this rank's parameters (``1/dp`` of
   them under ZeRO); the trainer's two small all-reduces over the world per step.
 - **memory**: ``plan_memory`` (the engine's categories).
 
-Why ``benchmarks/cost_model.py``'s tp predictions were 50-67% low: not the volume (its counted
-and modelled tp bytes agree) but the per-call cost: a blocking collective between two stretches of
-compute waits for the last rank to arrive (``Link.meet``, measured by ``linkprobe.meeting_seconds``).
+Why ``benchmarks/cost_model.py``'s tp predictions were 50-67% low: not the volume (it counted
+the bytes its tp all-reduces moved, ``tensor_mappings.traffic``, and they equal its model's) but
+the per-call cost. Its alpha came from a ping-pong of two ranks doing nothing else (tens of
+microseconds); in a step each of tp's 2 calls per block and micro-batch is a meeting of ranks
+arriving from compute, which costs ``Link.meet``: milliseconds on this oversubscribed machine, a
+hundred times alpha. ``benchmarks/plan_check.py`` prints the seconds measured inside the tp
+collectives per step against this model's price of them.
 
 Context (cp) and expert (ep) parallelism are hooks: ``Layout`` carries them and ``predict``
 prices cp's ring (``2 (cp-1)/cp`` of each attention layer's K and V per micro-batch, overlapped
@@ -147,9 +154,9 @@ def _gather(link: Link | None, nbytes: float, p: int) -> float:
     return 0.0 if link is None else link.gather_seconds(nbytes, p) + link.meet
 
 
-def _recv(link: Link | None, nbytes: float) -> float:
-    """A pipeline message waited for: one way, and the meeting of its two ranks."""
-    return 0.0 if link is None else link.seconds(nbytes) + link.meet
+def _send(link: Link | None, nbytes: float) -> float:
+    """A pipeline message one way (its waits are the schedule's: ``simulate``)."""
+    return 0.0 if link is None else link.seconds(nbytes)
 
 
 # -- layouts -------------------------------------------------------------------------------------
@@ -272,7 +279,9 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
         for q in order:
             done += q.local_params(lay.tp)
             per = q.local_params(lay.tp) * item / max(1, q.units)
-            chunks += [(done / total, _gather(link, per, p))] * q.units
+            # started without waiting as backward finishes each unit; waited on together at the end
+            chunks += [(done / total, link.gather_seconds(per, p))] * q.units
+        chunks.append((1.0, link.meet))
     else:  # GradBuckets: packed in forward (name) order up to bucket_mb MiB, started in reverse
         cap = bucket_mb * (1 << 20)
         buckets: list[list[PieceCost]] = []
@@ -308,7 +317,8 @@ def _zero3_gathers(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Lin
     passes = 3 if lay.recompute else 2
     exposed = 0.0
     for share in (f / n, b / n):
-        exposed += sum(max(0.0, g - share) for g in gathers) + (gathers[0] if gathers else 0.0)
+        # the first unit's gather has nothing to hide behind; each wait meets the other ranks
+        exposed += sum(max(0.0, g - share) for g in gathers) + (gathers[0] - link.meet if gathers else 0.0)
     return exposed * passes / 2
 
 
@@ -354,7 +364,7 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
     stages = stages_of(costs, lay.pp, samples, lay.tp)
     tp_link, pp_link, dp_link = (group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp"))
     times = [_stage_times(st, lay, costs, samples, tp_link, s == lay.pp - 1) for s, st in enumerate(stages)]
-    sends = [_recv(pp_link, st[-1].output_per_sample * samples) for st in stages[:-1]]
+    sends = [_send(pp_link, st[-1].output_per_sample * samples) for st in stages[:-1]]
     makespan, finish = _pipeline(times, sends, lay, schedule)
     world_link = links.get("intra-node") or links.get("inter-node")
     small = 2 * _allreduce(world_link, 64, lay.world) if lay.world > 1 else 0.0
@@ -365,8 +375,12 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
         exposed += lay.microbatches * _zero3_gathers(st, lay, costs, dp_link, f, b)
         opt = costs.optimizer_s_per_param * sum(q.local_params(lay.tp) for q in st) / (lay.dp if lay.zero else 1)
         end = finish[s] + exposed + opt + after + small
+        # A stage that receives meets its neighbour once per micro-batch (plan_check: not per message).
+        meets = lay.microbatches * (pp_link.meet if pp_link is not None else 0.0)
         parts = {"tp": lay.microbatches * (tf + tb), "dp": exposed + after + small,
-                 "pp": lay.microbatches * ((sends[s] if s < lay.pp - 1 else 0.0) + (sends[s - 1] if s > 0 else 0.0))}
+                 "pp": lay.microbatches * ((sends[s] if s < lay.pp - 1 else 0.0) + (sends[s - 1] if s > 0 else 0.0))
+                 + meets}
+        end += meets
         if end > best[0]:
             best = (end, lay.microbatches * (f + b) + opt, sum(parts.values()), parts)
     step, compute, comm, parts = best

@@ -307,7 +307,7 @@ class MoE(Module):
         g2 = grad_out.reshape(-1, self.d_model)
         n = g2.shape[0]
         gt = g2[route.token]
-        dgate = (gt * y).sum(axis=1)
+        dgate = (gt * y).sum(axis=1, dtype=probs.dtype)  # 16-bit rows: the sum in float32
         dy = gt * route.gate.astype(gt.dtype)[:, None]
         dy = self._exchange(xp.ascontiguousarray(dy), route.send, route.recv)
         if route.order is not None:

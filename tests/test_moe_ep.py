@@ -112,3 +112,35 @@ def test_expert_parallel_refuses_experts_not_divisible_on_every_rank():
     par = expert_parallel(MoE(4, 4, experts=comm.size, top_k=1), comm)
     with pytest.raises(ValueError, match="already expert-parallel"):
         expert_parallel(par, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gpt_with_moe_blocks_under_tp_keeps_the_moe_whole_and_equals_one_process():
+    """tensor_parallel splits the attention and the dense MLPs; each tp rank computes the MoE whole
+    (its input is replicated there), so the model still equals the serial one."""
+    from hpctrain.parallel import tensor_parallel
+
+    comm = _world()
+    heads = 2 * comm.size
+
+    def build():
+        return GPT(13, 5, 4 * heads, heads, 2, d_hidden=4 * comm.size, rng=2, dtype=F64, moe_experts=4, moe_every=2)
+
+    serial, par = build(), tensor_parallel(build(), comm)
+    assert [type(b.mlp).__name__ for b in par.blocks] == ["ParallelMLP", "MoE"]
+    set_aux_weight(serial, AUX)
+    set_aux_weight(par, AUX)
+    idx = np.random.default_rng(3).integers(0, 13, (2, 5))
+    serial.zero_grad()
+    par.zero_grad()
+    full = serial.forward(idx)
+    mine = par.forward(idx)  # this rank's vocabulary columns of the logits
+    assert par.aux_loss == pytest.approx(serial.aux_loss, rel=1e-12)
+    cols = slice(par.vocab_parallel[0], par.vocab_parallel[0] + mine.shape[-1])
+    np.testing.assert_allclose(mine, full[..., cols], **TOL)
+    r = np.random.default_rng(4).standard_normal(full.shape)
+    serial.backward(r.copy())
+    par.backward(r[..., cols].copy())
+    ser = dict(serial.named_parameters())
+    for name, (p, _, index) in shard_map(par).items():
+        np.testing.assert_allclose(p.grad, ser[name].grad[index], **TOL, err_msg=name)

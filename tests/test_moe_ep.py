@@ -11,10 +11,10 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain import Communicator, ProcessGrid
-from hpctrain.nn import GPT, MoE
+from hpctrain.nn import GPT, MoE, recompute_blocks
 from hpctrain.nn.moe import moe_layers, set_aux_weight
 from hpctrain.parallel import expert_parallel
-from hpctrain.parallel.shards import shard_map
+from hpctrain.parallel.shards import full_state_dict, shard_map
 
 F64 = np.float64
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -75,15 +75,21 @@ def test_moe_layer_under_ep_equals_one_process(top_k, ep):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_gpt_with_moe_blocks_under_ep_equals_one_process_in_the_graph():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_gpt_with_moe_blocks_under_ep_equals_one_process_in_the_graph(recompute):
     comm = _world()
     rank, size = comm.rank, comm.size
 
     def build():
-        return GPT(13, 5, 8, 2, 2, d_hidden=12, rng=1, dtype=F64, moe_experts=2 * size, moe_top_k=2, moe_every=1)
+        model = GPT(13, 5, 8, 2, 2, d_hidden=12, rng=1, dtype=F64, moe_experts=2 * size, moe_top_k=2, moe_every=1)
+        return recompute_blocks(model)[0] if recompute else model  # the exchanges rerun inside backward
 
     serial = build()
     par = expert_parallel(build(), comm)
+    full = full_state_dict(par, comm)  # the experts gathered back: the serial weights, whole
+    assert sorted(full) == sorted(serial.state_dict())
+    for name, w in serial.state_dict().items():
+        np.testing.assert_array_equal(full[name], w, err_msg=name)
     assert len(moe_layers(par)) == 2 and all(m.group is comm for m in moe_layers(par))
     set_aux_weight(serial, AUX * size)
     set_aux_weight(par, AUX)

@@ -10,7 +10,9 @@ import types
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
+from hpctrain import Communicator
 from hpctrain.autograd import Tensor
 from hpctrain.nn import GPT, MLP, MoE, TransformerBlock, recompute_blocks
 from hpctrain.nn.moe import moe_layers, set_aux_weight
@@ -190,7 +192,7 @@ def test_gpt_and_sharding_refusals():
     with pytest.raises(ValueError, match="experts=4 must be divisible by ep=3"):
         MoE(4, 4, experts=4).shard(types.SimpleNamespace(rank=0, size=3))
     with pytest.raises(ValueError, match="has no nn.MoE layer"):
-        expert_parallel(MLP(4, 4), None)
+        expert_parallel(MLP(4, 4), Communicator(MPI.COMM_SELF))
 
 
 @pytest.mark.parametrize("dtype,tol", [(F64, 1e-12), (np.float32, 2e-5)])

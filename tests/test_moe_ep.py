@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain import Communicator, ProcessGrid
+from hpctrain.errors import MismatchError
 from hpctrain.nn import GPT, MoE, recompute_blocks
 from hpctrain.nn.moe import moe_layers, set_aux_weight
 from hpctrain.parallel import expert_parallel
@@ -118,6 +119,10 @@ def test_expert_parallel_refuses_experts_not_divisible_on_every_rank():
     par = expert_parallel(MoE(4, 4, experts=comm.size, top_k=1), comm)
     with pytest.raises(ValueError, match="already expert-parallel"):
         expert_parallel(par, comm)
+    # Ranks handed different models (rank 0's refusable, the others' not) all refuse, none waits.
+    odd = MoE(4, 4, experts=comm.size + 1 if comm.rank == 0 else comm.size, top_k=1)
+    with pytest.raises(MismatchError, match="expert_parallel"):
+        expert_parallel(odd, comm)
 
 
 @pytest.mark.mpi(min_size=2)

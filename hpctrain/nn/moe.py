@@ -218,13 +218,14 @@ class MoE(Module):
     def _route(self, probs: Any) -> _Route:
         xp, n, e_all = xp_of(probs), probs.shape[0], self.experts
         order, expert, keep = self._choose(probs)
-        chosen = np.bincount(to_host(expert), minlength=e_all)
+        # Counted where the routing is (E numbers come back to the host, not N*k indices).
+        chosen = to_host(xp.bincount(expert, minlength=e_all))
         if keep is not None:
             order = order[keep]
         token, slot = order % n, order // n
         ex = expert[order]
         r = _Route(token, slot, ex, probs[token, ex])
-        kept = np.bincount(to_host(ex), minlength=e_all)
+        kept = chosen if keep is None else to_host(xp.bincount(ex, minlength=e_all))
         table = self._counts(chosen, kept)
         total = table[:, :e_all].sum(axis=0)
         self.tokens_per_expert = total

@@ -239,7 +239,7 @@ class MoE(Module):
         r.recv = [int(c) for c in per_rank.sum(axis=1)]
         sizes = per_rank.sum(axis=0)
         ends = np.cumsum(sizes)
-        r.bounds = [(int(e - s), int(e)) for s, e in zip(sizes, ends)]
+        r.bounds = [(int(end - size), int(end)) for size, end in zip(sizes, ends)]
         if ranks > 1:  # from each rank, its rows by local expert: regroup them by expert
             starts = np.cumsum(per_rank.reshape(-1)) - per_rank.reshape(-1)
             starts = starts.reshape(per_rank.shape)

@@ -155,3 +155,41 @@ def test_gpt_with_moe_blocks_under_tp_keeps_the_moe_whole_and_equals_one_process
     ser = dict(serial.named_parameters())
     for name, (p, _, index) in shard_map(par).items():
         np.testing.assert_allclose(p.grad, ser[name].grad[index], **TOL, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pp,zero,recompute", [(2, 0, True), (1, 3, False), (1, 2, True)])
+def test_gpt_with_moe_blocks_trains_in_the_engine_as_one_process(pp, zero, recompute):
+    """Without ep the MoE is a per-token function of replicated parameters: dp, a pipeline cut
+    between blocks, ZeRO and recompute train it to the one-process losses and weights."""
+    from hpctrain.nn import CrossEntropyLoss
+    from hpctrain.optim import AdamW
+    from hpctrain.parallel import ParallelTrainer, parallelize
+
+    comm = _world()
+    if comm.size % pp:
+        pytest.skip(f"pp={pp} does not divide {comm.size} ranks")
+
+    def make():
+        return GPT(11, 5, 8, 2, 3, d_hidden=12, rng=0, dtype=F64, moe_experts=4, moe_every=2)
+
+    grid = ProcessGrid(comm, pp=pp)
+    dp, d, per = grid.dp_size, grid.dp.rank, 4
+    part = parallelize(make(), grid, recompute=recompute)
+    tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=1e-2),
+                         grid=grid, microbatches=2, zero=zero)
+    ref, ce = make(), CrossEntropyLoss()
+    opt = AdamW(ref.parameters(), lr=1e-2)
+    for s in range(3):
+        g = np.random.default_rng(100 + s)
+        x, y = g.integers(0, 11, (per * dp, 5)), g.integers(0, 11, (per * dp, 5))
+        got = tr.step(x[d * per:(d + 1) * per], y[d * per:(d + 1) * per]).loss
+        opt.zero_grad()
+        want = ce.forward(ref.forward(x), y)
+        ref.backward(ce.backward())
+        opt.step()
+        assert got == pytest.approx(want, rel=1e-10)
+    full = dict(ref.named_parameters())
+    for name, (p, _, index) in tr.shards().items():
+        np.testing.assert_allclose(p.data, full[name].data[index], rtol=1e-9, atol=1e-12, err_msg=name)

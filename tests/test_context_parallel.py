@@ -14,9 +14,18 @@ import pytest
 from hpctrain import Communicator
 from hpctrain.autograd import Tensor
 from hpctrain.autograd.gradcheck import numeric_gradient
-from hpctrain.nn import GPT, CrossEntropyLoss, causal_attention, causal_attention_backward
+from hpctrain.nn import (
+    GPT,
+    CausalSelfAttention,
+    CrossEntropyLoss,
+    causal_attention,
+    causal_attention_backward,
+    recompute_blocks,
+)
 from hpctrain.nn import functional as F
 from hpctrain.parallel import context_parallel, zigzag_indices, zigzag_merge, zigzag_split
+from hpctrain.parallel.cut import Stage, pipeline_pieces
+from hpctrain.parallel.tensor import ParallelSelfAttention, shard_map
 
 F64 = np.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -159,16 +168,28 @@ def _serial_reference(idx, tgt):
     return loss, {name: p.grad.copy() for name, p in model.named_parameters()}
 
 
+def _wrapped(wrap, group, mode):
+    """A GPT under ``context_parallel``: as it is, its blocks recomputed, or cut into pipeline pieces
+    (one ``Stage`` of all of them: the embedding piece asks the GPT for its positions)."""
+    model = _gpt()
+    if wrap == "recompute":
+        model, wrapped = recompute_blocks(model)
+        assert wrapped == 2
+    context_parallel(model, group, mode)
+    return Stage(pipeline_pieces(model)) if wrap == "pieces" else model
+
+
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("wrap", ["plain", "recompute", "pieces"])
 @pytest.mark.parametrize("path", ["explicit", "graph"])
 @pytest.mark.parametrize("mode", MODES)
-def test_gpt_equals_one_process(comm, mode, path):
+def test_gpt_equals_one_process(comm, mode, path, wrap):
     for _, group in _groups(comm):
         n, r = group.size, group.rank
         rng = np.random.default_rng(40 + n)
         idx, tgt = rng.integers(0, 13, (3, 4 * n)), rng.integers(0, 13, (3, 4 * n))
         loss, grads = _serial_reference(idx, tgt)
-        model = context_parallel(_gpt(), group, mode)
+        model = _wrapped(wrap, group, mode)
         ce = CrossEntropyLoss()
         x, y = zigzag_split(idx, n, r), zigzag_split(tgt, n, r)
         if path == "explicit":
@@ -183,6 +204,30 @@ def test_gpt_equals_one_process(comm, mode, path):
         np.testing.assert_allclose(group.allreduce(np.array([float(mine)]))[0] / n, loss, **TOL)
         for name, p in model.named_parameters():
             np.testing.assert_allclose(group.allreduce(p.grad) / n, grads[name], **TOL, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("mode", MODES)
+def test_tensor_parallel_attention_under_context_parallel(comm, mode):
+    """tp=2 innermost, cp over the rest (the grid's layout): the tensor-parallel attention with a
+    context group equals the serial attention on the gathered sequence."""
+    if comm.size % 2:
+        pytest.skip("tp=2 x cp needs an even number of ranks")
+    tp, cp = comm.split(comm.rank // 2), comm.split(comm.rank % 2)
+    n, r = cp.size, cp.rank
+    serial = CausalSelfAttention(8, 4, rng=2, dtype=F64)
+    rng = np.random.default_rng(9)
+    x, dy = rng.standard_normal((2, 4 * n, 8)), rng.standard_normal((2, 4 * n, 8))
+    y = serial.forward(x)
+    dx = serial.backward(dy)
+    par = ParallelSelfAttention.from_serial(serial, tp)
+    context_parallel(par, cp, mode)
+    assert par.context.group is cp
+    np.testing.assert_allclose(par.forward(zigzag_split(x, n, r)), zigzag_split(y, n, r), **TOL)
+    np.testing.assert_allclose(par.backward(zigzag_split(dy, n, r)), zigzag_split(dx, n, r), **TOL)
+    full = dict(serial.named_parameters())
+    for name, (p, _, index) in shard_map(par).items():
+        np.testing.assert_allclose(cp.allreduce(p.grad), full[name].grad[index], **TOL, err_msg=name)
 
 
 # -- refusals ------------------------------------------------------------------------------------

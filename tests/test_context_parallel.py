@@ -29,7 +29,7 @@ from hpctrain.parallel.tensor import ParallelSelfAttention, shard_map
 
 F64 = np.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
-MODES = ["ring"]  # Ulysses joins once Communicator.alltoall lands (main)
+MODES = ["ring", "ulysses"]
 
 
 # -- the zigzag helpers (serial) -----------------------------------------------------------------
@@ -78,7 +78,7 @@ def test_one_rank_group_is_the_plain_attention():
     model = GPT(7, 8, 4, 2, 1, rng=0, dtype=F64)
     assert context_parallel(model, one) is model
     assert model.blocks[0].attn.context is None  # nothing to split over
-    for mode in MODES[:1]:
+    for mode in MODES:
         np.testing.assert_allclose(F.ring_attention(q, k, v, one, mode=mode).data, causal_attention(q, k, v)[0], **TOL)
 
 

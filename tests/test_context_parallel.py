@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpctrain import Communicator
+from hpctrain import Communicator, ProcessGrid
 from hpctrain.autograd import Tensor
 from hpctrain.autograd.gradcheck import numeric_gradient
 from hpctrain.nn import (
@@ -23,7 +23,8 @@ from hpctrain.nn import (
     recompute_blocks,
 )
 from hpctrain.nn import functional as F
-from hpctrain.parallel import context_parallel, zigzag_indices, zigzag_merge, zigzag_split
+from hpctrain.parallel import context_parallel, parallelize, zigzag_indices, zigzag_merge, zigzag_split
+from hpctrain.parallel.context import context_targets
 from hpctrain.parallel.cut import Stage, pipeline_pieces
 from hpctrain.parallel.tensor import ParallelSelfAttention, shard_map
 
@@ -204,6 +205,27 @@ def test_gpt_equals_one_process(comm, mode, path, wrap):
         np.testing.assert_allclose(group.allreduce(np.array([float(mine)]))[0] / n, loss, **TOL)
         for name, p in model.named_parameters():
             np.testing.assert_allclose(group.allreduce(p.grad) / n, grads[name], **TOL, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", MODES)
+def test_parallelize_on_a_grid_with_cp(comm, mode):
+    """``parallelize(model, grid, cp_mode=...)`` sets ``grid.cp`` on the model (recomputed blocks
+    here): cp = the world, and cp=2 x dp=2 at 4 ranks, each cp group against one process."""
+    for cp in sorted({comm.size, 2} if comm.size % 2 == 0 else {comm.size}):
+        grid = ProcessGrid(comm, cp=cp)
+        n, r = grid.cp.size, grid.cp.rank
+        model = parallelize(_gpt(), grid, recompute=True, cp_mode=mode)
+        assert {m.context.mode for m in context_targets(model)} == {mode}
+        rng = np.random.default_rng(70 + n)
+        idx, tgt = rng.integers(0, 13, (2, 4 * n)), rng.integers(0, 13, (2, 4 * n))
+        loss, grads = _serial_reference(idx, tgt)
+        ce = CrossEntropyLoss()
+        value = ce.forward(model.forward(zigzag_split(idx, n, r)), zigzag_split(tgt, n, r))
+        model.backward(ce.backward())
+        np.testing.assert_allclose(grid.cp.allreduce(np.array([float(value)]))[0] / n, loss, **TOL)
+        for name, p in model.named_parameters():
+            np.testing.assert_allclose(grid.cp.allreduce(p.grad) / n, grads[name], **TOL, err_msg=name)
 
 
 @pytest.mark.mpi(min_size=4)

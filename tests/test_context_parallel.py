@@ -120,6 +120,23 @@ def test_attention_equals_the_gathered_sequence(comm, mode):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_on_the_device_stays_there(comm, mode, standin):
+    """CuPy arrays (the strict stand-in): no host/device mixing, buffers staged for MPI, and the
+    results those of the host."""
+    n, r = comm.size, comm.rank
+    (q, k, v, dy), y, grads = _attention_case(comm, mode, seed=21)
+    share = [Tensor(standin.asarray(zigzag_split(a, n, r, axis=2)), requires_grad=True) for a in (q, k, v)]
+    out = F.ring_attention(*share, comm, mode=mode)
+    assert isinstance(out.data, standin.ndarray)
+    out.backward(standin.asarray(zigzag_split(dy, n, r, axis=2)))
+    np.testing.assert_allclose(out.data.get(), zigzag_split(y, n, r, axis=2), **TOL)
+    for t, full in zip(share, grads, strict=True):
+        assert isinstance(t.grad, standin.ndarray)
+        np.testing.assert_allclose(t.grad.get(), zigzag_split(full, n, r, axis=2), **TOL)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_ring_without_the_mask_is_full_attention(comm):
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(11)

@@ -95,6 +95,13 @@ def _wait(reqs: list[Any]) -> None:
         req.wait()
 
 
+def _drive(reqs: list[Any]) -> None:
+    """Let the transfers in flight progress between two block products: without an asynchronous
+    progress thread (MPICH's default) a large message moves only inside MPI calls."""
+    for req in reqs:
+        req.test()
+
+
 def ring_forward(q: Any, k: Any, v: Any, group: Comm, *, causal: bool = True, out: Any = None) -> tuple[Any, Any]:
     """Ring attention's forward on this rank's zigzag share: returns ``(y, lse)``, ``y`` written
     into ``out`` when given, ``lse`` (B, H, T_local) the rows' log-sum-exp (what backward needs
@@ -122,6 +129,7 @@ def ring_forward(q: Any, k: Any, v: Any, group: Comm, *, causal: bool = True, ou
             total[:, :, rows] = total[:, :, rows] * fix + s.sum(axis=-1, keepdims=True)
             acc[:, :, rows] = acc[:, :, rows] * fix + matmul(xp, s, cur[1][:, :, cols])
             mx[:, :, rows] = m_new
+            _drive(reqs)
         _wait(reqs)
         cur, spare = spare, cur
     acc /= total
@@ -164,6 +172,8 @@ def ring_backward(dy: Any, q: Any, k: Any, v: Any, y: Any, lse: Any, group: Comm
             ds *= scale
             dq[:, :, rows] += matmul(xp, ds, cur[0][:, :, cols])
             part[0][:, :, cols] += matmul(xp, xp.swapaxes(ds, -1, -2), qc[:, :, rows])
+            _drive(reqs)
+            _drive(grads)
         _wait(grads)  # the block's gradient from the ranks before (and this rank's last send) done
         if step:
             part += inbox

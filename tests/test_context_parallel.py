@@ -282,6 +282,12 @@ def test_sequence_that_does_not_split_is_refused(comm, mode):
     model = context_parallel(_gpt(), comm, mode)
     with pytest.raises(ValueError, match=rf"block size {3 * n} does not split into 2\*cp={2 * n}"):
         model.forward(np.zeros((1, 3), dtype=np.int64))
+    t_local = 16 // n + 2  # fits one rank's block, not the whole sequence's
+    with pytest.raises(ValueError, match=rf"a sequence of {t_local * n}, longer than block_size=16"):
+        model.forward(np.zeros((1, t_local), dtype=np.int64))
+    ints = np.zeros((1, 4, 4, 2), dtype=np.int64)
+    with pytest.raises(TypeError, match="needs floating-point q, k, v, got int64"):
+        F.ring_attention(ints, ints, ints, comm, mode=mode)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import matmul, stat_dtype, xp_of
+from ..backend import is_half, matmul, stat_dtype, xp_of
+from ..errors import DtypeError
 from ..protocols import Comm
 from .transformer import _future_mask, causal_attention, causal_attention_backward
 from .zigzag import chunk_size, zigzag_indices, zigzag_merge, zigzag_split
@@ -50,6 +51,9 @@ def _check(q: Any, k: Any, v: Any, group: Comm) -> None:
     if q.ndim != 4 or not q.shape == k.shape == v.shape:
         raise ValueError(f"context attention needs q, k, v of one (B, H, T_local, hd) shape, got "
                          f"{q.shape}, {k.shape}, {v.shape}")  # fmt: skip
+    bad = [a.dtype for a in (q, k, v) if a.dtype.kind != "f" and not is_half(a.dtype)]
+    if bad:
+        raise DtypeError(f"context attention needs floating-point q, k, v, got {bad[0]}")
     chunk_size(q.shape[2] * group.size, group.size)  # T_local = 2 chunks: refused with T and N named
 
 
@@ -253,9 +257,14 @@ class ContextAttention:
     def __repr__(self) -> str:
         return f"ContextAttention(cp={self.group.size}, rank={self.group.rank}, mode={self.mode!r})"
 
-    def positions(self, t_local: int) -> np.ndarray:
-        """The global positions of this rank's ``t_local`` tokens (the zigzag share)."""
-        return zigzag_indices(int(t_local) * self.group.size, self.group.size, self.group.rank)
+    def positions(self, t_local: int, block_size: int | None = None) -> np.ndarray:
+        """The global positions of this rank's ``t_local`` tokens (the zigzag share); a
+        ``ValueError`` when the whole sequence is longer than ``block_size``."""
+        t, n = int(t_local) * self.group.size, self.group.size
+        if block_size is not None and t > block_size:
+            raise ValueError(f"{t_local} tokens a rank x cp={n} is a sequence of {t}, longer than "
+                             f"block_size={block_size}")  # fmt: skip
+        return zigzag_indices(t, n, self.group.rank)
 
     def attention(self, q: Any, k: Any, v: Any, *, out: Any = None, buffers: Any = None) -> tuple[Any, Any]:
         """Causal attention of this rank's shares: ``(y, saved)`` as ``causal_attention``'s ``(y, att)``."""

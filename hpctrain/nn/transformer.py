@@ -408,7 +408,7 @@ class GPT(Module):
         set by ``hpctrain.parallel.context_parallel``) the global positions of this rank's share."""
         pos, cp = self.__dict__.get("_pos"), self.__dict__.get("context")
         if pos is None or pos.shape[0] != t or xp_of(pos) is not xp or self.__dict__.get("_pos_cp") is not cp:
-            pos = self.__dict__["_pos"] = xp.arange(t) if cp is None else xp.asarray(cp.positions(t))
+            pos = self.__dict__["_pos"] = xp.arange(t) if cp is None else xp.asarray(cp.positions(t, self.block_size))
             self.__dict__["_pos_cp"] = cp
         return pos
 

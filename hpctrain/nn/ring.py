@@ -87,9 +87,9 @@ def _post(group: Comm, send: Any, recv: Any, tag: int) -> list[Any]:
     return [group.irecv(recv, (r - 1) % n, tag), group.isend(send, (r + 1) % n, tag)]
 
 
-def _pack(xp: Any, k: Any, v: Any, dt: Any) -> Any:
-    """``(2, B, H, T_local, hd)``: K and V in one C-contiguous buffer of ``dt`` (one message a step)."""
-    kv = xp.empty((2, *k.shape), dtype=dt)
+def _pack(xp: Any, k: Any, v: Any) -> Any:
+    """``(2, B, H, T_local, hd)``: K and V in one C-contiguous buffer (one message a step)."""
+    kv = xp.empty((2, *k.shape), dtype=np.result_type(k.dtype, v.dtype))
     kv[0], kv[1] = k, v
     return kv
 
@@ -119,19 +119,20 @@ def ring_forward(q: Any, k: Any, v: Any, group: Comm, *, causal: bool = True, ou
     acc = xp.zeros((*q.shape[:3], v.shape[-1]), dtype=dt)
     mx = xp.full((*q.shape[:3], 1), -np.inf, dtype=dt)
     total = xp.zeros_like(mx)
-    cur = _pack(xp, k, v, dt)  # K and V travel as one message
-    spare = xp.empty(cur.shape, dtype=dt)
+    cur = _pack(xp, k, v)  # K and V travel as one message, in their own dtype (16 bits stay 16)
+    spare = xp.empty_like(cur)
     for step in range(n):
         reqs = _post(group, cur, spare, _KV_TAG) if step < n - 1 else []  # the next block comes meanwhile
+        kv = cur.astype(dt, copy=False)
         for rows, cols, diag in _pairs(rank, (rank - step) % n, n, c, causal):
-            s = _scores(xp, qc[:, :, rows], cur[0][:, :, cols], scale, diag)
+            s = _scores(xp, qc[:, :, rows], kv[0][:, :, cols], scale, diag)
             m_old = mx[:, :, rows]
             m_new = xp.maximum(m_old, s.max(axis=-1, keepdims=True))
             s -= m_new
             xp.exp(s, out=s)
             fix = xp.exp(m_old - m_new)  # the earlier blocks' terms rescaled to the new running max
             total[:, :, rows] = total[:, :, rows] * fix + s.sum(axis=-1, keepdims=True)
-            acc[:, :, rows] = acc[:, :, rows] * fix + matmul(xp, s, cur[1][:, :, cols])
+            acc[:, :, rows] = acc[:, :, rows] * fix + matmul(xp, s, kv[1][:, :, cols])
             mx[:, :, rows] = m_new
             _drive(reqs)
         _wait(reqs)
@@ -156,25 +157,26 @@ def ring_backward(dy: Any, q: Any, k: Any, v: Any, y: Any, lse: Any, group: Comm
     rowdot = (dyc * y.astype(dt, copy=False)).sum(axis=-1, keepdims=True)  # sum_j P_ij dP_ij = dy_i . y_i
     lse4 = lse[..., None]
     dq = xp.zeros(qc.shape, dtype=dt)
-    cur = _pack(xp, k, v, dt)
-    spare, inbox = xp.empty(cur.shape, dtype=dt), xp.empty(cur.shape, dtype=dt)
+    cur = _pack(xp, k, v)
+    spare, inbox = xp.empty_like(cur), xp.empty(cur.shape, dtype=dt)  # gradients travel in dt: sums of ranks
     parts = [xp.empty(cur.shape, dtype=dt), xp.empty(cur.shape, dtype=dt)]  # this step's dK/dV, the last in flight
     grads: list[Any] = []
     for step in range(n):
         reqs = _post(group, cur, spare, _KV_TAG) if step < n - 1 else []
+        kv = cur.astype(dt, copy=False)
         part = parts[step % 2]
         part[...] = 0
         for rows, cols, diag in _pairs(rank, (rank - step) % n, n, c, causal):
-            p = _scores(xp, qc[:, :, rows], cur[0][:, :, cols], scale, diag)
+            p = _scores(xp, qc[:, :, rows], kv[0][:, :, cols], scale, diag)
             p -= lse4[:, :, rows]
             xp.exp(p, out=p)  # the block's probabilities, recomputed
             g = dyc[:, :, rows]
             part[1][:, :, cols] += matmul(xp, xp.swapaxes(p, -1, -2), g)
-            ds = matmul(xp, g, xp.swapaxes(cur[1][:, :, cols], -1, -2))
+            ds = matmul(xp, g, xp.swapaxes(kv[1][:, :, cols], -1, -2))
             ds -= rowdot[:, :, rows]
             ds *= p
             ds *= scale
-            dq[:, :, rows] += matmul(xp, ds, cur[0][:, :, cols])
+            dq[:, :, rows] += matmul(xp, ds, kv[0][:, :, cols])
             part[0][:, :, cols] += matmul(xp, xp.swapaxes(ds, -1, -2), qc[:, :, rows])
             _drive(reqs)
             _drive(grads)

@@ -123,14 +123,14 @@ class Prediction:
 
 
 def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: list[str] | None) -> Link | None:
-    """The link a ``kind`` ("dp", "tp", "pp") group's collectives pay (``None``: groups of one rank):
-    inter-node when any such group spans nodes, its bandwidth shared by the spanning groups that
+    """The link a ``kind`` group's collectives pay (a ``comm.grid.layout`` group: "tp", "pp", "cp",
+    "ep", "dp_cp"; ``None``: groups of one rank): inter-node when any such group spans nodes, its bandwidth shared by the spanning groups that
     leave one node at once."""
-    size = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp}[kind]
+    size = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "dp_cp": lay.dp * lay.cp}[kind]
     if size == 1:
         return None
     names = nodes or ["node"] * lay.world
-    groups = grid_layout(lay.world, lay.tp, lay.pp)[kind]
+    groups = grid_layout(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)[kind]
     span = [g for g in groups if len({names[r] for r in g}) > 1]
     if not span:
         link = links.get("intra-node")
@@ -170,7 +170,7 @@ def layout_problem(lay: Layout, costs: Costs) -> str | None:
     from .tensor_layers import tp_heads_problem, tp_hidden_problem
 
     try:
-        factor(lay.world, lay.tp, lay.pp)
+        factor(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)
     except GridError as exc:
         return str(exc)
     problem = zero_problem(lay.zero)
@@ -362,7 +362,7 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
         raise ValueError(f"nodes_layout names {len(nodes_layout)} ranks but {lay.label()} takes {lay.world}")
     samples = costs.batch / (lay.dp * lay.cp) / lay.microbatches
     stages = stages_of(costs, lay.pp, samples, lay.tp)
-    tp_link, pp_link, dp_link = (group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp"))
+    tp_link, pp_link, dp_link = (group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp_cp"))
     times = [_stage_times(st, lay, costs, samples, tp_link, s == lay.pp - 1) for s, st in enumerate(stages)]
     sends = [_send(pp_link, st[-1].output_per_sample * samples) for st in stages[:-1]]
     makespan, finish = _pipeline(times, sends, lay, schedule)

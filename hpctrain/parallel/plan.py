@@ -124,8 +124,8 @@ class Prediction:
 
 def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: list[str] | None) -> Link | None:
     """The link a ``kind`` group's collectives pay (a ``comm.grid.layout`` group: "tp", "pp", "cp",
-    "ep", "dp_cp"; ``None``: groups of one rank): inter-node when any such group spans nodes, its bandwidth shared by the spanning groups that
-    leave one node at once."""
+    "ep", "dp_cp"; ``None``: groups of one rank): inter-node when any such group spans nodes, its
+    bandwidth shared by the spanning groups that leave one node at once."""
     size = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "dp_cp": lay.dp * lay.cp}[kind]
     if size == 1:
         return None

@@ -69,12 +69,13 @@ class PieceCost:
     experts: int = 0  # experts per MoE layer (ep must divide them)
 
     def forward_s(self, samples: float, tp: int = 1) -> float:
-        """One forward on ``samples`` samples, on a rank holding ``1/tp`` of the split layers."""
-        return self._share(tp) * (self.forward_fixed + self.forward_per_sample * samples)
+        """One forward on ``samples`` samples, on a rank holding ``1/tp`` of the split layers (the
+        work per sample divides; a call's fixed cost, the interpreter's mostly, does not)."""
+        return self.forward_fixed + self._share(tp) * self.forward_per_sample * samples
 
     def backward_s(self, samples: float, tp: int = 1) -> float:
         """One backward on ``samples`` samples (as ``forward_s``)."""
-        return self._share(tp) * (self.backward_fixed + self.backward_per_sample * samples)
+        return self.backward_fixed + self._share(tp) * self.backward_per_sample * samples
 
     def _share(self, tp: int) -> float:
         # The split layers' work divides over tp; the rest (LayerNorms, residuals) is replicated.

@@ -221,6 +221,11 @@ def _pieces_at(pieces: list[Piece], sample: Any, repeats: int, params: list[Any]
     bytes)``: the median of ``repeats`` runs after a warm-up, each piece on the previous piece's output."""
     out, x = [], sample
     for piece in pieces:
+        # The reuse pools keep arrays of every shape seen: empty them so that this size's
+        # workspace is what it alone needs (a job runs one micro-batch size).
+        for top in piece.modules.values():
+            for _, m in top.named_modules():
+                m.scratch_buffers().clear()
         runs = [_run_piece(piece, x, params) for _ in range(1 + max(1, repeats))][1:]
         y = runs[-1][4]
         out.append((*(statistics.median(r[k] for r in runs) for k in range(4)), int(x.nbytes), int(y.nbytes)))

@@ -71,9 +71,11 @@ def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: fl
         kept, redo = stage_activations(pieces, samples, tp, layout.recompute)
         held = in_flight(schedule, layout.pp, s, layout.microbatches)
         out["activations_peak"] = int(held * kept + redo)
-        # The reuse pools are per layer, reused by every micro-batch; a recomputed block keeps none.
+        # The reuse pools are per layer, reused by every micro-batch; a recomputed block keeps none
+        # (nn.buffers.transient), except under tp: the tensor-parallel layers that replace the
+        # serial ones inside it have pools again (measured by benchmarks/plan_check.py).
         out["workspace"] = int(sum(p.workspace(samples, tp) for p in pieces
-                                   if not (layout.recompute and p.recomputable)))
+                                   if not (layout.recompute and p.recomputable and tp == 1)))
         total = sum(out.values())
         if total > best[0]:
             best = (total, out)

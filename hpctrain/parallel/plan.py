@@ -28,8 +28,8 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
   the updated parameters after the step (exposed); ZeRO 3: no final all-gather, but every
   unit's parameters are gathered before its forward and its backward (and a recomputation's
   forward), prefetched one unit ahead: what a gather takes beyond its unit's compute is exposed,
-  and each wait meets the other ranks. Groups crossing nodes share the node's link: ``k`` groups
-  leaving one node at once each get ``beta / k``.
+  and each wait meets the other ranks. Groups crossing nodes share the node's link: ``k`` ranks
+  of one node in groups that leave it each get ``beta / k``.
 - **meeting** (``Link.meet``, ``linkprobe.meeting_seconds``): a blocking collective between two
   stretches of compute waits for the last rank to arrive; where ranks share cores (this 2-core
   machine runs 4), for a descheduled one to run again. Every blocking call above pays it once.
@@ -141,7 +141,9 @@ def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: lis
     link = links.get("inter-node")
     if link is None:
         raise ValueError("no inter-node link was probed but a group spans nodes")
-    flows = max(sum(1 for g in span if any(names[r] == n for r in g)) for n in set(names))
+    # Every rank of a spanning group sends across (ring and recursive-doubling algorithms alike):
+    # the ranks of one node in such groups share its link.
+    flows = max(sum(1 for g in span for r in g if names[r] == n) for n in set(names))
     # A fit through noisy samples can put the line below zero at no bytes: no latency, not a gain.
     return dataclasses.replace(link, alpha=max(link.alpha, 0.0), beta=link.beta / flows)
 

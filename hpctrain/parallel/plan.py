@@ -9,7 +9,8 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
   ``cut.balance_stages`` on the pieces' measured times at the micro-batch), its ``1/tp`` share
   of the split layers, on ``batch / (dp * cp)`` samples in ``m`` micro-batches; recompute adds
   the wrapped blocks' forward again to their backward. Per micro-batch the measured fit
-  ``fixed + per_sample * samples`` counts (a call costs something however small the batch).
+  ``fixed + per_sample * samples`` counts (a call costs something however small the batch; tp
+  divides the work per sample, not that fixed cost, mostly the interpreter's).
 - **tensor parallel**: per micro-batch, each split layer's all-reduce of its ``(rows, d_model)``
   activation in forward and of its input's gradient in backward (a GPT block: four), the
   vocabulary embedding's and head's, the vocab-parallel loss's three small ones, each priced on
@@ -33,6 +34,9 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
 - **meeting** (``Link.meet``, ``linkprobe.meeting_seconds``): a blocking collective between two
   stretches of compute waits for the last rank to arrive; where ranks share cores (this 2-core
   machine runs 4), for a descheduled one to run again. Every blocking call above pays it once.
+  It is the least stable number here: on this machine, loaded by others, the probe gave 0.1-7 ms
+  from run to run while the tp calls timed inside steps cost 1-10 ms each; with a core per rank
+  it is near alpha.
 - **optimizer**: the measured seconds per parameter times this rank's parameters (``1/dp`` of
   them under ZeRO); the trainer's two small all-reduces over the world per step.
 - **memory**: ``plan_memory`` (the engine's categories).
@@ -40,14 +44,15 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
 Why ``benchmarks/cost_model.py``'s tp predictions were 50-67% low: not the volume (it counted
 the bytes its tp all-reduces moved, ``tensor_mappings.traffic``, and they equal its model's) but
 the per-call cost. Its alpha came from a ping-pong of two ranks doing nothing else (tens of
-microseconds); in a step each of tp's 2 calls per block and micro-batch is a meeting of ranks
+microseconds); in a step each of tp's four calls per block and micro-batch is a meeting of ranks
 arriving from compute, which costs ``Link.meet``: milliseconds on this oversubscribed machine, a
 hundred times alpha. ``benchmarks/plan_check.py`` prints the seconds measured inside the tp
 collectives per step against this model's price of them.
 
 Context (cp) and expert (ep) parallelism are hooks: ``Layout`` carries them and ``predict``
 prices cp's ring (``2 (cp-1)/cp`` of each attention layer's K and V per micro-batch, overlapped
-with the attention's compute) and ep's two all-to-alls per MoE layer when ``Costs`` has them;
+with the attention's compute) and ep's all-to-alls per MoE layer (tokens to their experts and
+back, forward and backward, and one of the counts) when ``Costs`` has them;
 ``layouts`` lists cp/ep > 1 only when asked (``cp=``/``ep=`` sizes to try).
 """
 

@@ -74,6 +74,8 @@ def test_on_rank_loss_default_is_shrink_only_where_it_can_work(monkeypatch, laun
     assert resolve({"strategy": "ps"}, 4).on_rank_loss == "abort"
     assert resolve({"precision": "bf16-mixed"}, 4).on_rank_loss == "abort"
     assert resolve({"on_rank_loss": "abort"}, 4).on_rank_loss == "abort"
+    # Context parallelism: a lost rank takes a share of every sequence of its cp group (refused below).
+    assert resolve({"model": "gpt", "cp": 2}, 4).on_rank_loss == "abort"
 
 
 def test_on_rank_loss_shrink_refused_where_it_cannot_work(monkeypatch):
@@ -102,6 +104,20 @@ def test_train_refuses_shrink_without_ulfm_before_starting(serial, tmp_path):
     p = hpctrain("train", "--on-rank-loss", "shrink", "--run-dir", str(tmp_path / "run"), n=2)
     assert p.returncode == 4, p.stdout + p.stderr
     assert "hpctrain train: error: ranks 0-1: --on-rank-loss shrink: this job cannot survive a lost rank" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(120)
+def test_train_refuses_shrink_under_cp_before_starting(serial, tmp_path):
+    # --cp 2 x dp=2 with --on-rank-loss shrink under ULFM: refused on every rank before training,
+    # naming why (the survivors of a cp group cannot keep its sequences), exit 4, nothing written.
+    if not ulfm.library_has_ulfm():
+        pytest.skip("needs an MPI library with ULFM (Open MPI 5): make test-openmpi")
+    p = hpctrain("train", "--model", "gpt", "--cp", "2", "--on-rank-loss", "shrink", "--max-samples", "64",
+                 "--run-dir", str(tmp_path / "run"), n=4, launch=ulfm_flags())
+    assert p.returncode == 4, p.stdout + p.stderr
+    assert ("hpctrain train: error: ranks 0-3: --on-rank-loss shrink does not go on with context parallelism "
+            "(--cp 2): a lost rank takes its share of every sequence of its cp group") in p.stderr, p.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -52,14 +52,21 @@ _STRATEGY_OF = {"DataParallelTrainer": "dp", "ParallelTrainer": "hybrid", "Tenso
                 "PipelineParallelTrainer": "pp", "ParameterServerTrainer": "ps"}
 
 
-def shrink_problem(strategy: str, backend: str = "mpi", precision: str = "fp32", say: Say = as_argument
-                   ) -> str | None:
+def shrink_problem(strategy: str, backend: str = "mpi", precision: str = "fp32", say: Say = as_argument,
+                   cp: int = 1) -> str | None:
     """Why a job cannot go on without a lost rank (``None``: it can), in ``say``'s names: the one
     place of this rule (``RankLoss`` asks it of the trainer it is handed, ``hpctrain train`` with
     its flags). Data-parallel replicas go on (``strategy`` ``"dp"`` or ``"hybrid"``: dp x tp x
     pp, ZeRO 0-3); a parameter server's windows do not, nor a reduction by node or over NCCL, nor
     mixed precision (its float32 masters and loss scale are not kept across a loss yet); float64
-    is full precision like float32 (no masters, no loss scale) and goes on alike."""
+    is full precision like float32 (no masters, no loss scale) and goes on alike. Context
+    parallelism (``cp`` > 1) does not go on: a lost rank held a share of every sequence of its
+    cp group, whose ring (or all-to-all) the model's attention layers hold; rebuilding those for
+    the whole replicas left is not done, so the job is refused before it trains."""
+    if cp > 1 and strategy in SHRINKS:
+        return (f"{say('on_rank_loss', 'shrink')} does not go on with context parallelism ({say('cp', cp)}): a lost "
+                "rank takes its share of every sequence of its cp group, and the attention layers' cp groups are "
+                f"not rebuilt for the survivors; use {say('on_rank_loss', 'abort')} (and resume from a checkpoint)")
     if strategy not in SHRINKS:
         what = say("strategy", strategy)
     elif backend != "mpi":
@@ -79,7 +86,7 @@ def check_shrinkable(trainer: Checkpointable) -> None:
     unless ``RankLoss`` can go on with ``trainer`` after a lost rank (``shrink_problem``)."""
     cfg = trainer.config()
     strategy = _STRATEGY_OF.get(cfg["type"], cfg["type"])
-    problem = shrink_problem(strategy, cfg.get("backend", "mpi"), cfg.get("precision", "fp32"))
+    problem = shrink_problem(strategy, cfg.get("backend", "mpi"), cfg.get("precision", "fp32"), cp=cfg.get("cp", 1))
     if problem is not None:
         raise ValueError(problem)
 

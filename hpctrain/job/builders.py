@@ -132,7 +132,7 @@ def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sampl
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,
                                             accum_steps=c.accum_steps, **common)
     _check_tp_splits(c, model)
-    grid = ProcessGrid(comm, tp=c.tp, pp=c.pp)
+    grid = ProcessGrid(comm, tp=c.tp, pp=c.pp, cp=c.cp)
     counts, plan = pipeline_cut(c, model, comm, sample) if c.pp > 1 else (None, "")
     part = parallel.parallelize(model, grid, balance=counts)  # this rank's pipeline stage, split over tp
     if plan:
@@ -202,9 +202,9 @@ def with_recompute(model: Any) -> Any:
 
 
 def data_rank(c: Config, comm: Comm) -> tuple[int, int]:
-    """(rank, size) the sampler shards by: the dp coordinate; tp and pp groups share batches."""
+    """(rank, size) the sampler shards by: the dp coordinate; tp, pp and cp groups share batches."""
     if c.strategy == "ps":
         return comm.rank, comm.size
     from ..comm.grid import coords
 
-    return coords(comm.rank, comm.size, c.tp, c.pp).dp, c.dp
+    return coords(comm.rank, comm.size, c.tp, c.pp, cp=c.cp).dp, c.dp

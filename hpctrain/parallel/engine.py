@@ -200,9 +200,8 @@ class ParallelStep(TrainStep):
         the batch check's), and ``replicas``, every rank holding the same parameters (the
         gradients' reduction, ZeRO's shards): ``grid.dp_cp`` under context parallelism."""
         self.grid, self.comm, self.dp = grid, grid.world, grid.dp
-        cp = getattr(grid, "cp", None)  # (a grid object of the library's older interface has none)
-        self.cp_size, self.cp_rank = (cp.size, cp.rank) if cp is not None else (1, 0)
-        self.replicas = grid.dp_cp if self.cp_size > 1 else grid.dp
+        self.cp_size, self.cp_rank = grid.cp.size, grid.cp.rank
+        self.replicas = grid.dp_cp  # (grid.dp itself when cp = 1)
 
     def _reduction(self) -> None:
         """The dp reduction over ``self.replicas`` and the overlap hooks that start it during backward:

@@ -49,6 +49,6 @@ def token_share(a: Any, cp: int, rank: int) -> Any:
     1-d array (one value per sample: the sampler's padding weights) is every rank's whole."""
     if cp == 1 or a is None or a.ndim < 2:
         return a
-    from .zigzag import zigzag_split
+    from ..nn.zigzag import zigzag_split
 
     return zigzag_split(a, cp, rank, axis=1)

@@ -134,7 +134,8 @@ def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sampl
     _check_tp_splits(c, model)
     grid = ProcessGrid(comm, tp=c.tp, pp=c.pp, cp=c.cp)
     counts, plan = pipeline_cut(c, model, comm, sample) if c.pp > 1 else (None, "")
-    part = parallel.parallelize(model, grid, balance=counts)  # this rank's pipeline stage, split over tp
+    # This rank's pipeline stage, split over tp, its attention over the cp group (--cp-mode).
+    part = parallel.parallelize(model, grid, balance=counts, cp_mode=c.cp_mode)
     if plan:
         part.pipeline["plan"] = plan  # the header's "stages:" line
     opt = build_optimizer(c, part.parameters(), total_steps)

@@ -11,16 +11,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpctrain import Communicator
+from hpctrain import Communicator, ProcessGrid
 from hpctrain.autograd import Tensor
 from hpctrain.autograd.gradcheck import numeric_gradient
-from hpctrain.nn import GPT, CrossEntropyLoss, causal_attention, causal_attention_backward
+from hpctrain.nn import (
+    GPT,
+    CausalSelfAttention,
+    CrossEntropyLoss,
+    causal_attention,
+    causal_attention_backward,
+    recompute_blocks,
+)
 from hpctrain.nn import functional as F
-from hpctrain.parallel import context_parallel, zigzag_indices, zigzag_merge, zigzag_split
+from hpctrain.parallel import context_parallel, parallelize, zigzag_indices, zigzag_merge, zigzag_split
+from hpctrain.parallel.context import context_targets
+from hpctrain.parallel.cut import Stage, pipeline_pieces
+from hpctrain.parallel.tensor import ParallelSelfAttention, shard_map
 
 F64 = np.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
-MODES = ["ring"]  # Ulysses joins once Communicator.alltoall lands (main)
+MODES = ["ring", "ulysses"]
 
 
 # -- the zigzag helpers (serial) -----------------------------------------------------------------
@@ -69,7 +79,7 @@ def test_one_rank_group_is_the_plain_attention():
     model = GPT(7, 8, 4, 2, 1, rng=0, dtype=F64)
     assert context_parallel(model, one) is model
     assert model.blocks[0].attn.context is None  # nothing to split over
-    for mode in MODES[:1]:
+    for mode in MODES:
         np.testing.assert_allclose(F.ring_attention(q, k, v, one, mode=mode).data, causal_attention(q, k, v)[0], **TOL)
 
 
@@ -107,6 +117,23 @@ def test_attention_equals_the_gathered_sequence(comm, mode):
             np.testing.assert_allclose(t.grad, zigzag_split(full, n, r, axis=2), **TOL, err_msg=f"d{name}")
             # The whole gradient, gathered, is the one-process gradient.
             np.testing.assert_allclose(zigzag_merge(group.allgather(t.grad), n, axis=2), full, **TOL)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_on_the_device_stays_there(comm, mode, standin):
+    """CuPy arrays (the strict stand-in): no host/device mixing, buffers staged for MPI, and the
+    results those of the host."""
+    n, r = comm.size, comm.rank
+    (q, k, v, dy), y, grads = _attention_case(comm, mode, seed=21)
+    share = [Tensor(standin.asarray(zigzag_split(a, n, r, axis=2)), requires_grad=True) for a in (q, k, v)]
+    out = F.ring_attention(*share, comm, mode=mode)
+    assert isinstance(out.data, standin.ndarray)
+    out.backward(standin.asarray(zigzag_split(dy, n, r, axis=2)))
+    np.testing.assert_allclose(out.data.get(), zigzag_split(y, n, r, axis=2), **TOL)
+    for t, full in zip(share, grads, strict=True):
+        assert isinstance(t.grad, standin.ndarray)
+        np.testing.assert_allclose(t.grad.get(), zigzag_split(full, n, r, axis=2), **TOL)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -159,16 +186,28 @@ def _serial_reference(idx, tgt):
     return loss, {name: p.grad.copy() for name, p in model.named_parameters()}
 
 
+def _wrapped(wrap, group, mode):
+    """A GPT under ``context_parallel``: as it is, its blocks recomputed, or cut into pipeline pieces
+    (one ``Stage`` of all of them: the embedding piece asks the GPT for its positions)."""
+    model = _gpt()
+    if wrap == "recompute":
+        model, wrapped = recompute_blocks(model)
+        assert wrapped == 2
+    context_parallel(model, group, mode)
+    return Stage(pipeline_pieces(model)) if wrap == "pieces" else model
+
+
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("wrap", ["plain", "recompute", "pieces"])
 @pytest.mark.parametrize("path", ["explicit", "graph"])
 @pytest.mark.parametrize("mode", MODES)
-def test_gpt_equals_one_process(comm, mode, path):
+def test_gpt_equals_one_process(comm, mode, path, wrap):
     for _, group in _groups(comm):
         n, r = group.size, group.rank
         rng = np.random.default_rng(40 + n)
         idx, tgt = rng.integers(0, 13, (3, 4 * n)), rng.integers(0, 13, (3, 4 * n))
         loss, grads = _serial_reference(idx, tgt)
-        model = context_parallel(_gpt(), group, mode)
+        model = _wrapped(wrap, group, mode)
         ce = CrossEntropyLoss()
         x, y = zigzag_split(idx, n, r), zigzag_split(tgt, n, r)
         if path == "explicit":
@@ -183,6 +222,51 @@ def test_gpt_equals_one_process(comm, mode, path):
         np.testing.assert_allclose(group.allreduce(np.array([float(mine)]))[0] / n, loss, **TOL)
         for name, p in model.named_parameters():
             np.testing.assert_allclose(group.allreduce(p.grad) / n, grads[name], **TOL, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", MODES)
+def test_parallelize_on_a_grid_with_cp(comm, mode):
+    """``parallelize(model, grid, cp_mode=...)`` sets ``grid.cp`` on the model (recomputed blocks
+    here): cp = the world, and cp=2 x dp=2 at 4 ranks, each cp group against one process."""
+    for cp in sorted({comm.size, 2} if comm.size % 2 == 0 else {comm.size}):
+        grid = ProcessGrid(comm, cp=cp)
+        n, r = grid.cp.size, grid.cp.rank
+        model = parallelize(_gpt(), grid, recompute=True, cp_mode=mode)
+        assert {m.context.mode for m in context_targets(model)} == {mode}
+        rng = np.random.default_rng(70 + n)
+        idx, tgt = rng.integers(0, 13, (2, 4 * n)), rng.integers(0, 13, (2, 4 * n))
+        loss, grads = _serial_reference(idx, tgt)
+        ce = CrossEntropyLoss()
+        value = ce.forward(model.forward(zigzag_split(idx, n, r)), zigzag_split(tgt, n, r))
+        model.backward(ce.backward())
+        np.testing.assert_allclose(grid.cp.allreduce(np.array([float(value)]))[0] / n, loss, **TOL)
+        for name, p in model.named_parameters():
+            np.testing.assert_allclose(grid.cp.allreduce(p.grad) / n, grads[name], **TOL, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("mode", MODES)
+def test_tensor_parallel_attention_under_context_parallel(comm, mode):
+    """tp=2 innermost, cp over the rest (the grid's layout): the tensor-parallel attention with a
+    context group equals the serial attention on the gathered sequence."""
+    if comm.size % 2:
+        pytest.skip("tp=2 x cp needs an even number of ranks")
+    tp, cp = comm.split(comm.rank // 2), comm.split(comm.rank % 2)
+    n, r = cp.size, cp.rank
+    serial = CausalSelfAttention(8, 4, rng=2, dtype=F64)
+    rng = np.random.default_rng(9)
+    x, dy = rng.standard_normal((2, 4 * n, 8)), rng.standard_normal((2, 4 * n, 8))
+    y = serial.forward(x)
+    dx = serial.backward(dy)
+    par = ParallelSelfAttention.from_serial(serial, tp)
+    context_parallel(par, cp, mode)
+    assert par.context.group is cp
+    np.testing.assert_allclose(par.forward(zigzag_split(x, n, r)), zigzag_split(y, n, r), **TOL)
+    np.testing.assert_allclose(par.backward(zigzag_split(dy, n, r)), zigzag_split(dx, n, r), **TOL)
+    full = dict(serial.named_parameters())
+    for name, (p, _, index) in shard_map(par).items():
+        np.testing.assert_allclose(cp.allreduce(p.grad), full[name].grad[index], **TOL, err_msg=name)
 
 
 # -- refusals ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from hpctrain import ProcessGrid
 from hpctrain.nn import GPT, CrossEntropyLoss
 from hpctrain.optim import AdamW
-from hpctrain.parallel import ParallelTrainer, context_parallel, parallelize
+from hpctrain.parallel import ParallelTrainer, parallelize
 
 VOCAB, T, PER_REPLICA, STEPS = 13, 8, 4, 3
 
@@ -47,22 +47,13 @@ def serial(dp: int, clip: float | None) -> tuple[GPT, list[float]]:
     return model, losses
 
 
-def parts(grid: ProcessGrid, mode: str, recompute: bool):
-    """This rank's part: split over tp, its attention over grid.cp, then cut (the transforms'
-    order: the tp copy's attention layers are the ones that take the context, before the cut)."""
-    if grid.tp.size > 1:
-        assert grid.pp.size == 1  # (tp x pp x cp: parallelize's own cp_mode)
-        return context_parallel(parallelize(make(), grid, recompute=recompute), grid.cp, mode)
-    return parallelize(context_parallel(make(), grid.cp, mode), grid, recompute=recompute)
-
-
 def check(comm, cp: int, tp: int = 1, pp: int = 1, mode: str = "ring", zero: int = 0, recompute: bool = False,
           clip: float | None = 0.5, microbatches: int = 2) -> ParallelTrainer:
     if comm.size % (cp * tp * pp):
         pytest.skip(f"cp={cp} x tp={tp} x pp={pp} does not divide a world of {comm.size}")
     grid = ProcessGrid(comm, tp=tp, pp=pp, cp=cp)
     dp, d = grid.dp_size, grid.dp.rank
-    part = parts(grid, mode, recompute)
+    part = parallelize(make(), grid, cp_mode=mode, recompute=recompute)
     tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=1e-2),
                          grid=grid, microbatches=microbatches, clip_norm=clip, zero=zero)
     stats = []

@@ -26,7 +26,7 @@ __all__ = ["DERIVED", "OPTIONS", "SECTIONS", "Config", "Option", "Section", "add
 HELP_SECTIONS = {
     "model": "model: what is trained",
     "data": "data: what it trains on (--data FILE.h5, or the built-in sets)",
-    "parallel": "parallel layout: how the job is split over the ranks (dp is what tp x pp leaves)",
+    "parallel": "parallel layout: how the job is split over the ranks (dp is what tp x pp x cp leaves)",
     "optim": "optimizer and learning rate",
     "runtime": "length, device, progress and failures",
     "checkpoint": "run directory, checkpoints, resume",
@@ -40,6 +40,7 @@ EXAMPLES = """examples:
   mpiexec -n 2 hpctrain train --dry-run                          # try everything once, say what a run would do
   mpiexec -n 4 hpctrain train --strategy hybrid --tp 2           # tensor parallel x data parallel
   mpiexec -n 4 hpctrain train --model gpt --pp 2 --epochs 1      # a GPT in 2 pipeline stages x 2 replicas
+  mpiexec -n 4 hpctrain train --model gpt --cp 2 --block-size 256   # long sequences: half of each per rank, dp=2
   mpiexec -n 2 hpctrain train --data mine.h5 --x-key inputs --y-key targets --loss mse   # your regression
   mpiexec -n 2 hpctrain train --model examples/custom_model.py:build                     # your model
   mpiexec -n 2 hpctrain train --config recipes/gpt_shakespeare.toml --lr 1e-3            # a file; flags win

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobs import clean_env, hpctrain
+from hpctrain.errors import ExitStatus
+from jobs import REPO, clean_env, hpctrain
 
 pytestmark = pytest.mark.jobs
 
@@ -118,3 +119,9 @@ def test_the_dry_run_says_the_cp_layout_and_a_refusal_is_one_line_on_every_rank(
     assert said == ["[rank 0] hpctrain train: error: ranks 0-1: --block-size 18 does not split into 2 x --cp 2 = 4 "
                     "chunks (the zigzag split that balances the causal mask): use a multiple of 4"], p.stderr  # once
     assert not (tmp_path / "bad").exists()
+    # A model of the user's without attention: refused when it is built, before any step.
+    p = hpctrain("train", "--model", "examples/custom_model.py:build", "--cp", "2", "--max-samples", "64",
+                 "--run-dir", str(tmp_path / "mine"), n=2, env=data, cwd=REPO)
+    assert p.returncode == ExitStatus.CONFIG, p.stdout + p.stderr
+    assert "--cp 2: --model examples/custom_model.py:build has no attention layer" in p.stderr, p.stderr
+    assert "step 1" not in p.stdout, p.stdout

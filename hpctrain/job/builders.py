@@ -132,6 +132,7 @@ def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sampl
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,
                                             accum_steps=c.accum_steps, **common)
     _check_tp_splits(c, model)
+    _check_cp_attention(c, model)
     grid = ProcessGrid(comm, tp=c.tp, pp=c.pp, cp=c.cp)
     counts, plan = pipeline_cut(c, model, comm, sample) if c.pp > 1 else (None, "")
     # This rank's pipeline stage, split over tp, its attention over the cp group (--cp-mode).
@@ -194,6 +195,20 @@ def _check_tp_splits(c: Config, model: Any) -> None:
                           "(the layers that split: nn.MLP, nn.CausalSelfAttention, or what the model's tp_plan() "
                           "names), so every tp rank would train the whole model, replicated: use data parallelism, "
                           "--pp or --zero, or build the model from those layers")
+
+
+def _check_cp_attention(c: Config, model: Any) -> None:
+    """Refuse ``--cp`` > 1 for a model with no attention: its sequence cannot be split over the
+    context-parallel ranks (the same verdict on every rank; the built-in models are checked from
+    their sizes when the configuration resolves)."""
+    from ..errors import ConfigError
+    from ..nn.transformer import SelfAttentionBase
+    from ..parallel.context import context_targets
+
+    if c.cp > 1 and not any(isinstance(m, SelfAttentionBase) for m in context_targets(model)):
+        raise ConfigError(f"--cp {c.cp}: --model {c.model} has no attention layer (nn.CausalSelfAttention, an "
+                          "nn.TransformerBlock's) whose sequence splits over context-parallel ranks: use data "
+                          "parallelism, --tp, --pp or --zero, or build the model from those layers")
 
 
 def with_recompute(model: Any) -> Any:

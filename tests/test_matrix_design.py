@@ -64,7 +64,8 @@ def _row(**changes) -> Row:
     # cp: the engine's own refusals (a model without attention, a world cp does not divide, a lost rank).
     ({"cp": 2}, "--cp 2 splits each sequence's tokens over the ranks, but --model mlp has no attention"),
     ({"model": "gpt", "layout": "dp3", "cp": 2}, "3 ranks do not factor into tp=1 x pp=1 x cp=2 x dp"),
-    ({"model": "gpt", "cp": 2, "event": "kill-mid"}, "--on-rank-loss shrink does not go on with context parallelism"),
+    ({"model": "gpt", "cp": 2, "zero": 1, "event": "kill-mid"}, "--on-rank-loss shrink does not go on under context "
+                                                                "parallelism (--cp 2) with --zero 1"),
 ])
 def test_invalid_combinations_are_excluded_with_their_reason(changes, why):
     row = _row(**changes)

@@ -182,7 +182,7 @@ def problem(row: Row) -> str | None:
 
         if cfg.dp < 2:
             return f"a lost rank under {row.layout} (dp=1) leaves no whole replica: the job stops (75), not a shrink"
-        shrink = shrink_problem(cfg.strategy, cfg.backend, cfg.precision, say=as_flag, cp=cfg.cp)
+        shrink = shrink_problem(cfg.strategy, cfg.backend, cfg.precision, say=as_flag, cp=cfg.cp, zero=cfg.zero)
         if shrink is not None:
             return shrink
         if row.victim is not None and row.victim not in victims(row.layout):

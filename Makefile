@@ -82,10 +82,11 @@ test-mpi4: venv
 test-mpi4-all: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI) $(NO_TORCH)
 
-# dp=2 x tp=2 x pp=2: only the composition's equivalence tests and the README's -n 8 job shape
+# dp=2 x tp=2 x pp=2 (and cp=2 x tp=2 x pp=2): only the composition's equivalence tests and the README's -n 8 job shape
 # (8 ranks oversubscribe small machines).
 test-mpi8: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 8 $(PY) $(PYTEST_MPI) tests/test_parallelize.py \
+	  tests/test_cp_engine.py::test_cp2_x_tp2_x_pp2_matches_one_process \
 	  "tests/test_short_batch.py::test_short_last_batch_trains_like_one_process[gpt-tp2-pp2]"
 
 # CI's second MPI: the equivalence and fault tests under Open MPI (its own venv), a few minutes:

@@ -4,7 +4,7 @@ ends where one process ends, to 1e-10, with dp, tp, pp, ZeRO 1-3, recompute and 
 Every rank of a cp group steps on the same batch (that of its dp index); the engine takes each
 rank's zigzag share of the tokens of x and y, weights its loss 1/cp, and reduces the gradients
 over ``grid.dp_cp``. The layouts derive from the world size (cp=2 with dp = world / 2; cp = world;
-tp or pp = 2 beside cp = 2 on 4 ranks)."""
+tp or pp = 2 beside cp = 2 on 4 ranks; tp = pp = cp = 2 on 8)."""
 
 from __future__ import annotations
 
@@ -110,3 +110,9 @@ def test_cp2_with_zero_shards_over_dp_x_cp(comm, zero):
 @pytest.mark.timeout(120)
 def test_cp2_with_recompute_and_one_microbatch(comm):
     check(comm, cp=2, recompute=True, microbatches=1, clip=None)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.timeout(180)
+def test_cp2_x_tp2_x_pp2_matches_one_process(comm):
+    check(comm, cp=2, tp=2, pp=2)

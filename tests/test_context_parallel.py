@@ -137,6 +137,30 @@ def test_attention_on_the_device_stays_there(comm, mode, standin):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_ring_in_16_bits_rounds_like_the_attention(comm, dtype):
+    """16-bit shares (K/V travel in 16 bits, the products and the merge in float32): the result is
+    the float64 attention of the same 16-bit inputs up to the output's rounding."""
+    from hpctrain.backend import BF16
+
+    half = BF16 if dtype == "bfloat16" else np.dtype(np.float16)
+    n, r = comm.size, comm.rank
+    (q, k, v, dy), _, _ = _attention_case(comm, "ring", seed=8)
+    q, k, v, dy = (a.astype(half) for a in (q, k, v, dy))
+    y, att = causal_attention(*(a.astype(F64) for a in (q, k, v)))
+    grads = causal_attention_backward(dy.astype(F64), *(a.astype(F64) for a in (q, k, v)), att)
+    share = [Tensor(zigzag_split(a, n, r, axis=2), requires_grad=True) for a in (q, k, v)]
+    out = F.ring_attention(*share, comm)
+    assert out.data.dtype == half
+    out.backward(zigzag_split(dy, n, r, axis=2))
+    eps = 2.0 ** -7 if dtype == "bfloat16" else 2.0**-10  # the 16-bit format's unit rounding (x 2)
+    np.testing.assert_allclose(out.data.astype(F64), zigzag_split(y, n, r, axis=2), atol=4 * eps, rtol=2 * eps)
+    for t, full in zip(share, grads, strict=True):
+        assert t.grad.dtype == half
+        np.testing.assert_allclose(t.grad.astype(F64), zigzag_split(full, n, r, axis=2), atol=8 * eps, rtol=4 * eps)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_ring_without_the_mask_is_full_attention(comm):
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(11)
@@ -282,6 +306,12 @@ def test_sequence_that_does_not_split_is_refused(comm, mode):
     model = context_parallel(_gpt(), comm, mode)
     with pytest.raises(ValueError, match=rf"block size {3 * n} does not split into 2\*cp={2 * n}"):
         model.forward(np.zeros((1, 3), dtype=np.int64))
+    t_local = 16 // n + 2  # fits one rank's block, not the whole sequence's
+    with pytest.raises(ValueError, match=rf"a sequence of {t_local * n}, longer than block_size=16"):
+        model.forward(np.zeros((1, t_local), dtype=np.int64))
+    ints = np.zeros((1, 4, 4, 2), dtype=np.int64)
+    with pytest.raises(TypeError, match="needs floating-point q, k, v, got int64"):
+        F.ring_attention(ints, ints, ints, comm, mode=mode)
 
 
 @pytest.mark.mpi(min_size=2)

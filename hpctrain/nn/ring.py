@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import matmul, stat_dtype, xp_of
+from ..backend import is_half, matmul, stat_dtype, xp_of
+from ..errors import DtypeError
 from ..protocols import Comm
 from .transformer import _future_mask, causal_attention, causal_attention_backward
 from .zigzag import chunk_size, zigzag_indices, zigzag_merge, zigzag_split
@@ -50,6 +51,9 @@ def _check(q: Any, k: Any, v: Any, group: Comm) -> None:
     if q.ndim != 4 or not q.shape == k.shape == v.shape:
         raise ValueError(f"context attention needs q, k, v of one (B, H, T_local, hd) shape, got "
                          f"{q.shape}, {k.shape}, {v.shape}")  # fmt: skip
+    bad = [a.dtype for a in (q, k, v) if a.dtype.kind != "f" and not is_half(a.dtype)]
+    if bad:
+        raise DtypeError(f"context attention needs floating-point q, k, v, got {bad[0]}")
     chunk_size(q.shape[2] * group.size, group.size)  # T_local = 2 chunks: refused with T and N named
 
 
@@ -83,9 +87,9 @@ def _post(group: Comm, send: Any, recv: Any, tag: int) -> list[Any]:
     return [group.irecv(recv, (r - 1) % n, tag), group.isend(send, (r + 1) % n, tag)]
 
 
-def _pack(xp: Any, k: Any, v: Any, dt: Any) -> Any:
-    """``(2, B, H, T_local, hd)``: K and V in one C-contiguous buffer of ``dt`` (one message a step)."""
-    kv = xp.empty((2, *k.shape), dtype=dt)
+def _pack(xp: Any, k: Any, v: Any) -> Any:
+    """``(2, B, H, T_local, hd)``: K and V in one C-contiguous buffer (one message a step)."""
+    kv = xp.empty((2, *k.shape), dtype=np.result_type(k.dtype, v.dtype))
     kv[0], kv[1] = k, v
     return kv
 
@@ -93,6 +97,13 @@ def _pack(xp: Any, k: Any, v: Any, dt: Any) -> Any:
 def _wait(reqs: list[Any]) -> None:
     for req in reqs:
         req.wait()
+
+
+def _drive(reqs: list[Any]) -> None:
+    """Let the transfers in flight progress between two block products: without an asynchronous
+    progress thread (MPICH's default) a large message moves only inside MPI calls."""
+    for req in reqs:
+        req.test()
 
 
 def ring_forward(q: Any, k: Any, v: Any, group: Comm, *, causal: bool = True, out: Any = None) -> tuple[Any, Any]:
@@ -108,20 +119,22 @@ def ring_forward(q: Any, k: Any, v: Any, group: Comm, *, causal: bool = True, ou
     acc = xp.zeros((*q.shape[:3], v.shape[-1]), dtype=dt)
     mx = xp.full((*q.shape[:3], 1), -np.inf, dtype=dt)
     total = xp.zeros_like(mx)
-    cur = _pack(xp, k, v, dt)  # K and V travel as one message
-    spare = xp.empty(cur.shape, dtype=dt)
+    cur = _pack(xp, k, v)  # K and V travel as one message, in their own dtype (16 bits stay 16)
+    spare = xp.empty_like(cur)
     for step in range(n):
         reqs = _post(group, cur, spare, _KV_TAG) if step < n - 1 else []  # the next block comes meanwhile
+        kv = cur.astype(dt, copy=False)
         for rows, cols, diag in _pairs(rank, (rank - step) % n, n, c, causal):
-            s = _scores(xp, qc[:, :, rows], cur[0][:, :, cols], scale, diag)
+            s = _scores(xp, qc[:, :, rows], kv[0][:, :, cols], scale, diag)
             m_old = mx[:, :, rows]
             m_new = xp.maximum(m_old, s.max(axis=-1, keepdims=True))
             s -= m_new
             xp.exp(s, out=s)
             fix = xp.exp(m_old - m_new)  # the earlier blocks' terms rescaled to the new running max
             total[:, :, rows] = total[:, :, rows] * fix + s.sum(axis=-1, keepdims=True)
-            acc[:, :, rows] = acc[:, :, rows] * fix + matmul(xp, s, cur[1][:, :, cols])
+            acc[:, :, rows] = acc[:, :, rows] * fix + matmul(xp, s, kv[1][:, :, cols])
             mx[:, :, rows] = m_new
+            _drive(reqs)
         _wait(reqs)
         cur, spare = spare, cur
     acc /= total
@@ -144,26 +157,29 @@ def ring_backward(dy: Any, q: Any, k: Any, v: Any, y: Any, lse: Any, group: Comm
     rowdot = (dyc * y.astype(dt, copy=False)).sum(axis=-1, keepdims=True)  # sum_j P_ij dP_ij = dy_i . y_i
     lse4 = lse[..., None]
     dq = xp.zeros(qc.shape, dtype=dt)
-    cur = _pack(xp, k, v, dt)
-    spare, inbox = xp.empty(cur.shape, dtype=dt), xp.empty(cur.shape, dtype=dt)
+    cur = _pack(xp, k, v)
+    spare, inbox = xp.empty_like(cur), xp.empty(cur.shape, dtype=dt)  # gradients travel in dt: sums of ranks
     parts = [xp.empty(cur.shape, dtype=dt), xp.empty(cur.shape, dtype=dt)]  # this step's dK/dV, the last in flight
     grads: list[Any] = []
     for step in range(n):
         reqs = _post(group, cur, spare, _KV_TAG) if step < n - 1 else []
+        kv = cur.astype(dt, copy=False)
         part = parts[step % 2]
         part[...] = 0
         for rows, cols, diag in _pairs(rank, (rank - step) % n, n, c, causal):
-            p = _scores(xp, qc[:, :, rows], cur[0][:, :, cols], scale, diag)
+            p = _scores(xp, qc[:, :, rows], kv[0][:, :, cols], scale, diag)
             p -= lse4[:, :, rows]
             xp.exp(p, out=p)  # the block's probabilities, recomputed
             g = dyc[:, :, rows]
             part[1][:, :, cols] += matmul(xp, xp.swapaxes(p, -1, -2), g)
-            ds = matmul(xp, g, xp.swapaxes(cur[1][:, :, cols], -1, -2))
+            ds = matmul(xp, g, xp.swapaxes(kv[1][:, :, cols], -1, -2))
             ds -= rowdot[:, :, rows]
             ds *= p
             ds *= scale
-            dq[:, :, rows] += matmul(xp, ds, cur[0][:, :, cols])
+            dq[:, :, rows] += matmul(xp, ds, kv[0][:, :, cols])
             part[0][:, :, cols] += matmul(xp, xp.swapaxes(ds, -1, -2), qc[:, :, rows])
+            _drive(reqs)
+            _drive(grads)
         _wait(grads)  # the block's gradient from the ranks before (and this rank's last send) done
         if step:
             part += inbox
@@ -243,9 +259,14 @@ class ContextAttention:
     def __repr__(self) -> str:
         return f"ContextAttention(cp={self.group.size}, rank={self.group.rank}, mode={self.mode!r})"
 
-    def positions(self, t_local: int) -> np.ndarray:
-        """The global positions of this rank's ``t_local`` tokens (the zigzag share)."""
-        return zigzag_indices(int(t_local) * self.group.size, self.group.size, self.group.rank)
+    def positions(self, t_local: int, block_size: int | None = None) -> np.ndarray:
+        """The global positions of this rank's ``t_local`` tokens (the zigzag share); a
+        ``ValueError`` when the whole sequence is longer than ``block_size``."""
+        t, n = int(t_local) * self.group.size, self.group.size
+        if block_size is not None and t > block_size:
+            raise ValueError(f"{t_local} tokens a rank x cp={n} is a sequence of {t}, longer than "
+                             f"block_size={block_size}")  # fmt: skip
+        return zigzag_indices(t, n, self.group.rank)
 
     def attention(self, q: Any, k: Any, v: Any, *, out: Any = None, buffers: Any = None) -> tuple[Any, Any]:
         """Causal attention of this rank's shares: ``(y, saved)`` as ``causal_attention``'s ``(y, att)``."""

@@ -11,15 +11,16 @@ that one class with a layout and a ``Preset`` (their names).
 The step is ``training.step.TrainStep``'s template; this class supplies the forward/backward
 (micro-batches with gradient accumulation when ``pp == 1``, a pipeline schedule otherwise) and
 the facts the template needs (who counts a replica's batch and loss once, which parameters are
-replicated over tp). Gradients reduce over ``grid.dp`` through a pluggable reducer (``reducer=``;
-fused bucket all-reduces by default), built by one rule (``_reduction``) at construction and by
-``rebind`` after a lost rank.
+replicated over tp). Gradients reduce over the replicas, ``grid.dp`` (``grid.dp_cp`` with context
+parallelism: each cp rank trains on its share of every sequence's tokens, ``cp_split``), through a
+pluggable reducer (``reducer=``; fused bucket all-reduces by default), built by one rule
+(``_reduction``) at construction and by ``rebind`` after a lost rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from ..protocols import Comm, Reducer
 from ..training.graph import forward_loss, run_backward
 from ..training.precision import Precision
 from ..training.step import Batch, TrainStep
+from .cp_split import token_share
 from .pipeline_probe import per_call_state_problem
 from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_schedules import get_schedule
@@ -158,7 +160,7 @@ class ParallelStep(TrainStep):
         self.grid, self.optimizer, self.clip_norm = grid, optimizer, clip_norm
         self.microbatches, self.schedule, self.virtual_stages = microbatches, schedule, virtual_stages
         self.bucket_mb, self.overlap, self.compression, self.backend = bucket_mb, overlap, compression, backend
-        self.dp = grid.dp
+        self._take_groups(grid)
         self.chunks = list(getattr(model, "chunks", None) or [model])
         if virtual_stages is None:  # as the part was cut (parallelize(..., virtual_stages=v))
             virtual_stages = self.virtual_stages = len(self.chunks)
@@ -177,9 +179,9 @@ class ParallelStep(TrainStep):
         # Clipping float64 models by the exactly rounded norm (every rank decides alike).
         not64 = any(np.dtype(p.dtype) != np.float64 for p in self.params)
         self.exact_norm = clip_norm is not None and not self.comm.allreduce(np.array([float(not64)]), op="max")[0]
-        if self.dp.size > 1:
-            for p in self.params:  # dp replicas start identical
-                self.dp.bcast(p.data, root=0)
+        if self.replicas.size > 1:
+            for p in self.params:  # dp (x cp) replicas start identical
+                self.replicas.bcast(p.data, root=0)
         self._ties = PipelineTies(model, pp, self._shards)  # weights two stages hold (a tied head)
         self._shards, self._uncounted = self._ties.canonical(self._shards), self._ties.uncounted
         # Mixed precision: float32 masters from the (identical) float32 parameters, then the
@@ -193,14 +195,22 @@ class ParallelStep(TrainStep):
         if pp.size > 1 or self.preset.always_schedule:
             self._runner = PipelineRunner(self.chunks, pp, self.timeout)
 
+    def _take_groups(self, grid: ProcessGrid) -> None:
+        """The groups the step uses: ``dp``, the ranks that draw different batches (the sampler's and
+        the batch check's), and ``replicas``, every rank holding the same parameters (the
+        gradients' reduction, ZeRO's shards): ``grid.dp_cp`` under context parallelism."""
+        self.grid, self.comm, self.dp = grid, grid.world, grid.dp
+        self.cp_size, self.cp_rank = grid.cp.size, grid.cp.rank
+        self.replicas = grid.dp_cp  # (grid.dp itself when cp = 1)
+
     def _reduction(self) -> None:
-        """The dp reduction over ``self.dp`` and the overlap hooks that start it during backward:
+        """The dp reduction over ``self.replicas`` and the overlap hooks that start it during backward:
         the one rule of the constructor and of ``rebind`` (collective)."""
         model, pp, overlap = self.model, self.grid.pp, self.overlap
         self.reducer: Reducer = self._make_reducer(model, self.optimizer, self._factory)
         agree(self.comm, "the gradient reducer", self.reducer.describe())
         self._hooks = None
-        if overlap and pp.size == 1 and self.dp.size > 1:
+        if overlap and pp.size == 1 and self.replicas.size > 1:
             self._hooks = ReadyHooks(self.params, self.reducer)
             # A rank without hooks would start its buckets in another order: the ranks must agree.
             agree(self.comm, "the overlap hooks (parameters the autograd engine signals)", self._hooks.active)
@@ -218,7 +228,7 @@ class ParallelStep(TrainStep):
         lost rank (the caller removes it, or leaves it)."""
         if self._hooks is not None:
             self._hooks.remove()
-        self.grid, self.comm, self.dp = grid, grid.world, grid.dp
+        self._take_groups(grid)
         if self._ties.groups:  # their groups were revoked with everything else (ulfm.revoke_held)
             self._ties = PipelineTies(self.model, grid.pp, self._shards)
         if full is not None:
@@ -239,7 +249,7 @@ class ParallelStep(TrainStep):
         full = sorted([n, list(f), str(p.dtype)] for n, (p, f, _) in self._shards.items())
         agree(tp, "the full parameters of a tensor-parallel group (name, shape, dtype)", full)
         local = sorted([n, list(p.shape), str(p.dtype)] for n, (p, _, _) in self._shards.items())
-        agree(self.dp, "the model's parameters (name, shape, dtype) on the data-parallel replicas", local)
+        agree(self.replicas, "the model's parameters (name, shape, dtype) on the data-parallel replicas", local)
         info = getattr(model, "pipeline", None)
         if pp.size > 1:
             agree(self.comm, "the pipeline partition", {k: info[k] for k in ("stages", "counts", "layers")})
@@ -256,13 +266,13 @@ class ParallelStep(TrainStep):
             factory = zero_reducer(model, optimizer, self.zero, masters=self._masters)
             self._masters = None  # ZeRO keeps this rank's piece of them
         if factory is not None:
-            return factory(self.params, self.dp)
+            return factory(self.params, self.replicas)
         nccl = self._nccl() if self.backend == "nccl" else None
-        if self.backend == "hierarchical" and self.dp.size > 1:
+        if self.backend == "hierarchical" and self.replicas.size > 1:
             from ..comm.hierarchical import HierarchicalComm
 
-            nccl = HierarchicalComm(self.dp)  # the buckets' reducer, like NCCL's communicator
-        return AllReduceReducer(self.params, self.dp, bucket_mb=self.bucket_mb, compression=self.compression,
+            nccl = HierarchicalComm(self.replicas)  # the buckets' reducer, like NCCL's communicator
+        return AllReduceReducer(self.params, self.replicas, bucket_mb=self.bucket_mb, compression=self.compression,
                                 backend=nccl)  # fmt: skip
 
     def _check_args(self, grid: ProcessGrid, model: Any) -> Exception | None:
@@ -320,8 +330,8 @@ class ParallelStep(TrainStep):
         ok = cp is not None and all(xp_of(p.data) is not np for p in self.params)
         why = "backend='nccl' needs CuPy and the model on the GPU on every rank"
         raise_if_any(self.comm, None if ok else RuntimeError(why))
-        raise_if_any(self.comm, shared_gpu_problem(self.dp, _device_id(cp)))
-        return NcclCommunicator(self.dp)
+        raise_if_any(self.comm, shared_gpu_problem(self.replicas, _device_id(cp)))
+        return NcclCommunicator(self.replicas)
 
     # -- what the trainer reads ---------------------------------------------------------------
 
@@ -329,6 +339,7 @@ class ParallelStep(TrainStep):
         """Every setting the ranks must share, under the preset's names (``Preset.renames``)."""
         cfg = {
             "type": self.preset.name, "tp": self.grid.tp.size, "pp": self.grid.pp.size,
+            **({"cp": self.cp_size} if self.cp_size > 1 else {}),
             "microbatches": self.microbatches, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "overlap": self.overlap,
             "bucket_mb": self.bucket_mb, "compression": self.compression, "backend": self.backend,
@@ -387,6 +398,10 @@ class ParallelStep(TrainStep):
     # -- forward and backward -------------------------------------------------------------------
 
     def _forward_backward(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
+        if self.cp_size > 1:  # this rank's tokens of every sequence (a per-sample weight stays whole)
+            n, r = self.cp_size, self.cp_rank
+            batch = replace(batch, x=token_share(batch.x, n, r), y=token_share(batch.y, n, r),
+                            weight=token_share(batch.weight, n, r))
         if self._runner is not None:
             return self._pipeline(batch)
         return self._accumulate(batch)
@@ -399,8 +414,9 @@ class ParallelStep(TrainStep):
 
     def _scales(self, batch: Batch) -> list[float]:
         # fp16: each micro-batch's loss gradient carries the loss scale (a power of two: exact);
-        # the step divides the loss and the gradients by it again.
-        w, s = batch.weight_total, self.precision.loss_scale
+        # the step divides the loss and the gradients by it again. A cp group's ranks share one batch
+        # (counted once in weight_total): each takes 1/cp of it, the mean over its tokens.
+        w, s = batch.weight_total * self.cp_size, self.precision.loss_scale
         return [pw / w * s if w else 0.0 for pw in batch.part_weights]
 
     def _accumulate(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
@@ -457,7 +473,7 @@ class ParallelStep(TrainStep):
         # Per-stage schedule figures, counted once per stage (dp and tp rank 0), summed over the
         # world in the step's own all-reduce.
         slots = np.zeros(4 * pp.size)
-        if self.dp.rank == 0 and self.grid.tp.rank == 0:
+        if self.replicas.rank == 0 and self.grid.tp.rank == 0:
             slots[4 * pp.rank : 4 * pp.rank + 4] = (r["busy"], r["elapsed"], r["peak"], r["peak_bytes"])
         return r["loss"], {"_reduce": list(slots)}, r["comm"]
 

@@ -92,6 +92,13 @@ class Config:
                                                "3 + parameters sharded (dp, tp, pp, hybrid)"))
     recompute: bool = field(default=False, metadata=_opt("recompute activations in backward (each transformer "
                                                          "block / MLP block keeps only its input)"))
+    layout: str | None = field(default=None, metadata=_opt("auto: plan first (as `hpctrain plan`) and train with "
+                                                           "the best layout it predicts: dp, tp, pp, --zero, "
+                                                           "--recompute and --microbatches chosen (so not given)",
+                                                           ("auto",)))
+    probe_file: str | None = field(default=None, metadata=_opt("--layout auto and `hpctrain plan`: price the links "
+                                                               "from this saved probe (`hpctrain info --probe "
+                                                               "--save FILE`) instead of probing them"))
     schedule: str = field(default="1f1b", metadata=_opt("pipeline schedule (pp)", ("1f1b", "gpipe")))
     pp_cut: str | None = field(default=None, metadata=_opt("where pipeline stages 1.. begin: piece names or "
                                                            "indices, comma-separated (--pp 2: one, e.g. 5); "
@@ -173,6 +180,8 @@ class Config:
     unset: list | None = field(default=None, compare=False, metadata=_derived("settings resolve filled in"))
     #: A resumed job whose layout is not the run's: the run's and why (``read_settings``), said in the header.
     layout_note: str | None = field(default=None, compare=False, metadata=_derived("how the run's layout changed"))
+    #: ``--layout auto``'s choice as the header says it (``auto -> dp=2 tp=1 pp=2 zero=1 (planned: ...)``).
+    planned: str | None = field(default=None, compare=False, metadata=_derived("the layout --layout auto chose"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``config.json`` holds and ranks compare)."""

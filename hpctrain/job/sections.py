@@ -194,8 +194,24 @@ def _parallel_values(c: Config) -> None:
     _refuse(staleness_problem(c.staleness, as_flag))
 
 
+def _auto_layout(c: Config) -> None:
+    """``--layout auto`` chooses the layout itself: a layout setting given beside it is refused, not
+    silently overridden (before ``strategy`` is filled in)."""
+    if c.layout != "auto":
+        return
+    filled = c.unset or ()  # (what an earlier resolve filled in, dp's values, was not given)
+    given = [as_flag(k, v) for k, v, neutral in (("strategy", c.strategy, "dp"), ("tp", c.tp, 1), ("pp", c.pp, 1))
+             if v is not None and not (k in filled and v == neutral)]
+    given += [as_flag("zero", c.zero)] if c.zero else []
+    given += ["--recompute"] if c.recompute else []
+    if given:
+        raise ConfigError(f"--layout auto chooses the layout (dp, tp, pp, ZeRO, recompute, micro-batches) itself: "
+                          f"drop {' '.join(given)}, or drop --layout auto")
+
+
 def _parallel(c: Config, world: int) -> None:
     """The strategy and layout (fills ``strategy``, ``tp``, ``pp``, ``dp``, ``local_batch``)."""
+    _auto_layout(c)
     if c.strategy is None:  # --tp T --pp P alone: dp is what is left of the world
         c.strategy = "hybrid" if (c.tp or 1) > 1 or (c.pp or 1) > 1 else "dp"
     if c.zero and c.strategy == "ps":
@@ -306,7 +322,7 @@ def _checkpoint(c: Config, world: int) -> None:
 
 SECTIONS: tuple[Section, ...] = (
     Section("parallel", ("strategy", "tp", "pp", "batch_size", "accum_steps", "microbatches", "schedule", "pp_cut",
-                         "zero", "ps_mode", "staleness"), _parallel, _parallel_values),
+                         "zero", "ps_mode", "staleness", "layout", "probe_file"), _parallel, _parallel_values),
     Section("model", ("model", "loss", "d_model", "n_layers", "n_heads", "block_size", "dropout", "recompute",
                       "tie_embeddings", "seed"), _model, _model_values),
     Section("data", ("data", "x_key", "y_key", "tokens_key", "max_samples", "val_fraction"), _no_rules, _data_values),

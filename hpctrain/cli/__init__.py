@@ -16,6 +16,7 @@ from typing import Any
 from .. import __version__, backend
 from .. import job as _job
 from . import generate as _generate
+from . import plan_command as _plan
 from . import plot as _plot
 from . import status as _status
 
@@ -183,6 +184,8 @@ COMMANDS: dict[str, Command] = {
     "ckpt": ("inspect checkpoints", _ckpt_args, run_ckpt),
     "train": ("train a model with a parallel strategy (the main job; flags or --config FILE.toml)",
               _job.add_arguments, _job.main),
+    "plan": ("predict every layout of a job (dp, tp, pp, ZeRO, recompute, micro-batches) from measured costs, "
+             "best first: the same model flags as train", _plan.add_arguments, _plan.main),
     "generate": ("sample text from a GPT checkpoint (a run directory or a checkpoint file; no MPI)",
                  _generate.add_arguments, _generate.main),
     "plot": ("draw loss and throughput curves of a run to PNG (needs matplotlib)", _plot.add_arguments, _plot.main),
@@ -210,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The subcommands that start MPI; the others (ckpt, generate, plot, data) never load it.
-NEEDS_MPI = ("info", "train")
+# The subcommands that start MPI; the others (ckpt, generate, plot, data, status) never load it.
+NEEDS_MPI = ("info", "train", "plan")
 INSTALL_MPI = ("install one: pip install mpich (MPICH from PyPI), or load the site's MPI module "
                "(e.g. module load openmpi) and build mpi4py against it (docs/install.md: Installing on a cluster)")
 

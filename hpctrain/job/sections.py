@@ -198,6 +198,9 @@ def _auto_layout(c: Config) -> None:
     """``--layout auto`` chooses the layout itself: a layout setting given beside it is refused, not
     silently overridden (before ``strategy`` is filled in)."""
     if c.layout != "auto":
+        if c.probe_file is not None:
+            raise ConfigError(f"--probe-file {c.probe_file} prices the links of --layout auto's plan: give --layout "
+                              "auto too (or use it with `hpctrain plan`)")
         return
     filled = c.unset or ()  # (what an earlier resolve filled in, dp's values, was not given)
     given = [as_flag(k, v) for k, v, neutral in (("strategy", c.strategy, "dp"), ("tp", c.tp, 1), ("pp", c.pp, 1))

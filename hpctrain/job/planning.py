@@ -174,9 +174,9 @@ def _while_others_sleep(comm: Comm, timeout: float | None, fn: Callable[[], Any]
 
 def chosen_config(c: Config, layout: dict[str, Any]) -> Config:
     """``c`` with the layout of a plan's row (``dp``/``tp``/``pp``/``zero``/``recompute``/
-    ``microbatches``) set as if given, ``--layout auto`` dropped."""
+    ``microbatches``) set as if given, ``--layout auto`` and its ``--probe-file`` dropped."""
     tp, pp = int(layout["tp"]), int(layout["pp"])
-    return c.replace(layout=None, strategy="hybrid" if tp * pp > 1 else "dp", tp=tp, pp=pp, zero=int(layout["zero"]),
+    return c.replace(layout=None, probe_file=None, strategy="hybrid" if tp * pp > 1 else "dp", tp=tp, pp=pp, zero=int(layout["zero"]),
                      recompute=bool(layout["recompute"]), microbatches=int(layout["microbatches"]), dp=None,
                      local_batch=None, unset=None)
 

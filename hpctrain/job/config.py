@@ -42,6 +42,7 @@ EXAMPLES = """examples:
   mpiexec -n 4 hpctrain train --model gpt --pp 2 --epochs 1      # a GPT in 2 pipeline stages x 2 replicas
   mpiexec -n 2 hpctrain train --data mine.h5 --x-key inputs --y-key targets --loss mse   # your regression
   mpiexec -n 2 hpctrain train --model examples/custom_model.py:build                     # your model
+  mpiexec -n 4 hpctrain train --model gpt --layout auto          # plan first (hpctrain plan), train the best
   mpiexec -n 2 hpctrain train --config recipes/gpt_shakespeare.toml --lr 1e-3            # a file; flags win
   mpiexec -n 2 hpctrain train --run-dir runs/a --resume          # continue runs/a as its config.json says
   mpiexec -n 2 hpctrain train --run-dir runs/a --resume --epochs 6   # ... to 6 epochs in all (kept)

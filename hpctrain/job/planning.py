@@ -176,9 +176,9 @@ def chosen_config(c: Config, layout: dict[str, Any]) -> Config:
     """``c`` with the layout of a plan's row (``dp``/``tp``/``pp``/``zero``/``recompute``/
     ``microbatches``) set as if given, ``--layout auto`` and its ``--probe-file`` dropped."""
     tp, pp = int(layout["tp"]), int(layout["pp"])
-    return c.replace(layout=None, probe_file=None, strategy="hybrid" if tp * pp > 1 else "dp", tp=tp, pp=pp, zero=int(layout["zero"]),
-                     recompute=bool(layout["recompute"]), microbatches=int(layout["microbatches"]), dp=None,
-                     local_batch=None, unset=None)
+    return c.replace(layout=None, probe_file=None, strategy="hybrid" if tp * pp > 1 else "dp", tp=tp, pp=pp,
+                     zero=int(layout["zero"]), recompute=bool(layout["recompute"]),
+                     microbatches=int(layout["microbatches"]), dp=None, local_batch=None, unset=None)
 
 
 def runnable(c: Config, rows: list[dict[str, Any]], ranks: int) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from hpctrain.comm.probefile import load
+from hpctrain.job.options import PLANNED
 from jobs import hpctrain
 
 
@@ -155,7 +156,9 @@ def test_layout_auto_trains_where_its_layout_trained_by_hand_ends(tmp_path):
     said = next(line for line in p.stdout.splitlines() if line.startswith("layout: auto -> "))
     assert f"dp={chosen['dp']} tp={chosen['tp']} pp={chosen['pp']} zero={chosen['zero']}" in said
     assert "ms/step, best of " in said and "links probed now" in said
-    assert chosen["layout"] is None and chosen["dp"] * chosen["tp"] * chosen["pp"] == 2
+    # Kept as auto, the choice recorded as filled in: a resume plans again.
+    assert chosen["layout"] == "auto" and set(PLANNED) <= set(chosen["unset"])
+    assert chosen["dp"] * chosen["tp"] * chosen["pp"] == 2
     by_hand = ["--model", "gpt", "--strategy", chosen["strategy"], "--tp", str(chosen["tp"]), "--pp",
                str(chosen["pp"]), "--zero", str(chosen["zero"]), "--microbatches", str(chosen["microbatches"]),
                "--recompute" if chosen["recompute"] else "--no-recompute"]
@@ -166,5 +169,10 @@ def test_layout_auto_trains_where_its_layout_trained_by_hand_ends(tmp_path):
     assert len(auto) == 4 and auto == pytest.approx(hand, rel=1e-6, abs=1e-7)
     summaries = [json.loads((tmp_path / r / "summary.json").read_text()) for r in ("auto", "hand")]
     assert summaries[0]["val_loss"] == pytest.approx(summaries[1]["val_loss"], rel=1e-6)
+    p = hpctrain("train", "--run-dir", str(tmp_path / "auto"), "--resume", "--max-steps", "6", n=2, timeout=300,
+                 cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.count("layout: auto -> ") == 1, p.stderr + p.stdout
+    assert [json.loads(x)["step"] for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, 7))
     p = hpctrain("train", "--model", "gpt", "--layout", "auto", "--dry-run", n=2, timeout=300, cwd=tmp_path)
     assert p.returncode == 0 and p.stdout.count("layout: auto -> ") == 1, p.stderr + p.stdout

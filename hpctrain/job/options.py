@@ -225,6 +225,10 @@ _BY_NAME = {o.name: o for o in OPTIONS}
 DERIVED = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata.get("derived"))
 
 
+#: The settings ``--layout auto`` chooses: recorded as filled in (``Config.unset``), so a resume plans again.
+PLANNED = ("strategy", "tp", "pp", "zero", "recompute", "microbatches")
+
+
 def flag(name: str) -> str:
     """``--batch-size`` for ``batch_size``."""
     return "--" + name.replace("_", "-")

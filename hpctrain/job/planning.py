@@ -21,8 +21,6 @@ from .config import layout_text, resolve
 from .options import Config
 
 GIB = 1 << 30
-#: The settings a plan chooses (a layout's own; the rest of the configuration is the user's).
-CHOSEN = ("strategy", "tp", "pp", "zero", "recompute", "microbatches")
 
 
 @dataclass(frozen=True)
@@ -172,13 +170,16 @@ def _while_others_sleep(comm: Comm, timeout: float | None, fn: Callable[[], Any]
     return None
 
 
-def chosen_config(c: Config, layout: dict[str, Any]) -> Config:
+def chosen_config(c: Config, layout: dict[str, Any], planned: str | None = None) -> Config:
     """``c`` with the layout of a plan's row (``dp``/``tp``/``pp``/``zero``/``recompute``/
-    ``microbatches``) set as if given, ``--layout auto`` and its ``--probe-file`` dropped."""
+    ``microbatches``). With ``planned`` (``--layout auto``'s choice, said in the header) the
+    layout stays ``auto`` and ``resolve`` records these settings as filled in (a resume plans
+    again); without, they are set as if given, ``--layout auto`` and ``--probe-file`` dropped."""
     tp, pp = int(layout["tp"]), int(layout["pp"])
-    return c.replace(layout=None, probe_file=None, strategy="hybrid" if tp * pp > 1 else "dp", tp=tp, pp=pp,
-                     zero=int(layout["zero"]), recompute=bool(layout["recompute"]),
-                     microbatches=int(layout["microbatches"]), dp=None, local_batch=None, unset=None)
+    kept = {"layout": c.layout, "probe_file": c.probe_file} if planned else {"layout": None, "probe_file": None}
+    return c.replace(**kept, strategy="hybrid" if tp * pp > 1 else "dp", tp=tp, pp=pp, zero=int(layout["zero"]),
+                     recompute=bool(layout["recompute"]), microbatches=int(layout["microbatches"]), dp=None,
+                     local_batch=None, unset=None, planned=planned)
 
 
 def runnable(c: Config, rows: list[dict[str, Any]], ranks: int) -> list[dict[str, Any]]:
@@ -266,8 +267,8 @@ def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any) -> str:
 def choose_layout(cfg: Config, comm: Comm, pick_device: Callable[[Config, Comm], str],
                   everywhere: Callable[..., Any]) -> Config:
     """``--layout auto`` (collective): plan this job's ranks, nodes and links (``--probe-file``'s
-    links when given) and return ``cfg`` with the best layout that fits and that the job runs, set
-    as if given (``planned`` says it for the header); a ``ConfigError`` on every rank when none fits."""
+    links when given) and return ``cfg`` with the best layout that fits and that the job runs,
+    as filled in (``planned`` says it for the header); a ``ConfigError`` on every rank when none fits."""
     c = everywhere(comm, lambda: resolve(cfg, 1))  # (the layout-free checks; each layout's own come below)
     device = pick_device(c, comm)
     alloc = allocation(comm, everywhere, c.probe_file, device)
@@ -277,7 +278,5 @@ def choose_layout(cfg: Config, comm: Comm, pick_device: Callable[[Config, Comm],
         why = f": {label(rows[0])}, the smallest, {_unfit(rows[0], alloc)}" if rows else ""
         raise ConfigError(f"--layout auto: no layout of {alloc.ranks} ranks fits this job{why} "
                           "(`hpctrain plan` with the same flags lists them with the reasons)")
-    chosen = chosen_config(cfg, fit[0])
-    chosen.planned = (f"auto -> {label(fit[0])} (planned: {fit[0]['predicted_ms']:.1f} ms/step, best of {len(fit)}"
-                      f"; links {alloc.links_from})")
-    return chosen
+    return chosen_config(cfg, fit[0], f"auto -> {label(fit[0])} (planned: {fit[0]['predicted_ms']:.1f} ms/step, "
+                                      f"best of {len(fit)}; links {alloc.links_from})")

@@ -147,6 +147,7 @@ def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Seque
     if as_config(cfg).layout == "auto":  # planned on rank 0's measured costs, shared: one choice on every rank
         from .planning import choose_layout
 
+        limit_blas_threads(comm)  # before the plan's timings, as before training's
         cfg = choose_layout(as_config(cfg), comm, pick_device, everywhere)
     c = everywhere(comm, lambda: resolve(cfg, comm.size))
     agree(comm, "hpctrain train configuration", c.to_dict())

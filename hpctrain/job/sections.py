@@ -197,6 +197,8 @@ def _parallel_values(c: Config) -> None:
 def _auto_layout(c: Config) -> None:
     """``--layout auto`` chooses the layout itself: a layout setting given beside it is refused, not
     silently overridden (before ``strategy`` is filled in)."""
+    if c.planned:  # the plan's own choice (a derived field: never read from flags or files)
+        return
     if c.layout != "auto":
         if c.probe_file is not None:
             raise ConfigError(f"--probe-file {c.probe_file} prices the links of --layout auto's plan: give --layout "

@@ -28,6 +28,7 @@ from .kernels import row_ones
 from .layer_nodes import call_layer
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, TiedLinear
 from .module import Module, Sequential, as_rng
+from .moe import MoE, aux_loss_of, moe_blocks
 
 _MASKS: dict[tuple, Any] = {}
 
@@ -226,7 +227,9 @@ class SelfAttentionBase(Module):
         xp, buf = xp_of(qkv), self.scratch_buffers()
         # The heads' outputs go straight into the (B, T, H*hd) layout the projection reads.
         y = buf.get("y", (b, t, h * hd), np.result_type(q.dtype, v.dtype), xp)
-        _, att = causal_attention(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
+        cp = self.__dict__.get("context")  # context parallelism (nn.ring.ContextAttention): the core over its group
+        core = causal_attention if cp is None else cp.attention
+        _, att = core(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
         self.cache = (q, k, v, att)
         return y
 
@@ -239,7 +242,9 @@ class SelfAttentionBase(Module):
         # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
         dqkv = gpu.scratch(self, dy, q).get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)
         parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
-        causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
+        cp = self.__dict__.get("context")
+        core = causal_attention_backward if cp is None else cp.attention_backward
+        core(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
         return dqkv
 
     def backward(self, grad_out: Any) -> Any:
@@ -289,7 +294,8 @@ class TransformerBlock(Module):
     """Pre-norm block: ``x = x + attn(ln1(x)); x = x + mlp(ln2(x))``.
 
     ``dropout > 0`` adds GPT-2's residual dropout on both branches (``drop1``, ``drop2``, each with
-    its own generator seeded from ``rng``); parameter names are the same either way.
+    its own generator seeded from ``rng``); parameter names are the same either way. ``moe``: the
+    keyword arguments of an ``nn.MoE`` (``experts``, ``top_k``, ``capacity``) that replaces the MLP.
     """
 
     def __init__(
@@ -300,12 +306,14 @@ class TransformerBlock(Module):
         rng: int | np.random.Generator | None = None,
         dtype: Any = np.float32,
         dropout: float = 0.0,
+        moe: dict[str, Any] | None = None,
     ) -> None:
         g = as_rng(rng)
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, n_heads, rng=g, dtype=dtype)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
-        self.mlp = MLP(d_model, d_hidden, rng=g, dtype=dtype)
+        self.mlp = MoE(d_model, d_hidden, rng=g, dtype=dtype, **moe) if moe else \
+            MLP(d_model, d_hidden, rng=g, dtype=dtype)
         if dropout:
             seeds = g.integers(2**63, size=2)
             self.drop1 = Dropout(dropout, rng=int(seeds[0]))
@@ -349,6 +357,10 @@ class GPT(Module):
     (``state_dict``, ``parameters()``, checkpoints: no ``head.weight``); ``tied_weights()`` names
     the alias (``{"head.weight": "tok_emb.weight"}``), for code that sees the head alone (a
     pipeline's last stage lists it as ``head.weight``).
+
+    ``moe_experts=E > 0``: the MLP of every ``moe_every``-th block (blocks ``moe_every-1, ...``:
+    Megatron's ``moe_layer_freq``) is an ``nn.MoE`` (E experts of ``d_hidden``, ``moe_top_k``,
+    ``moe_capacity``); ``aux_loss`` sums their load-balancing terms (``nn.moe``: its gradient).
     """
 
     tensor_forward = True  # on a tensor: embeddings, blocks, final norm and head are nodes
@@ -365,6 +377,7 @@ class GPT(Module):
         dtype: Any = np.float32,
         dropout: float = 0.0,
         tie_embeddings: bool = False,
+        moe_experts: int = 0, moe_top_k: int = 2, moe_every: int = 1, moe_capacity: float = 0.0,
     ) -> None:
         if n_layers < 1:
             raise ValueError(f"GPT needs n_layers >= 1, got {n_layers}")
@@ -376,8 +389,9 @@ class GPT(Module):
         self.vocab_size, self.block_size = vocab_size, block_size
         self.tok_emb = Embedding(vocab_size, d_model, std=0.02, rng=g, dtype=dtype)
         self.pos_emb = Embedding(block_size, d_model, std=0.02, rng=g, dtype=dtype)
-        self.blocks = Sequential(*(TransformerBlock(d_model, n_heads, d_hidden, rng=g, dtype=dtype, dropout=dropout)
-                                   for _ in range(n_layers)))
+        moes = moe_blocks(n_layers, moe_experts, moe_top_k, moe_every, moe_capacity)
+        self.blocks = Sequential(*(TransformerBlock(d_model, n_heads, d_hidden, rng=g, dtype=dtype, dropout=dropout,
+                                                    moe=moe) for moe in moes))
         self.ln_f = LayerNorm(d_model, dtype=dtype)
         self.tie_embeddings = bool(tie_embeddings)
         self.head = TiedLinear(self.tok_emb.weight) if tie_embeddings else \
@@ -394,15 +408,23 @@ class GPT(Module):
         x = _residual(self.tok_emb(tokens), self.pos_emb(pos))  # into the lookup's fresh output
         return self.head(self.ln_f(self.blocks(x)))
 
+    @property
+    def aux_loss(self) -> float:
+        """The sum of the MoE blocks' load-balancing terms of the last forward (0 without MoE)."""
+        return aux_loss_of(self)
+
     def tied_weights(self) -> dict[str, str]:
         """``{alias: owner}``: the parameter names that are another's very ``Parameter`` (the tied
         head's weight is the token embedding's); empty when nothing is tied."""
         return {"head.weight": "tok_emb.weight"} if self.tie_embeddings else {}
 
     def _positions(self, t: int, xp: Any) -> Any:
-        pos = self.__dict__.get("_pos")
-        if pos is None or pos.shape[0] != t or xp_of(pos) is not xp:
-            pos = self.__dict__["_pos"] = xp.arange(t)
+        """The positions of ``t`` tokens: ``0..t-1``, or under context parallelism (``context``,
+        set by ``hpctrain.parallel.context_parallel``) the global positions of this rank's share."""
+        pos, cp = self.__dict__.get("_pos"), self.__dict__.get("context")
+        if pos is None or pos.shape[0] != t or xp_of(pos) is not xp or self.__dict__.get("_pos_cp") is not cp:
+            pos = self.__dict__["_pos"] = xp.arange(t) if cp is None else xp.asarray(cp.positions(t, self.block_size))
+            self.__dict__["_pos_cp"] = cp
         return pos
 
     def backward(self, grad_out: Any) -> None:
@@ -429,14 +451,14 @@ class GPT(Module):
         the head. Forward and backward look the module up at each call, so wrappers installed
         later (ZeRO-3 gathers, overlap hooks) are the ones that run."""
         tok, pos = self.tok_emb, self.pos_emb
-        block_size = self.block_size
+        block_size, positions_of = self.block_size, self._positions
 
         def embed(idx: Any) -> Any:
             xp = xp_of(pos.weight.data)
             tokens = to_device(idx.data if is_tensor(idx) else idx, xp)
             if tokens.ndim != 2 or tokens.shape[1] > block_size:
                 raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={block_size}, got {tokens.shape}")
-            positions = xp.arange(tokens.shape[1])
+            positions = positions_of(tokens.shape[1], xp)
             if is_tensor(idx):  # through the graph: the lookups as nodes
                 return tok(Tensor(tokens)) + pos(Tensor(positions))
             return tok.forward(tokens) + pos.forward(positions)

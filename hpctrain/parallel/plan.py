@@ -13,29 +13,37 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
 - **tensor parallel**: per micro-batch, each split layer's all-reduce of its ``(rows, d_model)``
   activation in forward and of its input's gradient in backward (a GPT block: four), the
   vocabulary embedding's and head's, the vocab-parallel loss's three small ones, each priced on
-  the link the tp group spans. These are blocking calls in the middle of compute: each also
-  costs a synchronisation of the tp ranks (``sync``, see ``Link``'s collective prices).
+  the link the tp group spans, and each a meeting (below): they block in the middle of compute.
 - **pipeline**: each micro-batch's activation forward and its gradient back (``alpha + n /
   beta``) lengthen the stage's actions; the schedule (1F1B or GPipe) is executed by
   ``pipeline_schedules.simulate`` with these durations, whose makespan is the pipeline's time:
   its part beyond the busiest stage's own work is the **bubble** (``(p-1)/(m+p-1)`` of it when
-  the stages are even and sends free).
-- **data parallel**: the gradients of this rank's parameters in buckets of ``bucket_mb``
-  (``comm.buckets``: packed in name order, each one all-reduce ``2 ceil(log2 p) alpha + 2
-  (p-1)/p n / beta``); with overlap a bucket starts when backward has produced its last
-  gradient, during the last micro-batch's backward, so only what is left after backward ends
-  is exposed. ZeRO 1 and 2: a reduce-scatter per unit as backward finishes it (overlapped the
-  same way), then one all-gather of the updated parameters after the step (exposed); ZeRO 3:
-  no final all-gather, but every unit's parameters are gathered before its forward and its
-  backward (and a recomputation's forward), prefetched one unit ahead: what a gather takes
-  beyond its neighbour's compute is exposed. Groups crossing nodes share the node's link:
-  ``k`` groups leaving one node at once each get ``beta / k``.
+  the stages are even and sends free). A stage meets its neighbour once per micro-batch.
+- **data parallel**: the gradients of this rank's parameters in buckets of ``bucket_mb`` MiB
+  (``comm.buckets``: packed in name order, started in reverse, each one all-reduce ``2
+  ceil(log2 p) alpha + 2 (p-1)/p n / beta`` and a meeting); with overlap a bucket starts when
+  backward has produced its last gradient, during the last micro-batch's backward, so only what
+  is left after backward ends is exposed. ZeRO 1 and 2: a reduce-scatter per unit started as
+  backward finishes it (overlapped the same way, waited on together), then one all-gather of
+  the updated parameters after the step (exposed); ZeRO 3: no final all-gather, but every
+  unit's parameters are gathered before its forward and its backward (and a recomputation's
+  forward), prefetched one unit ahead: what a gather takes beyond its unit's compute is exposed,
+  and each wait meets the other ranks. Groups crossing nodes share the node's link: ``k`` groups
+  leaving one node at once each get ``beta / k``.
+- **meeting** (``Link.meet``, ``linkprobe.meeting_seconds``): a blocking collective between two
+  stretches of compute waits for the last rank to arrive; where ranks share cores (this 2-core
+  machine runs 4), for a descheduled one to run again. Every blocking call above pays it once.
 - **optimizer**: the measured seconds per parameter times this rank's parameters (``1/dp`` of
   them under ZeRO); the trainer's two small all-reduces over the world per step.
 - **memory**: ``plan_memory`` (the engine's categories).
 
-Why ``benchmarks/cost_model.py``'s tp predictions were 50-67% low: not the volume (its counted
-and modelled tp bytes agree) but the per-call cost; see ``TP_SYNC`` below.
+Why ``benchmarks/cost_model.py``'s tp predictions were 50-67% low: not the volume (it counted
+the bytes its tp all-reduces moved, ``tensor_mappings.traffic``, and they equal its model's) but
+the per-call cost. Its alpha came from a ping-pong of two ranks doing nothing else (tens of
+microseconds); in a step each of tp's 2 calls per block and micro-batch is a meeting of ranks
+arriving from compute, which costs ``Link.meet``: milliseconds on this oversubscribed machine, a
+hundred times alpha. ``benchmarks/plan_check.py`` prints the seconds measured inside the tp
+collectives per step against this model's price of them.
 
 Context (cp) and expert (ep) parallelism are hooks: ``Layout`` carries them and ``predict``
 prices cp's ring (``2 (cp-1)/cp`` of each attention layer's K and V per micro-batch, overlapped
@@ -57,11 +65,6 @@ from .plan_memory import gib, memory
 from .zero import zero_problem
 
 __all__ = ["Costs", "Layout", "PieceCost", "Prediction", "layouts", "measure", "plan", "predict"]
-
-#: Extra seconds a blocking tensor-parallel all-reduce costs beyond its alpha-beta price: the
-#: ranks of the group meet there (calibrated by benchmarks/plan_check.py; see the module docstring).
-TP_SYNC = 0.0
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -105,6 +108,7 @@ class Prediction:
     fits: bool
     why: str
     memory_parts: dict[str, int] = dataclasses.field(default_factory=dict)
+    comm_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # ms of "tp", "pp", "dp"
 
     def as_json(self) -> dict[str, Any]:
         """The issue's keys (``hpctrain plan --json``)."""
@@ -141,11 +145,18 @@ def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: lis
 
 
 def _allreduce(link: Link | None, nbytes: float, p: int) -> float:
-    return 0.0 if link is None else link.allreduce_seconds(nbytes, p)
+    """A blocking all-reduce: its alpha-beta price and the ranks' meeting (``Link.meet``)."""
+    return 0.0 if link is None else link.allreduce_seconds(nbytes, p) + link.meet
 
 
 def _gather(link: Link | None, nbytes: float, p: int) -> float:
-    return 0.0 if link is None else link.gather_seconds(nbytes, p)
+    """A reduce-scatter or all-gather waited on (as ``_allreduce``)."""
+    return 0.0 if link is None else link.gather_seconds(nbytes, p) + link.meet
+
+
+def _send(link: Link | None, nbytes: float) -> float:
+    """A pipeline message one way (its waits are the schedule's: ``simulate``)."""
+    return 0.0 if link is None else link.seconds(nbytes)
 
 
 # -- layouts -------------------------------------------------------------------------------------
@@ -233,7 +244,7 @@ def stages_of(costs: Costs, pp: int, samples: float, tp: int = 1) -> list[list[P
 def _tp_seconds(calls: tuple[int, ...], samples: float, lay: Layout, link: Link | None) -> float:
     if link is None:
         return 0.0
-    return sum(_allreduce(link, n * samples, lay.tp) + TP_SYNC for n in calls)
+    return sum(_allreduce(link, n * samples, lay.tp) for n in calls)
 
 
 def _stage_times(pieces: list[PieceCost], lay: Layout, costs: Costs, samples: float, tp_link: Link | None,
@@ -268,18 +279,24 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
         for q in order:
             done += q.local_params(lay.tp)
             per = q.local_params(lay.tp) * item / max(1, q.units)
-            chunks += [(done / total, _gather(link, per, p))] * q.units
-    else:
-        cap, fill = bucket_mb * 1e6, 0.0
-        for q in order:
+            # started without waiting as backward finishes each unit; waited on together at the end
+            chunks += [(done / total, link.gather_seconds(per, p))] * q.units
+        chunks.append((1.0, link.meet))
+    else:  # GradBuckets: packed in forward (name) order up to bucket_mb MiB, started in reverse
+        cap = bucket_mb * (1 << 20)
+        buckets: list[list[PieceCost]] = []
+        fill = 0.0
+        for q in (q for q in pieces if q.params):
             nbytes = q.local_params(lay.tp) * item
-            done += q.local_params(lay.tp)
-            fill += nbytes
-            if fill >= cap:
-                chunks.append((done / total, _allreduce(link, fill, p)))
-                fill = 0.0
-        if fill:
-            chunks.append((1.0, _allreduce(link, fill, p)))
+            if buckets and buckets[-1] and fill + nbytes <= cap:
+                buckets[-1].append(q)
+                fill += nbytes
+            else:
+                buckets.append([q])
+                fill = nbytes
+        for bucket in reversed(buckets):
+            done += sum(q.local_params(lay.tp) for q in bucket)
+            chunks.append((done / total, _allreduce(link, sum(q.local_params(lay.tp) for q in bucket) * item, p)))
     end = 0.0
     for ready, sec in chunks:
         start = ready * backward if overlap else backward
@@ -300,7 +317,8 @@ def _zero3_gathers(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Lin
     passes = 3 if lay.recompute else 2
     exposed = 0.0
     for share in (f / n, b / n):
-        exposed += sum(max(0.0, g - share) for g in gathers) + (gathers[0] if gathers else 0.0)
+        # the first unit's gather has nothing to hide behind; each wait meets the other ranks
+        exposed += sum(max(0.0, g - share) for g in gathers) + (gathers[0] - link.meet if gathers else 0.0)
     return exposed * passes / 2
 
 
@@ -320,6 +338,8 @@ def _pipeline(stage_times: list[tuple[float, float, float, float]], sends: list[
             return f + tf + (sends[s] if s < lay.pp - 1 else 0.0)
         return b + tb + (sends[s - 1] if s > 0 else 0.0)
 
+    if not any(sum(t) for t in stage_times) and not any(sends):
+        return 0.0, [0.0] * lay.pp  # nothing takes time (simulate's bubble would divide by zero)
     out = simulate(schedule, lay.pp, m, durations=duration)
     finish = [0.0] * lay.pp
     for (s, action), t0 in out["start"].items():
@@ -344,29 +364,33 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
     stages = stages_of(costs, lay.pp, samples, lay.tp)
     tp_link, pp_link, dp_link = (group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp"))
     times = [_stage_times(st, lay, costs, samples, tp_link, s == lay.pp - 1) for s, st in enumerate(stages)]
-    sends = [pp_link.seconds(st[-1].output_per_sample * samples) if pp_link else 0.0 for st in stages[:-1]]
+    sends = [_send(pp_link, st[-1].output_per_sample * samples) for st in stages[:-1]]
     makespan, finish = _pipeline(times, sends, lay, schedule)
     world_link = links.get("intra-node") or links.get("inter-node")
     small = 2 * _allreduce(world_link, 64, lay.world) if lay.world > 1 else 0.0
-    best: tuple[float, float, float] = (-1.0, 0.0, 0.0)  # (step, compute, communication) of the slowest stage
+    best: tuple = (-1.0, 0.0, 0.0, {})  # (step, compute, communication, its parts) of the slowest stage
     for s, st in enumerate(stages):
         f, b, tf, tb = times[s]
         exposed, after = _reduction(st, lay, costs, dp_link, b, bucket_mb, overlap)
         exposed += lay.microbatches * _zero3_gathers(st, lay, costs, dp_link, f, b)
         opt = costs.optimizer_s_per_param * sum(q.local_params(lay.tp) for q in st) / (lay.dp if lay.zero else 1)
         end = finish[s] + exposed + opt + after + small
-        comm = lay.microbatches * (tf + tb + (sends[s] if s < lay.pp - 1 else 0.0)
-                                   + (sends[s - 1] if s > 0 else 0.0)) + exposed + after + small
+        # A stage that receives meets its neighbour once per micro-batch (plan_check: not per message).
+        meets = lay.microbatches * (pp_link.meet if pp_link is not None else 0.0)
+        parts = {"tp": lay.microbatches * (tf + tb), "dp": exposed + after + small,
+                 "pp": lay.microbatches * ((sends[s] if s < lay.pp - 1 else 0.0) + (sends[s - 1] if s > 0 else 0.0))
+                 + meets}
+        end += meets
         if end > best[0]:
-            best = (end, lay.microbatches * (f + b) + opt, comm)
-    step, compute, comm = best
+            best = (end, lay.microbatches * (f + b) + opt, sum(parts.values()), parts)
+    step, compute, comm, parts = best
     bubble = max(0.0, step - compute - comm)
-    need, parts = memory(lay, costs, stages, samples, schedule)
+    need, memory_parts = memory(lay, costs, stages, samples, schedule)
     fits = memory_limit is None or need <= memory_limit
     why = (f"compute {compute * 1e3:.1f} ms + communication {comm * 1e3:.1f} ms + bubble {bubble * 1e3:.1f} ms"
            if fits else f"needs {gib(need)} GiB per rank, has {gib(memory_limit or 0)}")
     return Prediction(lay, step * 1e3, compute * 1e3, comm * 1e3, bubble * 1e3, int(need), memory_limit, fits, why,
-                      parts)
+                      memory_parts, {k: v * 1e3 for k, v in parts.items()})
 
 
 def plan(costs: Costs, links: dict[str, Link | None], world: int, nodes: list[str] | None = None,

@@ -61,6 +61,8 @@ class PieceCost:
     hidden: int = 0  # MLP hidden width (tp must divide it)
     units: int = 1  # ZeRO's units (modules owning parameters directly: one collective each)
     largest_unit: int = 0  # parameter elements of the largest unit
+    workspace_fixed: int = 0  # bytes the layers' reuse pools keep beyond the activations
+    workspace_per_sample: int = 0
 
     def forward_s(self, samples: float, tp: int = 1) -> float:
         """One forward on ``samples`` samples, on a rank holding ``1/tp`` of the split layers."""
@@ -78,6 +80,10 @@ class PieceCost:
     def local_params(self, tp: int = 1) -> int:
         """Parameter elements of this piece on one tensor-parallel rank."""
         return self.params - self.split_params + -(-self.split_params // tp)
+
+    def workspace(self, samples: float, tp: int = 1) -> float:
+        """Bytes the piece's reuse pools keep (``MemoryMeter``'s workspace) at ``samples`` samples."""
+        return self._share(tp) * (self.workspace_fixed + self.workspace_per_sample * samples)
 
     def activations(self, samples: float, tp: int = 1) -> float:
         """Bytes this piece keeps for its backward on ``samples`` samples (split layers' share by tp)."""
@@ -169,35 +175,31 @@ def _piece_tp(piece: Piece, splits: dict[str, tuple[str, int, int, int]], rows: 
     return split, tuple(fwd), tuple(bwd), heads, hidden
 
 
-def _run_piece(piece: Piece, x: Any, params: list[Any]) -> tuple[float, float, int, Any]:
-    """``(forward s, backward s, activation bytes, output array)`` of one run of ``piece`` on ``x``."""
+def _run_piece(piece: Piece, x: Any, params: list[Any]) -> tuple[float, float, int, int, Any]:
+    """``(forward s, backward s, activation bytes, workspace bytes, output array)`` of one run of
+    ``piece`` on ``x``, the memory as the engine's ``MemoryMeter`` counts it (its caches and the
+    graph's saved arrays at the start of backward; its reuse pools beyond those)."""
     from ..autograd import Tensor, is_tensor
-    from ..autograd.backprop import collect_arrays
     from ..backend import synchronize
-    from ..training.memory import graph_bytes, owned_bytes
+    from ..training.memory import MemoryMeter
 
     for q in params:  # scratch gradients (explicit modules add into .grad)
         q.grad = q.data * 0
+    meter = MemoryMeter(_Tops(piece))
     leaf = Tensor(x, requires_grad=np.dtype(x.dtype).kind == "f")
     synchronize(x)
     t0 = time.perf_counter()
     out = piece.forward(leaf)
     synchronize(out.data if is_tensor(out) else out)
     t1 = time.perf_counter()
-    # The MemoryMeter's rule: the modules' caches, then what the graph saved besides them.
-    arrays: list[Any] = []
-    seen: set[int] = set()
-    for top in piece.modules.values():
-        for _, m in top.named_modules():
-            collect_arrays(m.__dict__.get("cache"), arrays, seen)
-    counted: set[int] = set()
-    act = owned_bytes(arrays, counted) + (graph_bytes(out, exclude=counted) if is_tensor(out) else 0)
+    meter.measure((out,) if is_tensor(out) else ())
     t2 = time.perf_counter()
     if is_tensor(out) and out.requires_grad:
         out.backward(out.data * 0 + 1)
     synchronize(out.data if is_tensor(out) else out)
     t3 = time.perf_counter()
-    return t1 - t0, t3 - t2, act, (out.data if is_tensor(out) else out)
+    seen = meter.report({})
+    return t1 - t0, t3 - t2, seen["activations_peak"], seen["workspace"], (out.data if is_tensor(out) else out)
 
 
 def _fit(sizes: tuple[int, int], values: tuple[float, float]) -> tuple[float, float]:
@@ -208,14 +210,13 @@ def _fit(sizes: tuple[int, int], values: tuple[float, float]) -> tuple[float, fl
 
 
 def _pieces_at(pieces: list[Piece], sample: Any, repeats: int, params: list[Any]) -> list[tuple]:
-    """Per piece ``(forward s, backward s, activation bytes, input bytes, output bytes)``: the
-    median of ``repeats`` runs after a warm-up, each piece on the previous piece's output."""
+    """Per piece ``(forward s, backward s, activation bytes, workspace bytes, input bytes, output
+    bytes)``: the median of ``repeats`` runs after a warm-up, each piece on the previous piece's output."""
     out, x = [], sample
     for piece in pieces:
         runs = [_run_piece(piece, x, params) for _ in range(1 + max(1, repeats))][1:]
-        y = runs[-1][3]
-        out.append((statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                    int(statistics.median(r[2] for r in runs)), int(x.nbytes), int(y.nbytes)))
+        y = runs[-1][4]
+        out.append((*(statistics.median(r[k] for r in runs) for k in range(4)), int(x.nbytes), int(y.nbytes)))
         x = y
     return out
 
@@ -276,10 +277,11 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
         ff, fp = _fit((lo, hi), (s[0], b[0]))
         bf, bp = _fit((lo, hi), (s[1], b[1]))
         af, ap = _fit((lo, hi), (s[2], b[2]))
+        wf, wp = _fit((lo, hi), (s[3], b[3]))
         units = [sum(int(np.prod(q.shape)) for q in u) for u in module_units(_Tops(piece), piece_params(piece))]
         out.append(PieceCost(piece.name, ff, fp, bf, bp, n_params, split, int(af), int(round(ap)),
-                             b[3] // hi, b[4] // hi, holds_parameters(piece), _recomputable(piece), fwd, bwd,
-                             heads, hidden, len(units), max(units, default=0)))
+                             b[4] // hi, b[5] // hi, holds_parameters(piece), _recomputable(piece), fwd, bwd,
+                             heads, hidden, len(units), max(units, default=0), int(wf), int(round(wp))))
     n = max(1, sum(p.params for p in out))
     loss_tp = (rows * itemsize,) * 3 if any(k == "head" for k, *_ in splits.values()) else ()
     from ..backend import xp_of

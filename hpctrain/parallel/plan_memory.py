@@ -8,8 +8,11 @@ counted from the measured pieces instead of from arrays that exist.
   reduced ``1/dp`` piece (a unit's local gradient is a transient buffer).
 - **optimizer**: ``Costs.optimizer_bytes_per_param`` per local parameter (AdamW: two float32
   moments), ``1/dp`` of it under any ZeRO stage.
-- **buffers**: ZeRO 1's reduced piece of the gradients (``1/dp``); ZeRO 2's largest unit
-  gradient; ZeRO 3's two gathered units and the largest unit gradient.
+- **buffers**: ZeRO 1's reduced piece of the gradients (``1/dp``); ZeRO 2's unit gradients,
+  which backward makes faster than their reduce-scatters finish (their peak is near all of
+  them: ``benchmarks/plan_check.py``); ZeRO 3's the same and two gathered units.
+- **workspace**: what the layers' reuse pools keep beyond the activations (measured per piece
+  by the ``MemoryMeter``), once per layer whatever the micro-batches; none in recomputed blocks.
 - **activations_peak**: each piece's measured activations at the micro-batch, times the
   micro-batches a stage holds at once (1F1B: ``min(m, pp - stage)``, GPipe: ``m``; without a
   pipeline one). With recompute a wrapped block keeps only its input, and one block's full
@@ -56,17 +59,21 @@ def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: fl
     dp, tp, z = layout.dp, layout.tp, layout.zero
     for s, pieces in enumerate(stages):
         local = sum(p.local_params(tp) for p in pieces)
-        units = [p.local_params(tp) * costs.itemsize for p in pieces if p.params]
-        big = max(units, default=0)
+        # A unit's share on this tp rank: the piece's split applies to its units alike.
+        big = max((p.largest_unit * p.local_params(tp) // p.params * costs.itemsize for p in pieces if p.params),
+                  default=0)
         nbytes = local * costs.itemsize
         shard = -(-nbytes // dp)
         out = {"params": shard if z == 3 else nbytes,
                "grads": shard if z >= 2 else nbytes,
                "optimizer": int(local * costs.optimizer_bytes_per_param / (dp if z else 1)),
-               "buffers": {0: 0, 1: shard, 2: big, 3: 3 * big}[z] if dp > 1 or z == 1 else 0}
+               "buffers": {0: 0, 1: shard, 2: nbytes, 3: nbytes + 2 * big}[z] if dp > 1 or z == 1 else 0}
         kept, redo = stage_activations(pieces, samples, tp, layout.recompute)
         held = in_flight(schedule, layout.pp, s, layout.microbatches)
         out["activations_peak"] = int(held * kept + redo)
+        # The reuse pools are per layer, reused by every micro-batch; a recomputed block keeps none.
+        out["workspace"] = int(sum(p.workspace(samples, tp) for p in pieces
+                                   if not (layout.recompute and p.recomputable)))
         total = sum(out.values())
         if total > best[0]:
             best = (total, out)

@@ -13,8 +13,8 @@ from hpctrain.comm.linkprobe import Link
 from hpctrain.comm.probefile import FORMAT, MAX_PROBE, load, record, save
 from hpctrain.errors import ConfigError
 
-LINKS = {"intra-node": Link((0, 1), 4e-6, 9e9, ((8, 4e-6), (1 << 20, 1.2e-4))),
-         "inter-node": Link((0, 2), 3e-5, math.inf, ((8, 3e-5), (1 << 20, 3e-5)))}
+LINKS = {"intra-node": Link((0, 1), 4e-6, 9e9, ((8, 4e-6), (1 << 20, 1.2e-4)), 2e-5),
+         "inter-node": Link((0, 2), 3e-5, math.inf, ((8, 3e-5), (1 << 20, 3e-5)), 2e-5)}
 NODES = ["a", "a", "b", "b"]
 
 
@@ -54,6 +54,8 @@ def _damaged(raw: dict, where: list, value) -> dict:
     (["links", "intra-node", "alpha"], -1.0, "alpha'] must be a finite non-negative number"),
     (["links", "intra-node", "beta"], 0, "beta'] must be a finite positive number"),
     (["links", "intra-node", "ranks"], [0, 7], "two different ranks below 4"),
+    (["links", "intra-node", "meet"], math.nan, "meet'] must be a finite non-negative number"),
+    (["links", "inter-node", "meet"], KeyError, "its field 'meet' is missing"),
     (["links", "intra-node", "samples"], [[8]], "pairs"),
     (["links", "intra-node", "samples"], [[8, "x"]], "a sample's time in intra-node"),
     (["links", "bogus"], None, "exactly the link classes"),

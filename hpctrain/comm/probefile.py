@@ -5,7 +5,8 @@ The file is JSON: ``format`` (:data:`FORMAT`), ``version``, ``date`` (UTC, ISO 8
 ``hpctrain`` (its version), ``mpi`` (the MPI library's first version line), ``nodes`` (each
 rank's node name, in rank order), ``ranks_per_node`` (``{node: count}``) and ``links``: for each
 link class of :data:`~hpctrain.comm.linkprobe.CLASSES`, ``null`` (no such link in that layout) or
-``{"ranks": [a, b], "alpha": s, "beta": bytes/s or null (unbounded), "samples": [[bytes, s], ...]}``.
+``{"ranks": [a, b], "alpha": s, "beta": bytes/s or null (unbounded), "meet": s (what a blocking
+collective costs ranks arriving from compute, ``Link.meet``), "samples": [[bytes, s], ...]}``.
 :func:`load` reads it as the run directory's own files are read (a regular file of bounded size,
 :func:`hpctrain.files.rundir.read_record`) and refuses anything else, a damaged field or another
 program's JSON with a ``ConfigError`` that names the file and what is wrong.
@@ -54,7 +55,7 @@ def record(links: dict[str, Link | None], nodes: list[str], mpi: str) -> dict[st
         if x is None:
             return None
         return {"ranks": list(x.ranks), "alpha": x.alpha, "beta": None if math.isinf(x.beta) else x.beta,
-                "samples": [[int(n), float(t)] for n, t in x.samples]}
+                "meet": x.meet, "samples": [[int(n), float(t)] for n, t in x.samples]}
 
     return {"format": FORMAT, "version": VERSION, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "hpctrain": __version__, "mpi": mpi, "nodes": list(nodes), "ranks_per_node": dict(Counter(nodes)),
@@ -129,4 +130,5 @@ def _link(cls: str, x: Any, world: int) -> Link:
     pairs = tuple((int(_number(n, f"a sample's size in {cls}")), _number(t, f"a sample's time in {cls}", True))
                   for n, t in samples)
     beta = math.inf if x["beta"] is None else _number(x["beta"], f"links[{cls!r}]['beta']", positive=True)
-    return Link((ranks[0], ranks[1]), _number(x["alpha"], f"links[{cls!r}]['alpha']"), beta, pairs)
+    return Link((ranks[0], ranks[1]), _number(x["alpha"], f"links[{cls!r}]['alpha']"), beta, pairs,
+                _number(x["meet"], f"links[{cls!r}]['meet']"))

@@ -290,3 +290,51 @@ def test_every_blocking_call_pays_the_ranks_meeting():
     met = predict(Layout(1, 4, 1), c, links(meet=2e-3), None)
     calls = 4 * 2  # one forward and one backward all-reduce per piece, one micro-batch
     assert met.comm_parts["tp"] - base.comm_parts["tp"] == pytest.approx(calls * 2e-3 * 1e3, rel=1e-9)
+
+
+def test_cp_ring_moves_two_cp_minus_1_over_cp_of_the_keys_and_values():
+    kv = 2 * 8 * 32 * 4  # K and V of 8 tokens of width 32, float32, per sample
+    c = Costs([piece("0", 100, split=0)], 16, 4, 8.0, 0.0, rows=8)
+    c.pieces[0] = replace_piece(c.pieces[0], kv_per_sample=kv)
+    ln = links()
+    for cp in (2, 4):
+        pred = predict(Layout(4 // cp, 1, 1, cp=cp), c, ln, None)
+        # each rank holds T/cp tokens of its dp share; the ring carries the whole sequence's K/V
+        moved = 2 * (cp - 1) / cp * kv * 16 / (4 // cp)
+        assert pred.comm_parts["cp"] == pytest.approx(moved / BETA * 1e3, rel=1e-9)
+    with pytest.raises(ValueError, match="2 x cp zigzag chunks"):
+        predict(Layout(1, 1, 1, cp=4), Costs(c.pieces, 16, 4, 8.0, 0.0, rows=6), ln, None)
+
+
+def test_ep_all_to_alls_move_the_routed_rows_and_shard_the_experts():
+    rows = 4 * 2 * 32 * 4  # 4 tokens x top-2 x width 32, float32, per sample
+    p = replace_piece(piece("0", 10_000), moe_per_sample=(rows,), expert_params=8_000, experts=4)
+    c = costs([p], batch=16)
+    pred = predict(Layout(4, 1, 1, ep=2), c, links(), None)
+    samples = 16 / 4
+    assert pred.comm_parts["ep"] == pytest.approx(4 * (2 - 1) / 2 * rows * samples / BETA * 1e3, rel=1e-9)
+    assert p.local_params(1, 2) == 2_000 + 4_000  # dense whole, half the experts
+    assert pred.memory_parts["params"] == 6_000 * 4
+    with pytest.raises(ValueError, match="divisible by ep=4"):
+        predict(Layout(4, 1, 1, ep=4), costs([replace_piece(p, experts=6)]), links(), None)
+
+
+def replace_piece(p: PieceCost, **changes) -> PieceCost:
+    from dataclasses import replace
+
+    return replace(p, **changes)
+
+
+def test_measure_finds_attention_keys_values_and_moe_rows():
+    t, d = 8, 32
+    gpt = nn.GPT(17, t, d, 4, 2, rng=0, moe_experts=4, moe_top_k=2)
+    c = measure(gpt, (4, t), sample=lambda n: np.random.default_rng(0).integers(0, 17, (n, t)), repeats=1)
+    blocks = [p for p in c.pieces if p.name.startswith("blocks.")]
+    assert c.rows == t and all(b.kv_per_sample == 2 * t * d * 4 for b in blocks)
+    assert all(b.moe_per_sample == (t * 2 * d * 4,) and b.experts == 4 for b in blocks)
+    moes = [b.mlp for b in gpt.blocks]
+    experts = sum(m.w1.data.size + m.b1.data.size + m.w2.data.size + m.b2.data.size for m in moes)
+    assert sum(b.expert_params for b in blocks) == experts
+    lays = layouts(4, c, ep=(1, 2, 4), cp=(1, 2))
+    assert any(lay.ep == 4 for lay in lays) and any(lay.cp == 2 for lay in lays)
+    assert all(lay.dp % lay.ep == 0 for lay in lays)

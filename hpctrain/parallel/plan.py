@@ -123,14 +123,14 @@ class Prediction:
 
 
 def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: list[str] | None) -> Link | None:
-    """The link a ``kind`` ("dp", "tp", "pp") group's collectives pay (``None``: groups of one rank):
-    inter-node when any such group spans nodes, its bandwidth shared by the spanning groups that
-    leave one node at once."""
-    size = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp}[kind]
+    """The link a ``kind`` group's collectives pay (a ``comm.grid.layout`` group: "tp", "pp", "cp",
+    "ep", "dp_cp"; ``None``: groups of one rank): inter-node when any such group spans nodes, its
+    bandwidth shared by the spanning groups that leave one node at once."""
+    size = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "dp_cp": lay.dp * lay.cp}[kind]
     if size == 1:
         return None
     names = nodes or ["node"] * lay.world
-    groups = grid_layout(lay.world, lay.tp, lay.pp)[kind]
+    groups = grid_layout(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)[kind]
     span = [g for g in groups if len({names[r] for r in g}) > 1]
     if not span:
         link = links.get("intra-node")
@@ -170,7 +170,7 @@ def layout_problem(lay: Layout, costs: Costs) -> str | None:
     from .tensor_layers import tp_heads_problem, tp_hidden_problem
 
     try:
-        factor(lay.world, lay.tp, lay.pp)
+        factor(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)
     except GridError as exc:
         return str(exc)
     problem = zero_problem(lay.zero)
@@ -184,10 +184,21 @@ def layout_problem(lay: Layout, costs: Costs) -> str | None:
                 (tp_hidden_problem(p.hidden, lay.tp) if p.hidden else None)
             if problem:
                 return problem
-    if costs.batch % (lay.dp * lay.cp):
-        return f"the batch {costs.batch} does not split over dp={lay.dp} x cp={lay.cp} replicas"
-    if (costs.batch // (lay.dp * lay.cp)) % lay.microbatches:
+    if costs.batch % lay.dp:
+        return f"the batch {costs.batch} does not split over dp={lay.dp} replicas"
+    if (costs.batch // lay.dp) % lay.microbatches:
         return f"the per-replica batch {costs.batch // lay.dp} does not split into {lay.microbatches} micro-batches"
+    if lay.cp > 1 and not any(p.kv_per_sample for p in costs.pieces):
+        return f"cp={lay.cp}: the model holds no attention to split the sequence of"
+    if lay.cp > 1 and costs.rows % (2 * lay.cp):
+        return f"cp={lay.cp}: the sequence of {costs.rows} tokens does not split into 2 x cp zigzag chunks"
+    if lay.ep > 1:
+        from ..nn.moe import ep_problem
+
+        experts = max((p.experts for p in costs.pieces), default=0)
+        problem = ep_problem(experts, lay.ep) if experts else f"ep={lay.ep}: the model has no MoE layer"
+        if problem:
+            return problem
     if lay.pp > 1:
         try:
             balance_stages([1.0] * len(costs.pieces), lay.pp, [p.holds_params for p in costs.pieces])
@@ -241,26 +252,44 @@ def stages_of(costs: Costs, pp: int, samples: float, tp: int = 1) -> list[list[P
     return out
 
 
+def _local(pieces: list[PieceCost], lay: Layout) -> int:
+    """Parameter elements of ``pieces`` on one rank of ``lay`` (its tp and ep shares)."""
+    return sum(q.local_params(lay.tp, lay.ep) for q in pieces)
+
+
 def _tp_seconds(calls: tuple[int, ...], samples: float, lay: Layout, link: Link | None) -> float:
     if link is None:
         return 0.0
     return sum(_allreduce(link, n * samples, lay.tp) for n in calls)
 
 
-def _stage_times(pieces: list[PieceCost], lay: Layout, costs: Costs, samples: float, tp_link: Link | None,
-                 last: bool) -> tuple[float, float, float, float]:
-    """``(forward compute, backward compute, forward tp, backward tp)`` seconds of one micro-batch."""
+def _stage_times(pieces: list[PieceCost], lay: Layout, costs: Costs, samples: float, links: dict[str, Link | None],
+                 last: bool) -> tuple[float, float, float, float, dict[str, float]]:
+    """``(forward compute, backward compute, forward communication, backward communication, the
+    communication by group)`` seconds of one micro-batch on a stage of ``pieces``."""
     f = sum(p.forward_s(samples, lay.tp) for p in pieces)
     b = sum(p.backward_s(samples, lay.tp) for p in pieces)
-    if lay.recompute:
-        b += sum(p.forward_s(samples, lay.tp) for p in pieces if p.recomputable)
+    redo = [p for p in pieces if p.recomputable] if lay.recompute else []
+    b += sum(p.forward_s(samples, lay.tp) for p in redo)
+    tp_link = links["tp"]
     tf = sum(_tp_seconds(p.tp_forward, samples, lay, tp_link) for p in pieces)
-    tb = sum(_tp_seconds(p.tp_backward, samples, lay, tp_link) for p in pieces)
-    if last:
-        tf += _tp_seconds(costs.loss_tp, samples, lay, tp_link)
-    if lay.recompute:
-        tb += sum(_tp_seconds(p.tp_forward, samples, lay, tp_link) for p in pieces if p.recomputable)
-    return f, b, tf, tb
+    tf += _tp_seconds(costs.loss_tp, samples, lay, tp_link) if last else 0.0
+    tb = sum(_tp_seconds(p.tp_backward, samples, lay, tp_link) for p in [*pieces, *redo])
+    # cp's ring: 2 (cp-1)/cp of each attention's keys and values of the whole sequence (forward
+    # and backward), in 2 (cp-1) steps overlapped with the piece's compute; a wait per pass.
+    ring, link, cp = 0.0, links["cp"], lay.cp
+    for p in (p for p in pieces if p.kv_per_sample and link is not None):
+        moved = 2 * (cp - 1) / cp * p.kv_per_sample * samples * cp
+        steps = 2 * (cp - 1) * link.alpha + moved / link.beta
+        ring += max(0.0, steps - p.forward_s(samples, lay.tp) - p.backward_s(samples, lay.tp)) + 2 * link.meet
+    # ep: each MoE layer's tokens to their experts and back, forward and backward: four
+    # all-to-alls (and a small one of the counts), each moving (ep-1)/ep of the rows.
+    a2a, link, ep = 0.0, links["ep"], lay.ep
+    for n in (n for p in pieces for n in p.moe_per_sample if link is not None):
+        one = (ep - 1) * link.alpha + (ep - 1) / ep * n * samples / link.beta + link.meet
+        a2a += 4 * one + (ep - 1) * link.alpha + link.meet
+    kinds = {"tp": tf + tb, "cp": ring, "ep": a2a}
+    return f, b, tf + ring / 2 + a2a / 2, tb + ring / 2 + a2a / 2, kinds
 
 
 def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | None, backward: float,
@@ -272,13 +301,13 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
     p, item = lay.dp, costs.itemsize
     # Backward runs the pieces in reverse: a unit (zero) or bucket is ready once backward has passed it.
     order = [q for q in reversed(pieces) if q.params]
-    total = sum(q.local_params(lay.tp) for q in order) or 1
+    total = sum(q.local_params(lay.tp, lay.ep) for q in order) or 1
     chunks: list[tuple[float, float]] = []  # (ready fraction of backward, seconds)
     done = 0
     if lay.zero:
         for q in order:
-            done += q.local_params(lay.tp)
-            per = q.local_params(lay.tp) * item / max(1, q.units)
+            done += q.local_params(lay.tp, lay.ep)
+            per = q.local_params(lay.tp, lay.ep) * item / max(1, q.units)
             # started without waiting as backward finishes each unit; waited on together at the end
             chunks += [(done / total, link.gather_seconds(per, p))] * q.units
         chunks.append((1.0, link.meet))
@@ -287,7 +316,7 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
         buckets: list[list[PieceCost]] = []
         fill = 0.0
         for q in (q for q in pieces if q.params):
-            nbytes = q.local_params(lay.tp) * item
+            nbytes = q.local_params(lay.tp, lay.ep) * item
             if buckets and buckets[-1] and fill + nbytes <= cap:
                 buckets[-1].append(q)
                 fill += nbytes
@@ -295,8 +324,9 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
                 buckets.append([q])
                 fill = nbytes
         for bucket in reversed(buckets):
-            done += sum(q.local_params(lay.tp) for q in bucket)
-            chunks.append((done / total, _allreduce(link, sum(q.local_params(lay.tp) for q in bucket) * item, p)))
+            size = _local(bucket, lay)
+            done += size
+            chunks.append((done / total, _allreduce(link, size * item, p)))
     end = 0.0
     for ready, sec in chunks:
         start = ready * backward if overlap else backward
@@ -311,7 +341,7 @@ def _zero3_gathers(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Lin
     prefetched one unit ahead, so a gather beyond its unit's compute shows."""
     if link is None or lay.zero != 3:
         return 0.0
-    units = [(q.local_params(lay.tp) * costs.itemsize / max(1, q.units), q.units) for q in pieces if q.params]
+    units = [(q.local_params(lay.tp, lay.ep) * costs.itemsize / max(1, q.units), q.units) for q in pieces if q.params]
     n = sum(k for _, k in units) or 1
     gathers = [_gather(link, size, lay.dp) for size, k in units for _ in range(k)]
     passes = 3 if lay.recompute else 2
@@ -329,16 +359,16 @@ def _pipeline(stage_times: list[tuple[float, float, float, float]], sends: list[
 
     m = lay.microbatches
     if lay.pp == 1:
-        f, b, tf, tb = stage_times[0]
+        f, b, tf, tb, _ = stage_times[0]
         return m * (f + b + tf + tb), [m * (f + b + tf + tb)]
 
     def duration(s: int, action: Any) -> float:
-        f, b, tf, tb = stage_times[s]
+        f, b, tf, tb, _ = stage_times[s]
         if action.kind == "F":
             return f + tf + (sends[s] if s < lay.pp - 1 else 0.0)
         return b + tb + (sends[s - 1] if s > 0 else 0.0)
 
-    if not any(sum(t) for t in stage_times) and not any(sends):
+    if not any(sum(t[:4]) for t in stage_times) and not any(sends):
         return 0.0, [0.0] * lay.pp  # nothing takes time (simulate's bubble would divide by zero)
     out = simulate(schedule, lay.pp, m, durations=duration)
     finish = [0.0] * lay.pp
@@ -362,24 +392,26 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
         raise ValueError(f"nodes_layout names {len(nodes_layout)} ranks but {lay.label()} takes {lay.world}")
     samples = costs.batch / (lay.dp * lay.cp) / lay.microbatches
     stages = stages_of(costs, lay.pp, samples, lay.tp)
-    tp_link, pp_link, dp_link = (group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp"))
-    times = [_stage_times(st, lay, costs, samples, tp_link, s == lay.pp - 1) for s, st in enumerate(stages)]
+    by = {k: group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp_cp", "cp", "ep")}
+    pp_link, dp_link = by["pp"], by["dp_cp"]
+    times = [_stage_times(st, lay, costs, samples, by, s == lay.pp - 1) for s, st in enumerate(stages)]
     sends = [_send(pp_link, st[-1].output_per_sample * samples) for st in stages[:-1]]
     makespan, finish = _pipeline(times, sends, lay, schedule)
     world_link = links.get("intra-node") or links.get("inter-node")
     small = 2 * _allreduce(world_link, 64, lay.world) if lay.world > 1 else 0.0
     best: tuple = (-1.0, 0.0, 0.0, {})  # (step, compute, communication, its parts) of the slowest stage
     for s, st in enumerate(stages):
-        f, b, tf, tb = times[s]
+        f, b, tf, tb, kinds = times[s]
         exposed, after = _reduction(st, lay, costs, dp_link, b, bucket_mb, overlap)
         exposed += lay.microbatches * _zero3_gathers(st, lay, costs, dp_link, f, b)
-        opt = costs.optimizer_s_per_param * sum(q.local_params(lay.tp) for q in st) / (lay.dp if lay.zero else 1)
+        opt = costs.optimizer_s_per_param * _local(st, lay) / (lay.dp if lay.zero else 1)
         end = finish[s] + exposed + opt + after + small
         # A stage that receives meets its neighbour once per micro-batch (plan_check: not per message).
         meets = lay.microbatches * (pp_link.meet if pp_link is not None else 0.0)
-        parts = {"tp": lay.microbatches * (tf + tb), "dp": exposed + after + small,
-                 "pp": lay.microbatches * ((sends[s] if s < lay.pp - 1 else 0.0) + (sends[s - 1] if s > 0 else 0.0))
-                 + meets}
+        parts = {k: lay.microbatches * v for k, v in kinds.items()}
+        parts.update(dp=exposed + after + small,
+                     pp=lay.microbatches * ((sends[s] if s < lay.pp - 1 else 0.0) + (sends[s - 1] if s > 0 else 0.0))
+                     + meets)
         end += meets
         if end > best[0]:
             best = (end, lay.microbatches * (f + b) + opt, sum(parts.values()), parts)

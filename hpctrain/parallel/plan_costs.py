@@ -63,6 +63,10 @@ class PieceCost:
     largest_unit: int = 0  # parameter elements of the largest unit
     workspace_fixed: int = 0  # bytes the layers' reuse pools keep beyond the activations
     workspace_per_sample: int = 0
+    kv_per_sample: int = 0  # bytes of the keys and values of its attention layers (what cp's ring moves)
+    moe_per_sample: tuple[int, ...] = ()  # bytes of the token rows each MoE layer sends to its experts
+    expert_params: int = 0  # parameter elements in MoE experts (ep shards them)
+    experts: int = 0  # experts per MoE layer (ep must divide them)
 
     def forward_s(self, samples: float, tp: int = 1) -> float:
         """One forward on ``samples`` samples, on a rank holding ``1/tp`` of the split layers."""
@@ -77,9 +81,10 @@ class PieceCost:
         f = self.split_params / self.params if self.params else 0.0
         return 1.0 - f + f / tp
 
-    def local_params(self, tp: int = 1) -> int:
-        """Parameter elements of this piece on one tensor-parallel rank."""
-        return self.params - self.split_params + -(-self.split_params // tp)
+    def local_params(self, tp: int = 1, ep: int = 1) -> int:
+        """Parameter elements of this piece on one tensor-parallel (and expert-parallel) rank."""
+        dense = self.params - self.split_params - self.expert_params
+        return dense + -(-self.split_params // tp) + self.expert_params // ep
 
     def workspace(self, samples: float, tp: int = 1) -> float:
         """Bytes the piece's reuse pools keep (``MemoryMeter``'s workspace) at ``samples`` samples."""
@@ -105,6 +110,7 @@ class Costs:
     optimizer_s_per_param: float
     device: str = "cpu"
     loss_tp: tuple[int, ...] = ()  # bytes per sample of the vocabulary-parallel loss's all-reduces
+    rows: int = 1  # tokens per sample (context parallelism splits them)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -121,8 +127,8 @@ class Costs:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Costs:
         """The inverse of ``as_dict``."""
-        pieces = [PieceCost(**{**p, "tp_forward": tuple(p["tp_forward"]), "tp_backward": tuple(p["tp_backward"])})
-                  for p in d["pieces"]]
+        tuples = ("tp_forward", "tp_backward", "moe_per_sample")
+        pieces = [PieceCost(**{**p, **{k: tuple(p.get(k, ())) for k in tuples}}) for p in d["pieces"]]
         return cls(**{**d, "pieces": pieces, "loss_tp": tuple(d.get("loss_tp", ()))})
 
 
@@ -279,15 +285,35 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
         af, ap = _fit((lo, hi), (s[2], b[2]))
         wf, wp = _fit((lo, hi), (s[3], b[3]))
         units = [sum(int(np.prod(q.shape)) for q in u) for u in module_units(_Tops(piece), piece_params(piece))]
+        kv, moe, expert, experts = _context_and_experts(piece, rows, itemsize)
         out.append(PieceCost(piece.name, ff, fp, bf, bp, n_params, split, int(af), int(round(ap)),
                              b[4] // hi, b[5] // hi, holds_parameters(piece), _recomputable(piece), fwd, bwd,
-                             heads, hidden, len(units), max(units, default=0), int(wf), int(round(wp))))
+                             heads, hidden, len(units), max(units, default=0), int(wf), int(round(wp)),
+                             kv, moe, expert, experts))
     n = max(1, sum(p.params for p in out))
     loss_tp = (rows * itemsize,) * 3 if any(k == "head" for k, *_ in splits.values()) else ()
     from ..backend import xp_of
 
     device = "gpu" if xp_of(params[0].data) is not np else "cpu"
-    return Costs(out, batch, itemsize, state / n, opt_s / n, device, loss_tp)
+    return Costs(out, batch, itemsize, state / n, opt_s / n, device, loss_tp, rows)
+
+
+def _context_and_experts(piece: Piece, rows: int, itemsize: int) -> tuple[int, tuple[int, ...], int, int]:
+    """``(K and V bytes per sample, each MoE layer's dispatched bytes per sample, expert parameter
+    elements, experts per layer)`` of ``piece``: what cp's ring and ep's all-to-alls move."""
+    from ..nn.moe import MoE
+    from ..nn.transformer import SelfAttentionBase
+
+    kv, moe, expert, experts = 0, [], 0, 0
+    for top, m in piece.modules.items():
+        for _, mod in m.named_modules(top):
+            if isinstance(mod, SelfAttentionBase):
+                kv += 2 * rows * int(mod.d_model) * itemsize
+            elif isinstance(mod, MoE):
+                moe.append(rows * mod.top_k * mod.d_model * itemsize)
+                expert += sum(int(np.prod(p.shape)) for p in (mod.w1, mod.b1, mod.w2, mod.b2))
+                experts = max(experts, mod.experts)
+    return kv, tuple(moe), expert, experts
 
 
 def piece_params(piece: Piece) -> list[Any]:

@@ -58,10 +58,10 @@ def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: fl
     best: tuple[int, dict[str, int]] = (-1, {})
     dp, tp, z = layout.dp, layout.tp, layout.zero
     for s, pieces in enumerate(stages):
-        local = sum(p.local_params(tp) for p in pieces)
+        local = sum(p.local_params(tp, layout.ep) for p in pieces)
         # A unit's share on this tp rank: the piece's split applies to its units alike.
-        big = max((p.largest_unit * p.local_params(tp) // p.params * costs.itemsize for p in pieces if p.params),
-                  default=0)
+        big = max((p.largest_unit * p.local_params(tp, layout.ep) // p.params * costs.itemsize
+                   for p in pieces if p.params), default=0)
         nbytes = local * costs.itemsize
         shard = -(-nbytes // dp)
         out = {"params": shard if z == 3 else nbytes,

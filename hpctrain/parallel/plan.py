@@ -66,6 +66,7 @@ from .zero import zero_problem
 
 __all__ = ["Costs", "Layout", "PieceCost", "Prediction", "layouts", "measure", "plan", "predict"]
 
+
 @dataclass(frozen=True)
 class Layout:
     """One way to run a job: the group sizes, ZeRO stage, recompute and micro-batches."""
@@ -108,7 +109,7 @@ class Prediction:
     fits: bool
     why: str
     memory_parts: dict[str, int] = dataclasses.field(default_factory=dict)
-    comm_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # ms of "tp", "pp", "dp"
+    comm_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # ms by group: tp, cp, ep, pp, dp
 
     def as_json(self) -> dict[str, Any]:
         """The issue's keys (``hpctrain plan --json``)."""

@@ -62,8 +62,13 @@ def main(args: argparse.Namespace) -> int:
     except HpctrainError as exc:
         return fail(exc, code=exit_status(exc), what="hpctrain plan")
     if comm.rank == 0:
-        print(json.dumps({"layouts": rows}, indent=1) if args.json else planning.table(rows, alloc, costs),
-              flush=True)
+        try:
+            print(json.dumps({"layouts": rows}, indent=1) if args.json else planning.table(rows, alloc, costs),
+                  flush=True)
+        except BrokenPipeError:  # `hpctrain plan | head`: the reader has what it wanted
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's exit flushes stdout)
     return ExitStatus.OK
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from hpctrain.comm.probefile import load
 from hpctrain.job.options import PLANNED
-from jobs import hpctrain
+from jobs import clean_env, hpctrain
 
 
 @pytest.mark.timeout(180)
@@ -42,7 +42,7 @@ def two_node_probe(tmp_path_factory):
     """A real probe of two claimed nodes of two ranks each (intra- and inter-node links)."""
     import sys
 
-    from jobs import clean_env, mpiexec
+    from jobs import mpiexec
 
     path = tmp_path_factory.mktemp("probe") / "probe.json"
     cmd = [mpiexec()]
@@ -58,7 +58,7 @@ def two_node_probe(tmp_path_factory):
 
 def _layouts(p) -> list[dict]:
     assert p.returncode == 0, p.stderr + p.stdout
-    return json.loads(p.stdout)["layouts"]
+    return json.loads(p.stdout)["layouts"]  # stdout is the document alone (the library's lines go to stderr)
 
 
 def _check_order(rows: list[dict], ranks: int) -> None:
@@ -75,7 +75,9 @@ def _check_order(rows: list[dict], ranks: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_plan_under_mpiexec_probes_and_lists_every_layout_best_first(tmp_path):
-    p = hpctrain("plan", "--model", "gpt", "--json", n=4, timeout=200)
+    # A fresh data directory: the built-in set is written first, which the library says in a line.
+    p = hpctrain("plan", "--model", "gpt", "--json", n=4, timeout=200, env=clean_env(HPCTRAIN_DATA=str(tmp_path)))
+    assert "wrote the built-in data set" in p.stderr, p.stderr
     rows = _layouts(p)
     _check_order(rows, 4)
     assert {(r["tp"], r["pp"]) for r in rows} >= {(1, 1), (2, 1), (1, 2)}  # tp, pp and dp all planned
@@ -137,8 +139,22 @@ def test_bad_probe_files_and_flags_are_refused_in_one_line(tmp_path, two_node_pr
                         (["--memory", "nan"], "--memory must be a positive number")):
         p = hpctrain("plan", *argv, n=2, timeout=100)
         assert p.returncode == 2 and p.stderr.count(words) == 2, (argv, p.stderr)  # said by every rank, before MPI
-    p = hpctrain("plan", "--model", "gpt", "--tp", "2", n=2, timeout=100)
-    assert p.returncode == 4 and p.stderr.count("--layout auto chooses the layout") == 1, p.stderr
+    p = hpctrain("plan", "--model", "gpt", "--strategy", "ps", n=2, timeout=100)
+    assert p.returncode == 4 and p.stderr.count("--strategy ps is not one") == 1, p.stderr
+
+
+@pytest.mark.timeout(240)
+def test_layout_settings_given_constrain_the_plan(tmp_path, two_node_probe):
+    common = ["plan", "--model", "gpt", "--ranks", "4", "--probe-file", str(two_node_probe)]
+    rows = _layouts(hpctrain(*common, "--tp", "2", "--json"))
+    _check_order(rows, 4)
+    assert {r["tp"] for r in rows} == {2} and {r["dp"] for r in rows} == {1, 2}  # the rest chosen
+    (tmp_path / "dp.toml").write_text('strategy = "dp"\nrecompute = true\n')  # a recipe's layout keys
+    rows = _layouts(hpctrain(*common, "--config", str(tmp_path / "dp.toml"), "--json"))
+    assert {(r["dp"], r["tp"], r["pp"], r["recompute"]) for r in rows} == {(4, 1, 1, True)}
+    assert {r["zero"] for r in rows} == {0, 1, 2, 3}
+    p = hpctrain(*common, "--zero", "1")
+    assert p.returncode == 0 and "only layouts with --zero 1 (given; the plan chooses the rest)" in p.stdout
 
 
 def _losses(run) -> list[float]:
@@ -174,5 +190,7 @@ def test_layout_auto_trains_where_its_layout_trained_by_hand_ends(tmp_path):
     assert p.returncode == 0 and p.stdout.count("layout: auto -> ") == 1, p.stderr + p.stdout
     assert [json.loads(x)["step"] for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()] == \
         list(range(1, 7))
-    p = hpctrain("train", "--model", "gpt", "--layout", "auto", "--dry-run", n=2, timeout=300, cwd=tmp_path)
-    assert p.returncode == 0 and p.stdout.count("layout: auto -> ") == 1, p.stderr + p.stdout
+    p = hpctrain("train", "--model", "gpt", "--layout", "auto", "--zero", "1", "--dry-run", n=2, timeout=300,
+                 cwd=tmp_path)  # a setting given beside it is kept, the rest chosen
+    assert p.returncode == 0 and p.stdout.count("layout: auto -> dp=2 tp=1 pp=1 zero=1") == 1, p.stderr + p.stdout
+    assert "with --zero 1; links probed now)" in p.stdout

@@ -7,7 +7,18 @@ import pytest
 
 from hpctrain.job import resolve
 from hpctrain.job.options import PLANNED, Config
-from hpctrain.job.planning import Allocation, chosen_config, label, runnable, table, usage_problem
+from hpctrain.job.planning import (
+    Allocation,
+    chosen_config,
+    constraints,
+    constraints_text,
+    keeps,
+    label,
+    open_layout,
+    runnable,
+    table,
+    usage_problem,
+)
 
 
 @pytest.mark.parametrize("ranks,nodes,memory,probe,words", [
@@ -42,12 +53,14 @@ def test_a_row_the_configuration_refuses_does_not_fit_and_says_why():
 
 
 def test_the_chosen_layout_resolves_as_planned_and_a_resume_plans_again():
-    cfg = Config(model="gpt", layout="auto")
-    planned = chosen_config(cfg, _row(2, 1, 2, zero=1, recompute=True, m=4), "auto -> dp=2 ...")
+    cfg = Config(model="gpt", layout="auto", zero=1)
+    chosen = [k for k in PLANNED if k not in constraints(cfg)]
+    planned = chosen_config(cfg, _row(2, 1, 2, zero=1, recompute=True, m=4), "auto -> dp=2 ...", chosen)
     c = resolve(planned, 4)
     assert (c.strategy, c.dp, c.tp, c.pp, c.zero, c.recompute, c.microbatches) == ("hybrid", 2, 1, 2, 1, True, 4)
     assert c.layout == "auto" and c.planned == "auto -> dp=2 ..."
-    assert set(PLANNED) <= set(c.unset)  # filled in, not given: config.json's reader drops them
+    # Filled in, not given (config.json's reader drops them: a resume plans again); --zero 1 stays given.
+    assert set(chosen) <= set(c.unset) and "zero" not in c.unset
     given = chosen_config(cfg.replace(probe_file="p.json"), _row(4, 1, 1))
     assert given.layout is None and given.probe_file is None
     assert not set(PLANNED) & set(resolve(given, 4).unset)  # set as if given
@@ -74,3 +87,18 @@ def test_the_table_says_each_layout_and_why_the_rest_do_not_fit():
     assert "    dp=1 tp=1 pp=4 zero=0 m=1: refused: --pp 4: too few layers" in text
     assert label(rows[1]) == "dp=2 tp=1 pp=2 zero=1 recompute m=4"
     assert table([], alloc, Costs()).endswith("(and pp's micro-batches the replica's batch)")
+
+
+def test_layout_settings_given_constrain_the_plan_and_the_rest_is_chosen():
+    cfg = Config(strategy="tp", zero=0, recompute=True)
+    cons = constraints(cfg)
+    assert cons == {"strategy": "tp", "recompute": True}  # --zero 0 is the default: left to the plan
+    assert constraints_text(cons) == "--strategy tp --recompute"
+    assert keeps(_row(1, 4, 1, recompute=True), cons)  # --strategy tp alone: tp takes every rank
+    assert not keeps(_row(2, 2, 1, recompute=True), cons) and not keeps(_row(1, 4, 1), cons)
+    assert keeps(_row(2, 2, 1, zero=2), {"strategy": "tp", "tp": 2}) and not keeps(_row(1, 2, 2), {"strategy": "tp"})
+    assert keeps(_row(1, 2, 2), {"tp": 2}) and not keeps(_row(2, 1, 2), {"tp": 2})  # --tp alone: pp chosen too
+    assert keeps(_row(4, 1, 1), {"strategy": "dp"}) and not keeps(_row(2, 1, 2), {"strategy": "dp"})
+    assert keeps(_row(2, 1, 2), {}) and keeps(_row(2, 1, 2), {"strategy": "hybrid"})
+    opened = open_layout(cfg.replace(tp=2, pp=2, zero=3))
+    assert (opened.strategy, opened.tp, opened.pp, opened.zero, opened.recompute) == (None, None, None, 0, False)

@@ -246,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:  # one line instead of mpi4py's traceback from deep in the job
             print(f"hpctrain {args.command}: error: {why}", file=sys.stderr)
             return ExitStatus.CONFIG
-    handler = log.to_stream()  # the library's messages, rank 0's, as "hpctrain: ..." lines on stdout
+    # The library's messages, rank 0's, as "hpctrain: ..." lines on stdout (on stderr when stdout is
+    # a document for scripts: `hpctrain plan --json`).
+    handler = log.to_stream(sys.stderr if getattr(args, "json", False) else None)
     try:
         return COMMANDS[args.command][2](args)
     except SystemExit as exc:  # sys.exit in user code (a model factory): on one rank, end the job now

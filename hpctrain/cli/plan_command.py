@@ -5,7 +5,8 @@
     mpiexec -n 4 hpctrain plan --model gpt --json             # {"layouts": [...]} for scripts
 
 The model and data flags are ``hpctrain train``'s (the same parser, ``job.add_arguments``); the
-layout ones are what the plan chooses, so they are refused beside it as beside ``--layout auto``.
+layout ones given (``--tp 2``, ``--zero 1``, a config file's ``strategy``) constrain the plan, as
+beside ``--layout auto``: it lists only layouts with them and chooses the rest.
 """
 
 from __future__ import annotations
@@ -58,12 +59,12 @@ def main(args: argparse.Namespace) -> int:
 
     comm = Communicator()
     try:
-        rows, alloc, costs = _plan(args, comm)
+        rows, alloc, costs, cons = _plan(args, comm)
     except HpctrainError as exc:
         return fail(exc, code=exit_status(exc), what="hpctrain plan")
     if comm.rank == 0:
         try:
-            print(json.dumps({"layouts": rows}, indent=1) if args.json else planning.table(rows, alloc, costs),
+            print(json.dumps({"layouts": rows}, indent=1) if args.json else planning.table(rows, alloc, costs, cons),
                   flush=True)
         except BrokenPipeError:  # `hpctrain plan | head`: the reader has what it wanted
             import os
@@ -72,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     return ExitStatus.OK
 
 
-def _plan(args: argparse.Namespace, comm: Any) -> tuple[list[dict[str, Any]], Any, Any]:
+def _plan(args: argparse.Namespace, comm: Any) -> tuple[list[dict[str, Any]], Any, Any, dict[str, Any]]:
     """The settings as ``train`` reads them, planned as ``--layout auto`` plans (collective)."""
     from ..job import planning
     from ..job.config import OPTIONS, read_settings, resolve
@@ -81,9 +82,12 @@ def _plan(args: argparse.Namespace, comm: Any) -> tuple[list[dict[str, Any]], An
     names = {o.name for o in OPTIONS}
     flags = {k: v for k, v in vars(args).items() if k in names}
     cfg, _ = everywhere(comm, lambda: read_settings(args.config, flags))
+    cfg = cfg.replace(layout="auto")
+    cons = planning.constraints(cfg)  # (the layout settings given: the plan keeps to them)
     # Checked as one rank's job: what depends on the layout (the batch's split) is each layout's own check.
-    c = everywhere(comm, lambda: resolve(cfg.replace(layout="auto"), 1))
+    c = everywhere(comm, lambda: resolve(planning.open_layout(cfg), 1))
     device = pick_device(c, comm)
     limit_blas_threads(comm)
     alloc = planning.allocation(comm, everywhere, c.probe_file, device, args.ranks, args.nodes, args.memory)
-    return planning.plan_rows(c, comm, device, alloc, everywhere)
+    rows, alloc, costs = planning.plan_rows(c, comm, device, alloc, everywhere, cons)
+    return rows, alloc, costs, cons

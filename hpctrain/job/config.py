@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from ..errors import ConfigError
-from .options import _BY_NAME, DERIVED, OPTIONS, PLANNED, Config, Option, as_flag, flag
+from .options import _BY_NAME, DERIVED, OPTIONS, Config, Option, as_flag, flag
 from .sections import SECTIONS, Section, loss_scaler
 
 __all__ = ["DERIVED", "OPTIONS", "SECTIONS", "Config", "Option", "Section", "add_arguments", "as_config", "flag",
@@ -324,8 +324,8 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
     for section in ALL_SECTIONS:
         section.rules(c, world)
     c.unset = [name for name in empty if getattr(c, name) is not None]
-    if c.planned:  # --layout auto's choices are filled in too: a resume plans again, as a fresh job does
-        c.unset += [k for k in PLANNED if k not in c.unset]
+    if c.chosen:  # --layout auto's choices are filled in too: a resume plans them again, as a fresh job does
+        c.unset += [k for k in c.chosen if k not in c.unset]
     return c
 
 

@@ -94,8 +94,8 @@ class Config:
                                                          "block / MLP block keeps only its input)"))
     layout: str | None = field(default=None, metadata=_opt("auto: plan first (as `hpctrain plan`) and train with "
                                                            "the best layout it predicts: dp, tp, pp, --zero, "
-                                                           "--recompute and --microbatches chosen (so not given)",
-                                                           ("auto",)))
+                                                           "--recompute and --microbatches chosen; those of them "
+                                                           "given (and --strategy) are kept", ("auto",)))
     probe_file: str | None = field(default=None, metadata=_opt("--layout auto and `hpctrain plan`: price the links "
                                                                "from this saved probe (`hpctrain info --probe "
                                                                "--save FILE`) instead of probing them"))
@@ -182,6 +182,8 @@ class Config:
     layout_note: str | None = field(default=None, compare=False, metadata=_derived("how the run's layout changed"))
     #: ``--layout auto``'s choice as the header says it (``auto -> dp=2 tp=1 pp=2 zero=1 (planned: ...)``).
     planned: str | None = field(default=None, compare=False, metadata=_derived("the layout --layout auto chose"))
+    #: The settings of ``PLANNED`` the plan chose (those not given): filled in, so a resume plans them again.
+    chosen: list | None = field(default=None, compare=False, metadata=_derived("the settings the plan chose"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``config.json`` holds and ranks compare)."""
@@ -225,7 +227,8 @@ _BY_NAME = {o.name: o for o in OPTIONS}
 DERIVED = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata.get("derived"))
 
 
-#: The settings ``--layout auto`` chooses: recorded as filled in (``Config.unset``), so a resume plans again.
+#: The settings ``--layout auto`` chooses; those given beside it (a ZeRO stage, ``--recompute``:
+#: ``--zero 0``/``--no-recompute`` are the defaults, so they leave the choice open) constrain it.
 PLANNED = ("strategy", "tp", "pp", "zero", "recompute", "microbatches")
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..protocols import Comm
 from .config import layout_text, resolve
-from .options import Config
+from .options import PLANNED, Config, as_flag
 
 GIB = 1 << 30
 
@@ -170,16 +170,52 @@ def _while_others_sleep(comm: Comm, timeout: float | None, fn: Callable[[], Any]
     return None
 
 
-def chosen_config(c: Config, layout: dict[str, Any], planned: str | None = None) -> Config:
+def constraints(cfg: Config) -> dict[str, Any]:
+    """The layout settings given beside ``--layout auto`` (or to ``hpctrain plan``): the plan keeps
+    to them and chooses the rest. ``--zero 0`` and ``--no-recompute`` are the defaults, so they
+    leave ZeRO and recompute to the plan."""
+    out = {k: getattr(cfg, k) for k in ("strategy", "tp", "pp") if getattr(cfg, k) is not None}
+    out.update({"zero": cfg.zero} if cfg.zero else {})
+    out.update({"recompute": True} if cfg.recompute else {})
+    return out
+
+
+def constraints_text(cons: dict[str, Any]) -> str:
+    """``--tp 2 --recompute``: the constraints as flags."""
+    return " ".join("--recompute" if k == "recompute" else as_flag(k, v) for k, v in cons.items())
+
+
+def open_layout(cfg: Config) -> Config:
+    """``cfg`` without its layout settings: what is checked before any layout is chosen. (``--strategy
+    ps`` stays: it is no layout the plan has, and the configuration's rule refuses it there.)"""
+    return cfg.replace(strategy="ps" if cfg.strategy == "ps" else None, tp=None, pp=None, zero=0, recompute=False)
+
+
+def keeps(row: dict[str, Any], cons: dict[str, Any]) -> bool:
+    """Whether a plan's row keeps to the given layout settings (``--strategy tp`` alone: tp takes
+    every rank, as ``train`` reads it; ``pp`` alike)."""
+    strategy = cons.get("strategy")
+    if (strategy == "dp" and row["tp"] * row["pp"] > 1) or (strategy == "tp" and row["pp"] > 1) or \
+            (strategy == "pp" and row["tp"] > 1):
+        return False
+    if (strategy == "tp" and "tp" not in cons or strategy == "pp" and "pp" not in cons) and row["dp"] > 1:
+        return False
+    return all(row[k] == v for k, v in cons.items() if k != "strategy")
+
+
+def chosen_config(c: Config, layout: dict[str, Any], planned: str | None = None, chosen: list[str] | None = None,
+                  strategy: str | None = None) -> Config:
     """``c`` with the layout of a plan's row (``dp``/``tp``/``pp``/``zero``/``recompute``/
-    ``microbatches``). With ``planned`` (``--layout auto``'s choice, said in the header) the
-    layout stays ``auto`` and ``resolve`` records these settings as filled in (a resume plans
-    again); without, they are set as if given, ``--layout auto`` and ``--probe-file`` dropped."""
+    ``microbatches``; ``strategy`` when given, else hybrid or dp). With ``planned``
+    (``--layout auto``'s choice, said in the header) the layout stays ``auto`` and ``resolve``
+    records the ``chosen`` settings as filled in (a resume plans them again); without, they are
+    set as if given, ``--layout auto`` and ``--probe-file`` dropped."""
     tp, pp = int(layout["tp"]), int(layout["pp"])
     kept = {"layout": c.layout, "probe_file": c.probe_file} if planned else {"layout": None, "probe_file": None}
-    return c.replace(**kept, strategy="hybrid" if tp * pp > 1 else "dp", tp=tp, pp=pp, zero=int(layout["zero"]),
-                     recompute=bool(layout["recompute"]), microbatches=int(layout["microbatches"]), dp=None,
-                     local_batch=None, unset=None, planned=planned)
+    return c.replace(**kept, strategy=strategy or ("hybrid" if tp * pp > 1 else "dp"), tp=tp, pp=pp,
+                     zero=int(layout["zero"]), recompute=bool(layout["recompute"]),
+                     microbatches=int(layout["microbatches"]), dp=None, local_batch=None, unset=None, planned=planned,
+                     chosen=chosen if planned else None)
 
 
 def runnable(c: Config, rows: list[dict[str, Any]], ranks: int) -> list[dict[str, Any]]:
@@ -195,21 +231,22 @@ def runnable(c: Config, rows: list[dict[str, Any]], ranks: int) -> list[dict[str
     return [r for r in out if r["fits"]] + [r for r in out if not r["fits"]]
 
 
-def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation,
-              everywhere: Callable[..., Any]) -> tuple[list[dict[str, Any]], Allocation, Any]:
-    """``(rows best first, alloc, costs)``: every layout of ``alloc`` predicted from the costs
-    measured on rank 0 (collective; the same rows on every rank). A row is
-    ``Prediction.as_json()`` with the step's split (``compute_ms``, ``comm_ms``, ``bubble_ms``)
-    and the limit (``memory_limit``); rows the job refuses are moved to the ones that do not fit."""
+def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere: Callable[..., Any],
+              cons: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], Allocation, Any]:
+    """``(rows best first, alloc, costs)``: every layout of ``alloc`` that keeps to ``cons``
+    (:func:`constraints`), predicted from the costs measured on rank 0 (collective; the same rows
+    on every rank). A row is ``Prediction.as_json()`` with the step's split (``compute_ms``,
+    ``comm_ms``, ``bubble_ms``) and the limit (``memory_limit``); rows the job refuses are moved
+    to the ones that do not fit."""
     from ..parallel import plan as planner
 
     costs = measured_costs(c, comm, device, everywhere)
 
     def predicted() -> list[dict[str, Any]]:
         preds = planner.plan(costs, alloc.links, alloc.ranks, list(alloc.names), alloc.memory, schedule=c.schedule)
-        return runnable(c, [{**p.as_json(), "compute_ms": round(p.compute_ms, 3), "comm_ms": round(p.comm_ms, 3),
-                             "bubble_ms": round(p.bubble_ms, 3), "memory_limit": alloc.memory} for p in preds],
-                        alloc.ranks)
+        rows = [{**p.as_json(), "compute_ms": round(p.compute_ms, 3), "comm_ms": round(p.comm_ms, 3),
+                 "bubble_ms": round(p.bubble_ms, 3), "memory_limit": alloc.memory} for p in preds]
+        return runnable(c, [r for r in rows if keeps(r, cons or {})], alloc.ranks)
 
     return everywhere(comm, predicted), alloc, costs
 
@@ -233,7 +270,7 @@ def _unfit(row: dict[str, Any], alloc: Allocation) -> str:
     return f"needs {_size(row['memory_bytes'])} per rank, has {_size(alloc.memory)}"
 
 
-def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any) -> str:
+def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any, cons: dict[str, Any] | None = None) -> str:
     """``hpctrain plan``'s report: the allocation, the layouts that fit best first (one column per
     choice, the step split into compute / exposed communication / pipeline bubble, the peak
     memory per rank and its share of the limit), why the first wins, then those that do not fit."""
@@ -241,7 +278,8 @@ def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any) -> str:
     axes = ["dp", "tp", "pp"] + [k for k in ("cp", "ep") if any(r.get(k, 1) > 1 for r in rows)]
     head = (f"hpctrain plan: {costs.params:,} parameters, global batch {costs.batch}, on {alloc.ranks} rank"
             f"{'s' if alloc.ranks > 1 else ''} / {alloc.nodes} node{'s' if alloc.nodes > 1 else ''} ({costs.device})\n"
-            f"memory limit {_size(alloc.memory)} per rank ({alloc.memory_from}); links: {alloc.links_from}")
+            f"memory limit {_size(alloc.memory)} per rank ({alloc.memory_from}); links: {alloc.links_from}"
+            + (f"\nonly layouts with {constraints_text(cons)} (given; the plan chooses the rest)" if cons else ""))
     cols = "".join(f"{k:>4}" for k in axes) + f"{'zero':>5} {'recompute':>9} {'micro':>5}" + \
         f"{'step ms':>10}{'compute':>9}{'comm':>8}{'bubble':>8}{'memory/rank':>14}{'of limit':>9}"
     lines = [head, "", f"{'#':>3} {cols}"]
@@ -256,8 +294,9 @@ def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any) -> str:
         lines += ["", "no layout fits in memory: see below (the plan tried ZeRO and --recompute: more memory or "
                       "more ranks)"]
     else:
-        lines += ["", f"no layout of {alloc.ranks} ranks runs this model and batch: tp must divide the heads and "
-                      "hidden width, pp the layers, dp the batch (and pp's micro-batches the replica's batch)"]
+        lines += ["", f"no layout of {alloc.ranks} ranks runs this model and batch"
+                  + (f" with {constraints_text(cons)}" if cons else "") + ": tp must divide the heads and hidden "
+                  "width, pp the layers, dp the batch (and pp's micro-batches the replica's batch)"]
     rest = [r for r in rows if not r["fits"]]
     if rest:
         lines += ["", f"do not fit ({len(rest)}):"] + [f"    {label(r)}: {_unfit(r, alloc)}" for r in rest]
@@ -267,16 +306,20 @@ def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any) -> str:
 def choose_layout(cfg: Config, comm: Comm, pick_device: Callable[[Config, Comm], str],
                   everywhere: Callable[..., Any]) -> Config:
     """``--layout auto`` (collective): plan this job's ranks, nodes and links (``--probe-file``'s
-    links when given) and return ``cfg`` with the best layout that fits and that the job runs,
-    as filled in (``planned`` says it for the header); a ``ConfigError`` on every rank when none fits."""
-    c = everywhere(comm, lambda: resolve(cfg, 1))  # (the layout-free checks; each layout's own come below)
+    links when given), keeping to the layout settings given beside it, and return ``cfg`` with
+    the best layout that fits and that the job runs, the rest chosen as filled in (``planned``
+    says it for the header); a ``ConfigError`` on every rank when none fits."""
+    cons = constraints(cfg)
+    c = everywhere(comm, lambda: resolve(open_layout(cfg), 1))  # (the layout-free checks; each layout's below)
     device = pick_device(c, comm)
     alloc = allocation(comm, everywhere, c.probe_file, device)
-    rows, _, _ = plan_rows(c, comm, device, alloc, everywhere)
+    rows, _, _ = plan_rows(c, comm, device, alloc, everywhere, cons)
     fit = [r for r in rows if r["fits"]]
+    with_ = f" with {constraints_text(cons)}" if cons else ""
     if not fit:
         why = f": {label(rows[0])}, the smallest, {_unfit(rows[0], alloc)}" if rows else ""
-        raise ConfigError(f"--layout auto: no layout of {alloc.ranks} ranks fits this job{why} "
+        raise ConfigError(f"--layout auto: no layout of {alloc.ranks} ranks{with_} fits this job{why} "
                           "(`hpctrain plan` with the same flags lists them with the reasons)")
-    return chosen_config(cfg, fit[0], f"auto -> {label(fit[0])} (planned: {fit[0]['predicted_ms']:.1f} ms/step, "
-                                      f"best of {len(fit)}; links {alloc.links_from})")
+    said = (f"auto -> {label(fit[0])} (planned: {fit[0]['predicted_ms']:.1f} ms/step, best of {len(fit)}{with_}; "
+            f"links {alloc.links_from})")
+    return chosen_config(cfg, fit[0], said, [k for k in PLANNED if k not in cons], cons.get("strategy"))

@@ -195,23 +195,16 @@ def _parallel_values(c: Config) -> None:
 
 
 def _auto_layout(c: Config) -> None:
-    """``--layout auto`` chooses the layout itself: a layout setting given beside it is refused, not
-    silently overridden (before ``strategy`` is filled in)."""
-    if c.planned:  # the plan's own choice (a derived field: never read from flags or files)
-        return
+    """``--layout auto`` plans the synchronous layouts (the layout settings given beside it
+    constrain the plan); ``--probe-file`` prices its links."""
     if c.layout != "auto":
         if c.probe_file is not None:
             raise ConfigError(f"--probe-file {c.probe_file} prices the links of --layout auto's plan: give --layout "
                               "auto too (or use it with `hpctrain plan`)")
         return
-    filled = c.unset or ()  # (what an earlier resolve filled in, dp's values, was not given)
-    given = [as_flag(k, v) for k, v, neutral in (("strategy", c.strategy, "dp"), ("tp", c.tp, 1), ("pp", c.pp, 1))
-             if v is not None and not (k in filled and v == neutral)]
-    given += [as_flag("zero", c.zero)] if c.zero else []
-    given += ["--recompute"] if c.recompute else []
-    if given:
-        raise ConfigError(f"--layout auto chooses the layout (dp, tp, pp, ZeRO, recompute, micro-batches) itself: "
-                          f"drop {' '.join(given)}, or drop --layout auto")
+    if c.strategy == "ps":
+        raise ConfigError("--layout auto plans the synchronous layouts (dp, tp, pp, ZeRO); --strategy ps is not one: "
+                          "drop one of them")
 
 
 def _parallel(c: Config, world: int) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from hpctrain.comm.probefile import load
 from hpctrain.job.options import PLANNED
+from hpctrain.job.planning import label
 from jobs import clean_env, hpctrain
 
 
@@ -149,6 +150,8 @@ def test_layout_settings_given_constrain_the_plan(tmp_path, two_node_probe):
     rows = _layouts(hpctrain(*common, "--tp", "2", "--json"))
     _check_order(rows, 4)
     assert {r["tp"] for r in rows} == {2} and {r["dp"] for r in rows} == {1, 2}  # the rest chosen
+    fit = [r for r in rows if r["fits"]]  # the best is compared with the next layout listed
+    assert len(fit) < 2 or fit[0]["why"].endswith(f"faster than the next, {label(fit[1])}"), fit[:2]
     (tmp_path / "dp.toml").write_text('strategy = "dp"\nrecompute = true\n')  # a recipe's layout keys
     rows = _layouts(hpctrain(*common, "--config", str(tmp_path / "dp.toml"), "--json"))
     assert {(r["dp"], r["tp"], r["pp"], r["recompute"]) for r in rows} == {(4, 1, 1, True)}

@@ -246,9 +246,22 @@ def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere:
         preds = planner.plan(costs, alloc.links, alloc.ranks, list(alloc.names), alloc.memory, schedule=c.schedule)
         rows = [{**p.as_json(), "compute_ms": round(p.compute_ms, 3), "comm_ms": round(p.comm_ms, 3),
                  "bubble_ms": round(p.bubble_ms, 3), "memory_limit": alloc.memory} for p in preds]
-        return runnable(c, [r for r in rows if keeps(r, cons or {})], alloc.ranks)
+        listed = runnable(c, [r for r in rows if keeps(r, cons or {})], alloc.ranks)
+        fit = [r for r in listed if r["fits"]]
+        if fit and fit[:2] != [r for r in rows if r["fits"]][:2]:  # the plan's "next" is not listed: say ours
+            fit[0]["why"] = _against_next(fit)
+        return listed
 
     return everywhere(comm, predicted), alloc, costs
+
+
+def _against_next(fit: list[dict[str, Any]]) -> str:
+    """Why the first of the listed layouts wins: its step's parts and its lead on the next one."""
+    a = fit[0]
+    why = f"compute {a['compute_ms']:.1f} ms + communication {a['comm_ms']:.1f} ms + bubble {a['bubble_ms']:.1f} ms"
+    if len(fit) > 1:
+        why += f"; {fit[1]['predicted_ms'] / a['predicted_ms'] - 1:.0%} faster than the next, {label(fit[1])}"
+    return why
 
 
 def label(row: dict[str, Any]) -> str:

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.inner or args.one_node or why_not() is not None:
         return run(args)
     if any(os.environ.get(v, "0") not in ("", "0") for v in RANK_VARS):
-        return 0  # started by an outer mpiexec: rank 0 starts the two-node job
+        return 0  # started by an outer mpiexec (make bench): rank 0 alone starts the two-node job
     return across_namespaces(args)
 
 

@@ -137,12 +137,13 @@ def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: lis
         link = links.get("intra-node")
         if link is None:
             raise ValueError("no intra-node link was probed but a group lives inside one node")
-        return link
+        return dataclasses.replace(link, alpha=max(link.alpha, 0.0))
     link = links.get("inter-node")
     if link is None:
         raise ValueError("no inter-node link was probed but a group spans nodes")
     flows = max(sum(1 for g in span if any(names[r] == n for r in g)) for n in set(names))
-    return dataclasses.replace(link, beta=link.beta / flows) if flows > 1 else link
+    # A fit through noisy samples can put the line below zero at no bytes: no latency, not a gain.
+    return dataclasses.replace(link, alpha=max(link.alpha, 0.0), beta=link.beta / flows)
 
 
 def _allreduce(link: Link | None, nbytes: float, p: int) -> float:

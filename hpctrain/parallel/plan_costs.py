@@ -69,12 +69,13 @@ class PieceCost:
     experts: int = 0  # experts per MoE layer (ep must divide them)
 
     def forward_s(self, samples: float, tp: int = 1) -> float:
-        """One forward on ``samples`` samples, on a rank holding ``1/tp`` of the split layers."""
-        return self._share(tp) * (self.forward_fixed + self.forward_per_sample * samples)
+        """One forward on ``samples`` samples, on a rank holding ``1/tp`` of the split layers (the
+        work per sample divides; a call's fixed cost, the interpreter's mostly, does not)."""
+        return self.forward_fixed + self._share(tp) * self.forward_per_sample * samples
 
     def backward_s(self, samples: float, tp: int = 1) -> float:
         """One backward on ``samples`` samples (as ``forward_s``)."""
-        return self._share(tp) * (self.backward_fixed + self.backward_per_sample * samples)
+        return self.backward_fixed + self._share(tp) * self.backward_per_sample * samples
 
     def _share(self, tp: int) -> float:
         # The split layers' work divides over tp; the rest (LayerNorms, residuals) is replicated.
@@ -220,6 +221,11 @@ def _pieces_at(pieces: list[Piece], sample: Any, repeats: int, params: list[Any]
     bytes)``: the median of ``repeats`` runs after a warm-up, each piece on the previous piece's output."""
     out, x = [], sample
     for piece in pieces:
+        # The reuse pools keep arrays of every shape seen: empty them so that this size's
+        # workspace is what it alone needs (a job runs one micro-batch size).
+        for top in piece.modules.values():
+            for _, m in top.named_modules():
+                m.scratch_buffers().clear()
         runs = [_run_piece(piece, x, params) for _ in range(1 + max(1, repeats))][1:]
         y = runs[-1][4]
         out.append((*(statistics.median(r[k] for r in runs) for k in range(4)), int(x.nbytes), int(y.nbytes)))

@@ -243,7 +243,9 @@ def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere:
     costs = measured_costs(c, comm, device, everywhere)
 
     def predicted() -> list[dict[str, Any]]:
-        preds = planner.plan(costs, alloc.links, alloc.ranks, list(alloc.names), alloc.memory, schedule=c.schedule)
+        only = {k: (v,) for k, v in (cons or {}).items() if k in ("zero", "recompute")}  # (not predicted at all)
+        preds = planner.plan(costs, alloc.links, alloc.ranks, list(alloc.names), alloc.memory, schedule=c.schedule,
+                             **only)
         rows = [{**p.as_json(), "compute_ms": round(p.compute_ms, 3), "comm_ms": round(p.comm_ms, 3),
                  "bubble_ms": round(p.bubble_ms, 3), "memory_limit": alloc.memory} for p in preds]
         listed = runnable(c, [r for r in rows if keeps(r, cons or {})], alloc.ranks)

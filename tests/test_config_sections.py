@@ -36,6 +36,8 @@ CASES = [
      "--strategy tp does not use --pp: use --strategy hybrid for tp x pp x dp"),
     ("parallel", ["--pp-cut", "3"], 'pp_cut = "3"\n', {},
      "--pp-cut 3 says where pipeline stages begin, but pp=1: give --pp 2 or more (or --pp-cut auto)"),
+    ("parallel", ["--layout", "auto", "--strategy", "ps"], 'layout = "auto"\nstrategy = "ps"\n', {"strategy": "ps"},
+     "--layout auto plans the synchronous layouts (dp, tp, pp, ZeRO); --strategy ps is not one: drop one of them"),
     ("optim", ["--strategy", "ps", "--optimizer", "adam"], 'strategy = "ps"\noptimizer = "adam"\n',
      {"strategy": "ps"}, "--strategy ps applies SGD on the servers: --optimizer adam is not possible"),
     ("optim", ["--lr", "nan"], 'lr = nan\n', {}, "--lr nan is not a finite number"),

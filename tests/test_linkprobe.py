@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from hpctrain.comm.linkprobe import SIZES, Link, fit, pairs, probe, table
+from hpctrain.comm.linkprobe import SIZES, Link, fit, meeting_seconds, pairs, probe, table
 
 
 def test_fit_recovers_latency_and_bandwidth():
@@ -65,6 +65,18 @@ def test_probe_fits_every_link_class_of_the_claimed_nodes(comm):
         assert [n for n, _ in link.samples] == [8, 4096, 1 << 16]
         assert all(t > 0 for _, t in link.samples) and link.beta > 0
     assert "intra-node" in table(links) and "0<->1" in table(links)
+    meets = {link.meet for link in filter(None, links.values())}
+    assert len(meets) == 1 and meets.pop() >= 0  # measured once: the ranks' scheduling, not a wire's
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_meeting_costs_what_a_late_rank_makes_the_others_wait(comm):
+    quick = meeting_seconds(comm, work_s=0.001, rounds=5)
+    assert quick == comm.bcast_obj(quick) and quick >= 0  # one value everywhere
+    # a rank that arrives 20 ms late every round makes each meeting cost about that much
+    late = meeting_seconds(comm, work_s=0.001, rounds=5, skew=0.02)
+    assert late >= 0.015, late
 
 
 @pytest.mark.timeout(180)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,6 +32,10 @@ class Link:
     alpha: float  # seconds
     beta: float  # bytes per second (inf when the fit finds no cost per byte)
     samples: tuple[tuple[int, float], ...]  # (bytes, measured one-way seconds)
+    #: Seconds a blocking collective costs beyond ``alpha`` when its ranks arrive from compute
+    #: (``meeting_seconds``): the wait for the last one, which a ping-pong between two idle ranks
+    #: never sees. Near zero with a core per rank; a scheduler's time slice where ranks share cores.
+    meet: float = 0.0
 
     def seconds(self, nbytes: float) -> float:
         """Predicted one-way time of an ``nbytes`` message."""
@@ -97,8 +101,10 @@ def _ping_pong(comm: Comm, a: int, b: int, nbytes: int, iters: int) -> float | N
     return best if comm.rank == a else None
 
 
-def probe(comm: Comm, names: list[str], sizes: tuple[int, ...] = SIZES) -> dict[str, Link | None]:
-    """Measure and fit every link class of this layout (collective); the same result on every rank."""
+def probe(comm: Comm, names: list[str], sizes: tuple[int, ...] = SIZES, meet: bool = True) -> dict[str, Link | None]:
+    """Measure and fit every link class of this layout (collective); the same result on every rank.
+    ``meet``: also measure what a collective costs ranks arriving from compute (``meeting_seconds``,
+    the same on every link: it is the ranks' scheduling, not the wire)."""
     out: dict[str, Link | None] = {}
     for cls, pair in pairs(names).items():
         if pair is None:
@@ -115,7 +121,47 @@ def probe(comm: Comm, names: list[str], sizes: tuple[int, ...] = SIZES) -> dict[
             alpha, beta = fit([n for n, _ in samples], [t for _, t in samples])
             link = Link((a, b), alpha, beta, tuple(samples))
         out[cls] = comm.bcast_obj(link, root=a)
+    if meet and comm.size > 1:
+        m = meeting_seconds(comm)
+        out = {k: (replace(v, meet=m) if v is not None else None) for k, v in out.items()}
     return out
+
+
+def meeting_seconds(comm: Comm, work_s: float = 0.0005, rounds: int = 8, repeats: int = 5,
+                    skew: float = 0.0) -> float:
+    """Seconds one blocking collective costs beyond its latency when every rank reaches it from
+    ``work_s`` of compute (collective; the same value on every rank).
+
+    Every rank runs ``rounds`` chunks of compute at once, alone, then each chunk followed by an
+    all-reduce of one number, ``repeats`` times in turn; the median difference per round is what
+    meeting costs: the wait for the slowest rank and, where ranks share cores, for a descheduled
+    one to run again (a ping-pong between two ranks that do nothing else never sees it). ``skew``:
+    seconds the last rank sleeps before each meeting (a test's known imbalance)."""
+    a = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    one = np.ones(1)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    per = max((time.perf_counter() - t0) / 20, 1e-7)
+    n = int(comm.allreduce(np.array([work_s / per]), op="max")[0]) + 1  # one chunk size everywhere
+
+    def block(sync: bool) -> float:
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            for _ in range(n):
+                a @ a
+            if sync:
+                if skew and comm.rank == comm.size - 1:
+                    time.sleep(skew)
+                comm.allreduce(one)
+        return float(comm.allreduce(np.array([time.perf_counter() - t0]), op="max")[0])
+
+    diffs = []
+    for _ in range(repeats):
+        alone = block(False)
+        diffs.append(block(True) - alone)
+    return max(0.0, float(np.median(diffs)) / rounds)
 
 
 def table(links: dict[str, Link | None]) -> str:

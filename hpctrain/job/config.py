@@ -43,6 +43,7 @@ EXAMPLES = """examples:
   mpiexec -n 4 hpctrain train --model gpt --cp 2 --block-size 256   # long sequences: half of each per rank, dp=2
   mpiexec -n 2 hpctrain train --data mine.h5 --x-key inputs --y-key targets --loss mse   # your regression
   mpiexec -n 2 hpctrain train --model examples/custom_model.py:build                     # your model
+  mpiexec -n 4 hpctrain train --model gpt --layout auto          # plan first (hpctrain plan), train the best
   mpiexec -n 2 hpctrain train --config recipes/gpt_shakespeare.toml --lr 1e-3            # a file; flags win
   mpiexec -n 2 hpctrain train --run-dir runs/a --resume          # continue runs/a as its config.json says
   mpiexec -n 2 hpctrain train --run-dir runs/a --resume --epochs 6   # ... to 6 epochs in all (kept)
@@ -327,6 +328,8 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
     for section in ALL_SECTIONS:
         section.rules(c, world)
     c.unset = [name for name in empty if getattr(c, name) is not None]
+    if c.chosen:  # --layout auto's choices are filled in too: a resume plans them again, as a fresh job does
+        c.unset += [k for k in c.chosen if k not in c.unset]
     return c
 
 

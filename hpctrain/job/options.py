@@ -99,6 +99,13 @@ class Config:
                                                "3 + parameters sharded (dp, tp, pp, hybrid)"))
     recompute: bool = field(default=False, metadata=_opt("recompute activations in backward (each transformer "
                                                          "block / MLP block keeps only its input)"))
+    layout: str | None = field(default=None, metadata=_opt("auto: plan first (as `hpctrain plan`) and train with "
+                                                           "the best layout it predicts: dp, tp, pp, --zero, "
+                                                           "--recompute and --microbatches chosen; those of them "
+                                                           "given (and --strategy) are kept", ("auto",)))
+    probe_file: str | None = field(default=None, metadata=_opt("--layout auto and `hpctrain plan`: price the links "
+                                                               "from this saved probe (`hpctrain info --probe "
+                                                               "--save FILE`) instead of probing them"))
     schedule: str = field(default="1f1b", metadata=_opt("pipeline schedule (pp)", ("1f1b", "gpipe")))
     pp_cut: str | None = field(default=None, metadata=_opt("where pipeline stages 1.. begin: piece names or "
                                                            "indices, comma-separated (--pp 2: one, e.g. 5); "
@@ -180,6 +187,10 @@ class Config:
     unset: list | None = field(default=None, compare=False, metadata=_derived("settings resolve filled in"))
     #: A resumed job whose layout is not the run's: the run's and why (``read_settings``), said in the header.
     layout_note: str | None = field(default=None, compare=False, metadata=_derived("how the run's layout changed"))
+    #: ``--layout auto``'s choice as the header says it (``auto -> dp=2 tp=1 pp=2 zero=1 (planned: ...)``).
+    planned: str | None = field(default=None, compare=False, metadata=_derived("the layout --layout auto chose"))
+    #: The settings of ``PLANNED`` the plan chose (those not given): filled in, so a resume plans them again.
+    chosen: list | None = field(default=None, compare=False, metadata=_derived("the settings the plan chose"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``config.json`` holds and ranks compare)."""
@@ -221,6 +232,11 @@ def _options() -> tuple[Option, ...]:
 OPTIONS: tuple[Option, ...] = _options()
 _BY_NAME = {o.name: o for o in OPTIONS}
 DERIVED = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata.get("derived"))
+
+
+#: The settings ``--layout auto`` chooses; those given beside it (a ZeRO stage, ``--recompute``:
+#: ``--zero 0``/``--no-recompute`` are the defaults, so they leave the choice open) constrain it.
+PLANNED = ("strategy", "tp", "pp", "zero", "recompute", "microbatches")
 
 
 def flag(name: str) -> str:

@@ -27,7 +27,7 @@ from . import ending
 from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .callbacks import LearningRate, Validation
-from .config import _BY_NAME, Config, layout_text, read_settings, resolve
+from .config import _BY_NAME, Config, as_config, layout_text, read_settings, resolve
 from .inputs import data_path, open_data
 from .resume import AfterResume, check_claim, claim, describe_changes, resume_command
 from .sections import nccl_problem
@@ -144,6 +144,11 @@ def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Seque
     from ..log import world_rank
 
     comm = comm if comm is not None else Communicator()
+    if as_config(cfg).layout == "auto":  # planned on rank 0's measured costs, shared: one choice on every rank
+        from .planning import choose_layout
+
+        limit_blas_threads(comm)  # before the plan's timings, as before training's
+        cfg = choose_layout(as_config(cfg), comm, pick_device, everywhere)
     c = everywhere(comm, lambda: resolve(cfg, comm.size))
     agree(comm, "hpctrain train configuration", c.to_dict())
     device = pick_device(c, comm)
@@ -308,6 +313,8 @@ def _announce(c: Config, setup: _Setup, device: str) -> None:
           f"{len(setup.train_set):,} training samples, {_layout_text(c)} on {device}, "
           f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
           f"{len(setup.loader)} steps each; run dir {c.run_dir or 'runs/<date>-<time>'}", flush=True)
+    if c.planned:
+        print(f"layout: {c.planned}", flush=True)
     plan = (getattr(setup.trainer.model, "pipeline", None) or {}).get("plan")
     if plan:
         print(f"stages: {plan}", flush=True)

@@ -211,8 +211,22 @@ def _parallel_values(c: Config) -> None:
     _refuse(staleness_problem(c.staleness, as_flag))
 
 
+def _auto_layout(c: Config) -> None:
+    """``--layout auto`` plans the synchronous layouts (the layout settings given beside it
+    constrain the plan); ``--probe-file`` prices its links."""
+    if c.layout != "auto":
+        if c.probe_file is not None:
+            raise ConfigError(f"--probe-file {c.probe_file} prices the links of --layout auto's plan: give --layout "
+                              "auto too (or use it with `hpctrain plan`)")
+        return
+    if c.strategy == "ps":
+        raise ConfigError("--layout auto plans the synchronous layouts (dp, tp, pp, ZeRO); --strategy ps is not one: "
+                          "drop one of them")
+
+
 def _parallel(c: Config, world: int) -> None:
     """The strategy and layout (fills ``strategy``, ``tp``, ``pp``, ``dp``, ``local_batch``)."""
+    _auto_layout(c)
     if c.strategy is None:  # --tp T --pp P --cp C alone: dp is what is left of the world
         c.strategy = "hybrid" if (c.tp or 1) > 1 or (c.pp or 1) > 1 or c.cp > 1 else "dp"
     if c.zero and c.strategy == "ps":
@@ -324,7 +338,8 @@ def _checkpoint(c: Config, world: int) -> None:
 
 SECTIONS: tuple[Section, ...] = (
     Section("parallel", ("strategy", "tp", "pp", "cp", "cp_mode", "batch_size", "accum_steps", "microbatches",
-                         "schedule", "pp_cut", "zero", "ps_mode", "staleness"), _parallel, _parallel_values),
+                         "schedule", "pp_cut", "zero", "ps_mode", "staleness", "layout", "probe_file"), _parallel,
+            _parallel_values),
     Section("model", ("model", "loss", "d_model", "n_layers", "n_heads", "block_size", "dropout", "recompute",
                       "tie_embeddings", "seed"), _model, _model_values),
     Section("data", ("data", "x_key", "y_key", "tokens_key", "max_samples", "val_fraction"), _no_rules, _data_values),

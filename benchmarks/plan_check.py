@@ -1,0 +1,235 @@
+"""The planner checked: every layout ``hpctrain.parallel.plan`` lists, predicted against measured.
+
+    mpiexec -n 4 python benchmarks/plan_check.py [--quick] [--models mlp gpt gpt-long] [--markdown FILE]
+
+For three models (the MLP classifier, the GPT, the GPT at a four times longer block), every rank
+measures the serial model's pieces at once (``plan.measure``: so a shared machine's load counts,
+as it will in the steps), the links are probed (``linkprobe.probe``, as ``hpctrain info
+--probe``), and ``plan.plan`` lists every layout of the world with its predicted step and peak
+memory per rank. Then each layout trains for real: ``parallelize`` with the plan's own pipeline
+cut, ``ParallelTrainer`` with overlap on (as users run it), two warm-up steps and the median of
+``--steps`` timed steps (the slowest rank's time of each), the peak memory from the engine's
+``memory_summary`` (the MemoryMeter's categories, the rank that holds most), and the seconds the
+tensor-parallel all-reduces took (``tensor_mappings.traffic``) against the plan's price of them.
+The table gives both, the errors and where the plan's first choice ranks among the measured.
+
+As root the run moves to two network-namespace nodes (tests/netns_cluster.py) with the link
+shaped to ``--rate`` (``--one-node`` keeps it on this host); the ranks of an outer ``mpiexec``
+then leave at once and rank 0 starts the two-node job.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread per rank: the ranks share the cores (as in the other benchmarks).
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from common import emit, publish  # noqa: E402
+
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+MIB = 2**20
+VOCAB = 65
+
+
+def models(quick: bool) -> dict[str, dict[str, Any]]:
+    """The three models: a builder, a sampler of inputs and targets, the global batch."""
+    from hpctrain import nn
+
+    d, blocks, batch = (64, 4, 64) if quick else (128, 4, 128)
+    t, layers, gb = (32, 2, 16) if quick else (64, 4, 16)
+
+    def mlp() -> Any:
+        g = np.random.default_rng(0)
+        layers_ = [nn.Linear(d, d, rng=g), nn.GELU()]
+        for _ in range(blocks):
+            layers_ += [nn.MLP(d, 4 * d, rng=g), nn.GELU()]
+        return nn.Sequential(*layers_, nn.Linear(d, 10, rng=g))
+
+    def gpt(block: int) -> Any:
+        return lambda: nn.GPT(VOCAB, block, 64 if quick else 128, 4, layers, rng=0)
+
+    def floats(n: int, seed: int = 1) -> tuple[Any, Any]:
+        g = np.random.default_rng(seed)
+        return g.standard_normal((n, d)).astype(np.float32), g.integers(0, 10, n)
+
+    def tokens(block: int) -> Any:
+        def draw(n: int, seed: int = 1) -> tuple[Any, Any]:
+            idx = np.random.default_rng(seed).integers(0, VOCAB, (n, block + 1))
+            return idx[:, :-1], idx[:, 1:]
+        return draw
+
+    return {"mlp": {"build": mlp, "data": floats, "batch": batch, "what": f"MLP classifier d={d}, {blocks} blocks"},
+            "gpt": {"build": gpt(t), "data": tokens(t), "batch": gb, "what": f"GPT {layers} layers, block {t}"},
+            "gpt-long": {"build": gpt(4 * t), "data": tokens(4 * t), "batch": gb // 4,
+                         "what": f"GPT {layers} layers, block {4 * t}"}}
+
+
+def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: int) -> tuple[float, int, float]:
+    """``(median step s, peak memory bytes of the rank holding most, tp all-reduce s per step)``."""
+    from mpi4py import MPI
+
+    from hpctrain import ProcessGrid
+    from hpctrain.nn import CrossEntropyLoss
+    from hpctrain.optim import AdamW
+    from hpctrain.parallel import ParallelTrainer, parallelize
+    from hpctrain.parallel.plan import stages_of
+    from hpctrain.parallel.tensor_mappings import traffic
+
+    lay = pred.layout
+    grid = ProcessGrid(comm, tp=lay.tp, pp=lay.pp)
+    samples = costs.batch / lay.dp / lay.microbatches
+    balance = [len(s) for s in stages_of(costs, lay.pp, samples, lay.tp)] if lay.pp > 1 else None
+    part = parallelize(spec["build"](), grid, balance=balance, recompute=lay.recompute)
+    tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=1e-3),
+                         grid=grid, microbatches=lay.microbatches, zero=lay.zero, overlap=True)
+    x, y = spec["data"](costs.batch // lay.dp, seed=2 + grid.dp.rank)
+    tr.memory_report()  # watch the activations from the first step on
+    for _ in range(2):
+        tr.memory_report(tr.step(x, y))
+    times, tp_s = [], 0.0
+    for _ in range(steps):
+        comm.barrier()
+        traffic.reset()
+        t0 = time.perf_counter()
+        stats = tr.step(x, y)
+        dt = time.perf_counter() - t0
+        tp_s += traffic.seconds
+        times.append(comm.mpi.allreduce(dt, op=MPI.MAX))
+        tr.memory_report(stats)  # with the pipeline's stashed micro-batches, as the job reports them
+    mem = int(tr.memory_summary()["total"])
+    tp_s = comm.mpi.allreduce(tp_s / steps, op=MPI.MAX)
+    grid.free()
+    return statistics.median(times), mem, tp_s
+
+
+def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: list[str], args: argparse.Namespace
+                ) -> list[list[str]]:
+    """Plan one model, run every layout listed, return the table's rows (on every rank)."""
+    from hpctrain.parallel import plan as planner
+
+    batch = spec["batch"]
+    x, _ = spec["data"](batch)
+    costs = planner.measure(spec["build"], x.shape, sample=lambda n: spec["data"](n)[0])
+    costs = comm.bcast_obj(costs, root=0)  # one set of costs: every rank plans alike
+    options: dict[str, Any] = {"microbatches": (1, 2)} if args.quick else {}
+    if args.quick:
+        options.update(zero=(0, 1, 3), recompute=(False,))
+    preds = planner.plan(costs, links, comm.size, names, None, **options)
+    measured = []
+    for p in preds:
+        step, mem, tp_s = run_layout(comm, spec, p, costs, args.steps)
+        measured.append((p, step, mem, tp_s))
+    order = sorted(range(len(measured)), key=lambda i: measured[i][1])
+    first_rank = order.index(0) + 1
+    best = measured[order[0]][1]
+    rows = []
+    for i, (p, step, mem, tp_s) in enumerate(measured):
+        ms = step * 1e3
+        rows.append([name, p.layout.label(), f"{p.compute_ms:.1f}", f"{p.comm_ms:.1f}", f"{p.bubble_ms:.1f}",
+                     f"{p.predicted_ms:.1f}", f"{ms:.1f}", f"{(p.predicted_ms - ms) / ms * 100:+.0f}%",
+                     f"{p.memory_bytes / MIB:.2f}", f"{mem / MIB:.2f}",
+                     f"{(p.memory_bytes - mem) / mem * 100:+.0f}%",
+                     f"{p.comm_parts.get('tp', 0.0):.1f} / {tp_s * 1e3:.1f}",
+                     f"{order.index(i) + 1}"])
+    verdict = (f"{name}: the plan's first choice {preds[0].layout.label()} ranks {first_rank} of {len(preds)} measured "
+               f"({measured[0][1] / best * 100 - 100:+.0f}% against the best)")
+    return rows, verdict
+
+
+def run(args: argparse.Namespace) -> int:
+    """Probe, plan and measure every model (all ranks; rank 0 prints)."""
+    from mpi4py import MPI
+
+    from hpctrain import Communicator
+    from hpctrain.comm.linkprobe import probe, table
+    from hpctrain.comm.nodes import describe, node_names
+
+    comm = Communicator()
+    names = node_names(comm)
+    t0 = time.perf_counter()
+    links = probe(comm, names)
+    meet = next(link.meet for link in links.values() if link is not None)
+    specs = models(args.quick)
+    rows, verdicts = [], []
+    for name in args.models:
+        r, v = check_model(comm, name, specs[name], links, names, args)
+        rows += r
+        verdicts.append(v)
+    if comm.rank == 0:
+        lib = MPI.Get_library_version().splitlines()[0].strip()
+        what = "; ".join(f"{k}: {specs[k]['what']}, global batch {specs[k]['batch']}" for k in args.models)
+        emit(f"plan check: {comm.size} ranks ({describe(names)}), {what}, float32 AdamW, overlap on, {lib}, "
+             f"median of {args.steps} steps, load average {os.getloadavg()[0]:.1f}",
+             ["model", "layout", "compute ms", "comm ms", "bubble ms", "predicted ms", "measured ms", "error",
+              "predicted MiB", "measured MiB", "mem error", "tp comm ms plan / measured", "measured rank"],
+             rows, args.markdown,
+             notes=["Links (`linkprobe`, as `hpctrain info --probe`):\n\n```\n" + table(links) + "\n```\n\n"
+                    f"A blocking collective's meeting of ranks arriving from compute (`Link.meet`): "
+                    f"{meet * 1e3:.2f} ms.",
+                    *verdicts,
+                    "predicted: hpctrain.parallel.plan (its docstring gives each term) from pieces measured by every "
+                    "rank at once; measured: ParallelTrainer.step, the slowest rank, and memory_summary's total "
+                    f"(the rank holding most); errors (predicted - measured) / measured; "
+                    f"{time.perf_counter() - t0:.0f} s in all."])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["mlp", "gpt", "gpt-long"], choices=["mlp", "gpt", "gpt-long"])
+    ap.add_argument("--steps", type=int, default=9, help="timed steps per layout (the median counts)")
+    ap.add_argument("--quick", action="store_true", help="smaller models, fewer layouts (zero 0/1/3, no recompute)")
+    ap.add_argument("--rate", default="1gbit", help="the namespace link's rate (tc tbf) of the two-node run")
+    ap.add_argument("--per-node", type=int, default=2, help="ranks on each namespace node")
+    ap.add_argument("--one-node", action="store_true", help="run on this host even as root")
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the run inside the namespaces
+    ap.add_argument("--markdown", metavar="FILE", help="append the table to FILE as Markdown")
+    args = ap.parse_args(argv)
+    from netns_cluster import why_not
+
+    if args.inner or args.one_node or why_not() is not None:
+        return run(args)
+    if any(os.environ.get(v, "0") not in ("", "0") for v in RANK_VARS):
+        return 0  # started by an outer mpiexec (make bench): rank 0 alone starts the two-node job
+    return across_namespaces(args)
+
+
+def across_namespaces(args: argparse.Namespace) -> int:
+    """Run this check on ``--per-node`` ranks of each of two network-namespace nodes (root)."""
+    from netns_cluster import two_nodes
+
+    from jobs import clean_env, mpiexec
+
+    argv = [sys.executable, str(Path(__file__).resolve()), "--inner", "--steps", str(args.steps),
+            "--models", *args.models, *(["--quick"] if args.quick else []),
+            *(["--markdown", args.markdown] if args.markdown else [])]
+    with two_nodes(mpiexec()) as cluster:
+        cluster.shape(rate=args.rate)
+        t0 = time.perf_counter()
+        p = subprocess.run(cluster.mpiexec(args.per_node, argv), capture_output=True, text=True, timeout=3000,
+                           env=clean_env())
+        print(p.stdout, end="", flush=True)
+        if p.returncode != 0:
+            publish(f"Failed across the namespace nodes ({p.returncode}, {time.perf_counter() - t0:.0f} s):"
+                    f"\n\n```\n{p.stderr.strip()[-2000:]}\n```", None)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""The planner's model: a layout's step time and peak memory per rank, from measured costs.
+
+``measure`` (``plan_costs``) times each pipeline piece of the serial model on this device;
+``probe`` (``comm.linkprobe``) fits alpha-beta per link class. ``predict(layout, costs, links,
+nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engine accepts
+(``layouts``) and sorts them, the fastest that fits first. The terms of a step:
+
+- **compute**: each rank runs its piece: its pipeline stage (cut as ``hpctrain train`` cuts:
+  ``cut.balance_stages`` on the pieces' measured times at the micro-batch), its ``1/tp`` share
+  of the split layers, on ``batch / (dp * cp)`` samples in ``m`` micro-batches; recompute adds
+  the wrapped blocks' forward again to their backward. Per micro-batch the measured fit
+  ``fixed + per_sample * samples`` counts (a call costs something however small the batch).
+- **tensor parallel**: per micro-batch, each split layer's all-reduce of its ``(rows, d_model)``
+  activation in forward and of its input's gradient in backward (a GPT block: four), the
+  vocabulary embedding's and head's, the vocab-parallel loss's three small ones, each priced on
+  the link the tp group spans, and each a meeting (below): they block in the middle of compute.
+- **pipeline**: each micro-batch's activation forward and its gradient back (``alpha + n /
+  beta``) lengthen the stage's actions; the schedule (1F1B or GPipe) is executed by
+  ``pipeline_schedules.simulate`` with these durations, whose makespan is the pipeline's time:
+  its part beyond the busiest stage's own work is the **bubble** (``(p-1)/(m+p-1)`` of it when
+  the stages are even and sends free). A stage meets its neighbour once per micro-batch.
+- **data parallel**: the gradients of this rank's parameters in buckets of ``bucket_mb`` MiB
+  (``comm.buckets``: packed in name order, started in reverse, each one all-reduce ``2
+  ceil(log2 p) alpha + 2 (p-1)/p n / beta`` and a meeting); with overlap a bucket starts when
+  backward has produced its last gradient, during the last micro-batch's backward, so only what
+  is left after backward ends is exposed. ZeRO 1 and 2: a reduce-scatter per unit started as
+  backward finishes it (overlapped the same way, waited on together), then one all-gather of
+  the updated parameters after the step (exposed); ZeRO 3: no final all-gather, but every
+  unit's parameters are gathered before its forward and its backward (and a recomputation's
+  forward), prefetched one unit ahead: what a gather takes beyond its unit's compute is exposed,
+  and each wait meets the other ranks. Groups crossing nodes share the node's link: ``k`` groups
+  leaving one node at once each get ``beta / k``.
+- **meeting** (``Link.meet``, ``linkprobe.meeting_seconds``): a blocking collective between two
+  stretches of compute waits for the last rank to arrive; where ranks share cores (this 2-core
+  machine runs 4), for a descheduled one to run again. Every blocking call above pays it once.
+- **optimizer**: the measured seconds per parameter times this rank's parameters (``1/dp`` of
+  them under ZeRO); the trainer's two small all-reduces over the world per step.
+- **memory**: ``plan_memory`` (the engine's categories).
+
+Why ``benchmarks/cost_model.py``'s tp predictions were 50-67% low: not the volume (it counted
+the bytes its tp all-reduces moved, ``tensor_mappings.traffic``, and they equal its model's) but
+the per-call cost. Its alpha came from a ping-pong of two ranks doing nothing else (tens of
+microseconds); in a step each of tp's 2 calls per block and micro-batch is a meeting of ranks
+arriving from compute, which costs ``Link.meet``: milliseconds on this oversubscribed machine, a
+hundred times alpha. ``benchmarks/plan_check.py`` prints the seconds measured inside the tp
+collectives per step against this model's price of them.
+
+Context (cp) and expert (ep) parallelism are hooks: ``Layout`` carries them and ``predict``
+prices cp's ring (``2 (cp-1)/cp`` of each attention layer's K and V per micro-batch, overlapped
+with the attention's compute) and ep's two all-to-alls per MoE layer when ``Costs`` has them;
+``layouts`` lists cp/ep > 1 only when asked (``cp=``/``ep=`` sizes to try).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..comm.grid import layout as grid_layout
+from ..comm.linkprobe import Link
+from .cut import balance_stages
+from .plan_costs import Costs, PieceCost, measure
+from .plan_memory import gib, memory
+from .zero import zero_problem
+
+__all__ = ["Costs", "Layout", "PieceCost", "Prediction", "layouts", "measure", "plan", "predict"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a job: the group sizes, ZeRO stage, recompute and micro-batches."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    recompute: bool = False
+    microbatches: int = 1
+
+    @property
+    def world(self) -> int:
+        """The ranks this layout takes."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    def label(self) -> str:
+        """``dp=2 tp=1 pp=2 m=4 zero 1 recompute`` (what is not the default only)."""
+        text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
+        text += f" cp={self.cp}" if self.cp > 1 else ""
+        text += f" ep={self.ep}" if self.ep > 1 else ""
+        text += f" m={self.microbatches}" if self.pp > 1 or self.microbatches > 1 else ""
+        text += f" zero {self.zero}" if self.zero else ""
+        return text + (" recompute" if self.recompute else "")
+
+
+@dataclass
+class Prediction:
+    """A layout's predicted step (milliseconds) and peak memory per rank (bytes)."""
+
+    layout: Layout
+    predicted_ms: float
+    compute_ms: float
+    comm_ms: float  # exposed communication: tp, pipeline sends, dp/ZeRO left after overlap
+    bubble_ms: float
+    memory_bytes: int
+    memory_limit: int | None
+    fits: bool
+    why: str
+    memory_parts: dict[str, int] = dataclasses.field(default_factory=dict)
+    comm_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # ms by group: tp, cp, ep, pp, dp
+
+    def as_json(self) -> dict[str, Any]:
+        """The issue's keys (``hpctrain plan --json``)."""
+        lay = self.layout
+        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
+                "recompute": lay.recompute, "microbatches": lay.microbatches,
+                "predicted_ms": round(self.predicted_ms, 3), "memory_bytes": int(self.memory_bytes),
+                "fits": self.fits, "why": self.why}
+
+
+# -- links ---------------------------------------------------------------------------------------
+
+
+def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: list[str] | None) -> Link | None:
+    """The link a ``kind`` group's collectives pay (a ``comm.grid.layout`` group: "tp", "pp", "cp",
+    "ep", "dp_cp"; ``None``: groups of one rank): inter-node when any such group spans nodes, its
+    bandwidth shared by the spanning groups that leave one node at once."""
+    size = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "dp_cp": lay.dp * lay.cp}[kind]
+    if size == 1:
+        return None
+    names = nodes or ["node"] * lay.world
+    groups = grid_layout(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)[kind]
+    span = [g for g in groups if len({names[r] for r in g}) > 1]
+    if not span:
+        link = links.get("intra-node")
+        if link is None:
+            raise ValueError("no intra-node link was probed but a group lives inside one node")
+        return dataclasses.replace(link, alpha=max(link.alpha, 0.0))
+    link = links.get("inter-node")
+    if link is None:
+        raise ValueError("no inter-node link was probed but a group spans nodes")
+    flows = max(sum(1 for g in span if any(names[r] == n for r in g)) for n in set(names))
+    # A fit through noisy samples can put the line below zero at no bytes: no latency, not a gain.
+    return dataclasses.replace(link, alpha=max(link.alpha, 0.0), beta=link.beta / flows)
+
+
+def _allreduce(link: Link | None, nbytes: float, p: int) -> float:
+    """A blocking all-reduce: its alpha-beta price and the ranks' meeting (``Link.meet``)."""
+    return 0.0 if link is None else link.allreduce_seconds(nbytes, p) + link.meet
+
+
+def _gather(link: Link | None, nbytes: float, p: int) -> float:
+    """A reduce-scatter or all-gather waited on (as ``_allreduce``)."""
+    return 0.0 if link is None else link.gather_seconds(nbytes, p) + link.meet
+
+
+def _send(link: Link | None, nbytes: float) -> float:
+    """A pipeline message one way (its waits are the schedule's: ``simulate``)."""
+    return 0.0 if link is None else link.seconds(nbytes)
+
+
+# -- layouts -------------------------------------------------------------------------------------
+
+
+def layout_problem(lay: Layout, costs: Costs) -> str | None:
+    """Why the engine refuses ``lay`` for this model and batch (``None``: it accepts it), from the
+    engine's own rules (grid, tensor-parallel splits, pipeline cut, ZeRO, micro-batches)."""
+    from ..comm.grid import factor
+    from ..errors import GridError
+    from .tensor_layers import tp_heads_problem, tp_hidden_problem
+
+    try:
+        factor(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)
+    except GridError as exc:
+        return str(exc)
+    problem = zero_problem(lay.zero)
+    if problem:
+        return problem
+    if lay.tp > 1:
+        if not any(p.split_params for p in costs.pieces):
+            return f"tp={lay.tp}: the model has no layer that splits over tensor-parallel ranks"
+        for p in costs.pieces:
+            problem = (tp_heads_problem(p.heads, lay.tp) if p.heads else None) or \
+                (tp_hidden_problem(p.hidden, lay.tp) if p.hidden else None)
+            if problem:
+                return problem
+    if costs.batch % lay.dp:
+        return f"the batch {costs.batch} does not split over dp={lay.dp} replicas"
+    if (costs.batch // lay.dp) % lay.microbatches:
+        return f"the per-replica batch {costs.batch // lay.dp} does not split into {lay.microbatches} micro-batches"
+    if lay.cp > 1 and not any(p.kv_per_sample for p in costs.pieces):
+        return f"cp={lay.cp}: the model holds no attention to split the sequence of"
+    if lay.cp > 1 and costs.rows % (2 * lay.cp):
+        return f"cp={lay.cp}: the sequence of {costs.rows} tokens does not split into 2 x cp zigzag chunks"
+    if lay.ep > 1:
+        from ..nn.moe import ep_problem
+
+        experts = max((p.experts for p in costs.pieces), default=0)
+        problem = ep_problem(experts, lay.ep) if experts else f"ep={lay.ep}: the model has no MoE layer"
+        if problem:
+            return problem
+    if lay.pp > 1:
+        try:
+            balance_stages([1.0] * len(costs.pieces), lay.pp, [p.holds_params for p in costs.pieces])
+        except ValueError as exc:
+            return f"pp={lay.pp}: {exc}"
+    if lay.recompute and not any(p.recomputable for p in costs.pieces):
+        return "recompute finds no block to recompute in this model"
+    return None
+
+
+def layouts(world: int, costs: Costs, *, zero: tuple[int, ...] = (0, 1, 2, 3),
+            recompute: tuple[bool, ...] = (False, True), microbatches: tuple[int, ...] = (1, 2, 4),
+            cp: tuple[int, ...] = (1,), ep: tuple[int, ...] = (1,)) -> list[Layout]:
+    """Every layout of ``world`` ranks the engine accepts for the measured model: each tp x pp x
+    cp that divides the world (dp the rest), ZeRO stages when dp > 1, recompute, and with a
+    pipeline ``k * pp`` micro-batches for each ``k`` in ``microbatches`` (one without)."""
+    out = []
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            for c in (c for c in cp if (world // (tp * pp)) % c == 0):
+                dp = world // (tp * pp * c)
+                for e in (e for e in ep if dp % e == 0):
+                    ms = sorted({k * pp for k in microbatches}) if pp > 1 else [1]
+                    for z in (zero if dp > 1 else (0,)):
+                        for rc in recompute:
+                            for m in ms:
+                                lay = Layout(dp, tp, pp, c, e, z, rc, m)
+                                if layout_problem(lay, costs) is None:
+                                    out.append(lay)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# -- time ----------------------------------------------------------------------------------------
+
+
+def stages_of(costs: Costs, pp: int, samples: float, tp: int = 1) -> list[list[PieceCost]]:
+    """The pieces of each pipeline stage, cut as ``hpctrain train`` cuts (``balance_stages`` on
+    each piece's forward + backward time at the micro-batch)."""
+    if pp == 1:
+        return [list(costs.pieces)]
+    times = [p.forward_s(samples, tp) + p.backward_s(samples, tp) for p in costs.pieces]
+    counts = balance_stages(times, pp, [p.holds_params for p in costs.pieces])
+    out, start = [], 0
+    for c in counts:
+        out.append(costs.pieces[start : start + c])
+        start += c
+    return out
+
+
+def _local(pieces: list[PieceCost], lay: Layout) -> int:
+    """Parameter elements of ``pieces`` on one rank of ``lay`` (its tp and ep shares)."""
+    return sum(q.local_params(lay.tp, lay.ep) for q in pieces)
+
+
+def _tp_seconds(calls: tuple[int, ...], samples: float, lay: Layout, link: Link | None) -> float:
+    if link is None:
+        return 0.0
+    return sum(_allreduce(link, n * samples, lay.tp) for n in calls)
+
+
+def _stage_times(pieces: list[PieceCost], lay: Layout, costs: Costs, samples: float, links: dict[str, Link | None],
+                 last: bool) -> tuple[float, float, float, float, dict[str, float]]:
+    """``(forward compute, backward compute, forward communication, backward communication, the
+    communication by group)`` seconds of one micro-batch on a stage of ``pieces``."""
+    f = sum(p.forward_s(samples, lay.tp) for p in pieces)
+    b = sum(p.backward_s(samples, lay.tp) for p in pieces)
+    redo = [p for p in pieces if p.recomputable] if lay.recompute else []
+    b += sum(p.forward_s(samples, lay.tp) for p in redo)
+    tp_link = links["tp"]
+    tf = sum(_tp_seconds(p.tp_forward, samples, lay, tp_link) for p in pieces)
+    tf += _tp_seconds(costs.loss_tp, samples, lay, tp_link) if last else 0.0
+    tb = sum(_tp_seconds(p.tp_backward, samples, lay, tp_link) for p in [*pieces, *redo])
+    # cp's ring: 2 (cp-1)/cp of each attention's keys and values of the whole sequence (forward
+    # and backward), in 2 (cp-1) steps overlapped with the piece's compute; a wait per pass.
+    ring, link, cp = 0.0, links["cp"], lay.cp
+    for p in (p for p in pieces if p.kv_per_sample and link is not None):
+        moved = 2 * (cp - 1) / cp * p.kv_per_sample * samples * cp
+        steps = 2 * (cp - 1) * link.alpha + moved / link.beta
+        ring += max(0.0, steps - p.forward_s(samples, lay.tp) - p.backward_s(samples, lay.tp)) + 2 * link.meet
+    # ep: each MoE layer's tokens to their experts and back, forward and backward: four
+    # all-to-alls (and a small one of the counts), each moving (ep-1)/ep of the rows.
+    a2a, link, ep = 0.0, links["ep"], lay.ep
+    for n in (n for p in pieces for n in p.moe_per_sample if link is not None):
+        one = (ep - 1) * link.alpha + (ep - 1) / ep * n * samples / link.beta + link.meet
+        a2a += 4 * one + (ep - 1) * link.alpha + link.meet
+    kinds = {"tp": tf + tb, "cp": ring, "ep": a2a}
+    return f, b, tf + ring / 2 + a2a / 2, tb + ring / 2 + a2a / 2, kinds
+
+
+def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | None, backward: float,
+               bucket_mb: float, overlap: bool) -> tuple[float, float]:
+    """``(exposed seconds after the last backward, seconds after the optimizer step)`` of the
+    gradient reduction over dp (module docstring)."""
+    if link is None:
+        return 0.0, 0.0
+    p, item = lay.dp, costs.itemsize
+    # Backward runs the pieces in reverse: a unit (zero) or bucket is ready once backward has passed it.
+    order = [q for q in reversed(pieces) if q.params]
+    total = sum(q.local_params(lay.tp, lay.ep) for q in order) or 1
+    chunks: list[tuple[float, float]] = []  # (ready fraction of backward, seconds)
+    done = 0
+    if lay.zero:
+        for q in order:
+            done += q.local_params(lay.tp, lay.ep)
+            per = q.local_params(lay.tp, lay.ep) * item / max(1, q.units)
+            # started without waiting as backward finishes each unit; waited on together at the end
+            chunks += [(done / total, link.gather_seconds(per, p))] * q.units
+        chunks.append((1.0, link.meet))
+    else:  # GradBuckets: packed in forward (name) order up to bucket_mb MiB, started in reverse
+        cap = bucket_mb * (1 << 20)
+        buckets: list[list[PieceCost]] = []
+        fill = 0.0
+        for q in (q for q in pieces if q.params):
+            nbytes = q.local_params(lay.tp, lay.ep) * item
+            if buckets and buckets[-1] and fill + nbytes <= cap:
+                buckets[-1].append(q)
+                fill += nbytes
+            else:
+                buckets.append([q])
+                fill = nbytes
+        for bucket in reversed(buckets):
+            size = _local(bucket, lay)
+            done += size
+            chunks.append((done / total, _allreduce(link, size * item, p)))
+    end = 0.0
+    for ready, sec in chunks:
+        start = ready * backward if overlap else backward
+        end = max(end, start) + sec
+    exposed = max(0.0, end - backward)
+    after = _gather(link, total * item, p) if lay.zero in (1, 2) else 0.0
+    return exposed, after
+
+
+def _zero3_gathers(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | None, f: float, b: float) -> float:
+    """Exposed seconds of ZeRO-3's per-unit gathers in one micro-batch's forward and backward:
+    prefetched one unit ahead, so a gather beyond its unit's compute shows."""
+    if link is None or lay.zero != 3:
+        return 0.0
+    units = [(q.local_params(lay.tp, lay.ep) * costs.itemsize / max(1, q.units), q.units) for q in pieces if q.params]
+    n = sum(k for _, k in units) or 1
+    gathers = [_gather(link, size, lay.dp) for size, k in units for _ in range(k)]
+    passes = 3 if lay.recompute else 2
+    exposed = 0.0
+    for share in (f / n, b / n):
+        # the first unit's gather has nothing to hide behind; each wait meets the other ranks
+        exposed += sum(max(0.0, g - share) for g in gathers) + (gathers[0] - link.meet if gathers else 0.0)
+    return exposed * passes / 2
+
+
+def _pipeline(stage_times: list[tuple[float, float, float, float]], sends: list[float], lay: Layout,
+              schedule: str) -> tuple[float, list[float]]:
+    """``(makespan, each stage's finish)`` of one step's micro-batches (``simulate``)."""
+    from .pipeline_schedules import simulate
+
+    m = lay.microbatches
+    if lay.pp == 1:
+        f, b, tf, tb, _ = stage_times[0]
+        return m * (f + b + tf + tb), [m * (f + b + tf + tb)]
+
+    def duration(s: int, action: Any) -> float:
+        f, b, tf, tb, _ = stage_times[s]
+        if action.kind == "F":
+            return f + tf + (sends[s] if s < lay.pp - 1 else 0.0)
+        return b + tb + (sends[s - 1] if s > 0 else 0.0)
+
+    if not any(sum(t[:4]) for t in stage_times) and not any(sends):
+        return 0.0, [0.0] * lay.pp  # nothing takes time (simulate's bubble would divide by zero)
+    out = simulate(schedule, lay.pp, m, durations=duration)
+    finish = [0.0] * lay.pp
+    for (s, action), t0 in out["start"].items():
+        finish[s] = max(finish[s], t0 + duration(s, action))
+    return float(out["makespan"]), finish
+
+
+def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_layout: list[str] | None = None,
+            memory_limit: int | None = None, *, bucket_mb: float = 25.0, overlap: bool = True,
+            schedule: str = "1f1b") -> Prediction:
+    """The step time and peak memory per rank of ``layout`` (module docstring: the terms).
+
+    ``links``: ``linkprobe.probe``'s fits by class; ``nodes_layout``: each rank's node name (rank
+    order; ``None``: one node); ``memory_limit``: bytes per rank (``None``: no limit)."""
+    lay = layout
+    problem = layout_problem(lay, costs)
+    if problem is not None:
+        raise ValueError(f"the engine refuses {lay.label()}: {problem}")
+    if nodes_layout is not None and len(nodes_layout) != lay.world:
+        raise ValueError(f"nodes_layout names {len(nodes_layout)} ranks but {lay.label()} takes {lay.world}")
+    samples = costs.batch / (lay.dp * lay.cp) / lay.microbatches
+    stages = stages_of(costs, lay.pp, samples, lay.tp)
+    by = {k: group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp_cp", "cp", "ep")}
+    pp_link, dp_link = by["pp"], by["dp_cp"]
+    times = [_stage_times(st, lay, costs, samples, by, s == lay.pp - 1) for s, st in enumerate(stages)]
+    sends = [_send(pp_link, st[-1].output_per_sample * samples) for st in stages[:-1]]
+    makespan, finish = _pipeline(times, sends, lay, schedule)
+    world_link = links.get("intra-node") or links.get("inter-node")
+    small = 2 * _allreduce(world_link, 64, lay.world) if lay.world > 1 else 0.0
+    best: tuple = (-1.0, 0.0, 0.0, {})  # (step, compute, communication, its parts) of the slowest stage
+    for s, st in enumerate(stages):
+        f, b, tf, tb, kinds = times[s]
+        exposed, after = _reduction(st, lay, costs, dp_link, b, bucket_mb, overlap)
+        exposed += lay.microbatches * _zero3_gathers(st, lay, costs, dp_link, f, b)
+        opt = costs.optimizer_s_per_param * _local(st, lay) / (lay.dp if lay.zero else 1)
+        end = finish[s] + exposed + opt + after + small
+        # A stage that receives meets its neighbour once per micro-batch (plan_check: not per message).
+        meets = lay.microbatches * (pp_link.meet if pp_link is not None else 0.0)
+        parts = {k: lay.microbatches * v for k, v in kinds.items()}
+        parts.update(dp=exposed + after + small,
+                     pp=lay.microbatches * ((sends[s] if s < lay.pp - 1 else 0.0) + (sends[s - 1] if s > 0 else 0.0))
+                     + meets)
+        end += meets
+        if end > best[0]:
+            best = (end, lay.microbatches * (f + b) + opt, sum(parts.values()), parts)
+    step, compute, comm, parts = best
+    bubble = max(0.0, step - compute - comm)
+    need, memory_parts = memory(lay, costs, stages, samples, schedule)
+    fits = memory_limit is None or need <= memory_limit
+    why = (f"compute {compute * 1e3:.1f} ms + communication {comm * 1e3:.1f} ms + bubble {bubble * 1e3:.1f} ms"
+           if fits else f"needs {gib(need)} GiB per rank, has {gib(memory_limit or 0)}")
+    return Prediction(lay, step * 1e3, compute * 1e3, comm * 1e3, bubble * 1e3, int(need), memory_limit, fits, why,
+                      memory_parts, {k: v * 1e3 for k, v in parts.items()})
+
+
+def plan(costs: Costs, links: dict[str, Link | None], world: int, nodes: list[str] | None = None,
+         memory_limit: int | None = None, **options: Any) -> list[Prediction]:
+    """Every layout of ``world`` ranks, predicted: the ones that fit by predicted step (fastest
+    first), then the ones that do not fit (least memory first), each with its ``why``; the first
+    one's ``why`` says what it wins by. ``options``: ``layouts``' choices (``zero``,
+    ``recompute``, ``microbatches``, ``cp``, ``ep``) and ``predict``'s (``bucket_mb``,
+    ``overlap``, ``schedule``)."""
+    pick = {k: options.pop(k) for k in ("zero", "recompute", "microbatches", "cp", "ep") if k in options}
+    preds = [predict(lay, costs, links, nodes, memory_limit, **options) for lay in layouts(world, costs, **pick)]
+    fit = sorted((p for p in preds if p.fits), key=lambda p: (p.predicted_ms, p.memory_bytes))
+    rest = sorted((p for p in preds if not p.fits), key=lambda p: p.memory_bytes)
+    if len(fit) > 1:
+        a, b = fit[0], fit[1]
+        fit[0].why = (f"{a.why}; {b.predicted_ms / a.predicted_ms - 1:.0%} faster than the next, "
+                      f"{b.layout.label()}")
+    return fit + rest

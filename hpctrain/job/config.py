@@ -163,8 +163,8 @@ NOT_INHERITED = ("resume", "restart")
 #: How a job is split over its ranks: the job's, not the run's (a checkpoint holds full tensors and
 #: loads under any layout). A resume keeps the run's where they still fit this job's world size and
 #: flags; ``LAYOUT_SHAPE`` goes first, then the rest, derived again as for a fresh run.
-LAYOUT_KEYS = ("strategy", "tp", "pp", "microbatches", "schedule", "zero")
-LAYOUT_SHAPE = ("strategy", "tp", "pp")
+LAYOUT_KEYS = ("strategy", "tp", "pp", "ep", "microbatches", "schedule", "zero")
+LAYOUT_SHAPE = ("strategy", "tp", "pp", "ep")
 
 
 def read_settings(config_file: str | None, flags: dict[str, Any],
@@ -252,19 +252,20 @@ def _fitting_layout(base: dict[str, Any], file_values: dict[str, Any], flags: di
     return merge({**base, **file_values}, flags), None
 
 
-def layout_text(dp: Any, tp: Any, pp: Any, zero: Any = 0) -> str:
-    """``dp=2 tp=2 pp=1`` (``, ZeRO-3``): a layout as the header, the closing line and a resumed
-    job's note say it."""
-    return f"dp={dp} tp={tp} pp={pp}" + (f", ZeRO-{zero}" if zero else "")
+def layout_text(dp: Any, tp: Any, pp: Any, zero: Any = 0, ep: Any = 1) -> str:
+    """``dp=2 tp=2 pp=1`` (`` ep=2`` where experts spread, ``, ZeRO-3``): a layout as the header,
+    the closing line and a resumed job's note say it."""
+    return f"dp={dp} tp={tp} pp={pp}" + (f" ep={ep}" if (ep or 1) > 1 else "") + (f", ZeRO-{zero}" if zero else "")
 
 
 def _layout_note(c: Config, run: dict[str, Any], world: int, dropped: tuple[str, ...], mine: list[str]) -> str | None:
     """What the header adds to a resumed job's layout when it is not the run's: the run's, and why
     it changed (the run's layout not fitting ``world`` ranks, or this job's flags)."""
-    now = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "zero": c.zero}
-    if not run.get("dp") or all(run.get(k) == v for k, v in now.items()):
+    now = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "zero": c.zero}
+    if not run.get("dp") or all(run.get(k, 1 if k == "ep" else None) == v for k, v in now.items()):
         return None
-    was = layout_text(run.get("dp"), run.get("tp"), run.get("pp"), run.get("zero") if run.get("zero") != c.zero else 0)
+    was = layout_text(run.get("dp"), run.get("tp"), run.get("pp"), run.get("zero") if run.get("zero") != c.zero else 0,
+                      run.get("ep", 1))
     if dropped and not mine:  # nothing asked: the run's layout could not be kept
         why = f"the run's {was} does not fit {world} rank{'s' if world > 1 else ''}"
     elif dropped:

@@ -88,7 +88,7 @@ def _model(c: Config, world: int) -> None:
 
 def _model_experts(c: Config) -> None:
     """The GPT's mixture of experts (``--moe-*``) and their spread over ``--ep`` ranks."""
-    from ..parallel.experts import ep_experts_problem, moe_problem  # (see _parallel_values)
+    from ..parallel.expert_grads import ep_experts_problem, moe_problem  # (see _parallel_values)
 
     if c.model != "gpt" and c.moe_experts:
         raise ConfigError(f"--moe-experts makes the GPT's MLPs mixtures of experts; --model {c.model} has none "
@@ -221,7 +221,7 @@ def _parallel(c: Config, world: int) -> None:
         raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp} x dp: "
                           f"the world size must be a multiple of {tp * pp}")
     c.tp, c.pp, c.dp = tp, pp, world // (tp * pp)
-    from ..parallel.experts import ep_dp_problem  # (see _parallel_values)
+    from ..parallel.expert_grads import ep_dp_problem  # (see _parallel_values)
 
     _refuse(ep_dp_problem(c.ep, c.dp, as_flag))
     if c.pp_cut not in (None, "auto") and c.pp == 1:  # (auto: a run's stored cut dropped, e.g. on a resume)

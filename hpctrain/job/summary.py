@@ -66,7 +66,8 @@ def build(c: Any, trainer: Fittable, n_params: int, device: str, history: Sequen
     loss, loss_steps = comm.bcast_obj(final_loss(metrics) if comm.rank == 0 else None)
     return {
         "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
-        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp, **({"ep": c.ep} if c.ep > 1 else {})}, "zero": c.zero, "steps": trainer.global_step,
+        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp, **({"ep": c.ep} if c.ep > 1 else {})},
+        "zero": c.zero, "steps": trainer.global_step,
         "steps_this_run": len(history), "epochs": c.epochs,
         "final_loss": loss, "final_loss_steps": loss_steps,
         "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],

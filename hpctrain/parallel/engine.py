@@ -35,6 +35,7 @@ from ..protocols import Comm, Reducer
 from ..training.graph import forward_loss, run_backward
 from ..training.precision import Precision
 from ..training.step import Batch, TrainStep
+from .expert_grads import expert_ids, expert_reducer
 from .pipeline_probe import per_call_state_problem
 from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_schedules import get_schedule
@@ -177,9 +178,12 @@ class ParallelStep(TrainStep):
         # Clipping float64 models by the exactly rounded norm (every rank decides alike).
         not64 = any(np.dtype(p.dtype) != np.float64 for p in self.params)
         self.exact_norm = clip_norm is not None and not self.comm.allreduce(np.array([float(not64)]), op="max")[0]
-        if self.dp.size > 1:
-            for p in self.params:  # dp replicas start identical
-                self.dp.bcast(p.data, root=0)
+        self._experts = expert_ids(model, grid)  # ep > 1: experts spread over grid.ep, replicated over grid.edp
+        self._tp_replicated |= self._experts  # (an MoE layer is not split over tp)
+        for p in self.params:  # dp replicas start identical (an expert slice: its replicas)
+            group = grid.edp if id(p) in self._experts else self.dp
+            if group.size > 1:
+                group.bcast(p.data, root=0)
         self._ties = PipelineTies(model, pp, self._shards)  # weights two stages hold (a tied head)
         self._shards, self._uncounted = self._ties.canonical(self._shards), self._ties.uncounted
         # Mixed precision: float32 masters from the (identical) float32 parameters, then the
@@ -255,14 +259,22 @@ class ParallelStep(TrainStep):
         if self.zero:
             factory = zero_reducer(model, optimizer, self.zero, masters=self._masters)
             self._masters = None  # ZeRO keeps this rank's piece of them
+        if self._experts:  # the experts reduce over their replicas, the rest over dp
+            over = lambda ps, g: self._reducer_over(factory, ps, g)  # noqa: E731
+            return expert_reducer(self.params, self._experts, self.grid, over, optimizer, self.zero)
+        return self._reducer_over(factory, self.params, self.dp)
+
+    def _reducer_over(self, factory: Callable[[list[Any], Any], Reducer] | None, params: list[Any], group: Any
+                      ) -> Reducer:
+        """The reduction of ``params`` over ``group``: the factory's, or bucket all-reduces."""
         if factory is not None:
-            return factory(self.params, self.dp)
-        nccl = self._nccl() if self.backend == "nccl" else None
-        if self.backend == "hierarchical" and self.dp.size > 1:
+            return factory(params, group)
+        nccl = self._nccl(group) if self.backend == "nccl" else None
+        if self.backend == "hierarchical" and group.size > 1:
             from ..comm.hierarchical import HierarchicalComm
 
-            nccl = HierarchicalComm(self.dp)  # the buckets' reducer, like NCCL's communicator
-        return AllReduceReducer(self.params, self.dp, bucket_mb=self.bucket_mb, compression=self.compression,
+            nccl = HierarchicalComm(group)  # the buckets' reducer, like NCCL's communicator
+        return AllReduceReducer(params, group, bucket_mb=self.bucket_mb, compression=self.compression,
                                 backend=nccl)  # fmt: skip
 
     def _check_args(self, grid: ProcessGrid, model: Any) -> Exception | None:
@@ -311,7 +323,7 @@ class ParallelStep(TrainStep):
                              "(or tensor_parallel(model, grid.tp))")
         return None
 
-    def _nccl(self) -> Any:
+    def _nccl(self, group: Any) -> Any:
         """The NCCL communicator for the gradient buckets, once every rank is known to have one."""
         from ..backend import cupy
         from ..comm.nccl import NcclCommunicator
@@ -320,8 +332,8 @@ class ParallelStep(TrainStep):
         ok = cp is not None and all(xp_of(p.data) is not np for p in self.params)
         why = "backend='nccl' needs CuPy and the model on the GPU on every rank"
         raise_if_any(self.comm, None if ok else RuntimeError(why))
-        raise_if_any(self.comm, shared_gpu_problem(self.dp, _device_id(cp)))
-        return NcclCommunicator(self.dp)
+        raise_if_any(self.comm, shared_gpu_problem(group, _device_id(cp)))
+        return NcclCommunicator(group)
 
     # -- what the trainer reads ---------------------------------------------------------------
 
@@ -329,6 +341,7 @@ class ParallelStep(TrainStep):
         """Every setting the ranks must share, under the preset's names (``Preset.renames``)."""
         cfg = {
             "type": self.preset.name, "tp": self.grid.tp.size, "pp": self.grid.pp.size,
+            **({"ep": self.grid.ep_size} if getattr(self.grid, "ep_size", 1) > 1 else {}),
             "microbatches": self.microbatches, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "overlap": self.overlap,
             "bucket_mb": self.bucket_mb, "compression": self.compression, "backend": self.backend,

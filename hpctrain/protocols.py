@@ -338,3 +338,14 @@ class Recoverable(Fittable, Protocol):
 
     def rebind(self, grid: Any, full: dict[str, Any] | None = None) -> None:
         """Go on over ``grid`` (the survivors'): communicators, reducer, hooks and ZeRO pieces."""
+
+
+class ExpertGroup(Protocol):
+    """What an ``nn.MoE`` uses of its expert-parallel group (a ``Communicator``: ``grid.ep``):
+    its place and the all-to-all-v of rows (``send_counts[i]`` rows to rank i, ``recv_counts[j]``
+    from rank j, the rows from rank 0 first)."""
+
+    rank: int
+    size: int
+
+    def alltoallv(self, x: Any, send_counts: Any, recv_counts: Any = None, out: Any = None) -> Any: ...

@@ -254,3 +254,67 @@ def test_communicators_nobody_refers_to_are_released(comm):
             sub.free()  # released at once; the collector must not free it a second time
     total = twin.allreduce(np.ones(1))
     assert total[0] == twin.size == len(range(comm.rank % 2, comm.size, 2))
+
+
+# -- all-to-all (issue 43: Ulysses attention and MoE dispatch) --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "bfloat16"])
+@pytest.mark.parametrize("staged", [False, True])
+def test_alltoall_sends_block_i_to_rank_i(comm, dtype, staged):
+    c = Communicator(comm.mpi)
+    c._force_staging = staged
+    size, rank = c.size, c.rank
+    dt = np.dtype(np.float32) if dtype == "bfloat16" else np.dtype(dtype)
+
+    def block(src, dst):  # what rank src sends to rank dst: shape (3, 2)
+        return (np.arange(6).reshape(3, 2) + 100 * src + 10 * dst).astype(dt)
+
+    x = np.stack([block(rank, d) for d in range(size)])
+    want = np.stack([block(s, rank) for s in range(size)])
+    if dtype == "bfloat16":  # moved as its bits: exactly the rounded values arrive
+        from hpctrain.backend import BF16
+
+        x, want = x.astype(BF16), want.astype(BF16).astype(dt)
+    got = c.alltoall(x)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    np.testing.assert_array_equal(got.astype(dt), want)
+    out = np.empty_like(x)
+    assert c.alltoall(x, out=out) is out
+    np.testing.assert_array_equal(out.astype(dt), got.astype(dt))
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_alltoallv_moves_uneven_rows(comm, staged):
+    c = Communicator(comm.mpi)
+    c._force_staging = staged
+    size, rank = c.size, c.rank
+
+    def count(src, dst):  # uneven, zero included: rank 0 sends nothing to the last rank
+        return (src + 2 * dst) % 3 + (0 if (src, dst) == (0, size - 1) and size > 1 else 1)
+
+    def rows(src, dst):
+        return np.full((count(src, dst), 4), 1000 * src + dst, np.float64) + np.arange(4)
+
+    x = np.concatenate([rows(rank, d) for d in range(size)])
+    want = np.concatenate([rows(s, rank) for s in range(size)])
+    sent = [count(rank, d) for d in range(size)]
+    np.testing.assert_array_equal(c.alltoallv(x, sent), want)  # counts exchanged
+    got = [count(s, rank) for s in range(size)]
+    out = np.empty_like(want)
+    assert c.alltoallv(x, sent, got, out=out) is out
+    np.testing.assert_array_equal(out, want)
+    # The way back: the received rows return to their senders by the received counts.
+    np.testing.assert_array_equal(c.alltoallv(want, got, sent), x)
+
+
+def test_alltoall_refuses_what_does_not_fit(comm):
+    size = comm.size
+    with pytest.raises(BufferError, match=r"alltoall: x needs shape \(size="):
+        comm.alltoall(np.zeros((size + 1, 2)))
+    with pytest.raises(ValueError, match="send_counts needs"):
+        comm.alltoallv(np.zeros((2, 2)), [1] * (size + 1))
+    with pytest.raises(BufferError, match="send_counts sum to"):
+        comm.alltoallv(np.zeros((2 * size + 1, 2)), [2] * size, [2] * size)
+    with pytest.raises(BufferError, match="alltoallv: out has shape"):
+        comm.alltoallv(np.zeros((size, 2)), [1] * size, [1] * size, out=np.zeros((size + 1, 2)))

@@ -169,3 +169,81 @@ def test_info_lists_the_nodes_the_ranks_claim(serial):
     assert p.returncode == 0, p.stderr
     assert "nodes            : 2  (ranks per node: alpha=1, beta=2)" in p.stdout, p.stdout
     assert "node layout      : alpha: rank 0; beta: ranks 1-2" in p.stdout, p.stdout
+
+
+# -- context and expert parallelism: two more axes of the same layout (issue 43) -------------------
+
+
+@pytest.mark.parametrize("size,tp,pp,cp,ep", [(8, 1, 1, 2, 1), (16, 2, 2, 2, 2), (8, 1, 1, 2, 4), (12, 1, 3, 2, 2),
+                                              (24, 2, 1, 3, 2), (4, 1, 1, 1, 4)])
+def test_cp_ep_layout_partitions_the_world_and_round_trips(size, tp, pp, cp, ep):
+    dp = factor(size, tp, pp, cp, ep)
+    groups = layout(size, tp, pp, cp, ep)
+    sizes = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "edp": dp // ep, "dp_cp": dp * cp,
+             "edp_cp": dp // ep * cp}
+    for name, n in sizes.items():
+        assert sorted(itertools.chain.from_iterable(groups[name])) == list(range(size)), name
+        assert all(len(g) == n for g in groups[name]), name
+    for r in range(size):
+        c = coords(r, size, tp, pp, cp, ep)
+        assert rank_of(c, size, tp, pp, cp, ep) == r
+        assert c.ep == c.dp % ep
+    # A dense parameter's replicas are its dp x cp ranks; an expert's are the dp x cp ranks of the
+    # same place in their ep group; an ep group is consecutive dp indices of one dp group.
+    for g in groups["ep"]:
+        cs = [coords(r, size, tp, pp, cp, ep) for r in g]
+        assert [c.dp for c in cs] == list(range(cs[0].dp, cs[0].dp + ep)) and cs[0].dp % ep == 0
+        assert any(set(g) <= set(d) for d in groups["dp"])
+    for g in groups["edp_cp"]:
+        assert len({coords(r, size, tp, pp, cp, ep).ep for r in g}) == 1
+        assert any(set(g) <= set(d) for d in groups["dp_cp"])
+
+
+def test_cp_sits_between_tp_and_dp():
+    groups = layout(8, tp=2, cp=2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert coords(6, 8, tp=2, cp=2) == Coords(dp=1, tp=0, pp=0, cp=1)
+
+
+@pytest.mark.parametrize("size,tp,cp,ep,words", [(8, 1, 3, 1, ["8", "cp=3", "tp*pp*cp=3"]),
+                                                 (8, 1, 2, 3, ["ep=3", "dp=4"]), (8, 1, 0, 1, ["cp", "0"]),
+                                                 (4, 1, 1, 8, ["ep=8", "dp=4"])])
+def test_bad_cp_ep_grids_name_the_numbers(size, tp, cp, ep, words):
+    with pytest.raises(GridError) as err:
+        factor(size, tp, 1, cp, ep)
+    for w in words:
+        assert w in str(err.value)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_grid_cp_ep_subcommunicators(comm):
+    size = comm.size
+    shapes = [(1, 1, size, 1), (1, 1, 1, size)]
+    if size % 4 == 0:
+        shapes += [(1, 1, 2, 2), (2, 1, 2, 1), (1, 2, 2, 1)]
+    for tp, pp, cp, ep in shapes:
+        grid = ProcessGrid(comm, tp=tp, pp=pp, cp=cp, ep=ep)
+        c, groups = grid.coords, layout(size, tp, pp, cp, ep)
+        assert grid.coords == coords(comm.rank, size, tp, pp, cp, ep)
+        assert (grid.cp.rank, grid.ep.rank) == (c.cp, c.ep)
+        for name in groups:
+            sub = getattr(grid, name)
+            got = sub.allgather(np.array([comm.rank]))[:, 0].tolist()
+            assert got in groups[name], (name, got)
+        assert grid.sizes == {"dp": size // (tp * pp * cp), "tp": tp, "pp": pp,
+                              **({"cp": cp} if cp > 1 else {}), **({"ep": ep} if ep > 1 else {})}
+        assert (grid.dp_cp is grid.dp) == (cp == 1) and (grid.edp_cp is grid.dp_cp) == (ep == 1)
+        grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_grid_ep_that_does_not_divide_dp_fails_on_every_rank(comm):
+    with pytest.raises(GridError, match="must divide the data-parallel size"):
+        ProcessGrid(comm, ep=comm.size + 1)
+    with pytest.raises(GridError, match="different process grids"):
+        ProcessGrid(comm, cp=comm.size if comm.rank == 0 else 1)

@@ -23,11 +23,13 @@ from mpi4py import MPI
 from .. import backend, settings
 from ..errors import BufferError, ConfigError
 from . import cuda_aware as _cuda_aware
+from . import exchange as _exchange
 from . import failure as _failure
 from . import objects as _objects
 from . import ulfm as _ulfm
 from . import watchdog as _watch
 from .fingerprint import tracer_from_env
+from .nodes import local_rank as _local_rank
 from .owned import _OWNED, _free_dead, _owned
 from .request import Request
 from .staging import _copy_from_host, _copy_to_host, _HostStage
@@ -101,23 +103,7 @@ class Communicator(Agreeing):
         say), the split's numbering is used and rank 0 of the node says why once.
         """
         if self._local_rank is None:
-            found = backend.local_rank_var()
-            node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-            try:
-                claimed = node.allgather(None if found is None else found[1])
-                if found is not None and sorted(claimed) == list(range(node.Get_size())):
-                    self._local_rank = found[1]
-                else:
-                    self._local_rank = node.Get_rank()
-                    if found is not None and node.Get_rank() == 0:
-                        from ..log import get_logger
-
-                        get_logger("comm").warning(
-                            "%s does not number the %d ranks on %s 0..%d (they hold %s): using the "
-                            "shared-memory split's numbering instead", found[0], node.Get_size(), self.hostname(),
-                            node.Get_size() - 1, claimed)
-            finally:
-                node.Free()
+            self._local_rank = _local_rank(self)
         return self._local_rank
 
     def set_timeout(self, seconds: float | None) -> None:
@@ -373,6 +359,18 @@ class Communicator(Agreeing):
         self._moved("allgather", self.mpi.Allgather, x, out)
         return out
 
+    def alltoall(self, x: Any, out: Any = None) -> Any:
+        """Block ``i`` of ``x`` (shape ``(size, ...)``) goes to rank ``i``; block ``j`` of the result
+        came from rank ``j``."""
+        return _exchange.alltoall(self, x, out)
+
+    def alltoallv(self, x: Any, send_counts: Any, recv_counts: Any = None, out: Any = None) -> Any:
+        """Rows ``x[start_i : start_i + send_counts[i]]`` (consecutive, in rank order) go to rank
+        ``i``; the result holds ``recv_counts[j]`` rows from each rank ``j``, rank 0's first. The
+        rows' trailing shape and dtype are the same on every rank. ``recv_counts=None`` exchanges
+        the counts first (one more all-to-all)."""
+        return _exchange.alltoallv(self, x, send_counts, recv_counts, out)
+
     # -- point to point ---------------------------------------------------------------------
 
     def send(self, x: Any, dest: int, tag: int = 0) -> None:
@@ -495,3 +493,4 @@ class Communicator(Agreeing):
         if got != out.nbytes:
             raise BufferError(f"recv from rank {source} (tag {tag}) got {got} bytes into a buffer of "
                               f"{out.nbytes} bytes (shape {tuple(out.shape)}, dtype {out.dtype})")
+

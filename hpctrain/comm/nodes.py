@@ -8,7 +8,11 @@ tests on one machine run real multi-node layouts (each rank claims a node).
 
 from __future__ import annotations
 
-from .. import settings
+from typing import Any
+
+from mpi4py import MPI
+
+from .. import backend, settings
 from ..protocols import Comm
 
 
@@ -49,3 +53,23 @@ def describe(names: list[str]) -> str:
         shown = f"{ranks[0]}-{ranks[-1]}" if contiguous and len(ranks) > 1 else ",".join(map(str, ranks))
         parts.append(f"{name}: rank{'s' if len(ranks) > 1 else ''} {shown}")
     return "; ".join(parts)
+
+
+def local_rank(comm: Any) -> int:
+    """``Communicator.local_rank``: the launcher's variable, checked against a shared-memory split
+    of ``comm`` (collective)."""
+    found = backend.local_rank_var()
+    node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        claimed = node.allgather(None if found is None else found[1])
+        if found is not None and sorted(claimed) == list(range(node.Get_size())):
+            return found[1]
+        if found is not None and node.Get_rank() == 0:
+            from ..log import get_logger
+
+            get_logger("comm").warning(
+                "%s does not number the %d ranks on %s 0..%d (they hold %s): using the shared-memory split's "
+                "numbering instead", found[0], node.Get_size(), comm.hostname(), node.Get_size() - 1, claimed)
+        return node.Get_rank()
+    finally:
+        node.Free()

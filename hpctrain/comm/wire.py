@@ -103,3 +103,4 @@ def _check_out(out: Any, shape: tuple, dtype: np.dtype, what: str) -> None:
         raise DtypeError(f"{what}: out has dtype {out.dtype}, expected {dtype}")
     if not out.flags.c_contiguous:
         raise BufferError(f"{what}: out must be C-contiguous to receive in place")
+

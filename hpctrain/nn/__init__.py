@@ -6,6 +6,7 @@ from .convolution import AvgPool2d, Conv1d, Conv2d, Flatten, MaxPool2d, Unflatte
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Tanh, TiedLinear
 from .losses import CrossEntropyLoss, Loss, MSELoss
 from .module import Module, Parameter, Sequential
+from .moe import MoE
 from .recompute import Recompute, recompute, recompute_blocks
 from .transformer import (
     GPT,
@@ -18,7 +19,7 @@ from .transformer import (
 
 __all__ = [
     "GELU", "GPT", "MLP", "AvgPool2d", "CausalSelfAttention", "Conv1d", "Conv2d", "CrossEntropyLoss", "Dropout",
-    "Embedding", "Flatten", "LayerNorm", "Linear", "Loss", "MSELoss", "MaxPool2d", "Module", "Parameter",
+    "Embedding", "Flatten", "LayerNorm", "Linear", "Loss", "MSELoss", "MaxPool2d", "MoE", "Module", "Parameter",
     "Recompute", "ReLU", "Sequential", "Tanh", "TiedLinear", "TransformerBlock", "Unflatten",
     "functional", "recompute", "recompute_blocks",
     "causal_attention", "causal_attention_backward",

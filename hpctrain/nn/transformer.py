@@ -28,6 +28,7 @@ from .kernels import row_ones
 from .layer_nodes import call_layer
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, TiedLinear
 from .module import Module, Sequential, as_rng
+from .moe import MoE, aux_loss_of, moe_blocks
 
 _MASKS: dict[tuple, Any] = {}
 
@@ -289,7 +290,8 @@ class TransformerBlock(Module):
     """Pre-norm block: ``x = x + attn(ln1(x)); x = x + mlp(ln2(x))``.
 
     ``dropout > 0`` adds GPT-2's residual dropout on both branches (``drop1``, ``drop2``, each with
-    its own generator seeded from ``rng``); parameter names are the same either way.
+    its own generator seeded from ``rng``); parameter names are the same either way. ``moe``: the
+    keyword arguments of an ``nn.MoE`` (``experts``, ``top_k``, ``capacity``) that replaces the MLP.
     """
 
     def __init__(
@@ -300,12 +302,14 @@ class TransformerBlock(Module):
         rng: int | np.random.Generator | None = None,
         dtype: Any = np.float32,
         dropout: float = 0.0,
+        moe: dict[str, Any] | None = None,
     ) -> None:
         g = as_rng(rng)
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, n_heads, rng=g, dtype=dtype)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
-        self.mlp = MLP(d_model, d_hidden, rng=g, dtype=dtype)
+        self.mlp = MoE(d_model, d_hidden, rng=g, dtype=dtype, **moe) if moe else \
+            MLP(d_model, d_hidden, rng=g, dtype=dtype)
         if dropout:
             seeds = g.integers(2**63, size=2)
             self.drop1 = Dropout(dropout, rng=int(seeds[0]))
@@ -349,6 +353,10 @@ class GPT(Module):
     (``state_dict``, ``parameters()``, checkpoints: no ``head.weight``); ``tied_weights()`` names
     the alias (``{"head.weight": "tok_emb.weight"}``), for code that sees the head alone (a
     pipeline's last stage lists it as ``head.weight``).
+
+    ``moe_experts=E > 0``: the MLP of every ``moe_every``-th block (blocks ``moe_every-1, ...``:
+    Megatron's ``moe_layer_freq``) is an ``nn.MoE`` (E experts of ``d_hidden``, ``moe_top_k``,
+    ``moe_capacity``); ``aux_loss`` sums their load-balancing terms (``nn.moe``: its gradient).
     """
 
     tensor_forward = True  # on a tensor: embeddings, blocks, final norm and head are nodes
@@ -365,6 +373,7 @@ class GPT(Module):
         dtype: Any = np.float32,
         dropout: float = 0.0,
         tie_embeddings: bool = False,
+        moe_experts: int = 0, moe_top_k: int = 2, moe_every: int = 1, moe_capacity: float = 0.0,
     ) -> None:
         if n_layers < 1:
             raise ValueError(f"GPT needs n_layers >= 1, got {n_layers}")
@@ -376,8 +385,9 @@ class GPT(Module):
         self.vocab_size, self.block_size = vocab_size, block_size
         self.tok_emb = Embedding(vocab_size, d_model, std=0.02, rng=g, dtype=dtype)
         self.pos_emb = Embedding(block_size, d_model, std=0.02, rng=g, dtype=dtype)
-        self.blocks = Sequential(*(TransformerBlock(d_model, n_heads, d_hidden, rng=g, dtype=dtype, dropout=dropout)
-                                   for _ in range(n_layers)))
+        moes = moe_blocks(n_layers, moe_experts, moe_top_k, moe_every, moe_capacity)
+        self.blocks = Sequential(*(TransformerBlock(d_model, n_heads, d_hidden, rng=g, dtype=dtype, dropout=dropout,
+                                                    moe=moe) for moe in moes))
         self.ln_f = LayerNorm(d_model, dtype=dtype)
         self.tie_embeddings = bool(tie_embeddings)
         self.head = TiedLinear(self.tok_emb.weight) if tie_embeddings else \
@@ -393,6 +403,11 @@ class GPT(Module):
             tokens, pos = Tensor(tokens), Tensor(pos)
         x = _residual(self.tok_emb(tokens), self.pos_emb(pos))  # into the lookup's fresh output
         return self.head(self.ln_f(self.blocks(x)))
+
+    @property
+    def aux_loss(self) -> float:
+        """The sum of the MoE blocks' load-balancing terms of the last forward (0 without MoE)."""
+        return aux_loss_of(self)
 
     def tied_weights(self) -> dict[str, str]:
         """``{alias: owner}``: the parameter names that are another's very ``Parameter`` (the tied

@@ -16,14 +16,19 @@ def _refusals(world: int) -> list[tuple[list[str], str]]:
     """(flags, the refusal) on ``world`` ranks (>= 2), its figures derived from the world."""
     return [
         (["--model", "gpt", "--moe-experts", str(2 * world + 1), "--ep", "2"],
-         f"--moe-experts {2 * world + 1}: the experts do not divide over --ep 2 ranks (give a multiple of 2)"),
+         f"--moe-experts {2 * world + 1} must be divisible by --ep 2"),
         (["--model", "gpt", "--moe-experts", str(4 * world), "--ep", str(2 * world)],
          f"--ep {2 * world} must divide the data-parallel replicas (dp={world}): the expert-parallel groups are "
          "carved out of dp"),
         (["--model", "gpt", "--ep", "2"],
-         "--ep 2 spreads the experts of a mixture-of-experts model, and this model has none (--moe-experts 0)"),
+         "--ep 2 spreads the experts of a mixture-of-experts model, and --model gpt has none: give --moe-experts "
+         "(gpt)"),
         (["--model", "gpt", "--moe-experts", "2", "--moe-top-k", "3"],
-         "--moe-top-k 3 routes each token to more experts than there are (--moe-experts 2)"),
+         "--moe-top-k 3 must be between 1 and --moe-experts 2"),
+        (["--model", "gpt", "--moe-experts", "4", "--ep", "2", "--tp", "2"] if world >= 4 else
+         ["--model", "gpt", "--moe-experts", "4", "--ep", "1", "--moe-capacity", "-1"],
+         "--ep 2 with --tp 2 is not supported yet (experts spread over ep and a model split over tp): use --ep 2 "
+         "with dp and pp, or --tp 2 without ep" if world >= 4 else "--moe-capacity must be >= 0, got -1"),
         (["--model", "mlp", "--moe-experts", "4"],
          "--moe-experts makes the GPT's MLPs mixtures of experts; --model mlp has none (a model of your own puts "
          "nn.MoE layers in itself)"),
@@ -44,7 +49,7 @@ def _as_settings(argv: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(8))
 def test_each_moe_refusal_is_one_line_that_says_what_is_wrong(world, case):
     argv, message = _refusals(world)[case]
     with pytest.raises(ConfigError) as exc:
@@ -54,7 +59,7 @@ def test_each_moe_refusal_is_one_line_that_says_what_is_wrong(world, case):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(8))
 def test_the_command_refuses_them_on_every_rank_before_anything_starts(comm, tmp_path, capsys, case):
     run = tmp_path / "run"
     argv, message = _refusals(comm.size)[case]

@@ -132,7 +132,7 @@ def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sampl
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,
                                             accum_steps=c.accum_steps, **common)
     _check_tp_splits(c, model)
-    grid = ProcessGrid(comm, tp=c.tp, pp=c.pp)
+    grid = ProcessGrid(comm, tp=c.tp, pp=c.pp, ep=c.ep)
     counts, plan = pipeline_cut(c, model, comm, sample) if c.pp > 1 else (None, "")
     part = parallel.parallelize(model, grid, balance=counts)  # this rank's pipeline stage, split over tp
     if plan:

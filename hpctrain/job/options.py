@@ -235,7 +235,7 @@ def flag(name: str) -> str:
 
 
 #: Library argument names whose flag is named otherwise (``ParameterServerTrainer(mode=)``: ``--ps-mode``).
-_FLAG_OF = {"mode": "ps_mode", "experts": "moe_experts", "top_k": "moe_top_k"}
+_FLAG_OF = {"mode": "ps_mode", "experts": "moe_experts", "top_k": "moe_top_k", "capacity": "moe_capacity"}
 
 
 def as_flag(name: str, value: Any = ...) -> str:

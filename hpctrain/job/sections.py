@@ -87,15 +87,18 @@ def _model(c: Config, world: int) -> None:
 
 
 def _model_experts(c: Config) -> None:
-    """The GPT's mixture of experts (``--moe-*``) and their spread over ``--ep`` ranks."""
-    from ..parallel.expert_grads import ep_experts_problem, moe_problem  # (see _parallel_values)
+    """The GPT's mixture of experts (``--moe-*``, ``nn.MoE``'s rules) and their spread over ``--ep`` ranks."""
+    from ..nn.moe import ep_problem, moe_problem
 
     if c.model != "gpt" and c.moe_experts:
         raise ConfigError(f"--moe-experts makes the GPT's MLPs mixtures of experts; --model {c.model} has none "
                           "(a model of your own puts nn.MoE layers in itself)")
-    _refuse(moe_problem(c.moe_experts, c.moe_top_k, as_flag))
-    if c.model in models.BUILTIN:  # (a model of your own: its trainer counts its experts when built)
-        _refuse(ep_experts_problem(c.moe_experts, c.ep, as_flag))
+    if c.moe_experts:
+        _refuse(moe_problem(c.moe_experts, c.moe_top_k, c.moe_capacity, as_flag))
+        _refuse(ep_problem(c.moe_experts, c.ep, as_flag))
+    elif c.ep > 1 and c.model in models.BUILTIN:  # (a model of your own: expert_parallel finds its MoE layers)
+        raise ConfigError(f"--ep {c.ep} spreads the experts of a mixture-of-experts model, and --model {c.model} has "
+                          "none: give --moe-experts (gpt)")
 
 
 def _model_splits(c: Config) -> None:
@@ -221,9 +224,9 @@ def _parallel(c: Config, world: int) -> None:
         raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp} x dp: "
                           f"the world size must be a multiple of {tp * pp}")
     c.tp, c.pp, c.dp = tp, pp, world // (tp * pp)
-    from ..parallel.expert_grads import ep_dp_problem  # (see _parallel_values)
+    from ..parallel.expert_grads import ep_dp_problem, ep_tp_problem  # (see _parallel_values)
 
-    _refuse(ep_dp_problem(c.ep, c.dp, as_flag))
+    _refuse(ep_dp_problem(c.ep, c.dp, as_flag) or ep_tp_problem(c.ep, c.tp, as_flag))
     if c.pp_cut not in (None, "auto") and c.pp == 1:  # (auto: a run's stored cut dropped, e.g. on a resume)
         raise ConfigError(f"--pp-cut {c.pp_cut} says where pipeline stages begin, but pp=1: give --pp 2 or more "
                           "(or --pp-cut auto)")

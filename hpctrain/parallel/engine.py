@@ -30,12 +30,13 @@ from ..comm.grid import ProcessGrid
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
 from ..nn.explicit import recording
+from ..nn.moe import moe_layers
 from ..optim.clip import clip_norm_problem
 from ..protocols import Comm, Reducer
 from ..training.graph import forward_loss, run_backward
 from ..training.precision import Precision
 from ..training.step import Batch, TrainStep
-from .expert_grads import expert_ids, expert_reducer
+from .expert_grads import ExpertStats, expert_ids, expert_reducer
 from .pipeline_probe import per_call_state_problem
 from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_schedules import get_schedule
@@ -177,7 +178,10 @@ class ParallelStep(TrainStep):
         self.precision.cast(self.params)  # fp64: the float64 check, before anything is laid out
         # Clipping float64 models by the exactly rounded norm (every rank decides alike).
         not64 = any(np.dtype(p.dtype) != np.float64 for p in self.params)
-        self.exact_norm = clip_norm is not None and not self.comm.allreduce(np.array([float(not64)]), op="max")[0]
+        experts = max((m.experts for m in moe_layers(model)), default=0)  # (a stage may hold none)
+        agreed = self.comm.allreduce(np.array([float(not64), float(experts)]), op="max")
+        self.exact_norm = clip_norm is not None and not agreed[0]
+        self._moe = ExpertStats(model, grid, int(agreed[1]))  # aux loss, tokens per expert (none: inert)
         self._experts = expert_ids(model, grid)  # ep > 1: experts spread over grid.ep, replicated over grid.edp
         self._tp_replicated |= self._experts  # (an MoE layer is not split over tp)
         for p in self.params:  # dp replicas start identical (an expert slice: its replicas)
@@ -400,9 +404,8 @@ class ParallelStep(TrainStep):
     # -- forward and backward -------------------------------------------------------------------
 
     def _forward_backward(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
-        if self._runner is not None:
-            return self._pipeline(batch)
-        return self._accumulate(batch)
+        loss, extra, seconds = self._pipeline(batch) if self._runner is not None else self._accumulate(batch)
+        return loss, self._moe.take(extra), seconds  # its sums after the schedule's, in the step's all-reduce
 
     def step_microbatches(self, n: int) -> int:
         k = super().step_microbatches(n)
@@ -434,7 +437,9 @@ class ParallelStep(TrainStep):
                     hooks.arm()
             try:
                 wi = None if w is None else to_device(w[part], xp)
+                self._moe.weigh(scales[i])  # the load-balancing term's gradient scaled as the loss's
                 root = forward_loss(self.model, self.loss, x[part], y[part], wi, scales[i])
+                self._moe.add(batch.part_weights[i] / batch.weight_total if batch.weight_total else 0.0)
                 loss_sum = loss_sum + root.data * scales[i]  # on the GPU: stays there until the step's one read
                 run_backward(root, meter=self.meter)
                 del root  # the graph goes before the next micro-batch's forward
@@ -460,9 +465,12 @@ class ParallelStep(TrainStep):
         actions = list(get_schedule(self.schedule, self.virtual_stages)(pp.size, pp.rank, len(batch.parts)))
         self._step_parts = len(batch.parts)
         self.reducer.begin()
+        scales = self._scales(batch)
+        self._moe.weigh(sum(scales) / len(scales))  # exact for micro-batches of equal weight (no masks)
         with recording() as calls:  # the explicit modules' first inputs, for the check below
-            r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, self._scales(batch), self.loss,
+            r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, scales, self.loss,
                                  xp, meter=self.meter)  # fmt: skip
+        self._moe.add(1.0)  # the layers keep their last micro-batch's term: the whole batch's share
         self._ties.sum_grads()
         if not self._state_checked:  # once: explicit modules keeping state outside their cache refused
             raise_if_any(self.comm, per_call_state_problem(calls, self.chunks), what=self.preset.name)
@@ -475,6 +483,7 @@ class ParallelStep(TrainStep):
         return r["loss"], {"_reduce": list(slots)}, r["comm"]
 
     def _finish_extra(self, extra: dict[str, Any], sums: Any) -> dict[str, Any]:
+        extra, sums = self._moe.stats(extra, sums)
         if self._runner is None:
             return extra
         per = np.asarray(sums, dtype=np.float64).reshape(-1, 4)

@@ -14,75 +14,54 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from ..backend import to_host
 from ..errors import Say, as_argument
+from ..nn.moe import moe_layers
 from ..protocols import Reducer
 from .reducer import GradReducer
 
-__all__ = ["ExpertReducer", "ShardedExpertReducer", "ep_dp_problem", "ep_experts_problem", "expert_ids",
-           "expert_reducer", "moe_problem"]
-
-
-def moe_problem(experts: int, top_k: int, say: Say = as_argument) -> str | None:
-    """Why a mixture of ``experts`` experts cannot route each token to ``top_k`` of them
-    (``None``: it can), in ``say``'s names (``hpctrain train`` asks with its flags)."""
-    if experts and top_k > experts:
-        return f"{say('top_k', top_k)} routes each token to more experts than there are ({say('experts', experts)})"
-    return None
+__all__ = ["ExpertReducer", "ExpertStats", "ShardedExpertReducer", "ep_dp_problem", "ep_tp_problem", "expert_ids",
+           "expert_reducer"]
 
 
 def ep_dp_problem(ep: int, dp: int, say: Say = as_argument) -> str | None:
     """Why expert-parallel groups of ``ep`` ranks cannot be carved out of ``dp`` data-parallel
-    replicas (``None``: they can), in ``say``'s names."""
+    replicas (``None``: they can), in ``say``'s names (``ProcessGrid`` refuses the same grid)."""
     if ep != 1 and (ep > dp or dp % ep):
         return (f"{say('ep', ep)} must divide the data-parallel replicas (dp={dp}): "
                 "the expert-parallel groups are carved out of dp")
     return None
 
 
-def ep_experts_problem(experts: int, ep: int, say: Say = as_argument) -> str | None:
-    """Why ``experts`` experts per MoE layer cannot spread over ``ep`` ranks (``None``: they can),
-    in ``say``'s names: the one place of this rule (``ParallelTrainer`` asks it of its grid and
-    model, ``hpctrain train`` of its flags)."""
-    if ep == 1:
-        return None
-    if not experts:
-        return (f"{say('ep', ep)} spreads the experts of a mixture-of-experts model, and this model has none "
-                f"({say('experts', 0)})")
-    if experts % ep:
-        return (f"{say('experts', experts)}: the experts do not divide over {say('ep', ep)} ranks "
-                f"(give a multiple of {ep})")
+def ep_tp_problem(ep: int, tp: int, say: Say = as_argument) -> str | None:
+    """Why experts cannot spread over ``ep`` ranks with tensor parallelism of ``tp`` (``None``:
+    they can): the transforms copy the model, and an expert-parallel copy holds its group."""
+    if ep > 1 and tp > 1:
+        return (f"{say('ep', ep)} with {say('tp', tp)} is not supported yet (experts spread over ep and a model "
+                f"split over tp): use {say('ep', ep)} with dp and pp, or {say('tp', tp)} without ep")
     return None
 
 
 def expert_ids(model: Any, grid: Any) -> set[int]:
-    """``id``s of this rank's expert parameters when they are spread over ``grid.ep`` (``ep > 1``;
-    otherwise every rank holds every expert and they reduce with the dense ones: empty)."""
-    if getattr(grid, "ep_size", 1) == 1:
+    """``id``s of this rank's expert parameters when they are spread over ``grid.ep`` (``ep > 1``:
+    the stacked experts of each sharded ``nn.MoE``, its ``shard_index``); otherwise every rank holds
+    every expert and they reduce with the dense ones: empty."""
+    if grid.ep_size == 1:
         return set()
-    names = expert_param_names(model)
-    return {id(p) for n, p in model.named_parameters() if n in names}
+    return {id(getattr(m, name)) for m in moe_layers(model) if m.group is not None for name in m.shard_index}
 
 
 def expert_reducer(params: list[Any], experts: set[int], grid: Any, over: Any, facade: Any, zero: int
                    ) -> ExpertReducer:
-    """The dense parameters' reducer over ``grid.dp`` and the experts' over ``grid.edp``, each made
-    by ``over(params, group)`` (the engine's one rule for a reducer), as one ``ExpertReducer``."""
+    """The dense parameters' reducer over ``grid.dp`` and the experts' over ``grid.edp_cp`` (the
+    ranks that hold the same experts), each made by ``over(params, group)`` (the engine's one rule
+    for a reducer), as one ``ExpertReducer``."""
     dense = over([p for p in params if id(p) not in experts], grid.dp)
-    spread = over([p for p in params if id(p) in experts], grid.edp)
+    spread = over([p for p in params if id(p) in experts], grid.edp_cp)
     cls = ShardedExpertReducer if zero else ExpertReducer
     return cls(dense, spread, experts, facade=facade)
-
-
-def expert_param_names(model: Any) -> set[str]:
-    """The parameters of ``model`` (by serial name) that are experts' (their gradients reduce over
-    the expert replicas): those an MoE layer lists in ``expert_parameter_names()``, named in the
-    model as a whole."""
-    names: set[str] = set()
-    for prefix, module in model.named_modules():
-        own = getattr(module, "expert_parameter_names", None)
-        if callable(own):
-            names.update(f"{prefix}.{n}" if prefix else n for n in own())
-    return names
 
 
 class ExpertReducer(GradReducer):
@@ -201,3 +180,57 @@ class ShardedExpertReducer(ExpertReducer):
     def restore(self, snap: dict[str, Any]) -> None:
         self.dense.restore(snap["dense"])  # type: ignore[attr-defined]
         self.experts.restore(snap["experts"])  # type: ignore[attr-defined]
+
+
+class ExpertStats:
+    """What a step reports of its MoE layers (``StepStats.extra``, metrics.jsonl, the progress line):
+    ``moe_aux_loss``, the load-balancing term over the global batch (each micro-batch's weighted by
+    its share, as its gradient is), and ``moe_max_share``, the most tokens any expert got over the
+    mean (1: perfectly balanced; a router that collapses onto one expert of E drives it to E), from
+    the router's choices summed over every MoE layer and the whole batch.
+
+    It also scales each layer's ``aux_weight`` (the user's, ``nn.moe.set_aux_weight``) by the
+    micro-batch's share of the global batch (and fp16's loss scale), as the loss's own gradient is
+    scaled, so the term's gradient summed over replicas and micro-batches is the global one.
+    ``slots``: the most experts of any layer on any rank (the engine agrees on it).
+    """
+
+    def __init__(self, model: Any, grid: Any, slots: int) -> None:
+        self.layers = moe_layers(model)
+        self.weights = [m.aux_weight for m in self.layers]
+        self.slots = slots  # the most experts of any layer on any rank (0: no MoE anywhere, nothing reported)
+        # Each rank's own tokens' term (tp ranks repeat it); tokens per expert are the ep group's.
+        self.aux_counted = grid.tp.rank == 0
+        self.tokens_counted = self.aux_counted and grid.ep.rank == 0
+        self.sums = np.zeros(1 + self.slots)
+
+    def weigh(self, scale: float) -> None:
+        """The next micro-batch's share (times the loss scale): each layer's aux weight follows it."""
+        for m, w in zip(self.layers, self.weights):
+            m.aux_weight = w * scale
+
+    def add(self, share: float) -> None:
+        """After a micro-batch's forward: its term (weighted by ``share``) and its tokens."""
+        if self.aux_counted:
+            self.sums[0] += share * sum(float(m.aux_loss) for m in self.layers)
+        if self.tokens_counted:
+            for m in self.layers:
+                self.sums[1 : 1 + m.experts] += np.asarray(to_host(m.tokens_per_expert), dtype=np.float64)
+
+    def take(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """``extra`` with this rank's sums of the step after its ``_reduce`` entries (summed over the
+        world by the step); the sums start again for the next step."""
+        if not self.slots:
+            return extra
+        out, self.sums = list(self.sums), np.zeros(1 + self.slots)
+        return {**extra, "_reduce": [*extra.get("_reduce", []), *out]}
+
+    def stats(self, extra: dict[str, Any], sums: Any) -> tuple[dict[str, Any], Any]:
+        """``extra`` with the step's figures from the sums over the world, and the sums before them."""
+        if not self.slots:
+            return extra, sums
+        n = 1 + self.slots
+        mine, tokens = sums[-n:], np.asarray(sums[-n + 1 :], dtype=np.float64)
+        mean = tokens.mean()
+        share = float(tokens.max() / mean) if mean > 0 else 0.0
+        return {**extra, "moe_aux_loss": float(mine[0]), "moe_max_share": share}, sums[:-n]

@@ -18,6 +18,7 @@ from ..nn.module import Module
 from ..nn.recompute import recompute as recompute_whole
 from ..nn.recompute import recompute_blocks
 from .cut import Chunks, Stage, cut, piece_cost, pipeline_pieces, tied_weights
+from .experts import expert_parallel
 from .tensor import tensor_parallel
 
 __all__ = ["parallelize"]
@@ -35,6 +36,8 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
       unless ``balance`` lists the pieces per virtual stage. The part carries ``.pipeline`` (its
       place in the cut) and, interleaved, ``.chunks``.
 
+    - ``grid.ep > 1``: a copy whose ``nn.MoE`` layers hold this rank's experts of ``grid.ep``
+      (``expert_parallel``; ``ParallelTrainer`` reduces their gradients over the expert replicas).
     - ``recompute=True``: activation recomputation on the model's blocks first (in place,
       ``nn.recompute_blocks``: a GPT's transformer blocks, a ``Sequential``'s ``MLP`` layers; a
       one-stage model without such blocks is recomputed whole, ``nn.recompute``). Results are
@@ -57,6 +60,8 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
                                  "Sequential's MLP layers) in a model cut into pipeline stages: wrap its layers "
                                  "in nn.Recompute yourself")  # fmt: skip
             model = recompute_whole(model)
+    if grid.ep_size > 1:  # the experts spread over grid.ep (a copy; before the cut, which names them)
+        model = expert_parallel(model, grid.ep)
     costs = [piece_cost(p) for p in pipeline_pieces(model)] if pp.size > 1 else None
     if tp.size > 1:
         model = tensor_parallel(model, tp)

@@ -1,0 +1,122 @@
+"""ParallelTrainer with an MoE GPT whose experts spread over ``grid.ep``: equal to one process.
+
+The gradient rule is derived here, not trusted: each rank's loss is its share of the global
+batch's mean; an expert's gradient on the rank that holds it already sums the tokens of its whole
+ep group, so it sums over the expert replicas only (``grid.edp``), dense ones over dp. The
+load-balancing term counts each expert's share of the router's choices over an ep group, so one
+process computes the same thing with one micro-batch per ep group (its ranks' rows together),
+each weighted by its share of the batch. Float64, dropless, to 1e-9.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpctrain import ProcessGrid
+from hpctrain.nn import GPT, CrossEntropyLoss
+from hpctrain.nn.moe import moe_layers, set_aux_weight
+from hpctrain.optim import AdamW
+from hpctrain.parallel import ParallelTrainer, parallelize
+
+VOCAB, T, PER, STEPS, EXPERTS, AUX = 11, 6, 3, 3, 4, 0.05
+
+
+def make() -> GPT:
+    gpt = GPT(VOCAB, T, d_model=8, n_heads=2, n_layers=2, rng=np.random.default_rng(0), dtype=np.float64,
+              moe_experts=EXPERTS, moe_top_k=2)
+    set_aux_weight(gpt, AUX)
+    return gpt
+
+
+def data(dp: int, step: int):
+    g = np.random.default_rng(100 + step)
+    return g.integers(0, VOCAB, (PER * dp, T)), g.integers(0, VOCAB, (PER * dp, T))
+
+
+def serial(dp: int, ep: int):
+    """One process: each step one micro-batch per ep group (``ep`` replicas' rows), the loss's
+    gradient and the load-balancing term's weight scaled by its share of the batch."""
+    model, loss = make(), CrossEntropyLoss()
+    opt = AdamW(model.parameters(), lr=1e-2)
+    groups, rows = dp // ep, PER * ep
+    losses, aux = [], []
+    for s in range(STEPS):
+        x, y = data(dp, s)
+        opt.zero_grad()
+        set_aux_weight(model, AUX / groups)
+        step_loss = step_aux = 0.0
+        for g in range(groups):
+            sl = slice(g * rows, (g + 1) * rows)
+            step_loss += loss.forward(model.forward(x[sl]), y[sl]) / groups
+            step_aux += sum(m.aux_loss for m in moe_layers(model)) / groups
+            model.backward(loss.backward(1.0 / groups))
+        opt.step()
+        losses.append(step_loss)
+        aux.append(step_aux)
+    return model, losses, aux
+
+
+def check(comm, ep: int, pp: int = 1, zero: int = 0, microbatches: int = 1):
+    if comm.size % (ep * pp) or (comm.size // pp) % ep:
+        pytest.skip(f"ep={ep} x pp={pp} does not fit a world of {comm.size}")
+    grid = ProcessGrid(comm, pp=pp, ep=ep)
+    dp, d = grid.dp_size, grid.dp.rank
+    part = parallelize(make(), grid)
+    tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=1e-2), grid=grid,
+                         zero=zero, microbatches=microbatches if pp > 1 else 1)
+    stats = []
+    for s in range(STEPS):
+        x, y = data(dp, s)
+        stats.append(tr.step(x[d * PER : (d + 1) * PER], y[d * PER : (d + 1) * PER]))
+    ref, losses, aux = serial(dp, ep)
+    np.testing.assert_allclose([st.loss for st in stats], losses, rtol=1e-10)
+    full = dict(ref.named_parameters())
+    shards = tr.shards()
+    for name, (p, shape, index) in shards.items():
+        assert tuple(shape) == full[name].shape, name
+        np.testing.assert_allclose(p.data, full[name].data[index], rtol=1e-9, atol=1e-12, err_msg=name)
+    assert set().union(*comm.allgather_obj(sorted(shards))) == set(full)
+    tr.close()
+    return tr, stats, aux
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.parametrize("zero", [0, 2])
+def test_moe_gpt_over_ep_matches_one_process(comm, ep, zero):
+    tr, stats, aux = check(comm, ep, zero=zero)
+    spread = [n for n, (p, full, _) in tr.shards().items() if tuple(full) != p.shape]
+    assert bool(spread) == (ep > 1)  # the experts are sliced exactly when ep > 1
+    assert all(n.split(".")[-1] in ("w1", "b1", "w2", "b2") for n in spread)
+    # The logged term is the batch's (one process's micro-batches, each by its share).
+    np.testing.assert_allclose([st.extra["moe_aux_loss"] for st in stats], aux, rtol=1e-10)
+    assert all(1.0 <= st.extra["moe_max_share"] <= EXPERTS for st in stats)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(120)
+def test_moe_gpt_ep_with_a_pipeline_matches_one_process(comm):
+    # pp=2 with ep=2 out of dp = world / 2; two micro-batches of equal weight.
+    check(comm, ep=2, pp=2, microbatches=2)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_collapsed_router_shows_in_the_max_share(comm):
+    # Every token routed to the same two experts: the busiest has E/k times the mean.
+    grid = ProcessGrid(comm, ep=2 if comm.size % 2 == 0 else 1)
+    part = parallelize(make(), grid)
+    for m in moe_layers(part):
+        m.router.weight.data[...] = 0.0
+        m.router.weight.data[:, :2] = 1.0  # experts 0 and 1 win on any positive input... and ties
+    tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=0.0), grid=grid)
+    x, y = data(grid.dp_size, 0)
+    d = grid.dp.rank
+    st = tr.step(x[d * PER : (d + 1) * PER], y[d * PER : (d + 1) * PER])
+    tokens = np.zeros(EXPERTS)
+    for m in moe_layers(part):
+        tokens += m.tokens_per_expert
+    assert st.extra["moe_max_share"] >= 1.5  # far from balanced (1.0)
+    tr.close()

@@ -118,8 +118,10 @@ class ExpertReducer(GradReducer):
         self.experts.scale_grads(factor)
 
     def apply(self, optimizer: Any) -> None:
+        step = optimizer.step_count
         self.dense.apply(optimizer)
-        if self.sharded:  # ZeRO: each reducer's sharded optimizer updates only its own piece
+        if self.sharded:  # ZeRO: each sharded optimizer updates its own piece, and advances the
+            optimizer.step_count = step  # user's optimizer's step count: one step, counted once
             self.experts.apply(optimizer)
 
     def describe(self) -> dict[str, Any]:

@@ -86,7 +86,7 @@ def check(comm, ep: int, pp: int = 1, zero: int = 0, m: int = 1, per: int = PER)
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ep", [1, 2, 4])
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 2, 3])
 def test_moe_gpt_over_ep_matches_one_process(comm, ep, zero):
     tr, stats, aux = check(comm, ep, zero=zero)
     spread = [n for n, (p, full, _) in tr.shards().items() if tuple(full) != p.shape]

@@ -154,3 +154,37 @@ def test_recompute_and_mixed_precision_over_ep(comm):
     mixed = _train(comm, ep, precision="bf16-mixed")
     np.testing.assert_allclose(mixed, plain, rtol=5e-2)  # bf16's rounding, not another model
     assert mixed != plain
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_what_ep_does_not_do_yet_is_refused_in_the_command_lines_words(comm):
+    # A lost rank's experts (RankLoss's check) and ep with tp (parallelize): ValueError on every
+    # rank, the words the command line says with its flags' names.
+    from hpctrain.errors import ConfigError
+    from hpctrain.job import resolve
+    from hpctrain.resilience import check_shrinkable
+
+    def as_flags(text: str) -> str:
+        for name in ("on_rank_loss", "ep", "tp"):
+            text = text.replace(f"{name}=", "--" + name.replace("_", "-") + " ")
+        return text.replace("'", "")
+
+    if comm.size % 2:
+        pytest.skip("ep=2 needs an even world")
+    grid = ProcessGrid(comm, ep=2)
+    part = parallelize(make(), grid)
+    tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=1e-2), grid=grid)
+    with pytest.raises(ValueError) as lib:
+        check_shrinkable(tr)
+    tr.close()
+    with pytest.raises(ConfigError) as cli:
+        resolve({"model": "gpt", "moe_experts": EXPERTS, "ep": 2, "on_rank_loss": "shrink"}, comm.size)
+    assert as_flags(str(lib.value)) == str(cli.value)
+    assert "experts spread over --ep 2" in str(cli.value)
+    if comm.size % 4 == 0:
+        with pytest.raises(ValueError) as lib:
+            parallelize(make(), ProcessGrid(comm, tp=2, ep=2))
+        with pytest.raises(ConfigError) as cli:
+            resolve({"model": "gpt", "moe_experts": EXPERTS, "ep": 2, "tp": 2}, comm.size)
+        assert as_flags(str(lib.value)) == str(cli.value)

@@ -335,7 +335,7 @@ def _on_rank_loss(c: Config) -> str:
     from ..comm import ulfm
     from ..resilience import shrink_problem  # (here: importing it starts MPI, which the tools must not)
 
-    unsupported = shrink_problem(c.strategy, c.backend, c.precision, say=as_flag)
+    unsupported = shrink_problem(c.strategy, c.backend, c.precision, say=as_flag, ep=c.ep)
     if c.on_rank_loss is None:
         return "shrink" if unsupported is None and ulfm.available() else "abort"
     if c.on_rank_loss == "shrink":

@@ -18,6 +18,7 @@ from ..nn.module import Module
 from ..nn.recompute import recompute as recompute_whole
 from ..nn.recompute import recompute_blocks
 from .cut import Chunks, Stage, cut, piece_cost, pipeline_pieces, tied_weights
+from .expert_grads import ep_tp_problem
 from .experts import expert_parallel
 from .tensor import tensor_parallel
 
@@ -38,6 +39,7 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
 
     - ``grid.ep > 1``: a copy whose ``nn.MoE`` layers hold this rank's experts of ``grid.ep``
       (``expert_parallel``; ``ParallelTrainer`` reduces their gradients over the expert replicas).
+      Not with ``grid.tp > 1`` yet (``ep_tp_problem``: ``ValueError``).
     - ``recompute=True``: activation recomputation on the model's blocks first (in place,
       ``nn.recompute_blocks``: a GPT's transformer blocks, a ``Sequential``'s ``MLP`` layers; a
       one-stage model without such blocks is recomputed whole, ``nn.recompute``). Results are
@@ -61,6 +63,9 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
                                  "in nn.Recompute yourself")  # fmt: skip
             model = recompute_whole(model)
     if grid.ep_size > 1:  # the experts spread over grid.ep (a copy; before the cut, which names them)
+        problem = ep_tp_problem(grid.ep_size, tp.size)
+        if problem is not None:
+            raise ValueError(problem)
         model = expert_parallel(model, grid.ep)
     costs = [piece_cost(p) for p in pipeline_pieces(model)] if pp.size > 1 else None
     if tp.size > 1:

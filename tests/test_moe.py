@@ -10,7 +10,9 @@ import types
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
+from hpctrain import Communicator
 from hpctrain.autograd import Tensor
 from hpctrain.nn import GPT, MLP, MoE, TransformerBlock, recompute_blocks
 from hpctrain.nn.moe import moe_layers, set_aux_weight
@@ -190,4 +192,28 @@ def test_gpt_and_sharding_refusals():
     with pytest.raises(ValueError, match="experts=4 must be divisible by ep=3"):
         MoE(4, 4, experts=4).shard(types.SimpleNamespace(rank=0, size=3))
     with pytest.raises(ValueError, match="has no nn.MoE layer"):
-        expert_parallel(MLP(4, 4), None)
+        expert_parallel(MLP(4, 4), Communicator(MPI.COMM_SELF))
+
+
+@pytest.mark.parametrize("dtype,tol", [(F64, 1e-12), (np.float32, 2e-5)])
+def test_moe_on_the_device_standin_equals_the_host(standin, dtype, tol):
+    """CuPy's rules (no implicit way back to the host, no host/device mixing) on the layer's
+    routing, gathers and scatters: the same outputs and gradients as on NumPy."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 6, 8))
+    r = rng.standard_normal((2, 6, 8))
+    got = []
+    for where in ("cpu", "gpu"):
+        m = MoE(8, 6, experts=4, top_k=2, capacity=1.0, rng=13, dtype=dtype).to(where)
+        m.aux_weight = 0.2
+        xd, rd = (x.astype(dtype), r.astype(dtype))
+        xd, rd = (xd, rd) if where == "cpu" else (standin.asarray(xd), standin.asarray(rd))
+        out = m.forward(xd)
+        gx = m.backward(rd)
+        host = [standin.asnumpy(a) if where == "gpu" else a for a in (out, gx, *(p.grad for p in m.parameters()))]
+        got.append((host, m.aux_loss, m.tokens_per_expert.copy()))
+    (h_cpu, aux_cpu, tpe_cpu), (h_dev, aux_dev, tpe_dev) = got
+    for a, b in zip(h_cpu, h_dev):
+        np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
+    assert aux_dev == pytest.approx(aux_cpu, rel=tol)
+    np.testing.assert_array_equal(tpe_dev, tpe_cpu)

@@ -218,13 +218,14 @@ class MoE(Module):
     def _route(self, probs: Any) -> _Route:
         xp, n, e_all = xp_of(probs), probs.shape[0], self.experts
         order, expert, keep = self._choose(probs)
-        chosen = np.bincount(to_host(expert), minlength=e_all)
+        # Counted where the routing is (E numbers come back to the host, not N*k indices).
+        chosen = to_host(xp.bincount(expert, minlength=e_all))
         if keep is not None:
             order = order[keep]
         token, slot = order % n, order // n
         ex = expert[order]
         r = _Route(token, slot, ex, probs[token, ex])
-        kept = np.bincount(to_host(ex), minlength=e_all)
+        kept = chosen if keep is None else to_host(xp.bincount(ex, minlength=e_all))
         table = self._counts(chosen, kept)
         total = table[:, :e_all].sum(axis=0)
         self.tokens_per_expert = total
@@ -238,7 +239,7 @@ class MoE(Module):
         r.recv = [int(c) for c in per_rank.sum(axis=1)]
         sizes = per_rank.sum(axis=0)
         ends = np.cumsum(sizes)
-        r.bounds = [(int(e - s), int(e)) for s, e in zip(sizes, ends)]
+        r.bounds = [(int(end - size), int(end)) for size, end in zip(sizes, ends)]
         if ranks > 1:  # from each rank, its rows by local expert: regroup them by expert
             starts = np.cumsum(per_rank.reshape(-1)) - per_rank.reshape(-1)
             starts = starts.reshape(per_rank.shape)
@@ -307,7 +308,7 @@ class MoE(Module):
         g2 = grad_out.reshape(-1, self.d_model)
         n = g2.shape[0]
         gt = g2[route.token]
-        dgate = (gt * y).sum(axis=1)
+        dgate = (gt * y).sum(axis=1, dtype=probs.dtype)  # 16-bit rows: the sum in float32
         dy = gt * route.gate.astype(gt.dtype)[:, None]
         dy = self._exchange(xp.ascontiguousarray(dy), route.send, route.recv)
         if route.order is not None:

@@ -28,6 +28,9 @@ def expert_parallel(model: Any, group: Comm) -> Any:
     expert-parallel too. With a group of one the copy computes exactly as ``model``.
     """
     layers = moe_layers(model)
+    # Agreed first: every rank then refuses (or not) the same model, none waits for another.
+    mix = [[m.experts, m.top_k, m.capacity, m.group is not None] for m in layers]
+    agree(group, "the serial model handed to expert_parallel (parameters, MoE layers)", [describe_model(model), mix])
     if not layers:
         raise ValueError(f"expert_parallel: {type(model).__name__} has no nn.MoE layer to spread over ep ranks")
     if any(m.group is not None for m in layers):
@@ -36,7 +39,6 @@ def expert_parallel(model: Any, group: Comm) -> Any:
         problem = ep_problem(m.experts, int(group.size))
         if problem is not None:
             raise ValueError(f"expert_parallel: {problem}")
-    agree(group, "the serial model handed to expert_parallel (parameters)", describe_model(model))
     model = copy.deepcopy(model)
     if group.size > 1:
         for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):

@@ -28,7 +28,7 @@ def _refusals(world: int) -> list[tuple[list[str], str]]:
         (["--model", "gpt", "--moe-experts", "4", "--ep", "2", "--tp", "2"] if world >= 4 else
          ["--model", "gpt", "--moe-experts", "4", "--ep", "1", "--moe-capacity", "-1"],
          "--ep 2 with --tp 2 is not supported yet (experts spread over ep and a model split over tp): use --ep 2 "
-         "with dp and pp, or --tp 2 without ep" if world >= 4 else "--moe-capacity must be >= 0, got -1"),
+         "with dp and pp, or --tp 2 without ep" if world >= 4 else "--moe-capacity must be >= 0, got -1.0"),
         (["--model", "mlp", "--moe-experts", "4"],
          "--moe-experts makes the GPT's MLPs mixtures of experts; --model mlp has none (a model of your own puts "
          "nn.MoE layers in itself)"),

@@ -40,6 +40,7 @@ EXAMPLES = """examples:
   mpiexec -n 2 hpctrain train --dry-run                          # try everything once, say what a run would do
   mpiexec -n 4 hpctrain train --strategy hybrid --tp 2           # tensor parallel x data parallel
   mpiexec -n 4 hpctrain train --model gpt --pp 2 --epochs 1      # a GPT in 2 pipeline stages x 2 replicas
+  mpiexec -n 4 hpctrain train --model gpt --moe-experts 8 --ep 2 # MoE GPT: 8 experts, 4 per rank, dp=4
   mpiexec -n 2 hpctrain train --data mine.h5 --x-key inputs --y-key targets --loss mse   # your regression
   mpiexec -n 2 hpctrain train --model examples/custom_model.py:build                     # your model
   mpiexec -n 2 hpctrain train --config recipes/gpt_shakespeare.toml --lr 1e-3            # a file; flags win

@@ -74,9 +74,9 @@ test-mpi2: venv
 # At -n 4 make test runs the files where 4 ranks compose what 2 cannot (tp or pp x dp, ZeRO and
 # the parameter server over 3 workers, checkpoints across layouts); test-mpi4-all the whole suite
 # (4 ranks oversubscribe 2 cores: 4-5 minutes).
-MPI4_TESTS := $(addprefix tests/test_,checkpoint_matrix.py ep_engine.py grid.py parallelize.py param_server.py pipeline.py \
-                moe_ep.py precision.py recompute.py short_batch.py tensor.py tied_embeddings.py \
-                train_config.py train_mpi.py zero.py)
+MPI4_TESTS := $(addprefix tests/test_,checkpoint_matrix.py context_parallel.py ep_engine.py grid.py parallelize.py \
+                param_server.py pipeline.py moe_ep.py precision.py recompute.py short_batch.py tensor.py \
+                tied_embeddings.py train_config.py train_mpi.py zero.py)
 test-mpi4: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI) $(MPI4_TESTS)
 

@@ -227,7 +227,9 @@ class SelfAttentionBase(Module):
         xp, buf = xp_of(qkv), self.scratch_buffers()
         # The heads' outputs go straight into the (B, T, H*hd) layout the projection reads.
         y = buf.get("y", (b, t, h * hd), np.result_type(q.dtype, v.dtype), xp)
-        _, att = causal_attention(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
+        # Under context parallelism (nn.ring.ContextAttention) the core runs over its group.
+        core = getattr(self.__dict__.get("context"), "attention", causal_attention)
+        _, att = core(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
         self.cache = (q, k, v, att)
         return y
 
@@ -240,7 +242,8 @@ class SelfAttentionBase(Module):
         # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
         dqkv = gpu.scratch(self, dy, q).get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)
         parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
-        causal_attention_backward(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
+        core = getattr(self.__dict__.get("context"), "attention_backward", causal_attention_backward)
+        core(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
         return dqkv
 
     def backward(self, grad_out: Any) -> Any:
@@ -415,9 +418,11 @@ class GPT(Module):
         return {"head.weight": "tok_emb.weight"} if self.tie_embeddings else {}
 
     def _positions(self, t: int, xp: Any) -> Any:
-        pos = self.__dict__.get("_pos")
-        if pos is None or pos.shape[0] != t or xp_of(pos) is not xp:
-            pos = self.__dict__["_pos"] = xp.arange(t)
+        """Positions of ``t`` tokens: ``0..t-1``, or this rank's share's under ``context_parallel``."""
+        pos, cp = self.__dict__.get("_pos"), self.__dict__.get("context")
+        if pos is None or pos.shape[0] != t or xp_of(pos) is not xp or self.__dict__.get("_pos_cp") is not cp:
+            pos = self.__dict__["_pos"] = xp.arange(t) if cp is None else xp.asarray(cp.positions(t, self.block_size))
+            self.__dict__["_pos_cp"] = cp
         return pos
 
     def backward(self, grad_out: Any) -> None:
@@ -444,14 +449,14 @@ class GPT(Module):
         the head. Forward and backward look the module up at each call, so wrappers installed
         later (ZeRO-3 gathers, overlap hooks) are the ones that run."""
         tok, pos = self.tok_emb, self.pos_emb
-        block_size = self.block_size
+        block_size, positions_of = self.block_size, self._positions
 
         def embed(idx: Any) -> Any:
             xp = xp_of(pos.weight.data)
             tokens = to_device(idx.data if is_tensor(idx) else idx, xp)
             if tokens.ndim != 2 or tokens.shape[1] > block_size:
                 raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={block_size}, got {tokens.shape}")
-            positions = xp.arange(tokens.shape[1])
+            positions = positions_of(tokens.shape[1], xp)
             if is_tensor(idx):  # through the graph: the lookups as nodes
                 return tok(Tensor(tokens)) + pos(Tensor(positions))
             return tok.forward(tokens) + pos.forward(positions)

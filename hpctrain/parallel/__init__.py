@@ -1,9 +1,10 @@
 """Parallel strategies: transforms that cut a model into this rank's part (``parallelize``,
-``tensor_parallel``, ``pipeline_stage``, ``expert_parallel``), one runtime that trains it
-(``ParallelTrainer``, with the presets ``DataParallelTrainer``, ``TensorParallelTrainer``,
-``PipelineParallelTrainer``), and the parameter server."""
+``tensor_parallel``, ``pipeline_stage``, ``context_parallel`` with the zigzag helpers,
+``expert_parallel``), one runtime that trains it (``ParallelTrainer``, with the presets
+``DataParallelTrainer``, ``TensorParallelTrainer``, ``PipelineParallelTrainer``), and the parameter server."""
 
 from . import pipeline_schedules as schedules  # ht.parallel.schedules (optim.schedules: the lr's)
+from .context import context_parallel, zigzag_indices, zigzag_merge, zigzag_split
 from .cut import pipeline_stage
 from .experts import expert_parallel
 from .parallelize import parallelize
@@ -23,3 +24,4 @@ __all__ += ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "Row
             "TensorParallelTrainer", "tensor_parallel"]  # fmt: skip
 __all__ += ["PipelineParallelTrainer", "pipeline_stage", "schedules"]
 __all__ += ["ParameterServerTrainer", "expert_parallel"]
+__all__ += ["context_parallel", "zigzag_indices", "zigzag_merge", "zigzag_split"]

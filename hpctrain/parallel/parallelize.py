@@ -1,11 +1,12 @@
-"""``parallelize(model, grid)``: this rank's part of a serial model on a dp x tp x pp grid.
+"""``parallelize(model, grid)``: this rank's part of a serial model on a dp x tp x pp (x cp) grid.
 
 Two transforms in one call: the model is split over ``grid.tp`` (``tensor.tensor_parallel``:
 attention heads, MLP hidden units, and what the model's ``tp_plan()`` names: a GPT's vocabulary),
 then cut into pipeline stages along its *pieces* (``cut``: a ``Sequential``'s layers, or what the
 model's ``pipeline_cuts()`` names: a GPT's embeddings, blocks, final LayerNorm and head),
 balanced by the serial parameter counts unless ``balance`` says (``hpctrain train`` balances by
-measured time: ``cut.piece_times``). Parameter names stay the serial model's
+measured time: ``cut.piece_times``). On a grid with cp > 1 the attention runs over ``grid.cp``
+(``context.context_parallel``: ring attention or Ulysses). Parameter names stay the serial model's
 (``blocks.3.attn.qkv.weight``, ``tok_emb.weight``) under every layout, so checkpoints move
 between layouts and ``shards()`` tells where each local array sits in the full tensor.
 """
@@ -17,6 +18,7 @@ from typing import Any
 from ..nn.module import Module
 from ..nn.recompute import recompute as recompute_whole
 from ..nn.recompute import recompute_blocks
+from .context import context_parallel
 from .cut import Chunks, Stage, cut, piece_cost, pipeline_pieces, tied_weights
 from .expert_grads import ep_tp_problem
 from .experts import expert_parallel
@@ -26,7 +28,7 @@ __all__ = ["parallelize"]
 
 
 def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list[int] | None = None,
-                recompute: bool = False) -> Module:
+                recompute: bool = False, cp_mode: str = "ring") -> Module:
     """This rank's part of the serial ``model`` on ``grid`` (collective over ``grid.tp``).
 
     - ``grid.tp > 1``: a copy of the model split over the tp group (``tensor_parallel``: the
@@ -40,6 +42,10 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
     - ``grid.ep > 1``: a copy whose ``nn.MoE`` layers hold this rank's experts of ``grid.ep``
       (``expert_parallel``; ``ParallelTrainer`` reduces their gradients over the expert replicas).
       Not with ``grid.tp > 1`` yet (``ep_tp_problem``: ``ValueError``).
+    - ``grid.cp > 1``: the attention over the cp group (``context.context_parallel`` with
+      ``cp_mode``, "ring" or "ulysses"; in place where tp = 1, like ``recompute``), after the
+      tp split and before the cut; each rank then
+      runs the model on its zigzag share of every sequence (``zigzag_split`` of tokens and targets).
     - ``recompute=True``: activation recomputation on the model's blocks first (in place,
       ``nn.recompute_blocks``: a GPT's transformer blocks, a ``Sequential``'s ``MLP`` layers; a
       one-stage model without such blocks is recomputed whole, ``nn.recompute``). Results are
@@ -70,6 +76,9 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
     costs = [piece_cost(p) for p in pipeline_pieces(model)] if pp.size > 1 else None
     if tp.size > 1:
         model = tensor_parallel(model, tp)
+    cp = getattr(grid, "cp", None)  # a grid of the old three axes has none
+    if cp is not None and cp.size > 1:
+        model = context_parallel(model, cp, cp_mode)
     if pp.size == 1:
         return model
     pieces, counts = cut(model, pp.size * v, balance, costs)

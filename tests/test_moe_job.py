@@ -41,7 +41,7 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in _metrics(run)}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("n, layout", [(2, ("--ep", "2")), (4, ("--ep", "4")),
                                        (4, ("--ep", "2", "--zero", "2", "--moe-aux-loss", "0"))],
                          ids=["ep2", "ep4", "dp4xep2-zero2"])
@@ -63,7 +63,7 @@ def test_an_moe_gpt_over_ep_ends_where_one_process_ends(serial, tmp_path, n, lay
     assert summary["layout"] == {"dp": n, "tp": 1, "pp": 1, "ep": int(ep)}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 def test_an_ep_checkpoint_resumes_under_dp_alone_and_under_one_process(serial, tmp_path):
     """A dp=2 x ep=2 run on 2 ranks stopped at step 3 continues with ``--ep 1`` on 2 ranks and
     with one process and no layout flag (ep=2 does not fit): the experts are resharded from the

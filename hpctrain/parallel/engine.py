@@ -32,7 +32,7 @@ from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
 from ..nn.explicit import recording
 from ..nn.moe import moe_layers
 from ..optim.clip import clip_norm_problem
-from ..protocols import Comm, Reducer
+from ..protocols import Reducer
 from ..training.graph import forward_loss, run_backward
 from ..training.precision import Precision
 from ..training.step import Batch, TrainStep
@@ -40,7 +40,7 @@ from .expert_grads import ExpertStats, expert_ids, expert_reducer
 from .pipeline_probe import per_call_state_problem
 from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_schedules import get_schedule
-from .reducer import AllReduceReducer, ReadyHooks
+from .reducer import AllReduceReducer, ReadyHooks, device_id, shared_gpu_problem
 from .shards import shard_map
 from .tensor_layers import parallel_loss
 from .ties import PipelineTies
@@ -63,24 +63,6 @@ def compression_problem(compression: str | None, backend: str, say: Say = as_arg
     if backend != "mpi" and compression is not None:
         return (f"{say('compression')} is for the flat MPI backend ({say('backend', 'mpi')}), "
                 f"not {say('backend', backend)}")
-    return None
-
-
-def _device_id(cp: Any) -> int:
-    """The current CUDA device's id (the stand-in of the tests has one GPU, id 0)."""
-    return int(getattr(cp.cuda.Device(), "id", 0))
-
-
-def shared_gpu_problem(dp: Comm, device: int) -> RuntimeError | None:
-    """NCCL refuses two ranks on one GPU (``ncclInvalidUsage`` deep inside its init, seen on the
-    first GPU run with 2 ranks on 1 GPU): said first, on every rank, naming the ranks. Collective."""
-    where = dp.allgather_obj((dp.hostname(), device))
-    seen: dict[tuple[str, int], int] = {}
-    for rank, key in enumerate(where):
-        if key in seen:
-            return RuntimeError(f"backend='nccl' needs one GPU per rank: ranks {seen[key]} and {rank} share GPU "
-                                f"{key[1]} on {key[0]} (use backend='mpi', or one rank per GPU)")
-        seen[key] = rank
     return None
 
 
@@ -182,10 +164,10 @@ class ParallelStep(TrainStep):
         agreed = self.comm.allreduce(np.array([float(not64), float(experts)]), op="max")
         self.exact_norm = clip_norm is not None and not agreed[0]
         self._moe = ExpertStats(model, grid, int(agreed[1]))  # aux loss, tokens per expert (none: inert)
-        self._experts = expert_ids(model, grid)  # ep > 1: experts spread over grid.ep, replicated over grid.edp
+        self._experts = expert_ids(model, grid)  # ep > 1: experts spread over grid.ep, copies on grid.edp_cp
         self._tp_replicated |= self._experts  # (an MoE layer is not split over tp)
         for p in self.params:  # dp replicas start identical (an expert slice: its replicas)
-            group = grid.edp if id(p) in self._experts else self.dp
+            group = grid.edp_cp if id(p) in self._experts else self.dp
             if group.size > 1:
                 group.bcast(p.data, root=0)
         self._ties = PipelineTies(model, pp, self._shards)  # weights two stages hold (a tied head)
@@ -265,7 +247,7 @@ class ParallelStep(TrainStep):
             self._masters = None  # ZeRO keeps this rank's piece of them
         if self._experts:  # the experts reduce over their replicas, the rest over dp
             over = lambda ps, g: self._reducer_over(factory, ps, g)  # noqa: E731
-            return expert_reducer(self.params, self._experts, self.grid, over, optimizer, self.zero)
+            return expert_reducer(self.params, self._experts, (self.dp, self.grid.edp_cp), over, optimizer, self.zero)
         return self._reducer_over(factory, self.params, self.dp)
 
     def _reducer_over(self, factory: Callable[[list[Any], Any], Reducer] | None, params: list[Any], group: Any
@@ -336,7 +318,7 @@ class ParallelStep(TrainStep):
         ok = cp is not None and all(xp_of(p.data) is not np for p in self.params)
         why = "backend='nccl' needs CuPy and the model on the GPU on every rank"
         raise_if_any(self.comm, None if ok else RuntimeError(why))
-        raise_if_any(self.comm, shared_gpu_problem(group, _device_id(cp)))
+        raise_if_any(self.comm, shared_gpu_problem(group, device_id(cp)))
         return NcclCommunicator(group)
 
     # -- what the trainer reads ---------------------------------------------------------------
@@ -345,7 +327,7 @@ class ParallelStep(TrainStep):
         """Every setting the ranks must share, under the preset's names (``Preset.renames``)."""
         cfg = {
             "type": self.preset.name, "tp": self.grid.tp.size, "pp": self.grid.pp.size,
-            **({"ep": self.grid.ep_size} if getattr(self.grid, "ep_size", 1) > 1 else {}),
+            **({"ep": self.grid.ep_size} if self.grid.ep_size > 1 else {}),
             "microbatches": self.microbatches, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "overlap": self.overlap,
             "bucket_mb": self.bucket_mb, "compression": self.compression, "backend": self.backend,

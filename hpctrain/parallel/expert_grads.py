@@ -53,13 +53,14 @@ def expert_ids(model: Any, grid: Any) -> set[int]:
     return {id(getattr(m, name)) for m in moe_layers(model) if m.group is not None for name in m.shard_index}
 
 
-def expert_reducer(params: list[Any], experts: set[int], grid: Any, over: Any, facade: Any, zero: int
+def expert_reducer(params: list[Any], experts: set[int], groups: tuple[Any, Any], over: Any, facade: Any, zero: int
                    ) -> ExpertReducer:
-    """The dense parameters' reducer over ``grid.dp`` and the experts' over ``grid.edp_cp`` (the
-    ranks that hold the same experts), each made by ``over(params, group)`` (the engine's one rule
-    for a reducer), as one ``ExpertReducer``."""
-    dense = over([p for p in params if id(p) not in experts], grid.dp)
-    spread = over([p for p in params if id(p) in experts], grid.edp_cp)
+    """The dense parameters' reducer over ``groups[0]`` (the replicas of everything: ``grid.dp``)
+    and the experts' over ``groups[1]`` (the ranks that hold the same experts: ``grid.edp_cp``),
+    each made by ``over(params, group)`` (the engine's one rule for a reducer), as one
+    ``ExpertReducer``."""
+    dense = over([p for p in params if id(p) not in experts], groups[0])
+    spread = over([p for p in params if id(p) in experts], groups[1])
     cls = ShardedExpertReducer if zero else ExpertReducer
     return cls(dense, spread, experts, facade=facade)
 

@@ -75,7 +75,15 @@ def build(c: Any, trainer: Fittable, n_params: int, device: str, history: Sequen
         "wall_seconds": wall, "checkpoint": trainer.last_checkpoint,
         "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
         "rank_loss": trainer.rank_loss.events if trainer.rank_loss is not None else [],
+        **({"moe": moe_figures(history)} if c.moe_experts else {}),
     }
+
+
+def moe_figures(history: Sequence[Any]) -> dict[str, Any]:
+    """The MoE layers' figures of this job's last step (``None`` before any): the load-balancing
+    term and the busiest expert's share of the tokens over the mean (1: balanced)."""
+    extra = history[-1].extra if history else {}
+    return {"aux_loss": extra.get("moe_aux_loss"), "max_share": extra.get("moe_max_share")}
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -99,6 +107,8 @@ def format_summary(s: dict[str, Any]) -> str:
            f"peak RSS {s['memory']['rss_peak'] / 2**20:,.0f}"
            + (f"; GPU pool peak {s['memory']['device_pool_peak'] / 2**20:,.0f}"
               if s["memory"].get("device_pool_peak") else "") + ")"] if s.get("memory") else []),
+        *([f"  experts         busiest {s['moe']['max_share']:.2f}x the mean share of tokens, load-balancing term "
+           f"{s['moe']['aux_loss']:.4f} (last step)"] if (s.get("moe") or {}).get("max_share") is not None else []),
         f"  checkpoint      {s['checkpoint'] or '-'}",
         f"  metrics         {s['metrics']}  (hpctrain plot {s['run_dir']})",
         f"  trace           {s['trace']}  (open in https://ui.perfetto.dev)",

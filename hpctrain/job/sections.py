@@ -136,7 +136,7 @@ def _layout(c: Config, world: int) -> tuple[int, int]:
     """``(tp, pp)`` of the strategy: world = dp x tp x pp, each strategy fixes the sizes it does
     not use to 1."""
     strategy = c.strategy
-    given = {k: v for k, v in (("tp", c.tp), ("pp", c.pp), ("ep", c.ep)) if v is not None}
+    given = {k: v for k, v in (("tp", c.tp), ("pp", c.pp), ("ep", c.ep if c.ep > 1 else None)) if v is not None}
     if strategy in ("dp", "ps") and any(v > 1 for v in given.values()):
         flags = " ".join(f"--{k} {v}" for k, v in given.items())
         raise ConfigError(f"--strategy {strategy} does not use {flags}: use --strategy hybrid for tp x pp x dp")

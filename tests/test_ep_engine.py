@@ -188,3 +188,16 @@ def test_what_ep_does_not_do_yet_is_refused_in_the_command_lines_words(comm):
         with pytest.raises(ConfigError) as cli:
             resolve({"model": "gpt", "moe_experts": EXPERTS, "ep": 2, "tp": 2}, comm.size)
         assert as_flags(str(lib.value)) == str(cli.value)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_part_spread_over_another_ep_than_the_grids_is_refused(comm):
+    from hpctrain.errors import GridError
+
+    if comm.size % 2:
+        pytest.skip("ep=2 needs an even world")
+    part = parallelize(make(), ProcessGrid(comm, ep=2))
+    with pytest.raises(GridError, match=r"the model's experts are spread over ep=2 ranks but the grid has ep=1"):
+        ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=1e-2),
+                        grid=ProcessGrid(comm))

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import to_host
-from ..errors import Say, as_argument
+from ..errors import GridError, Say, as_argument
 from ..nn.moe import moe_layers
 from ..protocols import Reducer
 from .reducer import GradReducer
@@ -47,10 +47,17 @@ def ep_tp_problem(ep: int, tp: int, say: Say = as_argument) -> str | None:
 def expert_ids(model: Any, grid: Any) -> set[int]:
     """``id``s of this rank's expert parameters when they are spread over ``grid.ep`` (``ep > 1``:
     the stacked experts of each sharded ``nn.MoE``, its ``shard_index``); otherwise every rank holds
-    every expert and they reduce with the dense ones: empty."""
+    every expert and they reduce with the dense ones: empty). A model whose experts were spread
+    over a group of another size than ``grid.ep`` is refused (``GridError``: its expert gradients
+    would reduce with other experts')."""
+    layers = moe_layers(model)
+    sizes = {m.group.size for m in layers if m.group is not None}
+    if sizes - {grid.ep_size}:
+        raise GridError(f"the model's experts are spread over ep={sorted(sizes)[0]} ranks but the grid has "
+                        f"ep={grid.ep_size}: build the part with parallelize(model, grid)")
     if grid.ep_size == 1:
         return set()
-    return {id(getattr(m, name)) for m in moe_layers(model) if m.group is not None for name in m.shard_index}
+    return {id(getattr(m, name)) for m in layers if m.group is not None for name in m.shard_index}
 
 
 def expert_reducer(params: list[Any], experts: set[int], groups: tuple[Any, Any], over: Any, facade: Any, zero: int

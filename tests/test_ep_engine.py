@@ -100,8 +100,11 @@ def test_moe_gpt_over_ep_matches_one_process(comm, ep, zero):
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
 def test_moe_gpt_ep_with_a_pipeline_matches_one_process(comm):
-    # pp=2 with ep=2 out of dp = world / 2; two micro-batches of equal weight.
+    # pp=2 with ep=2 out of dp = world / 2; two micro-batches of equal weight, then one (whose
+    # load-balancing term the step reports: a pipeline reports its last micro-batch's).
     check(comm, ep=2, pp=2, m=2, per=4)
+    _, stats, aux = check(comm, ep=2, pp=2, m=1, per=4)
+    np.testing.assert_allclose([st.extra["moe_aux_loss"] for st in stats], aux, rtol=1e-10)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -452,7 +452,8 @@ class ParallelStep(TrainStep):
         with recording() as calls:  # the explicit modules' first inputs, for the check below
             r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, scales, self.loss,
                                  xp, meter=self.meter)  # fmt: skip
-        self._moe.add(1.0)  # the layers keep their last micro-batch's term: the whole batch's share
+        self._moe.add(sum(batch.part_weights) / batch.weight_total if batch.weight_total else 0.0)  # (the last
+        # micro-batch's term, which the layers keep, for this rank's share: exact with one micro-batch)
         self._ties.sum_grads()
         if not self._state_checked:  # once: explicit modules keeping state outside their cache refused
             raise_if_any(self.comm, per_call_state_problem(calls, self.chunks), what=self.preset.name)
@@ -470,6 +471,7 @@ class ParallelStep(TrainStep):
             return extra
         per = np.asarray(sums, dtype=np.float64).reshape(-1, 4)
         return {
+            **extra,  # (the MoE layers' figures)
             "bubble": float(1.0 - per[:, 0].mean() / per[:, 1].max()) if per[:, 1].max() > 0 else 0.0,
             "schedule_seconds": float(per[:, 1].max()),
             "peak_activations": int(per[:, 2].max()),

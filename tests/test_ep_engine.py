@@ -16,7 +16,7 @@ import pytest
 from hpctrain import ProcessGrid
 from hpctrain.nn import GPT, CrossEntropyLoss
 from hpctrain.nn.moe import moe_layers, set_aux_weight
-from hpctrain.optim import AdamW
+from hpctrain.optim import AdamW, clip_grad_norm
 from hpctrain.parallel import ParallelTrainer, parallelize
 
 VOCAB, T, PER, STEPS, EXPERTS, AUX = 11, 6, 3, 3, 4, 0.05
@@ -34,7 +34,7 @@ def data(dp: int, step: int, per: int = PER):
     return g.integers(0, VOCAB, (per * dp, T)), g.integers(0, VOCAB, (per * dp, T))
 
 
-def serial(dp: int, ep: int, m: int = 1, per: int = PER):
+def serial(dp: int, ep: int, m: int = 1, per: int = PER, clip: float | None = None):
     """One process: each step one micro-batch per ep group and micro-batch index (the ``j``-th
     ``per / m`` rows of each of the group's ``ep`` replicas together: the tokens one all-to-all
     routes), the loss's gradient and the load-balancing term's weight scaled by its share."""
@@ -53,25 +53,27 @@ def serial(dp: int, ep: int, m: int = 1, per: int = PER):
                 step_loss += loss.forward(model.forward(x[idx]), y[idx]) / parts
                 step_aux += sum(m_.aux_loss for m_ in moe_layers(model)) / parts
                 model.backward(loss.backward(1.0 / parts))
+        if clip:
+            clip_grad_norm(model.parameters(), clip)
         opt.step()
         losses.append(step_loss)
         aux.append(step_aux)
     return model, losses, aux
 
 
-def check(comm, ep: int, pp: int = 1, zero: int = 0, m: int = 1, per: int = PER):
+def check(comm, ep: int, pp: int = 1, zero: int = 0, m: int = 1, per: int = PER, clip: float | None = None):
     if comm.size % (ep * pp) or (comm.size // pp) % ep:
         pytest.skip(f"ep={ep} x pp={pp} does not fit a world of {comm.size}")
     grid = ProcessGrid(comm, pp=pp, ep=ep)
     dp, d = grid.dp_size, grid.dp.rank
     part = parallelize(make(), grid)
     tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=1e-2), grid=grid,
-                         zero=zero, microbatches=m)
+                         zero=zero, microbatches=m, clip_norm=clip)
     stats = []
     for s in range(STEPS):
         x, y = data(dp, s, per)
         stats.append(tr.step(x[d * per : (d + 1) * per], y[d * per : (d + 1) * per]))
-    ref, losses, aux = serial(dp, ep, m, per)
+    ref, losses, aux = serial(dp, ep, m, per, clip)
     np.testing.assert_allclose([st.loss for st in stats], losses, rtol=1e-10)
     full = dict(ref.named_parameters())
     shards = tr.shards()
@@ -111,6 +113,15 @@ def test_moe_gpt_ep_with_a_pipeline_matches_one_process(comm):
 @pytest.mark.timeout(120)
 def test_moe_gpt_over_ep_with_accumulation_matches_one_process(comm):
     check(comm, ep=2, m=2, per=4)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [0, 2])
+def test_clipping_counts_each_expert_slice_once(comm, zero):
+    # A norm small enough to clip every step: the global norm must count every expert slice once.
+    tr, stats, _ = check(comm, ep=2, zero=zero, clip=0.05)
+    assert all(st.grad_norm > 0.05 for st in stats)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -61,10 +61,11 @@ def serial(dp: int, ep: int, m: int = 1, per: int = PER, clip: float | None = No
     return model, losses, aux
 
 
-def check(comm, ep: int, pp: int = 1, zero: int = 0, m: int = 1, per: int = PER, clip: float | None = None):
-    if comm.size % (ep * pp) or (comm.size // pp) % ep:
-        pytest.skip(f"ep={ep} x pp={pp} does not fit a world of {comm.size}")
-    grid = ProcessGrid(comm, pp=pp, ep=ep)
+def check(comm, ep: int, pp: int = 1, zero: int = 0, m: int = 1, per: int = PER, clip: float | None = None,
+          tp: int = 1):
+    if comm.size % (ep * pp * tp) or (comm.size // (pp * tp)) % ep:
+        pytest.skip(f"ep={ep} x pp={pp} x tp={tp} does not fit a world of {comm.size}")
+    grid = ProcessGrid(comm, pp=pp, ep=ep, tp=tp)
     dp, d = grid.dp_size, grid.dp.rank
     part = parallelize(make(), grid)
     tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=1e-2), grid=grid,
@@ -106,6 +107,15 @@ def test_moe_gpt_ep_with_a_pipeline_matches_one_process(comm):
     # load-balancing term the step reports: a pipeline reports its last micro-batch's).
     check(comm, ep=2, pp=2, m=2, per=4)
     _, stats, aux = check(comm, ep=2, pp=2, m=1, per=4)
+    np.testing.assert_allclose([st.extra["moe_aux_loss"] for st in stats], aux, rtol=1e-10)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [0, 1])
+def test_moe_gpt_ep_with_tp_matches_one_process(comm, zero):
+    # tp=2 with ep=2 out of dp = world / 2: the experts whole on both tp ranks, spread over ep.
+    tr, stats, aux = check(comm, ep=2, tp=2, zero=zero, clip=0.05)
     np.testing.assert_allclose([st.extra["moe_aux_loss"] for st in stats], aux, rtol=1e-10)
 
 
@@ -172,15 +182,15 @@ def test_recompute_and_mixed_precision_over_ep(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_what_ep_does_not_do_yet_is_refused_in_the_command_lines_words(comm):
-    # A lost rank's experts (RankLoss's check) and ep with tp (parallelize): ValueError on every
-    # rank, the words the command line says with its flags' names.
+def test_a_lost_rank_under_ep_is_refused_in_the_command_lines_words(comm):
+    # RankLoss's check of the trainer: ValueError on every rank, the words the command line says
+    # with its flags' names.
     from hpctrain.errors import ConfigError
     from hpctrain.job import resolve
     from hpctrain.resilience import check_shrinkable
 
     def as_flags(text: str) -> str:
-        for name in ("on_rank_loss", "ep", "tp"):
+        for name in ("on_rank_loss", "ep"):
             text = text.replace(f"{name}=", "--" + name.replace("_", "-") + " ")
         return text.replace("'", "")
 
@@ -196,12 +206,6 @@ def test_what_ep_does_not_do_yet_is_refused_in_the_command_lines_words(comm):
         resolve({"model": "gpt", "moe_experts": EXPERTS, "ep": 2, "on_rank_loss": "shrink"}, comm.size)
     assert as_flags(str(lib.value)) == str(cli.value)
     assert "experts spread over --ep 2" in str(cli.value)
-    if comm.size % 4 == 0:
-        with pytest.raises(ValueError) as lib:
-            parallelize(make(), ProcessGrid(comm, tp=2, ep=2))
-        with pytest.raises(ConfigError) as cli:
-            resolve({"model": "gpt", "moe_experts": EXPERTS, "ep": 2, "tp": 2}, comm.size)
-        assert as_flags(str(lib.value)) == str(cli.value)
 
 
 @pytest.mark.mpi(min_size=2)

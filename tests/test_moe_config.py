@@ -25,10 +25,8 @@ def _refusals(world: int) -> list[tuple[list[str], str]]:
          "(gpt)"),
         (["--model", "gpt", "--moe-experts", "2", "--moe-top-k", "3"],
          "--moe-top-k 3 must be between 1 and --moe-experts 2"),
-        (["--model", "gpt", "--moe-experts", "4", "--ep", "2", "--tp", "2"] if world >= 4 else
-         ["--model", "gpt", "--moe-experts", "4", "--ep", "1", "--moe-capacity", "-1"],
-         "--ep 2 with --tp 2 is not supported yet (experts spread over ep and a model split over tp): use --ep 2 "
-         "with dp and pp, or --tp 2 without ep" if world >= 4 else "--moe-capacity must be >= 0, got -1.0"),
+        (["--model", "gpt", "--moe-experts", "4", "--ep", "2", "--tp", str(world)],
+         "--ep 2 must divide the data-parallel replicas (dp=1): the expert-parallel groups are carved out of dp"),
         (["--model", "mlp", "--moe-experts", "4"],
          "--moe-experts makes the GPT's MLPs mixtures of experts; --model mlp has none (a model of your own puts "
          "nn.MoE layers in itself)"),
@@ -71,6 +69,8 @@ def test_the_command_refuses_them_on_every_rank_before_anything_starts(comm, tmp
 
 
 def test_a_valid_moe_layout_resolves_to_hybrid_with_ep_carved_out_of_dp():
+    c = resolve({"model": "gpt", "moe_experts": 4, "ep": 2, "tp": 2}, 8)
+    assert (c.strategy, c.dp, c.ep, c.tp, c.pp) == ("hybrid", 4, 2, 2, 1)  # ep inside dp, with tp
     c = resolve({"model": "gpt", "moe_experts": 4, "ep": 2}, 4)
     assert (c.strategy, c.dp, c.ep, c.tp, c.pp) == ("hybrid", 4, 2, 1, 1)
     assert layout_text(c.dp, c.tp, c.pp, c.zero, c.ep) == "dp=4 tp=1 pp=1 ep=2"

@@ -224,9 +224,9 @@ def _parallel(c: Config, world: int) -> None:
         raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp} x dp: "
                           f"the world size must be a multiple of {tp * pp}")
     c.tp, c.pp, c.dp = tp, pp, world // (tp * pp)
-    from ..parallel.expert_grads import ep_dp_problem, ep_tp_problem  # (see _parallel_values)
+    from ..parallel.expert_grads import ep_dp_problem  # (see _parallel_values)
 
-    _refuse(ep_dp_problem(c.ep, c.dp, as_flag) or ep_tp_problem(c.ep, c.tp, as_flag))
+    _refuse(ep_dp_problem(c.ep, c.dp, as_flag))
     if c.pp_cut not in (None, "auto") and c.pp == 1:  # (auto: a run's stored cut dropped, e.g. on a resume)
         raise ConfigError(f"--pp-cut {c.pp_cut} says where pipeline stages begin, but pp=1: give --pp 2 or more "
                           "(or --pp-cut auto)")

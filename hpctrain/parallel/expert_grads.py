@@ -22,7 +22,7 @@ from ..nn.moe import moe_layers
 from ..protocols import Reducer
 from .reducer import GradReducer
 
-__all__ = ["ExpertReducer", "ExpertStats", "ShardedExpertReducer", "ep_dp_problem", "ep_tp_problem", "expert_ids",
+__all__ = ["ExpertReducer", "ExpertStats", "ShardedExpertReducer", "ep_dp_problem", "expert_ids",
            "expert_reducer"]
 
 
@@ -32,15 +32,6 @@ def ep_dp_problem(ep: int, dp: int, say: Say = as_argument) -> str | None:
     if ep != 1 and (ep > dp or dp % ep):
         return (f"{say('ep', ep)} must divide the data-parallel replicas (dp={dp}): "
                 "the expert-parallel groups are carved out of dp")
-    return None
-
-
-def ep_tp_problem(ep: int, tp: int, say: Say = as_argument) -> str | None:
-    """Why experts cannot spread over ``ep`` ranks with tensor parallelism of ``tp`` (``None``:
-    they can): the transforms copy the model, and an expert-parallel copy holds its group."""
-    if ep > 1 and tp > 1:
-        return (f"{say('ep', ep)} with {say('tp', tp)} is not supported yet (experts spread over ep and a model "
-                f"split over tp): use {say('ep', ep)} with dp and pp, or {say('tp', tp)} without ep")
     return None
 
 

@@ -73,7 +73,7 @@ def test_a_valid_moe_layout_resolves_to_hybrid_with_ep_carved_out_of_dp():
     assert (c.strategy, c.dp, c.ep, c.tp, c.pp) == ("hybrid", 4, 2, 2, 1)  # ep inside dp, with tp
     c = resolve({"model": "gpt", "moe_experts": 4, "ep": 2}, 4)
     assert (c.strategy, c.dp, c.ep, c.tp, c.pp) == ("hybrid", 4, 2, 1, 1)
-    assert layout_text(c.dp, c.tp, c.pp, c.zero, c.ep) == "dp=4 tp=1 pp=1 ep=2"
+    assert layout_text(c.dp, c.tp, c.pp, c.zero, ep=c.ep) == "dp=4 tp=1 pp=1 ep=2"
     assert layout_text(c.dp, c.tp, c.pp, 0) == "dp=4 tp=1 pp=1"  # a layout without ep reads as before
     assert moe_text(c) == ("4 experts, top-2, in every block, dropless, load-balancing loss weight 0.01; "
                            "2 experts per rank over ep=2")

@@ -36,11 +36,18 @@ class Config:
     """Settings of one training job. ``resolve`` fills the derived fields and refuses bad values."""
 
     strategy: str | None = field(default=None, metadata=_opt("how the job is split across ranks [dp; hybrid when "
-                                                             "--tp or --pp is given]",
+                                                             "--tp, --pp or --cp is given]",
                                                              ("dp", "tp", "pp", "ps", "hybrid")))
     tp: int | None = field(default=None, metadata=_opt("tensor-parallel group size (tp: all ranks; hybrid: 1)",
                                                          at_least=1))
     pp: int | None = field(default=None, metadata=_opt("pipeline stages (pp: all ranks; hybrid: 1)", at_least=1))
+    cp: int = field(default=1, metadata=_opt("context-parallel group size: each rank of a group holds 1/cp of every "
+                                             "sequence's tokens (gpt; --block-size splits into 2 x cp chunks)",
+                                             at_least=1))
+    cp_mode: str = field(default="ring", metadata=_opt("context parallelism's attention: ring (key/value blocks "
+                                                       "travel the cp ring) or ulysses (all-to-all to a split of "
+                                                       "the heads: --n-heads divisible by tp x cp)",
+                                                       ("ring", "ulysses")))
     model: str = field(default="mlp", metadata=_opt("mlp: an MLP (a classifier; a regressor with --loss mse); "
                                                      "gpt: character-level GPT; cnn: convolutions on the built-in "
                                                      "fields; or your own, package.module:factory or "
@@ -176,7 +183,7 @@ class Config:
                                                       "(needs --device cuda)", ("mpi", "hierarchical", "nccl")))
 
     # Derived by resolve(): never read from flags or files.
-    dp: int | None = field(default=None, metadata=_derived("data-parallel replicas: world / (tp x pp)"))
+    dp: int | None = field(default=None, metadata=_derived("data-parallel replicas: world / (tp x pp x cp)"))
     local_batch: int | None = field(default=None, metadata=_derived("samples per step on one replica"))
     #: Facts of the opened data a model factory may need (``n_in``, ``x_shape``, ``n_classes`` or
     #: ``n_out``, ``vocab_size``, ``path``): filled by the job before it calls the factory.

@@ -421,7 +421,7 @@ def _layout_text(c: Config) -> str:
     if c.strategy == "ps":
         return f"parameter server ({c.ps_mode}) with {c.dp} workers"
     note = f" ({c.layout_note})" if c.layout_note else ""
-    return f"{c.strategy} with {layout_text(c.dp, c.tp, c.pp, c.zero, c.ep)}{note}"
+    return f"{c.strategy} with {layout_text(c.dp, c.tp, c.pp, c.zero, c.cp, c.cp_mode, c.ep)}{note}"
 
 
 def main(args: argparse.Namespace) -> int:

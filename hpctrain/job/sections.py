@@ -115,9 +115,22 @@ def _model_splits(c: Config) -> None:
         if "n_heads" in s.tp_sizes:
             _refuse(tp_heads_problem(s.tp_sizes["n_heads"], c.tp, as_flag))
         _refuse(tp_hidden_problem(s.tp_sizes["hidden"], c.tp))
+    if c.cp > 1:
+        _cp_splits(c, s)
     if c.pp > 1 and c.pp > s.pipeline_pieces:
         raise ConfigError(f"pp={c.pp} stages but the {c.model} model has only {s.pipeline_pieces} layers "
                           f"to cut: use fewer stages or more --n-layers")
+
+
+def _cp_splits(c: Config, s: models.Splits) -> None:
+    """Context parallelism splits sequences: a built-in model without attention has none to split,
+    and the GPT's block and heads must split as ``parallel.cp_split.cp_problem`` says."""
+    if "n_heads" not in s.tp_sizes:
+        raise ConfigError(f"--cp {c.cp} splits each sequence's tokens over the ranks, but --model {c.model} has no "
+                          "attention (no sequence to split): use data parallelism, --tp, --pp or --zero")
+    from ..parallel.cp_split import cp_problem  # (see _parallel_values)
+
+    _refuse(cp_problem(c.cp, c.cp_mode, c.block_size, s.tp_sizes["n_heads"], c.tp, as_flag))
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -143,6 +156,10 @@ def _layout(c: Config, world: int) -> tuple[int, int]:
     if strategy in ("tp", "pp") and c.ep > 1:
         raise ConfigError(f"--strategy {strategy} does not use --ep {c.ep}: use --strategy hybrid for "
                           "tp x pp x dp with ep")
+    if c.cp > 1 and strategy != "hybrid":  # the one runtime that splits sequences (ParallelTrainer's)
+        what = "the parameter server has no replicas that share a sequence" if strategy == "ps" else \
+            "use --strategy hybrid (or leave --strategy out) for cp x tp x pp x dp"
+        raise ConfigError(f"--strategy {strategy} does not use --cp {c.cp}: {what}")
     if strategy == "tp":
         if c.pp not in (None, 1):
             raise ConfigError("--strategy tp does not use --pp: use --strategy hybrid for tp x pp x dp")
@@ -215,15 +232,16 @@ def _parallel_values(c: Config) -> None:
 
 def _parallel(c: Config, world: int) -> None:
     """The strategy and layout (fills ``strategy``, ``tp``, ``pp``, ``dp``, ``local_batch``)."""
-    if c.strategy is None:  # --tp T --pp P (--ep E) alone: dp is what is left of the world
-        c.strategy = "hybrid" if (c.tp or 1) > 1 or (c.pp or 1) > 1 or c.ep > 1 else "dp"
+    if c.strategy is None:  # --tp T --pp P --cp C (--ep E) alone: dp is what is left of the world
+        c.strategy = "hybrid" if (c.tp or 1) > 1 or (c.pp or 1) > 1 or c.cp > 1 or c.ep > 1 else "dp"
     if c.zero and c.strategy == "ps":
         raise ConfigError("--zero shards over data-parallel replicas; the parameter server (--strategy ps) has none")
     tp, pp = _layout(c, world)
-    if world % (tp * pp):
-        raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp} x dp: "
-                          f"the world size must be a multiple of {tp * pp}")
-    c.tp, c.pp, c.dp = tp, pp, world // (tp * pp)
+    cp = f" x cp={c.cp}" if c.cp > 1 else ""
+    if world % (tp * pp * c.cp):
+        raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp}{cp} x dp: "
+                          f"the world size must be a multiple of {tp * pp * c.cp}")
+    c.tp, c.pp, c.dp = tp, pp, world // (tp * pp * c.cp)
     from ..parallel.expert_grads import ep_dp_problem  # (see _parallel_values)
 
     _refuse(ep_dp_problem(c.ep, c.dp, as_flag))
@@ -327,8 +345,9 @@ def _checkpoint(c: Config, world: int) -> None:
 
 
 SECTIONS: tuple[Section, ...] = (
-    Section("parallel", ("strategy", "tp", "pp", "ep", "batch_size", "accum_steps", "microbatches", "schedule",
-                         "pp_cut", "zero", "ps_mode", "staleness"), _parallel, _parallel_values),
+    Section("parallel", ("strategy", "tp", "pp", "cp", "cp_mode", "ep", "batch_size", "accum_steps",
+                         "microbatches", "schedule", "pp_cut", "zero", "ps_mode", "staleness"), _parallel,
+            _parallel_values),
     Section("model", ("model", "loss", "d_model", "n_layers", "n_heads", "block_size", "dropout", "recompute",
                       "tie_embeddings", "seed", "moe_experts", "moe_top_k", "moe_every", "moe_capacity",
                       "moe_aux_loss"), _model, _model_values),

@@ -66,7 +66,7 @@ def build(c: Any, trainer: Fittable, n_params: int, device: str, history: Sequen
     loss, loss_steps = comm.bcast_obj(final_loss(metrics) if comm.rank == 0 else None)
     return {
         "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
-        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp, **({"ep": c.ep} if c.ep > 1 else {})},
+        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "cp_mode": c.cp_mode, "ep": c.ep},
         "zero": c.zero, "steps": trainer.global_step,
         "steps_this_run": len(history), "epochs": c.epochs,
         "final_loss": loss, "final_loss_steps": loss_steps,
@@ -89,12 +89,14 @@ def moe_figures(history: Sequence[Any]) -> dict[str, Any]:
 def format_summary(s: dict[str, Any]) -> str:
     """The closing report of a run, a few aligned lines."""
     lay = s["layout"]
+    layout = layout_text(lay["dp"], lay["tp"], lay["pp"], s.get("zero"), lay.get("cp", 1), lay.get("cp_mode", "ring"),
+                         lay.get("ep", 1))
     final = "-" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
     rate = "-" if s["samples_per_s"] is None else f"{s['samples_per_s']:,.0f} samples/s"
     share = "-" if s["comm_share"] is None else f"{100 * s['comm_share']:.0f}% of step time"
     lines = [
         f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
-        f"{s['strategy']} {layout_text(lay['dp'], lay['tp'], lay['pp'], s.get('zero'), lay.get('ep', 1))}",
+        f"{s['strategy']} {layout}",
         f"  final loss      {final} (training, mean of the last {s.get('final_loss_steps', 0)} steps)",
         f"  validation      loss {s['val_loss']:.4f}"
         + ("" if s["val_accuracy"] is None else f", accuracy {100 * s['val_accuracy']:.1f}%")

@@ -11,15 +11,16 @@ that one class with a layout and a ``Preset`` (their names).
 The step is ``training.step.TrainStep``'s template; this class supplies the forward/backward
 (micro-batches with gradient accumulation when ``pp == 1``, a pipeline schedule otherwise) and
 the facts the template needs (who counts a replica's batch and loss once, which parameters are
-replicated over tp). Gradients reduce over ``grid.dp`` through a pluggable reducer (``reducer=``;
-fused bucket all-reduces by default), built by one rule (``_reduction``) at construction and by
-``rebind`` after a lost rank.
+replicated over tp). Gradients reduce over the replicas, ``grid.dp`` (``grid.dp_cp`` with context
+parallelism: each cp rank trains on its share of every sequence's tokens, ``cp_split``), through a
+pluggable reducer (``reducer=``; fused bucket all-reduces by default), built by one rule
+(``_reduction``) at construction and by ``rebind`` after a lost rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,8 @@ from ..protocols import Reducer
 from ..training.graph import forward_loss, run_backward
 from ..training.precision import Precision
 from ..training.step import Batch, TrainStep
-from .expert_grads import ExpertStats, expert_ids, expert_reducer
+from .cp_split import token_share
+from .expert_grads import ExpertStats, expert_ids, expert_reducer, start_alike
 from .pipeline_probe import per_call_state_problem
 from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_schedules import get_schedule
@@ -142,7 +144,7 @@ class ParallelStep(TrainStep):
         self.grid, self.optimizer, self.clip_norm = grid, optimizer, clip_norm
         self.microbatches, self.schedule, self.virtual_stages = microbatches, schedule, virtual_stages
         self.bucket_mb, self.overlap, self.compression, self.backend = bucket_mb, overlap, compression, backend
-        self.dp = grid.dp
+        self._take_groups(grid)
         self.chunks = list(getattr(model, "chunks", None) or [model])
         if virtual_stages is None:  # as the part was cut (parallelize(..., virtual_stages=v))
             virtual_stages = self.virtual_stages = len(self.chunks)
@@ -166,10 +168,7 @@ class ParallelStep(TrainStep):
         self._moe = ExpertStats(model, grid, int(agreed[1]))  # aux loss, tokens per expert (none: inert)
         self._experts = expert_ids(model, grid)  # ep > 1: experts spread over grid.ep, copies on grid.edp_cp
         self._tp_replicated |= self._experts  # (an MoE layer is not split over tp)
-        for p in self.params:  # dp replicas start identical (an expert slice: its replicas)
-            group = grid.edp_cp if id(p) in self._experts else self.dp
-            if group.size > 1:
-                group.bcast(p.data, root=0)
+        start_alike(self.params, self._experts, self.replicas, grid.edp_cp)  # dp (x cp) replicas start identical
         self._ties = PipelineTies(model, pp, self._shards)  # weights two stages hold (a tied head)
         self._shards, self._uncounted = self._ties.canonical(self._shards), self._ties.uncounted
         # Mixed precision: float32 masters from the (identical) float32 parameters, then the
@@ -183,14 +182,22 @@ class ParallelStep(TrainStep):
         if pp.size > 1 or self.preset.always_schedule:
             self._runner = PipelineRunner(self.chunks, pp, self.timeout)
 
+    def _take_groups(self, grid: ProcessGrid) -> None:
+        """The groups the step uses: ``dp``, the ranks that draw different batches (the sampler's and
+        the batch check's), and ``replicas``, every rank holding the same parameters (the
+        gradients' reduction, ZeRO's shards): ``grid.dp_cp`` under context parallelism."""
+        self.grid, self.comm, self.dp = grid, grid.world, grid.dp
+        self.cp_size, self.cp_rank = grid.cp.size, grid.cp.rank
+        self.replicas = grid.dp_cp  # (grid.dp itself when cp = 1)
+
     def _reduction(self) -> None:
-        """The dp reduction over ``self.dp`` and the overlap hooks that start it during backward:
+        """The dp reduction over ``self.replicas`` and the overlap hooks that start it during backward:
         the one rule of the constructor and of ``rebind`` (collective)."""
         model, pp, overlap = self.model, self.grid.pp, self.overlap
         self.reducer: Reducer = self._make_reducer(model, self.optimizer, self._factory)
         agree(self.comm, "the gradient reducer", self.reducer.describe())
         self._hooks = None
-        if overlap and pp.size == 1 and self.dp.size > 1:
+        if overlap and pp.size == 1 and self.replicas.size > 1:
             self._hooks = ReadyHooks(self.params, self.reducer)
             # A rank without hooks would start its buckets in another order: the ranks must agree.
             agree(self.comm, "the overlap hooks (parameters the autograd engine signals)", self._hooks.active)
@@ -208,7 +215,7 @@ class ParallelStep(TrainStep):
         lost rank (the caller removes it, or leaves it)."""
         if self._hooks is not None:
             self._hooks.remove()
-        self.grid, self.comm, self.dp = grid, grid.world, grid.dp
+        self._take_groups(grid)
         if self._ties.groups:  # their groups were revoked with everything else (ulfm.revoke_held)
             self._ties = PipelineTies(self.model, grid.pp, self._shards)
         if full is not None:
@@ -229,7 +236,7 @@ class ParallelStep(TrainStep):
         full = sorted([n, list(f), str(p.dtype)] for n, (p, f, _) in self._shards.items())
         agree(tp, "the full parameters of a tensor-parallel group (name, shape, dtype)", full)
         local = sorted([n, list(p.shape), str(p.dtype)] for n, (p, _, _) in self._shards.items())
-        agree(self.dp, "the model's parameters (name, shape, dtype) on the data-parallel replicas", local)
+        agree(self.replicas, "the model's parameters (name, shape, dtype) on the data-parallel replicas", local)
         info = getattr(model, "pipeline", None)
         if pp.size > 1:
             agree(self.comm, "the pipeline partition", {k: info[k] for k in ("stages", "counts", "layers")})
@@ -247,8 +254,9 @@ class ParallelStep(TrainStep):
             self._masters = None  # ZeRO keeps this rank's piece of them
         if self._experts:  # the experts reduce over their replicas, the rest over dp
             over = lambda ps, g: self._reducer_over(factory, ps, g)  # noqa: E731
-            return expert_reducer(self.params, self._experts, (self.dp, self.grid.edp_cp), over, optimizer, self.zero)
-        return self._reducer_over(factory, self.params, self.dp)
+            return expert_reducer(self.params, self._experts, (self.replicas, self.grid.edp_cp), over, optimizer,
+                                  self.zero)
+        return self._reducer_over(factory, self.params, self.replicas)
 
     def _reducer_over(self, factory: Callable[[list[Any], Any], Reducer] | None, params: list[Any], group: Any
                       ) -> Reducer:
@@ -327,6 +335,7 @@ class ParallelStep(TrainStep):
         """Every setting the ranks must share, under the preset's names (``Preset.renames``)."""
         cfg = {
             "type": self.preset.name, "tp": self.grid.tp.size, "pp": self.grid.pp.size,
+            **({"cp": self.cp_size} if self.cp_size > 1 else {}),
             **({"ep": self.grid.ep_size} if self.grid.ep_size > 1 else {}),
             "microbatches": self.microbatches, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "overlap": self.overlap,
@@ -386,6 +395,10 @@ class ParallelStep(TrainStep):
     # -- forward and backward -------------------------------------------------------------------
 
     def _forward_backward(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
+        if self.cp_size > 1:  # this rank's tokens of every sequence (a per-sample weight stays whole)
+            n, r = self.cp_size, self.cp_rank
+            batch = replace(batch, x=token_share(batch.x, n, r), y=token_share(batch.y, n, r),
+                            weight=token_share(batch.weight, n, r))
         loss, extra, seconds = self._pipeline(batch) if self._runner is not None else self._accumulate(batch)
         return loss, self._moe.take(extra), seconds  # its sums after the schedule's, in the step's all-reduce
 
@@ -397,8 +410,9 @@ class ParallelStep(TrainStep):
 
     def _scales(self, batch: Batch) -> list[float]:
         # fp16: each micro-batch's loss gradient carries the loss scale (a power of two: exact);
-        # the step divides the loss and the gradients by it again.
-        w, s = batch.weight_total, self.precision.loss_scale
+        # the step divides the loss and the gradients by it again. A cp group's ranks share one batch
+        # (counted once in weight_total): each takes 1/cp of it, the mean over its tokens.
+        w, s = batch.weight_total * self.cp_size, self.precision.loss_scale
         return [pw / w * s if w else 0.0 for pw in batch.part_weights]
 
     def _accumulate(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
@@ -461,7 +475,7 @@ class ParallelStep(TrainStep):
         # Per-stage schedule figures, counted once per stage (dp and tp rank 0), summed over the
         # world in the step's own all-reduce.
         slots = np.zeros(4 * pp.size)
-        if self.dp.rank == 0 and self.grid.tp.rank == 0:
+        if self.replicas.rank == 0 and self.grid.tp.rank == 0:
             slots[4 * pp.rank : 4 * pp.rank + 4] = (r["busy"], r["elapsed"], r["peak"], r["peak_bytes"])
         return r["loss"], {"_reduce": list(slots)}, r["comm"]
 

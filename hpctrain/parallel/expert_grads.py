@@ -23,7 +23,7 @@ from ..protocols import Reducer
 from .reducer import GradReducer
 
 __all__ = ["ExpertReducer", "ExpertStats", "ShardedExpertReducer", "ep_dp_problem", "expert_ids",
-           "expert_reducer"]
+           "expert_reducer", "start_alike"]
 
 
 def ep_dp_problem(ep: int, dp: int, say: Say = as_argument) -> str | None:
@@ -49,6 +49,15 @@ def expert_ids(model: Any, grid: Any) -> set[int]:
     if grid.ep_size == 1:
         return set()
     return {id(getattr(m, name)) for m in layers if m.group is not None for name in m.shard_index}
+
+
+def start_alike(params: list[Any], experts: set[int], dense: Any, spread: Any) -> None:
+    """Every replica starts from its group's rank 0 (collective): the dense parameters over
+    ``dense`` (the replicas of everything), the expert slices over ``spread`` (``grid.edp_cp``)."""
+    for p in params:
+        group = spread if id(p) in experts else dense
+        if group.size > 1:
+            group.bcast(p.data, root=0)
 
 
 def expert_reducer(params: list[Any], experts: set[int], groups: tuple[Any, Any], over: Any, facade: Any, zero: int

@@ -66,7 +66,9 @@ def build(c: Any, trainer: Fittable, n_params: int, device: str, history: Sequen
     loss, loss_steps = comm.bcast_obj(final_loss(metrics) if comm.rank == 0 else None)
     return {
         "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
-        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "cp_mode": c.cp_mode, "ep": c.ep},
+        # cp and ep where they are not 1 (as grid.sizes: a layout without them reads as before)
+        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp, **({"cp": c.cp, "cp_mode": c.cp_mode} if c.cp > 1 else {}),
+                   **({"ep": c.ep} if c.ep > 1 else {})},
         "zero": c.zero, "steps": trainer.global_step,
         "steps_this_run": len(history), "epochs": c.epochs,
         "final_loss": loss, "final_loss_steps": loss_steps,

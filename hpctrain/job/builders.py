@@ -133,7 +133,7 @@ def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sampl
                                             accum_steps=c.accum_steps, **common)
     _check_tp_splits(c, model)
     _check_cp_attention(c, model)
-    grid = ProcessGrid(comm, tp=c.tp, pp=c.pp, cp=c.cp)
+    grid = ProcessGrid(comm, tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep)
     counts, plan = pipeline_cut(c, model, comm, sample) if c.pp > 1 else (None, "")
     # This rank's pipeline stage, split over tp, its attention over the cp group (--cp-mode).
     part = parallel.parallelize(model, grid, balance=counts, cp_mode=c.cp_mode)

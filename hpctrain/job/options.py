@@ -94,6 +94,19 @@ class Config:
                                                    "blocks (cnn)", at_least=1))
     n_heads: int = field(default=4, metadata=_opt("attention heads (gpt)", at_least=1))
     block_size: int = field(default=32, metadata=_opt("context length in characters (gpt)", at_least=1))
+    moe_experts: int = field(default=0, metadata=_opt("--model gpt: a mixture of this many expert MLPs in every "
+                                                      "--moe-every-th block (0: a dense GPT)", at_least=0))
+    moe_top_k: int = field(default=2, metadata=_opt("experts each token visits (MoE)", at_least=1))
+    moe_every: int = field(default=1, metadata=_opt("every M-th block's MLP is a mixture of experts (MoE)",
+                                                    at_least=1))
+    moe_capacity: float = field(default=0.0, metadata=_opt("capacity factor: an expert takes at most F x its even "
+                                                           "share of a batch's tokens, the rest pass by on the "
+                                                           "residual (0: dropless)", at_least=0, finite=True))
+    moe_aux_loss: float = field(default=0.01, metadata=_opt("weight of the load-balancing loss added to the "
+                                                            "training loss (Switch's 0.01)", at_least=0,
+                                                            finite=True))
+    ep: int = field(default=1, metadata=_opt("expert-parallel group size: the MoE experts spread over ep of the "
+                                             "dp replicas (ep divides dp)", at_least=1))
     microbatches: int = field(default=4, metadata=_opt("micro-batches per step (pp)", at_least=1))
     zero: int = field(default=0, metadata=_opt("ZeRO over the dp group: 1 optimizer state, 2 + gradients, "
                                                "3 + parameters sharded (dp, tp, pp, hybrid)"))
@@ -245,7 +258,7 @@ def flag(name: str) -> str:
 
 
 #: Library argument names whose flag is named otherwise (``ParameterServerTrainer(mode=)``: ``--ps-mode``).
-_FLAG_OF = {"mode": "ps_mode"}
+_FLAG_OF = {"mode": "ps_mode", "experts": "moe_experts", "top_k": "moe_top_k", "capacity": "moe_capacity"}
 
 
 def as_flag(name: str, value: Any = ...) -> str:

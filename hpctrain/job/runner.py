@@ -318,6 +318,8 @@ def _announce(c: Config, setup: _Setup, device: str) -> None:
     plan = (getattr(setup.trainer.model, "pipeline", None) or {}).get("plan")
     if plan:
         print(f"stages: {plan}", flush=True)
+    if c.moe_experts:
+        print(f"moe: {moe_text(c)}", flush=True)
     shape = setup.meta.get("x_shape") or []
     if c.model == "mlp" and len(shape) > 1:  # build_classifier's leading Flatten, said once
         print(f"mlp: each input of shape {tuple(shape)} is flattened to {setup.meta['n_in']:,} features (its first "
@@ -413,11 +415,20 @@ def _evaluate_final(c: Config, comm: Comm, setup: _Setup) -> dict[str, Any]:
     return evaluate(fresh, setup.val_set, build_loss(c), comm=comm)
 
 
+def moe_text(c: Config) -> str:
+    """The header's ``moe:`` line: the GPT's mixture of experts and how the experts spread."""
+    capacity = "dropless" if not c.moe_capacity else f"capacity factor {c.moe_capacity:g}"
+    blocks = "every block" if c.moe_every == 1 else f"every {c.moe_every}th block"
+    spread = f"{c.moe_experts // c.ep} experts per rank over ep={c.ep}" if c.ep > 1 else "every rank holds all experts"
+    return (f"{c.moe_experts} experts, top-{c.moe_top_k}, in {blocks}, {capacity}, load-balancing loss weight "
+            f"{c.moe_aux_loss:g}; {spread}")
+
+
 def _layout_text(c: Config) -> str:
     if c.strategy == "ps":
         return f"parameter server ({c.ps_mode}) with {c.dp} workers"
     note = f" ({c.layout_note})" if c.layout_note else ""
-    return f"{c.strategy} with {layout_text(c.dp, c.tp, c.pp, c.zero, c.cp, c.cp_mode)}{note}"
+    return f"{c.strategy} with {layout_text(c.dp, c.tp, c.pp, c.zero, c.cp, c.cp_mode, c.ep)}{note}"
 
 
 def main(args: argparse.Namespace) -> int:

@@ -49,6 +49,12 @@ class ParallelTrainer(Trainer):
     Construction is collective: ranks agree on their parts, the optimizer's and this trainer's
     settings (the same error on every rank otherwise), then each dp replica takes dp rank 0's
     parameters.
+
+    Mixtures of experts: with ``grid.ep > 1`` (the part built by ``parallelize``, whose ``nn.MoE``
+    layers hold this rank's experts of ``grid.ep``) the experts' gradients reduce over the ranks
+    holding the same experts (``grid.edp_cp``) and the dense ones over dp (ZeRO shards each group
+    apart); each MoE layer's ``aux_weight`` is scaled per micro-batch as the loss's gradient is, and
+    ``StepStats.extra`` reports ``moe_aux_loss`` and ``moe_max_share`` (``expert_grads.ExpertStats``).
     """
 
     # The strategy's settings and parts, read (and set) through the trainer.

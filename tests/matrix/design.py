@@ -24,14 +24,20 @@ CHECKPOINT_EVERY = 5
 STOP_AT = 15
 RUN = {"max_samples": 240, "batch_size": 12, "epochs": 1, "log_every": 50, "checkpoint_every": CHECKPOINT_EVERY,
        "microbatches": 2}
-#: The models at tiny size: a row takes seconds.
-MODELS = {"mlp": {"d_model": 16}, "gpt": {"d_model": 16, "n_heads": 2, "block_size": 8}}
+#: The models at tiny size: a row takes seconds. ``moe``: the GPT with 4 experts in every block,
+#: dropless, without the load-balancing term (it counts each ep group's tokens, so a dp x ep run or a
+#: resume under another layout differs from one process by it: tests/test_moe_job.py checks it where
+#: the groups match).
+MODELS = {"mlp": {"d_model": 16}, "gpt": {"d_model": 16, "n_heads": 2, "block_size": 8},
+          "moe": {"model": "gpt", "d_model": 16, "n_heads": 2, "block_size": 8, "moe_experts": 4, "moe_aux_loss": 0.0}}
 
 #: The first job's layout: (ranks, the flags that ask for it).
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
     "dp4": (4, {}), "dp3": (3, {}), "tp2xdp2": (4, {"tp": 2}), "pp2xdp2": (4, {"pp": 2}),
-    "tp2xpp2": (4, {"tp": 2, "pp": 2}),
+    "tp2xpp2": (4, {"tp": 2, "pp": 2}), "ep2xdp4": (4, {"ep": 2}), "ep2xpp2": (4, {"ep": 2, "pp": 2}),
 }
+#: The layout settings a resume (``other_layout``) and the one-process reference leave to their own.
+LAYOUT_FLAGS = ("tp", "pp", "cp", "ep")
 #: Context parallelism carved out of the layout's dp (the same ranks): none, or cp=2 (the GPT's
 #: sequences split in two; a layout whose dp is not even, or a model without attention, is refused
 #: by the engine's own rules).
@@ -56,7 +62,7 @@ def other_layout(layout: str, model: str, ranks: int) -> dict[str, Any]:
     on two, what the run did not split (tp2 x pp2: plain dp, issue 47's case; tp: pp; pp: tp; plain
     dp: tp for the MLP, pp for the GPT, so that both kinds follow a dp run)."""
     run = LAYOUTS[layout][1]
-    if ranks == 1 or ("tp" in run and "pp" in run):
+    if ranks == 1 or ("tp" in run and "pp" in run) or ("ep" in run and "pp" in run):
         return {"strategy": "dp"}
     if "tp" in run:
         return {"pp": 2}
@@ -143,12 +149,12 @@ class Row:
         extra = {"recompute": True} if self.recompute else {}
         cp = {"cp": self.cp} if self.cp > 1 else {}
         return {**RUN, "model": self.model, **MODELS[self.model], **LAYOUTS[self.layout][1], **cp, "zero": self.zero,
-                "precision": self.precision, **extra}
+                "precision": self.precision, **extra}  # (MODELS may name the model: moe is a gpt)
 
     def reference_settings(self) -> dict[str, Any]:
         """The uninterrupted one-process run this row must end like (layout and ZeRO do not change
         the arithmetic beyond rounding)."""
-        return {k: v for k, v in self.settings().items() if k not in ("tp", "pp", "cp", "zero")}
+        return {k: v for k, v in self.settings().items() if k not in (*LAYOUT_FLAGS, "zero")}
 
     def resumed(self) -> tuple[int, dict[str, Any]] | None:
         """The resume's ``(ranks, flags)``, or ``None``."""
@@ -182,7 +188,8 @@ def problem(row: Row) -> str | None:
 
         if cfg.dp < 2:
             return f"a lost rank under {row.layout} (dp=1) leaves no whole replica: the job stops (75), not a shrink"
-        shrink = shrink_problem(cfg.strategy, cfg.backend, cfg.precision, say=as_flag, cp=cfg.cp, zero=cfg.zero)
+        shrink = shrink_problem(cfg.strategy, cfg.backend, cfg.precision, say=as_flag, cp=cfg.cp, zero=cfg.zero,
+                                ep=cfg.ep)
         if shrink is not None:
             return shrink
         if row.victim is not None and row.victim not in victims(row.layout):
@@ -195,7 +202,7 @@ def problem(row: Row) -> str | None:
     if row.event == "kill-after-final":
         return "the run ended at its last step: nothing is left to resume"
     ranks, flags = target
-    base = {k: v for k, v in row.settings().items() if k not in ("tp", "pp", "cp")}
+    base = {k: v for k, v in row.settings().items() if k not in LAYOUT_FLAGS}
     why, _ = _refusal(tuple({**base, **flags}.items()), ranks)
     return None if why is None else f"the resume's layout is refused by hpctrain train: {why}"
 

@@ -16,7 +16,7 @@ import pytest
 # seconds each, 3-4 of the serial pass's 5 minutes. With the fault tests they carry the ``jobs``
 # marker: ``make test`` leaves them to ``make test-jobs``, which CI runs right after it.
 JOB_FILES = {"test_faults.py", "test_train_job.py", "test_cli_tools.py", "test_job_endings.py",
-             "test_checkpoint_bytes.py", "test_resume_trust.py", "test_pytest_plugin.py"}
+             "test_checkpoint_bytes.py", "test_resume_trust.py", "test_pytest_plugin.py", "test_plan_command.py"}
 
 
 def pytest_collection_modifyitems(config, items):

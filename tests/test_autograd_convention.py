@@ -166,7 +166,17 @@ def _args() -> dict:
         "mse_loss": ((a, b), {}), "scaled_dot_product_attention": ((q, q + 1, q - 1), {"is_causal": True}),
         "conv2d": ((img, k), {"padding": 1}), "conv1d": ((img[:, :, 0], k[:, :, 0]), {}),
         "max_pool2d": ((img, 2), {}), "avg_pool2d": ((img, 2), {}),
+        "ring_attention": ((q[:, :, :2], q[:, :, 1:] + 1, q[:, :, :2] - 1, _one_rank()), {"causal": True}),
     }  # fmt: skip
+
+
+def _one_rank():
+    """A group of this rank alone: ring attention over it is the plain causal attention."""
+    from mpi4py import MPI
+
+    from hpctrain import Communicator
+
+    return Communicator(MPI.COMM_SELF)
 
 
 def _values(out):

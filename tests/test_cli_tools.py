@@ -62,7 +62,7 @@ def test_tools_that_need_no_mpi_do_not_start_it(serial, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_without_an_mpi_library_info_and_train_say_what_to_install(serial, tmp_path):
+def test_without_an_mpi_library_info_train_and_plan_say_what_to_install(serial, tmp_path):
     # mpi4py 4 loads the library MPI4PY_LIBMPI names: a missing one is a machine without MPI;
     # a package that fails to import stands for mpi4py not installed.
     hidden = tmp_path / "hidden" / "mpi4py"
@@ -70,7 +70,7 @@ def test_without_an_mpi_library_info_and_train_say_what_to_install(serial, tmp_p
     (hidden / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'mpi4py'\")\n")
     for env, why in ((_env(MPI4PY_LIBMPI=str(tmp_path / "no-such-libmpi.so")), "no-such-libmpi.so"),
                      (_env(PYTHONPATH=str(hidden.parent)), "No module named 'mpi4py'")):
-        for cmd in (["info"], ["train", *TINY, "--run-dir", str(tmp_path / "run")]):
+        for cmd in (["info"], ["train", *TINY, "--run-dir", str(tmp_path / "run")], ["plan", "--model", "gpt"]):
             p = hpctrain(*cmd, env=env, cwd=tmp_path)
             assert p.returncode == ExitStatus.CONFIG, (cmd, p.stdout, p.stderr)
             assert "Traceback" not in p.stderr, (cmd, p.stderr)

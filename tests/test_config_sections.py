@@ -29,6 +29,9 @@ CASES = [
      "--loss mse trains on float targets, and the built-in data sets hold class indices: train them with --loss "
      "ce, or give --data FILE whose --y-key holds float values"),
     ("model", ["--seed", "-1"], "seed = -1\n", {}, "--seed must be >= 0, got -1"),
+    ("model", ["--model", "gpt", "--moe-experts", "2", "--moe-top-k", "3"],
+     'model = "gpt"\nmoe_experts = 2\nmoe_top_k = 3\n', {"model": "gpt"},
+     "--moe-top-k 3 must be between 1 and --moe-experts 2"),
     ("data", ["--val-fraction", "1.5"], "val_fraction = 1.5\n", {},
      "--val-fraction must be between 0 and 1, got 1.5"),
     ("parallel", ["--zero", "5"], "zero = 5\n", {}, "--zero must be 0, 1, 2 or 3, got 5"),
@@ -36,6 +39,8 @@ CASES = [
      "--strategy tp does not use --pp: use --strategy hybrid for tp x pp x dp"),
     ("parallel", ["--pp-cut", "3"], 'pp_cut = "3"\n', {},
      "--pp-cut 3 says where pipeline stages begin, but pp=1: give --pp 2 or more (or --pp-cut auto)"),
+    ("parallel", ["--layout", "auto", "--strategy", "ps"], 'layout = "auto"\nstrategy = "ps"\n', {"strategy": "ps"},
+     "--layout auto plans the synchronous layouts (dp, tp, pp, ZeRO); --strategy ps is not one: drop one of them"),
     ("optim", ["--strategy", "ps", "--optimizer", "adam"], 'strategy = "ps"\noptimizer = "adam"\n',
      {"strategy": "ps"}, "--strategy ps applies SGD on the servers: --optimizer adam is not possible"),
     ("optim", ["--lr", "nan"], 'lr = nan\n', {}, "--lr nan is not a finite number"),

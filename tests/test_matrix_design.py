@@ -45,7 +45,7 @@ def test_the_same_seed_gives_the_same_rows_and_another_seed_others():
 
 def dataclass_key(row: Row) -> tuple:
     """A row without its victim (the sample draws one; the covering set leaves the default)."""
-    return (row.model, row.layout, row.zero, row.precision, row.recompute, row.event, row.resume)
+    return (row.model, row.layout, row.zero, row.precision, row.recompute, row.event, row.resume, row.cp)
 
 
 def _row(**changes) -> Row:
@@ -61,6 +61,11 @@ def _row(**changes) -> Row:
     ({"event": "kill-after-final", "resume": "flags1"}, "nothing is left to resume"),
     ({"layout": "tp2xdp2", "event": "kill-mid", "victim": 0}, "rank 0 is not a rank whose loss tp2xdp2 goes on"),
     ({"victim": 1}, "a victim without a kill"),
+    # cp: the engine's own refusals (a model without attention, a world cp does not divide, a lost rank).
+    ({"cp": 2}, "--cp 2 splits each sequence's tokens over the ranks, but --model mlp has no attention"),
+    ({"model": "gpt", "layout": "dp3", "cp": 2}, "3 ranks do not factor into tp=1 x pp=1 x cp=2 x dp"),
+    ({"model": "gpt", "cp": 2, "zero": 1, "event": "kill-mid"}, "--on-rank-loss shrink does not go on under context "
+                                                                "parallelism (--cp 2) with --zero 1"),
 ])
 def test_invalid_combinations_are_excluded_with_their_reason(changes, why):
     row = _row(**changes)
@@ -84,6 +89,14 @@ def test_a_resume_takes_another_layout_of_its_rank_count():
     assert _row(layout="dp4", model="gpt", resume="flags2").resumed() == (2, {"pp": 2})
     assert _row(layout="tp2xpp2", resume="bare1").resumed() == (1, {})
     assert _row(resume="none").resumed() is None
+
+
+def test_cp_rows_take_cp_from_the_layouts_dp_and_resume_without_it():
+    row = _row(model="gpt", layout="tp2xdp2", cp=2, resume="flags2")
+    assert design.problem(row) is None and row.ranks == 4
+    assert row.layout_name == "tp2xcp2" and _row(model="gpt", cp=2).layout_name == "cp2xdp2"
+    assert row.settings()["cp"] == 2 and "cp" not in row.reference_settings()  # one process: no cp
+    assert "cp" not in _row().settings()  # rows without cp are the rows they were
 
 
 def test_victims_are_the_ranks_a_layout_goes_on_without():

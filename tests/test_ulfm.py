@@ -74,6 +74,9 @@ def test_on_rank_loss_default_is_shrink_only_where_it_can_work(monkeypatch, laun
     assert resolve({"strategy": "ps"}, 4).on_rank_loss == "abort"
     assert resolve({"precision": "bf16-mixed"}, 4).on_rank_loss == "abort"
     assert resolve({"on_rank_loss": "abort"}, 4).on_rank_loss == "abort"
+    # Context parallelism: whole replicas (tp x pp x cp ranks) go on, but not with ZeRO (refused below).
+    assert resolve({"model": "gpt", "cp": 2}, 4).on_rank_loss == ("shrink" if can else "abort")
+    assert resolve({"model": "gpt", "cp": 2, "zero": 1}, 4).on_rank_loss == "abort"
 
 
 def test_on_rank_loss_shrink_refused_where_it_cannot_work(monkeypatch):
@@ -102,6 +105,20 @@ def test_train_refuses_shrink_without_ulfm_before_starting(serial, tmp_path):
     p = hpctrain("train", "--on-rank-loss", "shrink", "--run-dir", str(tmp_path / "run"), n=2)
     assert p.returncode == 4, p.stdout + p.stderr
     assert "hpctrain train: error: ranks 0-1: --on-rank-loss shrink: this job cannot survive a lost rank" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(120)
+def test_train_refuses_shrink_under_cp_with_zero_before_starting(serial, tmp_path):
+    # --cp 2 x dp=2 --zero 1 with --on-rank-loss shrink under ULFM: refused on every rank before
+    # training, naming why (ZeRO's buddies pair dp ranks; its pieces are cut over dp x cp), exit 4.
+    if not ulfm.library_has_ulfm():
+        pytest.skip("needs an MPI library with ULFM (Open MPI 5): make test-openmpi")
+    p = hpctrain("train", "--model", "gpt", "--cp", "2", "--zero", "1", "--on-rank-loss", "shrink", "--max-samples",
+                 "64", "--run-dir", str(tmp_path / "run"), n=4, launch=ulfm_flags())
+    assert p.returncode == 4, p.stdout + p.stderr
+    assert ("hpctrain train: error: ranks 0-3: --on-rank-loss shrink does not go on under context parallelism "
+            "(--cp 2) with --zero 1: ZeRO's buddy copies pair data-parallel ranks") in p.stderr, p.stderr
     assert not (tmp_path / "run").exists()
 
 
@@ -371,6 +388,66 @@ def test_a_broken_tp_group_leaves_and_the_whole_replicas_go_on(serial, uninterru
     pick = random.Random()
     _broken_replica(uninterrupted, tmp_path, layout, zero, where, pick.choice(LAYOUTS[layout][1]),
                     pick.randrange(2, 19))
+
+
+# A GPT under context parallelism: the same run (20 steps of 12 windows of 8 tokens), 1 process.
+CP_RUN = (*KILL_RUN, "--model", "gpt", "--n-heads", "2", "--block-size", "8")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_gpt(tmp_path_factory):
+    """The one-process GPT run every cp job with a lost rank must end like."""
+    if not ulfm.library_has_ulfm():
+        pytest.skip("needs an MPI library with ULFM (Open MPI 5, make test-openmpi); starts its own jobs")
+    base = tmp_path_factory.mktemp("uninterrupted-gpt")
+    ref = hpctrain("train", *CP_RUN, "--run-dir", str(base / "run"), env=clean_env(HPCTRAIN_DATA=str(base / "data")))
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    return base
+
+
+def _as_uninterrupted(run, ref, said: str) -> None:
+    """Every step once, each with the uninterrupted run's loss, and its validation loss (float32)."""
+    got, want = ([json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, ref))
+    assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, 21)), said
+    np.testing.assert_allclose([m["loss"] for m in got], [m["loss"] for m in want], rtol=1e-5, err_msg=said)
+    mine, theirs = (json.loads((r / "summary.json").read_text()) for r in (run, ref))
+    np.testing.assert_allclose(mine["val_loss"], theirs["val_loss"], rtol=1e-5, err_msg=said)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(240)
+def test_a_broken_cp_group_leaves_and_the_whole_replica_goes_on(serial, uninterrupted_gpt, tmp_path):
+    # --cp 2 x dp=2: a rank of either replica is killed at a random step; its cp partner leaves
+    # saying so (exit 0), the other replica (its cp group rebuilt over the survivors) goes on with
+    # the whole global batch and ends where the one-process run ends. Then --cp 2 alone on 2 ranks
+    # loses one: no whole replica is left, the survivor writes the state before the step (exit 75)
+    # and a one-process resume ends where the uninterrupted run ends.
+    pick = random.Random()
+    victim, step = pick.randrange(4), pick.randrange(2, 19)
+    partner = victim ^ 1  # (cp is inside dp: ranks 2k and 2k+1 are one cp group)
+    env = clean_env(HPCTRAIN_DATA=str(uninterrupted_gpt / "data"))
+    run = tmp_path / "run"
+    p = hpctrain("kill", str(victim), str(step), "--", *CP_RUN, "--cp", "2", "--run-dir", str(run), n=4, env=env,
+                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    said = f"(--cp 2 x dp=2, victim {victim} at step {step})\n{p.stdout}{p.stderr}"
+    assert p.returncode == 0, said
+    assert (f"[rank {partner}] hpctrain train: this rank leaves the job: its dp replica lost rank(s) [{victim}]; "
+            "1 whole replica(s) go on") in p.stdout, said
+    assert re.search(rf"hpctrain: lost rank\(s\) \[{victim}\] in step \d+: going on with 2 rank\(s\), 12 sample",
+                     p.stdout), said
+    _counted_once(run, p.stdout, said)
+    _as_uninterrupted(run, uninterrupted_gpt / "run", said)
+
+    alone = tmp_path / "alone"
+    p = hpctrain("kill", "1", str(step), "--", *CP_RUN, "--cp", "2", "--run-dir", str(alone), n=2, env=env,
+                 launch=ulfm_flags(), entry=FAULT, cwd=REPO)
+    said = f"(--cp 2 on 2 ranks, rank 1 killed at step {step})\n{p.stdout}{p.stderr}"
+    assert p.returncode == 75, said
+    assert "no whole dp replica is left" in p.stdout and "saved from the survivors' parts" in p.stdout, said
+    p = hpctrain("train", "--run-dir", str(alone), "--resume", env=env)
+    said = f"(the one-process resume)\n{p.stdout}{p.stderr}"
+    assert p.returncode == 0 and f"resumed from {alone / 'checkpoints' / f'ckpt-{step:08d}.h5'}" in p.stdout, said
+    _as_uninterrupted(alone, uninterrupted_gpt / "run", said)
 
 
 RACE_RUNS = int(os.environ.get("HPCTRAIN_TEST_RACE", "0") or 0)

@@ -11,10 +11,12 @@ import platform
 import sys
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from .. import __version__, backend
 from .. import job as _job
 from . import generate as _generate
+from . import plan_command as _plan
 from . import plot as _plot
 from . import status as _status
 
@@ -23,6 +25,9 @@ def _info_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe", action="store_true",
                    help="also run the CUDA-aware MPI probe and measure each link class (intra-node, inter-node) "
                         "as latency + bytes / bandwidth from ping-pongs")
+    p.add_argument("--save", metavar="FILE",
+                   help="with --probe: also write the links and the node layout to FILE (JSON), which "
+                        "`hpctrain plan --probe-file FILE` plans from without probing")
 
 
 def _gather_rank_info(comm) -> dict:
@@ -51,11 +56,23 @@ def run_info(args: argparse.Namespace) -> int:
     from ..comm import Communicator, library, linkprobe, ulfm
     from ..comm import cuda_aware as ca
     from ..comm.nodes import describe, node_names
+    from ..errors import ExitStatus, HpctrainError
 
+    if args.save and not args.probe:  # (every rank reads the same flags: refused on each, before MPI)
+        print("hpctrain info: error: --save FILE writes the link probe: give --probe too", file=sys.stderr)
+        return ExitStatus.USAGE
     comm = Communicator()
     ranks = comm.gather_obj(_gather_rank_info(comm))
     aware = comm.cuda_aware if (args.probe or backend.cupy() is not None) else False
-    links = linkprobe.probe(comm, node_names(comm)) if args.probe else None
+    names = node_names(comm)
+    links = linkprobe.probe(comm, names) if args.probe else None
+    if args.save:
+        try:
+            _save_probe(comm, args.save, links, names)
+        except HpctrainError as exc:
+            if comm.rank == 0:
+                print(f"hpctrain info: error: {exc}", file=sys.stderr, flush=True)
+            return ExitStatus.CONFIG
     if comm.rank != 0:
         return 0
     per_node = Counter(r["host"] for r in ranks)
@@ -80,7 +97,24 @@ def run_info(args: argparse.Namespace) -> int:
     if links is not None:
         print("links (ping-pong; one-way time = alpha + bytes / beta, least-squares fit):")
         print(linkprobe.table(links))
+    if args.save:
+        print(f"probe saved to {args.save} (plan from it: hpctrain plan --probe-file {args.save} ...)")
     return 0
+
+
+def _save_probe(comm: Any, path: str, links: dict[str, Any] | None, names: list[str]) -> None:
+    """Rank 0 writes the probe file; its failure is raised on every rank (collective)."""
+    from ..comm import library, probefile
+    from ..comm.validate import raise_if_any
+    from ..errors import HpctrainError
+
+    problem = None
+    if comm.rank == 0:
+        try:
+            probefile.save(path, links, names, library.versions()["library"])
+        except HpctrainError as exc:
+            problem = exc
+    raise_if_any(comm, problem, what="hpctrain info --save")
 
 
 def _ckpt_args(p: argparse.ArgumentParser) -> None:
@@ -150,6 +184,8 @@ COMMANDS: dict[str, Command] = {
     "ckpt": ("inspect checkpoints", _ckpt_args, run_ckpt),
     "train": ("train a model with a parallel strategy (the main job; flags or --config FILE.toml)",
               _job.add_arguments, _job.main),
+    "plan": ("predict every layout of a job (dp, tp, pp, ZeRO, recompute, micro-batches) from measured costs, "
+             "best first: the same model flags as train", _plan.add_arguments, _plan.main),
     "generate": ("sample text from a GPT checkpoint (a run directory or a checkpoint file; no MPI)",
                  _generate.add_arguments, _generate.main),
     "plot": ("draw loss and throughput curves of a run to PNG (needs matplotlib)", _plot.add_arguments, _plot.main),
@@ -177,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The subcommands that start MPI; the others (ckpt, generate, plot, data) never load it.
-NEEDS_MPI = ("info", "train")
+# The subcommands that start MPI; the others (ckpt, generate, plot, data, status) never load it.
+NEEDS_MPI = ("info", "train", "plan")
 INSTALL_MPI = ("install one: pip install mpich (MPICH from PyPI), or load the site's MPI module "
                "(e.g. module load openmpi) and build mpi4py against it (docs/install.md: Installing on a cluster)")
 
@@ -210,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:  # one line instead of mpi4py's traceback from deep in the job
             print(f"hpctrain {args.command}: error: {why}", file=sys.stderr)
             return ExitStatus.CONFIG
-    handler = log.to_stream()  # the library's messages, rank 0's, as "hpctrain: ..." lines on stdout
+    # The library's messages, rank 0's, as "hpctrain: ..." lines on stdout (on stderr when stdout is
+    # a document for scripts: `hpctrain plan --json`).
+    handler = log.to_stream(sys.stderr if getattr(args, "json", False) else None)
     try:
         return COMMANDS[args.command][2](args)
     except SystemExit as exc:  # sys.exit in user code (a model factory): on one rank, end the job now

@@ -132,9 +132,11 @@ def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sampl
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,
                                             accum_steps=c.accum_steps, **common)
     _check_tp_splits(c, model)
-    grid = ProcessGrid(comm, tp=c.tp, pp=c.pp)
+    _check_cp_attention(c, model)
+    grid = ProcessGrid(comm, tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep)
     counts, plan = pipeline_cut(c, model, comm, sample) if c.pp > 1 else (None, "")
-    part = parallel.parallelize(model, grid, balance=counts)  # this rank's pipeline stage, split over tp
+    # This rank's pipeline stage, split over tp, its attention over the cp group (--cp-mode).
+    part = parallel.parallelize(model, grid, balance=counts, cp_mode=c.cp_mode)
     if plan:
         part.pipeline["plan"] = plan  # the header's "stages:" line
     opt = build_optimizer(c, part.parameters(), total_steps)
@@ -195,6 +197,20 @@ def _check_tp_splits(c: Config, model: Any) -> None:
                           "--pp or --zero, or build the model from those layers")
 
 
+def _check_cp_attention(c: Config, model: Any) -> None:
+    """Refuse ``--cp`` > 1 for a model with no attention: its sequence cannot be split over the
+    context-parallel ranks (the same verdict on every rank; the built-in models are checked from
+    their sizes when the configuration resolves)."""
+    from ..errors import ConfigError
+    from ..nn.transformer import SelfAttentionBase
+    from ..parallel.context import context_targets
+
+    if c.cp > 1 and not any(isinstance(m, SelfAttentionBase) for m in context_targets(model)):
+        raise ConfigError(f"--cp {c.cp}: --model {c.model} has no attention layer (nn.CausalSelfAttention, an "
+                          "nn.TransformerBlock's) whose sequence splits over context-parallel ranks: use data "
+                          "parallelism, --tp, --pp or --zero, or build the model from those layers")
+
+
 def with_recompute(model: Any) -> Any:
     """``model`` with activation recomputation on its blocks, names unchanged (in place): a GPT's
     transformer blocks, an MLP classifier's MLP blocks (so pipelines still cut it layer by layer)."""
@@ -202,9 +218,9 @@ def with_recompute(model: Any) -> Any:
 
 
 def data_rank(c: Config, comm: Comm) -> tuple[int, int]:
-    """(rank, size) the sampler shards by: the dp coordinate; tp and pp groups share batches."""
+    """(rank, size) the sampler shards by: the dp coordinate; tp, pp and cp groups share batches."""
     if c.strategy == "ps":
         return comm.rank, comm.size
     from ..comm.grid import coords
 
-    return coords(comm.rank, comm.size, c.tp, c.pp).dp, c.dp
+    return coords(comm.rank, comm.size, c.tp, c.pp, cp=c.cp).dp, c.dp

@@ -26,7 +26,7 @@ __all__ = ["DERIVED", "OPTIONS", "SECTIONS", "Config", "Option", "Section", "add
 HELP_SECTIONS = {
     "model": "model: what is trained",
     "data": "data: what it trains on (--data FILE.h5, or the built-in sets)",
-    "parallel": "parallel layout: how the job is split over the ranks (dp is what tp x pp leaves)",
+    "parallel": "parallel layout: how the job is split over the ranks (dp is what tp x pp x cp leaves)",
     "optim": "optimizer and learning rate",
     "runtime": "length, device, progress and failures",
     "checkpoint": "run directory, checkpoints, resume",
@@ -40,8 +40,11 @@ EXAMPLES = """examples:
   mpiexec -n 2 hpctrain train --dry-run                          # try everything once, say what a run would do
   mpiexec -n 4 hpctrain train --strategy hybrid --tp 2           # tensor parallel x data parallel
   mpiexec -n 4 hpctrain train --model gpt --pp 2 --epochs 1      # a GPT in 2 pipeline stages x 2 replicas
+  mpiexec -n 4 hpctrain train --model gpt --cp 2 --block-size 256   # long sequences: half of each per rank, dp=2
+  mpiexec -n 4 hpctrain train --model gpt --moe-experts 8 --ep 2 # MoE GPT: 8 experts, 4 per rank, dp=4
   mpiexec -n 2 hpctrain train --data mine.h5 --x-key inputs --y-key targets --loss mse   # your regression
   mpiexec -n 2 hpctrain train --model examples/custom_model.py:build                     # your model
+  mpiexec -n 4 hpctrain train --model gpt --layout auto          # plan first (hpctrain plan), train the best
   mpiexec -n 2 hpctrain train --config recipes/gpt_shakespeare.toml --lr 1e-3            # a file; flags win
   mpiexec -n 2 hpctrain train --run-dir runs/a --resume          # continue runs/a as its config.json says
   mpiexec -n 2 hpctrain train --run-dir runs/a --resume --epochs 6   # ... to 6 epochs in all (kept)
@@ -163,8 +166,8 @@ NOT_INHERITED = ("resume", "restart")
 #: How a job is split over its ranks: the job's, not the run's (a checkpoint holds full tensors and
 #: loads under any layout). A resume keeps the run's where they still fit this job's world size and
 #: flags; ``LAYOUT_SHAPE`` goes first, then the rest, derived again as for a fresh run.
-LAYOUT_KEYS = ("strategy", "tp", "pp", "microbatches", "schedule", "zero")
-LAYOUT_SHAPE = ("strategy", "tp", "pp")
+LAYOUT_KEYS = ("strategy", "tp", "pp", "cp", "cp_mode", "ep", "microbatches", "schedule", "zero")
+LAYOUT_SHAPE = ("strategy", "tp", "pp", "cp", "ep")
 
 
 def read_settings(config_file: str | None, flags: dict[str, Any],
@@ -252,19 +255,24 @@ def _fitting_layout(base: dict[str, Any], file_values: dict[str, Any], flags: di
     return merge({**base, **file_values}, flags), None
 
 
-def layout_text(dp: Any, tp: Any, pp: Any, zero: Any = 0) -> str:
-    """``dp=2 tp=2 pp=1`` (``, ZeRO-3``): a layout as the header, the closing line and a resumed
-    job's note say it."""
-    return f"dp={dp} tp={tp} pp={pp}" + (f", ZeRO-{zero}" if zero else "")
+def layout_text(dp: Any, tp: Any, pp: Any, zero: Any = 0, cp: Any = 1, cp_mode: Any = "ring", ep: Any = 1) -> str:
+    """``dp=2 tp=2 pp=1`` (`` cp=2`` with context parallelism, `` cp=2 ulysses`` in that mode;
+    `` ep=2`` where experts spread; ``, ZeRO-3``): a layout as the header, the closing line and a
+    resumed job's note say it."""
+    cp_text = "" if not cp or cp == 1 else f" cp={cp}" + (f" {cp_mode}" if cp_mode != "ring" else "")
+    ep_text = "" if not ep or ep == 1 else f" ep={ep}"
+    return f"dp={dp} tp={tp} pp={pp}{cp_text}{ep_text}" + (f", ZeRO-{zero}" if zero else "")
 
 
 def _layout_note(c: Config, run: dict[str, Any], world: int, dropped: tuple[str, ...], mine: list[str]) -> str | None:
     """What the header adds to a resumed job's layout when it is not the run's: the run's, and why
     it changed (the run's layout not fitting ``world`` ranks, or this job's flags)."""
-    now = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "zero": c.zero}
-    if not run.get("dp") or all(run.get(k) == v for k, v in now.items()):
+    now = {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "cp_mode": c.cp_mode, "ep": c.ep, "zero": c.zero}
+    old = {"cp": 1, "cp_mode": "ring", "ep": 1}  # a run from before context/expert parallelism had none
+    if not run.get("dp") or all(run.get(k, old.get(k)) == v for k, v in now.items()):
         return None
-    was = layout_text(run.get("dp"), run.get("tp"), run.get("pp"), run.get("zero") if run.get("zero") != c.zero else 0)
+    was = layout_text(run.get("dp"), run.get("tp"), run.get("pp"), run.get("zero") if run.get("zero") != c.zero else 0,
+                      run.get("cp", 1), run.get("cp_mode", "ring"), run.get("ep", 1))
     if dropped and not mine:  # nothing asked: the run's layout could not be kept
         why = f"the run's {was} does not fit {world} rank{'s' if world > 1 else ''}"
     elif dropped:
@@ -323,6 +331,8 @@ def resolve(cfg: Config | dict[str, Any], world: int) -> Config:
     for section in ALL_SECTIONS:
         section.rules(c, world)
     c.unset = [name for name in empty if getattr(c, name) is not None]
+    if c.chosen:  # --layout auto's choices are filled in too: a resume plans them again, as a fresh job does
+        c.unset += [k for k in c.chosen if k not in c.unset]
     return c
 
 
@@ -334,7 +344,7 @@ def _on_rank_loss(c: Config) -> str:
     from ..comm import ulfm
     from ..resilience import shrink_problem  # (here: importing it starts MPI, which the tools must not)
 
-    unsupported = shrink_problem(c.strategy, c.backend, c.precision, say=as_flag)
+    unsupported = shrink_problem(c.strategy, c.backend, c.precision, say=as_flag, cp=c.cp, zero=c.zero, ep=c.ep)
     if c.on_rank_loss is None:
         return "shrink" if unsupported is None and ulfm.available() else "abort"
     if c.on_rank_loss == "shrink":

@@ -61,8 +61,16 @@ def build_gpt(c: Config, meta: dict[str, Any]) -> nn.GPT:
     of parameter names everywhere."""
     rng = np.random.default_rng(c.seed)
     tied = {"tie_embeddings": True} if c.tie_embeddings else {}
-    return nn.GPT(meta["vocab_size"], c.block_size, c.d_model, c.n_heads, c.n_layers, rng=rng, dropout=c.dropout,
-                  **tied)
+    # A dense GPT is built without the MoE arguments: its weights do not depend on them.
+    moe = {"moe_experts": c.moe_experts, "moe_top_k": c.moe_top_k, "moe_every": c.moe_every,
+           "moe_capacity": c.moe_capacity} if c.moe_experts else {}
+    gpt = nn.GPT(meta["vocab_size"], c.block_size, c.d_model, c.n_heads, c.n_layers, rng=rng, dropout=c.dropout,
+                 **tied, **moe)
+    if c.moe_experts:  # the load-balancing term's weight: its gradient is the MoE layers' own
+        from ..nn.moe import set_aux_weight
+
+        set_aux_weight(gpt, c.moe_aux_loss)
+    return gpt
 
 
 def build_classifier(c: Config, meta: dict[str, Any]) -> nn.Sequential:

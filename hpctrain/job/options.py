@@ -36,11 +36,18 @@ class Config:
     """Settings of one training job. ``resolve`` fills the derived fields and refuses bad values."""
 
     strategy: str | None = field(default=None, metadata=_opt("how the job is split across ranks [dp; hybrid when "
-                                                             "--tp or --pp is given]",
+                                                             "--tp, --pp or --cp is given]",
                                                              ("dp", "tp", "pp", "ps", "hybrid")))
     tp: int | None = field(default=None, metadata=_opt("tensor-parallel group size (tp: all ranks; hybrid: 1)",
                                                          at_least=1))
     pp: int | None = field(default=None, metadata=_opt("pipeline stages (pp: all ranks; hybrid: 1)", at_least=1))
+    cp: int = field(default=1, metadata=_opt("context-parallel group size: each rank of a group holds 1/cp of every "
+                                             "sequence's tokens (gpt; --block-size splits into 2 x cp chunks)",
+                                             at_least=1))
+    cp_mode: str = field(default="ring", metadata=_opt("context parallelism's attention: ring (key/value blocks "
+                                                       "travel the cp ring) or ulysses (all-to-all to a split of "
+                                                       "the heads: --n-heads divisible by tp x cp)",
+                                                       ("ring", "ulysses")))
     model: str = field(default="mlp", metadata=_opt("mlp: an MLP (a classifier; a regressor with --loss mse); "
                                                      "gpt: character-level GPT; cnn: convolutions on the built-in "
                                                      "fields; or your own, package.module:factory or "
@@ -87,11 +94,31 @@ class Config:
                                                    "blocks (cnn)", at_least=1))
     n_heads: int = field(default=4, metadata=_opt("attention heads (gpt)", at_least=1))
     block_size: int = field(default=32, metadata=_opt("context length in characters (gpt)", at_least=1))
+    moe_experts: int = field(default=0, metadata=_opt("--model gpt: a mixture of this many expert MLPs in every "
+                                                      "--moe-every-th block (0: a dense GPT)", at_least=0))
+    moe_top_k: int = field(default=2, metadata=_opt("experts each token visits (MoE)", at_least=1))
+    moe_every: int = field(default=1, metadata=_opt("every M-th block's MLP is a mixture of experts (MoE)",
+                                                    at_least=1))
+    moe_capacity: float = field(default=0.0, metadata=_opt("capacity factor: an expert takes at most F x its even "
+                                                           "share of a batch's tokens, the rest pass by on the "
+                                                           "residual (0: dropless)", at_least=0, finite=True))
+    moe_aux_loss: float = field(default=0.01, metadata=_opt("weight of the load-balancing loss added to the "
+                                                            "training loss (Switch's 0.01)", at_least=0,
+                                                            finite=True))
+    ep: int = field(default=1, metadata=_opt("expert-parallel group size: the MoE experts spread over ep of the "
+                                             "dp replicas (ep divides dp)", at_least=1))
     microbatches: int = field(default=4, metadata=_opt("micro-batches per step (pp)", at_least=1))
     zero: int = field(default=0, metadata=_opt("ZeRO over the dp group: 1 optimizer state, 2 + gradients, "
                                                "3 + parameters sharded (dp, tp, pp, hybrid)"))
     recompute: bool = field(default=False, metadata=_opt("recompute activations in backward (each transformer "
                                                          "block / MLP block keeps only its input)"))
+    layout: str | None = field(default=None, metadata=_opt("auto: plan first (as `hpctrain plan`) and train with "
+                                                           "the best layout it predicts: dp, tp, pp, --zero, "
+                                                           "--recompute and --microbatches chosen; those of them "
+                                                           "given (and --strategy) are kept", ("auto",)))
+    probe_file: str | None = field(default=None, metadata=_opt("--layout auto and `hpctrain plan`: price the links "
+                                                               "from this saved probe (`hpctrain info --probe "
+                                                               "--save FILE`) instead of probing them"))
     schedule: str = field(default="1f1b", metadata=_opt("pipeline schedule (pp)", ("1f1b", "gpipe")))
     pp_cut: str | None = field(default=None, metadata=_opt("where pipeline stages 1.. begin: piece names or "
                                                            "indices, comma-separated (--pp 2: one, e.g. 5); "
@@ -163,7 +190,7 @@ class Config:
                                                       "(needs --device cuda)", ("mpi", "hierarchical", "nccl")))
 
     # Derived by resolve(): never read from flags or files.
-    dp: int | None = field(default=None, metadata=_derived("data-parallel replicas: world / (tp x pp)"))
+    dp: int | None = field(default=None, metadata=_derived("data-parallel replicas: world / (tp x pp x cp)"))
     local_batch: int | None = field(default=None, metadata=_derived("samples per step on one replica"))
     #: Facts of the opened data a model factory may need (``n_in``, ``x_shape``, ``n_classes`` or
     #: ``n_out``, ``vocab_size``, ``path``): filled by the job before it calls the factory.
@@ -173,6 +200,10 @@ class Config:
     unset: list | None = field(default=None, compare=False, metadata=_derived("settings resolve filled in"))
     #: A resumed job whose layout is not the run's: the run's and why (``read_settings``), said in the header.
     layout_note: str | None = field(default=None, compare=False, metadata=_derived("how the run's layout changed"))
+    #: ``--layout auto``'s choice as the header says it (``auto -> dp=2 tp=1 pp=2 zero=1 (planned: ...)``).
+    planned: str | None = field(default=None, compare=False, metadata=_derived("the layout --layout auto chose"))
+    #: The settings of ``PLANNED`` the plan chose (those not given): filled in, so a resume plans them again.
+    chosen: list | None = field(default=None, compare=False, metadata=_derived("the settings the plan chose"))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``config.json`` holds and ranks compare)."""
@@ -216,13 +247,18 @@ _BY_NAME = {o.name: o for o in OPTIONS}
 DERIVED = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata.get("derived"))
 
 
+#: The settings ``--layout auto`` chooses; those given beside it (a ZeRO stage, ``--recompute``:
+#: ``--zero 0``/``--no-recompute`` are the defaults, so they leave the choice open) constrain it.
+PLANNED = ("strategy", "tp", "pp", "zero", "recompute", "microbatches")
+
+
 def flag(name: str) -> str:
     """``--batch-size`` for ``batch_size``."""
     return "--" + name.replace("_", "-")
 
 
 #: Library argument names whose flag is named otherwise (``ParameterServerTrainer(mode=)``: ``--ps-mode``).
-_FLAG_OF = {"mode": "ps_mode"}
+_FLAG_OF = {"mode": "ps_mode", "experts": "moe_experts", "top_k": "moe_top_k", "capacity": "moe_capacity"}
 
 
 def as_flag(name: str, value: Any = ...) -> str:

@@ -39,7 +39,7 @@ def describe_changes(changed: dict[str, tuple[Any, Any]]) -> str:
 #: Settings a resumed run must share with the run it continues (the model, its data, its optimizer
 #: state, the data order): anything else (epochs, layout, cadence) may change across a resume.
 RESUME_KEYS = ("model", "data", "d_model", "n_layers", "n_heads", "block_size", "optimizer", "seed",
-               "max_samples", "val_fraction")
+               "max_samples", "val_fraction", "moe_experts", "moe_top_k", "moe_every")
 
 
 def claim(c: Config, given: dict[str, Any], metrics: str, ckpt_lock: rundir.RunLock | None) -> None:

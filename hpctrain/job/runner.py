@@ -27,7 +27,7 @@ from . import ending
 from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .callbacks import LearningRate, Validation
-from .config import _BY_NAME, Config, layout_text, read_settings, resolve
+from .config import _BY_NAME, Config, as_config, layout_text, read_settings, resolve
 from .inputs import data_path, open_data
 from .resume import AfterResume, check_claim, claim, describe_changes, resume_command
 from .sections import nccl_problem
@@ -144,6 +144,11 @@ def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Seque
     from ..log import world_rank
 
     comm = comm if comm is not None else Communicator()
+    if as_config(cfg).layout == "auto":  # planned on rank 0's measured costs, shared: one choice on every rank
+        from .planning import choose_layout
+
+        limit_blas_threads(comm)  # before the plan's timings, as before training's
+        cfg = choose_layout(as_config(cfg), comm, pick_device, everywhere)
     c = everywhere(comm, lambda: resolve(cfg, comm.size))
     agree(comm, "hpctrain train configuration", c.to_dict())
     device = pick_device(c, comm)
@@ -308,9 +313,13 @@ def _announce(c: Config, setup: _Setup, device: str) -> None:
           f"{len(setup.train_set):,} training samples, {_layout_text(c)} on {device}, "
           f"global batch {c.batch_size}, {c.optimizer} lr={c.lr:g}, {c.epochs} epoch(s), "
           f"{len(setup.loader)} steps each; run dir {c.run_dir or 'runs/<date>-<time>'}", flush=True)
+    if c.planned:
+        print(f"layout: {c.planned}", flush=True)
     plan = (getattr(setup.trainer.model, "pipeline", None) or {}).get("plan")
     if plan:
         print(f"stages: {plan}", flush=True)
+    if c.moe_experts:
+        print(f"moe: {moe_text(c)}", flush=True)
     shape = setup.meta.get("x_shape") or []
     if c.model == "mlp" and len(shape) > 1:  # build_classifier's leading Flatten, said once
         print(f"mlp: each input of shape {tuple(shape)} is flattened to {setup.meta['n_in']:,} features (its first "
@@ -406,11 +415,20 @@ def _evaluate_final(c: Config, comm: Comm, setup: _Setup) -> dict[str, Any]:
     return evaluate(fresh, setup.val_set, build_loss(c), comm=comm)
 
 
+def moe_text(c: Config) -> str:
+    """The header's ``moe:`` line: the GPT's mixture of experts and how the experts spread."""
+    capacity = "dropless" if not c.moe_capacity else f"capacity factor {c.moe_capacity:g}"
+    blocks = "every block" if c.moe_every == 1 else f"every {c.moe_every}th block"
+    spread = f"{c.moe_experts // c.ep} experts per rank over ep={c.ep}" if c.ep > 1 else "every rank holds all experts"
+    return (f"{c.moe_experts} experts, top-{c.moe_top_k}, in {blocks}, {capacity}, load-balancing loss weight "
+            f"{c.moe_aux_loss:g}; {spread}")
+
+
 def _layout_text(c: Config) -> str:
     if c.strategy == "ps":
         return f"parameter server ({c.ps_mode}) with {c.dp} workers"
     note = f" ({c.layout_note})" if c.layout_note else ""
-    return f"{c.strategy} with {layout_text(c.dp, c.tp, c.pp, c.zero)}{note}"
+    return f"{c.strategy} with {layout_text(c.dp, c.tp, c.pp, c.zero, c.cp, c.cp_mode, c.ep)}{note}"
 
 
 def main(args: argparse.Namespace) -> int:

@@ -82,7 +82,23 @@ def _model(c: Config, world: int) -> None:
     elif c.tie_embeddings:
         raise ConfigError(f"--tie-embeddings ties the GPT's head to its token embedding; --model {c.model} has none "
                           "(a model of your own ties its weights itself)")
+    _model_experts(c)
     _model_splits(c)
+
+
+def _model_experts(c: Config) -> None:
+    """The GPT's mixture of experts (``--moe-*``, ``nn.MoE``'s rules) and their spread over ``--ep`` ranks."""
+    from ..nn.moe import ep_problem, moe_problem
+
+    if c.model != "gpt" and c.moe_experts:
+        raise ConfigError(f"--moe-experts makes the GPT's MLPs mixtures of experts; --model {c.model} has none "
+                          "(a model of your own puts nn.MoE layers in itself)")
+    if c.moe_experts:
+        _refuse(moe_problem(c.moe_experts, c.moe_top_k, c.moe_capacity, as_flag))
+        _refuse(ep_problem(c.moe_experts, c.ep, as_flag))
+    elif c.ep > 1 and c.model in models.BUILTIN:  # (a model of your own: expert_parallel finds its MoE layers)
+        raise ConfigError(f"--ep {c.ep} spreads the experts of a mixture-of-experts model, and --model {c.model} has "
+                          "none: give --moe-experts (gpt)")
 
 
 def _model_splits(c: Config) -> None:
@@ -99,9 +115,22 @@ def _model_splits(c: Config) -> None:
         if "n_heads" in s.tp_sizes:
             _refuse(tp_heads_problem(s.tp_sizes["n_heads"], c.tp, as_flag))
         _refuse(tp_hidden_problem(s.tp_sizes["hidden"], c.tp))
+    if c.cp > 1:
+        _cp_splits(c, s)
     if c.pp > 1 and c.pp > s.pipeline_pieces:
         raise ConfigError(f"pp={c.pp} stages but the {c.model} model has only {s.pipeline_pieces} layers "
                           f"to cut: use fewer stages or more --n-layers")
+
+
+def _cp_splits(c: Config, s: models.Splits) -> None:
+    """Context parallelism splits sequences: a built-in model without attention has none to split,
+    and the GPT's block and heads must split as ``parallel.cp_split.cp_problem`` says."""
+    if "n_heads" not in s.tp_sizes:
+        raise ConfigError(f"--cp {c.cp} splits each sequence's tokens over the ranks, but --model {c.model} has no "
+                          "attention (no sequence to split): use data parallelism, --tp, --pp or --zero")
+    from ..parallel.cp_split import cp_problem  # (see _parallel_values)
+
+    _refuse(cp_problem(c.cp, c.cp_mode, c.block_size, s.tp_sizes["n_heads"], c.tp, as_flag))
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -120,10 +149,17 @@ def _layout(c: Config, world: int) -> tuple[int, int]:
     """``(tp, pp)`` of the strategy: world = dp x tp x pp, each strategy fixes the sizes it does
     not use to 1."""
     strategy = c.strategy
-    given = {k: v for k, v in (("tp", c.tp), ("pp", c.pp)) if v is not None}
+    given = {k: v for k, v in (("tp", c.tp), ("pp", c.pp), ("ep", c.ep if c.ep > 1 else None)) if v is not None}
     if strategy in ("dp", "ps") and any(v > 1 for v in given.values()):
         flags = " ".join(f"--{k} {v}" for k, v in given.items())
         raise ConfigError(f"--strategy {strategy} does not use {flags}: use --strategy hybrid for tp x pp x dp")
+    if strategy in ("tp", "pp") and c.ep > 1:
+        raise ConfigError(f"--strategy {strategy} does not use --ep {c.ep}: use --strategy hybrid for "
+                          "tp x pp x dp with ep")
+    if c.cp > 1 and strategy != "hybrid":  # the one runtime that splits sequences (ParallelTrainer's)
+        what = "the parameter server has no replicas that share a sequence" if strategy == "ps" else \
+            "use --strategy hybrid (or leave --strategy out) for cp x tp x pp x dp"
+        raise ConfigError(f"--strategy {strategy} does not use --cp {c.cp}: {what}")
     if strategy == "tp":
         if c.pp not in (None, 1):
             raise ConfigError("--strategy tp does not use --pp: use --strategy hybrid for tp x pp x dp")
@@ -194,17 +230,35 @@ def _parallel_values(c: Config) -> None:
     _refuse(staleness_problem(c.staleness, as_flag))
 
 
+def _auto_layout(c: Config) -> None:
+    """``--layout auto`` plans the synchronous layouts (the layout settings given beside it
+    constrain the plan); ``--probe-file`` prices its links."""
+    if c.layout != "auto":
+        if c.probe_file is not None:
+            raise ConfigError(f"--probe-file {c.probe_file} prices the links of --layout auto's plan: give --layout "
+                              "auto too (or use it with `hpctrain plan`)")
+        return
+    if c.strategy == "ps":
+        raise ConfigError("--layout auto plans the synchronous layouts (dp, tp, pp, ZeRO); --strategy ps is not one: "
+                          "drop one of them")
+
+
 def _parallel(c: Config, world: int) -> None:
     """The strategy and layout (fills ``strategy``, ``tp``, ``pp``, ``dp``, ``local_batch``)."""
-    if c.strategy is None:  # --tp T --pp P alone: dp is what is left of the world
-        c.strategy = "hybrid" if (c.tp or 1) > 1 or (c.pp or 1) > 1 else "dp"
+    _auto_layout(c)
+    if c.strategy is None:  # --tp T --pp P --cp C (--ep E) alone: dp is what is left of the world
+        c.strategy = "hybrid" if (c.tp or 1) > 1 or (c.pp or 1) > 1 or c.cp > 1 or c.ep > 1 else "dp"
     if c.zero and c.strategy == "ps":
         raise ConfigError("--zero shards over data-parallel replicas; the parameter server (--strategy ps) has none")
     tp, pp = _layout(c, world)
-    if world % (tp * pp):
-        raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp} x dp: "
-                          f"the world size must be a multiple of {tp * pp}")
-    c.tp, c.pp, c.dp = tp, pp, world // (tp * pp)
+    cp = f" x cp={c.cp}" if c.cp > 1 else ""
+    if world % (tp * pp * c.cp):
+        raise ConfigError(f"{world} ranks do not factor into tp={tp} x pp={pp}{cp} x dp: "
+                          f"the world size must be a multiple of {tp * pp * c.cp}")
+    c.tp, c.pp, c.dp = tp, pp, world // (tp * pp * c.cp)
+    from ..parallel.expert_grads import ep_dp_problem  # (see _parallel_values)
+
+    _refuse(ep_dp_problem(c.ep, c.dp, as_flag))
     if c.pp_cut not in (None, "auto") and c.pp == 1:  # (auto: a run's stored cut dropped, e.g. on a resume)
         raise ConfigError(f"--pp-cut {c.pp_cut} says where pipeline stages begin, but pp=1: give --pp 2 or more "
                           "(or --pp-cut auto)")
@@ -305,10 +359,13 @@ def _checkpoint(c: Config, world: int) -> None:
 
 
 SECTIONS: tuple[Section, ...] = (
-    Section("parallel", ("strategy", "tp", "pp", "batch_size", "accum_steps", "microbatches", "schedule", "pp_cut",
-                         "zero", "ps_mode", "staleness"), _parallel, _parallel_values),
+    Section("parallel", ("strategy", "tp", "pp", "cp", "cp_mode", "ep", "batch_size", "accum_steps",
+                         "microbatches", "schedule", "pp_cut", "zero", "ps_mode", "staleness", "layout", "probe_file"),
+            _parallel,
+            _parallel_values),
     Section("model", ("model", "loss", "d_model", "n_layers", "n_heads", "block_size", "dropout", "recompute",
-                      "tie_embeddings", "seed"), _model, _model_values),
+                      "tie_embeddings", "seed", "moe_experts", "moe_top_k", "moe_every", "moe_capacity",
+                      "moe_aux_loss"), _model, _model_values),
     Section("data", ("data", "x_key", "y_key", "tokens_key", "max_samples", "val_fraction"), _no_rules, _data_values),
     Section("optim", ("optimizer", "lr", "momentum", "weight_decay", "lr_schedule", "warmup", "min_lr",
                       "clip_norm"), _optim, _optim_values),

@@ -66,7 +66,10 @@ def build(c: Any, trainer: Fittable, n_params: int, device: str, history: Sequen
     loss, loss_steps = comm.bcast_obj(final_loss(metrics) if comm.rank == 0 else None)
     return {
         "model": c.model, "parameters": n_params, "strategy": c.strategy, "device": device,
-        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp}, "zero": c.zero, "steps": trainer.global_step,
+        # cp and ep where they are not 1 (as grid.sizes: a layout without them reads as before)
+        "layout": {"dp": c.dp, "tp": c.tp, "pp": c.pp, **({"cp": c.cp, "cp_mode": c.cp_mode} if c.cp > 1 else {}),
+                   **({"ep": c.ep} if c.ep > 1 else {})},
+        "zero": c.zero, "steps": trainer.global_step,
         "steps_this_run": len(history), "epochs": c.epochs,
         "final_loss": loss, "final_loss_steps": loss_steps,
         "val_loss": result["loss"], "val_accuracy": result["accuracy"], "val_samples": result["samples"],
@@ -74,18 +77,28 @@ def build(c: Any, trainer: Fittable, n_params: int, device: str, history: Sequen
         "wall_seconds": wall, "checkpoint": trainer.last_checkpoint,
         "run_dir": c.run_dir, "metrics": metrics, "trace": trace, "memory": memory,
         "rank_loss": trainer.rank_loss.events if trainer.rank_loss is not None else [],
+        **({"moe": moe_figures(history)} if c.moe_experts else {}),
     }
+
+
+def moe_figures(history: Sequence[Any]) -> dict[str, Any]:
+    """The MoE layers' figures of this job's last step (``None`` before any): the load-balancing
+    term and the busiest expert's share of the tokens over the mean (1: balanced)."""
+    extra = history[-1].extra if history else {}
+    return {"aux_loss": extra.get("moe_aux_loss"), "max_share": extra.get("moe_max_share")}
 
 
 def format_summary(s: dict[str, Any]) -> str:
     """The closing report of a run, a few aligned lines."""
     lay = s["layout"]
+    layout = layout_text(lay["dp"], lay["tp"], lay["pp"], s.get("zero"), lay.get("cp", 1), lay.get("cp_mode", "ring"),
+                         lay.get("ep", 1))
     final = "-" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
     rate = "-" if s["samples_per_s"] is None else f"{s['samples_per_s']:,.0f} samples/s"
     share = "-" if s["comm_share"] is None else f"{100 * s['comm_share']:.0f}% of step time"
     lines = [
         f"done: {s['steps_this_run']} steps ({s['steps']} in total) in {s['wall_seconds']:.1f} s, "
-        f"{s['strategy']} {layout_text(lay['dp'], lay['tp'], lay['pp'], s.get('zero'))}",
+        f"{s['strategy']} {layout}",
         f"  final loss      {final} (training, mean of the last {s.get('final_loss_steps', 0)} steps)",
         f"  validation      loss {s['val_loss']:.4f}"
         + ("" if s["val_accuracy"] is None else f", accuracy {100 * s['val_accuracy']:.1f}%")
@@ -98,6 +111,8 @@ def format_summary(s: dict[str, Any]) -> str:
            f"peak RSS {s['memory']['rss_peak'] / 2**20:,.0f}"
            + (f"; GPU pool peak {s['memory']['device_pool_peak'] / 2**20:,.0f}"
               if s["memory"].get("device_pool_peak") else "") + ")"] if s.get("memory") else []),
+        *([f"  experts         busiest {s['moe']['max_share']:.2f}x the mean share of tokens, load-balancing term "
+           f"{s['moe']['aux_loss']:.4f} (last step)"] if (s.get("moe") or {}).get("max_share") is not None else []),
         f"  checkpoint      {s['checkpoint'] or '-'}",
         f"  metrics         {s['metrics']}  (hpctrain plot {s['run_dir']})",
         f"  trace           {s['trace']}  (open in https://ui.perfetto.dev)",

@@ -227,8 +227,8 @@ class SelfAttentionBase(Module):
         xp, buf = xp_of(qkv), self.scratch_buffers()
         # The heads' outputs go straight into the (B, T, H*hd) layout the projection reads.
         y = buf.get("y", (b, t, h * hd), np.result_type(q.dtype, v.dtype), xp)
-        cp = self.__dict__.get("context")  # context parallelism (nn.ring.ContextAttention): the core over its group
-        core = causal_attention if cp is None else cp.attention
+        # Under context parallelism (nn.ring.ContextAttention) the core runs over its group.
+        core = getattr(self.__dict__.get("context"), "attention", causal_attention)
         _, att = core(q, k, v, out=y.reshape(b, t, h, hd).transpose(0, 2, 1, 3), buffers=buf)
         self.cache = (q, k, v, att)
         return y
@@ -242,8 +242,7 @@ class SelfAttentionBase(Module):
         # dq, dk, dv land in the [q | k | v] column layout of the qkv layer's output gradient.
         dqkv = gpu.scratch(self, dy, q).get("dqkv", (b, t, 3 * h * hd), np.result_type(dy.dtype, q.dtype), xp)
         parts = dqkv.reshape(b, t, 3, h, hd).transpose(2, 0, 3, 1, 4)
-        cp = self.__dict__.get("context")
-        core = causal_attention_backward if cp is None else cp.attention_backward
+        core = getattr(self.__dict__.get("context"), "attention_backward", causal_attention_backward)
         core(dy, q, k, v, att, out=(parts[0], parts[1], parts[2]), buffers=buf)
         return dqkv
 
@@ -419,8 +418,7 @@ class GPT(Module):
         return {"head.weight": "tok_emb.weight"} if self.tie_embeddings else {}
 
     def _positions(self, t: int, xp: Any) -> Any:
-        """The positions of ``t`` tokens: ``0..t-1``, or under context parallelism (``context``,
-        set by ``hpctrain.parallel.context_parallel``) the global positions of this rank's share."""
+        """Positions of ``t`` tokens: ``0..t-1``, or this rank's share's under ``context_parallel``."""
         pos, cp = self.__dict__.get("_pos"), self.__dict__.get("context")
         if pos is None or pos.shape[0] != t or xp_of(pos) is not xp or self.__dict__.get("_pos_cp") is not cp:
             pos = self.__dict__["_pos"] = xp.arange(t) if cp is None else xp.asarray(cp.positions(t, self.block_size))

@@ -11,15 +11,16 @@ that one class with a layout and a ``Preset`` (their names).
 The step is ``training.step.TrainStep``'s template; this class supplies the forward/backward
 (micro-batches with gradient accumulation when ``pp == 1``, a pipeline schedule otherwise) and
 the facts the template needs (who counts a replica's batch and loss once, which parameters are
-replicated over tp). Gradients reduce over ``grid.dp`` through a pluggable reducer (``reducer=``;
-fused bucket all-reduces by default), built by one rule (``_reduction``) at construction and by
-``rebind`` after a lost rank.
+replicated over tp). Gradients reduce over the replicas, ``grid.dp`` (``grid.dp_cp`` with context
+parallelism: each cp rank trains on its share of every sequence's tokens, ``cp_split``), through a
+pluggable reducer (``reducer=``; fused bucket all-reduces by default), built by one rule
+(``_reduction``) at construction and by ``rebind`` after a lost rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,15 +31,18 @@ from ..comm.grid import ProcessGrid
 from ..comm.validate import agree, raise_if_any
 from ..errors import ConfigError, GridError, MismatchError, Say, as_argument
 from ..nn.explicit import recording
+from ..nn.moe import moe_layers
 from ..optim.clip import clip_norm_problem
-from ..protocols import Comm, Reducer
+from ..protocols import Reducer
 from ..training.graph import forward_loss, run_backward
 from ..training.precision import Precision
 from ..training.step import Batch, TrainStep
+from .cp_split import token_share
+from .expert_grads import ExpertStats, expert_ids, expert_reducer, start_alike
 from .pipeline_probe import per_call_state_problem
 from .pipeline_runner import PipelineRunner, max_microbatches
 from .pipeline_schedules import get_schedule
-from .reducer import AllReduceReducer, ReadyHooks
+from .reducer import AllReduceReducer, ReadyHooks, device_id, shared_gpu_problem
 from .shards import shard_map
 from .tensor_layers import parallel_loss
 from .ties import PipelineTies
@@ -61,24 +65,6 @@ def compression_problem(compression: str | None, backend: str, say: Say = as_arg
     if backend != "mpi" and compression is not None:
         return (f"{say('compression')} is for the flat MPI backend ({say('backend', 'mpi')}), "
                 f"not {say('backend', backend)}")
-    return None
-
-
-def _device_id(cp: Any) -> int:
-    """The current CUDA device's id (the stand-in of the tests has one GPU, id 0)."""
-    return int(getattr(cp.cuda.Device(), "id", 0))
-
-
-def shared_gpu_problem(dp: Comm, device: int) -> RuntimeError | None:
-    """NCCL refuses two ranks on one GPU (``ncclInvalidUsage`` deep inside its init, seen on the
-    first GPU run with 2 ranks on 1 GPU): said first, on every rank, naming the ranks. Collective."""
-    where = dp.allgather_obj((dp.hostname(), device))
-    seen: dict[tuple[str, int], int] = {}
-    for rank, key in enumerate(where):
-        if key in seen:
-            return RuntimeError(f"backend='nccl' needs one GPU per rank: ranks {seen[key]} and {rank} share GPU "
-                                f"{key[1]} on {key[0]} (use backend='mpi', or one rank per GPU)")
-        seen[key] = rank
     return None
 
 
@@ -158,7 +144,7 @@ class ParallelStep(TrainStep):
         self.grid, self.optimizer, self.clip_norm = grid, optimizer, clip_norm
         self.microbatches, self.schedule, self.virtual_stages = microbatches, schedule, virtual_stages
         self.bucket_mb, self.overlap, self.compression, self.backend = bucket_mb, overlap, compression, backend
-        self.dp = grid.dp
+        self._take_groups(grid)
         self.chunks = list(getattr(model, "chunks", None) or [model])
         if virtual_stages is None:  # as the part was cut (parallelize(..., virtual_stages=v))
             virtual_stages = self.virtual_stages = len(self.chunks)
@@ -176,10 +162,13 @@ class ParallelStep(TrainStep):
         self.precision.cast(self.params)  # fp64: the float64 check, before anything is laid out
         # Clipping float64 models by the exactly rounded norm (every rank decides alike).
         not64 = any(np.dtype(p.dtype) != np.float64 for p in self.params)
-        self.exact_norm = clip_norm is not None and not self.comm.allreduce(np.array([float(not64)]), op="max")[0]
-        if self.dp.size > 1:
-            for p in self.params:  # dp replicas start identical
-                self.dp.bcast(p.data, root=0)
+        experts = max((m.experts for m in moe_layers(model)), default=0)  # (a stage may hold none)
+        agreed = self.comm.allreduce(np.array([float(not64), float(experts)]), op="max")
+        self.exact_norm = clip_norm is not None and not agreed[0]
+        self._moe = ExpertStats(model, grid, int(agreed[1]))  # aux loss, tokens per expert (none: inert)
+        self._experts = expert_ids(model, grid)  # ep > 1: experts spread over grid.ep, copies on grid.edp_cp
+        self._tp_replicated |= self._experts  # (an MoE layer is not split over tp)
+        start_alike(self.params, self._experts, self.replicas, grid.edp_cp)  # dp (x cp) replicas start identical
         self._ties = PipelineTies(model, pp, self._shards)  # weights two stages hold (a tied head)
         self._shards, self._uncounted = self._ties.canonical(self._shards), self._ties.uncounted
         # Mixed precision: float32 masters from the (identical) float32 parameters, then the
@@ -193,14 +182,22 @@ class ParallelStep(TrainStep):
         if pp.size > 1 or self.preset.always_schedule:
             self._runner = PipelineRunner(self.chunks, pp, self.timeout)
 
+    def _take_groups(self, grid: ProcessGrid) -> None:
+        """The groups the step uses: ``dp``, the ranks that draw different batches (the sampler's and
+        the batch check's), and ``replicas``, every rank holding the same parameters (the
+        gradients' reduction, ZeRO's shards): ``grid.dp_cp`` under context parallelism."""
+        self.grid, self.comm, self.dp = grid, grid.world, grid.dp
+        self.cp_size, self.cp_rank = grid.cp.size, grid.cp.rank
+        self.replicas = grid.dp_cp  # (grid.dp itself when cp = 1)
+
     def _reduction(self) -> None:
-        """The dp reduction over ``self.dp`` and the overlap hooks that start it during backward:
+        """The dp reduction over ``self.replicas`` and the overlap hooks that start it during backward:
         the one rule of the constructor and of ``rebind`` (collective)."""
         model, pp, overlap = self.model, self.grid.pp, self.overlap
         self.reducer: Reducer = self._make_reducer(model, self.optimizer, self._factory)
         agree(self.comm, "the gradient reducer", self.reducer.describe())
         self._hooks = None
-        if overlap and pp.size == 1 and self.dp.size > 1:
+        if overlap and pp.size == 1 and self.replicas.size > 1:
             self._hooks = ReadyHooks(self.params, self.reducer)
             # A rank without hooks would start its buckets in another order: the ranks must agree.
             agree(self.comm, "the overlap hooks (parameters the autograd engine signals)", self._hooks.active)
@@ -218,7 +215,7 @@ class ParallelStep(TrainStep):
         lost rank (the caller removes it, or leaves it)."""
         if self._hooks is not None:
             self._hooks.remove()
-        self.grid, self.comm, self.dp = grid, grid.world, grid.dp
+        self._take_groups(grid)
         if self._ties.groups:  # their groups were revoked with everything else (ulfm.revoke_held)
             self._ties = PipelineTies(self.model, grid.pp, self._shards)
         if full is not None:
@@ -239,7 +236,7 @@ class ParallelStep(TrainStep):
         full = sorted([n, list(f), str(p.dtype)] for n, (p, f, _) in self._shards.items())
         agree(tp, "the full parameters of a tensor-parallel group (name, shape, dtype)", full)
         local = sorted([n, list(p.shape), str(p.dtype)] for n, (p, _, _) in self._shards.items())
-        agree(self.dp, "the model's parameters (name, shape, dtype) on the data-parallel replicas", local)
+        agree(self.replicas, "the model's parameters (name, shape, dtype) on the data-parallel replicas", local)
         info = getattr(model, "pipeline", None)
         if pp.size > 1:
             agree(self.comm, "the pipeline partition", {k: info[k] for k in ("stages", "counts", "layers")})
@@ -255,14 +252,23 @@ class ParallelStep(TrainStep):
         if self.zero:
             factory = zero_reducer(model, optimizer, self.zero, masters=self._masters)
             self._masters = None  # ZeRO keeps this rank's piece of them
+        if self._experts:  # the experts reduce over their replicas, the rest over dp
+            over = lambda ps, g: self._reducer_over(factory, ps, g)  # noqa: E731
+            return expert_reducer(self.params, self._experts, (self.replicas, self.grid.edp_cp), over, optimizer,
+                                  self.zero)
+        return self._reducer_over(factory, self.params, self.replicas)
+
+    def _reducer_over(self, factory: Callable[[list[Any], Any], Reducer] | None, params: list[Any], group: Any
+                      ) -> Reducer:
+        """The reduction of ``params`` over ``group``: the factory's, or bucket all-reduces."""
         if factory is not None:
-            return factory(self.params, self.dp)
-        nccl = self._nccl() if self.backend == "nccl" else None
-        if self.backend == "hierarchical" and self.dp.size > 1:
+            return factory(params, group)
+        nccl = self._nccl(group) if self.backend == "nccl" else None
+        if self.backend == "hierarchical" and group.size > 1:
             from ..comm.hierarchical import HierarchicalComm
 
-            nccl = HierarchicalComm(self.dp)  # the buckets' reducer, like NCCL's communicator
-        return AllReduceReducer(self.params, self.dp, bucket_mb=self.bucket_mb, compression=self.compression,
+            nccl = HierarchicalComm(group)  # the buckets' reducer, like NCCL's communicator
+        return AllReduceReducer(params, group, bucket_mb=self.bucket_mb, compression=self.compression,
                                 backend=nccl)  # fmt: skip
 
     def _check_args(self, grid: ProcessGrid, model: Any) -> Exception | None:
@@ -311,7 +317,7 @@ class ParallelStep(TrainStep):
                              "(or tensor_parallel(model, grid.tp))")
         return None
 
-    def _nccl(self) -> Any:
+    def _nccl(self, group: Any) -> Any:
         """The NCCL communicator for the gradient buckets, once every rank is known to have one."""
         from ..backend import cupy
         from ..comm.nccl import NcclCommunicator
@@ -320,8 +326,8 @@ class ParallelStep(TrainStep):
         ok = cp is not None and all(xp_of(p.data) is not np for p in self.params)
         why = "backend='nccl' needs CuPy and the model on the GPU on every rank"
         raise_if_any(self.comm, None if ok else RuntimeError(why))
-        raise_if_any(self.comm, shared_gpu_problem(self.dp, _device_id(cp)))
-        return NcclCommunicator(self.dp)
+        raise_if_any(self.comm, shared_gpu_problem(group, device_id(cp)))
+        return NcclCommunicator(group)
 
     # -- what the trainer reads ---------------------------------------------------------------
 
@@ -329,6 +335,8 @@ class ParallelStep(TrainStep):
         """Every setting the ranks must share, under the preset's names (``Preset.renames``)."""
         cfg = {
             "type": self.preset.name, "tp": self.grid.tp.size, "pp": self.grid.pp.size,
+            **({"cp": self.cp_size} if self.cp_size > 1 else {}),
+            **({"ep": self.grid.ep_size} if self.grid.ep_size > 1 else {}),
             "microbatches": self.microbatches, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "clip_norm": self.clip_norm, "on_nonfinite": self.on_nonfinite, "overlap": self.overlap,
             "bucket_mb": self.bucket_mb, "compression": self.compression, "backend": self.backend,
@@ -387,9 +395,12 @@ class ParallelStep(TrainStep):
     # -- forward and backward -------------------------------------------------------------------
 
     def _forward_backward(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
-        if self._runner is not None:
-            return self._pipeline(batch)
-        return self._accumulate(batch)
+        if self.cp_size > 1:  # this rank's tokens of every sequence (a per-sample weight stays whole)
+            n, r = self.cp_size, self.cp_rank
+            batch = replace(batch, x=token_share(batch.x, n, r), y=token_share(batch.y, n, r),
+                            weight=token_share(batch.weight, n, r))
+        loss, extra, seconds = self._pipeline(batch) if self._runner is not None else self._accumulate(batch)
+        return loss, self._moe.take(extra), seconds  # its sums after the schedule's, in the step's all-reduce
 
     def step_microbatches(self, n: int) -> int:
         k = super().step_microbatches(n)
@@ -399,8 +410,9 @@ class ParallelStep(TrainStep):
 
     def _scales(self, batch: Batch) -> list[float]:
         # fp16: each micro-batch's loss gradient carries the loss scale (a power of two: exact);
-        # the step divides the loss and the gradients by it again.
-        w, s = batch.weight_total, self.precision.loss_scale
+        # the step divides the loss and the gradients by it again. A cp group's ranks share one batch
+        # (counted once in weight_total): each takes 1/cp of it, the mean over its tokens.
+        w, s = batch.weight_total * self.cp_size, self.precision.loss_scale
         return [pw / w * s if w else 0.0 for pw in batch.part_weights]
 
     def _accumulate(self, batch: Batch) -> tuple[float, dict[str, Any], float]:
@@ -421,7 +433,9 @@ class ParallelStep(TrainStep):
                     hooks.arm()
             try:
                 wi = None if w is None else to_device(w[part], xp)
+                self._moe.weigh(scales[i])  # the load-balancing term's gradient scaled as the loss's
                 root = forward_loss(self.model, self.loss, x[part], y[part], wi, scales[i])
+                self._moe.add(batch.part_weights[i] / batch.weight_total if batch.weight_total else 0.0)
                 loss_sum = loss_sum + root.data * scales[i]  # on the GPU: stays there until the step's one read
                 run_backward(root, meter=self.meter)
                 del root  # the graph goes before the next micro-batch's forward
@@ -447,9 +461,13 @@ class ParallelStep(TrainStep):
         actions = list(get_schedule(self.schedule, self.virtual_stages)(pp.size, pp.rank, len(batch.parts)))
         self._step_parts = len(batch.parts)
         self.reducer.begin()
+        scales = self._scales(batch)
+        self._moe.weigh(sum(scales) / len(scales))  # exact for micro-batches of equal weight (no masks)
         with recording() as calls:  # the explicit modules' first inputs, for the check below
-            r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, self._scales(batch), self.loss,
+            r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, scales, self.loss,
                                  xp, meter=self.meter)  # fmt: skip
+        self._moe.add(sum(batch.part_weights) / batch.weight_total if batch.weight_total else 0.0)  # (the last
+        # micro-batch's term, which the layers keep, for this rank's share: exact with one micro-batch)
         self._ties.sum_grads()
         if not self._state_checked:  # once: explicit modules keeping state outside their cache refused
             raise_if_any(self.comm, per_call_state_problem(calls, self.chunks), what=self.preset.name)
@@ -457,15 +475,17 @@ class ParallelStep(TrainStep):
         # Per-stage schedule figures, counted once per stage (dp and tp rank 0), summed over the
         # world in the step's own all-reduce.
         slots = np.zeros(4 * pp.size)
-        if self.dp.rank == 0 and self.grid.tp.rank == 0:
+        if self.replicas.rank == 0 and self.grid.tp.rank == 0:
             slots[4 * pp.rank : 4 * pp.rank + 4] = (r["busy"], r["elapsed"], r["peak"], r["peak_bytes"])
         return r["loss"], {"_reduce": list(slots)}, r["comm"]
 
     def _finish_extra(self, extra: dict[str, Any], sums: Any) -> dict[str, Any]:
+        extra, sums = self._moe.stats(extra, sums)
         if self._runner is None:
             return extra
         per = np.asarray(sums, dtype=np.float64).reshape(-1, 4)
         return {
+            **extra,  # (the MoE layers' figures)
             "bubble": float(1.0 - per[:, 0].mean() / per[:, 1].max()) if per[:, 1].max() > 0 else 0.0,
             "schedule_seconds": float(per[:, 1].max()),
             "peak_activations": int(per[:, 2].max()),

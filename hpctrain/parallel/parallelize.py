@@ -16,10 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..nn.module import Module
+from ..nn.moe import moe_layers
 from ..nn.recompute import recompute as recompute_whole
 from ..nn.recompute import recompute_blocks
 from .context import context_parallel
 from .cut import Chunks, Stage, cut, piece_cost, pipeline_pieces, tied_weights
+from .experts import expert_parallel
 from .tensor import tensor_parallel
 
 __all__ = ["parallelize"]
@@ -37,6 +39,9 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
       unless ``balance`` lists the pieces per virtual stage. The part carries ``.pipeline`` (its
       place in the cut) and, interleaved, ``.chunks``.
 
+    - ``grid.ep > 1``: a copy whose ``nn.MoE`` layers hold this rank's experts of ``grid.ep``
+      (``expert_parallel``; ``ParallelTrainer`` reduces their gradients over the expert replicas).
+      With ``grid.tp > 1`` the experts are whole on every tp rank (an MoE is not split over tp).
     - ``grid.cp > 1``: the attention over the cp group (``context.context_parallel`` with
       ``cp_mode``, "ring" or "ulysses"; in place where tp = 1, like ``recompute``), after the
       tp split and before the cut; each rank then
@@ -63,9 +68,11 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
                                  "Sequential's MLP layers) in a model cut into pipeline stages: wrap its layers "
                                  "in nn.Recompute yourself")  # fmt: skip
             model = recompute_whole(model)
+    if grid.ep_size > 1:  # the experts spread over grid.ep (a copy; before the cut, which names them)
+        model = expert_parallel(model, grid.ep)
     costs = [piece_cost(p) for p in pipeline_pieces(model)] if pp.size > 1 else None
     if tp.size > 1:
-        model = tensor_parallel(model, tp)
+        model = tensor_parallel(model, tp) if grid.ep_size == 1 else _tp_keeping_experts(model, tp)
     cp = getattr(grid, "cp", None)  # a grid of the old three axes has none
     if cp is not None and cp.size > 1:
         model = context_parallel(model, cp, cp_mode)
@@ -82,3 +89,28 @@ def parallelize(model: Any, grid: Any, *, virtual_stages: int = 1, balance: list
             setattr(part, attr, getattr(model, attr))
     list(part.named_parameters())  # refresh Parameter.name to the serial dotted names
     return part
+
+
+def _tp_keeping_experts(model: Module, tp: Any) -> Module:
+    """``tensor_parallel`` of an expert-parallel model: the copy it makes cannot take communicators
+    along, so each MoE layer's ep group is set aside for the copy and handed to the copy's layer
+    of the same name (the experts themselves are replicated over tp, whole)."""
+    moes = {id(m) for m in moe_layers(model)}
+    held = {name: m.group for name, m in model.named_modules() if id(m) in moes}
+    ep_comm = getattr(model, "ep_comm", None)
+    model.ep_comm = None
+    for name, m in model.named_modules():
+        if name in held:
+            m.group = None
+    try:
+        out = tensor_parallel(model, tp)
+    finally:
+        for name, m in model.named_modules():
+            if name in held:
+                m.group = held[name]
+        model.ep_comm = ep_comm
+    for name, m in out.named_modules():
+        if name in held:
+            m.group = held[name]
+    out.ep_comm = ep_comm
+    return out

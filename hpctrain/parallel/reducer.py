@@ -27,6 +27,7 @@ from typing import Any
 from .. import settings
 from ..comm.buckets import GradBuckets
 from ..comm.progress import check as check_progress
+from ..protocols import Comm
 
 
 class GradReducer:
@@ -162,3 +163,21 @@ class ReadyHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def device_id(cp: Any) -> int:
+    """The current CUDA device's id (the stand-in of the tests has one GPU, id 0)."""
+    return int(getattr(cp.cuda.Device(), "id", 0))
+
+
+def shared_gpu_problem(dp: Comm, device: int) -> RuntimeError | None:
+    """NCCL refuses two ranks on one GPU (``ncclInvalidUsage`` deep inside its init, seen on the
+    first GPU run with 2 ranks on 1 GPU): said first, on every rank, naming the ranks. Collective."""
+    where = dp.allgather_obj((dp.hostname(), device))
+    seen: dict[tuple[str, int], int] = {}
+    for rank, key in enumerate(where):
+        if key in seen:
+            return RuntimeError(f"backend='nccl' needs one GPU per rank: ranks {seen[key]} and {rank} share GPU "
+                                f"{key[1]} on {key[0]} (use backend='mpi', or one rank per GPU)")
+        seen[key] = rank
+    return None

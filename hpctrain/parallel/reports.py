@@ -38,15 +38,21 @@ def _drift(group: Comm, name: str, params: list[Any], world_rank: int) -> str | 
 
 
 def check_replicas(step: ParallelStep) -> None:
-    """``MismatchError`` on every rank unless every parameter is bitwise identical across its dp
-    group and every tp-replicated parameter across its tp group (collective over the world);
-    ``step``: a ``ParallelTrainer``'s strategy."""
-    grid, me = step.grid, step.comm.rank
-    problem = _drift(grid.dp, "dp", step.params, me)
+    """``MismatchError`` on every rank unless every parameter is bitwise identical across its
+    replicas (the dp group; dp x cp with context parallelism; an expert slice under ep > 1: the
+    ranks holding it) and every tp-replicated parameter across its tp group (collective over the
+    world); ``step``: a ``ParallelTrainer``'s strategy."""
+    grid, me, experts = step.grid, step.comm.rank, step._experts
+    replicas = step.replicas
+    dense = [p for p in step.params if id(p) not in experts]
+    problem = _drift(replicas, "dp x cp" if step.cp_size > 1 else "dp", dense, me)
+    if experts:  # ep > 1: an expert slice is the same on the ranks that hold it (its group: one stage)
+        problem = _drift(grid.edp_cp, "the expert replicas", [p for p in step.params if id(p) in experts],
+                         me) or problem
     if grid.tp.size > 1:  # every tp rank runs this gather, whatever its dp group found
         replicated = [p for p in step.params if id(p) in step._tp_replicated]
         problem = _drift(grid.tp, "tp", replicated, me) or problem
-    if step.comm.size == grid.dp.size and grid.tp.size == 1:  # one group: every rank knows already
+    if step.comm.size == replicas.size and grid.tp.size == 1 and not experts:  # one group: every rank knows
         if problem:
             raise MismatchError(f"replicas drifted apart: {problem}")
         return

@@ -26,18 +26,22 @@ __all__ = ["ParallelTrainer"]
 
 
 class ParallelTrainer(Trainer):
-    """Train this rank's part of a model on a ``ProcessGrid(comm, tp=T, pp=P)`` (dp = the rest).
+    """Train this rank's part of a model on a ``ProcessGrid(comm, tp=T, pp=P, cp=C)`` (dp = the rest).
 
-    ``step(x, y, weight=None)`` takes the same batch on every rank of a dp replica (its tp and pp
-    ranks) and this replica's share of the global batch; the update equals one process training
-    on the global batch. The batch is cut into ``microbatches`` parts: accumulated locally when
+    ``step(x, y, weight=None)`` takes the same batch on every rank of a dp replica (its tp, pp and
+    cp ranks) and this replica's share of the global batch; the update equals one process training
+    on the global batch. With cp > 1 (the part built by ``parallelize(..., cp_mode=)``) each rank
+    of the cp group trains on its zigzag share of the tokens of ``x``, ``y`` and a per-token
+    ``weight`` (``cp_split.token_share``), its loss weighted 1/cp, and the gradients (ZeRO's shards,
+    the replica check) go over ``grid.dp_cp``: the logged loss is the one-process loss. The batch
+    is cut into ``microbatches`` parts: accumulated locally when
     ``grid.pp == 1``, streamed through the pipeline ``schedule`` ("1f1b", "gpipe", or
     "interleaved" with ``virtual_stages`` chunks per rank, default: as many as the part was cut
     into) otherwise. A batch shorter than ``microbatches`` (an epoch's last) takes one sample per
     micro-batch (``step_microbatches``; interleaved: a multiple of the stages), so no step ever
     refuses a short batch and the update still equals one process's. ``clip_norm`` clips the
     global gradient norm (each shard counted once). ``reducer`` is a callable
-    ``(params, dp_comm) -> protocols.Reducer`` (default: bucket all-reduces with ``bucket_mb``,
+    ``(params, replicas) -> protocols.Reducer`` (``grid.dp_cp``; default: bucket all-reduces with ``bucket_mb``,
     ``overlap``, ``compression`` and ``backend``). ``timeout`` (default ``HPCTRAIN_TIMEOUT``;
     0 = off) bounds every wait. ``preset`` (set by the preset functions) names the trainer in
     ``config()`` and error messages.
@@ -45,6 +49,12 @@ class ParallelTrainer(Trainer):
     Construction is collective: ranks agree on their parts, the optimizer's and this trainer's
     settings (the same error on every rank otherwise), then each dp replica takes dp rank 0's
     parameters.
+
+    Mixtures of experts: with ``grid.ep > 1`` (the part built by ``parallelize``, whose ``nn.MoE``
+    layers hold this rank's experts of ``grid.ep``) the experts' gradients reduce over the ranks
+    holding the same experts (``grid.edp_cp``) and the dense ones over dp (ZeRO shards each group
+    apart); each MoE layer's ``aux_weight`` is scaled per micro-batch as the loss's gradient is, and
+    ``StepStats.extra`` reports ``moe_aux_loss`` and ``moe_max_share`` (``expert_grads.ExpertStats``).
     """
 
     # The strategy's settings and parts, read (and set) through the trainer.

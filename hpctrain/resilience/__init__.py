@@ -52,20 +52,34 @@ _STRATEGY_OF = {"DataParallelTrainer": "dp", "ParallelTrainer": "hybrid", "Tenso
                 "PipelineParallelTrainer": "pp", "ParameterServerTrainer": "ps"}
 
 
-def shrink_problem(strategy: str, backend: str = "mpi", precision: str = "fp32", say: Say = as_argument
-                   ) -> str | None:
+def shrink_problem(strategy: str, backend: str = "mpi", precision: str = "fp32", say: Say = as_argument,
+                   cp: int = 1, zero: int = 0, ep: int = 1) -> str | None:
     """Why a job cannot go on without a lost rank (``None``: it can), in ``say``'s names: the one
     place of this rule (``RankLoss`` asks it of the trainer it is handed, ``hpctrain train`` with
     its flags). Data-parallel replicas go on (``strategy`` ``"dp"`` or ``"hybrid"``: dp x tp x
     pp, ZeRO 0-3); a parameter server's windows do not, nor a reduction by node or over NCCL, nor
-    mixed precision (its float32 masters and loss scale are not kept across a loss yet); float64
-    is full precision like float32 (no masters, no loss scale) and goes on alike."""
+    mixed precision (its float32 masters and loss scale are not kept across a loss yet), nor
+    experts spread over ``ep > 1`` ranks (their groups are not rebuilt); float64 is full precision
+    like float32 (no masters, no loss scale) and goes on alike. Under context
+    parallelism (``cp`` > 1) a replica is its tp x pp x cp ranks: a lost rank's replica leaves and
+    the whole ones go on, their cp groups (held by the attention layers) rebuilt over the
+    survivors; with ZeRO it does not go on (its buddy copies pair dp ranks, and under cp the
+    pieces are cut over dp x cp), so that is refused before the job trains."""
+    if cp > 1 and zero and strategy in SHRINKS:
+        return (f"{say('on_rank_loss', 'shrink')} does not go on under context parallelism ({say('cp', cp)}) with "
+                f"{say('zero', zero)}: ZeRO's buddy copies pair data-parallel ranks, and under cp its pieces are "
+                f"cut over dp x cp; use {say('zero', 0)}, or {say('on_rank_loss', 'abort')} (and resume from a "
+                "checkpoint)")
     if strategy not in SHRINKS:
         what = say("strategy", strategy)
     elif backend != "mpi":
         what = say("backend", backend)
     elif precision not in ("fp32", "fp64"):
         what = say("precision", precision)
+    elif ep > 1:  # a lost rank's expert slice has replicas only where dp > ep, and the survivors' dp
+        # must again split into ep groups: rebuilding the expert groups is not built yet.
+        return (f"{say('on_rank_loss', 'shrink')} cannot regroup experts spread over {say('ep', ep)} ranks after a "
+                f"lost rank (the expert groups of the survivors are not rebuilt); use {say('on_rank_loss', 'abort')}")
     else:
         return None
     return (f"{say('on_rank_loss', 'shrink')} continues data-parallel replicas only ({say('strategy', 'dp')} or "
@@ -79,7 +93,8 @@ def check_shrinkable(trainer: Checkpointable) -> None:
     unless ``RankLoss`` can go on with ``trainer`` after a lost rank (``shrink_problem``)."""
     cfg = trainer.config()
     strategy = _STRATEGY_OF.get(cfg["type"], cfg["type"])
-    problem = shrink_problem(strategy, cfg.get("backend", "mpi"), cfg.get("precision", "fp32"))
+    problem = shrink_problem(strategy, cfg.get("backend", "mpi"), cfg.get("precision", "fp32"), cp=cfg.get("cp", 1),
+                             zero=cfg.get("zero", 0), ep=cfg.get("ep", 1))
     if problem is not None:
         raise ValueError(problem)
 
@@ -304,7 +319,7 @@ class RankLoss:
         old_dp = trainer.dp.mpi
         if step in self._snapshots:  # else this survivor is at that step's start already
             self._snapshots[step].restore(trainer, self.loader.sampler)
-        grid = groups.regrid(trainer.grid, part)
+        grid = groups.regrid(trainer.grid, part, cp=1)  # one survivor of each tp x pp part: no cp group
         self.loader.sampler.reshard(0, 1)  # one replica now: it consumed what all of them did
         full = None
         if self.buddies is not None:
@@ -334,7 +349,7 @@ class RankLoss:
                       n: int) -> Communicator:
         """The communicator of the whole replicas' members (collective over the survivors); on
         the members of a broken replica, ``ReplicaLeft`` after a log line."""
-        if trainer.grid.tp_size * trainer.grid.pp_size == 1:
+        if trainer.grid.tp_size * trainer.grid.pp_size * trainer.grid.cp_size == 1:
             return comm
         mine = groups.whole_replicas(comm, whole)
         if mine is None:

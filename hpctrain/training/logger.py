@@ -15,12 +15,13 @@ class ProgressLogger:
     """Rank 0's progress output and JSON-lines metrics (a ``fit`` callback); a no-op on other ranks.
 
     Entries a callback before it put in ``stats.extra`` under a name in ``EXTRA`` (the
-    validation loss of ``--eval-every``) go into the metrics line and the progress line.
+    validation loss of ``--eval-every``; the MoE layers' ``moe_aux_loss`` and ``moe_max_share``,
+    which the step reports) go into the metrics line and the progress line.
     ``total`` is the ``global_step`` the fit ends at (``planned_steps``): the bar's length, and
     the plain lines' ``step N/total`` and ETA.
     """
 
-    EXTRA = ("val_loss", "lr", "loss_scale", "rank_loss")
+    EXTRA = ("val_loss", "lr", "loss_scale", "rank_loss", "moe_aux_loss", "moe_max_share")
 
     def __init__(self, trainer: TrainerView, total: int | None, every: int, metrics_file: str | None,
                  progress: bool | None) -> None:
@@ -97,6 +98,9 @@ class ProgressLogger:
             text = (f"loss {loss:.4f} | {samples / secs if secs else 0:,.0f} samples/s | "
                     f"step {1000 * secs / len(self.window):.1f} ms | comm {100 * comm / secs if secs else 0:.0f}%"
                     + (f" | mem {mem / 2**20:,.1f} MiB" if mem else "")
+                    # A collapsing router shows here: the busiest expert's tokens over the mean.
+                    + (f" | moe aux {s.extra['moe_aux_loss']:.4f} max share {s.extra['moe_max_share']:.2f}"
+                       if "moe_max_share" in s.extra else "")
                     + (f" | val {self.val_loss[0]:.4f} (step {self.val_loss[1]})" if self.val_loss is not None
                        else ""))
             if self.bar is not None:  # tqdm shows N/total and the ETA itself

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 from dataclasses import astuple, dataclass, fields
 from functools import cache
 from typing import Any
@@ -23,14 +24,24 @@ CHECKPOINT_EVERY = 5
 STOP_AT = 15
 RUN = {"max_samples": 240, "batch_size": 12, "epochs": 1, "log_every": 50, "checkpoint_every": CHECKPOINT_EVERY,
        "microbatches": 2}
-#: The models at tiny size: a row takes seconds.
-MODELS = {"mlp": {"d_model": 16}, "gpt": {"d_model": 16, "n_heads": 2, "block_size": 8}}
+#: The models at tiny size: a row takes seconds. ``moe``: the GPT with 4 experts in every block,
+#: dropless, without the load-balancing term (it counts each ep group's tokens, so a dp x ep run or a
+#: resume under another layout differs from one process by it: tests/test_moe_job.py checks it where
+#: the groups match).
+MODELS = {"mlp": {"d_model": 16}, "gpt": {"d_model": 16, "n_heads": 2, "block_size": 8},
+          "moe": {"model": "gpt", "d_model": 16, "n_heads": 2, "block_size": 8, "moe_experts": 4, "moe_aux_loss": 0.0}}
 
 #: The first job's layout: (ranks, the flags that ask for it).
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
     "dp4": (4, {}), "dp3": (3, {}), "tp2xdp2": (4, {"tp": 2}), "pp2xdp2": (4, {"pp": 2}),
-    "tp2xpp2": (4, {"tp": 2, "pp": 2}),
+    "tp2xpp2": (4, {"tp": 2, "pp": 2}), "ep2xdp4": (4, {"ep": 2}), "ep2xpp2": (4, {"ep": 2, "pp": 2}),
 }
+#: The layout settings a resume (``other_layout``) and the one-process reference leave to their own.
+LAYOUT_FLAGS = ("tp", "pp", "cp", "ep")
+#: Context parallelism carved out of the layout's dp (the same ranks): none, or cp=2 (the GPT's
+#: sequences split in two; a layout whose dp is not even, or a model without attention, is refused
+#: by the engine's own rules).
+CPS = (1, 2)
 #: What ends the first job early: nothing, or a rank SIGKILLed as the step after the given count
 #: begins (under Open MPI's ULFM with --on-rank-loss shrink, the survivors go on): early, right
 #: after a checkpoint, in the middle, late (before the stop of a resumed row), or right after the
@@ -51,7 +62,7 @@ def other_layout(layout: str, model: str, ranks: int) -> dict[str, Any]:
     on two, what the run did not split (tp2 x pp2: plain dp, issue 47's case; tp: pp; pp: tp; plain
     dp: tp for the MLP, pp for the GPT, so that both kinds follow a dp run)."""
     run = LAYOUTS[layout][1]
-    if ranks == 1 or ("tp" in run and "pp" in run):
+    if ranks == 1 or ("tp" in run and "pp" in run) or ("ep" in run and "pp" in run):
         return {"strategy": "dp"}
     if "tp" in run:
         return {"pp": 2}
@@ -70,7 +81,7 @@ def precisions() -> tuple[str, ...]:
 def axes() -> dict[str, tuple[Any, ...]]:
     """Each axis of the matrix and its values, in ``Row``'s field order."""
     return {"model": tuple(MODELS), "layout": tuple(LAYOUTS), "zero": (0, 1, 2, 3), "precision": precisions(),
-            "recompute": (False, True), "event": tuple(EVENTS), "resume": tuple(RESUMES)}
+            "recompute": (False, True), "event": tuple(EVENTS), "resume": tuple(RESUMES), "cp": CPS}
 
 
 def as_flags(settings: dict[str, Any]) -> list[str]:
@@ -89,8 +100,8 @@ def as_flags(settings: dict[str, Any]) -> list[str]:
 @dataclass(frozen=True)
 class Row:
     """One combination: a first job (its layout, ZeRO, precision, recompute, and what ends it),
-    then perhaps a resume. ``victim``: the world rank killed (``None``: the layout's last rank, a
-    member of dp replica 1)."""
+    then perhaps a resume. ``cp``: context parallelism taken from the layout's dp. ``victim``: the
+    world rank killed (``None``: the layout's last rank, a member of dp replica 1)."""
 
     model: str
     layout: str
@@ -99,6 +110,7 @@ class Row:
     recompute: bool
     event: str
     resume: str
+    cp: int = 1
     victim: int | None = None
 
     @property
@@ -107,9 +119,17 @@ class Row:
         target = self.resumed()
         to = "none" if target is None else f"{target[0]}-" + ("".join(f"{k}{v}" for k, v in target[1].items())
                                                               or "noflags")
-        parts = [self.model, self.layout, f"z{self.zero}", self.precision, "rc" if self.recompute else "norc",
+        parts = [self.model, self.layout_name, f"z{self.zero}", self.precision, "rc" if self.recompute else "norc",
                  self.event, f"to-{to}"]
         return "-".join(parts) + ("" if self.victim is None else f"-v{self.victim}")
+
+    @property
+    def layout_name(self) -> str:
+        """The layout as run: ``tp2xdp2`` with cp=2 is ``tp2xcp2`` (cp takes its factor of dp)."""
+        if self.cp == 1:
+            return self.layout
+        return re.sub(r"dp(\d+)", lambda m: f"cp{self.cp}" + (f"xdp{d}" if (d := int(m[1]) // self.cp) > 1 else ""),
+                      self.layout)
 
     @property
     def ranks(self) -> int:
@@ -127,13 +147,14 @@ class Row:
     def settings(self) -> dict[str, Any]:
         """The first job's settings (``hpctrain train``'s option names)."""
         extra = {"recompute": True} if self.recompute else {}
-        return {**RUN, "model": self.model, **MODELS[self.model], **LAYOUTS[self.layout][1], "zero": self.zero,
-                "precision": self.precision, **extra}
+        cp = {"cp": self.cp} if self.cp > 1 else {}
+        return {**RUN, "model": self.model, **MODELS[self.model], **LAYOUTS[self.layout][1], **cp, "zero": self.zero,
+                "precision": self.precision, **extra}  # (MODELS may name the model: moe is a gpt)
 
     def reference_settings(self) -> dict[str, Any]:
         """The uninterrupted one-process run this row must end like (layout and ZeRO do not change
         the arithmetic beyond rounding)."""
-        return {k: v for k, v in self.settings().items() if k not in ("tp", "pp", "zero")}
+        return {k: v for k, v in self.settings().items() if k not in (*LAYOUT_FLAGS, "zero")}
 
     def resumed(self) -> tuple[int, dict[str, Any]] | None:
         """The resume's ``(ranks, flags)``, or ``None``."""
@@ -167,7 +188,8 @@ def problem(row: Row) -> str | None:
 
         if cfg.dp < 2:
             return f"a lost rank under {row.layout} (dp=1) leaves no whole replica: the job stops (75), not a shrink"
-        shrink = shrink_problem(cfg.strategy, cfg.backend, cfg.precision, say=as_flag)
+        shrink = shrink_problem(cfg.strategy, cfg.backend, cfg.precision, say=as_flag, cp=cfg.cp, zero=cfg.zero,
+                                ep=cfg.ep)
         if shrink is not None:
             return shrink
         if row.victim is not None and row.victim not in victims(row.layout):
@@ -180,7 +202,7 @@ def problem(row: Row) -> str | None:
     if row.event == "kill-after-final":
         return "the run ended at its last step: nothing is left to resume"
     ranks, flags = target
-    base = {k: v for k, v in row.settings().items() if k not in ("tp", "pp")}
+    base = {k: v for k, v in row.settings().items() if k not in LAYOUT_FLAGS}
     why, _ = _refusal(tuple({**base, **flags}.items()), ranks)
     return None if why is None else f"the resume's layout is refused by hpctrain train: {why}"
 

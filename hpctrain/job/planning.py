@@ -1,0 +1,340 @@
+"""``hpctrain plan`` and ``hpctrain train --layout auto``: the allocation planned for, the costs
+measured once on rank 0 and shared, the plan's layouts as the job can run them, and the table.
+
+The model behind the numbers is the library's (:mod:`hpctrain.parallel.plan`); this module is the
+job's side of it: which ranks, nodes, links and memory the plan is for (:class:`Allocation`),
+the built model measured at the job's shapes on rank 0 (every rank gets the same costs, so every
+rank reaches the same choice), each layout checked by the job's own ``resolve`` (a layout the
+configuration refuses is listed with that refusal, never chosen), and the words around it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from ..protocols import Comm
+from .config import layout_text, resolve
+from .options import PLANNED, Config, as_flag
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What a plan is for: ``ranks`` on the nodes ``names`` (each rank's node), ``memory`` bytes
+    per rank, the fitted ``links`` of each class; ``memory_from`` / ``links_from`` say where each
+    came from (the table's header)."""
+
+    ranks: int
+    names: tuple[str, ...]
+    memory: int
+    memory_from: str
+    links: dict[str, Any]
+    links_from: str
+
+    @property
+    def nodes(self) -> int:
+        return len(set(self.names))
+
+
+def usage_problem(ranks: int | None, nodes: int | None, memory: float | None, probe_file: str | None) -> str | None:
+    """What is wrong with ``hpctrain plan``'s allocation flags, in one line (``None``: nothing);
+    checked before MPI starts, the same on every rank (exit 2)."""
+    if ranks is not None and ranks < 1:
+        return f"--ranks must be >= 1, got {ranks}"
+    if nodes is not None and ranks is None:
+        return "--nodes K goes with --ranks N (the allocation to plan for); under mpiexec the job's own nodes count"
+    if nodes is not None and (nodes < 1 or ranks % nodes):
+        return f"--nodes {nodes} must be >= 1 and divide --ranks {ranks} (the same ranks on every node)"
+    if ranks is not None and probe_file is None:
+        return ("--ranks N plans for an allocation this job does not have, so its links cannot be probed here: "
+                "give --probe-file FILE (written by `hpctrain info --probe --save FILE` on such nodes)")
+    if memory is not None and not (math.isfinite(memory) and memory > 0):
+        return f"--memory must be a positive number of GiB, got {memory}"
+    return None
+
+
+def allocation(comm: Comm, everywhere: Callable[..., Any], probe_file: str | None, device: str,
+               ranks: int | None = None, nodes: int | None = None, memory_gib: float | None = None) -> Allocation:
+    """The allocation to plan for (collective): this job's ranks, nodes and links (probed now, or
+    from ``probe_file``), or ``ranks`` on ``nodes`` nodes priced by ``probe_file``'s links. The
+    memory per rank is ``memory_gib``, else the GPU's (``device`` cuda), else the node's memory
+    shared by the ranks on it."""
+    from ..comm import linkprobe, probefile
+    from ..comm.nodes import node_names
+
+    if ranks is None:
+        names = tuple(node_names(comm))
+    else:
+        per = ranks // (nodes or 1)
+        names = tuple(f"node{r // per}" for r in range(ranks))
+    if probe_file is None:
+        links, links_from = linkprobe.probe(comm, list(names)), "probed now"
+    else:
+        probe = comm.bcast_obj(everywhere(comm, lambda: probefile.load(probe_file) if comm.rank == 0 else None))
+        links, links_from = probe.links, f"{probe_file} (probed {probe.date} on {len(probe.nodes)} ranks)"
+        everywhere(comm, lambda: _probe_covers(probe, probe_file, names))
+    memory, memory_from = everywhere(comm, lambda: _memory(names, device, memory_gib))
+    return Allocation(len(names), names, memory, memory_from, links, links_from)
+
+
+def _probe_covers(probe: Any, path: str, names: tuple[str, ...]) -> None:
+    """Refuse a probe that lacks a link class the planned allocation has."""
+    shared = len(names) > len(set(names))
+    if len(set(names)) > 1 and probe.links["inter-node"] is None:
+        raise ConfigError(f"probe file {path} was measured on one node: it has no inter-node link to price "
+                          f"{len(set(names))} nodes with (probe on two nodes: `hpctrain info --probe --save FILE`)")
+    if shared and probe.links["intra-node"] is None:
+        raise ConfigError(f"probe file {path} was measured with one rank per node: it has no intra-node link to "
+                          f"price {len(names) // len(set(names))} ranks per node with")
+
+
+def _memory(names: tuple[str, ...], device: str, memory_gib: float | None) -> tuple[int, str]:
+    """``(bytes per rank, where the figure comes from)``."""
+    if memory_gib is not None:
+        return int(memory_gib * GIB), f"--memory {memory_gib:g}"
+    if device == "cuda":
+        from .. import backend
+
+        total = int(backend.cupy().cuda.runtime.memGetInfo()[1])
+        return total, f"the GPU's {total / GIB:.1f} GiB"
+    from ..data.checks import physical_memory
+
+    node, on_node = physical_memory(), names.count(names[0])
+    if node is None:
+        raise ConfigError("this system does not say how much memory its nodes have: give --memory GiB per rank")
+    return node // on_node, f"the node's {node / GIB:.1f} GiB / {on_node} rank{'s' if on_node > 1 else ''}"
+
+
+def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[..., Any]) -> Any:
+    """The model's costs at the job's shapes, measured on rank 0 and shared with every rank
+    (collective; a failure, a bad data file say, is raised on every rank)."""
+    from ..parallel import plan as planner
+
+    def on_rank0() -> Any:
+        if comm.rank != 0:
+            return None
+        import numpy as np
+
+        from .builders import build_model
+        from .inputs import data_path, open_data
+
+        train_set, _, meta = open_data(c, None, data_path(c))
+        model = build_model(c, meta)
+        if device == "cuda":
+            model.to("gpu")
+        x0 = train_set[np.arange(1)][0]
+
+        def sample(n: int) -> Any:
+            from ..backend import get_xp, to_device
+
+            rows = np.arange(n) % len(train_set)
+            return to_device(train_set[rows][0], get_xp("gpu" if device == "cuda" else "cpu"))
+
+        return planner.measure(model, (c.batch_size, *x0.shape[1:]), sample=sample).as_dict()
+
+    measured = everywhere(comm, lambda: _while_others_sleep(comm, c.timeout, on_rank0))
+    return planner.Costs.from_dict(comm.bcast_obj(measured))
+
+
+def _while_others_sleep(comm: Comm, timeout: float | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 while the other ranks wait without spinning: a blocking MPI wait polls
+    a core (MPICH), and on a node whose cores the job's ranks share that would slow the very
+    timing rank 0 takes. The wait is bounded by the job's timeout (``StallError``)."""
+    import time
+
+    import numpy as np
+
+    from ..errors import StallError
+    from ..settings import timeout_deadline_seconds
+
+    if comm.size == 1:
+        return fn()
+    token = np.zeros(1)
+    if comm.rank == 0:
+        try:
+            return fn()
+        finally:
+            comm.iallreduce(token).wait()
+    req = comm.iallreduce(token)
+    limit = timeout_deadline_seconds(timeout)
+    deadline = None if limit is None else time.monotonic() + limit
+    while not req.test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise StallError(f"rank 0 measured the model's costs for more than {limit:g} s (the job's timeout)")
+        time.sleep(0.005)
+    return None
+
+
+def constraints(cfg: Config) -> dict[str, Any]:
+    """The layout settings given beside ``--layout auto`` (or to ``hpctrain plan``): the plan keeps
+    to them and chooses the rest. ``--zero 0`` and ``--no-recompute`` are the defaults, so they
+    leave ZeRO and recompute to the plan."""
+    out = {k: getattr(cfg, k) for k in ("strategy", "tp", "pp") if getattr(cfg, k) is not None}
+    out.update({"zero": cfg.zero} if cfg.zero else {})
+    out.update({"recompute": True} if cfg.recompute else {})
+    return out
+
+
+def constraints_text(cons: dict[str, Any]) -> str:
+    """``--tp 2 --recompute``: the constraints as flags."""
+    return " ".join("--recompute" if k == "recompute" else as_flag(k, v) for k, v in cons.items())
+
+
+def open_layout(cfg: Config) -> Config:
+    """``cfg`` without its layout settings: what is checked before any layout is chosen. (``--strategy
+    ps`` stays: it is no layout the plan has, and the configuration's rule refuses it there.)"""
+    return cfg.replace(strategy="ps" if cfg.strategy == "ps" else None, tp=None, pp=None, zero=0, recompute=False)
+
+
+def keeps(row: dict[str, Any], cons: dict[str, Any]) -> bool:
+    """Whether a plan's row keeps to the given layout settings (``--strategy tp`` alone: tp takes
+    every rank, as ``train`` reads it; ``pp`` alike)."""
+    strategy = cons.get("strategy")
+    if (strategy == "dp" and row["tp"] * row["pp"] > 1) or (strategy == "tp" and row["pp"] > 1) or \
+            (strategy == "pp" and row["tp"] > 1):
+        return False
+    if (strategy == "tp" and "tp" not in cons or strategy == "pp" and "pp" not in cons) and row["dp"] > 1:
+        return False
+    return all(row[k] == v for k, v in cons.items() if k != "strategy")
+
+
+def chosen_config(c: Config, layout: dict[str, Any], planned: str | None = None, chosen: list[str] | None = None,
+                  strategy: str | None = None) -> Config:
+    """``c`` with the layout of a plan's row (``dp``/``tp``/``pp``/``zero``/``recompute``/
+    ``microbatches``; ``strategy`` when given, else hybrid or dp). With ``planned``
+    (``--layout auto``'s choice, said in the header) the layout stays ``auto`` and ``resolve``
+    records the ``chosen`` settings as filled in (a resume plans them again); without, they are
+    set as if given, ``--layout auto`` and ``--probe-file`` dropped."""
+    tp, pp = int(layout["tp"]), int(layout["pp"])
+    kept = {"layout": c.layout, "probe_file": c.probe_file} if planned else {"layout": None, "probe_file": None}
+    return c.replace(**kept, strategy=strategy or ("hybrid" if tp * pp > 1 else "dp"), tp=tp, pp=pp,
+                     zero=int(layout["zero"]), recompute=bool(layout["recompute"]),
+                     microbatches=int(layout["microbatches"]), dp=None, local_batch=None, unset=None, planned=planned,
+                     chosen=chosen if planned else None)
+
+
+def runnable(c: Config, rows: list[dict[str, Any]], ranks: int) -> list[dict[str, Any]]:
+    """The plan's rows as the job can run them: a layout the configuration refuses (a batch that
+    does not split, heads tp does not divide) does not fit, its ``why`` the refusal."""
+    out = []
+    for row in rows:
+        try:
+            resolve(chosen_config(c, row), ranks)
+        except ConfigError as exc:
+            row = {**row, "fits": False, "why": f"refused: {exc}"}
+        out.append(row)
+    return [r for r in out if r["fits"]] + [r for r in out if not r["fits"]]
+
+
+def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere: Callable[..., Any],
+              cons: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], Allocation, Any]:
+    """``(rows best first, alloc, costs)``: every layout of ``alloc`` that keeps to ``cons``
+    (:func:`constraints`), predicted from the costs measured on rank 0 (collective; the same rows
+    on every rank). A row is ``Prediction.as_json()`` with the step's split (``compute_ms``,
+    ``comm_ms``, ``bubble_ms``) and the limit (``memory_limit``); rows the job refuses are moved
+    to the ones that do not fit."""
+    from ..parallel import plan as planner
+
+    costs = measured_costs(c, comm, device, everywhere)
+
+    def predicted() -> list[dict[str, Any]]:
+        only = {k: (v,) for k, v in (cons or {}).items() if k in ("zero", "recompute")}  # (not predicted at all)
+        preds = planner.plan(costs, alloc.links, alloc.ranks, list(alloc.names), alloc.memory, schedule=c.schedule,
+                             **only)
+        rows = [{**p.as_json(), "compute_ms": round(p.compute_ms, 3), "comm_ms": round(p.comm_ms, 3),
+                 "bubble_ms": round(p.bubble_ms, 3), "memory_limit": alloc.memory} for p in preds]
+        listed = runnable(c, [r for r in rows if keeps(r, cons or {})], alloc.ranks)
+        fit = [r for r in listed if r["fits"]]
+        if fit and fit[:2] != [r for r in rows if r["fits"]][:2]:  # the plan's "next" is not listed: say ours
+            fit[0]["why"] = _against_next(fit)
+        return listed
+
+    return everywhere(comm, predicted), alloc, costs
+
+
+def _against_next(fit: list[dict[str, Any]]) -> str:
+    """Why the first of the listed layouts wins: its step's parts and its lead on the next one."""
+    a = fit[0]
+    why = f"compute {a['compute_ms']:.1f} ms + communication {a['comm_ms']:.1f} ms + bubble {a['bubble_ms']:.1f} ms"
+    if len(fit) > 1:
+        why += f"; {fit[1]['predicted_ms'] / a['predicted_ms'] - 1:.0%} faster than the next, {label(fit[1])}"
+    return why
+
+
+def label(row: dict[str, Any]) -> str:
+    """``dp=2 tp=1 pp=2 zero=1`` (with cp/ep above 1, recompute, micro-batches under pp)."""
+    text = layout_text(row["dp"], row["tp"], row["pp"]) + "".join(
+        f" {k}={row[k]}" for k in ("cp", "ep") if row.get(k, 1) > 1) + f" zero={row['zero']}"
+    text += " recompute" if row["recompute"] else ""
+    return text + (f" m={row['microbatches']}" if row["pp"] > 1 else "")
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _unfit(row: dict[str, Any], alloc: Allocation) -> str:
+    """Why a row does not fit, in the table's units (the JSON's ``why`` stays the plan's words)."""
+    if row["why"].startswith("refused: ") or row["memory_bytes"] <= alloc.memory:
+        return row["why"]
+    return f"needs {_size(row['memory_bytes'])} per rank, has {_size(alloc.memory)}"
+
+
+def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any, cons: dict[str, Any] | None = None) -> str:
+    """``hpctrain plan``'s report: the allocation, the layouts that fit best first (one column per
+    choice, the step split into compute / exposed communication / pipeline bubble, the peak
+    memory per rank and its share of the limit), why the first wins, then those that do not fit."""
+    fit = [r for r in rows if r["fits"]]
+    axes = ["dp", "tp", "pp"] + [k for k in ("cp", "ep") if any(r.get(k, 1) > 1 for r in rows)]
+    head = (f"hpctrain plan: {costs.params:,} parameters, global batch {costs.batch}, on {alloc.ranks} rank"
+            f"{'s' if alloc.ranks > 1 else ''} / {alloc.nodes} node{'s' if alloc.nodes > 1 else ''} ({costs.device})\n"
+            f"memory limit {_size(alloc.memory)} per rank ({alloc.memory_from}); links: {alloc.links_from}"
+            + (f"\nonly layouts with {constraints_text(cons)} (given; the plan chooses the rest)" if cons else ""))
+    cols = "".join(f"{k:>4}" for k in axes) + f"{'zero':>5} {'recompute':>9} {'micro':>5}" + \
+        f"{'step ms':>10}{'compute':>9}{'comm':>8}{'bubble':>8}{'memory/rank':>14}{'of limit':>9}"
+    lines = [head, "", f"{'#':>3} {cols}"]
+    for i, r in enumerate(fit, 1):
+        lines.append(f"{i:>3} " + "".join(f"{r.get(k, 1):>4}" for k in axes)
+                     + f"{r['zero']:>5} {'yes' if r['recompute'] else 'no':>9} {r['microbatches']:>5}"
+                     + f"{r['predicted_ms']:>10.1f}{r['compute_ms']:>9.1f}{r['comm_ms']:>8.1f}{r['bubble_ms']:>8.1f}"
+                     + f"{_size(r['memory_bytes']):>14}{r['memory_bytes'] / alloc.memory:>9.0%}")
+    if fit:
+        lines += ["", f"best: {label(fit[0])}: {fit[0]['why']}"]
+    elif rows:
+        lines += ["", "no layout fits in memory: see below (the plan tried ZeRO and --recompute: more memory or "
+                      "more ranks)"]
+    else:
+        lines += ["", f"no layout of {alloc.ranks} ranks runs this model and batch"
+                  + (f" with {constraints_text(cons)}" if cons else "") + ": tp must divide the heads and hidden "
+                  "width, pp the layers, dp the batch (and pp's micro-batches the replica's batch)"]
+    rest = [r for r in rows if not r["fits"]]
+    if rest:
+        lines += ["", f"do not fit ({len(rest)}):"] + [f"    {label(r)}: {_unfit(r, alloc)}" for r in rest]
+    return "\n".join(lines)
+
+
+def choose_layout(cfg: Config, comm: Comm, pick_device: Callable[[Config, Comm], str],
+                  everywhere: Callable[..., Any]) -> Config:
+    """``--layout auto`` (collective): plan this job's ranks, nodes and links (``--probe-file``'s
+    links when given), keeping to the layout settings given beside it, and return ``cfg`` with
+    the best layout that fits and that the job runs, the rest chosen as filled in (``planned``
+    says it for the header); a ``ConfigError`` on every rank when none fits."""
+    cons = constraints(cfg)
+    c = everywhere(comm, lambda: resolve(open_layout(cfg), 1))  # (the layout-free checks; each layout's below)
+    device = pick_device(c, comm)
+    alloc = allocation(comm, everywhere, c.probe_file, device)
+    rows, _, _ = plan_rows(c, comm, device, alloc, everywhere, cons)
+    fit = [r for r in rows if r["fits"]]
+    with_ = f" with {constraints_text(cons)}" if cons else ""
+    if not fit:
+        why = f": {label(rows[0])}, the smallest, {_unfit(rows[0], alloc)}" if rows else ""
+        raise ConfigError(f"--layout auto: no layout of {alloc.ranks} ranks{with_} fits this job{why} "
+                          "(`hpctrain plan` with the same flags lists them with the reasons)")
+    said = (f"auto -> {label(fit[0])} (planned: {fit[0]['predicted_ms']:.1f} ms/step, best of {len(fit)}{with_}; "
+            f"links {alloc.links_from})")
+    return chosen_config(cfg, fit[0], said, [k for k in PLANNED if k not in cons], cons.get("strategy"))

@@ -1,0 +1,199 @@
+"""``hpctrain info --probe --save``, ``hpctrain plan`` and ``hpctrain train --layout auto`` as users
+run them: real jobs under ``mpiexec`` (the ``jobs`` marker: ``make test-jobs``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hpctrain.comm.probefile import load
+from hpctrain.job.options import PLANNED
+from hpctrain.job.planning import label
+from jobs import clean_env, hpctrain
+
+
+@pytest.mark.timeout(180)
+def test_info_saves_the_probe_that_plan_reads(tmp_path):
+    path = tmp_path / "probe.json"
+    p = hpctrain("info", "--probe", "--save", str(path), n=2, timeout=150)
+    assert p.returncode == 0, p.stderr
+    assert f"probe saved to {path}" in p.stdout
+    probe = load(str(path))
+    assert len(probe.nodes) == 2 and probe.links["intra-node"] is not None
+    assert probe.links["intra-node"].ranks == (0, 1) and probe.mpi in p.stdout
+
+
+@pytest.mark.timeout(120)
+def test_info_save_without_probe_and_to_an_unwritable_place_are_refused(tmp_path):
+    p = hpctrain("info", "--save", str(tmp_path / "p.json"), n=2, timeout=100)
+    assert p.returncode == 2 and p.stderr.count("--save FILE writes the link probe: give --probe too") == 2
+    p = hpctrain("info", "--probe", "--save", str(tmp_path / "no" / "p.json"), n=2, timeout=100)
+    assert p.returncode == 4 and "cannot write the probe" in p.stderr, p.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+GIB = 1 << 30
+KEYS = {"dp", "tp", "pp", "cp", "ep", "zero", "recompute", "microbatches", "predicted_ms", "memory_bytes", "fits",
+        "why"}
+
+
+@pytest.fixture(scope="module")
+def two_node_probe(tmp_path_factory):
+    """A real probe of two claimed nodes of two ranks each (intra- and inter-node links)."""
+    import sys
+
+    from jobs import mpiexec
+
+    path = tmp_path_factory.mktemp("probe") / "probe.json"
+    cmd = [mpiexec()]
+    for node in ("alpha", "beta"):
+        cmd += ["-n", "2", "-env", "HPCTRAIN_NODE_NAME", node, sys.executable, "-m", "hpctrain", "info", "--probe",
+                "--save", str(path), ":"]
+    import subprocess
+
+    p = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=150, env=clean_env())
+    assert p.returncode == 0, p.stderr
+    return path
+
+
+def _layouts(p) -> list[dict]:
+    assert p.returncode == 0, p.stderr + p.stdout
+    return json.loads(p.stdout)["layouts"]  # stdout is the document alone (the library's lines go to stderr)
+
+
+def _check_order(rows: list[dict], ranks: int) -> None:
+    """Best first: the rows that fit by predicted step, then those that do not; each a layout of
+    ``ranks`` ranks with the issue's keys."""
+    assert rows and all(KEYS <= set(r) for r in rows)
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True)  # every fitting row before every other
+    ms = [r["predicted_ms"] for r in rows if r["fits"]]
+    assert ms == sorted(ms)
+    assert all(r["dp"] * r["tp"] * r["pp"] * r["cp"] == ranks for r in rows)
+    assert all(r["memory_bytes"] <= r["memory_limit"] for r in rows if r["fits"])
+
+
+@pytest.mark.timeout(240)
+def test_plan_under_mpiexec_probes_and_lists_every_layout_best_first(tmp_path):
+    # A fresh data directory: the built-in set is written first, which the library says in a line.
+    p = hpctrain("plan", "--model", "gpt", "--json", n=4, timeout=200, env=clean_env(HPCTRAIN_DATA=str(tmp_path)))
+    assert "wrote the built-in data set" in p.stderr, p.stderr
+    rows = _layouts(p)
+    _check_order(rows, 4)
+    assert {(r["tp"], r["pp"]) for r in rows} >= {(1, 1), (2, 1), (1, 2)}  # tp, pp and dp all planned
+    assert {r["zero"] for r in rows} == {0, 1, 2, 3} and {r["recompute"] for r in rows} == {False, True}
+    assert "faster than the next" in rows[0]["why"]
+    p = hpctrain("plan", "--model", "gpt", n=4, timeout=200)  # the table: one line per fitting layout
+    assert p.returncode == 0, p.stderr
+    assert "on 4 ranks / 1 node" in p.stdout and "links: probed now" in p.stdout
+    assert p.stdout.count("\n  1 ") == 1 and "\nbest: dp=" in p.stdout
+
+
+@pytest.mark.timeout(240)
+def test_a_layout_that_does_not_fit_is_listed_with_its_reason(two_node_probe):
+    common = ["plan", "--model", "gpt", "--ranks", "4", "--probe-file", str(two_node_probe), "--json"]
+    rows = _layouts(hpctrain(*common, "--memory", "64"))
+    assert all(r["fits"] for r in rows)
+    need = sorted(r["memory_bytes"] for r in rows)
+    limit = need[len(need) // 2]  # the median layout's need: about half fit, the rest cannot
+    tight = _layouts(hpctrain(*common, "--memory", repr(limit / GIB)))
+    _check_order(tight, 4)
+    assert len(tight) == len(rows)
+    assert {r["fits"] for r in tight} == {True, False}
+    for r in tight:
+        assert r["fits"] == (r["memory_bytes"] <= r["memory_limit"]), r
+        assert r["fits"] or r["why"].startswith("needs "), r
+    p = hpctrain(*common[:-1], "--memory", repr(limit / GIB))
+    assert p.returncode == 0 and "do not fit (" in p.stdout and ": needs " in p.stdout and "per rank, has" in p.stdout
+
+
+@pytest.mark.timeout(240)
+def test_plan_for_an_allocation_it_does_not_have(two_node_probe):
+    p = hpctrain("plan", "--model", "gpt", "--ranks", "8", "--nodes", "2", "--memory", "4",
+                 "--probe-file", str(two_node_probe))
+    assert p.returncode == 0, p.stderr
+    assert "on 8 ranks / 2 nodes" in p.stdout and f"links: {two_node_probe} (probed" in p.stdout
+    assert "memory limit 4.00 GiB per rank (--memory 4)" in p.stdout
+    rows = _layouts(hpctrain("plan", "--model", "gpt", "--ranks", "8", "--nodes", "2", "--memory", "4",
+                             "--probe-file", str(two_node_probe), "--json"))
+    _check_order(rows, 8)
+    assert any(r["dp"] == 8 for r in rows) and any(r["pp"] > 1 for r in rows)
+
+
+@pytest.mark.timeout(240)
+def test_bad_probe_files_and_flags_are_refused_in_one_line(tmp_path, two_node_probe):
+    bad = tmp_path / "bad.json"
+    raw = json.loads(two_node_probe.read_text())
+    raw["links"]["inter-node"]["alpha"] = "fast"
+    bad.write_text(json.dumps(raw))
+    p = hpctrain("plan", "--model", "gpt", "--probe-file", str(bad), n=2, timeout=150)
+    assert p.returncode == 4 and p.stderr.count("hpctrain plan: error:") == 1, p.stderr
+    assert f"probe file {bad} is damaged" in p.stderr and "Traceback" not in p.stderr
+    one_node = tmp_path / "one.json"
+    assert hpctrain("info", "--probe", "--save", str(one_node), n=2, timeout=150).returncode == 0
+    p = hpctrain("plan", "--ranks", "4", "--nodes", "2", "--probe-file", str(one_node))
+    assert p.returncode == 4 and "was measured on one node: it has no inter-node link" in p.stderr, p.stderr
+    for argv, words in ((["--ranks", "8"], "give --probe-file FILE"),
+                        (["--ranks", "8", "--nodes", "3", "--probe-file", str(one_node)], "must be >= 1 and divide"),
+                        (["--nodes", "2"], "--nodes K goes with --ranks N"),
+                        (["--memory", "nan"], "--memory must be a positive number")):
+        p = hpctrain("plan", *argv, n=2, timeout=100)
+        assert p.returncode == 2 and p.stderr.count(words) == 2, (argv, p.stderr)  # said by every rank, before MPI
+    p = hpctrain("plan", "--model", "gpt", "--strategy", "ps", n=2, timeout=100)
+    assert p.returncode == 4 and p.stderr.count("--strategy ps is not one") == 1, p.stderr
+
+
+@pytest.mark.timeout(240)
+def test_layout_settings_given_constrain_the_plan(tmp_path, two_node_probe):
+    common = ["plan", "--model", "gpt", "--ranks", "4", "--probe-file", str(two_node_probe)]
+    rows = _layouts(hpctrain(*common, "--tp", "2", "--json"))
+    _check_order(rows, 4)
+    assert {r["tp"] for r in rows} == {2} and {r["dp"] for r in rows} == {1, 2}  # the rest chosen
+    fit = [r for r in rows if r["fits"]]  # the best is compared with the next layout listed
+    assert len(fit) < 2 or fit[0]["why"].endswith(f"faster than the next, {label(fit[1])}"), fit[:2]
+    (tmp_path / "dp.toml").write_text('strategy = "dp"\nrecompute = true\n')  # a recipe's layout keys
+    rows = _layouts(hpctrain(*common, "--config", str(tmp_path / "dp.toml"), "--json"))
+    assert {(r["dp"], r["tp"], r["pp"], r["recompute"]) for r in rows} == {(4, 1, 1, True)}
+    assert {r["zero"] for r in rows} == {0, 1, 2, 3}
+    p = hpctrain(*common, "--zero", "1")
+    assert p.returncode == 0 and "only layouts with --zero 1 (given; the plan chooses the rest)" in p.stdout
+
+
+def _losses(run) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(400)
+def test_layout_auto_trains_where_its_layout_trained_by_hand_ends(tmp_path):
+    (tmp_path / "auto.toml").write_text('layout = "auto"\nmodel = "gpt"\n')  # the config file's key
+    common = ["--max-steps", "4", "--log-every", "2"]
+    p = hpctrain("train", "--config", str(tmp_path / "auto.toml"), *common, "--run-dir", str(tmp_path / "auto"),
+                 n=2, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr + p.stdout
+    chosen = json.loads((tmp_path / "auto" / "config.json").read_text())
+    said = next(line for line in p.stdout.splitlines() if line.startswith("layout: auto -> "))
+    assert f"dp={chosen['dp']} tp={chosen['tp']} pp={chosen['pp']} zero={chosen['zero']}" in said
+    assert "ms/step, best of " in said and "links probed now" in said
+    # Kept as auto, the choice recorded as filled in: a resume plans again.
+    assert chosen["layout"] == "auto" and set(PLANNED) <= set(chosen["unset"])
+    assert chosen["dp"] * chosen["tp"] * chosen["pp"] == 2
+    by_hand = ["--model", "gpt", "--strategy", chosen["strategy"], "--tp", str(chosen["tp"]), "--pp",
+               str(chosen["pp"]), "--zero", str(chosen["zero"]), "--microbatches", str(chosen["microbatches"]),
+               "--recompute" if chosen["recompute"] else "--no-recompute"]
+    p = hpctrain("train", *by_hand, *common, "--run-dir", str(tmp_path / "hand"), n=2, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr + p.stdout
+    assert "layout: auto" not in p.stdout
+    auto, hand = _losses(tmp_path / "auto"), _losses(tmp_path / "hand")
+    assert len(auto) == 4 and auto == pytest.approx(hand, rel=1e-6, abs=1e-7)
+    summaries = [json.loads((tmp_path / r / "summary.json").read_text()) for r in ("auto", "hand")]
+    assert summaries[0]["val_loss"] == pytest.approx(summaries[1]["val_loss"], rel=1e-6)
+    p = hpctrain("train", "--run-dir", str(tmp_path / "auto"), "--resume", "--max-steps", "6", n=2, timeout=300,
+                 cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.count("layout: auto -> ") == 1, p.stderr + p.stdout
+    assert [json.loads(x)["step"] for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, 7))
+    p = hpctrain("train", "--model", "gpt", "--layout", "auto", "--zero", "1", "--dry-run", n=2, timeout=300,
+                 cwd=tmp_path)  # a setting given beside it is kept, the rest chosen
+    assert p.returncode == 0 and p.stdout.count("layout: auto -> dp=2 tp=1 pp=1 zero=1") == 1, p.stderr + p.stdout
+    assert "with --zero 1; links probed now)" in p.stdout

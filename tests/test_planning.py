@@ -1,0 +1,104 @@
+"""The job's side of the planner without MPI jobs: the allocation flags' refusals, a plan's rows
+checked by the configuration's own rules, a chosen layout as the job resolves it, the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpctrain.job import resolve
+from hpctrain.job.options import PLANNED, Config
+from hpctrain.job.planning import (
+    Allocation,
+    chosen_config,
+    constraints,
+    constraints_text,
+    keeps,
+    label,
+    open_layout,
+    runnable,
+    table,
+    usage_problem,
+)
+
+
+@pytest.mark.parametrize("ranks,nodes,memory,probe,words", [
+    (0, None, None, "p.json", "--ranks must be >= 1"),
+    (None, 2, None, None, "--nodes K goes with --ranks N"),
+    (8, 3, None, "p.json", "--nodes 3 must be >= 1 and divide --ranks 8"),
+    (8, 2, None, None, "give --probe-file FILE"),
+    (None, None, 0.0, None, "--memory must be a positive number of GiB, got 0.0"),
+    (None, None, float("inf"), None, "--memory must be a positive number"),
+])
+def test_allocation_flags_that_cannot_work_are_named(ranks, nodes, memory, probe, words):
+    assert words in usage_problem(ranks, nodes, memory, probe)
+
+
+def test_good_allocation_flags_pass():
+    assert usage_problem(None, None, None, None) is None
+    assert usage_problem(8, 2, 24.0, "p.json") is None
+
+
+def _row(dp, tp, pp, *, zero=0, recompute=False, m=1, ms=10.0, memory=1 << 20, fits=True, why="fast"):
+    return {"dp": dp, "tp": tp, "pp": pp, "cp": 1, "ep": 1, "zero": zero, "recompute": recompute,
+            "microbatches": m, "predicted_ms": ms, "memory_bytes": memory, "fits": fits, "why": why,
+            "compute_ms": ms, "comm_ms": 0.0, "bubble_ms": 0.0, "memory_limit": 2 << 20}
+
+
+def test_a_row_the_configuration_refuses_does_not_fit_and_says_why():
+    c = resolve(Config(model="gpt", d_model=64, n_heads=2, layout="auto"), 1)
+    rows = runnable(c, [_row(1, 4, 1, ms=5.0), _row(4, 1, 1, ms=8.0), _row(2, 1, 2, m=3, ms=9.0)], 4)
+    assert [(r["tp"], r["pp"], r["fits"]) for r in rows] == [(1, 1, True), (4, 1, False), (1, 2, False)]
+    assert rows[1]["why"].startswith("refused: ") and "heads" in rows[1]["why"]
+    assert "--microbatches 3" in rows[2]["why"]  # 64 / 2 replicas does not split into 3
+
+
+def test_the_chosen_layout_resolves_as_planned_and_a_resume_plans_again():
+    cfg = Config(model="gpt", layout="auto", zero=1)
+    chosen = [k for k in PLANNED if k not in constraints(cfg)]
+    planned = chosen_config(cfg, _row(2, 1, 2, zero=1, recompute=True, m=4), "auto -> dp=2 ...", chosen)
+    c = resolve(planned, 4)
+    assert (c.strategy, c.dp, c.tp, c.pp, c.zero, c.recompute, c.microbatches) == ("hybrid", 2, 1, 2, 1, True, 4)
+    assert c.layout == "auto" and c.planned == "auto -> dp=2 ..."
+    # Filled in, not given (config.json's reader drops them: a resume plans again); --zero 1 stays given.
+    assert set(chosen) <= set(c.unset) and "zero" not in c.unset
+    given = chosen_config(cfg.replace(probe_file="p.json"), _row(4, 1, 1))
+    assert given.layout is None and given.probe_file is None
+    assert not set(PLANNED) & set(resolve(given, 4).unset)  # set as if given
+
+
+def test_the_table_says_each_layout_and_why_the_rest_do_not_fit():
+    class Costs:
+        params, batch, device = 1234, 64, "cpu"
+
+    alloc = Allocation(4, ("a",) * 4, 2 << 20, "--memory 0.002", {}, "probed now")
+    rows = [_row(4, 1, 1, ms=12.3, why="compute 12.3 ms; 5% faster than the next"),
+            _row(2, 1, 2, zero=1, recompute=True, m=4, ms=15.0),
+            _row(1, 4, 1, memory=3 << 20, fits=False, why="needs 0 GiB per rank, has 0"),
+            _row(1, 1, 4, fits=False, why="refused: --pp 4: too few layers")]
+    text = table(rows, alloc, Costs())
+    lines = text.splitlines()
+    assert lines[0] == "hpctrain plan: 1,234 parameters, global batch 64, on 4 ranks / 1 node (cpu)"
+    assert "memory limit 2.0 MiB per rank (--memory 0.002); links: probed now" == lines[1]
+    first = next(line for line in lines if line.startswith("  1 ")).split()
+    assert first[1:7] == ["4", "1", "1", "0", "no", "1"] and first[7] == "12.3" and first[-1] == "50%"
+    assert "best: dp=4 tp=1 pp=1 zero=0: compute 12.3 ms; 5% faster than the next" in text
+    assert "do not fit (2):" in text
+    assert "    dp=1 tp=4 pp=1 zero=0: needs 3.0 MiB per rank, has 2.0 MiB" in text  # in the table's units
+    assert "    dp=1 tp=1 pp=4 zero=0 m=1: refused: --pp 4: too few layers" in text
+    assert label(rows[1]) == "dp=2 tp=1 pp=2 zero=1 recompute m=4"
+    assert table([], alloc, Costs()).endswith("(and pp's micro-batches the replica's batch)")
+
+
+def test_layout_settings_given_constrain_the_plan_and_the_rest_is_chosen():
+    cfg = Config(strategy="tp", zero=0, recompute=True)
+    cons = constraints(cfg)
+    assert cons == {"strategy": "tp", "recompute": True}  # --zero 0 is the default: left to the plan
+    assert constraints_text(cons) == "--strategy tp --recompute"
+    assert keeps(_row(1, 4, 1, recompute=True), cons)  # --strategy tp alone: tp takes every rank
+    assert not keeps(_row(2, 2, 1, recompute=True), cons) and not keeps(_row(1, 4, 1), cons)
+    assert keeps(_row(2, 2, 1, zero=2), {"strategy": "tp", "tp": 2}) and not keeps(_row(1, 2, 2), {"strategy": "tp"})
+    assert keeps(_row(1, 2, 2), {"tp": 2}) and not keeps(_row(2, 1, 2), {"tp": 2})  # --tp alone: pp chosen too
+    assert keeps(_row(4, 1, 1), {"strategy": "dp"}) and not keeps(_row(2, 1, 2), {"strategy": "dp"})
+    assert keeps(_row(2, 1, 2), {}) and keeps(_row(2, 1, 2), {"strategy": "hybrid"})
+    opened = open_layout(cfg.replace(tp=2, pp=2, zero=3))
+    assert (opened.strategy, opened.tp, opened.pp, opened.zero, opened.recompute) == (None, None, None, 0, False)

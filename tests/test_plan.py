@@ -276,6 +276,10 @@ def test_groups_pay_the_link_they_span_shared_by_the_groups_leaving_a_node():
     assert pred.comm_parts["tp"] == pytest.approx(2 * ln["intra-node"].allreduce_seconds(tp_bytes, 2) * 1e3, rel=1e-9)
     dp = shared.allreduce_seconds(p // 2 * 4, 2)
     assert pred.comm_parts["dp"] == pytest.approx((dp + small(4, ln["intra-node"])) * 1e3, rel=1e-9)
+    # one dp group of 4 over the two nodes: both ranks of a node send across at once
+    whole = predict(Layout(4, 1, 1), c, ln, nodes, overlap=False)
+    dp4 = Link((0, 2), 1e-4, BETA / 10 / 2, ()).allreduce_seconds(p * 4, 4)
+    assert whole.comm_parts["dp"] == pytest.approx((dp4 + small(4, ln["intra-node"])) * 1e3, rel=1e-9)
     # tp across the nodes (one rank per node and tp=2): its all-reduces pay the inter-node link
     across = predict(Layout(1, 2, 1), c, ln, ["a", "b"], overlap=False)
     assert across.comm_parts["tp"] == pytest.approx(

@@ -9,7 +9,8 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
   ``cut.balance_stages`` on the pieces' measured times at the micro-batch), its ``1/tp`` share
   of the split layers, on ``batch / (dp * cp)`` samples in ``m`` micro-batches; recompute adds
   the wrapped blocks' forward again to their backward. Per micro-batch the measured fit
-  ``fixed + per_sample * samples`` counts (a call costs something however small the batch).
+  ``fixed + per_sample * samples`` counts (a call costs something however small the batch; tp
+  divides the work per sample, not that fixed cost, mostly the interpreter's).
 - **tensor parallel**: per micro-batch, each split layer's all-reduce of its ``(rows, d_model)``
   activation in forward and of its input's gradient in backward (a GPT block: four), the
   vocabulary embedding's and head's, the vocab-parallel loss's three small ones, each priced on
@@ -28,11 +29,14 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
   the updated parameters after the step (exposed); ZeRO 3: no final all-gather, but every
   unit's parameters are gathered before its forward and its backward (and a recomputation's
   forward), prefetched one unit ahead: what a gather takes beyond its unit's compute is exposed,
-  and each wait meets the other ranks. Groups crossing nodes share the node's link: ``k`` groups
-  leaving one node at once each get ``beta / k``.
+  and each wait meets the other ranks. Groups crossing nodes share the node's link: ``k`` ranks
+  of one node in groups that leave it each get ``beta / k``.
 - **meeting** (``Link.meet``, ``linkprobe.meeting_seconds``): a blocking collective between two
   stretches of compute waits for the last rank to arrive; where ranks share cores (this 2-core
   machine runs 4), for a descheduled one to run again. Every blocking call above pays it once.
+  It is the least stable number here: on this machine, loaded by others, the probe gave 0.1-7 ms
+  from run to run while the tp calls timed inside steps cost 1-10 ms each; with a core per rank
+  it is near alpha.
 - **optimizer**: the measured seconds per parameter times this rank's parameters (``1/dp`` of
   them under ZeRO); the trainer's two small all-reduces over the world per step.
 - **memory**: ``plan_memory`` (the engine's categories).
@@ -40,14 +44,15 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
 Why ``benchmarks/cost_model.py``'s tp predictions were 50-67% low: not the volume (it counted
 the bytes its tp all-reduces moved, ``tensor_mappings.traffic``, and they equal its model's) but
 the per-call cost. Its alpha came from a ping-pong of two ranks doing nothing else (tens of
-microseconds); in a step each of tp's 2 calls per block and micro-batch is a meeting of ranks
+microseconds); in a step each of tp's four calls per block and micro-batch is a meeting of ranks
 arriving from compute, which costs ``Link.meet``: milliseconds on this oversubscribed machine, a
 hundred times alpha. ``benchmarks/plan_check.py`` prints the seconds measured inside the tp
 collectives per step against this model's price of them.
 
 Context (cp) and expert (ep) parallelism are hooks: ``Layout`` carries them and ``predict``
 prices cp's ring (``2 (cp-1)/cp`` of each attention layer's K and V per micro-batch, overlapped
-with the attention's compute) and ep's two all-to-alls per MoE layer when ``Costs`` has them;
+with the attention's compute) and ep's all-to-alls per MoE layer (tokens to their experts and
+back, forward and backward, and one of the counts) when ``Costs`` has them;
 ``layouts`` lists cp/ep > 1 only when asked (``cp=``/``ep=`` sizes to try).
 """
 
@@ -61,38 +66,10 @@ from ..comm.grid import layout as grid_layout
 from ..comm.linkprobe import Link
 from .cut import balance_stages
 from .plan_costs import Costs, PieceCost, measure
+from .plan_layouts import Layout, layout_problem, layouts
 from .plan_memory import gib, memory
-from .zero import zero_problem
 
 __all__ = ["Costs", "Layout", "PieceCost", "Prediction", "layouts", "measure", "plan", "predict"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to run a job: the group sizes, ZeRO stage, recompute and micro-batches."""
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    recompute: bool = False
-    microbatches: int = 1
-
-    @property
-    def world(self) -> int:
-        """The ranks this layout takes."""
-        return self.dp * self.tp * self.pp * self.cp
-
-    def label(self) -> str:
-        """``dp=2 tp=1 pp=2 m=4 zero 1 recompute`` (what is not the default only)."""
-        text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
-        text += f" cp={self.cp}" if self.cp > 1 else ""
-        text += f" ep={self.ep}" if self.ep > 1 else ""
-        text += f" m={self.microbatches}" if self.pp > 1 or self.microbatches > 1 else ""
-        text += f" zero {self.zero}" if self.zero else ""
-        return text + (" recompute" if self.recompute else "")
 
 
 @dataclass
@@ -141,7 +118,9 @@ def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: lis
     link = links.get("inter-node")
     if link is None:
         raise ValueError("no inter-node link was probed but a group spans nodes")
-    flows = max(sum(1 for g in span if any(names[r] == n for r in g)) for n in set(names))
+    # Every rank of a spanning group sends across (ring and recursive-doubling algorithms alike):
+    # the ranks of one node in such groups share its link.
+    flows = max(sum(1 for g in span for r in g if names[r] == n) for n in set(names))
     # A fit through noisy samples can put the line below zero at no bytes: no latency, not a gain.
     return dataclasses.replace(link, alpha=max(link.alpha, 0.0), beta=link.beta / flows)
 
@@ -159,82 +138,6 @@ def _gather(link: Link | None, nbytes: float, p: int) -> float:
 def _send(link: Link | None, nbytes: float) -> float:
     """A pipeline message one way (its waits are the schedule's: ``simulate``)."""
     return 0.0 if link is None else link.seconds(nbytes)
-
-
-# -- layouts -------------------------------------------------------------------------------------
-
-
-def layout_problem(lay: Layout, costs: Costs) -> str | None:
-    """Why the engine refuses ``lay`` for this model and batch (``None``: it accepts it), from the
-    engine's own rules (grid, tensor-parallel splits, pipeline cut, ZeRO, micro-batches)."""
-    from ..comm.grid import factor
-    from ..errors import GridError
-    from .tensor_layers import tp_heads_problem, tp_hidden_problem
-
-    try:
-        factor(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)
-    except GridError as exc:
-        return str(exc)
-    problem = zero_problem(lay.zero)
-    if problem:
-        return problem
-    if lay.tp > 1:
-        if not any(p.split_params for p in costs.pieces):
-            return f"tp={lay.tp}: the model has no layer that splits over tensor-parallel ranks"
-        for p in costs.pieces:
-            problem = (tp_heads_problem(p.heads, lay.tp) if p.heads else None) or \
-                (tp_hidden_problem(p.hidden, lay.tp) if p.hidden else None)
-            if problem:
-                return problem
-    if costs.batch % lay.dp:
-        return f"the batch {costs.batch} does not split over dp={lay.dp} replicas"
-    if (costs.batch // lay.dp) % lay.microbatches:
-        return f"the per-replica batch {costs.batch // lay.dp} does not split into {lay.microbatches} micro-batches"
-    if lay.cp > 1 and not any(p.kv_per_sample for p in costs.pieces):
-        return f"cp={lay.cp}: the model holds no attention to split the sequence of"
-    if lay.cp > 1 and costs.rows % (2 * lay.cp):
-        return f"cp={lay.cp}: the sequence of {costs.rows} tokens does not split into 2 x cp zigzag chunks"
-    if lay.ep > 1:
-        from ..nn.moe import ep_problem
-
-        experts = max((p.experts for p in costs.pieces), default=0)
-        problem = ep_problem(experts, lay.ep) if experts else f"ep={lay.ep}: the model has no MoE layer"
-        if problem:
-            return problem
-    if lay.pp > 1:
-        try:
-            balance_stages([1.0] * len(costs.pieces), lay.pp, [p.holds_params for p in costs.pieces])
-        except ValueError as exc:
-            return f"pp={lay.pp}: {exc}"
-    if lay.recompute and not any(p.recomputable for p in costs.pieces):
-        return "recompute finds no block to recompute in this model"
-    return None
-
-
-def layouts(world: int, costs: Costs, *, zero: tuple[int, ...] = (0, 1, 2, 3),
-            recompute: tuple[bool, ...] = (False, True), microbatches: tuple[int, ...] = (1, 2, 4),
-            cp: tuple[int, ...] = (1,), ep: tuple[int, ...] = (1,)) -> list[Layout]:
-    """Every layout of ``world`` ranks the engine accepts for the measured model: each tp x pp x
-    cp that divides the world (dp the rest), ZeRO stages when dp > 1, recompute, and with a
-    pipeline ``k * pp`` micro-batches for each ``k`` in ``microbatches`` (one without)."""
-    out = []
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
-            for c in (c for c in cp if (world // (tp * pp)) % c == 0):
-                dp = world // (tp * pp * c)
-                for e in (e for e in ep if dp % e == 0):
-                    ms = sorted({k * pp for k in microbatches}) if pp > 1 else [1]
-                    for z in (zero if dp > 1 else (0,)):
-                        for rc in recompute:
-                            for m in ms:
-                                lay = Layout(dp, tp, pp, c, e, z, rc, m)
-                                if layout_problem(lay, costs) is None:
-                                    out.append(lay)
-    return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # -- time ----------------------------------------------------------------------------------------

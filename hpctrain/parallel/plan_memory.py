@@ -12,8 +12,8 @@ counted from the measured pieces instead of from arrays that exist.
   which backward makes faster than their reduce-scatters finish (their peak is near all of
   them: ``benchmarks/plan_check.py``); ZeRO 3's the same and two gathered units.
 - **workspace**: what the layers' reuse pools keep beyond the activations (measured per piece
-  by the ``MemoryMeter``), a set per micro-batch a pipeline stage holds; none in recomputed
-  blocks (except under tp, whose layers replace the transient ones).
+  by the ``MemoryMeter``), growing by half a set per micro-batch a pipeline stage holds beyond
+  one; none in recomputed blocks (except under tp, whose layers replace the transient ones).
 - **activations_peak**: each piece's measured activations at the micro-batch, times the
   micro-batches a stage holds at once (1F1B: ``min(m, pp - stage)``, GPipe: ``m``; without a
   pipeline one). With recompute a wrapped block keeps only its input, and one block's full
@@ -72,12 +72,13 @@ def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: fl
         kept, redo = stage_activations(pieces, samples, tp, layout.recompute)
         held = in_flight(schedule, layout.pp, s, layout.microbatches)
         out["activations_peak"] = int(held * kept + redo)
-        # The reuse pools are per layer: a micro-batch in flight keeps its arrays out of them, so a
-        # pipeline stage's pools grow to a set per micro-batch it holds. A recomputed block keeps
-        # none (nn.buffers.transient), except under tp: the tensor-parallel layers that replace
-        # the serial ones inside it have pools again (measured by benchmarks/plan_check.py).
-        out["workspace"] = int(held * sum(p.workspace(samples, tp) for p in pieces
-                                          if not (layout.recompute and p.recomputable and tp == 1)))
+        # The reuse pools are per layer: micro-batches in flight keep some of their arrays out of
+        # them, so a pipeline stage's pools grow with the micro-batches it holds (by about half a
+        # set each: plan_check measured 1.8-3x at 2-4 held, the MLP less than the GPT). A
+        # recomputed block keeps none (nn.buffers.transient), except under tp: the
+        # tensor-parallel layers that replace the serial ones inside it have pools again.
+        out["workspace"] = int((held + 1) / 2 * sum(p.workspace(samples, tp) for p in pieces
+                                                    if not (layout.recompute and p.recomputable and tp == 1)))
         total = sum(out.values())
         if total > best[0]:
             best = (total, out)

@@ -109,6 +109,17 @@ def test_a_layout_that_does_not_fit_is_listed_with_its_reason(two_node_probe):
 
 
 @pytest.mark.timeout(240)
+def test_plan_lists_cp_for_a_gpt_and_ep_for_its_experts(two_node_probe):
+    rows = _layouts(hpctrain("plan", "--model", "gpt", "--moe-experts", "4", "--ranks", "4", "--probe-file",
+                             str(two_node_probe), "--json"))
+    _check_order(rows, 4)
+    fit = [r for r in rows if r["fits"]]
+    assert {r["cp"] for r in fit} == {1, 2, 4} and {r["ep"] for r in fit} == {1, 2, 4}, fit
+    assert all(r["dp"] % r["ep"] == 0 for r in fit)  # ep carved out of dp
+    mlp = _layouts(hpctrain("plan", "--model", "mlp", "--ranks", "4", "--probe-file", str(two_node_probe), "--json"))
+    assert {(r["cp"], r["ep"]) for r in mlp} == {(1, 1)}  # no attention, no experts
+
+
 def test_plan_for_an_allocation_it_does_not_have(two_node_probe):
     p = hpctrain("plan", "--model", "gpt", "--ranks", "8", "--nodes", "2", "--memory", "4",
                  "--probe-file", str(two_node_probe))

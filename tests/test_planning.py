@@ -38,8 +38,8 @@ def test_good_allocation_flags_pass():
     assert usage_problem(8, 2, 24.0, "p.json") is None
 
 
-def _row(dp, tp, pp, *, zero=0, recompute=False, m=1, ms=10.0, memory=1 << 20, fits=True, why="fast"):
-    return {"dp": dp, "tp": tp, "pp": pp, "cp": 1, "ep": 1, "zero": zero, "recompute": recompute,
+def _row(dp, tp, pp, *, zero=0, recompute=False, m=1, ms=10.0, memory=1 << 20, fits=True, why="fast", cp=1, ep=1):
+    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": zero, "recompute": recompute,
             "microbatches": m, "predicted_ms": ms, "memory_bytes": memory, "fits": fits, "why": why,
             "compute_ms": ms, "comm_ms": 0.0, "bubble_ms": 0.0, "memory_limit": 2 << 20}
 
@@ -102,3 +102,19 @@ def test_layout_settings_given_constrain_the_plan_and_the_rest_is_chosen():
     assert keeps(_row(2, 1, 2), {}) and keeps(_row(2, 1, 2), {"strategy": "hybrid"})
     opened = open_layout(cfg.replace(tp=2, pp=2, zero=3))
     assert (opened.strategy, opened.tp, opened.pp, opened.zero, opened.recompute) == (None, None, None, 0, False)
+
+
+def test_the_plan_chooses_cp_and_ep_as_it_chooses_the_rest():
+    """cp and ep are planned axes (issue 43's): a row with them resolves to that layout, a given
+    ``--cp``/``--ep`` constrains the plan, and the single-axis strategies keep them at 1."""
+    cfg = Config(model="gpt", layout="auto", moe_experts=4)
+    assert "cp" in PLANNED and "ep" in PLANNED and constraints(cfg) == {}
+    c = resolve(chosen_config(cfg, _row(1, 1, 1, cp=2, ep=1), "auto -> ...", list(PLANNED)), 2)
+    assert (c.strategy, c.dp, c.cp, c.ep) == ("hybrid", 1, 2, 1)
+    c = resolve(chosen_config(cfg, _row(4, 1, 1, ep=2), "auto -> ...", list(PLANNED)), 4)
+    assert (c.strategy, c.dp, c.cp, c.ep) == ("hybrid", 4, 1, 2)
+    assert constraints(cfg.replace(cp=2, ep=2)) == {"cp": 2, "ep": 2}
+    assert keeps(_row(1, 1, 1, cp=2), {"cp": 2}) and not keeps(_row(2, 1, 1), {"cp": 2})
+    assert not keeps(_row(1, 1, 1, cp=2), {"strategy": "dp"}) and not keeps(_row(2, 1, 1, ep=2), {"strategy": "dp"})
+    opened = open_layout(cfg.replace(cp=2, ep=2))
+    assert (opened.cp, opened.ep) == (1, 1)

@@ -249,7 +249,7 @@ DERIVED = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata.get
 
 #: The settings ``--layout auto`` chooses; those given beside it (a ZeRO stage, ``--recompute``:
 #: ``--zero 0``/``--no-recompute`` are the defaults, so they leave the choice open) constrain it.
-PLANNED = ("strategy", "tp", "pp", "zero", "recompute", "microbatches")
+PLANNED = ("strategy", "tp", "pp", "cp", "ep", "zero", "recompute", "microbatches")
 
 
 def flag(name: str) -> str:

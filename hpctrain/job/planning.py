@@ -172,9 +172,10 @@ def _while_others_sleep(comm: Comm, timeout: float | None, fn: Callable[[], Any]
 
 def constraints(cfg: Config) -> dict[str, Any]:
     """The layout settings given beside ``--layout auto`` (or to ``hpctrain plan``): the plan keeps
-    to them and chooses the rest. ``--zero 0`` and ``--no-recompute`` are the defaults, so they
-    leave ZeRO and recompute to the plan."""
+    to them and chooses the rest. ``--zero 0``, ``--no-recompute``, ``--cp 1`` and ``--ep 1`` are the
+    defaults, so they leave ZeRO, recompute, cp and ep to the plan."""
     out = {k: getattr(cfg, k) for k in ("strategy", "tp", "pp") if getattr(cfg, k) is not None}
+    out.update({k: getattr(cfg, k) for k in ("cp", "ep") if getattr(cfg, k) > 1})
     out.update({"zero": cfg.zero} if cfg.zero else {})
     out.update({"recompute": True} if cfg.recompute else {})
     return out
@@ -188,13 +189,16 @@ def constraints_text(cons: dict[str, Any]) -> str:
 def open_layout(cfg: Config) -> Config:
     """``cfg`` without its layout settings: what is checked before any layout is chosen. (``--strategy
     ps`` stays: it is no layout the plan has, and the configuration's rule refuses it there.)"""
-    return cfg.replace(strategy="ps" if cfg.strategy == "ps" else None, tp=None, pp=None, zero=0, recompute=False)
+    return cfg.replace(strategy="ps" if cfg.strategy == "ps" else None, tp=None, pp=None, cp=1, ep=1, zero=0,
+                       recompute=False)
 
 
 def keeps(row: dict[str, Any], cons: dict[str, Any]) -> bool:
     """Whether a plan's row keeps to the given layout settings (``--strategy tp`` alone: tp takes
     every rank, as ``train`` reads it; ``pp`` alike)."""
     strategy = cons.get("strategy")
+    if strategy in ("dp", "tp", "pp") and row.get("cp", 1) * row.get("ep", 1) > 1:  # cp and ep are hybrid's
+        return False
     if (strategy == "dp" and row["tp"] * row["pp"] > 1) or (strategy == "tp" and row["pp"] > 1) or \
             (strategy == "pp" and row["tp"] > 1):
         return False
@@ -210,10 +214,10 @@ def chosen_config(c: Config, layout: dict[str, Any], planned: str | None = None,
     (``--layout auto``'s choice, said in the header) the layout stays ``auto`` and ``resolve``
     records the ``chosen`` settings as filled in (a resume plans them again); without, they are
     set as if given, ``--layout auto`` and ``--probe-file`` dropped."""
-    tp, pp = int(layout["tp"]), int(layout["pp"])
+    tp, pp, cp, ep = (int(layout.get(k, 1)) for k in ("tp", "pp", "cp", "ep"))
     kept = {"layout": c.layout, "probe_file": c.probe_file} if planned else {"layout": None, "probe_file": None}
-    return c.replace(**kept, strategy=strategy or ("hybrid" if tp * pp > 1 else "dp"), tp=tp, pp=pp,
-                     zero=int(layout["zero"]), recompute=bool(layout["recompute"]),
+    return c.replace(**kept, strategy=strategy or ("hybrid" if tp * pp * cp * ep > 1 else "dp"), tp=tp, pp=pp,
+                     cp=cp, ep=ep, zero=int(layout["zero"]), recompute=bool(layout["recompute"]),
                      microbatches=int(layout["microbatches"]), dp=None, local_batch=None, unset=None, planned=planned,
                      chosen=chosen if planned else None)
 
@@ -244,8 +248,10 @@ def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere:
 
     def predicted() -> list[dict[str, Any]]:
         only = {k: (v,) for k, v in (cons or {}).items() if k in ("zero", "recompute")}  # (not predicted at all)
+        # cp and ep where the model has them (the plan's own rules refuse the rest: an MLP's cp).
+        axes = {k: tuple(d for d in range(1, alloc.ranks + 1) if alloc.ranks % d == 0) for k in ("cp", "ep")}
         preds = planner.plan(costs, alloc.links, alloc.ranks, list(alloc.names), alloc.memory, schedule=c.schedule,
-                             **only)
+                             **axes, **only)
         rows = [{**p.as_json(), "compute_ms": round(p.compute_ms, 3), "comm_ms": round(p.comm_ms, 3),
                  "bubble_ms": round(p.bubble_ms, 3), "memory_limit": alloc.memory} for p in preds]
         listed = runnable(c, [r for r in rows if keeps(r, cons or {})], alloc.ranks)

@@ -101,7 +101,7 @@ class ColumnParallelLinear(TPLayer):
         idx = _index_of(columns)
         xp = xp_of(linear.weight.data)
         self.weight = Parameter(xp.ascontiguousarray(linear.weight.data[:, idx]))
-        self.bias = Parameter(xp.ascontiguousarray(linear.bias.data[idx])) if linear.bias is not None else None
+        self.bias = Parameter(linear.bias.data[idx].copy()) if linear.bias is not None else None
         self.d_local = self.weight.shape[1]
         self.shard_index = {"weight": ((d_in, d_out), (slice(None), idx))}
         if self.bias is not None:
@@ -173,8 +173,7 @@ class RowParallelLinear(TPLayer):
             rows = partition(d_in, comm.size, comm.rank)
         self.comm, self.input_is_parallel = comm, input_is_parallel
         self.d_in, self.d_out = d_in, d_out
-        xp = xp_of(linear.weight.data)
-        self.weight = Parameter(xp.ascontiguousarray(linear.weight.data[rows[0] : rows[1]]))
+        self.weight = Parameter(linear.weight.data[rows[0] : rows[1]].copy())
         self.bias = Parameter(linear.bias.data.copy()) if linear.bias is not None else None
         self.d_local = self.weight.shape[0]
         self.shard_index = {"weight": ((d_in, d_out), (slice(*rows), slice(None)))}
@@ -308,7 +307,7 @@ class VocabParallelEmbedding(TPLayer):
         if n < comm.size:
             raise ValueError(f"VocabParallelEmbedding: {n} rows < tensor-parallel size {comm.size}")
         rows = partition(n, comm.size, comm.rank)
-        return cls(xp_of(emb.weight.data).ascontiguousarray(emb.weight.data[rows[0] : rows[1]]), n, comm, rows)
+        return cls(emb.weight.data[rows[0] : rows[1]].copy(), n, comm, rows)
 
     def compute(self, idx: Any) -> Any:
         return ReduceFromTP.apply(VocabLookup.apply(idx, self.weight, self), self.comm)

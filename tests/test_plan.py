@@ -175,6 +175,22 @@ def test_recompute_keeps_block_inputs_and_one_blocks_activations():
     assert rc.compute_ms == pytest.approx(plain.compute_ms + 4 * 8 * 1e-3 * 1e3)  # the forward again
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_recomputed_blocks_keep_no_workspace_under_any_tp(tp):
+    """Recompute makes every layer in its block transient, the tensor-parallel ones included: the
+    blocks' reuse pools drop out of the workspace at tp=2 as at tp=1; the head's stays (its share)."""
+    from dataclasses import replace
+
+    blocks = [replace(piece(str(i), 100, split=80, act=10_000, io=500, recomputable=True), workspace_fixed=4000,
+                      workspace_per_sample=100) for i in range(3)]
+    head = replace(piece("head", 100, split=100), workspace_fixed=2000)
+    c = costs([*blocks, head], batch=8)
+    plain = predict(Layout(1, tp, 1), c, links(), None)
+    rc = predict(Layout(1, tp, 1, recompute=True), c, links(), None)
+    assert plain.memory_parts["workspace"] == int(sum(p.workspace(8, tp) for p in [*blocks, head]))
+    assert rc.memory_parts["workspace"] == int(head.workspace(8, tp)) == 2000 // tp
+
+
 def test_pipeline_in_flight_micro_batches_count_on_the_first_stage():
     c = costs([piece(str(i), 100, act=1000, fwd=1e-3, bwd=2e-3) for i in range(4)], batch=16)
     pred = predict(Layout(1, 1, 2, microbatches=4), c, links(), None)

@@ -288,3 +288,44 @@ def test_a_forward_drawing_from_numpys_global_generator_recomputes_the_same_draw
         assert np.any(a)
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(after_plain, after_rerun)
+
+
+def _workspace(comm, tp: int, rec: bool) -> tuple[dict, list[int]]:
+    """A float32 GPT under tp (dp the rest), 8 samples per rank, two steps: the rank's memory report
+    and the bytes each pool inside a recomputed block keeps."""
+    from hpctrain import ProcessGrid
+    from hpctrain.parallel import ParallelTrainer, parallelize
+
+    grid = ProcessGrid(comm, tp=tp)
+    model = GPT(vocab_size=64, block_size=32, d_model=64, n_heads=4, n_layers=2, rng=0, dtype=np.float32)
+    part = parallelize(model, grid, recompute=rec)
+    tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=ht.optim.AdamW(part.parameters()), grid=grid)
+    tr.memory_report()  # watch the first step too
+    d, n = grid.dp.rank, grid.dp.size
+    g = np.random.default_rng(0)
+    x, y = g.integers(0, 64, (8 * n, 32)), g.integers(0, 64, (8 * n, 32))
+    for _ in range(2):
+        stats = tr.step(x[d::n], y[d::n])
+    report = tr.memory_report(stats)
+    pools = [m.scratch_buffers().nbytes for _, w in part.named_modules() if isinstance(w, Recompute)
+             for _, m in w.block.named_modules()]
+    tr.close()
+    return report, pools
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_recompute_frees_the_tensor_parallel_layers_workspace():
+    """The tp layers swapped into recomputed blocks keep no reuse pools, as the serial ones: a GPT
+    at tp=2 with recompute holds no more workspace than at tp=1 with recompute (tp only splits
+    what is outside the blocks), and less than at tp=2 without it."""
+    comm = ht.Communicator()
+    if comm.size % 2:
+        pytest.skip(f"tp=2 needs an even world size, got {comm.size}")
+    serial, _ = _workspace(comm, 1, True)
+    plain, _ = _workspace(comm, 2, False)
+    split, pools = _workspace(comm, 2, True)
+    assert pools and not any(pools), pools  # nothing kept inside the recomputed blocks
+    assert split["workspace"] <= serial["workspace"], (split["workspace"], serial["workspace"])
+    assert split["workspace"] < plain["workspace"]
+    assert split["activations_peak"] < plain["activations_peak"]

@@ -111,9 +111,13 @@ shared = Buffers(keep=64, keys=128, tags=False)
 
 def transient(module: Any) -> None:
     """Make ``module`` and its sub-modules keep no arrays between calls (see ``Buffers(retain=False)``):
-    activation recomputation drops a block's activations after forward, which a pool would hold."""
+    activation recomputation drops a block's activations after forward, which a pool would hold.
+    Idempotent and cheap once done (a module already transient is left as it is), so a recomputed
+    block calls it on every run: layers swapped in after wrapping (tensor parallelism) are covered."""
     for _, m in module.named_modules():
-        m.__dict__["_buffers"] = Buffers(retain=False)
+        pool = m.__dict__.get("_buffers")
+        if pool is None or pool.retain:
+            m.__dict__["_buffers"] = Buffers(retain=False)
 
 
 def _module_of(a: Any) -> Any:

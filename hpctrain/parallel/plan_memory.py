@@ -13,7 +13,8 @@ counted from the measured pieces instead of from arrays that exist.
   them: ``benchmarks/plan_check.py``); ZeRO 3's the same and two gathered units.
 - **workspace**: what the layers' reuse pools keep beyond the activations (measured per piece
   by the ``MemoryMeter``), growing by half a set per micro-batch a pipeline stage holds beyond
-  one; none in recomputed blocks (except under tp, whose layers replace the transient ones).
+  one; none in recomputed blocks, under any tp (``Recompute`` makes every layer inside its block
+  transient, the tensor-parallel ones swapped in after wrapping too).
 - **activations_peak**: each piece's measured activations at the micro-batch, times the
   micro-batches a stage holds at once (1F1B: ``min(m, pp - stage)``, GPipe: ``m``; without a
   pipeline one). With recompute a wrapped block keeps only its input, and one block's full
@@ -75,10 +76,9 @@ def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: fl
         # The reuse pools are per layer: micro-batches in flight keep some of their arrays out of
         # them, so a pipeline stage's pools grow with the micro-batches it holds (by about half a
         # set each: plan_check measured 1.8-3x at 2-4 held, the MLP less than the GPT). A
-        # recomputed block keeps none (nn.buffers.transient), except under tp: the
-        # tensor-parallel layers that replace the serial ones inside it have pools again.
+        # recomputed block keeps none (nn.buffers.transient), its tensor-parallel layers included.
         out["workspace"] = int((held + 1) / 2 * sum(p.workspace(samples, tp) for p in pieces
-                                                    if not (layout.recompute and p.recomputable and tp == 1)))
+                                                    if not (layout.recompute and p.recomputable)))
         total = sum(out.values())
         if total > best[0]:
             best = (total, out)

@@ -272,7 +272,8 @@ def scatter_add(target: Any, index: Any, values: Any) -> None:
         order = np.argsort(index, kind="stable")
         ids = index[order]
         starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
-        sums = np.add.reduceat(values[order], starts, axis=0)
+        # In the target's dtype: a float32 gradient of 16-bit rows sums many of them in float32.
+        sums = np.add.reduceat(values[order], starts, axis=0, dtype=target.dtype)
         target[ids[starts]] += sums
         return
     k = gpu.usable(target, values) if target.dtype == np.float32 and values.ndim == 2 else None

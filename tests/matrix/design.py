@@ -25,11 +25,9 @@ STOP_AT = 15
 RUN = {"max_samples": 240, "batch_size": 12, "epochs": 1, "log_every": 50, "checkpoint_every": CHECKPOINT_EVERY,
        "microbatches": 2}
 #: The models at tiny size: a row takes seconds. ``moe``: the GPT with 4 experts in every block,
-#: dropless, without the load-balancing term (it counts each ep group's tokens, so a dp x ep run or a
-#: resume under another layout differs from one process by it: tests/test_moe_job.py checks it where
-#: the groups match).
+#: dropless, with the default load-balancing weight (its term spans the whole batch under any layout).
 MODELS = {"mlp": {"d_model": 16}, "gpt": {"d_model": 16, "n_heads": 2, "block_size": 8},
-          "moe": {"model": "gpt", "d_model": 16, "n_heads": 2, "block_size": 8, "moe_experts": 4, "moe_aux_loss": 0.0}}
+          "moe": {"model": "gpt", "d_model": 16, "n_heads": 2, "block_size": 8, "moe_experts": 4}}
 
 #: The first job's layout: (ranks, the flags that ask for it).
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {

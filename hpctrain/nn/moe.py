@@ -55,6 +55,7 @@ import numpy as np
 
 from ..backend import matmul, stat_dtype, to_device, to_host, xp_of
 from ..errors import Say, as_argument
+from .buffers import Buffers
 from .kernels import gelu_backward, gelu_forward
 from .layers import Linear
 from .module import Module, Parameter, as_rng
@@ -165,6 +166,8 @@ class MoE(Module):
         self.tokens_per_expert = np.zeros(experts, dtype=np.int64)
         self.dropped = 0
         self.cache = None
+        # The experts' rows change every step (under ep, with capacity): arrays kept by row buckets.
+        self.__dict__["_buffers"] = Buffers(rows=True)
 
     # -- expert parallelism ----------------------------------------------------------------------
 

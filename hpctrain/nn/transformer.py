@@ -26,7 +26,7 @@ from . import fused, gpu
 from .buffers import Buffers
 from .kernels import row_ones
 from .layer_nodes import call_layer
-from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, TiedLinear
+from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, TiedLinear, batch_positions
 from .module import Module, Sequential, as_rng
 from .moe import MoE, aux_loss_of, moe_blocks
 
@@ -403,7 +403,7 @@ class GPT(Module):
             raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={self.block_size}, got {tokens.shape}")
         pos = self._positions(tokens.shape[1], xp)
         if is_tensor(idx):  # through the graph: the lookups as nodes
-            tokens, pos = Tensor(tokens), Tensor(xp.broadcast_to(pos, tokens.shape))  # (B, T): summed as backward does
+            tokens, pos = Tensor(tokens), Tensor(batch_positions(pos, tokens.shape, self.pos_emb.weight.dtype))
         x = _residual(self.tok_emb(tokens), self.pos_emb(pos))  # into the lookup's fresh output
         return self.head(self.ln_f(self.blocks(x)))
 
@@ -458,7 +458,7 @@ class GPT(Module):
                 raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={block_size}, got {tokens.shape}")
             positions = positions_of(tokens.shape[1], xp)
             if is_tensor(idx):  # through the graph: the lookups as nodes
-                return tok(Tensor(tokens)) + pos(Tensor(xp.broadcast_to(positions, tokens.shape)))  # (B, T)
+                return tok(Tensor(tokens)) + pos(Tensor(batch_positions(positions, tokens.shape, pos.weight.dtype)))
             return tok.forward(tokens) + pos.forward(positions)
 
         def embed_backward(g: Any) -> None:

@@ -36,12 +36,7 @@ SAMPLE = design.sample(EXTRA, EXTRA_SEED, exclude=COVER) if EXTRA and MPI.COMM_W
 #: The rows that fail today because of a known bug, each with the issue item whose fix they wait
 #: for: the one place to remove a mark once that fix is merged (strict=False: a fixed row passes
 #: without a word, and a race fails only sometimes).
-KNOWN_FAILURES: list[tuple[str, Callable[[design.Row], bool]]] = [
-    ("issue 43: the one-process fp16-mixed MoE GPT (with --recompute) overflows at step 2 (skipped, the loss scale "
-     "halved) where the ep layouts do not (cause not pinned down; likely the expert products of nn/moe.py summing "
-     "more tokens per expert in float16 in one process than on an ep rank)",
-     lambda r: r.model == "moe" and r.precision == "fp16-mixed" and "ep" in design.LAYOUTS[r.layout][1]),
-]
+KNOWN_FAILURES: list[tuple[str, Callable[[design.Row], bool]]] = []
 
 
 def _param(row: design.Row):

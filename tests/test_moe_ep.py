@@ -13,7 +13,7 @@ from mpi4py import MPI
 from hpctrain import Communicator, ProcessGrid
 from hpctrain.errors import MismatchError
 from hpctrain.nn import GPT, MoE, recompute_blocks
-from hpctrain.nn.moe import moe_layers, set_aux_weight
+from hpctrain.nn.moe import moe_layers, set_aux_group, set_aux_weight
 from hpctrain.parallel import expert_parallel
 from hpctrain.parallel.shards import full_state_dict, shard_map
 
@@ -73,6 +73,42 @@ def test_moe_layer_under_ep_equals_one_process(top_k, ep):
     gx = par.backward(r_all[mine].copy())
     np.testing.assert_allclose(gx, gx_all[mine], **TOL)
     _check_params(serial, par, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_aux_term_over_dp_x_ep_is_the_one_process_term_and_its_gradient():
+    # set_aux_group(grid.dp_cp): f_e and P_e over every replica's tokens (ranks of unequal token
+    # counts here), so each rank's aux_loss is the term of all tokens together; each rank weighs
+    # its backward by its share of the tokens (what the engine's aux_weight does), so the router
+    # gradients summed over the ranks are the one-process term's, which a float64 finite
+    # difference of the (all-reduced) term checks too.
+    world = _world()
+    grid = ProcessGrid(world, ep=2 if world.size % 2 == 0 else 1)  # dp x ep: several ep groups at -n 4
+    sizes = [4 + r for r in range(world.size)]
+    total, mine = sum(sizes), slice(sum(sizes[: world.rank]), sum(sizes[: world.rank + 1]))
+    serial = MoE(8, 10, experts=4, top_k=2, rng=3, dtype=F64)
+    par = expert_parallel(serial, grid.ep)
+    set_aux_group(par, grid.dp_cp)
+    x_all = np.random.default_rng(5).standard_normal((total, 8))
+    serial.aux_weight, par.aux_weight = 1.0, sizes[world.rank] / total
+    serial.forward(x_all)
+    serial.backward(np.zeros((total, 8)))
+    par.forward(x_all[mine])
+    assert par.aux_loss == pytest.approx(serial.aux_loss, rel=1e-12)
+    np.testing.assert_array_equal(world.allgather_obj(par.aux_loss), [par.aux_loss] * world.size)
+    par.backward(np.zeros((sizes[world.rank], 8)))
+    got = world.allreduce(par.router.weight.grad.copy())
+    np.testing.assert_allclose(got, serial.router.weight.grad, **TOL)
+    w, eps = par.router.weight.data, 1e-6
+    for i, j in [(0, 0), (3, 1), (7, 3)]:  # every rank perturbs the same (replicated) entry
+        terms = []
+        for d in (eps, -eps):
+            w[i, j] += d
+            par.forward(x_all[mine])
+            terms.append(par.aux_loss)
+            w[i, j] -= d
+        assert (terms[0] - terms[1]) / (2 * eps) == pytest.approx(got[i, j], rel=1e-6, abs=1e-9)
+    assert abs(got).max() > 1e-3  # a gradient that is there to check
 
 
 @pytest.mark.mpi(min_size=2)

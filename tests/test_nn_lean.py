@@ -176,6 +176,26 @@ def test_buffers_reuse_only_free_arrays():
     assert copy.deepcopy(pool).nbytes == 0
 
 
+def test_buffers_by_rows_keep_arrays_by_capacity(rng):
+    # rows=True (the MoE's pool): row counts that change every call share a few arrays by capacity,
+    # a held view is never handed out again, and what is kept stays within twice the largest count.
+    pool = buffers.Buffers(rows=True)
+    counts = rng.integers(0, 300, 200)
+    for n in counts:
+        a = pool.get("h", (int(n), 5), np.float32)
+        assert a.shape == (n, 5) and a.flags.c_contiguous
+        del a  # (a caller that let go: its array serves the next call)
+    row = 5 * np.dtype(np.float32).itemsize
+    assert pool.nbytes <= 2 * int(counts.max()) * row  # one array: the smaller ones went as it came
+    held = pool.get("h", (10, 5), np.float32)
+    other = pool.get("h", (10, 5), np.float32)
+    assert not np.shares_memory(held, other)  # the held view's array is in use
+    del held
+    assert np.shares_memory(pool.get("h", (3, 5), np.float32), other) is False
+    assert pool.get("h", (0, 5), np.float32).shape == (0, 5)
+    assert copy.deepcopy(pool).rows and copy.deepcopy(pool).nbytes == 0
+
+
 def test_recomputed_blocks_keep_no_arrays_in_pools(rng):
     from hpctrain.nn.recompute import recompute
 

@@ -15,6 +15,7 @@ import pytest
 
 import hpctrain as ht
 from hpctrain import ProcessGrid
+from hpctrain.autograd import Tensor
 from hpctrain.backend import BF16, FP16
 from hpctrain.nn import GPT, CrossEntropyLoss
 from hpctrain.parallel import ParallelTrainer, parallelize
@@ -455,3 +456,37 @@ def test_fp16_overflow_the_scaler_handles_prints_no_warning(comm):
         warnings.simplefilter("error", RuntimeWarning)
         stats = train(tr, 2)
     assert stats[0].skipped  # it did overflow
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_the_position_gradient_sums_the_batch_in_float32_under_fp16_mixed(graph):
+    # Issue 43's fp16-mixed MoE rows: the one-process run overflowed where an ep layout did not.
+    # The cause was the GPT's position-embedding gradient, the sum over the batch of every sample's
+    # residual gradient, rounded into float16 (a rank of a dp layout sums fewer samples); the
+    # token embedding's rows of one token were summed alike. Here each sample's gradient is far
+    # inside float16's range while the batch's sum is not; explicitly and through the graph.
+    n = 64
+    ref = gpt()
+    half = gpt()
+    Precision("fp16-mixed").make_masters(half.parameters())  # float16 parameters, float32 gradients
+    tokens = np.tile(np.random.default_rng(0).integers(0, 16, (1, 8)), (n, 1))  # same sign in every sample
+    g = np.random.default_rng(1).standard_normal((n, 8, 16)).astype(np.float32)
+    g[:] = g[0]
+
+    def run(model, grad):
+        if graph:
+            model(Tensor(tokens)).backward(grad)
+        else:
+            model.forward(tokens)
+            model.backward(grad)
+
+    run(ref, g)
+    g *= np.float32(3 * float(np.finfo(FP16).max) / np.abs(ref.pos_emb.weight.grad).max())
+    ref.zero_grad()
+    run(ref, g)
+    run(half, g.astype(FP16))
+    assert np.abs(ref.pos_emb.weight.grad).max() / n < float(np.finfo(FP16).max) / 8  # each sample's: in range
+    for name in ("pos_emb", "tok_emb"):
+        got, want = getattr(half, name).weight.grad, getattr(ref, name).weight.grad
+        assert got.dtype == np.float32 and np.isfinite(got).all(), name
+        np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max(), err_msg=name)

@@ -40,40 +40,68 @@ class Buffers:
 
     ``retain=False`` keeps nothing: every ``get`` makes a new array, freed when its users drop it
     (what activation recomputation needs: its point is that activations do not stay).
+    ``rows=True`` keeps arrays by capacity, not exact shape: a request for n rows gets a view of the
+    first n rows of a free kept array with at least n (the view keeps its array from reuse as the
+    array itself would), else a new one of n rounded up to a power of two, which replaces the free
+    smaller ones of its tag. A layer whose row counts change every step (an expert's tokens under
+    expert parallelism) then keeps about its largest count per array in use, not one array per
+    count it ever saw.
     """
 
-    __slots__ = ("_arrays", "retain", "keep", "keys", "tags")
+    __slots__ = ("_arrays", "retain", "keep", "keys", "tags", "rows")
 
-    def __init__(self, retain: bool = True, keep: int = _KEEP_PER_KEY, keys: int = _KEYS, tags: bool = True) -> None:
+    def __init__(self, retain: bool = True, keep: int = _KEEP_PER_KEY, keys: int = _KEYS, tags: bool = True,
+                 rows: bool = False) -> None:
         self._arrays: dict[tuple, list[Any]] = {}
         self.retain = retain
         self.keep, self.keys = keep, keys  # arrays kept per (tag, shape, dtype); such keys kept
         # Without tags, any free array of the shape and dtype serves any call (reference counts
         # alone keep two holders apart): fewer arrays in a pool that many uses share.
         self.tags = tags
+        self.rows = rows
 
     def get(self, tag: str, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
         """An uninitialised array of ``shape`` and ``dtype`` (module ``xp``) that nobody else holds."""
         if not self.retain:
-            a = xp.empty(shape, dtype=dtype)
-            created["arrays"] += 1
-            created["bytes"] += int(a.nbytes)
-            return a
-        key = (tag if self.tags else "", tuple(shape), np.dtype(dtype), xp.__name__)
+            return _new(shape, dtype, xp)
+        if self.rows and len(shape):
+            return self._by_rows(tag, int(shape[0]), tuple(shape[1:]), dtype, xp)
+        arrays = self._kept((tag if self.tags else "", tuple(shape), np.dtype(dtype), xp.__name__))
+        for a in arrays:
+            if sys.getrefcount(a) <= _FREE_REFS:
+                return a
+        a = _new(shape, dtype, xp)
+        if len(arrays) < self.keep:
+            arrays.append(a)
+        return a
+
+    def _kept(self, key: tuple) -> list[Any]:
+        """The list of arrays kept under ``key`` (made, the oldest key going beyond ``keys``)."""
         arrays = self._arrays.get(key)
         if arrays is None:
             if len(self._arrays) >= self.keys:
                 self._arrays.pop(next(iter(self._arrays)))
             arrays = self._arrays[key] = []
-        for a in arrays:
-            if sys.getrefcount(a) <= _FREE_REFS:
-                return a
-        a = xp.empty(shape, dtype=dtype)
-        created["arrays"] += 1
-        created["bytes"] += int(a.nbytes)
-        if len(arrays) < self.keep:
-            arrays.append(a)
-        return a
+        return arrays
+
+    def _by_rows(self, tag: str, n: int, rest: tuple[int, ...], dtype: Any, xp: Any) -> Any:
+        """``rows=True``'s ``get`` of ``(n, *rest)``: a view into a kept array of capacity >= n."""
+        key = (tag if self.tags else "", "rows", rest, np.dtype(dtype), xp.__name__)
+        arrays = self._kept(key)
+        for i in range(len(arrays)):  # (indexing, not enumerate: its tuple would hold a reference)
+            a = arrays[i]
+            if a.shape[0] >= n and sys.getrefcount(a) <= _FREE_REFS:
+                return a[:n]
+        a = _new((1 << (max(n, 1) - 1).bit_length(), *rest), dtype, xp)
+        kept = []
+        for i in range(len(arrays)):  # the free smaller ones go: the new one serves their requests
+            b = arrays[i]
+            if b.shape[0] > a.shape[0] or sys.getrefcount(b) > _FREE_REFS:
+                kept.append(b)
+        if len(kept) < self.keep:
+            kept.append(a)
+        self._arrays[key] = kept
+        return a[:n]
 
     def like(self, tag: str, a: Any) -> Any:
         """``get`` with the shape, dtype and array module of ``a``."""
@@ -89,16 +117,18 @@ class Buffers:
         return sum(int(a.nbytes) for arrays in self._arrays.values() for a in arrays)
 
     def __deepcopy__(self, memo: dict) -> Buffers:
-        return Buffers(self.retain, self.keep, self.keys, self.tags)  # a copied layer starts with its own, empty pool
+        # A copied layer starts with its own, empty pool.
+        return Buffers(self.retain, self.keep, self.keys, self.tags, self.rows)
 
     def __getstate__(self) -> dict:
-        return {"retain": self.retain, "keep": self.keep, "keys": self.keys, "tags": self.tags}
+        return {"retain": self.retain, "keep": self.keep, "keys": self.keys, "tags": self.tags, "rows": self.rows}
 
     def __setstate__(self, state: dict) -> None:
         self._arrays = {}
         self.retain = state.get("retain", True)
         self.keep, self.keys = state.get("keep", _KEEP_PER_KEY), state.get("keys", _KEYS)
         self.tags = state.get("tags", True)
+        self.rows = state.get("rows", False)
 
 
 #: The pool of the functional forms (``F.gelu``, ``F.layer_norm``), which have no layer to own one:
@@ -107,6 +137,14 @@ class Buffers:
 #: recomputation or a finished backward let go serves the next call instead of new memory, so
 #: the peak stays that of the arrays in use; between steps it keeps that peak allocated.
 shared = Buffers(keep=64, keys=128, tags=False)
+
+
+def _new(shape: tuple[int, ...], dtype: Any, xp: Any) -> Any:
+    """A new array, counted in ``created``."""
+    a = xp.empty(shape, dtype=dtype)
+    created["arrays"] += 1
+    created["bytes"] += int(a.nbytes)
+    return a
 
 
 def transient(module: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import add_at, matmul, to_device, xp_of
+from ..backend import add_at, is_half, matmul, to_device, xp_of
 from . import fused, gpu
 from .buffers import Buffers
 from .dropout import Dropout, dropout_problem  # noqa: F401 - their home was here
@@ -272,7 +272,8 @@ def scatter_add(target: Any, index: Any, values: Any) -> None:
         order = np.argsort(index, kind="stable")
         ids = index[order]
         starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
-        sums = np.add.reduceat(values[order], starts, axis=0)
+        # In the target's dtype: a float32 gradient of 16-bit rows sums many of them in float32.
+        sums = np.add.reduceat(values[order], starts, axis=0, dtype=target.dtype)
         target[ids[starts]] += sums
         return
     k = gpu.usable(target, values) if target.dtype == np.float32 and values.ndim == 2 else None
@@ -280,6 +281,15 @@ def scatter_add(target: Any, index: Any, values: Any) -> None:
         k.embedding_backward(xp.ascontiguousarray(index), values, target)  # float32 atomics
         return
     add_at(target, index, values)  # CuPy adds atomically on the device
+
+
+def batch_positions(positions: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """The ``(T,)`` ``positions`` a graph's lookup of a ``dtype`` table takes for tokens of ``shape``
+    ``(B, T)``: broadcast to it for a 16-bit table, so that the lookup's own backward sums the
+    batch into its (float32, under a mixed precision) gradient, where the gradient of a ``(T,)``
+    lookup broadcast over the batch by an add is summed in 16 bits and overflows under fp16's loss
+    scale; as they are otherwise (a batch sum is cheaper than a scatter of every row)."""
+    return xp_of(positions).broadcast_to(positions, shape) if is_half(dtype) else positions
 
 
 def check_indices(idx: Any, n: int, who: str) -> Any:

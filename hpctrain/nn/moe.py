@@ -32,13 +32,17 @@ out as zero (in a block, its output is its residual). ``capacity=0``: dropless.
 **Load balancing.** ``aux_loss`` is the Switch/GShard term ``E * sum_e f_e * P_e`` of the last
 forward: ``f_e`` the share of the router's assignments (before capacity) that chose expert e,
 counted over the ep group, ``P_e`` the mean router probability of expert e over this rank's
-tokens. Its gradient path is one design for both modes: set ``aux_weight`` (``set_aux_weight``
-for a whole model) and the layer's own backward adds ``aux_weight * d aux_loss / d router`` (in
-the explicit backward and in the graph, whose node is that backward); ``aux_loss`` itself is a
-number for the caller to add, times the same weight, to the loss it reports (it carries no graph:
-adding it to a tensor loss does not count its gradient twice). With ep ranks of equal token
-counts the mean of their ``aux_loss`` is the term over all their tokens, and the gradients
-averaged over them are that term's. ``tokens_per_expert`` (int, (E,)) are the router's
+tokens; with an ``aux_group`` (``set_aux_group``: the ranks holding a batch's distinct tokens,
+``grid.dp_cp``) both over the whole batch (one all-reduce of 2E numbers per forward), the same
+term on every rank and under any layout (Megatron's global aux loss). Its gradient path is one
+design for both modes: set ``aux_weight`` (``set_aux_weight`` for a whole model) and the layer's
+own backward adds ``aux_weight * d aux_loss / d router`` (in the explicit backward and in the
+graph, whose node is that backward); ``aux_loss`` itself is a number for the caller to add, times
+the same weight, to the loss it reports (it carries no graph: adding it to a tensor loss does not
+count its gradient twice). With ep ranks of equal token counts the mean of their ``aux_loss`` is
+the term over all their tokens, and the gradients averaged over them are that term's (with an
+``aux_group``: each rank's backward is its tokens' part times the batch's tokens over its own, so
+weights by token share make the sum exact). ``tokens_per_expert`` (int, (E,)) are the router's
 assignments of the last forward over the ep group; ``dropped`` the assignments the cap dropped.
 """
 
@@ -51,6 +55,7 @@ import numpy as np
 
 from ..backend import matmul, stat_dtype, to_device, to_host, xp_of
 from ..errors import Say, as_argument
+from .buffers import Buffers
 from .kernels import gelu_backward, gelu_forward
 from .layers import Linear
 from .module import Module, Parameter, as_rng
@@ -89,6 +94,15 @@ def moe_layers(model: Any) -> list[MoE]:
 def aux_loss_of(model: Any) -> float:
     """The sum of the ``aux_loss`` of ``model``'s ``MoE`` layers (their last forward); 0 without any."""
     return float(sum(m.aux_loss for m in moe_layers(model)))
+
+
+def set_aux_group(model: Any, group: Any) -> None:
+    """Have every ``MoE`` of ``model`` count its load-balancing term over ``group`` (``rank``,
+    ``size`` and the ``Communicator``'s ``allreduce``: the ranks holding distinct tokens of one
+    batch, ``grid.dp_cp``); ``None`` or a group of one: over the ep group's tokens as before."""
+    group = None if group is None or int(group.size) == 1 else group
+    for m in moe_layers(model):
+        m.aux_group = group
 
 
 def set_aux_weight(model: Any, weight: float) -> None:
@@ -146,11 +160,14 @@ class MoE(Module):
         self.w2 = Parameter(g.uniform(-b2, b2, (experts, d_hidden, d_model)).astype(dtype))
         self.b2 = Parameter(g.uniform(-b2, b2, (experts, d_model)).astype(dtype))
         self.group: Any = None
+        self.aux_group: Any = None  # set_aux_group: the replicas the load-balancing term spans
         self.aux_weight = 0.0
         self.aux_loss = 0.0
         self.tokens_per_expert = np.zeros(experts, dtype=np.int64)
         self.dropped = 0
         self.cache = None
+        # The experts' rows change every step (under ep, with capacity): arrays kept by row buckets.
+        self.__dict__["_buffers"] = Buffers(rows=True)
 
     # -- expert parallelism ----------------------------------------------------------------------
 
@@ -230,7 +247,7 @@ class MoE(Module):
         total = table[:, :e_all].sum(axis=0)
         self.tokens_per_expert = total
         self.dropped = int(total.sum() - table[:, e_all:].sum())
-        r.share = to_device((total / max(int(total.sum()), 1)).astype(probs.dtype), xp)
+        r.share = chosen  # this rank's choices (``_balance`` makes them f_e)
         mine = self.local_experts()
         per_rank = table[:, e_all:][:, mine.start:mine.stop]  # (ranks, local experts): rows I receive
         ranks = table.shape[0]
@@ -250,6 +267,24 @@ class MoE(Module):
             r.undo = to_device(np.argsort(grouped, kind="stable"), xp)
         return r
 
+    def _balance(self, probs: Any, route: _Route) -> float:
+        """The load-balancing term ``E * sum_e f_e * P_e``; sets ``route.share`` to f_e (the
+        backward's). With an ``aux_group`` both come from the whole batch: one all-reduce of this
+        rank's assignments and probability sums per expert (2E numbers) over the group, so the term
+        is the same under any layout. Without one: f_e over the ep group, P_e over this rank."""
+        xp, n, e_all = xp_of(probs), probs.shape[0], self.experts
+        psum = to_host(probs.sum(axis=0)).astype(np.float64) if n else np.zeros(e_all)
+        if self.aux_group is not None:
+            both = np.concatenate([np.asarray(route.share, dtype=np.float64), psum])
+            both = np.asarray(to_host(self.aux_group.allreduce(both)))
+            counts, psum = both[:e_all], both[e_all:]
+            tokens = counts.sum() / self.top_k  # every token makes k choices
+        else:
+            counts, tokens = self.tokens_per_expert.astype(np.float64), n
+        share = counts / max(counts.sum(), 1.0)
+        route.share = to_device(share.astype(probs.dtype), xp)
+        return float(e_all * (share * psum).sum() / max(tokens, 1))
+
     # -- forward / backward --------------------------------------------------------------------
 
     def forward(self, x: Any) -> Any:
@@ -266,8 +301,7 @@ class MoE(Module):
         probs /= probs.sum(axis=1, keepdims=True)
         route = self._route(probs)
         n = x2.shape[0]
-        mean_p = probs.mean(axis=0) if n else xp.zeros(self.experts, sd)
-        self.aux_loss = float(self.experts * (route.share * mean_p).sum())
+        self.aux_loss = self._balance(probs, route)
         rows = self._exchange(xp.ascontiguousarray(x2[route.token]), route.send, route.recv)
         if route.order is not None:
             rows = rows[route.order]

@@ -26,7 +26,7 @@ from . import fused, gpu
 from .buffers import Buffers
 from .kernels import row_ones
 from .layer_nodes import call_layer
-from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, TiedLinear
+from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, TiedLinear, batch_positions
 from .module import Module, Sequential, as_rng
 from .moe import MoE, aux_loss_of, moe_blocks
 
@@ -403,7 +403,7 @@ class GPT(Module):
             raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={self.block_size}, got {tokens.shape}")
         pos = self._positions(tokens.shape[1], xp)
         if is_tensor(idx):  # through the graph: the lookups as nodes
-            tokens, pos = Tensor(tokens), Tensor(pos)
+            tokens, pos = Tensor(tokens), Tensor(batch_positions(pos, tokens.shape, self.pos_emb.weight.dtype))
         x = _residual(self.tok_emb(tokens), self.pos_emb(pos))  # into the lookup's fresh output
         return self.head(self.ln_f(self.blocks(x)))
 
@@ -428,13 +428,13 @@ class GPT(Module):
     def backward(self, grad_out: Any) -> None:
         g = self.blocks.backward(self.ln_f.backward(self.head.backward(grad_out)))
         self.tok_emb.backward(g)
-        xp = xp_of(g)
-        k = gpu.usable(g, self.pos_emb.weight.grad)
-        if k is not None:  # the column-sum kernel, summed in float32 and kept in the gradient's dtype
-            gpos = self.scratch_buffers().get("gpos", g.shape[1:], self.pos_emb.weight.grad.dtype, xp)
+        xp, gw = xp_of(g), self.pos_emb.weight.grad  # summed in its dtype: in 16 bits fp16's loss scale overflows
+        gpos = self.scratch_buffers().get("gpos", g.shape[1:], gw.dtype, xp)
+        k = gpu.usable(g, gw)
+        if k is not None:  # the column-sum kernel, summed in float32
             k.col_sum(g.reshape(g.shape[0], -1), gpos.reshape(-1), accumulate=False)
         else:  # (CuPy's sum may also take CUB, which allocates: not for a captured step)
-            gpos = xp.sum(g, axis=0, out=self.scratch_buffers().get("gpos", g.shape[1:], g.dtype, xp))
+            xp.sum(g, axis=0, dtype=gpos.dtype, out=gpos)
         self.pos_emb.backward(gpos)
         return None
 
@@ -458,12 +458,12 @@ class GPT(Module):
                 raise ValueError(f"GPT needs tokens (B, T) with T <= block_size={block_size}, got {tokens.shape}")
             positions = positions_of(tokens.shape[1], xp)
             if is_tensor(idx):  # through the graph: the lookups as nodes
-                return tok(Tensor(tokens)) + pos(Tensor(positions))
+                return tok(Tensor(tokens)) + pos(Tensor(batch_positions(positions, tokens.shape, pos.weight.dtype)))
             return tok.forward(tokens) + pos.forward(positions)
 
         def embed_backward(g: Any) -> None:
             tok.backward(g)
-            pos.backward(g.sum(axis=0))
+            pos.backward(g.sum(axis=0, dtype=pos.weight.grad.dtype))  # (as GPT.backward: not in 16 bits)
             return None
 
         def late(m: Any) -> tuple[Any, Any]:

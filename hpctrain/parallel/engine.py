@@ -216,6 +216,7 @@ class ParallelStep(TrainStep):
         if self._hooks is not None:
             self._hooks.remove()
         self._take_groups(grid)
+        self._moe.bind(grid)  # the load-balancing term over the new replicas
         if self._ties.groups:  # their groups were revoked with everything else (ulfm.revoke_held)
             self._ties = PipelineTies(self.model, grid.pp, self._shards)
         if full is not None:
@@ -435,7 +436,7 @@ class ParallelStep(TrainStep):
                 wi = None if w is None else to_device(w[part], xp)
                 self._moe.weigh(scales[i])  # the load-balancing term's gradient scaled as the loss's
                 root = forward_loss(self.model, self.loss, x[part], y[part], wi, scales[i])
-                self._moe.add(batch.part_weights[i] / batch.weight_total if batch.weight_total else 0.0)
+                self._moe.add(scales[i] / self.precision.loss_scale)  # its share (the scale: a power of 2)
                 loss_sum = loss_sum + root.data * scales[i]  # on the GPU: stays there until the step's one read
                 run_backward(root, meter=self.meter)
                 del root  # the graph goes before the next micro-batch's forward
@@ -464,10 +465,9 @@ class ParallelStep(TrainStep):
         scales = self._scales(batch)
         self._moe.weigh(sum(scales) / len(scales))  # exact for micro-batches of equal weight (no masks)
         with recording() as calls:  # the explicit modules' first inputs, for the check below
-            r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, scales, self.loss,
-                                 xp, meter=self.meter)  # fmt: skip
-        self._moe.add(sum(batch.part_weights) / batch.weight_total if batch.weight_total else 0.0)  # (the last
-        # micro-batch's term, which the layers keep, for this rank's share: exact with one micro-batch)
+            r = self._runner.run(actions, batch.x, batch.y, batch.weight, batch.parts, scales, self.loss, xp,
+                                 meter=self.meter, on_forward=self._moe.counter(self.chunks, scales,
+                                                                                self.precision.loss_scale))
         self._ties.sum_grads()
         if not self._state_checked:  # once: explicit modules keeping state outside their cache refused
             raise_if_any(self.comm, per_call_state_problem(calls, self.chunks), what=self.preset.name)

@@ -207,6 +207,7 @@ class ExpertStats:
 
     def __init__(self, model: Any, grid: Any, slots: int) -> None:
         self.layers = moe_layers(model)
+        self.bind(grid)
         self.weights = [m.aux_weight for m in self.layers]
         self.slots = slots  # the most experts of any layer on any rank (0: no MoE anywhere, nothing reported)
         # Each rank's own tokens' term (tp ranks repeat it); tokens per expert are the ep group's.
@@ -219,13 +220,28 @@ class ExpertStats:
         for m, w in zip(self.layers, self.weights):
             m.aux_weight = w * scale
 
-    def add(self, share: float) -> None:
-        """After a micro-batch's forward: its term (weighted by ``share``) and its tokens."""
+    def bind(self, grid: Any) -> None:
+        """Each layer's term over the whole batch: the ranks holding distinct tokens, ``grid.dp_cp``
+        (``nn.moe.set_aux_group``; one tiny all-reduce per layer and forward)."""
+        for m in self.layers:
+            m.aux_group = None if grid.dp_cp.size == 1 else grid.dp_cp
+
+    def add(self, share: float, layers: list[Any] | None = None) -> None:
+        """After a micro-batch's forward: its term (weighted by ``share``) and its tokens, of
+        ``layers`` (default: all; a pipeline's chunk those it holds)."""
+        layers = self.layers if layers is None else layers
         if self.aux_counted:
-            self.sums[0] += share * sum(float(m.aux_loss) for m in self.layers)
+            self.sums[0] += share * sum(float(m.aux_loss) for m in layers)
         if self.tokens_counted:
-            for m in self.layers:
+            for m in layers:
                 self.sums[1 : 1 + m.experts] += np.asarray(to_host(m.tokens_per_expert), dtype=np.float64)
+
+    def counter(self, chunks: list[Any], scales: list[float], loss_scale: float) -> Any:
+        """A pipeline's ``on_forward(i, c)``: ``add`` micro-batch ``i``'s share (``scales[i]``
+        without the loss scale) of chunk ``c``'s layers, so the step logs the mean over its
+        micro-batches (the loss's rule), not the last one's."""
+        held = [moe_layers(c) for c in chunks]
+        return lambda i, c: self.add(scales[i] / loss_scale, held[c])
 
     def take(self, extra: dict[str, Any]) -> dict[str, Any]:
         """``extra`` with this rank's sums of the step after its ``_reduce`` entries (summed over the

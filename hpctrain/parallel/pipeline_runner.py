@@ -106,7 +106,7 @@ class PipelineRunner:
     # -- one schedule ----------------------------------------------------------------------------
 
     def run(self, actions: list[Action], x: Any, y: Any, weight: Any, parts: list[slice], scales: list[float],
-            loss: Any, xp: Any, meter: Any = None) -> dict[str, Any]:
+            loss: Any, xp: Any, meter: Any = None, on_forward: Any = None) -> dict[str, Any]:
         """Run ``actions`` over the micro-batches ``parts`` of ``(x, y, weight)``.
 
         ``scales[i]`` is micro-batch ``i``'s share of the global batch weight (its loss gradient
@@ -114,9 +114,10 @@ class PipelineRunner:
         holding the last virtual stage), ``busy``, ``elapsed``, ``peak``, ``peak_bytes`` (the
         most micro-batch graphs held at once and their saved bytes) and ``comm`` (seconds waiting
         for messages). ``meter``: the trainer's memory meter, told where each backward starts.
+        ``on_forward(i, c)``: called after micro-batch ``i``'s forward through chunk ``c``.
         """
         step = _Schedule(self, x, y, weight, parts, scales, loss, xp)
-        step.meter = meter
+        step.meter, step.on_forward = meter, on_forward
         self.pp.barrier()  # start the clocks together so the measured bubble is the schedule's own
         step.t_sched = time.perf_counter()
         try:
@@ -157,6 +158,7 @@ class _Schedule:
         # (chunk, micro-batch) -> (where its backward starts, its input leaf, input shape, saved bytes)
         self.saved: dict[tuple[int, int], tuple] = {}
         self.meter: Any = None
+        self.on_forward: Any = None
         self.out_shapes: dict[tuple[int, int], tuple] = {}
         self.held = self.held_bytes = self.peak = self.peak_bytes = 0
         self.loss_part, self.busy, self.comm_wait, self.t_sched = 0.0, 0.0, 0.0, 0.0
@@ -233,6 +235,8 @@ class _Schedule:
         # A later stage's input is a leaf whose gradient goes upstream; the first stage's is data.
         leaf = Tensor(inp, requires_grad=differentiable(inp.dtype)) if k > 0 else None
         out = run_model(self.r.chunks[c], inp if leaf is None else leaf)
+        if self.on_forward is not None:
+            self.on_forward(i, c)
         if leaf is not None:  # the leaf's array goes unless a node saved it (its gradient needs none)
             leaf.data = placeholder(inp.shape, inp.dtype, xp)
             del inp

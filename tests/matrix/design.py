@@ -25,11 +25,12 @@ STOP_AT = 15
 RUN = {"max_samples": 240, "batch_size": 12, "epochs": 1, "log_every": 50, "checkpoint_every": CHECKPOINT_EVERY,
        "microbatches": 2}
 #: The models at tiny size: a row takes seconds. ``moe``: the GPT with 4 experts in every block,
-#: dropless, without the load-balancing term (it counts each ep group's tokens, so a dp x ep run or a
-#: resume under another layout differs from one process by it: tests/test_moe_job.py checks it where
-#: the groups match).
+#: dropless, with the default load-balancing weight (its term spans the whole batch under any layout),
+#: except in a layout with a pipeline: there the term is each micro-batch's (as in
+#: Megatron: a forward sees one micro-batch), which the one-process reference, one forward per step,
+#: cannot be, so those rows train without it.
 MODELS = {"mlp": {"d_model": 16}, "gpt": {"d_model": 16, "n_heads": 2, "block_size": 8},
-          "moe": {"model": "gpt", "d_model": 16, "n_heads": 2, "block_size": 8, "moe_experts": 4, "moe_aux_loss": 0.0}}
+          "moe": {"model": "gpt", "d_model": 16, "n_heads": 2, "block_size": 8, "moe_experts": 4}}
 
 #: The first job's layout: (ranks, the flags that ask for it).
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
@@ -147,6 +148,8 @@ class Row:
     def settings(self) -> dict[str, Any]:
         """The first job's settings (``hpctrain train``'s option names)."""
         extra = {"recompute": True} if self.recompute else {}
+        if self.model == "moe" and "pp" in LAYOUTS[self.layout][1]:
+            extra["moe_aux_loss"] = 0.0  # (see MODELS)
         cp = {"cp": self.cp} if self.cp > 1 else {}
         return {**RUN, "model": self.model, **MODELS[self.model], **LAYOUTS[self.layout][1], **cp, "zero": self.zero,
                 "precision": self.precision, **extra}  # (MODELS may name the model: moe is a gpt)

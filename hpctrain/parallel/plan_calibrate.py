@@ -59,7 +59,7 @@ def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], An
 
 
 def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Callable[[], Any],
-              data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5,
+              data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 7,
               nodes: list[str] | None = None) -> Costs:
     """``costs`` with ``step_fixed_s`` and ``call_s`` measured (module docstring; collective, the
     same values on every rank, each rank timing the same layouts). One rank: the fixed cost only.

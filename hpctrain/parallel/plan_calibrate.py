@@ -68,12 +68,15 @@ def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Cal
     (the fixed cost and dp's calls), ZeRO 3 (dp's price per call, from the two), the widest
     tensor-parallel one without pipeline (tp's price) and the deepest pipeline with as many
     micro-batches as stages (pp's meeting); a layout the engine refuses leaves its group at dp's
-    price. Each residual is ``measured - predicted`` with no meetings priced."""
+    price. Each residual is ``measured - predicted`` with no meetings priced. The measured steps
+    are kept in ``extra["calibration"]`` (seconds by layout label): the fit passes through them,
+    or above one where a price would have fallen below zero."""
     base = dataclasses.replace(costs, step_fixed_s=0.0, call_s={}, calibrated=True)
     world = comm.size
+    seen: dict[str, float] = {}  # each timed layout's measured step (extra["calibration"])
 
     def residual(lay: Layout) -> tuple[float, dict[str, int]]:
-        measured = step_seconds(comm, lay, base, build, data, loss, steps)
+        measured = seen[lay.label()] = step_seconds(comm, lay, base, build, data, loss, steps)
         predicted = predict(lay, base, links, nodes).predicted_ms / 1e3
         samples = base.batch / lay.dp / lay.microbatches
         last = stages_of(base, lay.pp, samples, lay.tp)[-1]
@@ -81,7 +84,8 @@ def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Cal
 
     r0, n0 = residual(Layout(world, 1, 1))
     if world == 1:
-        return dataclasses.replace(costs, step_fixed_s=max(0.0, r0), call_s={}, calibrated=True)
+        return dataclasses.replace(costs, step_fixed_s=max(0.0, r0), call_s={}, calibrated=True,
+                                   extra={**costs.extra, "calibration": seen})
     r1, n1 = residual(Layout(world, 1, 1, zero=3))
     a, b = sum(n0.values()), sum(n1.values())
     dp = max(0.0, (r1 - r0) / (b - a)) if b > a else 0.0
@@ -96,4 +100,5 @@ def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Cal
         r, n = residual(lay)
         others = sum(k * dp for g, k in n.items() if g != kind)
         prices[kind] = max(0.0, (r - fixed - others) / n[kind]) if n[kind] else dp
-    return dataclasses.replace(costs, step_fixed_s=fixed, call_s=prices, calibrated=True)
+    return dataclasses.replace(costs, step_fixed_s=fixed, call_s=prices, calibrated=True,
+                               extra={**costs.extra, "calibration": seen})

@@ -37,7 +37,9 @@ def test_calibration_is_collective_and_the_model_goes_through_the_steps_it_timed
     world = comm.size
     plain, zero3 = Layout(world, 1, 1), Layout(world, 1, 1, zero=3)
     assert set(seen) >= {plain.label(), zero3.label()} and {"dp", "tp", "pp"} <= set(cal.call_s)
-    # the two-point fit passes through both steps, or above one where a price was clamped at zero
+    # the two-point fit passes through both steps, or through one and above the other where a
+    # price would have fallen below zero; through none only when the model alone is above both
     err = [(predict(lay, cal, links, names).predicted_ms / 1e3 - seen[lay.label()]) / seen[lay.label()]
            for lay in (plain, zero3)]
-    assert min(abs(e) for e in err) < 1e-6 and min(err) > -1e-6
+    assert min(err) > -1e-6
+    assert min(abs(e) for e in err) < 1e-6 or (cal.step_fixed_s == 0 and cal.call_s["dp"] == 0)

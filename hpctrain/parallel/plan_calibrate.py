@@ -66,11 +66,12 @@ def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Cal
 
     Four layouts of the world in turn, each adding one unknown: the plain data-parallel one
     (the fixed cost and dp's calls), ZeRO 3 (dp's price per call, from the two), the widest
-    tensor-parallel one without pipeline (tp's price) and the deepest pipeline with as many
-    micro-batches as stages (pp's meeting); a layout the engine refuses leaves its group at dp's
-    price. Each residual is ``measured - predicted`` with no meetings priced. The measured steps
-    are kept in ``extra["calibration"]`` (seconds by layout label): the fit passes through them,
-    or above one where a price would have fallen below zero."""
+    tensor-parallel one without pipeline (tp's price) and the deepest pipeline with four
+    micro-batches per stage (pp's meeting and the engine's work per micro-batch); a layout the
+    engine refuses leaves its group at dp's price. Each residual is ``measured - predicted`` with
+    no meetings priced. The measured steps are kept in ``extra["calibration"]`` (seconds by
+    layout label): the fit passes through at least one of the first two, and above the other
+    where a price would have fallen below zero."""
     base = dataclasses.replace(costs, step_fixed_s=0.0, call_s={}, calibrated=True)
     world = comm.size
     seen: dict[str, float] = {}  # each timed layout's measured step (extra["calibration"])
@@ -89,11 +90,16 @@ def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Cal
     r1, n1 = residual(Layout(world, 1, 1, zero=3))
     a, b = sum(n0.values()), sum(n1.values())
     dp = max(0.0, (r1 - r0) / (b - a)) if b > a else 0.0
-    fixed = max(0.0, r0 - a * dp)
+    fixed = r0 - a * dp
+    if fixed < 0:  # the pieces, timed alone, already cover the plain step: the calls carry it all
+        fixed, dp = 0.0, max(0.0, r1 / b) if b else 0.0
     prices = {"dp": dp}
     plain = layouts(world, base, zero=(0,), recompute=(False,), microbatches=(1,))
+    # pp at four micro-batches per stage: a pipeline's calls are one per micro-batch, and so is
+    # the engine's per-micro-batch work (the loss, the stash), which this price then carries too.
+    piped = layouts(world, base, zero=(0,), recompute=(False,), microbatches=(4,))
     for kind, pick in (("tp", [x for x in plain if x.tp > 1 and x.pp == 1]),
-                       ("pp", [x for x in plain if x.pp > 1 and x.tp == 1])):
+                       ("pp", [x for x in piped if x.pp > 1 and x.tp == 1])):
         if not pick:
             continue
         lay = max(pick, key=lambda x: (x.tp, x.pp))

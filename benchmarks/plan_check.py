@@ -5,8 +5,10 @@
 For three models (the MLP classifier, the GPT, the GPT at a four times longer block), every rank
 measures the serial model's pieces at once (``plan.measure``: so a shared machine's load counts,
 as it will in the steps), the links are probed (``linkprobe.probe``, as ``hpctrain info
---probe``), and ``plan.plan`` lists every layout of the world with its predicted step and peak
-memory per rank. Then each layout trains for real: ``parallelize`` with the plan's own pipeline
+--probe``), ``plan_calibrate.calibrate`` times a few real steps of four layouts for the
+engine's own per-step work and each group's in-step price of a blocking call, and
+``plan.plan`` lists every layout of the world with its predicted step and peak memory per rank.
+Then each layout trains for real: ``parallelize`` with the plan's own pipeline
 cut, ``ParallelTrainer`` with overlap on (as users run it), two warm-up steps and the median of
 ``--steps`` timed steps (the slowest rank's time of each), the peak memory from the engine's
 ``memory_summary`` (the MemoryMeter's categories, the rank that holds most), and the seconds the

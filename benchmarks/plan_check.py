@@ -5,8 +5,10 @@
 For three models (the MLP classifier, the GPT, the GPT at a four times longer block), every rank
 measures the serial model's pieces at once (``plan.measure``: so a shared machine's load counts,
 as it will in the steps), the links are probed (``linkprobe.probe``, as ``hpctrain info
---probe``), and ``plan.plan`` lists every layout of the world with its predicted step and peak
-memory per rank. Then each layout trains for real: ``parallelize`` with the plan's own pipeline
+--probe``), ``plan_calibrate.calibrate`` times a few real steps of four layouts for the
+engine's own per-step work and each group's in-step price of a blocking call, and
+``plan.plan`` lists every layout of the world with its predicted step and peak memory per rank.
+Then each layout trains for real: ``parallelize`` with the plan's own pipeline
 cut, ``ParallelTrainer`` with overlap on (as users run it), two warm-up steps and the median of
 ``--steps`` timed steps (the slowest rank's time of each), the peak memory from the engine's
 ``memory_summary`` (the MemoryMeter's categories, the rank that holds most), and the seconds the
@@ -126,6 +128,14 @@ def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: 
     x, _ = spec["data"](batch)
     costs = planner.measure(spec["build"], x.shape, sample=lambda n: spec["data"](n)[0])
     costs = comm.bcast_obj(costs, root=0)  # one set of costs: every rank plans alike
+    from hpctrain.nn import CrossEntropyLoss
+    from hpctrain.parallel.plan_calibrate import calibrate
+
+    t0 = time.perf_counter()
+    costs = calibrate(comm, costs, links, spec["build"], spec["data"], CrossEntropyLoss(), nodes=names)
+    calibrated = (f"{name}: calibrated in {time.perf_counter() - t0:.1f} s: the engine's own work "
+                  f"{costs.step_fixed_s * 1e3:.2f} ms per step; per blocking call "
+                  + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.call_s.items()))
     options: dict[str, Any] = {"microbatches": (1, 2)} if args.quick else {}
     if args.quick:
         options.update(zero=(0, 1, 3), recompute=(False,))
@@ -148,7 +158,7 @@ def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: 
                      f"{order.index(i) + 1}"])
     verdict = (f"{name}: the plan's first choice {preds[0].layout.label()} ranks {first_rank} of {len(preds)} measured "
                f"({measured[0][1] / best * 100 - 100:+.0f}% against the best)")
-    return rows, verdict
+    return rows, f"{calibrated}; {verdict}"
 
 
 def run(args: argparse.Namespace) -> int:

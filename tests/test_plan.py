@@ -358,3 +358,57 @@ def test_measure_finds_attention_keys_values_and_moe_rows():
     lays = layouts(4, c, ep=(1, 2, 4), cp=(1, 2))
     assert any(lay.ep == 4 for lay in lays) and any(lay.cp == 2 for lay in lays)
     assert all(lay.dp % lay.ep == 0 for lay in lays)
+
+
+def test_blocking_calls_are_the_hand_count_per_layout():
+    from hpctrain.parallel.plan import blocking_calls
+
+    # two blocks of four tp all-reduces each (two forward, two backward) in 2 and 3 ZeRO units
+    blocks = [piece("0", 1000, tpf=(8, 8), tpb=(8, 8), units=2, recomputable=True),
+              piece("1", 1000, tpf=(8, 8), tpb=(8, 8), units=3, recomputable=True)]
+    c = Costs(blocks, 16, 4, 8.0, 0.0, loss_tp=(4, 4, 4))
+    none = {"tp": 0, "pp": 0, "cp": 0, "ep": 0, "dp": 0, "trainer": 0}
+    assert blocking_calls(Layout(1, 1, 1), c, blocks) == none  # one rank: nothing to wait on
+    assert blocking_calls(Layout(4, 1, 1), c, blocks) == {**none, "dp": 1, "trainer": 2}  # one 25 MiB bucket
+    # tp: 8 per micro-batch and the loss's 3; a recomputed block re-issues its 2 backward ones
+    assert blocking_calls(Layout(1, 4, 1), c, blocks)["tp"] == 8 + 3
+    assert blocking_calls(Layout(1, 4, 1), c, blocks, last=False)["tp"] == 8
+    assert blocking_calls(Layout(1, 4, 1, recompute=True, microbatches=2), c, blocks)["tp"] == 2 * (8 + 4 + 3)
+    # ZeRO 1/2: a reduce-scatter per unit (5) and the final all-gather; ZeRO 3: a gather per
+    # unit before each forward and backward (and recomputation) of each micro-batch, no final one
+    for z in (1, 2):
+        assert blocking_calls(Layout(4, 1, 1, zero=z), c, blocks)["dp"] == 5 + 1
+    assert blocking_calls(Layout(2, 1, 2, zero=3, microbatches=4), c, blocks)["dp"] == 5 + 4 * 2 * 5
+    assert blocking_calls(Layout(4, 1, 1, zero=3, recompute=True), c, blocks)["dp"] == 5 + 3 * 5
+    # pipeline: one meeting per micro-batch
+    assert blocking_calls(Layout(1, 1, 4, microbatches=8), c, blocks)["pp"] == 8
+
+
+def test_buckets_counted_as_grad_buckets_pack_them():
+    from hpctrain.parallel.plan import blocking_calls
+
+    big = [piece("0", 5_000_000), piece("1", 5_000_000)]  # 20 MB each: two 25 MiB buckets, one of 50
+    c = costs(big)
+    assert blocking_calls(Layout(2, 1, 1), c, big)["dp"] == 2
+    assert blocking_calls(Layout(2, 1, 1), c, big, bucket_mb=50.0)["dp"] == 1
+
+
+def test_calibrated_costs_add_the_engines_work_and_each_calls_price_instead_of_the_meeting():
+    import dataclasses
+
+    from hpctrain.parallel.plan import blocking_calls, call_seconds
+
+    blocks = [piece("0", 1000, fwd=1e-4, bwd=2e-4, split=1000, tpf=(8,), tpb=(8,), units=2)]
+    c = costs(blocks)
+    ln = links(meet=5e-3)
+    cal = dataclasses.replace(c, step_fixed_s=2e-3, call_s={"tp": 1e-3, "dp": 3e-4}, calibrated=True)
+    for lay in (Layout(2, 1, 1), Layout(2, 1, 1, zero=3), Layout(1, 2, 1)):
+        n = blocking_calls(lay, cal, blocks)
+        price = call_seconds(n, cal)
+        assert price == pytest.approx(n["tp"] * 1e-3 + (n["dp"] + n["trainer"]) * 3e-4)
+        unpriced = predict(lay, dataclasses.replace(c, calibrated=True), ln)  # no meetings, no calls
+        got = predict(lay, cal, ln)
+        assert got.predicted_ms == pytest.approx(unpriced.predicted_ms + (2e-3 + price) * 1e3, rel=1e-9)
+        assert got.comm_parts["calls"] == pytest.approx(price * 1e3)
+        # uncalibrated: the probe's meeting is paid, the measured quantities are not
+        assert predict(lay, c, ln).predicted_ms > unpriced.predicted_ms

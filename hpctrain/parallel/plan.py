@@ -39,6 +39,17 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
   it is near alpha.
 - **optimizer**: the measured seconds per parameter times this rank's parameters (``1/dp`` of
   them under ZeRO); the trainer's two small all-reduces over the world per step.
+- **the engine's own work and the calls' in-step cost** (``Costs.step_fixed_s``,
+  ``Costs.call_s`` by group, ``call_seconds``): a step pays a fixed cost no piece shows (the loss, batch checks, the
+  trainer's bookkeeping) and each blocking collective (``blocking_calls``: tp's per block and
+  micro-batch, the pipeline's meetings, the buckets or ZeRO's units, the trainer's two
+  agreements) costs more inside a step than the probe's ``Link.meet`` says: on an oversubscribed
+  machine a peer descheduled during compute. Both are measured with the real trainer on the real
+  model (``plan_calibrate.calibrate``: the residual of two layouts' measured steps); 0 until then.
+  Calibrated costs price every counted call at ``call_s`` instead of ``Link.meet``. Why by
+  group: a tp all-reduce waits in the middle of compute for all of its group, a ZeRO gather was
+  started a unit ahead, a pipeline meeting waits for one neighbour; on this machine (4 ranks on
+  2 cores, loaded) a tp call cost several times a dp one.
 - **memory**: ``plan_memory`` (the engine's categories).
 
 Why ``benchmarks/cost_model.py``'s tp predictions were 50-67% low: not the volume (it counted
@@ -69,7 +80,8 @@ from .plan_costs import Costs, PieceCost, measure
 from .plan_layouts import Layout, layout_problem, layouts
 from .plan_memory import gib, memory
 
-__all__ = ["Costs", "Layout", "PieceCost", "Prediction", "layouts", "measure", "plan", "predict"]
+__all__ = ["Costs", "Layout", "PieceCost", "Prediction", "blocking_calls", "call_seconds", "layouts", "measure", "plan",
+           "predict"]
 
 
 @dataclass
@@ -216,19 +228,8 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
             # started without waiting as backward finishes each unit; waited on together at the end
             chunks += [(done / total, link.gather_seconds(per, p))] * q.units
         chunks.append((1.0, link.meet))
-    else:  # GradBuckets: packed in forward (name) order up to bucket_mb MiB, started in reverse
-        cap = bucket_mb * (1 << 20)
-        buckets: list[list[PieceCost]] = []
-        fill = 0.0
-        for q in (q for q in pieces if q.params):
-            nbytes = q.local_params(lay.tp, lay.ep) * item
-            if buckets and buckets[-1] and fill + nbytes <= cap:
-                buckets[-1].append(q)
-                fill += nbytes
-            else:
-                buckets.append([q])
-                fill = nbytes
-        for bucket in reversed(buckets):
+    else:
+        for bucket in reversed(_buckets(pieces, lay, item, bucket_mb)):
             size = _local(bucket, lay)
             done += size
             chunks.append((done / total, _allreduce(link, size * item, p)))
@@ -239,6 +240,62 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
     exposed = max(0.0, end - backward)
     after = _gather(link, total * item, p) if lay.zero in (1, 2) else 0.0
     return exposed, after
+
+
+def _buckets(pieces: list[PieceCost], lay: Layout, item: int, bucket_mb: float) -> list[list[PieceCost]]:
+    """GradBuckets' buckets of a stage: packed in forward (name) order up to ``bucket_mb`` MiB."""
+    cap = bucket_mb * (1 << 20)
+    buckets: list[list[PieceCost]] = []
+    fill = 0.0
+    for q in (q for q in pieces if q.params):
+        nbytes = q.local_params(lay.tp, lay.ep) * item
+        if buckets and buckets[-1] and fill + nbytes <= cap:
+            buckets[-1].append(q)
+            fill += nbytes
+        else:
+            buckets.append([q])
+            fill = nbytes
+    return buckets
+
+
+def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: bool = True,
+                   bucket_mb: float = 25.0) -> dict[str, int]:
+    """Blocking collectives one step of ``layout`` waits on, by group, on a stage of ``pieces``
+    (``last``: the stage holding the loss), as the engine issues them: tp, per micro-batch, each
+    split layer's forward and backward all-reduce (a recomputed block's forward again) and the
+    vocab-parallel loss's three; pp, one meeting per micro-batch; cp, a ring per attention piece
+    forward and backward; ep, five all-to-alls per MoE layer; dp, one per bucket, or ZeRO 1/2 a
+    reduce-scatter per unit and the final all-gather, ZeRO 3 also a gather per unit before each
+    forward and backward (and recomputation) of each micro-batch; the trainer's two agreements
+    over the world. What ``Costs.call_s`` multiplies."""
+    lay, m = layout, layout.microbatches
+    out = {"tp": 0, "pp": 0, "cp": 0, "ep": 0, "dp": 0, "trainer": 2 if lay.world > 1 else 0}
+    redo = [p for p in pieces if p.recomputable] if lay.recompute else []
+    if lay.tp > 1:
+        per = sum(len(p.tp_forward) + len(p.tp_backward) for p in pieces) + sum(len(p.tp_backward) for p in redo)
+        out["tp"] = m * (per + (len(costs.loss_tp) if last else 0))
+    if lay.pp > 1:
+        out["pp"] = m
+    if lay.cp > 1:
+        out["cp"] = m * 2 * sum(1 for p in pieces if p.kv_per_sample)
+    if lay.ep > 1:
+        out["ep"] = m * 5 * sum(len(p.moe_per_sample) for p in pieces)
+    if lay.dp * lay.cp > 1:
+        units = sum(max(1, q.units) for q in pieces if q.params)
+        if not lay.zero:
+            out["dp"] = len(_buckets(pieces, lay, costs.itemsize, bucket_mb))
+        elif lay.zero in (1, 2):
+            out["dp"] = units + 1
+        else:
+            out["dp"] = units + m * (3 if lay.recompute else 2) * units
+    return out
+
+
+def call_seconds(calls: dict[str, int], costs: Costs) -> float:
+    """Seconds ``calls`` (``blocking_calls``) wait inside a step at ``costs.call_s``'s measured
+    price per group (cp, ep and the trainer's at dp's: the same world-wide meeting)."""
+    price = costs.call_s
+    return sum(n * price.get(k, price.get("dp", 0.0)) for k, n in calls.items())
 
 
 def _zero3_gathers(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | None, f: float, b: float) -> float:
@@ -295,6 +352,8 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
         raise ValueError(f"the engine refuses {lay.label()}: {problem}")
     if nodes_layout is not None and len(nodes_layout) != lay.world:
         raise ValueError(f"nodes_layout names {len(nodes_layout)} ranks but {lay.label()} takes {lay.world}")
+    if costs.calibrated:  # call_s measured each call's in-step wait: it replaces the probe's meet
+        links = {k: (dataclasses.replace(v, meet=0.0) if v is not None else None) for k, v in links.items()}
     samples = costs.batch / (lay.dp * lay.cp) / lay.microbatches
     stages = stages_of(costs, lay.pp, samples, lay.tp)
     by = {k: group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp_cp", "cp", "ep")}
@@ -318,8 +377,12 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
                      pp=lay.microbatches * ((sends[s] if s < lay.pp - 1 else 0.0) + (sends[s - 1] if s > 0 else 0.0))
                      + meets)
         end += meets
+        # The engine's own work and each blocking call's in-step cost (measured: calibrate).
+        calls = call_seconds(blocking_calls(lay, costs, st, s == lay.pp - 1, bucket_mb), costs)
+        parts["calls"] = calls
+        end += costs.step_fixed_s + calls
         if end > best[0]:
-            best = (end, lay.microbatches * (f + b) + opt, sum(parts.values()), parts)
+            best = (end, lay.microbatches * (f + b) + opt + costs.step_fixed_s, sum(parts.values()), parts)
     step, compute, comm, parts = best
     bubble = max(0.0, step - compute - comm)
     need, memory_parts = memory(lay, costs, stages, samples, schedule)

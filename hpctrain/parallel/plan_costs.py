@@ -113,6 +113,15 @@ class Costs:
     loss_tp: tuple[int, ...] = ()  # bytes per sample of the vocabulary-parallel loss's all-reduces
     rows: int = 1  # tokens per sample (context parallelism splits them)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Seconds of the engine's own work per step that no piece, link or optimizer term prices (the
+    #: loss, the batch checks and agreements, the step's bookkeeping), and by group ("tp", "pp",
+    #: "dp"; the others priced as "dp") the seconds each blocking collective waits inside a step
+    #: beyond its alpha-beta price: both measured with the real trainer on the real model
+    #: (``plan_calibrate.calibrate``). Until ``calibrated``, ``predict`` prices a call's wait at
+    #: the probe's ``Link.meet`` instead.
+    step_fixed_s: float = 0.0
+    call_s: dict[str, float] = field(default_factory=dict)
+    calibrated: bool = False
 
     @property
     def params(self) -> int:

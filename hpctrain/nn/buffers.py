@@ -150,8 +150,8 @@ def _new(shape: tuple[int, ...], dtype: Any, xp: Any) -> Any:
 def transient(module: Any) -> None:
     """Make ``module`` and its sub-modules keep no arrays between calls (see ``Buffers(retain=False)``):
     activation recomputation drops a block's activations after forward, which a pool would hold.
-    Idempotent and cheap once done (a module already transient is left as it is), so a recomputed
-    block calls it on every run: layers swapped in after wrapping (tensor parallelism) are covered."""
+    Idempotent (a module already transient is left as it is): ``Recompute`` calls it on its block
+    and on every layer set into the block later (tensor parallelism swaps its attention and MLP in)."""
     for _, m in module.named_modules():
         pool = m.__dict__.get("_buffers")
         if pool is None or pool.retain:

@@ -212,6 +212,9 @@ class Recompute(Module):
         d["_parameters"] = block.__dict__.setdefault("_parameters", {})
         d["cache"] = None
         d["segments"] = self._split(block, segments)
+        # The block's layers must not keep their arrays in reuse pools: those would hold the very
+        # activations recomputation frees (layers set into the block later: ``__setattr__``).
+        transient(block)
 
     @staticmethod
     def _split(block: Module, segments: int | list[int] | None) -> list[list[str]] | None:
@@ -242,6 +245,8 @@ class Recompute(Module):
             object.__setattr__(self, key, value)
         else:
             setattr(self.block, key, value)
+            if isinstance(value, Module):  # tensor parallelism's attention and MLP pool no more than the rest
+                transient(value)
 
     def __getattr__(self, key: str) -> Any:
         # Only called for attributes the wrapper lacks: the block's own (n_heads, layer_names...).
@@ -253,11 +258,6 @@ class Recompute(Module):
     # -- computation ---------------------------------------------------------------------------
 
     def _runs(self) -> list[Module]:
-        # The block's layers must not keep their arrays in reuse pools: those would hold the very
-        # activations recomputation frees. Checked on every run (each path starts here), not once
-        # at wrapping: a strategy may swap layers into the block afterwards (tensor parallelism
-        # replaces the attention and MLP, whose new layers would otherwise pool again).
-        transient(self.block)
         if self.segments is None:
             return [self.block]
         return [Sequential(*(getattr(self.block, n) for n in run), names=run) for run in self.segments]

@@ -2,8 +2,46 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
+
+#: The launchers' rank variables: a benchmark that starts its own two-node job runs on rank 0 alone.
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def outer_rank() -> bool:
+    """Whether this process is a rank other than 0 of an outer ``mpiexec``/``srun`` (``make bench``)."""
+    return any(os.environ.get(v, "0") not in ("", "0") for v in RANK_VARS)
+
+
+def across_namespaces(argv: list[str], rate: str, per_node: Sequence[int], timeout: float) -> int:
+    """Run ``argv`` (a benchmark's inner command) on ``n`` ranks of each of two network-namespace
+    nodes (tests/netns_cluster.py, as root) with the link shaped to ``rate``, once per ``n`` of
+    ``per_node``; its output printed, a failure published with its stderr (exit 1)."""
+    from netns_cluster import two_nodes
+
+    from jobs import clean_env, mpiexec
+
+    with two_nodes(mpiexec()) as cluster:
+        cluster.shape(rate=rate)
+        for n in per_node:
+            t0 = time.perf_counter()
+            p = subprocess.run(cluster.mpiexec(n, argv), capture_output=True, text=True, timeout=timeout,
+                               env=clean_env())
+            print(p.stdout, end="", flush=True)
+            if p.returncode != 0:
+                publish(f"Failed across the namespace nodes, {n} rank(s) each ({p.returncode}, "
+                        f"{time.perf_counter() - t0:.0f} s):\n\n```\n{p.stderr.strip()[-2000:]}\n```", None)
+                return 1
+    return 0
+
+
+def this_script(path: str) -> list[str]:
+    """The command that runs the benchmark file ``path`` again (its inner run)."""
+    return [sys.executable, os.path.abspath(path)]
 
 
 def timed(fn: Callable[[], object], iters: int, comm) -> float:

@@ -33,9 +33,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
 
@@ -44,9 +42,7 @@ import numpy as np  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from common import emit, publish, timed  # noqa: E402
-
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+from common import across_namespaces, emit, outer_rank, this_script, timed  # noqa: E402
 
 
 class Layout(NamedTuple):
@@ -216,31 +212,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.inner or args.claimed or why_not() is not None:
         return run(args)
-    if any(os.environ.get(v, "0") not in ("", "0") for v in RANK_VARS):
+    if outer_rank():
         return 0  # started by an outer mpiexec: rank 0 starts the two-node job
-    return across_namespaces(args)
-
-
-def across_namespaces(args: argparse.Namespace) -> int:
-    """Run this benchmark on 2 ranks of each of two network-namespace nodes (root)."""
-    from netns_cluster import two_nodes
-
-    from jobs import clean_env, mpiexec
-
-    argv = [sys.executable, str(Path(__file__).resolve()), "--inner", "--rate", args.rate,
-            *(["--quick"] if args.quick else []), *(["--markdown", args.markdown] if args.markdown else [])]
-    with two_nodes(mpiexec()) as cluster:
-        cluster.shape(rate=args.rate)
-        for per_node in args.per_node:
-            t0 = time.perf_counter()
-            p = subprocess.run(cluster.mpiexec(per_node, argv), capture_output=True, text=True, timeout=400,
-                               env=clean_env())
-            print(p.stdout, end="", flush=True)
-            if p.returncode != 0:
-                publish(f"Failed across the namespace nodes, {per_node} rank(s) each ({p.returncode}, "
-                        f"{time.perf_counter() - t0:.0f} s):\n\n```\n{p.stderr.strip()[-2000:]}\n```", None)
-                return 1
-    return 0
+    argv = [*this_script(__file__), "--inner", "--rate", args.rate, *(["--quick"] if args.quick else []),
+            *(["--markdown", args.markdown] if args.markdown else [])]
+    return across_namespaces(argv, args.rate, args.per_node, timeout=400)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -41,9 +40,8 @@ import numpy as np  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from common import emit, publish  # noqa: E402
+from common import across_namespaces, emit, outer_rank, this_script  # noqa: E402
 
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 MIB = 2**20
 VOCAB = 65
 
@@ -214,31 +212,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.inner or args.one_node or why_not() is not None:
         return run(args)
-    if any(os.environ.get(v, "0") not in ("", "0") for v in RANK_VARS):
+    if outer_rank():
         return 0  # started by an outer mpiexec (make bench): rank 0 alone starts the two-node job
-    return across_namespaces(args)
-
-
-def across_namespaces(args: argparse.Namespace) -> int:
-    """Run this check on ``--per-node`` ranks of each of two network-namespace nodes (root)."""
-    from netns_cluster import two_nodes
-
-    from jobs import clean_env, mpiexec
-
-    argv = [sys.executable, str(Path(__file__).resolve()), "--inner", "--steps", str(args.steps),
-            "--models", *args.models, *(["--quick"] if args.quick else []),
-            *(["--markdown", args.markdown] if args.markdown else [])]
-    with two_nodes(mpiexec()) as cluster:
-        cluster.shape(rate=args.rate)
-        t0 = time.perf_counter()
-        p = subprocess.run(cluster.mpiexec(args.per_node, argv), capture_output=True, text=True, timeout=3000,
-                           env=clean_env())
-        print(p.stdout, end="", flush=True)
-        if p.returncode != 0:
-            publish(f"Failed across the namespace nodes ({p.returncode}, {time.perf_counter() - t0:.0f} s):"
-                    f"\n\n```\n{p.stderr.strip()[-2000:]}\n```", None)
-            return 1
-    return 0
+    argv = [*this_script(__file__), "--inner", "--steps", str(args.steps), "--models", *args.models,
+            *(["--quick"] if args.quick else []), *(["--markdown", args.markdown] if args.markdown else [])]
+    return across_namespaces(argv, args.rate, [args.per_node], timeout=3000)
 
 
 if __name__ == "__main__":

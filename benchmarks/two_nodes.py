@@ -12,7 +12,6 @@ the namespaces, so under ``mpiexec -n N`` (``make bench``) only the first rank r
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,12 +20,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from common import publish  # noqa: E402
+from common import outer_rank, publish  # noqa: E402
 from netns_cluster import two_nodes, why_not  # noqa: E402
 
 from jobs import clean_env, mpiexec  # noqa: E402
-
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the benchmark's --quick sizes")
     ap.add_argument("--markdown", metavar="FILE", help="append the tables to FILE as Markdown")
     args = ap.parse_args(argv)
-    if any(os.environ.get(v, "0") not in ("", "0") for v in RANK_VARS):
+    if outer_rank():
         return 0  # started by an outer mpiexec: rank 0 does the work
     why = why_not()
     title = f"two nodes (network namespaces, {args.per_node} ranks each)"

@@ -374,23 +374,15 @@ def test_blocking_calls_are_the_hand_count_per_layout():
     assert blocking_calls(Layout(1, 4, 1), c, blocks)["tp"] == 8 + 3
     assert blocking_calls(Layout(1, 4, 1), c, blocks, last=False)["tp"] == 8
     assert blocking_calls(Layout(1, 4, 1, recompute=True, microbatches=2), c, blocks)["tp"] == 2 * (8 + 4 + 3)
-    # ZeRO 1/2: a reduce-scatter per unit (5) and the final all-gather; ZeRO 3: a gather per
-    # unit before each forward and backward (and recomputation) of each micro-batch, no final one
+    # ZeRO 1/2: the reduce-scatters (started without waiting) waited on together, then the
+    # all-gather; ZeRO 3: that wait and a gather per unit before each forward and backward (and
+    # recomputation) of each micro-batch
     for z in (1, 2):
-        assert blocking_calls(Layout(4, 1, 1, zero=z), c, blocks)["dp"] == 5 + 1
-    assert blocking_calls(Layout(2, 1, 2, zero=3, microbatches=4), c, blocks)["dp"] == 5 + 4 * 2 * 5
-    assert blocking_calls(Layout(4, 1, 1, zero=3, recompute=True), c, blocks)["dp"] == 5 + 3 * 5
+        assert blocking_calls(Layout(4, 1, 1, zero=z), c, blocks)["dp"] == 2
+    assert blocking_calls(Layout(2, 1, 2, zero=3, microbatches=4), c, blocks)["dp"] == 1 + 4 * 2 * 5
+    assert blocking_calls(Layout(4, 1, 1, zero=3, recompute=True), c, blocks)["dp"] == 1 + 3 * 5
     # pipeline: one meeting per micro-batch
     assert blocking_calls(Layout(1, 1, 4, microbatches=8), c, blocks)["pp"] == 8
-
-
-def test_buckets_counted_as_grad_buckets_pack_them():
-    from hpctrain.parallel.plan import blocking_calls
-
-    big = [piece("0", 5_000_000), piece("1", 5_000_000)]  # 20 MB each: two 25 MiB buckets, one of 50
-    c = costs(big)
-    assert blocking_calls(Layout(2, 1, 1), c, big)["dp"] == 2
-    assert blocking_calls(Layout(2, 1, 1), c, big, bucket_mb=50.0)["dp"] == 1
 
 
 def test_calibrated_costs_add_the_engines_work_and_each_calls_price_instead_of_the_meeting():

@@ -137,37 +137,8 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
 
         return planner.measure(model, (c.batch_size, *x0.shape[1:]), sample=sample).as_dict()
 
-    measured = everywhere(comm, lambda: _while_others_sleep(comm, c.timeout, on_rank0))
+    measured = everywhere(comm, lambda: planner.on_rank0_alone(comm, c.timeout, on_rank0))
     return planner.Costs.from_dict(comm.bcast_obj(measured))
-
-
-def _while_others_sleep(comm: Comm, timeout: float | None, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on rank 0 while the other ranks wait without spinning: a blocking MPI wait polls
-    a core (MPICH), and on a node whose cores the job's ranks share that would slow the very
-    timing rank 0 takes. The wait is bounded by the job's timeout (``StallError``)."""
-    import time
-
-    import numpy as np
-
-    from ..errors import StallError
-    from ..settings import timeout_deadline_seconds
-
-    if comm.size == 1:
-        return fn()
-    token = np.zeros(1)
-    if comm.rank == 0:
-        try:
-            return fn()
-        finally:
-            comm.iallreduce(token).wait()
-    req = comm.iallreduce(token)
-    limit = timeout_deadline_seconds(timeout)
-    deadline = None if limit is None else time.monotonic() + limit
-    while not req.test():
-        if deadline is not None and time.monotonic() > deadline:
-            raise StallError(f"rank 0 measured the model's costs for more than {limit:g} s (the job's timeout)")
-        time.sleep(0.005)
-    return None
 
 
 def constraints(cfg: Config) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -67,14 +67,29 @@ class PieceCost:
     moe_per_sample: tuple[int, ...] = ()  # bytes of the token rows each MoE layer sends to its experts
     expert_params: int = 0  # parameter elements in MoE experts (ep shards them)
     experts: int = 0  # experts per MoE layer (ep must divide them)
+    #: The piece wrapped by ``Recompute`` (``recompute=True``), measured the same way: its forward
+    #: (no graph kept) and its backward (the forward again, recording, then the backward).
+    #: ``None``: not measured (not recomputable), priced as forward + backward + forward.
+    recompute_forward: tuple[float, float] | None = None  # (fixed, per_sample)
+    recompute_backward: tuple[float, float] | None = None
 
-    def forward_s(self, samples: float, tp: int = 1) -> float:
+    def forward_s(self, samples: float, tp: int = 1, recompute: bool = False) -> float:
         """One forward on ``samples`` samples, on a rank holding ``1/tp`` of the split layers (the
-        work per sample divides; a call's fixed cost, the interpreter's mostly, does not)."""
+        work per sample divides; a call's fixed cost, the interpreter's mostly, does not);
+        ``recompute``: wrapped by ``Recompute`` (when the piece is recomputable)."""
+        if recompute and self.recompute_forward is not None:
+            fixed, per = self.recompute_forward
+            return fixed + self._share(tp) * per * samples
         return self.forward_fixed + self._share(tp) * self.forward_per_sample * samples
 
-    def backward_s(self, samples: float, tp: int = 1) -> float:
-        """One backward on ``samples`` samples (as ``forward_s``)."""
+    def backward_s(self, samples: float, tp: int = 1, recompute: bool = False) -> float:
+        """One backward on ``samples`` samples (as ``forward_s``); recomputed, it runs the
+        forward again first (measured as such where the piece was measured wrapped)."""
+        if recompute and self.recomputable:
+            if self.recompute_backward is not None:
+                fixed, per = self.recompute_backward
+                return fixed + self._share(tp) * per * samples
+            return self.backward_s(samples, tp) + self.forward_s(samples, tp)
         return self.backward_fixed + self._share(tp) * self.backward_per_sample * samples
 
     def _share(self, tp: int) -> float:
@@ -122,6 +137,12 @@ class Costs:
     step_fixed_s: float = 0.0
     call_s: dict[str, float] = field(default_factory=dict)
     calibrated: bool = False
+    #: What the steps make of the pieces' times (fitted by ``calibrate`` too; 1 until then): the
+    #: compute as the real step runs it (ranks sharing a node's cores run slower than the one rank
+    #: that measured the pieces alone) and the pipeline's idle time (where ranks share cores, an
+    #: idle stage lends its core to a busy one, so a bubble costs less than its length).
+    compute_scale: float = 1.0
+    bubble_scale: float = 1.0
 
     @property
     def params(self) -> int:
@@ -138,7 +159,9 @@ class Costs:
     def from_dict(cls, d: dict[str, Any]) -> Costs:
         """The inverse of ``as_dict``."""
         tuples = ("tp_forward", "tp_backward", "moe_per_sample")
-        pieces = [PieceCost(**{**p, **{k: tuple(p.get(k, ())) for k in tuples}}) for p in d["pieces"]]
+        pairs = ("recompute_forward", "recompute_backward")
+        pieces = [PieceCost(**{**p, **{k: tuple(p.get(k, ())) for k in tuples},
+                               **{k: tuple(p[k]) for k in pairs if p.get(k) is not None}}) for p in d["pieces"]]
         return cls(**{**d, "pieces": pieces, "loss_tp": tuple(d.get("loss_tp", ()))})
 
 
@@ -279,6 +302,7 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
         for m, _ in modes:
             m.training = False
         small, large = (_pieces_at(pieces, sample(n), repeats, params) for n in (lo, hi))
+        redo = _recomputed(model, sample, (lo, hi), repeats) if any(_recomputable(p) for p in pieces) else None
         opt = (optimizer or (lambda ps: AdamW(ps, lr=0.0)))(params)
         opt.step()  # creates the state (lr 0: the weights stay); then time a few steps
         t0 = time.perf_counter()
@@ -292,7 +316,7 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
         for m, mode in modes:
             m.training = mode
     out = []
-    for piece, s, b in zip(pieces, small, large):
+    for i, (piece, s, b) in enumerate(zip(pieces, small, large)):
         n_params = sum(int(np.prod(p.shape)) for p in piece_params(piece))
         split, fwd, bwd, heads, hidden = _piece_tp(piece, splits, rows, itemsize)
         ff, fp = _fit((lo, hi), (s[0], b[0]))
@@ -305,12 +329,60 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
                              b[4] // hi, b[5] // hi, holds_parameters(piece), _recomputable(piece), fwd, bwd,
                              heads, hidden, len(units), max(units, default=0), int(wf), int(round(wp)),
                              kv, moe, expert, experts))
+        if redo is not None and _recomputable(piece):
+            (rs, rb) = (redo[0][i], redo[1][i])
+            out[-1] = replace(out[-1], recompute_forward=_fit((lo, hi), (rs[0], rb[0])),
+                              recompute_backward=_fit((lo, hi), (rs[1], rb[1])))
     n = max(1, sum(p.params for p in out))
     loss_tp = (rows * itemsize,) * 3 if any(k == "head" for k, *_ in splits.values()) else ()
     from ..backend import xp_of
 
     device = "gpu" if xp_of(params[0].data) is not np else "cpu"
     return Costs(out, batch, itemsize, state / n, opt_s / n, device, loss_tp, rows)
+
+
+def _recomputed(model: Any, sample: Callable[[int], Any], sizes: tuple[int, int], repeats: int) -> list[list[tuple]]:
+    """``_pieces_at`` of a copy of ``model`` whose blocks ``recompute=True`` wraps (``nn.recompute_blocks``),
+    at both sizes: a recomputed block's forward keeps no graph and its backward runs the forward
+    again, recording, and the reuse pools of its layers are transient (``nn.buffers.transient``):
+    measured, not assumed (a small block's transient arrays cost more than its forward's flops)."""
+    import copy
+
+    from ..nn.recompute import recompute_blocks
+
+    twin = copy.deepcopy(model)
+    recompute_blocks(twin)
+    pieces, params = pipeline_pieces(twin), list(twin.parameters())
+    if len(pieces) != len(pipeline_pieces(model)):
+        raise RuntimeError("recompute_blocks changed how the model cuts into pieces: cannot time them wrapped")
+    return [_pieces_at(pieces, sample(n), repeats, params) for n in sizes]
+
+
+def on_rank0_alone(comm: Any, timeout: float | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 (its result there, ``None`` elsewhere) while the other ranks wait without
+    spinning (collective): a blocking MPI wait polls a core (MPICH), and on a node whose cores the
+    job's ranks share that would slow the very timing rank 0 takes (``measure`` then times a
+    piece as one rank alone runs it; ``plan_calibrate`` fits what sharing the cores makes of it).
+    The wait is bounded by ``timeout`` as the job's (``StallError``)."""
+    from ..errors import StallError
+    from ..settings import timeout_deadline_seconds
+
+    if comm.size == 1:
+        return fn()
+    token = np.zeros(1)
+    if comm.rank == 0:
+        try:
+            return fn()
+        finally:
+            comm.iallreduce(token).wait()
+    req = comm.iallreduce(token)
+    limit = timeout_deadline_seconds(timeout)
+    deadline = None if limit is None else time.monotonic() + limit
+    while not req.test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise StallError(f"rank 0 measured the model's costs for more than {limit:g} s (the job's timeout)")
+        time.sleep(0.005)
+    return None
 
 
 def _context_and_experts(piece: Piece, rows: int, itemsize: int) -> tuple[int, tuple[int, ...], int, int]:

@@ -252,6 +252,9 @@ def test_a_stages_pools_keep_the_sets_of_the_micro_batches_it_holds(tp):
     # 2 held: the meter's own sample sees one of them without tp, none on a tensor-parallel stage
     assert pred.memory_parts["workspace"] == pools + (1 if tp == 1 else 2) * per_set
     assert predict(Layout(1, tp, 1), c, links(), None).memory_parts["workspace"] == 2 * pools
+    from hpctrain.parallel.plan_memory import pooled_sets
+
+    assert pooled_sets(2, 2, 2, recompute=True) == 1  # the meter samples again inside a recomputed block
 
 
 def test_a_layout_that_cannot_fit_is_refused_with_what_it_needs():

@@ -16,7 +16,10 @@ ranks, and each issues the collectives its tensor-parallel layer does (``tensor_
 or an attention one all-reduce of its ``(rows, d_model)`` output in forward (``ReduceFromTP``)
 and one of its input's gradient in backward (``CopyToTP``), a vocabulary embedding one in forward,
 a vocabulary head one in backward, the vocabulary-parallel loss three all-reduces of one value
-per row in forward.
+per row in forward. Their memory is measured: the pieces of ``tensor_parallel(model, group)``
+for a one-process stand-in ``group`` of 2, 4 and 8 (where the model splits) run as the serial
+ones, each ``PieceCost.tp_memory`` then holding what one rank of that group keeps (the split
+layers' arrays, the replicated ones, the all-reduces' results).
 """
 
 from __future__ import annotations

@@ -8,17 +8,24 @@ counted from the measured pieces instead of from arrays that exist.
   reduced ``1/dp`` piece (a unit's local gradient is a transient buffer).
 - **optimizer**: ``Costs.optimizer_bytes_per_param`` per local parameter (AdamW: two float32
   moments), ``1/dp`` of it under any ZeRO stage.
-- **buffers**: ZeRO 1's reduced piece of the gradients (``1/dp``); ZeRO 2's unit gradients,
-  which backward makes faster than their reduce-scatters finish (their peak is near all of
-  them: ``benchmarks/plan_check.py``); ZeRO 3's the same and two gathered units.
+- **buffers**: ZeRO 1's reduced piece of the gradients (``1/dp``). ZeRO 2's unit gradients:
+  with micro-batches all of them (they accumulate through the step); without, the reductions'
+  window (``scatter_peak``: three in flight, each with its regrouped copies, and the next unit's
+  gradient), at most all of them. ZeRO 3's the same, two gathered units beside the window.
 - **workspace**: what the layers' reuse pools keep beyond the activations (measured per piece
-  by the ``MemoryMeter``), growing by half a set per micro-batch a pipeline stage holds beyond
-  one; none in recomputed blocks, under any tp (``Recompute`` makes every layer inside its block
+  by the ``MemoryMeter``, on a tensor-parallel rank where ``PieceCost.tp_memory`` has the
+  size), and on a pipeline stage the sets of the micro-batches it holds (``pooled_sets``); none
+  in recomputed blocks, under any tp (``Recompute`` makes every layer inside its block
   transient, the tensor-parallel ones swapped in after wrapping too).
-- **activations_peak**: each piece's measured activations at the micro-batch, times the
-  micro-batches a stage holds at once (1F1B: ``min(m, pp - stage)``, GPipe: ``m``; without a
-  pipeline one). With recompute a wrapped block keeps only its input, and one block's full
-  activations exist again while it runs backward.
+- **activations_peak**: each piece's measured activations at the micro-batch (on a
+  tensor-parallel rank as ``workspace``), times the micro-batches a stage holds at once (1F1B:
+  ``min(m, pp - stage)``, GPipe: ``m``; without a pipeline one). With recompute a wrapped block
+  keeps only its input, and its full activations exist again while it runs backward, after the
+  pieces behind it freed theirs (``stage_activations``).
+
+The loss's own arrays (the cross-entropy's probabilities) are not counted: a few per cent of a
+small-vocabulary model's activations (``benchmarks/plan_memory_check.py`` prints each category
+predicted against the trainer's ``memory_summary``).
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ def scatter_peak(unit: int, dp: int) -> int:
     return int((INFLIGHT * (1 + rounds) + 1) * unit)
 
 
-def pooled_sets(pp: int, tp: int, held: int) -> int:
+def pooled_sets(pp: int, tp: int, held: int, recompute: bool = False) -> int:
     """Micro-batches' activation sets a pipeline stage's ``workspace`` counts (``MemoryMeter``:
     what the reuse pools hold beyond the activations its own sample at a backward's start saw).
 
@@ -81,11 +88,12 @@ def pooled_sets(pp: int, tp: int, held: int) -> int:
     micro-batches keep one set of arrays each in them. The meter's sample sees the micro-batch
     whose backward starts (one set less) on a stage without tensor parallelism, and none of it on
     a tensor-parallel stage (measured: 0 bytes on ``dp=1 tp=2 pp=2 m=2`` stage 0 of
-    ``plan_check``'s GPT, its pools then the whole ``held`` sets), while the trainer's activation
+    ``plan_check``'s GPT, its pools then the whole ``held`` sets) unless a recomputed block makes
+    it sample again inside the backward, where it sees that micro-batch; the trainer's activation
     peak counts the ``held`` graphs again (``peak_activation_bytes``)."""
     if pp == 1:
         return 0
-    return held if tp > 1 else held - 1
+    return held if tp > 1 and not recompute else held - 1
 
 
 def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: float,
@@ -114,7 +122,7 @@ def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: fl
         out["activations_peak"] = int(held * kept + redo)
         out["workspace"] = int(sum(p.workspace(samples, tp) for p in pieces
                                    if not (layout.recompute and p.recomputable))
-                               + pooled_sets(layout.pp, tp, held) * kept)
+                               + pooled_sets(layout.pp, tp, held, layout.recompute) * kept)
         total = sum(out.values())
         if total > best[0]:
             best = (total, out)

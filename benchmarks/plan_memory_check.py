@@ -49,10 +49,11 @@ def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: in
                          grid=grid, microbatches=lay.microbatches, zero=lay.zero, overlap=True)
     x, y = spec["data"](costs.batch // lay.dp, seed=2 + grid.dp.rank)
     tr.memory_report()
+    mine: dict[str, int] = {}
     for _ in range(steps):
-        tr.memory_report(tr.step(x, y))
+        report = tr.memory_report(tr.step(x, y))
+        mine = {k: max(v, mine.get(k, 0)) for k, v in report.items()}  # as memory_summary keeps them
     total = int(tr.memory_summary()["total"])
-    mine = dict(tr._memory_most)  # this rank's largest per category over the steps
     everyone = comm.mpi.allgather(mine)
     grid.free()
     return total, max(everyone, key=lambda d: d["total"])

@@ -387,7 +387,9 @@ def _tp_memory(model: Any, sample: Callable[[int], Any], sizes: tuple[int, int])
     ``(tp, activation fixed, per sample, workspace fixed, per sample)``: the memory the
     ``MemoryMeter`` counts of the piece on one rank of the group (its split layers' arrays, the
     replicated ones, the all-reduces' results), measured by running the pieces of
-    ``tensor_parallel(model, _Alone(tp))`` on this process (no MPI: the sums are copies)."""
+    ``tensor_parallel(model, _Alone(tp))`` on this process (no MPI: the sums are copies). Each is
+    a copy of the model (``tensor_parallel`` copies before it splits): while one is measured the
+    process holds the model twice."""
     from .tensor import tensor_parallel
 
     rows: list[list[tuple]] = []

@@ -80,23 +80,20 @@ def scatter_peak(unit: int, dp: int) -> int:
     return int((INFLIGHT * (1 + rounds) + 1) * unit)
 
 
-def pooled_sets(pp: int, tp: int, held: int, recompute: bool = False) -> float:
+def pooled_sets(pp: int, held: int, recompute: bool = False) -> float:
     """Micro-batches' activation sets a pipeline stage's ``workspace`` counts (``MemoryMeter``:
     what the reuse pools hold beyond the activations its own sample at a backward's start saw).
 
     The pools hand an array out again only once nobody holds it, so the graphs of the ``held``
     micro-batches keep one set of arrays each in them, which the trainer's activation peak counts
     too (``peak_activation_bytes``). Less what the meter's sample saw of the micro-batch whose
-    backward starts: all of it inside a recomputed block (it samples there again); on a
-    tensor-parallel stage none (0 bytes on ``dp=1 tp=2 pp=2 m=2`` stage 0 of ``plan_check``'s
-    GPT); otherwise half of it, as it varies from step to step (3.75 to 7.01 MiB of a 7.01 MiB set
-    on ``dp=2 pp=2 m=2`` stage 0 of the GPT at the longer block, ``memory_summary`` keeping the
-    step that saw least)."""
+    backward starts: all of it inside a recomputed block (it samples there again); otherwise it
+    varies from none to all of it, step to step and stage to stage (0 bytes on ``dp=1 tp=2 pp=2
+    m=2`` stage 0 of ``plan_check``'s GPT; 3.75 to 7.01 MiB of a 7.01 MiB set on ``dp=2 pp=2 m=2``
+    stage 0 of the GPT at the longer block), so half of it counts."""
     if pp == 1:
         return 0.0
-    if recompute:
-        return held - 1.0
-    return float(held) if tp > 1 else held - 0.5
+    return held - (1.0 if recompute else 0.5)
 
 
 def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: float,
@@ -125,7 +122,7 @@ def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: fl
         out["activations_peak"] = int(held * kept + redo)
         out["workspace"] = int(sum(p.workspace(samples, tp) for p in pieces
                                    if not (layout.recompute and p.recomputable))
-                               + pooled_sets(layout.pp, tp, held, layout.recompute) * kept)
+                               + pooled_sets(layout.pp, held, layout.recompute) * kept)
         total = sum(out.values())
         if total > best[0]:
             best = (total, out)

@@ -16,7 +16,10 @@ ranks, and each issues the collectives its tensor-parallel layer does (``tensor_
 or an attention one all-reduce of its ``(rows, d_model)`` output in forward (``ReduceFromTP``)
 and one of its input's gradient in backward (``CopyToTP``), a vocabulary embedding one in forward,
 a vocabulary head one in backward, the vocabulary-parallel loss three all-reduces of one value
-per row in forward.
+per row in forward. Their memory is measured: the pieces of ``tensor_parallel(model, group)``
+for a one-process stand-in ``group`` of 2, 4 and 8 (where the model splits) run as the serial
+ones, each ``PieceCost.tp_memory`` then holding what one rank of that group keeps (the split
+layers' arrays, the replicated ones, the all-reduces' results).
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ class PieceCost:
     moe_per_sample: tuple[int, ...] = ()  # bytes of the token rows each MoE layer sends to its experts
     expert_params: int = 0  # parameter elements in MoE experts (ep shards them)
     experts: int = 0  # experts per MoE layer (ep must divide them)
+    #: ``(tp, activation_fixed, activation_per_sample, workspace_fixed, workspace_per_sample)`` of
+    #: this piece as one rank of a tensor-parallel group of ``tp`` holds it (measured, see ``measure``)
+    tp_memory: tuple[tuple[int, int, int, int, int], ...] = ()
 
     def forward_s(self, samples: float, tp: int = 1) -> float:
         """One forward on ``samples`` samples, on a rank holding ``1/tp`` of the split layers (the
@@ -87,12 +93,22 @@ class PieceCost:
         dense = self.params - self.split_params - self.expert_params
         return dense + -(-self.split_params // tp) + self.expert_params // ep
 
+    def _tp_row(self, tp: int) -> tuple[int, int, int, int, int] | None:
+        return next((r for r in self.tp_memory if r[0] == tp), None) if tp > 1 else None
+
     def workspace(self, samples: float, tp: int = 1) -> float:
-        """Bytes the piece's reuse pools keep (``MemoryMeter``'s workspace) at ``samples`` samples."""
+        """Bytes the piece's reuse pools keep (``MemoryMeter``'s workspace) at ``samples`` samples:
+        measured on a tensor-parallel rank where ``tp_memory`` has ``tp``, else the split share."""
+        row = self._tp_row(tp)
+        if row is not None:
+            return row[3] + row[4] * samples
         return self._share(tp) * (self.workspace_fixed + self.workspace_per_sample * samples)
 
     def activations(self, samples: float, tp: int = 1) -> float:
-        """Bytes this piece keeps for its backward on ``samples`` samples (split layers' share by tp)."""
+        """Bytes this piece keeps for its backward on ``samples`` samples (as ``workspace``)."""
+        row = self._tp_row(tp)
+        if row is not None:
+            return row[1] + row[2] * samples
         return self._share(tp) * (self.activation_fixed + self.activation_per_sample * samples)
 
 
@@ -138,7 +154,9 @@ class Costs:
     def from_dict(cls, d: dict[str, Any]) -> Costs:
         """The inverse of ``as_dict``."""
         tuples = ("tp_forward", "tp_backward", "moe_per_sample")
-        pieces = [PieceCost(**{**p, **{k: tuple(p.get(k, ())) for k in tuples}}) for p in d["pieces"]]
+        pieces = [PieceCost(**{**p, **{k: tuple(p.get(k, ())) for k in tuples},
+                               "tp_memory": tuple(tuple(r) for r in p.get("tp_memory", ()))})
+                  for p in d["pieces"]]
         return cls(**{**d, "pieces": pieces, "loss_tp": tuple(d.get("loss_tp", ()))})
 
 
@@ -215,7 +233,11 @@ def _run_piece(piece: Piece, x: Any, params: list[Any]) -> tuple[float, float, i
     synchronize(out.data if is_tensor(out) else out)
     t3 = time.perf_counter()
     seen = meter.report({})
-    return t1 - t0, t3 - t2, seen["activations_peak"], seen["workspace"], (out.data if is_tensor(out) else out)
+    y = out.data if is_tensor(out) else out
+    # The output, when a pool made it, is the next piece's input: the engine's meter counts it
+    # among that piece's activations (its cache), so it is no workspace of this one.
+    spare = int(y.nbytes) if meter.pooled(y) else 0
+    return t1 - t0, t3 - t2, seen["activations_peak"], max(0, seen["workspace"] - spare), y
 
 
 def _fit(sizes: tuple[int, int], values: tuple[float, float]) -> tuple[float, float]:
@@ -286,6 +308,7 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
             opt.step()
         opt_s = (time.perf_counter() - t0) / max(1, repeats)
         state = owned_bytes(optimizer_arrays(opt))
+        tp_rows = _tp_memory(model, sample, (lo, hi))
     finally:
         for q, g in zip(params, grads):
             q.grad = g
@@ -304,13 +327,90 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
         out.append(PieceCost(piece.name, ff, fp, bf, bp, n_params, split, int(af), int(round(ap)),
                              b[4] // hi, b[5] // hi, holds_parameters(piece), _recomputable(piece), fwd, bwd,
                              heads, hidden, len(units), max(units, default=0), int(wf), int(round(wp)),
-                             kv, moe, expert, experts))
+                             kv, moe, expert, experts, tuple(tp_rows[len(out)])))
     n = max(1, sum(p.params for p in out))
     loss_tp = (rows * itemsize,) * 3 if any(k == "head" for k, *_ in splits.values()) else ()
     from ..backend import xp_of
 
     device = "gpu" if xp_of(params[0].data) is not np else "cpu"
     return Costs(out, batch, itemsize, state / n, opt_s / n, device, loss_tp, rows)
+
+
+class _Alone:
+    """One rank of a tensor-parallel group of ``size`` as ``tensor_parallel`` and its layers use
+    it, without the others: the layers split their weights and make their arrays as rank 0 of
+    ``size`` does; a sum over the group returns a new array of the same shape (as
+    ``Communicator.allreduce``), a gather ``size`` copies. Only the memory of what it runs counts."""
+
+    rank = 0
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def allreduce(self, x: Any, op: str = "sum", out: Any = None) -> Any:
+        if out is None:
+            return x.copy()
+        if out is not x:
+            out[...] = x
+        return out
+
+    def allgather(self, x: Any, out: Any = None) -> Any:
+        stacked = xp_stack([x] * self.size)
+        if out is not None:
+            out[...] = stacked
+            return out
+        return stacked
+
+    def bcast(self, x: Any, root: int = 0) -> Any:
+        return x
+
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        return obj
+
+    def allgather_obj(self, obj: Any) -> list:
+        return [obj] * self.size
+
+
+def xp_stack(arrays: list[Any]) -> Any:
+    """``arrays`` stacked on a new first axis, on their own device."""
+    from ..backend import xp_of
+
+    return xp_of(arrays[0]).stack(arrays)
+
+
+#: The tensor-parallel sizes ``measure`` runs the model's pieces at (where the model splits).
+TP_SIZES = (2, 4, 8)
+
+
+def _tp_memory(model: Any, sample: Callable[[int], Any], sizes: tuple[int, int]) -> list[list[tuple]]:
+    """Per tensor-parallel size the model splits at (``TP_SIZES``), per piece
+    ``(tp, activation fixed, per sample, workspace fixed, per sample)``: the memory the
+    ``MemoryMeter`` counts of the piece on one rank of the group (its split layers' arrays, the
+    replicated ones, the all-reduces' results), measured by running the pieces of
+    ``tensor_parallel(model, _Alone(tp))`` on this process (no MPI: the sums are copies). Each is
+    a copy of the model (``tensor_parallel`` copies before it splits): while one is measured the
+    process holds the model twice."""
+    from .tensor import tensor_parallel
+
+    rows: list[list[tuple]] = []
+    n = len(pipeline_pieces(model))
+    for tp in TP_SIZES:
+        try:
+            split = tensor_parallel(model, _Alone(tp))
+        except ValueError:  # the model does not split over tp (heads, widths)
+            continue
+        pieces = pipeline_pieces(split)
+        if len(pieces) != n:
+            continue
+        params = list(split.parameters())
+        small, large = (_pieces_at(pieces, sample(k), 1, params) for k in sizes)
+        row = []
+        for s, b in zip(small, large):
+            af, ap = _fit(sizes, (s[2], b[2]))
+            wf, wp = _fit(sizes, (s[3], b[3]))
+            row.append((tp, int(af), int(round(ap)), int(wf), int(round(wp))))
+        rows.append(row)
+    return [list(r) for r in zip(*rows)] if rows else [[] for _ in range(n)]
 
 
 def _context_and_experts(piece: Piece, rows: int, itemsize: int) -> tuple[int, tuple[int, ...], int, int]:

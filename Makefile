@@ -75,7 +75,7 @@ test-mpi2: venv
 # the parameter server over 3 workers, checkpoints across layouts); test-mpi4-all the whole suite
 # (4 ranks oversubscribe 2 cores: 4-5 minutes).
 MPI4_TESTS := $(addprefix tests/test_,checkpoint_matrix.py context_parallel.py cp_engine.py ep_engine.py grid.py \
-                parallelize.py param_server.py pipeline.py moe_ep.py precision.py recompute.py short_batch.py tensor.py \
+                parallelize.py param_server.py pipeline.py moe_ep.py plan_memory.py precision.py recompute.py short_batch.py tensor.py \
                 tied_embeddings.py train_config.py train_mpi.py zero.py)
 test-mpi4: venv
 	$(MPIEXEC) $(MPIFLAGS) -n 4 $(PY) $(PYTEST_MPI) $(MPI4_TESTS)

@@ -152,17 +152,36 @@ def model_states(p: int, dp: int, zero: int) -> int:
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_memory_per_zero_level_is_the_hand_count(zero):
-    p, dp, unit = 4_000_000, 4, 1_000_000
-    c = costs([piece("0", 2 * unit, units=2, act=1000), piece("1", 2 * unit, units=2, act=3000)], batch=16)
+@pytest.mark.parametrize("dp", [2, 4])
+def test_memory_per_zero_level_is_the_hand_count(zero, dp):
+    p, unit = 4_000_000, 250_000
+    c = costs([piece("0", 2_000_000, units=8, act=1000), piece("1", 2_000_000, units=8, act=3000)], batch=16)
     pred = predict(Layout(dp, 1, 1, zero=zero), c, links(), None)
-    # zero 1: the reduced piece; zero 2: the unit gradients (all of them at the peak); zero 3: and two gathered units
-    buffers = {0: 0, 1: 4 * p // dp, 2: 4 * p, 3: 4 * p + 2 * 4 * unit}[zero]
+    # zero 1: the reduced piece. Zero 2: three reductions of a unit's gradient in flight (over 4
+    # ranks each with its first round's regrouped copy and half-size receive buffer: 2.5 units),
+    # and the next unit's gradient; zero 3: and two gathered units.
+    window = (3 * (2.5 if dp == 4 else 1) + 1) * 4 * unit
+    buffers = {0: 0, 1: 4 * p // dp, 2: window, 3: window + 2 * 4 * unit}[zero]
     activations = (1000 + 3000) * 16 // dp
     assert pred.memory_parts == {"params": pred.memory_parts["params"], "grads": pred.memory_parts["grads"],
                                  "optimizer": pred.memory_parts["optimizer"], "buffers": buffers,
                                  "activations_peak": activations, "workspace": 0}
     assert pred.memory_bytes == model_states(p, dp, zero) + buffers + activations
+
+
+def test_zero_unit_gradients_are_all_there_with_micro_batches_or_when_the_window_is_larger():
+    from hpctrain.parallel.plan_memory import scatter_peak
+
+    p = 4_000_000
+    big = costs([piece("0", p, units=2)], batch=16)  # units of half the model: the window exceeds it
+    assert predict(Layout(4, 1, 1, zero=2), big, links(), None).memory_parts["buffers"] == 4 * p
+    # zero 3 too: once every unit's gradient is there, backward ended and nothing is gathered
+    assert predict(Layout(4, 1, 1, zero=3), big, links(), None).memory_parts["buffers"] == 4 * p
+    many = costs([piece(str(i), p // 4, units=4, fwd=1e-3, bwd=2e-3) for i in range(4)], batch=16)
+    stage = 4 * p // 2  # two pieces a stage
+    piped = predict(Layout(2, 1, 2, zero=3, microbatches=2), many, links(), None)
+    assert piped.memory_parts["buffers"] == stage + 2 * 4 * (p // 16)  # accumulating: every unit, and two gathered
+    assert scatter_peak(100, 2) == 400 and scatter_peak(100, 4) == 850 and scatter_peak(100, 3) == 400
 
 
 def test_recompute_keeps_block_inputs_and_one_blocks_activations():
@@ -171,8 +190,29 @@ def test_recompute_keeps_block_inputs_and_one_blocks_activations():
     plain = predict(Layout(1, 1, 1), c, links(), None)
     rc = predict(Layout(1, 1, 1, recompute=True), c, links(), None)
     assert plain.memory_parts["activations_peak"] == 4 * 10_000 * 8
-    assert rc.memory_parts["activations_peak"] == 4 * 500 * 8 + 10_000 * 8
+    # The last block re-created: the three inputs before it and its full activations (its own
+    # kept input is one of their arrays).
+    assert rc.memory_parts["activations_peak"] == 3 * 500 * 8 + 10_000 * 8
     assert rc.compute_ms == pytest.approx(plain.compute_ms + 4 * 8 * 1e-3 * 1e3)  # the forward again
+
+
+def test_a_recomputed_blocks_peak_comes_after_the_later_pieces_freed_theirs():
+    head = piece("head", 100, act=3000)
+    c = costs([piece("0", 100, act=10_000, io=500, recomputable=True), piece("1", 100, act=6000, io=500,
+                                                                              recomputable=True), head], batch=8)
+    rc = predict(Layout(1, 1, 1, recompute=True), c, links(), None)
+    kept = (500 + 500 + 3000) * 8
+    # block 0 re-created with nothing before it: 10_000; block 1 after block 0's input: 500 + 6000
+    assert rc.memory_parts["activations_peak"] == max(kept, 10_000 * 8, (500 + 6000) * 8)
+
+
+def test_a_piece_measured_on_a_tensor_parallel_rank_uses_its_own_memory():
+    from dataclasses import replace
+
+    p = replace(piece("0", 100, split=80, act=1000), workspace_per_sample=400, tp_memory=((2, 64, 700, 32, 300),))
+    assert p.activations(8, 2) == 64 + 700 * 8 and p.workspace(8, 2) == 32 + 300 * 8
+    assert p.activations(8, 4) == pytest.approx((0.2 + 0.8 / 4) * 1000 * 8)  # not measured: the split share
+    assert p.activations(8, 1) == 1000 * 8
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -198,6 +238,23 @@ def test_pipeline_in_flight_micro_batches_count_on_the_first_stage():
     assert pred.memory_parts["activations_peak"] == 2 * 2 * 1000 * 4
     gp = predict(Layout(1, 1, 2, microbatches=4), c, links(), None, schedule="gpipe")
     assert gp.memory_parts["activations_peak"] == 4 * 2 * 1000 * 4
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_stages_pools_keep_the_sets_of_the_micro_batches_it_holds(tp):
+    from dataclasses import replace
+
+    c = costs([replace(piece(str(i), 100, act=1000, split=100, fwd=1e-3, bwd=2e-3), workspace_fixed=5000,
+                       tp_memory=((2, 0, 600, 3000, 0),)) for i in range(4)], batch=16)
+    pred = predict(Layout(1, tp, 2, microbatches=4), c, links(), None)
+    per_set = 2 * (1000 if tp == 1 else 600) * 4  # two pieces, 4 samples
+    pools = 2 * (5000 if tp == 1 else 3000)
+    # 2 held, less half the one the meter's own sample may see
+    assert pred.memory_parts["workspace"] == pools + 1.5 * per_set
+    assert predict(Layout(1, tp, 1), c, links(), None).memory_parts["workspace"] == 2 * pools
+    from hpctrain.parallel.plan_memory import pooled_sets
+
+    assert pooled_sets(2, 2, recompute=True) == 1  # the meter samples again inside a recomputed block
 
 
 def test_a_layout_that_cannot_fit_is_refused_with_what_it_needs():

@@ -129,11 +129,11 @@ def probe_layouts(world: int, costs: Costs) -> list[Layout]:
     refuses some for some models: those are left out). Plain data parallel (compute and the
     fixed work), ZeRO 3 (dp's calls: a gather per unit and pass), recompute (compute without
     calls), the widest tensor parallel without a pipeline (tp's calls), the deepest pipeline
-    with four micro-batches per stage (pp's meetings, per-micro-batch work) and two stages with
-    two (the bubble)."""
+    with four micro-batches per stage (pp's meetings, per-micro-batch work), two stages with two
+    (the bubble); then tp=2 beside dp and two stages with eight, where the world has them."""
     if world == 1:
         return [lay for lay in (Layout(1, 1, 1), Layout(1, 1, 1, recompute=True)) if lay in layouts(1, costs)]
-    valid = set(layouts(world, costs, microbatches=(1, 2, 4)))
+    valid = layouts(world, costs, microbatches=(1, 2, 4))  # (a list: every rank walks it in one order)
     want = [Layout(world, 1, 1), Layout(world, 1, 1, zero=3), Layout(world, 1, 1, recompute=True)]
     tps = [lay for lay in valid if lay.tp > 1 and lay.pp == 1 and not lay.zero and not lay.recompute]
     want += [max(tps, key=lambda x: x.tp)] if tps else []
@@ -142,6 +142,11 @@ def probe_layouts(world: int, costs: Costs) -> list[Layout]:
     want += [max(deep, key=lambda x: x.pp)] if deep else []
     two = [lay for lay in pps if lay.pp == 2 and lay.microbatches == 2]
     want += two[:1]
+    # A second point of tp's price and of the pipeline's (two more than the unknowns: a step
+    # off by the machine's noise moves the fit less).
+    want += [lay for lay in valid if lay.tp == 2 and lay.pp == 1 and lay.dp > 1 and not lay.zero
+             and not lay.recompute][:1]
+    want += [lay for lay in pps if lay.pp == 2 and lay.microbatches == 8][:1]
     out: list[Layout] = []
     for lay in want:
         if lay in valid and lay not in out:

@@ -16,12 +16,14 @@ ranks, and each issues the collectives its tensor-parallel layer does (``tensor_
 or an attention one all-reduce of its ``(rows, d_model)`` output in forward (``ReduceFromTP``)
 and one of its input's gradient in backward (``CopyToTP``), a vocabulary embedding one in forward,
 a vocabulary head one in backward, the vocabulary-parallel loss three all-reduces of one value
-per row in forward.
+per row in forward. Their memory is measured: the pieces of ``tensor_parallel(model, group)``
+for a one-process stand-in ``group`` of 2, 4 and 8 (where the model splits) run as the serial
+ones, each ``PieceCost.tp_memory`` then holding what one rank of that group keeps (the split
+layers' arrays, the replicated ones, the all-reduces' results).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .cut import Piece, holds_parameters, pipeline_pieces
+from .plan_runs import Tops, fit, pieces_at, recomputed, tp_memory
 from .tensor import tp_split_layers
 from .zero_units import module_units
 
@@ -67,6 +70,9 @@ class PieceCost:
     moe_per_sample: tuple[int, ...] = ()  # bytes of the token rows each MoE layer sends to its experts
     expert_params: int = 0  # parameter elements in MoE experts (ep shards them)
     experts: int = 0  # experts per MoE layer (ep must divide them)
+    #: ``(tp, activation_fixed, activation_per_sample, workspace_fixed, workspace_per_sample)`` of
+    #: this piece as one rank of a tensor-parallel group of ``tp`` holds it (measured, see ``measure``)
+    tp_memory: tuple[tuple[int, int, int, int, int], ...] = ()
     #: The piece wrapped by ``Recompute`` (``recompute=True``), measured the same way: its forward
     #: (no graph kept) and its backward (the forward again, recording, then the backward).
     #: ``None``: not measured (not recomputable), priced as forward + backward + forward.
@@ -102,12 +108,22 @@ class PieceCost:
         dense = self.params - self.split_params - self.expert_params
         return dense + -(-self.split_params // tp) + self.expert_params // ep
 
+    def _tp_row(self, tp: int) -> tuple[int, int, int, int, int] | None:
+        return next((r for r in self.tp_memory if r[0] == tp), None) if tp > 1 else None
+
     def workspace(self, samples: float, tp: int = 1) -> float:
-        """Bytes the piece's reuse pools keep (``MemoryMeter``'s workspace) at ``samples`` samples."""
+        """Bytes the piece's reuse pools keep (``MemoryMeter``'s workspace) at ``samples`` samples:
+        measured on a tensor-parallel rank where ``tp_memory`` has ``tp``, else the split share."""
+        row = self._tp_row(tp)
+        if row is not None:
+            return row[3] + row[4] * samples
         return self._share(tp) * (self.workspace_fixed + self.workspace_per_sample * samples)
 
     def activations(self, samples: float, tp: int = 1) -> float:
-        """Bytes this piece keeps for its backward on ``samples`` samples (split layers' share by tp)."""
+        """Bytes this piece keeps for its backward on ``samples`` samples (as ``workspace``)."""
+        row = self._tp_row(tp)
+        if row is not None:
+            return row[1] + row[2] * samples
         return self._share(tp) * (self.activation_fixed + self.activation_per_sample * samples)
 
 
@@ -161,7 +177,9 @@ class Costs:
         tuples = ("tp_forward", "tp_backward", "moe_per_sample")
         pairs = ("recompute_forward", "recompute_backward")
         pieces = [PieceCost(**{**p, **{k: tuple(p.get(k, ())) for k in tuples},
-                               **{k: tuple(p[k]) for k in pairs if p.get(k) is not None}}) for p in d["pieces"]]
+                               **{k: tuple(p[k]) for k in pairs if p.get(k) is not None},
+                               "tp_memory": tuple(tuple(r) for r in p.get("tp_memory", ()))})
+                  for p in d["pieces"]]
         return cls(**{**d, "pieces": pieces, "loss_tp": tuple(d.get("loss_tp", ()))})
 
 
@@ -214,57 +232,6 @@ def _piece_tp(piece: Piece, splits: dict[str, tuple[str, int, int, int]], rows: 
     return split, tuple(fwd), tuple(bwd), heads, hidden
 
 
-def _run_piece(piece: Piece, x: Any, params: list[Any]) -> tuple[float, float, int, int, Any]:
-    """``(forward s, backward s, activation bytes, workspace bytes, output array)`` of one run of
-    ``piece`` on ``x``, the memory as the engine's ``MemoryMeter`` counts it (its caches and the
-    graph's saved arrays at the start of backward; its reuse pools beyond those)."""
-    from ..autograd import Tensor, is_tensor
-    from ..backend import synchronize
-    from ..training.memory import MemoryMeter
-
-    for q in params:  # scratch gradients (explicit modules add into .grad)
-        q.grad = q.data * 0
-    meter = MemoryMeter(_Tops(piece))
-    leaf = Tensor(x, requires_grad=np.dtype(x.dtype).kind == "f")
-    synchronize(x)
-    t0 = time.perf_counter()
-    out = piece.forward(leaf)
-    synchronize(out.data if is_tensor(out) else out)
-    t1 = time.perf_counter()
-    meter.measure((out,) if is_tensor(out) else ())
-    t2 = time.perf_counter()
-    if is_tensor(out) and out.requires_grad:
-        out.backward(out.data * 0 + 1)
-    synchronize(out.data if is_tensor(out) else out)
-    t3 = time.perf_counter()
-    seen = meter.report({})
-    return t1 - t0, t3 - t2, seen["activations_peak"], seen["workspace"], (out.data if is_tensor(out) else out)
-
-
-def _fit(sizes: tuple[int, int], values: tuple[float, float]) -> tuple[float, float]:
-    """``(fixed, per_sample)`` through two points, neither below zero."""
-    (a, va), (b, vb) = zip(sizes, values)
-    slope = max(0.0, (vb - va) / (b - a))
-    return max(0.0, va - slope * a), slope
-
-
-def _pieces_at(pieces: list[Piece], sample: Any, repeats: int, params: list[Any]) -> list[tuple]:
-    """Per piece ``(forward s, backward s, activation bytes, workspace bytes, input bytes, output
-    bytes)``: the median of ``repeats`` runs after a warm-up, each piece on the previous piece's output."""
-    out, x = [], sample
-    for piece in pieces:
-        # The reuse pools keep arrays of every shape seen: empty them so that this size's
-        # workspace is what it alone needs (a job runs one micro-batch size).
-        for top in piece.modules.values():
-            for _, m in top.named_modules():
-                m.scratch_buffers().clear()
-        runs = [_run_piece(piece, x, params) for _ in range(1 + max(1, repeats))][1:]
-        y = runs[-1][4]
-        out.append((*(statistics.median(r[k] for r in runs) for k in range(4)), int(x.nbytes), int(y.nbytes)))
-        x = y
-    return out
-
-
 def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int], Any] | None = None,
             optimizer: Callable[[list[Any]], Any] | None = None, repeats: int = 3,
             sizes: tuple[int, int] | None = None) -> Costs:
@@ -301,8 +268,8 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
     try:
         for m, _ in modes:
             m.training = False
-        small, large = (_pieces_at(pieces, sample(n), repeats, params) for n in (lo, hi))
-        redo = _recomputed(model, sample, (lo, hi), repeats) if any(_recomputable(p) for p in pieces) else None
+        small, large = (pieces_at(pieces, sample(n), repeats, params) for n in (lo, hi))
+        redo = recomputed(model, sample, (lo, hi), repeats) if any(_recomputable(p) for p in pieces) else None
         opt = (optimizer or (lambda ps: AdamW(ps, lr=0.0)))(params)
         opt.step()  # creates the state (lr 0: the weights stay); then time a few steps
         t0 = time.perf_counter()
@@ -310,6 +277,7 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
             opt.step()
         opt_s = (time.perf_counter() - t0) / max(1, repeats)
         state = owned_bytes(optimizer_arrays(opt))
+        tp_rows = tp_memory(model, sample, (lo, hi))
     finally:
         for q, g in zip(params, grads):
             q.grad = g
@@ -319,43 +287,26 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
     for i, (piece, s, b) in enumerate(zip(pieces, small, large)):
         n_params = sum(int(np.prod(p.shape)) for p in piece_params(piece))
         split, fwd, bwd, heads, hidden = _piece_tp(piece, splits, rows, itemsize)
-        ff, fp = _fit((lo, hi), (s[0], b[0]))
-        bf, bp = _fit((lo, hi), (s[1], b[1]))
-        af, ap = _fit((lo, hi), (s[2], b[2]))
-        wf, wp = _fit((lo, hi), (s[3], b[3]))
-        units = [sum(int(np.prod(q.shape)) for q in u) for u in module_units(_Tops(piece), piece_params(piece))]
+        ff, fp = fit((lo, hi), (s[0], b[0]))
+        bf, bp = fit((lo, hi), (s[1], b[1]))
+        af, ap = fit((lo, hi), (s[2], b[2]))
+        wf, wp = fit((lo, hi), (s[3], b[3]))
+        units = [sum(int(np.prod(q.shape)) for q in u) for u in module_units(Tops(piece), piece_params(piece))]
         kv, moe, expert, experts = _context_and_experts(piece, rows, itemsize)
         out.append(PieceCost(piece.name, ff, fp, bf, bp, n_params, split, int(af), int(round(ap)),
                              b[4] // hi, b[5] // hi, holds_parameters(piece), _recomputable(piece), fwd, bwd,
                              heads, hidden, len(units), max(units, default=0), int(wf), int(round(wp)),
-                             kv, moe, expert, experts))
+                             kv, moe, expert, experts, tuple(tp_rows[len(out)])))
         if redo is not None and _recomputable(piece):
             (rs, rb) = (redo[0][i], redo[1][i])
-            out[-1] = replace(out[-1], recompute_forward=_fit((lo, hi), (rs[0], rb[0])),
-                              recompute_backward=_fit((lo, hi), (rs[1], rb[1])))
+            out[-1] = replace(out[-1], recompute_forward=fit((lo, hi), (rs[0], rb[0])),
+                              recompute_backward=fit((lo, hi), (rs[1], rb[1])))
     n = max(1, sum(p.params for p in out))
     loss_tp = (rows * itemsize,) * 3 if any(k == "head" for k, *_ in splits.values()) else ()
     from ..backend import xp_of
 
     device = "gpu" if xp_of(params[0].data) is not np else "cpu"
     return Costs(out, batch, itemsize, state / n, opt_s / n, device, loss_tp, rows)
-
-
-def _recomputed(model: Any, sample: Callable[[int], Any], sizes: tuple[int, int], repeats: int) -> list[list[tuple]]:
-    """``_pieces_at`` of a copy of ``model`` whose blocks ``recompute=True`` wraps (``nn.recompute_blocks``),
-    at both sizes: a recomputed block's forward keeps no graph and its backward runs the forward
-    again, recording, and the reuse pools of its layers are transient (``nn.buffers.transient``):
-    measured, not assumed (a small block's transient arrays cost more than its forward's flops)."""
-    import copy
-
-    from ..nn.recompute import recompute_blocks
-
-    twin = copy.deepcopy(model)
-    recompute_blocks(twin)
-    pieces, params = pipeline_pieces(twin), list(twin.parameters())
-    if len(pieces) != len(pipeline_pieces(model)):
-        raise RuntimeError("recompute_blocks changed how the model cuts into pieces: cannot time them wrapped")
-    return [_pieces_at(pieces, sample(n), repeats, params) for n in sizes]
 
 
 def on_rank0_alone(comm: Any, timeout: float | None, fn: Callable[[], Any]) -> Any:
@@ -410,17 +361,6 @@ def piece_params(piece: Piece) -> list[Any]:
         for p in m.parameters():
             out.setdefault(id(p), p)
     return list(out.values())
-
-
-class _Tops:
-    """A piece's modules seen as one tree (``named_modules``), for ``zero_units.module_units``."""
-
-    def __init__(self, piece: Piece) -> None:
-        self.piece = piece
-
-    def named_modules(self) -> Any:
-        for top, m in self.piece.modules.items():
-            yield from m.named_modules(top)
 
 
 def _recomputable(piece: Piece) -> bool:

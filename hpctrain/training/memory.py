@@ -130,6 +130,11 @@ class MemoryMeter:
             _arrays(getattr(pool, "_arrays", None), arrays, seen)
         return arrays
 
+    def pooled(self, a: Any) -> bool:
+        """Whether one of the layers' reuse pools keeps the memory behind array ``a``."""
+        r = id(_root(a))
+        return any(id(_root(b)) == r for b in self._pools())
+
     def measure(self, roots: tuple = ()) -> None:
         """Sample the activations now: what the modules' caches and the graphs of ``roots`` hold."""
         self.device_used = max(self.device_used, device_pool()[0])

@@ -1,0 +1,101 @@
+"""The planner's peak memory checked, by category: every layout ``plan.plan`` lists, no timing.
+
+    mpiexec -n 4 python benchmarks/plan_memory_check.py [--quick] [--models mlp gpt gpt-long] [--steps 2]
+
+For ``plan_check.py``'s three models, rank 0 measures the serial model's pieces (``plan.measure``:
+memory is deterministic, so one rank's measurement is every rank's), ``plan.plan`` lists every
+layout of the world (the links are a placeholder: only the memory is compared) and each layout
+trains ``--steps`` steps as ``plan_check.run_layout`` does (``memory_report`` on every step). Per
+layout it prints the predicted peak per rank against ``memory_summary()["total"]``, and the
+predicted categories (``Prediction.memory_parts``) against those of the rank holding most: the
+breakdown says which term of ``plan_memory`` is off.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plan_check import models  # noqa: E402
+
+MIB = 2**20
+KEYS = ("params", "grads", "optimizer", "buffers", "activations_peak", "workspace")
+SHORT = {"params": "par", "grads": "grd", "optimizer": "opt", "buffers": "buf", "activations_peak": "act",
+         "workspace": "wsp"}
+
+
+def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: int) -> tuple[int, dict[str, int]]:
+    """``(memory_summary's total, the categories of the rank holding most)`` after ``steps`` steps."""
+    from hpctrain import ProcessGrid
+    from hpctrain.nn import CrossEntropyLoss
+    from hpctrain.optim import AdamW
+    from hpctrain.parallel import ParallelTrainer, parallelize
+    from hpctrain.parallel.plan import stages_of
+
+    lay = pred.layout
+    grid = ProcessGrid(comm, tp=lay.tp, pp=lay.pp)
+    samples = costs.batch / lay.dp / lay.microbatches
+    balance = [len(s) for s in stages_of(costs, lay.pp, samples, lay.tp)] if lay.pp > 1 else None
+    part = parallelize(spec["build"](), grid, balance=balance, recompute=lay.recompute)
+    tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=1e-3),
+                         grid=grid, microbatches=lay.microbatches, zero=lay.zero, overlap=True)
+    x, y = spec["data"](costs.batch // lay.dp, seed=2 + grid.dp.rank)
+    tr.memory_report()
+    mine: dict[str, int] = {}
+    for _ in range(steps):
+        report = tr.memory_report(tr.step(x, y))
+        mine = {k: max(v, mine.get(k, 0)) for k, v in report.items()}  # as memory_summary keeps them
+    total = int(tr.memory_summary()["total"])
+    everyone = comm.mpi.allgather(mine)
+    grid.free()
+    return total, max(everyone, key=lambda d: d["total"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hpctrain import Communicator
+    from hpctrain.comm.linkprobe import Link
+    from hpctrain.parallel import plan as planner
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["mlp", "gpt", "gpt-long"], choices=["mlp", "gpt", "gpt-long"])
+    ap.add_argument("--steps", type=int, default=2, help="steps per layout (memory_report after each)")
+    ap.add_argument("--quick", action="store_true", help="plan_check's smaller models")
+    ap.add_argument("--only", default="", help="run only layouts whose label contains this text")
+    args = ap.parse_args(argv)
+    comm = Communicator()
+    specs = models(args.quick)
+    link = Link((0, 1), 1e-5, 1e9, ())  # time is not checked here
+    links = {"intra-node": link, "inter-node": link}
+    for name in args.models:
+        spec = specs[name]
+        costs = None
+        if comm.rank == 0:
+            x, _ = spec["data"](spec["batch"])
+            costs = planner.measure(spec["build"], x.shape, sample=lambda n, s=spec: s["data"](n)[0])
+        costs = comm.bcast_obj(costs, root=0)
+        preds = [p for p in planner.plan(costs, links, comm.size) if args.only in p.layout.label()]
+        within = 0
+        for p in preds:
+            total, got = run_layout(comm, spec, p, costs, args.steps)
+            err = (p.memory_bytes - total) / total
+            within += abs(err) <= 0.10
+            if comm.rank == 0:
+                parts = " ".join(f"{SHORT[k]} {p.memory_parts.get(k, 0) / MIB:.2f}/{got.get(k, 0) / MIB:.2f}"
+                                 for k in KEYS)
+                print(f"{name:8s} {p.layout.label():34s} predicted {p.memory_bytes / MIB:6.2f} MiB  measured "
+                      f"{total / MIB:6.2f} MiB {err * 100:+4.0f}%  | {parts}", flush=True)
+        if comm.rank == 0:
+            print(f"{name}: {within} of {len(preds)} layouts within 10%", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -146,7 +146,6 @@ def _while_others_sleep(comm: Comm, timeout: float | None, fn: Callable[[], Any]
     """``fn()`` on rank 0 while the other ranks wait without spinning: a blocking MPI wait polls
     a core (MPICH), and on a node whose cores the job's ranks share that would slow the very
     timing rank 0 takes. The wait is bounded by the job's timeout (``StallError``)."""
-
     import numpy as np
 
     from ..errors import StallError

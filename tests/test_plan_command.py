@@ -4,12 +4,14 @@ run them: real jobs under ``mpiexec`` (the ``jobs`` marker: ``make test-jobs``).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from hpctrain.comm.probefile import load
 from hpctrain.job.options import PLANNED
 from hpctrain.job.planning import label
+from hpctrain.parallel.plan import Layout
 from jobs import clean_env, hpctrain
 
 
@@ -84,9 +86,18 @@ def test_plan_under_mpiexec_probes_and_lists_every_layout_best_first(tmp_path):
     assert {(r["tp"], r["pp"]) for r in rows} >= {(1, 1), (2, 1), (1, 2)}  # tp, pp and dp all planned
     assert {r["zero"] for r in rows} == {0, 1, 2, 3} and {r["recompute"] for r in rows} == {False, True}
     assert "faster than the next" in rows[0]["why"]
+    # Calibrated with real steps of this job's ranks: the four layouts' measured steps, the fit from them.
+    cal = json.loads(p.stdout)["calibration"]
+    assert {Layout(4, 1, 1).label(), Layout(4, 1, 1, zero=3).label()} <= set(cal["steps_s"]), cal  # the fit's two
+    assert min(cal["steps_s"].values()) > 0, cal
+    assert cal["step_fixed_s"] >= 0 and set(cal["call_s"]) == {"dp", "tp", "pp"} and min(cal["call_s"].values()) >= 0
+    assert 0 < cal["seconds"] and cal["step_fixed_s"] + min(cal["call_s"].values()) < max(cal["steps_s"].values())
     p = hpctrain("plan", "--model", "gpt", n=4, timeout=200)  # the table: one line per fitting layout
     assert p.returncode == 0, p.stderr
     assert "on 4 ranks / 1 node" in p.stdout and "links: probed now" in p.stdout
+    said = p.stdout.splitlines()[2]
+    assert re.match(r"calibrated in [0-9.]+ s from timed steps of [0-9]+ layouts: the engine's own work ", said), said
+    assert "ms/step; per blocking call dp " in said and ", tp " in said and ", pp " in said
     assert p.stdout.count("\n  1 ") == 1 and "\nbest: dp=" in p.stdout
 
 
@@ -126,8 +137,14 @@ def test_plan_for_an_allocation_it_does_not_have(two_node_probe):
     assert p.returncode == 0, p.stderr
     assert "on 8 ranks / 2 nodes" in p.stdout and f"links: {two_node_probe} (probed" in p.stdout
     assert "memory limit 4.00 GiB per rank (--memory 4)" in p.stdout
-    rows = _layouts(hpctrain("plan", "--model", "gpt", "--ranks", "8", "--nodes", "2", "--memory", "4",
-                             "--probe-file", str(two_node_probe), "--json"))
+    # No steps of ranks it does not hold: the probe's price, said with how to calibrate.
+    said = p.stdout.splitlines()[2]
+    assert said.startswith("not calibrated: the steps of 8 ranks this job does not hold cannot be timed here")
+    assert said.endswith("run `hpctrain plan` under the allocation's own mpiexec/srun")
+    p = hpctrain("plan", "--model", "gpt", "--ranks", "8", "--nodes", "2", "--memory", "4", "--probe-file",
+                 str(two_node_probe), "--json")
+    rows = _layouts(p)
+    assert json.loads(p.stdout)["calibration"] is None
     _check_order(rows, 8)
     assert any(r["dp"] == 8 for r in rows) and any(r["pp"] > 1 for r in rows)
 
@@ -186,6 +203,7 @@ def test_layout_auto_trains_where_its_layout_trained_by_hand_ends(tmp_path):
     said = next(line for line in p.stdout.splitlines() if line.startswith("layout: auto -> "))
     assert f"dp={chosen['dp']} tp={chosen['tp']} pp={chosen['pp']} zero={chosen['zero']}" in said
     assert "ms/step, best of " in said and "links probed now" in said
+    assert re.search(r"; calibrated from [0-9]+ layouts timed in [0-9.]+ s; links", said), said
     # Kept as auto, the choice recorded as filled in: a resume plans again.
     assert chosen["layout"] == "auto" and set(PLANNED) <= set(chosen["unset"])
     assert chosen["dp"] * chosen["tp"] * chosen["pp"] == 2
@@ -204,7 +222,23 @@ def test_layout_auto_trains_where_its_layout_trained_by_hand_ends(tmp_path):
     assert p.returncode == 0 and p.stdout.count("layout: auto -> ") == 1, p.stderr + p.stdout
     assert [json.loads(x)["step"] for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()] == \
         list(range(1, 7))
-    p = hpctrain("train", "--model", "gpt", "--layout", "auto", "--zero", "1", "--dry-run", n=2, timeout=300,
-                 cwd=tmp_path)  # a setting given beside it is kept, the rest chosen
+    p = hpctrain("train", "--model", "gpt", "--layout", "auto", "--zero", "1", "--no-calibrate", "--dry-run", n=2,
+                 timeout=300, cwd=tmp_path)  # a setting given beside it is kept, the rest chosen
     assert p.returncode == 0 and p.stdout.count("layout: auto -> dp=2 tp=1 pp=1 zero=1") == 1, p.stderr + p.stdout
-    assert "with --zero 1; links probed now)" in p.stdout
+    assert "with --zero 1; not calibrated; links probed now)" in p.stdout
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_fails_in_calibration_fails_the_plan_on_every_rank(tmp_path):
+    # Rank 0 alone measures the pieces; calibration builds the model on every rank: rank 1 refuses.
+    (tmp_path / "rank1.py").write_text(
+        "from mpi4py import MPI\n\nfrom hpctrain.job.models import build_classifier\n\n\n"
+        "def make(c):\n"
+        "    if MPI.COMM_WORLD.rank == 1:\n"
+        "        raise ValueError('rank 1 cannot build this model')\n"
+        "    return build_classifier(c, c.info)\n")
+    p = hpctrain("plan", "--model", "rank1.py:make", n=2, timeout=150, cwd=tmp_path)
+    assert p.returncode == 4 and p.stdout == "", p.stderr + p.stdout
+    assert p.stderr.count("hpctrain plan: error: ranks 0-1: rank 1: ValueError: rank 1 cannot build this model") == 1
+    p = hpctrain("plan", "--model", "rank1.py:make", "--no-calibrate", "--json", n=2, timeout=150, cwd=tmp_path)
+    assert p.returncode == 0 and json.loads(p.stdout)["calibration"] is None, p.stderr  # no steps: no build there

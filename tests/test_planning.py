@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from hpctrain.errors import ConfigError
 from hpctrain.job import resolve
 from hpctrain.job.options import PLANNED, Config
 from hpctrain.job.planning import (
     Allocation,
+    Calibration,
     chosen_config,
     constraints,
     constraints_text,
@@ -118,3 +120,30 @@ def test_the_plan_chooses_cp_and_ep_as_it_chooses_the_rest():
     assert not keeps(_row(1, 1, 1, cp=2), {"strategy": "dp"}) and not keeps(_row(2, 1, 1, ep=2), {"strategy": "dp"})
     opened = open_layout(cfg.replace(cp=2, ep=2))
     assert (opened.cp, opened.ep) == (1, 1)
+
+
+def test_the_header_says_what_calibration_measured_or_why_it_did_not_run():
+    class Costs:
+        params, batch, device = 1234, 64, "cpu"
+
+    alloc = Allocation(4, ("a",) * 4, 2 << 20, "--memory 0.002", {}, "probed now")
+    steps = {"dp=4": 0.0301, "dp=4 zero 3": 0.0452, "tp=4": 0.0613}
+    cal = Calibration(2.14, 0.012, {"dp": 0.00044, "tp": 0.00063}, steps)
+    head = table([_row(4, 1, 1)], alloc, Costs(), cal=cal).splitlines()
+    assert head[2] == ("calibrated in 2.1 s from timed steps of 3 layouts: the engine's own work 12.0 ms/step; "
+                       "per blocking call dp 0.44 ms, tp 0.63 ms")
+    assert cal.as_json() == {"seconds": 2.14, "step_fixed_s": 0.012, "call_s": {"dp": 0.00044, "tp": 0.00063},
+                             "steps_s": steps}
+    assert cal.brief() == "calibrated from 3 layouts timed in 2.1 s"
+    skipped = Calibration(skipped="--no-calibrate (why)")
+    assert skipped.as_json() is None and skipped.brief() == "not calibrated"
+    assert table([_row(4, 1, 1)], alloc, Costs(), cal=skipped).splitlines()[2] == "not calibrated: --no-calibrate (why)"
+
+
+def test_no_calibrate_goes_with_layout_auto_and_a_chosen_layout_drops_it():
+    with pytest.raises(ConfigError, match="--no-calibrate skips the timed steps of --layout auto's plan"):
+        resolve(Config(calibrate=False), 1)
+    cfg = Config(model="gpt", layout="auto", calibrate=False)
+    assert resolve(cfg, 1).calibrate is False
+    assert chosen_config(cfg, _row(4, 1, 1)).calibrate is True  # set as if given: resolves without --layout auto
+    assert chosen_config(cfg, _row(4, 1, 1), "auto -> ...", list(PLANNED)).calibrate is False  # kept with auto

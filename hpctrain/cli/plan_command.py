@@ -2,11 +2,13 @@
 
     mpiexec -n 4 hpctrain plan --model gpt                    # this job's ranks, nodes and links
     hpctrain plan --model gpt --ranks 8 --nodes 2 --memory 24 --probe-file probe.json   # another allocation
-    mpiexec -n 4 hpctrain plan --model gpt --json             # {"layouts": [...]} for scripts
+    mpiexec -n 4 hpctrain plan --model gpt --json             # {"layouts": [...], "calibration": ...}
 
 The model and data flags are ``hpctrain train``'s (the same parser, ``job.add_arguments``); the
 layout ones given (``--tp 2``, ``--zero 1``, a config file's ``strategy``) constrain the plan, as
-beside ``--layout auto``: it lists only layouts with them and chooses the rest.
+beside ``--layout auto``: it lists only layouts with them and chooses the rest. Under the job's own
+``mpiexec``/``srun`` the costs are calibrated with a few real steps first (``--no-calibrate``
+skips it); ``--ranks N`` cannot time steps of ranks it does not hold, and says so.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from ..job import add_arguments as train_arguments
 
 EXAMPLES = """examples:
   mpiexec -n 4 hpctrain plan --model gpt                          # plan this job: its ranks, nodes, links
-  mpiexec -n 4 hpctrain plan --model gpt --json                   # {"layouts": [...]}, best first
+  mpiexec -n 4 hpctrain plan --model gpt --json                   # {"layouts": [...], "calibration": {...}}
+  mpiexec -n 4 hpctrain plan --model gpt --no-calibrate           # no timed steps: faster, less accurate
   hpctrain info --probe --save probe.json                         # (under mpiexec on the nodes to plan for)
   hpctrain plan --model gpt --ranks 8 --nodes 2 --memory 24 --probe-file probe.json   # an allocation not had
   mpiexec -n 4 hpctrain train --model gpt --layout auto           # plan, then train with the best layout
@@ -39,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory", type=float, default=None, metavar="GIB",
                    help="memory per rank in GiB (default: the GPU's, else the node's memory / its ranks)")
     g.add_argument("--json", action="store_true",
-                   help='print {"layouts": [...]} (best first; dp, tp, pp, cp, ep, zero, recompute, microbatches, '
-                        "predicted_ms, memory_bytes, fits, why) instead of the table")
+                   help='print {"layouts": [...], "calibration": {...}} (layouts best first: dp, tp, pp, cp, ep, '
+                        "zero, recompute, microbatches, predicted_ms, memory_bytes, fits, why; calibration: seconds, "
+                        "step_fixed_s, call_s, steps_s, or null when not calibrated) instead of the table")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -59,13 +63,13 @@ def main(args: argparse.Namespace) -> int:
 
     comm = Communicator()
     try:
-        rows, alloc, costs, cons = _plan(args, comm)
+        rows, alloc, costs, cons, cal = _plan(args, comm)
     except HpctrainError as exc:
         return fail(exc, code=exit_status(exc), what="hpctrain plan")
     if comm.rank == 0:
         try:
-            print(json.dumps({"layouts": rows}, indent=1) if args.json else planning.table(rows, alloc, costs, cons),
-                  flush=True)
+            doc = {"layouts": rows, "calibration": cal.as_json()}
+            print(json.dumps(doc, indent=1) if args.json else planning.table(rows, alloc, costs, cons, cal), flush=True)
         except BrokenPipeError:  # `hpctrain plan | head`: the reader has what it wanted
             import os
 
@@ -73,11 +77,11 @@ def main(args: argparse.Namespace) -> int:
     return ExitStatus.OK
 
 
-def _plan(args: argparse.Namespace, comm: Any) -> tuple[list[dict[str, Any]], Any, Any, dict[str, Any]]:
+def _plan(args: argparse.Namespace, comm: Any) -> tuple[list[dict[str, Any]], Any, Any, dict[str, Any], Any]:
     """The settings as ``train`` reads them, planned as ``--layout auto`` plans (collective)."""
     from ..job import planning
     from ..job.config import OPTIONS, read_settings, resolve
-    from ..job.runner import everywhere, limit_blas_threads, pick_device
+    from ..job.runner import everywhere, limit_blas_threads, pick_device, write_builtin
 
     names = {o.name for o in OPTIONS}
     flags = {k: v for k, v in vars(args).items() if k in names}
@@ -89,5 +93,8 @@ def _plan(args: argparse.Namespace, comm: Any) -> tuple[list[dict[str, Any]], An
     device = pick_device(c, comm)
     limit_blas_threads(comm)
     alloc = planning.allocation(comm, everywhere, c.probe_file, device, args.ranks, args.nodes, args.memory)
-    rows, alloc, costs = planning.plan_rows(c, comm, device, alloc, everywhere, cons)
-    return rows, alloc, costs, cons
+    if args.ranks is None and c.data in (None, "shakespeare"):  # calibration's steps read it on every node
+        write_builtin(c, comm)
+    # Calibrated with real steps only on the ranks it plans for: --ranks N plans an allocation not held.
+    rows, alloc, costs, cal = planning.plan_rows(c, comm, device, alloc, everywhere, cons, held=args.ranks is None)
+    return rows, alloc, costs, cons, cal

@@ -1,5 +1,6 @@
 """``hpctrain plan`` and ``hpctrain train --layout auto``: the allocation planned for, the costs
-measured once on rank 0 and shared, the plan's layouts as the job can run them, and the table.
+measured once on rank 0 and shared, calibrated with a few real steps of the job's own model, data
+and loss (:func:`calibrated_costs`), the plan's layouts as the job can run them, and the table.
 
 The model behind the numbers is the library's (:mod:`hpctrain.parallel.plan`); this module is the
 job's side of it: which ranks, nodes, links and memory the plan is for (:class:`Allocation`),
@@ -11,8 +12,11 @@ configuration refuses is listed with that refusal, never chosen), and the words 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
@@ -130,15 +134,133 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
         x0 = train_set[np.arange(1)][0]
 
         def sample(n: int) -> Any:
-            from ..backend import get_xp, to_device
-
-            rows = np.arange(n) % len(train_set)
-            return to_device(train_set[rows][0], get_xp("gpu" if device == "cuda" else "cpu"))
+            return _samples(train_set, n, 0, device)[0]
 
         return planner.measure(model, (c.batch_size, *x0.shape[1:]), sample=sample).as_dict()
 
     measured = everywhere(comm, lambda: planner.on_rank0_alone(comm, c.timeout, on_rank0))
     return planner.Costs.from_dict(comm.bcast_obj(measured))
+
+
+#: Timed steps of each layout calibration runs (after one warm-up; the median is kept): few, so that
+#: ``hpctrain plan`` answers in seconds (building and warming each layout costs as much as its steps);
+#: more would steady the figures on a loaded machine.
+STEPS = 2
+
+#: What a plan that does not time steps prices each blocking call at instead (the table's words).
+UNCALIBRATED = "each blocking call priced at the link probe's meeting time, the engine's own work per step at 0"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the plan's calibration measured from real steps (``plan_calibrate.calibrate``):
+    ``seconds`` it took, the engine's own work per step (``step_fixed_s``), each group's in-step
+    price of a blocking call (``call_s``) and the measured step of each layout it timed (``steps``,
+    seconds by layout label); or why it did not run (``skipped``)."""
+
+    seconds: float = 0.0
+    step_fixed_s: float = 0.0
+    call_s: dict[str, float] = field(default_factory=dict)
+    steps: dict[str, float] = field(default_factory=dict)
+    skipped: str | None = None
+
+    def as_json(self) -> dict[str, Any] | None:
+        """``--json``'s ``calibration`` (``None`` when not calibrated)."""
+        if self.skipped is not None:
+            return None
+        return {"seconds": round(self.seconds, 3), "step_fixed_s": self.step_fixed_s, "call_s": dict(self.call_s),
+                "steps_s": dict(self.steps)}
+
+    def text(self) -> str:
+        """The table's header line."""
+        if self.skipped is not None:
+            return f"not calibrated: {self.skipped}"
+        calls = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.call_s.items())
+        return (f"calibrated in {self.seconds:.1f} s from timed steps of {_layouts(len(self.steps))}: the engine's "
+                f"own work {self.step_fixed_s * 1e3:.1f} ms/step" + (f"; per blocking call {calls}" if calls else ""))
+
+    def brief(self) -> str:
+        """``--layout auto``'s words in the header line."""
+        if self.skipped is not None:
+            return "not calibrated"
+        return f"calibrated from {_layouts(len(self.steps))} timed in {self.seconds:.1f} s"
+
+
+def _layouts(n: int) -> str:
+    return f"{n} layout{'s' if n != 1 else ''}"
+
+
+def calibrated_costs(c: Config, comm: Comm, device: str, everywhere: Callable[..., Any], costs: Any,
+                     alloc: Allocation, held: bool) -> tuple[Any, Calibration]:
+    """``(costs, what calibration measured)``: ``costs`` calibrated with a few real steps of the
+    job's own model, training data and loss on its device (collective: every rank steps; a failure
+    on any rank, building the model or sampling the data, is raised on every rank). Not calibrated
+    (``costs`` as given, the reason said) when the plan is not for the ranks this job holds
+    (``held`` false: ``--ranks``), with ``--no-calibrate``, or when the plain data-parallel layout
+    that calibration times does not fit in memory. The built-in data set (no ``--data``) must be
+    on every node first (``runner.write_builtin``, as ``hpctrain plan`` and ``run`` do)."""
+    from ..parallel import plan as planner
+
+    if not held:
+        why = (f"the steps of {alloc.ranks} ranks this job does not hold cannot be timed here ({UNCALIBRATED}); "
+               "to calibrate, run `hpctrain plan` under the allocation's own mpiexec/srun")
+        return costs, Calibration(skipped=why)
+    if not c.calibrate:
+        return costs, Calibration(skipped=f"--no-calibrate ({UNCALIBRATED}: faster, less accurate)")
+    plain = planner.predict(planner.Layout(alloc.ranks, 1, 1), costs, alloc.links, list(alloc.names))
+    if plain.memory_bytes > alloc.memory:
+        return costs, Calibration(skipped=f"the plain data-parallel layout it times needs {_size(plain.memory_bytes)}"
+                                          f" per rank, has {_size(alloc.memory)} ({UNCALIBRATED})")
+    from ..parallel.plan_calibrate import calibrate
+    from .builders import build_loss, build_model
+    from .inputs import data_path, open_data
+
+    # (The built-in set is on every node: the callers wrote it first, runner.write_builtin.)
+    train_set, _, meta = everywhere(comm, lambda: open_data(c, None, data_path(c)))
+
+    def build() -> Any:  # a fresh model for each layout timed, refused on every rank if on any
+        model = everywhere(comm, lambda: build_model(c, meta))
+        return model.to("gpu") if device == "cuda" else model
+
+    def data(n: int, seed: int = 1) -> tuple[Any, Any]:  # n training samples, a window of its own per seed
+        return everywhere(comm, lambda: _samples(train_set, n, seed, device))
+
+    t0 = time.perf_counter()
+    with _trainers_timeout(c.timeout):
+        cal = everywhere(comm, lambda: calibrate(comm, costs, alloc.links, build, data, build_loss(c), steps=STEPS,
+                                                 nodes=list(alloc.names)))
+    seconds = comm.bcast_obj(time.perf_counter() - t0)  # (rank 0's clock: one header on every rank)
+    return cal, Calibration(seconds, cal.step_fixed_s, dict(cal.call_s), dict(cal.extra.get("calibration", {})))
+
+
+def _samples(train_set: Any, n: int, seed: int, device: str) -> tuple[Any, Any]:
+    """``n`` training samples ``(x, y)`` on ``device``: the rows from ``seed * n`` on (wrapping)."""
+    import numpy as np
+
+    from ..backend import get_xp, to_device
+
+    rows = np.sort((np.arange(n) + seed * n) % len(train_set))
+    x, y = train_set[rows][:2]
+    xp = get_xp("gpu" if device == "cuda" else "cpu")
+    return to_device(x, xp), to_device(y, xp)
+
+
+@contextmanager
+def _trainers_timeout(timeout: float | None) -> Iterator[None]:
+    """The job's ``--timeout`` for the trainers calibration builds: they take their wait timeout
+    from ``HPCTRAIN_TIMEOUT`` (``calibrate`` passes them none), so it is set for the while."""
+    if timeout is None:
+        yield
+        return
+    before = os.environ.get("HPCTRAIN_TIMEOUT")
+    os.environ["HPCTRAIN_TIMEOUT"] = repr(float(timeout))
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HPCTRAIN_TIMEOUT"]
+        else:
+            os.environ["HPCTRAIN_TIMEOUT"] = before
 
 
 def constraints(cfg: Config) -> dict[str, Any]:
@@ -184,9 +306,10 @@ def chosen_config(c: Config, layout: dict[str, Any], planned: str | None = None,
     ``microbatches``; ``strategy`` when given, else hybrid or dp). With ``planned``
     (``--layout auto``'s choice, said in the header) the layout stays ``auto`` and ``resolve``
     records the ``chosen`` settings as filled in (a resume plans them again); without, they are
-    set as if given, ``--layout auto`` and ``--probe-file`` dropped."""
+    set as if given, ``--layout auto``, ``--probe-file`` and ``--no-calibrate`` dropped."""
     tp, pp, cp, ep = (int(layout.get(k, 1)) for k in ("tp", "pp", "cp", "ep"))
-    kept = {"layout": c.layout, "probe_file": c.probe_file} if planned else {"layout": None, "probe_file": None}
+    kept = ({"layout": c.layout, "probe_file": c.probe_file, "calibrate": c.calibrate} if planned
+            else {"layout": None, "probe_file": None, "calibrate": True})
     return c.replace(**kept, strategy=strategy or ("hybrid" if tp * pp * cp * ep > 1 else "dp"), tp=tp, pp=pp,
                      cp=cp, ep=ep, zero=int(layout["zero"]), recompute=bool(layout["recompute"]),
                      microbatches=int(layout["microbatches"]), dp=None, local_batch=None, unset=None, planned=planned,
@@ -207,15 +330,18 @@ def runnable(c: Config, rows: list[dict[str, Any]], ranks: int) -> list[dict[str
 
 
 def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere: Callable[..., Any],
-              cons: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], Allocation, Any]:
-    """``(rows best first, alloc, costs)``: every layout of ``alloc`` that keeps to ``cons``
-    (:func:`constraints`), predicted from the costs measured on rank 0 (collective; the same rows
-    on every rank). A row is ``Prediction.as_json()`` with the step's split (``compute_ms``,
-    ``comm_ms``, ``bubble_ms``) and the limit (``memory_limit``); rows the job refuses are moved
-    to the ones that do not fit."""
+              cons: dict[str, Any] | None = None, held: bool = True
+              ) -> tuple[list[dict[str, Any]], Allocation, Any, Calibration]:
+    """``(rows best first, alloc, costs, calibration)``: every layout of ``alloc`` that keeps to
+    ``cons`` (:func:`constraints`), predicted from the costs measured on rank 0 and calibrated
+    with real steps where ``alloc`` is the job's own (``held``; :func:`calibrated_costs`)
+    (collective; the same rows on every rank). A row is ``Prediction.as_json()`` with the step's
+    split (``compute_ms``, ``comm_ms``, ``bubble_ms``) and the limit (``memory_limit``); rows the
+    job refuses are moved to the ones that do not fit."""
     from ..parallel import plan as planner
 
-    costs = measured_costs(c, comm, device, everywhere)
+    costs, cal = calibrated_costs(c, comm, device, everywhere, measured_costs(c, comm, device, everywhere), alloc,
+                                  held)
 
     def predicted() -> list[dict[str, Any]]:
         only = {k: (v,) for k, v in (cons or {}).items() if k in ("zero", "recompute")}  # (not predicted at all)
@@ -231,7 +357,7 @@ def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere:
             fit[0]["why"] = _against_next(fit)
         return listed
 
-    return everywhere(comm, predicted), alloc, costs
+    return everywhere(comm, predicted), alloc, costs, cal
 
 
 def _against_next(fit: list[dict[str, Any]]) -> str:
@@ -262,8 +388,10 @@ def _unfit(row: dict[str, Any], alloc: Allocation) -> str:
     return f"needs {_size(row['memory_bytes'])} per rank, has {_size(alloc.memory)}"
 
 
-def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any, cons: dict[str, Any] | None = None) -> str:
-    """``hpctrain plan``'s report: the allocation, the layouts that fit best first (one column per
+def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any, cons: dict[str, Any] | None = None,
+          cal: Calibration | None = None) -> str:
+    """``hpctrain plan``'s report: the allocation (and what calibration measured, ``cal``), the
+    layouts that fit best first (one column per
     choice, the step split into compute / exposed communication / pipeline bubble, the peak
     memory per rank and its share of the limit), why the first wins, then those that do not fit."""
     fit = [r for r in rows if r["fits"]]
@@ -271,6 +399,7 @@ def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any, cons: dict[
     head = (f"hpctrain plan: {costs.params:,} parameters, global batch {costs.batch}, on {alloc.ranks} rank"
             f"{'s' if alloc.ranks > 1 else ''} / {alloc.nodes} node{'s' if alloc.nodes > 1 else ''} ({costs.device})\n"
             f"memory limit {_size(alloc.memory)} per rank ({alloc.memory_from}); links: {alloc.links_from}"
+            + (f"\n{cal.text()}" if cal is not None else "")
             + (f"\nonly layouts with {constraints_text(cons)} (given; the plan chooses the rest)" if cons else ""))
     cols = "".join(f"{k:>4}" for k in axes) + f"{'zero':>5} {'recompute':>9} {'micro':>5}" + \
         f"{'step ms':>10}{'compute':>9}{'comm':>8}{'bubble':>8}{'memory/rank':>14}{'of limit':>9}"
@@ -305,7 +434,7 @@ def choose_layout(cfg: Config, comm: Comm, pick_device: Callable[[Config, Comm],
     c = everywhere(comm, lambda: resolve(open_layout(cfg), 1))  # (the layout-free checks; each layout's below)
     device = pick_device(c, comm)
     alloc = allocation(comm, everywhere, c.probe_file, device)
-    rows, _, _ = plan_rows(c, comm, device, alloc, everywhere, cons)
+    rows, _, _, cal = plan_rows(c, comm, device, alloc, everywhere, cons)
     fit = [r for r in rows if r["fits"]]
     with_ = f" with {constraints_text(cons)}" if cons else ""
     if not fit:
@@ -313,5 +442,5 @@ def choose_layout(cfg: Config, comm: Comm, pick_device: Callable[[Config, Comm],
         raise ConfigError(f"--layout auto: no layout of {alloc.ranks} ranks{with_} fits this job{why} "
                           "(`hpctrain plan` with the same flags lists them with the reasons)")
     said = (f"auto -> {label(fit[0])} (planned: {fit[0]['predicted_ms']:.1f} ms/step, best of {len(fit)}{with_}; "
-            f"links {alloc.links_from})")
+            f"{cal.brief()}; links {alloc.links_from})")
     return chosen_config(cfg, fit[0], said, [k for k in PLANNED if k not in cons], cons.get("strategy"))

@@ -148,6 +148,8 @@ def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Seque
         from .planning import choose_layout
 
         limit_blas_threads(comm)  # before the plan's timings, as before training's
+        if as_config(cfg).data in (None, "shakespeare"):  # the plan's timed steps read it on every node
+            write_builtin(as_config(cfg), comm)
         cfg = choose_layout(as_config(cfg), comm, pick_device, everywhere)
     c = everywhere(comm, lambda: resolve(cfg, comm.size))
     agree(comm, "hpctrain train configuration", c.to_dict())

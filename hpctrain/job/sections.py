@@ -232,11 +232,14 @@ def _parallel_values(c: Config) -> None:
 
 def _auto_layout(c: Config) -> None:
     """``--layout auto`` plans the synchronous layouts (the layout settings given beside it
-    constrain the plan); ``--probe-file`` prices its links."""
+    constrain the plan); ``--probe-file`` prices its links, ``--no-calibrate`` skips its timed steps."""
     if c.layout != "auto":
         if c.probe_file is not None:
             raise ConfigError(f"--probe-file {c.probe_file} prices the links of --layout auto's plan: give --layout "
                               "auto too (or use it with `hpctrain plan`)")
+        if not c.calibrate:
+            raise ConfigError("--no-calibrate skips the timed steps of --layout auto's plan: give --layout auto too "
+                              "(or use it with `hpctrain plan`)")
         return
     if c.strategy == "ps":
         raise ConfigError("--layout auto plans the synchronous layouts (dp, tp, pp, ZeRO); --strategy ps is not one: "
@@ -360,7 +363,8 @@ def _checkpoint(c: Config, world: int) -> None:
 
 SECTIONS: tuple[Section, ...] = (
     Section("parallel", ("strategy", "tp", "pp", "cp", "cp_mode", "ep", "batch_size", "accum_steps",
-                         "microbatches", "schedule", "pp_cut", "zero", "ps_mode", "staleness", "layout", "probe_file"),
+                         "microbatches", "schedule", "pp_cut", "zero", "ps_mode", "staleness", "layout", "probe_file",
+                         "calibrate"),
             _parallel,
             _parallel_values),
     Section("model", ("model", "loss", "d_model", "n_layers", "n_heads", "block_size", "dropout", "recompute",

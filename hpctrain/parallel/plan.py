@@ -43,7 +43,9 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
   ``call_s`` by group; ``plan_calibrate``): a step pays a fixed cost no piece shows (the loss,
   batch checks, the trainer's bookkeeping); the pieces, timed by one rank alone, run slower where
   a node's ranks share its cores (``compute_scale``); a pipeline's idle stage lends its core to
-  a busy one there, so its bubble costs less than its length (``bubble_scale``); and each
+  a busy one there, so its bubble costs less than its length (``bubble_scale``); recomputation's
+  forward again allocates what the transient pools gave back, which costs more where ranks share
+  cores (``recompute_scale``, on the compute recompute adds); and each
   blocking collective (``blocking_calls``: tp's per block and micro-batch, the pipeline's
   meetings, one wait for the buckets or ZeRO's reduce-scatters, ZeRO 3's gathers, the trainer's
   two agreements) costs more inside a step than the probe's ``Link.meet`` says (a peer
@@ -101,6 +103,7 @@ class Prediction:
     memory_parts: dict[str, int] = dataclasses.field(default_factory=dict)
     comm_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # ms by group: tp, cp, ep, pp, dp
     calls: dict[str, int] = dataclasses.field(default_factory=dict)  # blocking_calls of the slowest stage
+    recompute_ms: float = 0.0  # of compute_ms unscaled: what recomputation adds (its forward again)
 
     def as_json(self) -> dict[str, Any]:
         """The issue's keys (``hpctrain plan --json``)."""
@@ -264,12 +267,13 @@ def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: 
     (``last``: the stage holding the loss), as the engine issues them: tp, per micro-batch, each
     split layer's forward and backward all-reduce (a recomputed block's forward again) and the
     vocab-parallel loss's three; pp, one meeting per micro-batch; cp, a ring per attention piece
-    forward and backward; ep, five all-to-alls per MoE layer; dp, one wait for the buckets (or
-    ZeRO's reduce-scatters: started without waiting as backward finishes them, waited on
-    together), ZeRO 1/2 the all-gather after the step, ZeRO 3 a gather per unit before each
-    forward and backward (and recomputation) of each micro-batch instead; the trainer's two
-    agreements over the world. What ``Costs.call_s`` multiplies. (plan_check: ZeRO 1 and 2 cost
-    what plain dp costs within the noise, where a call per unit priced them 5-13 ms dearer.)"""
+    forward and backward; ep, five all-to-alls per MoE layer; dp, one wait for the buckets
+    (started during backward, waited on together), or ZeRO's reduce-scatter per unit (started as
+    backward finishes the unit: each costs a call's work in Python and MPI whether or not it
+    waits; plan_check on a quiet machine: ZeRO 1 and 2 cost 5-15 ms more than plain dp on the
+    GPT's 28 units) and ZeRO 1/2's all-gather after the step, ZeRO 3's gather per unit before
+    each forward and backward (and recomputation) of each micro-batch; the trainer's two
+    agreements over the world. What ``Costs.call_s`` multiplies."""
     lay, m = layout, layout.microbatches
     out = {"tp": 0, "pp": 0, "cp": 0, "ep": 0, "dp": 0, "trainer": 2 if lay.world > 1 else 0}
     redo = [p for p in pieces if p.recomputable] if lay.recompute else []
@@ -287,9 +291,9 @@ def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: 
         if not lay.zero:
             out["dp"] = 1  # the buckets, started during backward, are waited on together
         elif lay.zero in (1, 2):
-            out["dp"] = 2  # the reduce-scatters waited on together, then the all-gather
+            out["dp"] = units + 1  # a reduce-scatter started per unit (each a call's work), the all-gather
         else:
-            out["dp"] = 1 + m * (3 if lay.recompute else 2) * units
+            out["dp"] = units + m * (3 if lay.recompute else 2) * units
     return out
 
 
@@ -381,21 +385,25 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
         calls = blocking_calls(lay, costs, st, s == lay.pp - 1)
         parts["calls"] = call_seconds(calls, costs)
         compute = lay.microbatches * (f + b) + opt
+        redo = lay.microbatches * sum(p.forward_s(samples, lay.tp, True) + p.backward_s(samples, lay.tp, True)
+                                      - p.forward_s(samples, lay.tp) - p.backward_s(samples, lay.tp)
+                                      for p in st) if lay.recompute else 0.0
         comm = sum(parts.values())
         # What the schedule leaves idle: the stage's finish beyond its own work and messages.
         bubble = max(0.0, finish[s] + exposed + opt + after + small + meets - compute - comm + parts["calls"])
-        # The engine's own work, the compute and the idle time as the steps make them (calibrate).
-        step = costs.step_fixed_s + costs.compute_scale * compute + comm + costs.bubble_scale * bubble
+        # The engine's own work, the compute (recomputation's part apart) and the idle time as the
+        # steps make them (calibrate).
+        work = costs.step_fixed_s + costs.compute_scale * (compute - redo) + costs.recompute_scale * redo
+        step = work + comm + costs.bubble_scale * bubble
         if step > best[0]:
-            best = (step, costs.compute_scale * compute + costs.step_fixed_s, comm, costs.bubble_scale * bubble,
-                    parts, calls)
-    step, compute, comm, bubble, parts, calls = best
+            best = (step, work, comm, costs.bubble_scale * bubble, parts, calls, redo)
+    step, compute, comm, bubble, parts, calls, redo = best
     need, memory_parts = memory(lay, costs, stages, samples, schedule)
     fits = memory_limit is None or need <= memory_limit
     why = (f"compute {compute * 1e3:.1f} ms + communication {comm * 1e3:.1f} ms + bubble {bubble * 1e3:.1f} ms"
            if fits else f"needs {gib(need)} GiB per rank, has {gib(memory_limit or 0)}")
     return Prediction(lay, step * 1e3, compute * 1e3, comm * 1e3, bubble * 1e3, int(need), memory_limit, fits, why,
-                      memory_parts, {k: v * 1e3 for k, v in parts.items()}, calls)
+                      memory_parts, {k: v * 1e3 for k, v in parts.items()}, calls, redo * 1e3)
 
 
 def plan(costs: Costs, links: dict[str, Link | None], world: int, nodes: list[str] | None = None,

@@ -40,14 +40,17 @@ from .plan_costs import Costs
 __all__ = ["calibrate", "fit", "probe_layouts", "step_seconds", "terms"]
 
 #: The fitted unknowns, in ``fit``'s column order (the calls' prices by group after the scales).
-UNKNOWNS = ("fixed", "compute", "bubble", "dp", "tp", "pp")
+UNKNOWNS = ("fixed", "compute", "bubble", "dp", "tp", "pp", "recompute")
 
 
 def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], Any],
-                 data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5) -> float:
+                 data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5, timeout: float | None = None
+                 ) -> float:
     """The median over ``steps`` (after one warm-up) of the slowest rank's ``ParallelTrainer.step``
-    of ``layout`` (overlap on, AdamW), the stages cut as ``hpctrain train`` cuts (collective).
-    ``data(n, seed=...)``: ``n`` samples ``(x, y)``."""
+    of ``layout`` (overlap on, AdamW, the memory meter watching as in ``fit``), the stages cut as
+    ``hpctrain train`` cuts (collective).
+    ``data(n, seed=...)``: ``n`` samples ``(x, y)``; ``timeout``: the trainer's (its default
+    ``HPCTRAIN_TIMEOUT`` when ``None``)."""
     from ..comm.grid import ProcessGrid
     from ..optim import AdamW
     from .parallelize import parallelize
@@ -60,15 +63,19 @@ def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], An
         balance = [len(s) for s in stages_of(costs, lay.pp, samples, lay.tp)] if lay.pp > 1 else None
         part = parallelize(build(), grid, balance=balance, recompute=lay.recompute)
         tr = ParallelTrainer(model=part, loss=loss, optimizer=AdamW(part.parameters(), lr=1e-3), grid=grid,
-                             microbatches=lay.microbatches, zero=lay.zero, overlap=True)
+                             microbatches=lay.microbatches, zero=lay.zero, overlap=True, timeout=timeout)
         x, y = data(costs.batch // lay.dp, seed=2 + grid.dp.rank)
-        tr.step(x, y)
+        # As the training loop runs a step: its memory meter watching (training.loop reports every
+        # step; the meter's look after each recomputed forward costs 1-2 ms a step on the MLP).
+        tr.memory_report()
+        tr.memory_report(tr.step(x, y))
         times = []
         for _ in range(max(1, steps)):
             comm.barrier()
             t0 = time.perf_counter()
-            tr.step(x, y)
+            stats = tr.step(x, y)
             times.append(float(comm.allreduce(np.array([time.perf_counter() - t0]), op="max")[0]))
+            tr.memory_report(stats)
         return float(statistics.median(times))
     finally:
         grid.free()
@@ -80,16 +87,17 @@ def terms(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes: li
     ``bubble`` and ``comm`` (the alpha-beta transfers left exposed) at unit scales, no fixed work,
     and ``calls`` (``plan.blocking_calls`` of the slowest stage)."""
     base = dataclasses.replace(costs, step_fixed_s=0.0, call_s={}, calibrated=True, compute_scale=1.0,
-                               bubble_scale=1.0)
+                               bubble_scale=1.0, recompute_scale=1.0)
     p = predict(layout, base, links, nodes)
-    return {"compute": p.compute_ms / 1e3, "bubble": p.bubble_ms / 1e3, "comm": p.comm_ms / 1e3,
-            "calls": dict(p.calls)}
+    return {"compute": (p.compute_ms - p.recompute_ms) / 1e3, "recompute": p.recompute_ms / 1e3,
+            "bubble": p.bubble_ms / 1e3, "comm": p.comm_ms / 1e3, "calls": dict(p.calls)}
 
 
 def _columns(t: dict[str, Any]) -> list[float]:
     calls = t["calls"]
     dp = sum(n for g, n in calls.items() if g not in ("tp", "pp"))  # cp, ep and the trainer's at dp's price
-    return [1.0, t["compute"], t["bubble"], float(dp), float(calls.get("tp", 0)), float(calls.get("pp", 0))]
+    return [1.0, t["compute"], t["bubble"], float(dp), float(calls.get("tp", 0)), float(calls.get("pp", 0)),
+            t.get("recompute", 0.0)]
 
 
 def fit(rows: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
@@ -120,33 +128,33 @@ def fit(rows: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
     out = dict(zip(UNKNOWNS, (float(v) for v in x)))
     for j, name in enumerate(UNKNOWNS):
         if j not in seen:
-            out[name] = 1.0 if name in ("compute", "bubble") else out["dp"]
+            out[name] = 1.0 if name in ("compute", "bubble", "recompute") else out["dp"]
     return out
 
 
 def probe_layouts(world: int, costs: Costs) -> list[Layout]:
-    """The layouts ``calibrate`` times: each varies a term the others hold still (the engine
-    refuses some for some models: those are left out). Plain data parallel (compute and the
-    fixed work), ZeRO 3 (dp's calls: a gather per unit and pass), recompute (compute without
-    calls), the widest tensor parallel without a pipeline (tp's calls), the deepest pipeline
-    with four micro-batches per stage (pp's meetings, per-micro-batch work), two stages with two
-    (the bubble); then tp=2 beside dp and two stages with eight, where the world has them."""
+    """The layouts ``calibrate`` times, each varying a term the others hold still (those the
+    engine refuses for this model and batch left out): plain data parallel (compute and the fixed
+    work), ZeRO 3 (dp's calls: a gather per unit and pass), recompute (its compute), the widest
+    tensor parallel without a pipeline (tp's calls), the deepest pipeline with the most
+    micro-batches (pp's meetings, per-micro-batch work), two stages with two (the bubble), tp=2
+    beside dp, two stages with the most micro-batches and the deepest pipeline recomputed: two or
+    more beyond the seven unknowns where the world and batch have them, so that one step off by
+    the machine's noise moves the fit less."""
     if world == 1:
         return [lay for lay in (Layout(1, 1, 1), Layout(1, 1, 1, recompute=True)) if lay in layouts(1, costs)]
     valid = layouts(world, costs, microbatches=(1, 2, 4))  # (a list: every rank walks it in one order)
+    plain = [lay for lay in valid if not lay.zero and not lay.recompute and lay.cp == lay.ep == 1]
+    tps = [lay for lay in plain if lay.tp > 1 and lay.pp == 1]
+    pps = [lay for lay in plain if lay.pp > 1 and lay.tp == 1]
+    two = [lay for lay in pps if lay.pp == 2]
     want = [Layout(world, 1, 1), Layout(world, 1, 1, zero=3), Layout(world, 1, 1, recompute=True)]
-    tps = [lay for lay in valid if lay.tp > 1 and lay.pp == 1 and not lay.zero and not lay.recompute]
     want += [max(tps, key=lambda x: x.tp)] if tps else []
-    pps = [lay for lay in valid if lay.pp > 1 and lay.tp == 1 and not lay.zero and not lay.recompute]
-    deep = [lay for lay in pps if lay.microbatches == 4 * lay.pp]
-    want += [max(deep, key=lambda x: x.pp)] if deep else []
-    two = [lay for lay in pps if lay.pp == 2 and lay.microbatches == 2]
-    want += two[:1]
-    # A second point of tp's price and of the pipeline's (two more than the unknowns: a step
-    # off by the machine's noise moves the fit less).
-    want += [lay for lay in valid if lay.tp == 2 and lay.pp == 1 and lay.dp > 1 and not lay.zero
-             and not lay.recompute][:1]
-    want += [lay for lay in pps if lay.pp == 2 and lay.microbatches == 8][:1]
+    deep = max(pps, key=lambda x: (x.pp, x.microbatches)) if pps else None
+    want += [deep] if deep else []
+    want += [min(two, key=lambda x: x.microbatches), max(two, key=lambda x: x.microbatches)] if two else []
+    want += [lay for lay in tps if lay.tp == 2 and lay.dp > 1][:1]
+    want += [dataclasses.replace(deep, recompute=True)] if deep else []
     out: list[Layout] = []
     for lay in want:
         if lay in valid and lay not in out:
@@ -156,18 +164,25 @@ def probe_layouts(world: int, costs: Costs) -> list[Layout]:
 
 def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Callable[[], Any],
               data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5,
-              nodes: list[str] | None = None) -> Costs:
+              nodes: list[str] | None = None, memory_limit: int | None = None,
+              timeout: float | None = None) -> Costs:
     """``costs`` with the in-step quantities fitted (module docstring; collective: every rank
-    times the same layouts and gets the same values). Each ``probe_layouts`` layout trains
-    ``steps`` timed steps (the median counts); the measured steps are kept in
+    times the same layouts and gets the same values). Each ``probe_layouts`` layout that fits in
+    ``memory_limit`` bytes per rank (predicted; ``None``: all) trains ``steps`` timed steps (the
+    median counts; ``timeout``: the trainers'); the measured steps are kept in
     ``extra["calibration"]`` (seconds by layout label) and the fitted unknowns in
-    ``extra["fit"]``."""
+    ``extra["fit"]``. Raises ``ValueError`` when none of them fits."""
     seen: dict[str, float] = {}
     rows = []
-    for lay in probe_layouts(comm.size, costs):
-        measured = seen[lay.label()] = step_seconds(comm, lay, costs, build, data, loss, steps)
+    lays = [lay for lay in probe_layouts(comm.size, costs)
+            if memory_limit is None or predict(lay, costs, links, nodes).memory_bytes <= memory_limit]
+    if not lays:
+        raise ValueError(f"none of the layouts calibration times fits in {memory_limit} bytes per rank")
+    for lay in lays:
+        measured = seen[lay.label()] = step_seconds(comm, lay, costs, build, data, loss, steps, timeout)
         rows.append((terms(lay, costs, links, nodes), measured))
     x = fit(rows)
     return dataclasses.replace(costs, step_fixed_s=x["fixed"], compute_scale=x["compute"], bubble_scale=x["bubble"],
-                               call_s={k: x[k] for k in ("dp", "tp", "pp")}, calibrated=True,
+                               recompute_scale=x["recompute"], call_s={k: x[k] for k in ("dp", "tp", "pp")},
+                               calibrated=True,
                                extra={**costs.extra, "calibration": seen, "fit": x})

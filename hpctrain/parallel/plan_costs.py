@@ -159,6 +159,7 @@ class Costs:
     #: idle stage lends its core to a busy one, so a bubble costs less than its length).
     compute_scale: float = 1.0
     bubble_scale: float = 1.0
+    recompute_scale: float = 1.0  # on the compute recomputation adds (its transient arrays allocated again)
 
     @property
     def params(self) -> int:

@@ -29,6 +29,8 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -124,15 +126,20 @@ def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: 
 
     batch = spec["batch"]
     x, _ = spec["data"](batch)
-    costs = planner.measure(spec["build"], x.shape, sample=lambda n: spec["data"](n)[0])
+    # As `hpctrain plan` measures: rank 0 alone while the others sleep, the costs shared.
+    costs = planner.on_rank0_alone(comm, None, lambda: planner.measure(spec["build"], x.shape,
+                                                                      sample=lambda n: spec["data"](n)[0]))
     costs = comm.bcast_obj(costs, root=0)  # one set of costs: every rank plans alike
     from hpctrain.nn import CrossEntropyLoss
-    from hpctrain.parallel.plan_calibrate import calibrate
+    from hpctrain.parallel.plan_calibrate import calibrate, terms
 
     t0 = time.perf_counter()
+    raw = costs
     costs = calibrate(comm, costs, links, spec["build"], spec["data"], CrossEntropyLoss(), nodes=names)
-    calibrated = (f"{name}: calibrated in {time.perf_counter() - t0:.1f} s: the engine's own work "
-                  f"{costs.step_fixed_s * 1e3:.2f} ms per step; per blocking call "
+    fitted = costs.extra["fit"]
+    calibrated = (f"{name}: calibrated in {time.perf_counter() - t0:.1f} s from {len(costs.extra['calibration'])} "
+                  f"layouts (marked *): the engine's own work {costs.step_fixed_s * 1e3:.2f} ms per step, compute x"
+                  f"{costs.compute_scale:.2f}, bubble x{costs.bubble_scale:.2f}; per blocking call "
                   + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.call_s.items()))
     options: dict[str, Any] = {"microbatches": (1, 2)} if args.quick else {}
     if args.quick:
@@ -142,13 +149,20 @@ def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: 
     for p in preds:
         step, mem, tp_s = run_layout(comm, spec, p, costs, args.steps)
         measured.append((p, step, mem, tp_s))
+    fit_set = set(costs.extra["calibration"])
+    saved = {"costs": raw.as_dict(), "fit": fitted, "calibration": costs.extra["calibration"],
+             "layouts": [{**dataclasses.asdict(p.layout), "terms": terms(p.layout, raw, links, names),
+                          "predicted_ms": p.predicted_ms, "measured_s": step, "memory_predicted": p.memory_bytes,
+                          "memory_measured": mem, "memory_parts": p.memory_parts}
+                         for p, step, mem, _ in measured]}
     order = sorted(range(len(measured)), key=lambda i: measured[i][1])
     first_rank = order.index(0) + 1
     best = measured[order[0]][1]
     rows = []
     for i, (p, step, mem, tp_s) in enumerate(measured):
         ms = step * 1e3
-        rows.append([name, p.layout.label(), f"{p.compute_ms:.1f}", f"{p.comm_ms:.1f}", f"{p.bubble_ms:.1f}",
+        mark = " *" if p.layout.label() in fit_set else ""
+        rows.append([name, p.layout.label() + mark, f"{p.compute_ms:.1f}", f"{p.comm_ms:.1f}", f"{p.bubble_ms:.1f}",
                      f"{p.predicted_ms:.1f}", f"{ms:.1f}", f"{(p.predicted_ms - ms) / ms * 100:+.0f}%",
                      f"{p.memory_bytes / MIB:.2f}", f"{mem / MIB:.2f}",
                      f"{(p.memory_bytes - mem) / mem * 100:+.0f}%",
@@ -156,7 +170,7 @@ def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: 
                      f"{order.index(i) + 1}"])
     verdict = (f"{name}: the plan's first choice {preds[0].layout.label()} ranks {first_rank} of {len(preds)} measured "
                f"({measured[0][1] / best * 100 - 100:+.0f}% against the best)")
-    return rows, f"{calibrated}; {verdict}"
+    return rows, f"{calibrated}; {verdict}", saved
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,11 +187,14 @@ def run(args: argparse.Namespace) -> int:
     links = probe(comm, names)
     meet = next(link.meet for link in links.values() if link is not None)
     specs = models(args.quick)
-    rows, verdicts = [], []
+    rows, verdicts, saved = [], [], {}
     for name in args.models:
-        r, v = check_model(comm, name, specs[name], links, names, args)
+        r, v, saved[name] = check_model(comm, name, specs[name], links, names, args)
         rows += r
         verdicts.append(v)
+    if args.save and comm.rank == 0:  # what the table came from, for refitting the model offline
+        Path(args.save).write_text(json.dumps({"links": {k: v and dataclasses.asdict(v) for k, v in links.items()},
+                                               "nodes": names, "models": saved}, indent=1))
     if comm.rank == 0:
         lib = MPI.Get_library_version().splitlines()[0].strip()
         what = "; ".join(f"{k}: {specs[k]['what']}, global batch {specs[k]['batch']}" for k in args.models)
@@ -207,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-node", action="store_true", help="run on this host even as root")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the run inside the namespaces
     ap.add_argument("--markdown", metavar="FILE", help="append the table to FILE as Markdown")
+    ap.add_argument("--save", metavar="FILE", help="write the costs, each layout's terms and measurements as JSON")
     args = ap.parse_args(argv)
     from netns_cluster import why_not
 
@@ -215,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if outer_rank():
         return 0  # started by an outer mpiexec (make bench): rank 0 alone starts the two-node job
     argv = [*this_script(__file__), "--inner", "--steps", str(args.steps), "--models", *args.models,
-            *(["--quick"] if args.quick else []), *(["--markdown", args.markdown] if args.markdown else [])]
+            *(["--quick"] if args.quick else []), *(["--markdown", args.markdown] if args.markdown else []),
+            *(["--save", args.save] if args.save else [])]
     return across_namespaces(argv, args.rate, [args.per_node], timeout=3000)
 
 

@@ -432,22 +432,14 @@ def test_blocking_calls_are_the_hand_count_per_layout():
     assert blocking_calls(Layout(1, 4, 1), c, blocks, last=False)["tp"] == 8
     assert blocking_calls(Layout(1, 4, 1, recompute=True, microbatches=2), c, blocks)["tp"] == 2 * (8 + 4 + 3)
     # ZeRO 1/2: a reduce-scatter per unit (5) and the final all-gather; ZeRO 3: a gather per
-    # unit before each forward and backward (and recomputation) of each micro-batch, no final one
+    # unit before each forward and backward (and recomputation) of each micro-batch too
     for z in (1, 2):
         assert blocking_calls(Layout(4, 1, 1, zero=z), c, blocks)["dp"] == 5 + 1
     assert blocking_calls(Layout(2, 1, 2, zero=3, microbatches=4), c, blocks)["dp"] == 5 + 4 * 2 * 5
     assert blocking_calls(Layout(4, 1, 1, zero=3, recompute=True), c, blocks)["dp"] == 5 + 3 * 5
+    assert blocking_calls(Layout(4, 1, 1), c, blocks)["dp"] == 1  # the buckets, waited on together
     # pipeline: one meeting per micro-batch
     assert blocking_calls(Layout(1, 1, 4, microbatches=8), c, blocks)["pp"] == 8
-
-
-def test_buckets_counted_as_grad_buckets_pack_them():
-    from hpctrain.parallel.plan import blocking_calls
-
-    big = [piece("0", 5_000_000), piece("1", 5_000_000)]  # 20 MB each: two 25 MiB buckets, one of 50
-    c = costs(big)
-    assert blocking_calls(Layout(2, 1, 1), c, big)["dp"] == 2
-    assert blocking_calls(Layout(2, 1, 1), c, big, bucket_mb=50.0)["dp"] == 1
 
 
 def test_calibrated_costs_add_the_engines_work_and_each_calls_price_instead_of_the_meeting():
@@ -469,3 +461,25 @@ def test_calibrated_costs_add_the_engines_work_and_each_calls_price_instead_of_t
         assert got.comm_parts["calls"] == pytest.approx(price * 1e3)
         # uncalibrated: the probe's meeting is paid, the measured quantities are not
         assert predict(lay, c, ln).predicted_ms > unpriced.predicted_ms
+
+
+def test_the_fitted_scales_apply_to_compute_recomputation_and_the_bubble_apart():
+    import dataclasses
+
+    # four recomputable blocks, 1 ms forward and 2 ms backward per sample: a pipeline of 2 stages
+    blocks = [piece(str(i), 1000, fwd=1e-3, bwd=2e-3, recomputable=True) for i in range(4)]
+    c = dataclasses.replace(costs(blocks, batch=8), calibrated=True)
+    ln = links()
+    lay = Layout(1, 1, 2, recompute=True, microbatches=2)
+    one = predict(lay, c, ln)
+    # recompute adds each block's forward again: 2 blocks x 1 ms x 4 samples per micro-batch, twice
+    assert one.recompute_ms == pytest.approx(2 * 2 * 1e-3 * 4 * 1e3)
+    assert one.bubble_ms > 0  # two stages, two micro-batches: one stage idles a third of the time
+    fixed, cs, rs, bs = 3e-3, 1.5, 4.0, 0.5
+    scaled = dataclasses.replace(c, step_fixed_s=fixed, compute_scale=cs, recompute_scale=rs, bubble_scale=bs)
+    got = predict(lay, scaled, ln)
+    want = fixed * 1e3 + cs * (one.compute_ms - one.recompute_ms) + rs * one.recompute_ms + one.comm_ms + \
+        bs * one.bubble_ms
+    assert got.predicted_ms == pytest.approx(want, rel=1e-9)
+    assert got.compute_ms + got.comm_ms + got.bubble_ms == pytest.approx(got.predicted_ms, rel=1e-9)
+    assert predict(Layout(1, 1, 2, microbatches=2), scaled, ln).recompute_ms == 0

@@ -3,6 +3,8 @@ real ``mpiexec``: the same on every rank, and the calibrated model reproducing t
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,8 @@ from hpctrain import Communicator, nn
 from hpctrain.comm.linkprobe import probe
 from hpctrain.comm.nodes import node_names
 from hpctrain.parallel.plan import Layout, measure, predict
-from hpctrain.parallel.plan_calibrate import calibrate
+from hpctrain.parallel.plan_calibrate import UNKNOWNS, calibrate, fit, probe_layouts, terms
+from hpctrain.parallel.plan_layouts import layout_problem, layouts
 
 
 def build() -> nn.Sequential:
@@ -23,6 +26,67 @@ def data(n: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
     return g.standard_normal((n, 16)).astype(np.float32), g.integers(0, 4, n)
 
 
+def synthetic(truth: dict[str, float], n: int = 10, seed: int = 0) -> list[tuple[dict, float]]:
+    """``n`` layouts' terms drawn at random and the step ``truth``'s unknowns make of each."""
+    g = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        t = {"compute": g.uniform(0.01, 0.1), "recompute": g.uniform(0, 0.02) * g.integers(0, 2),
+             "bubble": g.uniform(0, 0.03) * g.integers(0, 2),
+             "comm": g.uniform(0, 0.005), "calls": {"dp": int(g.integers(0, 40)), "tp": int(g.integers(0, 30)),
+                                                    "pp": int(g.integers(0, 16)), "trainer": 2}}
+        dp = t["calls"]["dp"] + 2
+        m = (truth["fixed"] + truth["compute"] * t["compute"] + truth["bubble"] * t["bubble"] + t["comm"]
+             + truth["recompute"] * t["recompute"]
+             + truth["dp"] * dp + truth["tp"] * t["calls"]["tp"] + truth["pp"] * t["calls"]["pp"])
+        rows.append((t, m))
+    return rows
+
+
+def test_the_fit_recovers_the_unknowns_that_made_the_steps():
+    truth = {"fixed": 0.008, "compute": 1.4, "bubble": 0.45, "dp": 4e-4, "tp": 6e-4, "pp": 2e-3, "recompute": 3.5}
+    got = fit(synthetic(truth))
+    assert set(got) == set(UNKNOWNS)
+    for k, v in truth.items():
+        assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-12), k
+
+
+def test_the_fit_keeps_every_unknown_at_or_above_zero():
+    # steps a negative fixed cost would fit best: the fit pins it at zero, the rest absorb it
+    rows = synthetic({"fixed": -0.02, "compute": 1.0, "bubble": 1.0, "dp": 1e-3, "tp": 1e-3, "pp": 1e-3,
+                      "recompute": 1.0})
+    got = fit(rows)
+    assert min(got.values()) >= 0 and got["fixed"] == 0
+
+
+def test_an_unknown_no_layout_varies_takes_its_neutral_value():
+    rows = [(t | {"bubble": 0.0, "recompute": 0.0, "calls": {k: v for k, v in t["calls"].items() if k != "pp"}}, m)
+            for t, m in synthetic({"fixed": 0.01, "compute": 1.2, "bubble": 0.0, "dp": 5e-4, "tp": 8e-4, "pp": 0.0,
+                                   "recompute": 0.0})]
+    got = fit(rows)
+    # no pipeline and no recompute among them
+    assert got["bubble"] == 1.0 and got["recompute"] == 1.0 and got["pp"] == got["dp"]
+    with pytest.raises(ValueError, match="at least one"):
+        fit([])
+
+
+def test_the_probe_layouts_vary_each_term_and_the_engine_runs_them():
+    costs = measure(build, (32, 16), sample=lambda n: data(n)[0], repeats=1)
+    lays = probe_layouts(4, costs)
+    assert lays[:3] == [Layout(4, 1, 1), Layout(4, 1, 1, zero=3), Layout(4, 1, 1, recompute=True)]
+    valid = layouts(4, costs, microbatches=(1, 2, 4))
+    pipes = [x for x in valid if x.pp > 1 and x.tp == 1 and not x.zero and not x.recompute]
+    deep = max(pipes, key=lambda x: (x.pp, x.microbatches))  # the deepest, with the most micro-batches
+    two = [x.microbatches for x in pipes if x.pp == 2]
+    assert max(x.tp for x in lays) == max(x.tp for x in valid if x.pp == 1)
+    assert deep in lays and Layout(2, 1, 2, microbatches=min(two)) in lays
+    assert Layout(2, 1, 2, microbatches=max(two)) in lays and min(two) < max(two)
+    assert dataclasses.replace(deep, recompute=True) in lays and len(set(lays)) == len(lays)
+    assert len(lays) > len(UNKNOWNS)  # more steps than unknowns: the fit averages noise
+    assert all(layout_problem(x, costs) is None for x in lays)
+    assert probe_layouts(1, costs) == [Layout(1, 1, 1), Layout(1, 1, 1, recompute=True)]
+
+
 @pytest.mark.mpi(min_size=2)
 def test_calibration_is_collective_and_the_model_goes_through_the_steps_it_timed():
     comm = Communicator()
@@ -30,16 +94,24 @@ def test_calibration_is_collective_and_the_model_goes_through_the_steps_it_timed
     links = probe(comm, names, sizes=(8, 1024), meet=False)
     costs = comm.bcast_obj(measure(build, (8 * comm.size, 16), sample=lambda n: data(n)[0]), root=0)
     cal = calibrate(comm, costs, links, build, data, nn.CrossEntropyLoss(), steps=3, nodes=names)
-    mine = (cal.step_fixed_s, sorted(cal.call_s.items()), sorted(cal.extra["calibration"].items()))
+    mine = (cal.step_fixed_s, sorted(cal.call_s.items()), sorted(cal.extra["calibration"].items()),
+            cal.compute_scale, cal.bubble_scale, cal.recompute_scale)
     assert all(x == mine for x in comm.allgather_obj(mine))  # one set of numbers: every rank plans alike
-    assert cal.calibrated and cal.step_fixed_s >= 0 and min(cal.call_s.values()) >= 0
+    assert cal.calibrated and min(cal.extra["fit"].values()) >= 0 and {"dp", "tp", "pp"} <= set(cal.call_s)
     seen = cal.extra["calibration"]
-    world = comm.size
-    plain, zero3 = Layout(world, 1, 1), Layout(world, 1, 1, zero=3)
-    assert set(seen) >= {plain.label(), zero3.label()} and {"dp", "tp", "pp"} <= set(cal.call_s)
-    # the two-point fit passes through both steps, or through one and above the other where a
-    # price would have fallen below zero; through none only when the model alone is above both
-    err = [(predict(lay, cal, links, names).predicted_ms / 1e3 - seen[lay.label()]) / seen[lay.label()]
-           for lay in (plain, zero3)]
-    assert min(err) > -1e-6
-    assert min(abs(e) for e in err) < 1e-6 or (cal.step_fixed_s == 0 and cal.call_s["dp"] == 0)
+    lays = probe_layouts(comm.size, costs)
+    assert sorted(seen) == sorted(lay.label() for lay in lays)
+
+    def error(c: object) -> float:  # the fit's objective: squared relative error over the timed steps
+        return sum(((predict(lay, c, links, names).predicted_ms / 1e3 - seen[lay.label()]) / seen[lay.label()]) ** 2
+                   for lay in lays)
+
+    # the calibrated model goes through the timed steps at least as well as the model priced by
+    # terms alone (any choice of the unknowns >= 0 is no better than the fit's)
+    neutral = dataclasses.replace(cal, step_fixed_s=0.0, call_s={"dp": 0.0, "tp": 0.0, "pp": 0.0}, compute_scale=1.0,
+                                  bubble_scale=1.0, recompute_scale=1.0)
+    assert error(cal) <= error(neutral) + 1e-12
+    nudged = dataclasses.replace(cal, step_fixed_s=cal.step_fixed_s * 1.1 + 1e-4)
+    assert error(cal) <= error(nudged) + 1e-12
+    t = terms(lays[0], costs, links, names)
+    assert t["compute"] > 0 and t["calls"]["trainer"] == (2 if comm.size > 1 else 0)

@@ -86,18 +86,20 @@ def test_plan_under_mpiexec_probes_and_lists_every_layout_best_first(tmp_path):
     assert {(r["tp"], r["pp"]) for r in rows} >= {(1, 1), (2, 1), (1, 2)}  # tp, pp and dp all planned
     assert {r["zero"] for r in rows} == {0, 1, 2, 3} and {r["recompute"] for r in rows} == {False, True}
     assert "faster than the next" in rows[0]["why"]
-    # Calibrated with real steps of this job's ranks: the four layouts' measured steps, the fit from them.
+    # Calibrated with real steps of this job's ranks: the layouts' measured steps, the fit from them.
     cal = json.loads(p.stdout)["calibration"]
     assert {Layout(4, 1, 1).label(), Layout(4, 1, 1, zero=3).label()} <= set(cal["steps_s"]), cal  # the fit's two
     assert min(cal["steps_s"].values()) > 0, cal
     assert cal["step_fixed_s"] >= 0 and set(cal["call_s"]) == {"dp", "tp", "pp"} and min(cal["call_s"].values()) >= 0
     assert 0 < cal["seconds"] and cal["step_fixed_s"] + min(cal["call_s"].values()) < max(cal["steps_s"].values())
+    assert min(cal[k] for k in ("compute_scale", "recompute_scale", "bubble_scale")) >= 0
     p = hpctrain("plan", "--model", "gpt", n=4, timeout=200)  # the table: one line per fitting layout
     assert p.returncode == 0, p.stderr
     assert "on 4 ranks / 1 node" in p.stdout and "links: probed now" in p.stdout
     said = p.stdout.splitlines()[2]
     assert re.match(r"calibrated in [0-9.]+ s from timed steps of [0-9]+ layouts: the engine's own work ", said), said
-    assert "ms/step; per blocking call dp " in said and ", tp " in said and ", pp " in said
+    assert "ms/step, compute x" in said and "pipeline bubble x" in said and "; per blocking call dp " in said
+    assert ", tp " in said and ", pp " in said
     assert p.stdout.count("\n  1 ") == 1 and "\nbest: dp=" in p.stdout
 
 

@@ -128,12 +128,14 @@ def test_the_header_says_what_calibration_measured_or_why_it_did_not_run():
 
     alloc = Allocation(4, ("a",) * 4, 2 << 20, "--memory 0.002", {}, "probed now")
     steps = {"dp=4": 0.0301, "dp=4 zero 3": 0.0452, "tp=4": 0.0613}
-    cal = Calibration(2.14, 0.012, {"dp": 0.00044, "tp": 0.00063}, steps)
+    cal = Calibration(2.14, 0.012, {"dp": 0.00044, "tp": 0.00063}, steps, compute_scale=1.5, bubble_scale=0.25,
+                      recompute_scale=3.0)
     head = table([_row(4, 1, 1)], alloc, Costs(), cal=cal).splitlines()
-    assert head[2] == ("calibrated in 2.1 s from timed steps of 3 layouts: the engine's own work 12.0 ms/step; "
-                       "per blocking call dp 0.44 ms, tp 0.63 ms")
+    assert head[2] == ("calibrated in 2.1 s from timed steps of 3 layouts: the engine's own work 12.0 ms/step, "
+                       "compute x1.50, recomputation x3.00, pipeline bubble x0.25; per blocking call dp 0.44 ms, "
+                       "tp 0.63 ms")
     assert cal.as_json() == {"seconds": 2.14, "step_fixed_s": 0.012, "call_s": {"dp": 0.00044, "tp": 0.00063},
-                             "steps_s": steps}
+                             "compute_scale": 1.5, "recompute_scale": 3.0, "bubble_scale": 0.25, "steps_s": steps}
     assert cal.brief() == "calibrated from 3 layouts timed in 2.1 s"
     skipped = Calibration(skipped="--no-calibrate (why)")
     assert skipped.as_json() is None and skipped.brief() == "not calibrated"

@@ -12,10 +12,8 @@ configuration refuses is listed with that refusal, never chosen), and the words 
 from __future__ import annotations
 
 import math
-import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,35 +136,8 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
 
         return planner.measure(model, (c.batch_size, *x0.shape[1:]), sample=sample).as_dict()
 
-    measured = everywhere(comm, lambda: _while_others_sleep(comm, c.timeout, on_rank0))
+    measured = everywhere(comm, lambda: planner.on_rank0_alone(comm, c.timeout, on_rank0))
     return planner.Costs.from_dict(comm.bcast_obj(measured))
-
-
-def _while_others_sleep(comm: Comm, timeout: float | None, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on rank 0 while the other ranks wait without spinning: a blocking MPI wait polls
-    a core (MPICH), and on a node whose cores the job's ranks share that would slow the very
-    timing rank 0 takes. The wait is bounded by the job's timeout (``StallError``)."""
-    import numpy as np
-
-    from ..errors import StallError
-    from ..settings import timeout_deadline_seconds
-
-    if comm.size == 1:
-        return fn()
-    token = np.zeros(1)
-    if comm.rank == 0:
-        try:
-            return fn()
-        finally:
-            comm.iallreduce(token).wait()
-    req = comm.iallreduce(token)
-    limit = timeout_deadline_seconds(timeout)
-    deadline = None if limit is None else time.monotonic() + limit
-    while not req.test():
-        if deadline is not None and time.monotonic() > deadline:
-            raise StallError(f"rank 0 measured the model's costs for more than {limit:g} s (the job's timeout)")
-        time.sleep(0.005)
-    return None
 
 
 #: Timed steps of each layout calibration runs (after one warm-up; the median is kept): few, so that
@@ -190,13 +161,17 @@ class Calibration:
     call_s: dict[str, float] = field(default_factory=dict)
     steps: dict[str, float] = field(default_factory=dict)
     skipped: str | None = None
+    compute_scale: float = 1.0
+    bubble_scale: float = 1.0
+    recompute_scale: float = 1.0
 
     def as_json(self) -> dict[str, Any] | None:
         """``--json``'s ``calibration`` (``None`` when not calibrated)."""
         if self.skipped is not None:
             return None
         return {"seconds": round(self.seconds, 3), "step_fixed_s": self.step_fixed_s, "call_s": dict(self.call_s),
-                "steps_s": dict(self.steps)}
+                "compute_scale": self.compute_scale, "recompute_scale": self.recompute_scale,
+                "bubble_scale": self.bubble_scale, "steps_s": dict(self.steps)}
 
     def text(self) -> str:
         """The table's header line."""
@@ -204,7 +179,9 @@ class Calibration:
             return f"not calibrated: {self.skipped}"
         calls = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.call_s.items())
         return (f"calibrated in {self.seconds:.1f} s from timed steps of {_layouts(len(self.steps))}: the engine's "
-                f"own work {self.step_fixed_s * 1e3:.1f} ms/step" + (f"; per blocking call {calls}" if calls else ""))
+                f"own work {self.step_fixed_s * 1e3:.1f} ms/step, compute x{self.compute_scale:.2f}, recomputation "
+                f"x{self.recompute_scale:.2f}, pipeline bubble x{self.bubble_scale:.2f}"
+                + (f"; per blocking call {calls}" if calls else ""))
 
     def brief(self) -> str:
         """``--layout auto``'s words in the header line."""
@@ -253,11 +230,12 @@ def calibrated_costs(c: Config, comm: Comm, device: str, everywhere: Callable[..
         return everywhere(comm, lambda: _samples(train_set, n, seed, device))
 
     t0 = time.perf_counter()
-    with _trainers_timeout(c.timeout):
-        cal = everywhere(comm, lambda: calibrate(comm, costs, alloc.links, build, data, build_loss(c), steps=STEPS,
-                                                 nodes=list(alloc.names)))
+    cal = everywhere(comm, lambda: calibrate(comm, costs, alloc.links, build, data, build_loss(c), steps=STEPS,
+                                             nodes=list(alloc.names), memory_limit=alloc.memory, timeout=c.timeout))
     seconds = comm.bcast_obj(time.perf_counter() - t0)  # (rank 0's clock: one header on every rank)
-    return cal, Calibration(seconds, cal.step_fixed_s, dict(cal.call_s), dict(cal.extra.get("calibration", {})))
+    return cal, Calibration(seconds, cal.step_fixed_s, dict(cal.call_s), dict(cal.extra.get("calibration", {})),
+                            compute_scale=cal.compute_scale, bubble_scale=cal.bubble_scale,
+                            recompute_scale=cal.recompute_scale)
 
 
 def _samples(train_set: Any, n: int, seed: int, device: str) -> tuple[Any, Any]:
@@ -270,24 +248,6 @@ def _samples(train_set: Any, n: int, seed: int, device: str) -> tuple[Any, Any]:
     x, y = train_set[rows][:2]
     xp = get_xp("gpu" if device == "cuda" else "cpu")
     return to_device(x, xp), to_device(y, xp)
-
-
-@contextmanager
-def _trainers_timeout(timeout: float | None) -> Iterator[None]:
-    """The job's ``--timeout`` for the trainers calibration builds: they take their wait timeout
-    from ``HPCTRAIN_TIMEOUT`` (``calibrate`` passes them none), so it is set for the while."""
-    if timeout is None:
-        yield
-        return
-    before = os.environ.get("HPCTRAIN_TIMEOUT")
-    os.environ["HPCTRAIN_TIMEOUT"] = repr(float(timeout))
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["HPCTRAIN_TIMEOUT"]
-        else:
-            os.environ["HPCTRAIN_TIMEOUT"] = before
 
 
 def constraints(cfg: Config) -> dict[str, Any]:

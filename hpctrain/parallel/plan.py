@@ -39,17 +39,20 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
   it is near alpha.
 - **optimizer**: the measured seconds per parameter times this rank's parameters (``1/dp`` of
   them under ZeRO); the trainer's two small all-reduces over the world per step.
-- **the engine's own work and the calls' in-step cost** (``Costs.step_fixed_s``,
-  ``Costs.call_s`` by group, ``call_seconds``): a step pays a fixed cost no piece shows (the loss, batch checks, the
-  trainer's bookkeeping) and each blocking collective (``blocking_calls``: tp's per block and
-  micro-batch, the pipeline's meetings, the buckets or ZeRO's units, the trainer's two
-  agreements) costs more inside a step than the probe's ``Link.meet`` says: on an oversubscribed
-  machine a peer descheduled during compute. Both are measured with the real trainer on the real
-  model (``plan_calibrate.calibrate``: the residual of two layouts' measured steps); 0 until then.
-  Calibrated costs price every counted call at ``call_s`` instead of ``Link.meet``. Why by
-  group: a tp all-reduce waits in the middle of compute for all of its group, a ZeRO gather was
-  started a unit ahead, a pipeline meeting waits for one neighbour; on this machine (4 ranks on
-  2 cores, loaded) a tp call cost several times a dp one.
+- **what the steps make of it** (``Costs.step_fixed_s``, ``compute_scale``, ``bubble_scale``,
+  ``call_s`` by group; ``plan_calibrate``): a step pays a fixed cost no piece shows (the loss,
+  batch checks, the trainer's bookkeeping); the pieces, timed by one rank alone, run slower where
+  a node's ranks share its cores (``compute_scale``); a pipeline's idle stage lends its core to
+  a busy one there, so its bubble costs less than its length (``bubble_scale``); recomputation's
+  forward again allocates what the transient pools gave back, which costs more where ranks share
+  cores (``recompute_scale``, on the compute recompute adds); and each
+  blocking collective (``blocking_calls``: tp's per block and micro-batch, the pipeline's
+  meetings, one wait for the buckets or ZeRO's reduce-scatters, ZeRO 3's gathers, the trainer's
+  two agreements) costs more inside a step than the probe's ``Link.meet`` says (a peer
+  descheduled during compute). ``calibrate`` fits them to the real trainer's steps of a few
+  layouts of the real model; until then scales 1, no fixed cost, each call at ``Link.meet``.
+  Why calls by group: a tp all-reduce waits in the middle of compute for all of its group, a
+  ZeRO gather was started a unit ahead, a pipeline meeting waits for one neighbour.
 - **memory**: ``plan_memory`` (the engine's categories).
 
 Why ``benchmarks/cost_model.py``'s tp predictions were 50-67% low: not the volume (it counted
@@ -76,12 +79,12 @@ from typing import Any
 from ..comm.grid import layout as grid_layout
 from ..comm.linkprobe import Link
 from .cut import balance_stages
-from .plan_costs import Costs, PieceCost, measure
+from .plan_costs import Costs, PieceCost, measure, on_rank0_alone
 from .plan_layouts import Layout, layout_problem, layouts
 from .plan_memory import gib, memory
 
-__all__ = ["Costs", "Layout", "PieceCost", "Prediction", "blocking_calls", "call_seconds", "layouts", "measure", "plan",
-           "predict"]
+__all__ = ["Costs", "Layout", "PieceCost", "Prediction", "blocking_calls", "call_seconds", "layouts", "measure",
+           "on_rank0_alone", "plan", "predict"]
 
 
 @dataclass
@@ -99,6 +102,8 @@ class Prediction:
     why: str
     memory_parts: dict[str, int] = dataclasses.field(default_factory=dict)
     comm_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # ms by group: tp, cp, ep, pp, dp
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)  # blocking_calls of the slowest stage
+    recompute_ms: float = 0.0  # of compute_ms unscaled: what recomputation adds (its forward again)
 
     def as_json(self) -> dict[str, Any]:
         """The issue's keys (``hpctrain plan --json``)."""
@@ -184,10 +189,9 @@ def _stage_times(pieces: list[PieceCost], lay: Layout, costs: Costs, samples: fl
                  last: bool) -> tuple[float, float, float, float, dict[str, float]]:
     """``(forward compute, backward compute, forward communication, backward communication, the
     communication by group)`` seconds of one micro-batch on a stage of ``pieces``."""
-    f = sum(p.forward_s(samples, lay.tp) for p in pieces)
-    b = sum(p.backward_s(samples, lay.tp) for p in pieces)
+    f = sum(p.forward_s(samples, lay.tp, lay.recompute) for p in pieces)
+    b = sum(p.backward_s(samples, lay.tp, lay.recompute) for p in pieces)
     redo = [p for p in pieces if p.recomputable] if lay.recompute else []
-    b += sum(p.forward_s(samples, lay.tp) for p in redo)
     tp_link = links["tp"]
     tf = sum(_tp_seconds(p.tp_forward, samples, lay, tp_link) for p in pieces)
     tf += _tp_seconds(costs.loss_tp, samples, lay, tp_link) if last else 0.0
@@ -258,16 +262,18 @@ def _buckets(pieces: list[PieceCost], lay: Layout, item: int, bucket_mb: float) 
     return buckets
 
 
-def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: bool = True,
-                   bucket_mb: float = 25.0) -> dict[str, int]:
+def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: bool = True) -> dict[str, int]:
     """Blocking collectives one step of ``layout`` waits on, by group, on a stage of ``pieces``
     (``last``: the stage holding the loss), as the engine issues them: tp, per micro-batch, each
     split layer's forward and backward all-reduce (a recomputed block's forward again) and the
     vocab-parallel loss's three; pp, one meeting per micro-batch; cp, a ring per attention piece
-    forward and backward; ep, five all-to-alls per MoE layer; dp, one per bucket, or ZeRO 1/2 a
-    reduce-scatter per unit and the final all-gather, ZeRO 3 also a gather per unit before each
-    forward and backward (and recomputation) of each micro-batch; the trainer's two agreements
-    over the world. What ``Costs.call_s`` multiplies."""
+    forward and backward; ep, five all-to-alls per MoE layer; dp, one wait for the buckets
+    (started during backward, waited on together), or ZeRO's reduce-scatter per unit (started as
+    backward finishes the unit: each costs a call's work in Python and MPI whether or not it
+    waits; plan_check on a quiet machine: ZeRO 1 and 2 cost 5-15 ms more than plain dp on the
+    GPT's 28 units) and ZeRO 1/2's all-gather after the step, ZeRO 3's gather per unit before
+    each forward and backward (and recomputation) of each micro-batch; the trainer's two
+    agreements over the world. What ``Costs.call_s`` multiplies."""
     lay, m = layout, layout.microbatches
     out = {"tp": 0, "pp": 0, "cp": 0, "ep": 0, "dp": 0, "trainer": 2 if lay.world > 1 else 0}
     redo = [p for p in pieces if p.recomputable] if lay.recompute else []
@@ -283,9 +289,9 @@ def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: 
     if lay.dp * lay.cp > 1:
         units = sum(max(1, q.units) for q in pieces if q.params)
         if not lay.zero:
-            out["dp"] = len(_buckets(pieces, lay, costs.itemsize, bucket_mb))
+            out["dp"] = 1  # the buckets, started during backward, are waited on together
         elif lay.zero in (1, 2):
-            out["dp"] = units + 1
+            out["dp"] = units + 1  # a reduce-scatter started per unit (each a call's work), the all-gather
         else:
             out["dp"] = units + m * (3 if lay.recompute else 2) * units
     return out
@@ -363,34 +369,41 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
     makespan, finish = _pipeline(times, sends, lay, schedule)
     world_link = links.get("intra-node") or links.get("inter-node")
     small = 2 * _allreduce(world_link, 64, lay.world) if lay.world > 1 else 0.0
-    best: tuple = (-1.0, 0.0, 0.0, {})  # (step, compute, communication, its parts) of the slowest stage
+    best: tuple = (-1.0, 0.0, 0.0, 0.0, {}, {})  # (step, compute, communication, bubble, parts, calls)
     for s, st in enumerate(stages):
         f, b, tf, tb, kinds = times[s]
         exposed, after = _reduction(st, lay, costs, dp_link, b, bucket_mb, overlap)
         exposed += lay.microbatches * _zero3_gathers(st, lay, costs, dp_link, f, b)
         opt = costs.optimizer_s_per_param * _local(st, lay) / (lay.dp if lay.zero else 1)
-        end = finish[s] + exposed + opt + after + small
         # A stage that receives meets its neighbour once per micro-batch (plan_check: not per message).
         meets = lay.microbatches * (pp_link.meet if pp_link is not None else 0.0)
         parts = {k: lay.microbatches * v for k, v in kinds.items()}
         parts.update(dp=exposed + after + small,
                      pp=lay.microbatches * ((sends[s] if s < lay.pp - 1 else 0.0) + (sends[s - 1] if s > 0 else 0.0))
                      + meets)
-        end += meets
-        # The engine's own work and each blocking call's in-step cost (measured: calibrate).
-        calls = call_seconds(blocking_calls(lay, costs, st, s == lay.pp - 1, bucket_mb), costs)
-        parts["calls"] = calls
-        end += costs.step_fixed_s + calls
-        if end > best[0]:
-            best = (end, lay.microbatches * (f + b) + opt + costs.step_fixed_s, sum(parts.values()), parts)
-    step, compute, comm, parts = best
-    bubble = max(0.0, step - compute - comm)
+        # Each blocking call's in-step cost (measured: calibrate).
+        calls = blocking_calls(lay, costs, st, s == lay.pp - 1)
+        parts["calls"] = call_seconds(calls, costs)
+        compute = lay.microbatches * (f + b) + opt
+        redo = lay.microbatches * sum(p.forward_s(samples, lay.tp, True) + p.backward_s(samples, lay.tp, True)
+                                      - p.forward_s(samples, lay.tp) - p.backward_s(samples, lay.tp)
+                                      for p in st) if lay.recompute else 0.0
+        comm = sum(parts.values())
+        # What the schedule leaves idle: the stage's finish beyond its own work and messages.
+        bubble = max(0.0, finish[s] + exposed + opt + after + small + meets - compute - comm + parts["calls"])
+        # The engine's own work, the compute (recomputation's part apart) and the idle time as the
+        # steps make them (calibrate).
+        work = costs.step_fixed_s + costs.compute_scale * (compute - redo) + costs.recompute_scale * redo
+        step = work + comm + costs.bubble_scale * bubble
+        if step > best[0]:
+            best = (step, work, comm, costs.bubble_scale * bubble, parts, calls, redo)
+    step, compute, comm, bubble, parts, calls, redo = best
     need, memory_parts = memory(lay, costs, stages, samples, schedule)
     fits = memory_limit is None or need <= memory_limit
     why = (f"compute {compute * 1e3:.1f} ms + communication {comm * 1e3:.1f} ms + bubble {bubble * 1e3:.1f} ms"
            if fits else f"needs {gib(need)} GiB per rank, has {gib(memory_limit or 0)}")
     return Prediction(lay, step * 1e3, compute * 1e3, comm * 1e3, bubble * 1e3, int(need), memory_limit, fits, why,
-                      memory_parts, {k: v * 1e3 for k, v in parts.items()})
+                      memory_parts, {k: v * 1e3 for k, v in parts.items()}, calls, redo * 1e3)
 
 
 def plan(costs: Costs, links: dict[str, Link | None], world: int, nodes: list[str] | None = None,

@@ -1,20 +1,31 @@
-"""The planner's two in-step quantities, measured with the real trainer on the real model.
+"""The planner's in-step quantities, fitted to real steps of a few layouts on the real model.
 
 ``measure`` (``plan_costs``) times the pieces alone and ``linkprobe.probe`` the links between
-idle ranks; neither sees what a step adds: the engine's own work per step (the loss, the batch
-checks and agreements, the bookkeeping) and what a blocking collective costs ranks that arrive
-from compute (where ranks share cores, a peer descheduled; the probe's ``Link.meet`` saw 0.12 ms
-on this 2-core machine running 4 ranks while the tp calls timed inside steps cost 5-13 times the
-plan's price). ``calibrate`` runs two layouts of the world for a few steps, the plain data-parallel
-one (fewest blocking calls) and ZeRO 3 (most: a gather per unit before each forward and backward),
-and solves ``measured - predicted = step_fixed + calls * call`` for the two unknowns, ``calls``
-being ``plan.blocking_calls``' count of each layout, ``predicted`` the model without ``Link.meet``
-(calibrated costs price each call at ``call``, measured in the step, instead).
+idle ranks; neither sees what a step makes of them:
+
+- the engine's own work per step (the loss, the batch checks and agreements, the bookkeeping):
+  ``Costs.step_fixed_s``;
+- the compute as the step runs it: where ranks share a node's cores (this 2-core machine runs 4),
+  each runs slower than the rank that timed the pieces: ``Costs.compute_scale``;
+- the pipeline's idle time as the step pays it: an idle stage's rank lends its core to a busy
+  one, so a bubble costs less than its length where cores are shared: ``Costs.bubble_scale``;
+- what a blocking collective costs ranks that arrive from compute, by group (a peer descheduled
+  for a slice; the probe's ``Link.meet`` saw 0.12 ms on this machine while tp's calls timed
+  inside steps cost several times more): ``Costs.call_s``.
+
+``calibrate`` times a few layouts of the world that vary these terms apart (``probe_layouts``:
+plain data parallel, ZeRO 3's per-unit gathers, recompute, the widest tensor parallel, the deepest
+pipeline with four micro-batches per stage, a two-stage pipeline with two) and ``fit`` solves
+``measured = fixed + compute_scale * compute + bubble_scale * bubble + comm + sum(calls * price)``
+for them by least squares on the relative error, none below zero (``terms``: each layout's
+compute, bubble, priced communication and counted calls at unit scales). The other layouts are
+predictions (``benchmarks/plan_check.py`` measures them all).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -23,15 +34,23 @@ from typing import Any
 import numpy as np
 
 from ..comm.linkprobe import Link
-from .plan import Layout, blocking_calls, layouts, predict, stages_of
+from .plan import Layout, layouts, predict, stages_of
 from .plan_costs import Costs
+
+__all__ = ["calibrate", "fit", "probe_layouts", "step_seconds", "terms"]
+
+#: The fitted unknowns, in ``fit``'s column order (the calls' prices by group after the scales).
+UNKNOWNS = ("fixed", "compute", "bubble", "dp", "tp", "pp", "recompute")
 
 
 def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], Any],
-                 data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5) -> float:
+                 data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5, timeout: float | None = None
+                 ) -> float:
     """The median over ``steps`` (after one warm-up) of the slowest rank's ``ParallelTrainer.step``
-    of ``layout`` (overlap on, AdamW), the stages cut as ``hpctrain train`` cuts (collective).
-    ``data(n, seed=...)``: ``n`` samples ``(x, y)``."""
+    of ``layout`` (overlap on, AdamW, the memory meter watching as in ``fit``), the stages cut as
+    ``hpctrain train`` cuts (collective).
+    ``data(n, seed=...)``: ``n`` samples ``(x, y)``; ``timeout``: the trainer's (its default
+    ``HPCTRAIN_TIMEOUT`` when ``None``)."""
     from ..comm.grid import ProcessGrid
     from ..optim import AdamW
     from .parallelize import parallelize
@@ -44,67 +63,126 @@ def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], An
         balance = [len(s) for s in stages_of(costs, lay.pp, samples, lay.tp)] if lay.pp > 1 else None
         part = parallelize(build(), grid, balance=balance, recompute=lay.recompute)
         tr = ParallelTrainer(model=part, loss=loss, optimizer=AdamW(part.parameters(), lr=1e-3), grid=grid,
-                             microbatches=lay.microbatches, zero=lay.zero, overlap=True)
+                             microbatches=lay.microbatches, zero=lay.zero, overlap=True, timeout=timeout)
         x, y = data(costs.batch // lay.dp, seed=2 + grid.dp.rank)
-        tr.step(x, y)
+        # As the training loop runs a step: its memory meter watching (training.loop reports every
+        # step; the meter's look after each recomputed forward costs 1-2 ms a step on the MLP).
+        tr.memory_report()
+        tr.memory_report(tr.step(x, y))
         times = []
         for _ in range(max(1, steps)):
             comm.barrier()
             t0 = time.perf_counter()
-            tr.step(x, y)
+            stats = tr.step(x, y)
             times.append(float(comm.allreduce(np.array([time.perf_counter() - t0]), op="max")[0]))
+            tr.memory_report(stats)
         return float(statistics.median(times))
     finally:
         grid.free()
 
 
-def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Callable[[], Any],
-              data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 7,
-              nodes: list[str] | None = None) -> Costs:
-    """``costs`` with ``step_fixed_s`` and ``call_s`` measured (module docstring; collective, the
-    same values on every rank, each rank timing the same layouts). One rank: the fixed cost only.
+def terms(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes: list[str] | None = None
+          ) -> dict[str, Any]:
+    """``layout``'s step in ``fit``'s terms (seconds; calls counted, not priced): ``compute``,
+    ``bubble`` and ``comm`` (the alpha-beta transfers left exposed) at unit scales, no fixed work,
+    and ``calls`` (``plan.blocking_calls`` of the slowest stage)."""
+    base = dataclasses.replace(costs, step_fixed_s=0.0, call_s={}, calibrated=True, compute_scale=1.0,
+                               bubble_scale=1.0, recompute_scale=1.0)
+    p = predict(layout, base, links, nodes)
+    return {"compute": (p.compute_ms - p.recompute_ms) / 1e3, "recompute": p.recompute_ms / 1e3,
+            "bubble": p.bubble_ms / 1e3, "comm": p.comm_ms / 1e3, "calls": dict(p.calls)}
 
-    Four layouts of the world in turn, each adding one unknown: the plain data-parallel one
-    (the fixed cost and dp's calls), ZeRO 3 (dp's price per call, from the two), the widest
-    tensor-parallel one without pipeline (tp's price) and the deepest pipeline with four
-    micro-batches per stage (pp's meeting and the engine's work per micro-batch); a layout the
-    engine refuses leaves its group at dp's price. Each residual is ``measured - predicted`` with
-    no meetings priced. The measured steps are kept in ``extra["calibration"]`` (seconds by
-    layout label): the fit passes through at least one of the first two, and above the other
-    where a price would have fallen below zero."""
-    base = dataclasses.replace(costs, step_fixed_s=0.0, call_s={}, calibrated=True)
-    world = comm.size
-    seen: dict[str, float] = {}  # each timed layout's measured step (extra["calibration"])
 
-    def residual(lay: Layout) -> tuple[float, dict[str, int]]:
-        measured = seen[lay.label()] = step_seconds(comm, lay, base, build, data, loss, steps)
-        predicted = predict(lay, base, links, nodes).predicted_ms / 1e3
-        samples = base.batch / lay.dp / lay.microbatches
-        last = stages_of(base, lay.pp, samples, lay.tp)[-1]
-        return measured - predicted, blocking_calls(lay, base, last, True)
+def _columns(t: dict[str, Any]) -> list[float]:
+    calls = t["calls"]
+    dp = sum(n for g, n in calls.items() if g not in ("tp", "pp"))  # cp, ep and the trainer's at dp's price
+    return [1.0, t["compute"], t["bubble"], float(dp), float(calls.get("tp", 0)), float(calls.get("pp", 0)),
+            t.get("recompute", 0.0)]
 
-    r0, n0 = residual(Layout(world, 1, 1))
+
+def fit(rows: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
+    """The unknowns (``UNKNOWNS``) that make ``terms`` best match the measured seconds of each
+    row ``(terms, measured)``: least squares on the relative error, every unknown >= 0 (each
+    subset of them free in turn, the rest at zero: six unknowns, 64 small solves). An unknown no
+    row varies (no pipeline among the rows: the bubble) takes its neutral value: scales 1, a
+    group's price dp's."""
+    if not rows:
+        raise ValueError("fit needs at least one measured layout")
+    a = np.array([_columns(t) for t, _ in rows])
+    y = np.array([m - t["comm"] for t, m in rows])
+    w = 1.0 / np.array([max(m, 1e-9) for _, m in rows])
+    seen = [j for j in range(a.shape[1]) if np.any(a[:, j] != 0)]
+    best: tuple[float, np.ndarray] | None = None
+    for k in range(len(seen), 0, -1):
+        for free in itertools.combinations(seen, k):
+            cols = list(free)
+            sol, *_ = np.linalg.lstsq(a[:, cols] * w[:, None], y * w, rcond=None)
+            if np.any(sol < 0):
+                continue
+            x = np.zeros(a.shape[1])
+            x[cols] = sol
+            err = float(np.sum(((a @ x - y) * w) ** 2))
+            if best is None or err < best[0] - 1e-15:
+                best = (err, x)
+    x = best[1] if best is not None else np.zeros(a.shape[1])
+    out = dict(zip(UNKNOWNS, (float(v) for v in x)))
+    for j, name in enumerate(UNKNOWNS):
+        if j not in seen:
+            out[name] = 1.0 if name in ("compute", "bubble", "recompute") else out["dp"]
+    return out
+
+
+def probe_layouts(world: int, costs: Costs) -> list[Layout]:
+    """The layouts ``calibrate`` times, each varying a term the others hold still (those the
+    engine refuses for this model and batch left out): plain data parallel (compute and the fixed
+    work), ZeRO 3 (dp's calls: a gather per unit and pass), recompute (its compute), the widest
+    tensor parallel without a pipeline (tp's calls), the deepest pipeline with the most
+    micro-batches (pp's meetings, per-micro-batch work), two stages with two (the bubble), tp=2
+    beside dp, two stages with the most micro-batches and the deepest pipeline recomputed: two or
+    more beyond the seven unknowns where the world and batch have them, so that one step off by
+    the machine's noise moves the fit less."""
     if world == 1:
-        return dataclasses.replace(costs, step_fixed_s=max(0.0, r0), call_s={}, calibrated=True,
-                                   extra={**costs.extra, "calibration": seen})
-    r1, n1 = residual(Layout(world, 1, 1, zero=3))
-    a, b = sum(n0.values()), sum(n1.values())
-    dp = max(0.0, (r1 - r0) / (b - a)) if b > a else 0.0
-    fixed = r0 - a * dp
-    if fixed < 0:  # the pieces, timed alone, already cover the plain step: the calls carry it all
-        fixed, dp = 0.0, max(0.0, r1 / b) if b else 0.0
-    prices = {"dp": dp}
-    plain = layouts(world, base, zero=(0,), recompute=(False,), microbatches=(1,))
-    # pp at four micro-batches per stage: a pipeline's calls are one per micro-batch, and so is
-    # the engine's per-micro-batch work (the loss, the stash), which this price then carries too.
-    piped = layouts(world, base, zero=(0,), recompute=(False,), microbatches=(4,))
-    for kind, pick in (("tp", [x for x in plain if x.tp > 1 and x.pp == 1]),
-                       ("pp", [x for x in piped if x.pp > 1 and x.tp == 1])):
-        if not pick:
-            continue
-        lay = max(pick, key=lambda x: (x.tp, x.pp))
-        r, n = residual(lay)
-        others = sum(k * dp for g, k in n.items() if g != kind)
-        prices[kind] = max(0.0, (r - fixed - others) / n[kind]) if n[kind] else dp
-    return dataclasses.replace(costs, step_fixed_s=fixed, call_s=prices, calibrated=True,
-                               extra={**costs.extra, "calibration": seen})
+        return [lay for lay in (Layout(1, 1, 1), Layout(1, 1, 1, recompute=True)) if lay in layouts(1, costs)]
+    valid = layouts(world, costs, microbatches=(1, 2, 4))  # (a list: every rank walks it in one order)
+    plain = [lay for lay in valid if not lay.zero and not lay.recompute and lay.cp == lay.ep == 1]
+    tps = [lay for lay in plain if lay.tp > 1 and lay.pp == 1]
+    pps = [lay for lay in plain if lay.pp > 1 and lay.tp == 1]
+    two = [lay for lay in pps if lay.pp == 2]
+    want = [Layout(world, 1, 1), Layout(world, 1, 1, zero=3), Layout(world, 1, 1, recompute=True)]
+    want += [max(tps, key=lambda x: x.tp)] if tps else []
+    deep = max(pps, key=lambda x: (x.pp, x.microbatches)) if pps else None
+    want += [deep] if deep else []
+    want += [min(two, key=lambda x: x.microbatches), max(two, key=lambda x: x.microbatches)] if two else []
+    want += [lay for lay in tps if lay.tp == 2 and lay.dp > 1][:1]
+    want += [dataclasses.replace(deep, recompute=True)] if deep else []
+    out: list[Layout] = []
+    for lay in want:
+        if lay in valid and lay not in out:
+            out.append(lay)
+    return out
+
+
+def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Callable[[], Any],
+              data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5,
+              nodes: list[str] | None = None, memory_limit: int | None = None,
+              timeout: float | None = None) -> Costs:
+    """``costs`` with the in-step quantities fitted (module docstring; collective: every rank
+    times the same layouts and gets the same values). Each ``probe_layouts`` layout that fits in
+    ``memory_limit`` bytes per rank (predicted; ``None``: all) trains ``steps`` timed steps (the
+    median counts; ``timeout``: the trainers'); the measured steps are kept in
+    ``extra["calibration"]`` (seconds by layout label) and the fitted unknowns in
+    ``extra["fit"]``. Raises ``ValueError`` when none of them fits."""
+    seen: dict[str, float] = {}
+    rows = []
+    lays = [lay for lay in probe_layouts(comm.size, costs)
+            if memory_limit is None or predict(lay, costs, links, nodes).memory_bytes <= memory_limit]
+    if not lays:
+        raise ValueError(f"none of the layouts calibration times fits in {memory_limit} bytes per rank")
+    for lay in lays:
+        measured = seen[lay.label()] = step_seconds(comm, lay, costs, build, data, loss, steps, timeout)
+        rows.append((terms(lay, costs, links, nodes), measured))
+    x = fit(rows)
+    return dataclasses.replace(costs, step_fixed_s=x["fixed"], compute_scale=x["compute"], bubble_scale=x["bubble"],
+                               recompute_scale=x["recompute"], call_s={k: x[k] for k in ("dp", "tp", "pp")},
+                               calibrated=True,
+                               extra={**costs.extra, "calibration": seen, "fit": x})

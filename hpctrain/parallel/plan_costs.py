@@ -24,15 +24,15 @@ layers' arrays, the replicated ones, the all-reduces' results).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from .cut import Piece, holds_parameters, pipeline_pieces
+from .plan_runs import Tops, fit, pieces_at, recomputed, tp_memory
 from .tensor import tp_split_layers
 from .zero_units import module_units
 
@@ -73,14 +73,29 @@ class PieceCost:
     #: ``(tp, activation_fixed, activation_per_sample, workspace_fixed, workspace_per_sample)`` of
     #: this piece as one rank of a tensor-parallel group of ``tp`` holds it (measured, see ``measure``)
     tp_memory: tuple[tuple[int, int, int, int, int], ...] = ()
+    #: The piece wrapped by ``Recompute`` (``recompute=True``), measured the same way: its forward
+    #: (no graph kept) and its backward (the forward again, recording, then the backward).
+    #: ``None``: not measured (not recomputable), priced as forward + backward + forward.
+    recompute_forward: tuple[float, float] | None = None  # (fixed, per_sample)
+    recompute_backward: tuple[float, float] | None = None
 
-    def forward_s(self, samples: float, tp: int = 1) -> float:
+    def forward_s(self, samples: float, tp: int = 1, recompute: bool = False) -> float:
         """One forward on ``samples`` samples, on a rank holding ``1/tp`` of the split layers (the
-        work per sample divides; a call's fixed cost, the interpreter's mostly, does not)."""
+        work per sample divides; a call's fixed cost, the interpreter's mostly, does not);
+        ``recompute``: wrapped by ``Recompute`` (when the piece is recomputable)."""
+        if recompute and self.recompute_forward is not None:
+            fixed, per = self.recompute_forward
+            return fixed + self._share(tp) * per * samples
         return self.forward_fixed + self._share(tp) * self.forward_per_sample * samples
 
-    def backward_s(self, samples: float, tp: int = 1) -> float:
-        """One backward on ``samples`` samples (as ``forward_s``)."""
+    def backward_s(self, samples: float, tp: int = 1, recompute: bool = False) -> float:
+        """One backward on ``samples`` samples (as ``forward_s``); recomputed, it runs the
+        forward again first (measured as such where the piece was measured wrapped)."""
+        if recompute and self.recomputable:
+            if self.recompute_backward is not None:
+                fixed, per = self.recompute_backward
+                return fixed + self._share(tp) * per * samples
+            return self.backward_s(samples, tp) + self.forward_s(samples, tp)
         return self.backward_fixed + self._share(tp) * self.backward_per_sample * samples
 
     def _share(self, tp: int) -> float:
@@ -138,6 +153,13 @@ class Costs:
     step_fixed_s: float = 0.0
     call_s: dict[str, float] = field(default_factory=dict)
     calibrated: bool = False
+    #: What the steps make of the pieces' times (fitted by ``calibrate`` too; 1 until then): the
+    #: compute as the real step runs it (ranks sharing a node's cores run slower than the one rank
+    #: that measured the pieces alone) and the pipeline's idle time (where ranks share cores, an
+    #: idle stage lends its core to a busy one, so a bubble costs less than its length).
+    compute_scale: float = 1.0
+    bubble_scale: float = 1.0
+    recompute_scale: float = 1.0  # on the compute recomputation adds (its transient arrays allocated again)
 
     @property
     def params(self) -> int:
@@ -154,7 +176,9 @@ class Costs:
     def from_dict(cls, d: dict[str, Any]) -> Costs:
         """The inverse of ``as_dict``."""
         tuples = ("tp_forward", "tp_backward", "moe_per_sample")
+        pairs = ("recompute_forward", "recompute_backward")
         pieces = [PieceCost(**{**p, **{k: tuple(p.get(k, ())) for k in tuples},
+                               **{k: tuple(p[k]) for k in pairs if p.get(k) is not None},
                                "tp_memory": tuple(tuple(r) for r in p.get("tp_memory", ()))})
                   for p in d["pieces"]]
         return cls(**{**d, "pieces": pieces, "loss_tp": tuple(d.get("loss_tp", ()))})
@@ -209,61 +233,6 @@ def _piece_tp(piece: Piece, splits: dict[str, tuple[str, int, int, int]], rows: 
     return split, tuple(fwd), tuple(bwd), heads, hidden
 
 
-def _run_piece(piece: Piece, x: Any, params: list[Any]) -> tuple[float, float, int, int, Any]:
-    """``(forward s, backward s, activation bytes, workspace bytes, output array)`` of one run of
-    ``piece`` on ``x``, the memory as the engine's ``MemoryMeter`` counts it (its caches and the
-    graph's saved arrays at the start of backward; its reuse pools beyond those)."""
-    from ..autograd import Tensor, is_tensor
-    from ..backend import synchronize
-    from ..training.memory import MemoryMeter
-
-    for q in params:  # scratch gradients (explicit modules add into .grad)
-        q.grad = q.data * 0
-    meter = MemoryMeter(_Tops(piece))
-    leaf = Tensor(x, requires_grad=np.dtype(x.dtype).kind == "f")
-    synchronize(x)
-    t0 = time.perf_counter()
-    out = piece.forward(leaf)
-    synchronize(out.data if is_tensor(out) else out)
-    t1 = time.perf_counter()
-    meter.measure((out,) if is_tensor(out) else ())
-    t2 = time.perf_counter()
-    if is_tensor(out) and out.requires_grad:
-        out.backward(out.data * 0 + 1)
-    synchronize(out.data if is_tensor(out) else out)
-    t3 = time.perf_counter()
-    seen = meter.report({})
-    y = out.data if is_tensor(out) else out
-    # The output, when a pool made it, is the next piece's input: the engine's meter counts it
-    # among that piece's activations (its cache), so it is no workspace of this one.
-    spare = int(y.nbytes) if meter.pooled(y) else 0
-    return t1 - t0, t3 - t2, seen["activations_peak"], max(0, seen["workspace"] - spare), y
-
-
-def _fit(sizes: tuple[int, int], values: tuple[float, float]) -> tuple[float, float]:
-    """``(fixed, per_sample)`` through two points, neither below zero."""
-    (a, va), (b, vb) = zip(sizes, values)
-    slope = max(0.0, (vb - va) / (b - a))
-    return max(0.0, va - slope * a), slope
-
-
-def _pieces_at(pieces: list[Piece], sample: Any, repeats: int, params: list[Any]) -> list[tuple]:
-    """Per piece ``(forward s, backward s, activation bytes, workspace bytes, input bytes, output
-    bytes)``: the median of ``repeats`` runs after a warm-up, each piece on the previous piece's output."""
-    out, x = [], sample
-    for piece in pieces:
-        # The reuse pools keep arrays of every shape seen: empty them so that this size's
-        # workspace is what it alone needs (a job runs one micro-batch size).
-        for top in piece.modules.values():
-            for _, m in top.named_modules():
-                m.scratch_buffers().clear()
-        runs = [_run_piece(piece, x, params) for _ in range(1 + max(1, repeats))][1:]
-        y = runs[-1][4]
-        out.append((*(statistics.median(r[k] for r in runs) for k in range(4)), int(x.nbytes), int(y.nbytes)))
-        x = y
-    return out
-
-
 def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int], Any] | None = None,
             optimizer: Callable[[list[Any]], Any] | None = None, repeats: int = 3,
             sizes: tuple[int, int] | None = None) -> Costs:
@@ -300,7 +269,8 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
     try:
         for m, _ in modes:
             m.training = False
-        small, large = (_pieces_at(pieces, sample(n), repeats, params) for n in (lo, hi))
+        small, large = (pieces_at(pieces, sample(n), repeats, params) for n in (lo, hi))
+        redo = recomputed(model, sample, (lo, hi), repeats) if any(_recomputable(p) for p in pieces) else None
         opt = (optimizer or (lambda ps: AdamW(ps, lr=0.0)))(params)
         opt.step()  # creates the state (lr 0: the weights stay); then time a few steps
         t0 = time.perf_counter()
@@ -308,26 +278,30 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
             opt.step()
         opt_s = (time.perf_counter() - t0) / max(1, repeats)
         state = owned_bytes(optimizer_arrays(opt))
-        tp_rows = _tp_memory(model, sample, (lo, hi))
+        tp_rows = tp_memory(model, sample, (lo, hi))
     finally:
         for q, g in zip(params, grads):
             q.grad = g
         for m, mode in modes:
             m.training = mode
     out = []
-    for piece, s, b in zip(pieces, small, large):
+    for i, (piece, s, b) in enumerate(zip(pieces, small, large)):
         n_params = sum(int(np.prod(p.shape)) for p in piece_params(piece))
         split, fwd, bwd, heads, hidden = _piece_tp(piece, splits, rows, itemsize)
-        ff, fp = _fit((lo, hi), (s[0], b[0]))
-        bf, bp = _fit((lo, hi), (s[1], b[1]))
-        af, ap = _fit((lo, hi), (s[2], b[2]))
-        wf, wp = _fit((lo, hi), (s[3], b[3]))
-        units = [sum(int(np.prod(q.shape)) for q in u) for u in module_units(_Tops(piece), piece_params(piece))]
+        ff, fp = fit((lo, hi), (s[0], b[0]))
+        bf, bp = fit((lo, hi), (s[1], b[1]))
+        af, ap = fit((lo, hi), (s[2], b[2]))
+        wf, wp = fit((lo, hi), (s[3], b[3]))
+        units = [sum(int(np.prod(q.shape)) for q in u) for u in module_units(Tops(piece), piece_params(piece))]
         kv, moe, expert, experts = _context_and_experts(piece, rows, itemsize)
         out.append(PieceCost(piece.name, ff, fp, bf, bp, n_params, split, int(af), int(round(ap)),
                              b[4] // hi, b[5] // hi, holds_parameters(piece), _recomputable(piece), fwd, bwd,
                              heads, hidden, len(units), max(units, default=0), int(wf), int(round(wp)),
                              kv, moe, expert, experts, tuple(tp_rows[len(out)])))
+        if redo is not None and _recomputable(piece):
+            (rs, rb) = (redo[0][i], redo[1][i])
+            out[-1] = replace(out[-1], recompute_forward=fit((lo, hi), (rs[0], rb[0])),
+                              recompute_backward=fit((lo, hi), (rs[1], rb[1])))
     n = max(1, sum(p.params for p in out))
     loss_tp = (rows * itemsize,) * 3 if any(k == "head" for k, *_ in splits.values()) else ()
     from ..backend import xp_of
@@ -336,81 +310,31 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
     return Costs(out, batch, itemsize, state / n, opt_s / n, device, loss_tp, rows)
 
 
-class _Alone:
-    """One rank of a tensor-parallel group of ``size`` as ``tensor_parallel`` and its layers use
-    it, without the others: the layers split their weights and make their arrays as rank 0 of
-    ``size`` does; a sum over the group returns a new array of the same shape (as
-    ``Communicator.allreduce``), a gather ``size`` copies. Only the memory of what it runs counts."""
+def on_rank0_alone(comm: Any, timeout: float | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 (its result there, ``None`` elsewhere) while the other ranks wait without
+    spinning (collective): a blocking MPI wait polls a core (MPICH), and on a node whose cores the
+    job's ranks share that would slow the very timing rank 0 takes (``measure`` then times a
+    piece as one rank alone runs it; ``plan_calibrate`` fits what sharing the cores makes of it).
+    The wait is bounded by ``timeout`` as the job's (``StallError``)."""
+    from ..errors import StallError
+    from ..settings import timeout_deadline_seconds
 
-    rank = 0
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def allreduce(self, x: Any, op: str = "sum", out: Any = None) -> Any:
-        if out is None:
-            return x.copy()
-        if out is not x:
-            out[...] = x
-        return out
-
-    def allgather(self, x: Any, out: Any = None) -> Any:
-        stacked = xp_stack([x] * self.size)
-        if out is not None:
-            out[...] = stacked
-            return out
-        return stacked
-
-    def bcast(self, x: Any, root: int = 0) -> Any:
-        return x
-
-    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
-        return obj
-
-    def allgather_obj(self, obj: Any) -> list:
-        return [obj] * self.size
-
-
-def xp_stack(arrays: list[Any]) -> Any:
-    """``arrays`` stacked on a new first axis, on their own device."""
-    from ..backend import xp_of
-
-    return xp_of(arrays[0]).stack(arrays)
-
-
-#: The tensor-parallel sizes ``measure`` runs the model's pieces at (where the model splits).
-TP_SIZES = (2, 4, 8)
-
-
-def _tp_memory(model: Any, sample: Callable[[int], Any], sizes: tuple[int, int]) -> list[list[tuple]]:
-    """Per tensor-parallel size the model splits at (``TP_SIZES``), per piece
-    ``(tp, activation fixed, per sample, workspace fixed, per sample)``: the memory the
-    ``MemoryMeter`` counts of the piece on one rank of the group (its split layers' arrays, the
-    replicated ones, the all-reduces' results), measured by running the pieces of
-    ``tensor_parallel(model, _Alone(tp))`` on this process (no MPI: the sums are copies). Each is
-    a copy of the model (``tensor_parallel`` copies before it splits): while one is measured the
-    process holds the model twice."""
-    from .tensor import tensor_parallel
-
-    rows: list[list[tuple]] = []
-    n = len(pipeline_pieces(model))
-    for tp in TP_SIZES:
+    if comm.size == 1:
+        return fn()
+    token = np.zeros(1)
+    if comm.rank == 0:
         try:
-            split = tensor_parallel(model, _Alone(tp))
-        except ValueError:  # the model does not split over tp (heads, widths)
-            continue
-        pieces = pipeline_pieces(split)
-        if len(pieces) != n:
-            continue
-        params = list(split.parameters())
-        small, large = (_pieces_at(pieces, sample(k), 1, params) for k in sizes)
-        row = []
-        for s, b in zip(small, large):
-            af, ap = _fit(sizes, (s[2], b[2]))
-            wf, wp = _fit(sizes, (s[3], b[3]))
-            row.append((tp, int(af), int(round(ap)), int(wf), int(round(wp))))
-        rows.append(row)
-    return [list(r) for r in zip(*rows)] if rows else [[] for _ in range(n)]
+            return fn()
+        finally:
+            comm.iallreduce(token).wait()
+    req = comm.iallreduce(token)
+    limit = timeout_deadline_seconds(timeout)
+    deadline = None if limit is None else time.monotonic() + limit
+    while not req.test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise StallError(f"rank 0 measured the model's costs for more than {limit:g} s (the job's timeout)")
+        time.sleep(0.005)
+    return None
 
 
 def _context_and_experts(piece: Piece, rows: int, itemsize: int) -> tuple[int, tuple[int, ...], int, int]:
@@ -438,17 +362,6 @@ def piece_params(piece: Piece) -> list[Any]:
         for p in m.parameters():
             out.setdefault(id(p), p)
     return list(out.values())
-
-
-class _Tops:
-    """A piece's modules seen as one tree (``named_modules``), for ``zero_units.module_units``."""
-
-    def __init__(self, piece: Piece) -> None:
-        self.piece = piece
-
-    def named_modules(self) -> Any:
-        for top, m in self.piece.modules.items():
-            yield from m.named_modules(top)
 
 
 def _recomputable(piece: Piece) -> bool:

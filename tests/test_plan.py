@@ -483,3 +483,22 @@ def test_the_fitted_scales_apply_to_compute_recomputation_and_the_bubble_apart()
     assert got.predicted_ms == pytest.approx(want, rel=1e-9)
     assert got.compute_ms + got.comm_ms + got.bubble_ms == pytest.approx(got.predicted_ms, rel=1e-9)
     assert predict(Layout(1, 1, 2, microbatches=2), scaled, ln).recompute_ms == 0
+
+
+def test_each_pipeline_boundary_pays_the_link_it_crosses():
+    from hpctrain.parallel.plan import boundary_links
+
+    ln = links(alpha=1e-5)
+    two = ["a", "a", "b", "b"]
+    # four stages on two nodes (ranks in blocks): only the middle boundary leaves a node
+    got = boundary_links(Layout(1, 1, 4, microbatches=4), ln, two)
+    assert [g.beta for g in got] == [BETA, BETA / 10, BETA]
+    # two stages of two replicas: both replicas' sends leave node a at once, sharing its link
+    got = boundary_links(Layout(2, 1, 2, microbatches=2), ln, two)
+    assert [g.beta for g in got] == [BETA / 10 / 2]
+    assert boundary_links(Layout(4, 1, 1), ln, two) == []
+    assert [g.beta for g in boundary_links(Layout(1, 1, 4, microbatches=4), ln, None)] == [BETA] * 3
+    # the sends the pipeline pays follow: a slower crossing makes the step no faster
+    c = costs([piece(str(i), 1000, fwd=1e-4, bwd=2e-4, io=4096) for i in range(4)])
+    one, across = (predict(Layout(1, 1, 4, microbatches=4), c, ln, n) for n in (None, two))
+    assert across.predicted_ms > one.predicted_ms

@@ -16,8 +16,9 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
   vocabulary embedding's and head's, the vocab-parallel loss's three small ones, each priced on
   the link the tp group spans, and each a meeting (below): they block in the middle of compute.
 - **pipeline**: each micro-batch's activation forward and its gradient back (``alpha + n /
-  beta``) lengthen the stage's actions; the schedule (1F1B or GPipe) is executed by
-  ``pipeline_schedules.simulate`` with these durations, whose makespan is the pipeline's time:
+  beta`` on the link that boundary crosses: ``boundary_links``) lengthen the stage's actions;
+  the schedule (1F1B or GPipe) is executed by ``pipeline_schedules.simulate`` with these
+  durations, whose makespan is the pipeline's time:
   its part beyond the busiest stage's own work is the **bubble** (``(p-1)/(m+p-1)`` of it when
   the stages are even and sends free). A stage meets its neighbour once per micro-batch.
 - **data parallel**: the gradients of this rank's parameters in buckets of ``bucket_mb`` MiB
@@ -140,6 +141,26 @@ def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: lis
     flows = max(sum(1 for g in span for r in g if names[r] == n) for n in set(names))
     # A fit through noisy samples can put the line below zero at no bytes: no latency, not a gain.
     return dataclasses.replace(link, alpha=max(link.alpha, 0.0), beta=link.beta / flows)
+
+
+def boundary_links(lay: Layout, links: dict[str, Link | None], nodes: list[str] | None) -> list[Link | None]:
+    """The link each pipeline boundary's sends pay (stage ``s`` to ``s + 1``): inter-node where a
+    stage's rank and its neighbour's live on different nodes, its bandwidth shared by the sends
+    leaving one node at once; else intra-node. (A four-stage pipeline on two nodes crosses once.)"""
+    if lay.pp == 1:
+        return []
+    names = nodes or ["node"] * lay.world
+    groups = grid_layout(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)["pp"]
+    out = []
+    for s in range(lay.pp - 1):
+        crossing = [g[s] for g in groups if names[g[s]] != names[g[s + 1]]]
+        kind = "inter-node" if crossing else "intra-node"
+        link = links.get(kind)
+        if link is None:
+            raise ValueError(f"no {kind} link was probed but a pipeline boundary needs one")
+        flows = max((sum(1 for r in crossing if names[r] == n) for n in set(names)), default=1) or 1
+        out.append(dataclasses.replace(link, alpha=max(link.alpha, 0.0), beta=link.beta / flows))
+    return out
 
 
 def _allreduce(link: Link | None, nbytes: float, p: int) -> float:
@@ -365,7 +386,8 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
     by = {k: group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp_cp", "cp", "ep")}
     pp_link, dp_link = by["pp"], by["dp_cp"]
     times = [_stage_times(st, lay, costs, samples, by, s == lay.pp - 1) for s, st in enumerate(stages)]
-    sends = [_send(pp_link, st[-1].output_per_sample * samples) for st in stages[:-1]]
+    sends = [_send(link, st[-1].output_per_sample * samples)
+             for link, st in zip(boundary_links(lay, links, nodes_layout), stages[:-1])]
     makespan, finish = _pipeline(times, sends, lay, schedule)
     world_link = links.get("intra-node") or links.get("inter-node")
     small = 2 * _allreduce(world_link, 64, lay.world) if lay.world > 1 else 0.0

@@ -2,11 +2,11 @@
 
     mpiexec -n 4 python benchmarks/plan_check.py [--quick] [--models mlp gpt gpt-long] [--markdown FILE]
 
-For three models (the MLP classifier, the GPT, the GPT at a four times longer block), every rank
-measures the serial model's pieces at once (``plan.measure``: so a shared machine's load counts,
-as it will in the steps), the links are probed (``linkprobe.probe``, as ``hpctrain info
---probe``), ``plan_calibrate.calibrate`` times a few real steps of four layouts for the
-engine's own per-step work and each group's in-step price of a blocking call, and
+For three models (the MLP classifier, the GPT, the GPT at a four times longer block), as
+``hpctrain plan`` does: rank 0 measures the serial model's pieces while the others wait
+(``plan.measure``, ``plan.on_rank0_alone``), the links are probed (``linkprobe.probe``, as
+``hpctrain info --probe``), ``plan_calibrate.calibrate`` times real steps of up to nine layouts
+and fits what steps make of the terms (marked * in the table: fitted, not predicted), and
 ``plan.plan`` lists every layout of the world with its predicted step and peak memory per rank.
 Then each layout trains for real: ``parallelize`` with the plan's own pipeline
 cut, ``ParallelTrainer`` with overlap on (as users run it), two warm-up steps and the median of
@@ -139,7 +139,8 @@ def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: 
     fitted = costs.extra["fit"]
     calibrated = (f"{name}: calibrated in {time.perf_counter() - t0:.1f} s from {len(costs.extra['calibration'])} "
                   f"layouts (marked *): the engine's own work {costs.step_fixed_s * 1e3:.2f} ms per step, compute x"
-                  f"{costs.compute_scale:.2f}, bubble x{costs.bubble_scale:.2f}; per blocking call "
+                  f"{costs.compute_scale:.2f}, recomputation x{costs.recompute_scale:.2f}, bubble "
+                  f"x{costs.bubble_scale:.2f}; per blocking call "
                   + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.call_s.items()))
     options: dict[str, Any] = {"microbatches": (1, 2)} if args.quick else {}
     if args.quick:
@@ -207,8 +208,9 @@ def run(args: argparse.Namespace) -> int:
                     f"A blocking collective's meeting of ranks arriving from compute (`Link.meet`): "
                     f"{meet * 1e3:.2f} ms.",
                     *verdicts,
-                    "predicted: hpctrain.parallel.plan (its docstring gives each term) from pieces measured by every "
-                    "rank at once; measured: ParallelTrainer.step, the slowest rank, and memory_summary's total "
+                    "predicted: hpctrain.parallel.plan (its docstring gives each term) from pieces measured by rank 0 "
+                    "alone and calibrated (the layouts marked * were timed for the fit, the rest are predictions); "
+                    "measured: ParallelTrainer.step, the slowest rank, and memory_summary's total "
                     f"(the rank holding most); errors (predicted - measured) / measured; "
                     f"{time.perf_counter() - t0:.0f} s in all."])
     return 0
@@ -224,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-node", action="store_true", help="run on this host even as root")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the run inside the namespaces
     ap.add_argument("--markdown", metavar="FILE", help="append the table to FILE as Markdown")
-    ap.add_argument("--save", metavar="FILE", help="write the costs, each layout's terms and measurements as JSON")
+    ap.add_argument("--save", metavar="FILE", help="write the costs, each layout's terms and measurements as JSON "
+                    "(to refit the model offline: plan_calibrate.fit on any subset)")
     args = ap.parse_args(argv)
     from netns_cluster import why_not
 

@@ -85,20 +85,12 @@ def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: in
     """``(median step s, peak memory bytes of the rank holding most, tp all-reduce s per step)``."""
     from mpi4py import MPI
 
-    from hpctrain import ProcessGrid
     from hpctrain.nn import CrossEntropyLoss
-    from hpctrain.optim import AdamW
-    from hpctrain.parallel import ParallelTrainer, parallelize
-    from hpctrain.parallel.plan import stages_of
+    from hpctrain.parallel.plan_calibrate import layout_trainer
     from hpctrain.parallel.tensor_mappings import traffic
 
     lay = pred.layout
-    grid = ProcessGrid(comm, tp=lay.tp, pp=lay.pp)
-    samples = costs.batch / lay.dp / lay.microbatches
-    balance = [len(s) for s in stages_of(costs, lay.pp, samples, lay.tp)] if lay.pp > 1 else None
-    part = parallelize(spec["build"](), grid, balance=balance, recompute=lay.recompute)
-    tr = ParallelTrainer(model=part, loss=CrossEntropyLoss(), optimizer=AdamW(part.parameters(), lr=1e-3),
-                         grid=grid, microbatches=lay.microbatches, zero=lay.zero, overlap=True)
+    tr, grid = layout_trainer(comm, lay, costs, spec["build"], CrossEntropyLoss())
     x, y = spec["data"](costs.batch // lay.dp, seed=2 + grid.dp.rank)
     tr.memory_report()  # watch the activations from the first step on
     for _ in range(2):

@@ -37,20 +37,17 @@ from ..comm.linkprobe import Link
 from .plan import Layout, layouts, predict, stages_of
 from .plan_costs import Costs
 
-__all__ = ["calibrate", "fit", "probe_layouts", "step_seconds", "terms"]
+__all__ = ["calibrate", "fit", "layout_trainer", "probe_layouts", "step_seconds", "terms"]
 
 #: The fitted unknowns, in ``fit``'s column order (the calls' prices by group after the scales).
 UNKNOWNS = ("fixed", "compute", "bubble", "dp", "tp", "pp", "recompute")
 
 
-def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], Any],
-                 data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5, timeout: float | None = None
-                 ) -> float:
-    """The median over ``steps`` (after one warm-up) of the slowest rank's ``ParallelTrainer.step``
-    of ``layout`` (overlap on, AdamW, the memory meter watching as in ``fit``), the stages cut as
-    ``hpctrain train`` cuts (collective).
-    ``data(n, seed=...)``: ``n`` samples ``(x, y)``; ``timeout``: the trainer's (its default
-    ``HPCTRAIN_TIMEOUT`` when ``None``)."""
+def layout_trainer(comm: Any, layout: Layout, costs: Costs, build: Callable[[], Any], loss: Any,
+                   timeout: float | None = None) -> tuple[Any, Any]:
+    """``(trainer, grid)``: a ``ParallelTrainer`` of ``layout`` on a fresh ``build()`` (overlap
+    on, AdamW), the stages cut as ``hpctrain train`` cuts (the plan's ``stages_of``); collective.
+    ``grid.free()`` when done. ``timeout``: the trainer's (``HPCTRAIN_TIMEOUT`` when ``None``)."""
     from ..comm.grid import ProcessGrid
     from ..optim import AdamW
     from .parallelize import parallelize
@@ -64,7 +61,21 @@ def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], An
         part = parallelize(build(), grid, balance=balance, recompute=lay.recompute)
         tr = ParallelTrainer(model=part, loss=loss, optimizer=AdamW(part.parameters(), lr=1e-3), grid=grid,
                              microbatches=lay.microbatches, zero=lay.zero, overlap=True, timeout=timeout)
-        x, y = data(costs.batch // lay.dp, seed=2 + grid.dp.rank)
+    except BaseException:
+        grid.free()
+        raise
+    return tr, grid
+
+
+def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], Any],
+                 data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5, timeout: float | None = None
+                 ) -> float:
+    """The median over ``steps`` (after one warm-up) of the slowest rank's step of
+    ``layout_trainer``'s trainer, the memory meter watching as in ``fit`` (collective).
+    ``data(n, seed=...)``: ``n`` samples ``(x, y)``."""
+    tr, grid = layout_trainer(comm, layout, costs, build, loss, timeout)
+    try:
+        x, y = data(costs.batch // layout.dp, seed=2 + grid.dp.rank)
         # As the training loop runs a step: its memory meter watching (training.loop reports every
         # step; the meter's look after each recomputed forward costs 1-2 ms a step on the MLP).
         tr.memory_report()

@@ -93,7 +93,7 @@ def _plan(args: argparse.Namespace, comm: Any) -> tuple[list[dict[str, Any]], An
     device = pick_device(c, comm)
     limit_blas_threads(comm)
     alloc = planning.allocation(comm, everywhere, c.probe_file, device, args.ranks, args.nodes, args.memory)
-    if args.ranks is None and c.data in (None, "shakespeare"):  # calibration's steps read it on every node
+    if args.ranks is None:  # calibration's steps read the built-in set on every node
         write_builtin(c, comm)
     # Calibrated with real steps only on the ranks it plans for: --ranks N plans an allocation not held.
     rows, alloc, costs, cal = planning.plan_rows(c, comm, device, alloc, everywhere, cons, held=args.ranks is None)

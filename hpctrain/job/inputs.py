@@ -9,7 +9,7 @@ from ..errors import DatasetError
 from ..protocols import Comm
 from .options import Config
 
-__all__ = ["Rows", "builtin_name", "builtin_path", "data_path", "open_data"]
+__all__ = ["Rows", "builtin_name", "builtin_path", "data_path", "on_builtin", "open_data"]
 
 
 def builtin_name(c: Config) -> str:
@@ -32,10 +32,15 @@ def builtin_path(name: str) -> str:
     return str(getattr(builtin, name)())
 
 
+def on_builtin(c: Config) -> bool:
+    """Whether the run trains on a built-in set: no ``--data``, or ``--data shakespeare``."""
+    return c.data in (None, "shakespeare")
+
+
 def data_path(c: Config) -> str:
     """The file a run trains on: ``--data FILE``, or the built-in set (written first if absent) for
     no ``--data`` and for ``--data shakespeare``."""
-    return builtin_path(builtin_name(c)) if c.data in (None, "shakespeare") else c.data
+    return builtin_path(builtin_name(c)) if on_builtin(c) else c.data
 
 
 def open_data(c: Config, comm: Comm | None = None, path: str | None = None) -> tuple[Rows, Rows, dict[str, Any]]:

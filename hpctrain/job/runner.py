@@ -28,7 +28,7 @@ from . import summary as _report
 from .builders import build_loss, build_model, build_trainer, data_rank
 from .callbacks import LearningRate, Validation
 from .config import _BY_NAME, Config, as_config, layout_text, read_settings, resolve
-from .inputs import data_path, open_data
+from .inputs import data_path, on_builtin, open_data
 from .resume import AfterResume, check_claim, claim, describe_changes, resume_command
 from .sections import nccl_problem
 from .summary import finite_or_none, format_summary
@@ -148,8 +148,7 @@ def run(cfg: Config | dict[str, Any], comm: Comm | None = None, callbacks: Seque
         from .planning import choose_layout
 
         limit_blas_threads(comm)  # before the plan's timings, as before training's
-        if as_config(cfg).data in (None, "shakespeare"):  # the plan's timed steps read it on every node
-            write_builtin(as_config(cfg), comm)
+        write_builtin(as_config(cfg), comm)  # the plan's timed steps read it on every node
         cfg = choose_layout(as_config(cfg), comm, pick_device, everywhere)
     c = everywhere(comm, lambda: resolve(cfg, comm.size))
     agree(comm, "hpctrain train configuration", c.to_dict())
@@ -220,8 +219,12 @@ def write_builtin(c: Config, comm: Comm) -> None:
     """Write the built-in data set before any rank opens it, by one rank of each node at most:
     rank 0 first, then the first rank of every other node, which finds rank 0's file where the
     cache is shared and writes its node's copy where it is node-local (``$HPCTRAIN_DATA`` on
-    scratch) while its node's other ranks wait. Collective; a failure is raised on every rank."""
+    scratch) while its node's other ranks wait. Collective; a failure is raised on every rank.
+    Nothing to write for ``--data FILE``."""
     from ..comm.nodes import local_ranks, node_names
+
+    if not on_builtin(c):
+        return
 
     first_of_node = local_ranks(node_names(comm))[comm.rank] == 0
     everywhere(comm, lambda: data_path(c) if comm.rank == 0 else None)
@@ -270,8 +273,7 @@ def _close(c: Config, setup: _Setup, device: str, history: Sequence[Any], wall: 
 def _build(c: Config, comm: Comm, device: str) -> _Setup:
     """Open the data (checked on every rank, one verdict), build the serial model with the same
     seed everywhere, and the strategy's trainer around it (collective)."""
-    if c.data in (None, "shakespeare"):
-        write_builtin(c, comm)
+    write_builtin(c, comm)
 
     # Collective from here: every rank checks its share of the data and all get one verdict.
     train_set, val_set, meta = open_data(c, comm, everywhere(comm, lambda: data_path(c)))

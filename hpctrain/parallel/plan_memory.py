@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from .plan_costs import Costs, PieceCost
+from .zero_scatter import GradScatter
 
 GIB = 1 << 30
 
@@ -65,9 +66,9 @@ def stage_activations(pieces: list[PieceCost], samples: float, tp: int, recomput
     return kept, max(0.0, top - kept)
 
 
-#: ZeRO 2/3's reductions of unit gradients in flight at once (``GradScatter.max_inflight``), and
+#: ZeRO 2/3's reductions of unit gradients in flight at once (``GradScatter.MAX_INFLIGHT``), and
 #: the one that starts before the oldest is waited on.
-INFLIGHT = 2 + 1
+INFLIGHT = GradScatter.MAX_INFLIGHT + 1
 
 
 def scatter_peak(unit: int, dp: int) -> int:

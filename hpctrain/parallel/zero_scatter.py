@@ -23,13 +23,17 @@ class GradScatter:
     """The reduce-scatter of ``units``' gradients over ``dp`` into ``piece`` (this rank's piece of
     the reduced gradient, ``gdtype``). Collective to build (``PairTree``)."""
 
+    #: Reductions in flight at once under ZeRO 2/3 (the default of ``max_inflight``; the planner's
+    #: memory model counts the same window, ``plan_memory.scatter_peak``).
+    MAX_INFLIGHT = 2
+
     def __init__(self, units: Units, dp: Any, *, stage: int, gdtype: Any, xp: Any, meter: Transient) -> None:
         self.units, self.dp, self.stage, self.gdtype, self.xp = units, dp, stage, gdtype, xp
         self.meter = meter
         self.piece = xp.zeros(units.hi - units.lo, dtype=gdtype)
         self.tree = pieces.PairTree(dp)
         self.unit_grad: list[Any] = [None] * len(units)
-        self.max_inflight = 2
+        self.max_inflight = self.MAX_INFLIGHT
         self.comm_seconds = 0.0
         self._reqs: list[Any] = []
         self._inflight: list[tuple[Any, int]] = []

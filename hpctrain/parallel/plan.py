@@ -128,17 +128,20 @@ def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: lis
     names = nodes or ["node"] * lay.world
     groups = grid_layout(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)[kind]
     span = [g for g in groups if len({names[r] for r in g}) > 1]
-    if not span:
-        link = links.get("intra-node")
-        if link is None:
-            raise ValueError("no intra-node link was probed but a group lives inside one node")
-        return dataclasses.replace(link, alpha=max(link.alpha, 0.0))
-    link = links.get("inter-node")
-    if link is None:
-        raise ValueError("no inter-node link was probed but a group spans nodes")
     # Every rank of a spanning group sends across (ring and recursive-doubling algorithms alike):
     # the ranks of one node in such groups share its link.
-    flows = max(sum(1 for g in span for r in g if names[r] == n) for n in set(names))
+    return _class_link(links, names, [r for g in span for r in g], "a group")
+
+
+def _class_link(links: dict[str, Link | None], names: list[str], leaving: list[int], what: str) -> Link:
+    """The intra-node link when no rank of ``leaving`` sends off its node, else the inter-node one
+    with its bandwidth shared by the ranks of ``leaving`` on one node (the most on any node)."""
+    kind = "inter-node" if leaving else "intra-node"
+    link = links.get(kind)
+    if link is None:
+        where = "spans nodes" if leaving else "lives inside one node"
+        raise ValueError(f"no {kind} link was probed but {what} {where}")
+    flows = max((sum(1 for r in leaving if names[r] == n) for n in set(names)), default=1) or 1
     # A fit through noisy samples can put the line below zero at no bytes: no latency, not a gain.
     return dataclasses.replace(link, alpha=max(link.alpha, 0.0), beta=link.beta / flows)
 
@@ -147,20 +150,10 @@ def boundary_links(lay: Layout, links: dict[str, Link | None], nodes: list[str] 
     """The link each pipeline boundary's sends pay (stage ``s`` to ``s + 1``): inter-node where a
     stage's rank and its neighbour's live on different nodes, its bandwidth shared by the sends
     leaving one node at once; else intra-node. (A four-stage pipeline on two nodes crosses once.)"""
-    if lay.pp == 1:
-        return []
     names = nodes or ["node"] * lay.world
     groups = grid_layout(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)["pp"]
-    out = []
-    for s in range(lay.pp - 1):
-        crossing = [g[s] for g in groups if names[g[s]] != names[g[s + 1]]]
-        kind = "inter-node" if crossing else "intra-node"
-        link = links.get(kind)
-        if link is None:
-            raise ValueError(f"no {kind} link was probed but a pipeline boundary needs one")
-        flows = max((sum(1 for r in crossing if names[r] == n) for n in set(names)), default=1) or 1
-        out.append(dataclasses.replace(link, alpha=max(link.alpha, 0.0), beta=link.beta / flows))
-    return out
+    return [_class_link(links, names, [g[s] for g in groups if names[g[s]] != names[g[s + 1]]], "a pipeline boundary")
+            for s in range(lay.pp - 1)]
 
 
 def _allreduce(link: Link | None, nbytes: float, p: int) -> float:

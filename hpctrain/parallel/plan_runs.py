@@ -121,7 +121,9 @@ class Alone:
         return out
 
     def allgather(self, x: Any, out: Any = None) -> Any:
-        stacked = xp_stack([x] * self.size)
+        from ..backend import xp_of
+
+        stacked = xp_of(x).stack([x] * self.size)
         if out is not None:
             out[...] = stacked
             return out
@@ -135,13 +137,6 @@ class Alone:
 
     def allgather_obj(self, obj: Any) -> list:
         return [obj] * self.size
-
-
-def xp_stack(arrays: list[Any]) -> Any:
-    """``arrays`` stacked on a new first axis, on their own device."""
-    from ..backend import xp_of
-
-    return xp_of(arrays[0]).stack(arrays)
 
 
 #: The tensor-parallel sizes ``measure`` runs the model's pieces at (where the model splits).

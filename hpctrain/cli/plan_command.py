@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true",
                    help='print {"layouts": [...], "calibration": {...}} (layouts best first: dp, tp, pp, cp, ep, '
                         "zero, recompute, microbatches, predicted_ms, memory_bytes, fits, why; calibration: seconds, "
-                        "step_fixed_s, call_s, steps_s, or null when not calibrated) instead of the table")
+                        "step_fixed_s, call_s, compute_scale, recompute_scale, bubble_scale, steps_s, or null when "
+                        "not calibrated) instead of the table")
 
 
 def main(args: argparse.Namespace) -> int:

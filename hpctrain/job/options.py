@@ -120,10 +120,11 @@ class Config:
                                                                "from this saved probe (`hpctrain info --probe "
                                                                "--save FILE`) instead of probing them"))
     calibrate: bool = field(default=True, metadata=_opt("--layout auto and `hpctrain plan`: time a few real steps "
-                                                        "of four layouts (seconds) for the engine's own work per "
-                                                        "step and each blocking call's price in a step; "
-                                                        "--no-calibrate skips it: faster, less accurate (calls "
-                                                        "priced at the link probe's meeting time)"))
+                                                        "of up to nine layouts (seconds) and fit what steps make of "
+                                                        "the measured costs (the engine's own work, compute, "
+                                                        "recomputation and bubble scales, each blocking call's "
+                                                        "price); --no-calibrate skips it: faster, less accurate "
+                                                        "(calls priced at the link probe's meeting time)"))
     schedule: str = field(default="1f1b", metadata=_opt("pipeline schedule (pp)", ("1f1b", "gpipe")))
     pp_cut: str | None = field(default=None, metadata=_opt("where pipeline stages 1.. begin: piece names or "
                                                            "indices, comma-separated (--pp 2: one, e.g. 5); "

@@ -11,8 +11,17 @@ import pytest
 from hpctrain import Communicator, nn
 from hpctrain.comm.linkprobe import probe
 from hpctrain.comm.nodes import node_names
+from hpctrain.optim import SGD, AdamW
 from hpctrain.parallel.plan import Layout, measure, predict
-from hpctrain.parallel.plan_calibrate import UNKNOWNS, calibrate, fit, probe_layouts, terms
+from hpctrain.parallel.plan_calibrate import (
+    UNKNOWNS,
+    TrainSettings,
+    calibrate,
+    fit,
+    layout_trainer,
+    probe_layouts,
+    terms,
+)
 from hpctrain.parallel.plan_layouts import layout_problem, layouts
 
 
@@ -115,3 +124,29 @@ def test_calibration_is_collective_and_the_model_goes_through_the_steps_it_timed
     assert error(cal) <= error(nudged) + 1e-12
     t = terms(lays[0], costs, links, names)
     assert t["compute"] > 0 and t["calls"]["trainer"] == (2 if comm.size > 1 else 0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_the_timed_steps_train_with_the_jobs_optimizer_and_settings():
+    comm = Communicator()
+    costs = comm.bcast_obj(measure(build, (8 * comm.size, 16), repeats=1), root=0)
+    lay = Layout(1, 1, 2, microbatches=2) if comm.size == 2 else Layout(comm.size, 1, 1)
+    made = []
+
+    def options() -> dict:  # called once per trainer: a fresh loss scaler each
+        made.append(1)
+        return {"clip_norm": 0.5, "schedule": "gpipe"}
+
+    job = TrainSettings(optimizer=lambda params: SGD(params, lr=0.1, momentum=0.9), options=options)
+    tr, grid = layout_trainer(comm, lay, costs, build, nn.CrossEntropyLoss(), trainer=job)
+    try:
+        assert isinstance(tr.optimizer, SGD) and tr.schedule == "gpipe" and tr.config()["clip_norm"] == 0.5
+        assert made == [1]
+    finally:
+        grid.free()
+    tr, grid = layout_trainer(comm, lay, costs, build, nn.CrossEntropyLoss())  # no settings: AdamW, as before
+    try:
+        assert isinstance(tr.optimizer, AdamW) and tr.config()["clip_norm"] is None
+    finally:
+        grid.free()

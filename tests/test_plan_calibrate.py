@@ -14,6 +14,7 @@ from hpctrain.comm.nodes import node_names
 from hpctrain.optim import SGD, AdamW
 from hpctrain.parallel.plan import Layout, measure, predict
 from hpctrain.parallel.plan_calibrate import (
+    LOWER,
     UNKNOWNS,
     TrainSettings,
     calibrate,
@@ -66,6 +67,12 @@ def test_the_fit_keeps_every_unknown_at_or_above_zero():
                       "recompute": 1.0})
     got = fit(rows)
     assert min(got.values()) >= 0 and got["fixed"] == 0
+    # and the compute and recomputation no faster than the pieces timed alone (LOWER): steps a
+    # compute scale of 0.6 would fit best get 1, the fixed work and the prices absorb the rest
+    got = fit(synthetic({"fixed": 0.004, "compute": 0.6, "bubble": 1.0, "dp": 1e-3, "tp": 1e-3, "pp": 1e-3,
+                         "recompute": 0.5}))
+    assert got["compute"] == 1.0 and got["recompute"] >= 1.0 and min(got.values()) >= 0
+    assert LOWER == {"compute": 1.0, "recompute": 1.0}
 
 
 def test_an_unknown_no_layout_varies_takes_its_neutral_value():

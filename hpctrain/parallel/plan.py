@@ -405,7 +405,11 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
     makespan, finish = _pipeline(times, sends, lay, schedule)
     world_link = links.get("intra-node") or links.get("inter-node")
     small = 2 * _allreduce(world_link, 64, lay.world) if lay.world > 1 else 0.0
-    best: tuple = (-1.0, 0.0, 0.0, 0.0, {}, {})  # (step, compute, communication, bubble, parts, calls)
+    # The stage that sets the step is chosen at unit scales (its own work, transfers and idle time as
+    # timed, the calls unpriced), as ``plan_calibrate.terms`` sees the layout: chosen after the
+    # fitted scales, a stage that idles most could win under a large bubble scale and the prediction
+    # leave the fit it came from (plan_check, two nodes: a layout timed for the fit predicted +90%).
+    best: tuple = (-1.0,)  # (unit step, step, compute, communication, bubble, parts, calls, redo)
     for s, st in enumerate(stages):
         f, b, tf, tb, kinds = times[s]
         exposed, after = _reduction(st, lay, costs, dp_link, b, bucket_mb, overlap)
@@ -433,9 +437,10 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
         # steps make them (calibrate).
         work = costs.step_fixed_s + costs.compute_scale * (compute - redo) + costs.recompute_scale * redo
         step = work + comm + costs.bubble_scale * bubble
-        if step > best[0]:
-            best = (step, work, comm, costs.bubble_scale * bubble, parts, calls, redo)
-    step, compute, comm, bubble, parts, calls, redo = best
+        unit = compute + comm - parts["calls"] + bubble
+        if unit > best[0] + 1e-12:
+            best = (unit, step, work, comm, costs.bubble_scale * bubble, parts, calls, redo)
+    _, step, compute, comm, bubble, parts, calls, redo = best
     need, memory_parts = memory(lay, costs, stages, samples, schedule)
     fits = memory_limit is None or need <= memory_limit
     why = (f"compute {compute * 1e3:.1f} ms + communication {comm * 1e3:.1f} ms + bubble {bubble * 1e3:.1f} ms"

@@ -39,7 +39,7 @@ from ..comm.linkprobe import Link
 from .plan import Layout, layouts, predict, stages_of
 from .plan_costs import Costs
 
-__all__ = ["TrainSettings", "calibrate", "fit", "layout_trainer", "probe_layouts", "step_seconds", "terms"]
+__all__ = ["LOWER", "TrainSettings", "calibrate", "fit", "layout_trainer", "probe_layouts", "step_seconds", "terms"]
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
@@ -127,16 +127,25 @@ def _columns(t: dict[str, Any]) -> list[float]:
             t.get("recompute", 0.0)]
 
 
+#: Bounds below the fit keeps each unknown at (``fit``): none below zero, and the compute and
+#: recomputation at least as slow as rank 0 timed them alone on an idle node. Without them a fit
+#: through noisy steps could trade the compute for call prices (two nodes: "compute x0.00, bubble
+#: x9.78"), and the layouts it had not timed paid for it.
+LOWER = {"compute": 1.0, "recompute": 1.0}
+
+
 def fit(rows: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
     """The unknowns (``UNKNOWNS``) that make ``terms`` best match the measured seconds of each
-    row ``(terms, measured)``: least squares on the relative error, every unknown >= 0 (each
-    subset of them free in turn, the rest at zero: six unknowns, 64 small solves). An unknown no
-    row varies (no pipeline among the rows: the bubble) takes its neutral value: scales 1, a
-    group's price dp's."""
+    row ``(terms, measured)``: least squares on the relative error, every unknown at or above its
+    bound (``LOWER``, else zero; each subset of them free in turn, the rest at their bounds: seven
+    unknowns, 127 small solves). An unknown no row varies (no pipeline among the rows: the bubble)
+    takes its neutral value: scales 1, a group's price dp's."""
     if not rows:
         raise ValueError("fit needs at least one measured layout")
     a = np.array([_columns(t) for t, _ in rows])
-    y = np.array([m - t["comm"] for t, m in rows])
+    low = np.array([LOWER.get(name, 0.0) for name in UNKNOWNS])
+    # The unknowns above their bounds: x = low + x', x' >= 0, fitted to what the bounds leave.
+    y = np.array([m - t["comm"] for t, m in rows]) - a @ low
     w = 1.0 / np.array([max(m, 1e-9) for _, m in rows])
     seen = [j for j in range(a.shape[1]) if np.any(a[:, j] != 0)]
     best: tuple[float, np.ndarray] | None = None
@@ -151,7 +160,7 @@ def fit(rows: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
             err = float(np.sum(((a @ x - y) * w) ** 2))
             if best is None or err < best[0] - 1e-15:
                 best = (err, x)
-    x = best[1] if best is not None else np.zeros(a.shape[1])
+    x = (best[1] if best is not None else np.zeros(a.shape[1])) + low
     out = dict(zip(UNKNOWNS, (float(v) for v in x)))
     for j, name in enumerate(UNKNOWNS):
         if j not in seen:

@@ -144,7 +144,7 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
 #: Timed steps of each layout calibration runs (after one warm-up; the median is kept): few, so that
 #: ``hpctrain plan`` answers in seconds (building and warming each layout costs as much as its steps);
 #: more would steady the figures on a loaded machine.
-STEPS = 3
+STEPS = 2
 
 #: What a plan that does not time steps prices each blocking call at instead (the table's words).
 UNCALIBRATED = "each blocking call priced at the link probe's meeting time, the engine's own work per step at 0"

@@ -21,6 +21,7 @@ from hpctrain.parallel.plan_calibrate import (
     fit,
     layout_trainer,
     probe_layouts,
+    step_seconds,
     terms,
 )
 from hpctrain.parallel.plan_layouts import layout_problem, layouts
@@ -157,3 +158,23 @@ def test_the_timed_steps_train_with_the_jobs_optimizer_and_settings():
         assert isinstance(tr.optimizer, AdamW) and tr.config()["clip_norm"] is None
     finally:
         grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_short_steps_are_timed_more_up_to_four_times_as_many():
+    comm = Communicator()
+    costs = comm.bcast_obj(measure(build, (8 * comm.size, 16), repeats=1), root=0)
+    taken = []
+
+    class Counting(SGD):  # counts the steps the trainer takes: one warm-up, then the timed ones
+        def step(self, *args, **kwargs):
+            taken.append(1)
+            return super().step(*args, **kwargs)
+
+    job = TrainSettings(optimizer=lambda params: Counting(params, lr=0.01))
+    for least, seconds, want in ((2, 0.0, 2), (2, 1e9, 8), (3, 1e9, 12)):
+        taken.clear()
+        t = step_seconds(comm, Layout(comm.size, 1, 1), costs, build, data, nn.CrossEntropyLoss(), least,
+                         trainer=job, min_seconds=seconds)
+        assert t > 0 and len(taken) == 1 + want, (least, seconds, len(taken))

@@ -146,6 +146,11 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
 #: more would steady the figures on a loaded machine.
 STEPS = 2
 
+#: ...and more where the steps are short, until the timed ones add up to this many seconds (at most
+#: ``4 * STEPS``): the median of two 10 ms steps of the MLP moved by a quarter between runs of the
+#: same layout, and the plan's first choice with it.
+MIN_SECONDS = 0.06
+
 #: What a plan that does not time steps prices each blocking call at instead (the table's words).
 UNCALIBRATED = "each blocking call priced at the link probe's meeting time, the engine's own work per step at 0"
 
@@ -236,7 +241,7 @@ def calibrated_costs(c: Config, comm: Comm, device: str, everywhere: Callable[..
     t0 = time.perf_counter()
     cal = everywhere(comm, lambda: calibrate(comm, costs, alloc.links, build, data, build_loss(c), steps=STEPS,
                                              nodes=list(alloc.names), memory_limit=alloc.memory, timeout=c.timeout,
-                                             trainer=job))
+                                             trainer=job, min_seconds=MIN_SECONDS))
     seconds = comm.bcast_obj(time.perf_counter() - t0)  # (rank 0's clock: one header on every rank)
     return cal, Calibration(seconds, cal.step_fixed_s, dict(cal.call_s), dict(cal.extra.get("calibration", {})),
                             compute_scale=cal.compute_scale, bubble_scale=cal.bubble_scale,

@@ -85,10 +85,12 @@ def layout_trainer(comm: Any, layout: Layout, costs: Costs, build: Callable[[], 
 
 def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], Any],
                  data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5, timeout: float | None = None,
-                 trainer: TrainSettings | None = None) -> float:
+                 trainer: TrainSettings | None = None, min_seconds: float = 0.0) -> float:
     """The median over ``steps`` (after one warm-up) of the slowest rank's step of
     ``layout_trainer``'s trainer, the memory meter watching as in ``fit`` (collective).
-    ``data(n, seed=...)``: ``n`` samples ``(x, y)``."""
+    ``data(n, seed=...)``: ``n`` samples ``(x, y)``. Short steps are timed more: until the timed
+    steps add up to ``min_seconds`` too, at most ``4 * steps`` (every rank decides alike from the
+    same slowest-rank times)."""
     tr, grid = layout_trainer(comm, layout, costs, build, loss, timeout, trainer)
     try:
         x, y = data(costs.batch // layout.dp, seed=2 + grid.dp.rank)
@@ -96,8 +98,9 @@ def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], An
         # step; the meter's look after each recomputed forward costs 1-2 ms a step on the MLP).
         tr.memory_report()
         tr.memory_report(tr.step(x, y))
-        times = []
-        for _ in range(max(1, steps)):
+        times: list[float] = []
+        least = max(1, steps)
+        while len(times) < least or (sum(times) < min_seconds and len(times) < 4 * least):
             comm.barrier()
             t0 = time.perf_counter()
             stats = tr.step(x, y)
@@ -201,12 +204,13 @@ def probe_layouts(world: int, costs: Costs) -> list[Layout]:
 def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Callable[[], Any],
               data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5,
               nodes: list[str] | None = None, memory_limit: int | None = None,
-              timeout: float | None = None, trainer: TrainSettings | None = None) -> Costs:
+              timeout: float | None = None, trainer: TrainSettings | None = None,
+              min_seconds: float = 0.0) -> Costs:
     """``costs`` with the in-step quantities fitted (module docstring; collective: every rank
     times the same layouts and gets the same values). Each ``probe_layouts`` layout that fits in
     ``memory_limit`` bytes per rank (predicted; ``None``: all) trains ``steps`` timed steps (the
-    median counts; ``timeout``: the trainers'; ``trainer``: their optimizer and settings, the
-    job's); the measured steps are kept in
+    median counts, more where they are short: ``step_seconds``'s ``min_seconds``; ``timeout``:
+    the trainers'; ``trainer``: their optimizer and settings, the job's); the measured steps are kept in
     ``extra["calibration"]`` (seconds by layout label) and the fitted unknowns in
     ``extra["fit"]``. Raises ``ValueError`` when none of them fits."""
     seen: dict[str, float] = {}
@@ -216,7 +220,8 @@ def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Cal
     if not lays:
         raise ValueError(f"none of the layouts calibration times fits in {memory_limit} bytes per rank")
     for lay in lays:
-        measured = seen[lay.label()] = step_seconds(comm, lay, costs, build, data, loss, steps, timeout, trainer)
+        measured = seen[lay.label()] = step_seconds(comm, lay, costs, build, data, loss, steps, timeout, trainer,
+                                                    min_seconds)
         rows.append((terms(lay, costs, links, nodes), measured))
     x = fit(rows)
     return dataclasses.replace(costs, step_fixed_s=x["fixed"], compute_scale=x["compute"], bubble_scale=x["bubble"],

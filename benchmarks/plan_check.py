@@ -127,7 +127,11 @@ def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: 
 
     t0 = time.perf_counter()
     raw = costs
-    costs = calibrate(comm, costs, links, spec["build"], spec["data"], CrossEntropyLoss(), nodes=names)
+    from hpctrain.job.planning import MIN_SECONDS, STEPS
+
+    # Timed as `hpctrain plan` times them (its STEPS, MIN_SECONDS), so the table is what users get.
+    costs = calibrate(comm, costs, links, spec["build"], spec["data"], CrossEntropyLoss(), steps=STEPS, nodes=names,
+                      min_seconds=MIN_SECONDS)
     fitted = costs.extra["fit"]
     calibrated = (f"{name}: calibrated in {time.perf_counter() - t0:.1f} s from {len(costs.extra['calibration'])} "
                   f"layouts (marked *): the engine's own work {costs.step_fixed_s * 1e3:.2f} ms per step, compute x"

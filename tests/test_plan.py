@@ -3,6 +3,7 @@ memory: no MPI, the costs built by hand (or measured on a small serial model) an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -440,6 +441,29 @@ def test_blocking_calls_are_the_hand_count_per_layout():
     assert blocking_calls(Layout(4, 1, 1), c, blocks)["dp"] == 1  # the buckets, waited on together
     # pipeline: one meeting per micro-batch
     assert blocking_calls(Layout(1, 1, 4, microbatches=8), c, blocks)["pp"] == 8
+
+
+def test_zero3_computes_the_tensor_parallel_layers_forward_again_in_backward():
+    from hpctrain.parallel.plan import blocking_calls
+
+    # two blocks, every parameter split over tp, 1 ms forward and 2 ms backward per sample
+    blocks = [piece(str(i), 1000, fwd=1e-3, bwd=2e-3, split=1000, tpf=(8, 8), tpb=(8, 8), units=2)
+              for i in range(2)]
+    c = dataclasses.replace(costs(blocks), loss_tp=(4, 4, 4), calibrated=True)
+    # the engine's Rerun node: forward gathers and computes without recording; backward gathers,
+    # computes again recording, and runs that backward: each split layer's forward all-reduce twice
+    for z in (0, 1, 2):
+        assert blocking_calls(Layout(2, 2, 1, zero=z), c, blocks)["tp"] == 8 + 3
+    assert blocking_calls(Layout(2, 2, 1, zero=3), c, blocks)["tp"] == 8 + 4 + 3
+    assert blocking_calls(Layout(2, 2, 1, zero=3, microbatches=1, recompute=False), c, blocks, last=False)["tp"] == 12
+    # its compute: one forward of the split layers again, on this rank's half, priced as recomputation's
+    samples = c.batch / 2  # dp=2, one micro-batch
+    again = 2 * 1e-3 * samples / 2
+    z3, z2 = predict(Layout(2, 2, 1, zero=3), c, links()), predict(Layout(2, 2, 1, zero=2), c, links())
+    assert z3.recompute_ms == pytest.approx(again * 1e3) and z2.recompute_ms == 0.0
+    assert z3.compute_ms - z2.compute_ms == pytest.approx(again * 1e3)
+    # without tp (layers on arrays, no Rerun) nothing runs again
+    assert predict(Layout(4, 1, 1, zero=3), c, links()).recompute_ms == 0.0
 
 
 def test_calibrated_costs_add_the_engines_work_and_each_calls_price_instead_of_the_meeting():

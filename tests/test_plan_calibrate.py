@@ -11,8 +11,19 @@ import pytest
 from hpctrain import Communicator, nn
 from hpctrain.comm.linkprobe import probe
 from hpctrain.comm.nodes import node_names
+from hpctrain.optim import SGD, AdamW
 from hpctrain.parallel.plan import Layout, measure, predict
-from hpctrain.parallel.plan_calibrate import UNKNOWNS, calibrate, fit, probe_layouts, terms
+from hpctrain.parallel.plan_calibrate import (
+    LOWER,
+    UNKNOWNS,
+    TrainSettings,
+    calibrate,
+    fit,
+    layout_trainer,
+    probe_layouts,
+    step_seconds,
+    terms,
+)
 from hpctrain.parallel.plan_layouts import layout_problem, layouts
 
 
@@ -57,6 +68,12 @@ def test_the_fit_keeps_every_unknown_at_or_above_zero():
                       "recompute": 1.0})
     got = fit(rows)
     assert min(got.values()) >= 0 and got["fixed"] == 0
+    # and the compute and recomputation no faster than the pieces timed alone (LOWER): steps a
+    # compute scale of 0.6 would fit best get 1, the fixed work and the prices absorb the rest
+    got = fit(synthetic({"fixed": 0.004, "compute": 0.6, "bubble": 1.0, "dp": 1e-3, "tp": 1e-3, "pp": 1e-3,
+                         "recompute": 0.5}))
+    assert got["compute"] == 1.0 and got["recompute"] >= 1.0 and min(got.values()) >= 0
+    assert LOWER == {"compute": 1.0, "recompute": 1.0}
 
 
 def test_an_unknown_no_layout_varies_takes_its_neutral_value():
@@ -115,3 +132,49 @@ def test_calibration_is_collective_and_the_model_goes_through_the_steps_it_timed
     assert error(cal) <= error(nudged) + 1e-12
     t = terms(lays[0], costs, links, names)
     assert t["compute"] > 0 and t["calls"]["trainer"] == (2 if comm.size > 1 else 0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_the_timed_steps_train_with_the_jobs_optimizer_and_settings():
+    comm = Communicator()
+    costs = comm.bcast_obj(measure(build, (8 * comm.size, 16), repeats=1), root=0)
+    lay = Layout(1, 1, 2, microbatches=2) if comm.size == 2 else Layout(comm.size, 1, 1)
+    made = []
+
+    def options() -> dict:  # called once per trainer: a fresh loss scaler each
+        made.append(1)
+        return {"clip_norm": 0.5, "schedule": "gpipe"}
+
+    job = TrainSettings(optimizer=lambda params: SGD(params, lr=0.1, momentum=0.9), options=options)
+    tr, grid = layout_trainer(comm, lay, costs, build, nn.CrossEntropyLoss(), trainer=job)
+    try:
+        assert isinstance(tr.optimizer, SGD) and tr.schedule == "gpipe" and tr.config()["clip_norm"] == 0.5
+        assert made == [1]
+    finally:
+        grid.free()
+    tr, grid = layout_trainer(comm, lay, costs, build, nn.CrossEntropyLoss())  # no settings: AdamW, as before
+    try:
+        assert isinstance(tr.optimizer, AdamW) and tr.config()["clip_norm"] is None
+    finally:
+        grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_short_steps_are_timed_more_up_to_four_times_as_many():
+    comm = Communicator()
+    costs = comm.bcast_obj(measure(build, (8 * comm.size, 16), repeats=1), root=0)
+    taken = []
+
+    class Counting(SGD):  # counts the steps the trainer takes: one warm-up, then the timed ones
+        def step(self, *args, **kwargs):
+            taken.append(1)
+            return super().step(*args, **kwargs)
+
+    job = TrainSettings(optimizer=lambda params: Counting(params, lr=0.01))
+    for least, seconds, want in ((2, 0.0, 2), (2, 1e9, 8), (3, 1e9, 12)):
+        taken.clear()
+        t = step_seconds(comm, Layout(comm.size, 1, 1), costs, build, data, nn.CrossEntropyLoss(), least,
+                         trainer=job, min_seconds=seconds)
+        assert t > 0 and len(taken) == 1 + want, (least, seconds, len(taken))

@@ -151,6 +151,18 @@ def test_plan_for_an_allocation_it_does_not_have(two_node_probe):
     assert any(r["dp"] == 8 for r in rows) and any(r["pp"] > 1 for r in rows)
 
 
+def test_the_plan_prices_the_jobs_own_optimizer(two_node_probe):
+    common = ["plan", "--model", "gpt", "--ranks", "4", "--probe-file", str(two_node_probe), "--json"]
+
+    def plain(*flags: str) -> int:  # dp=4's memory per rank: every rank holds the whole optimizer state
+        return next(r["memory_bytes"] for r in _layouts(hpctrain(*common, *flags))
+                    if (r["dp"], r["zero"], r["recompute"]) == (4, 0, False))
+
+    adamw, sgd, momentum = plain(), plain("--optimizer", "sgd", "--momentum", "0"), plain("--optimizer", "sgd")
+    # AdamW keeps two float32 slots per parameter, SGD with momentum one, plain SGD none
+    assert adamw - sgd == 2 * (momentum - sgd) > 0, (adamw, momentum, sgd)
+
+
 @pytest.mark.timeout(240)
 def test_bad_probe_files_and_flags_are_refused_in_one_line(tmp_path, two_node_probe):
     bad = tmp_path / "bad.json"

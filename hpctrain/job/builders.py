@@ -99,6 +99,24 @@ def build_optimizer(c: Config, params: list[Any], total_steps: int = 1) -> Any:
     return cls(params, lr=c.lr, weight_decay=c.weight_decay, schedule=schedule)
 
 
+def trainer_options(c: Config) -> dict[str, Any]:
+    """The keyword arguments every data- and model-parallel trainer of the job takes alike (the
+    layout's own, ZeRO and the grid, apart): what ``build_trainer`` builds with and what the
+    planner's calibration steps run with (``planning.calibrated_costs``), so that the steps it
+    times are the steps the job will take. A fresh loss scaler each call."""
+    out: dict[str, Any] = {"on_nonfinite": c.on_nonfinite, "timeout": c.timeout, "clip_norm": c.clip_norm,
+                           "compression": c.compression}
+    if c.backend != "mpi":
+        out["backend"] = c.backend
+    if c.precision != "fp32":
+        from ..training.precision import Precision
+        from .sections import loss_scaler
+
+        scaler = loss_scaler(c) if c.precision == "fp16-mixed" else None
+        out["precision"] = Precision(c.precision, c.grad_reduce_dtype, scaler=scaler)
+    return out
+
+
 def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sample: Any = None) -> Any:
     """The trainer of ``c.strategy`` around ``model`` (collective: trainers agree on configs).
 
@@ -112,21 +130,13 @@ def build_trainer(c: Config, model: Any, comm: Comm, total_steps: int = 1, sampl
     loss = build_loss(c)
     if c.recompute:
         model = with_recompute(model)
-    common = {"on_nonfinite": c.on_nonfinite, "timeout": c.timeout}
     if c.strategy == "ps":
         return parallel.ParameterServerTrainer(model=model, loss=loss, lr=c.lr, comm=comm, mode=c.ps_mode,
-                                               staleness=c.staleness, momentum=c.momentum, **common)
-    common.update(clip_norm=c.clip_norm, compression=c.compression)
-    if c.backend != "mpi":
-        common["backend"] = c.backend
+                                               staleness=c.staleness, momentum=c.momentum,
+                                               on_nonfinite=c.on_nonfinite, timeout=c.timeout)
+    common = trainer_options(c)
     if c.zero:
         common["zero"] = c.zero
-    if c.precision != "fp32":
-        from ..training.precision import Precision
-        from .sections import loss_scaler
-
-        scaler = loss_scaler(c) if c.precision == "fp16-mixed" else None
-        common["precision"] = Precision(c.precision, c.grad_reduce_dtype, scaler=scaler)
     if c.strategy == "dp":
         opt = build_optimizer(c, model.parameters(), total_steps)
         return parallel.DataParallelTrainer(model=model, loss=loss, optimizer=opt, comm=comm,

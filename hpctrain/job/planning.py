@@ -122,7 +122,7 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
             return None
         import numpy as np
 
-        from .builders import build_model
+        from .builders import build_model, build_optimizer
         from .inputs import data_path, open_data
 
         train_set, _, meta = open_data(c, None, data_path(c))
@@ -134,7 +134,8 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
         def sample(n: int) -> Any:
             return _samples(train_set, n, 0, device)[0]
 
-        return planner.measure(model, (c.batch_size, *x0.shape[1:]), sample=sample).as_dict()
+        return planner.measure(model, (c.batch_size, *x0.shape[1:]), sample=sample,
+                               optimizer=lambda params: build_optimizer(c, params)).as_dict()
 
     measured = everywhere(comm, lambda: planner.on_rank0_alone(comm, c.timeout, on_rank0))
     return planner.Costs.from_dict(comm.bcast_obj(measured))
@@ -144,6 +145,11 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
 #: ``hpctrain plan`` answers in seconds (building and warming each layout costs as much as its steps);
 #: more would steady the figures on a loaded machine.
 STEPS = 2
+
+#: ...and more where the steps are short, until the timed ones add up to this many seconds (at most
+#: ``4 * STEPS``): the median of two 10 ms steps of the MLP moved by a quarter between runs of the
+#: same layout, and the plan's first choice with it.
+MIN_SECONDS = 0.06
 
 #: What a plan that does not time steps prices each blocking call at instead (the table's words).
 UNCALIBRATED = "each blocking call priced at the link probe's meeting time, the engine's own work per step at 0"
@@ -215,8 +221,8 @@ def calibrated_costs(c: Config, comm: Comm, device: str, everywhere: Callable[..
     if plain.memory_bytes > alloc.memory:
         return costs, Calibration(skipped=f"the plain data-parallel layout it times needs {_size(plain.memory_bytes)}"
                                           f" per rank, has {_size(alloc.memory)} ({UNCALIBRATED})")
-    from ..parallel.plan_calibrate import calibrate
-    from .builders import build_loss, build_model
+    from ..parallel.plan_calibrate import TrainSettings, calibrate
+    from .builders import build_loss, build_model, build_optimizer, trainer_options
     from .inputs import data_path, open_data
 
     # (The built-in set is on every node: the callers wrote it first, runner.write_builtin.)
@@ -229,9 +235,13 @@ def calibrated_costs(c: Config, comm: Comm, device: str, everywhere: Callable[..
     def data(n: int, seed: int = 1) -> tuple[Any, Any]:  # n training samples, a window of its own per seed
         return everywhere(comm, lambda: _samples(train_set, n, seed, device))
 
+    # The steps the job will take: its optimizer, precision, clipping, compression and schedule.
+    job = TrainSettings(optimizer=lambda params: build_optimizer(c, params),
+                        options=lambda: {**trainer_options(c), "schedule": c.schedule})
     t0 = time.perf_counter()
     cal = everywhere(comm, lambda: calibrate(comm, costs, alloc.links, build, data, build_loss(c), steps=STEPS,
-                                             nodes=list(alloc.names), memory_limit=alloc.memory, timeout=c.timeout))
+                                             nodes=list(alloc.names), memory_limit=alloc.memory, timeout=c.timeout,
+                                             trainer=job, min_seconds=MIN_SECONDS))
     seconds = comm.bcast_obj(time.perf_counter() - t0)  # (rank 0's clock: one header on every rank)
     return cal, Calibration(seconds, cal.step_fixed_s, dict(cal.call_s), dict(cal.extra.get("calibration", {})),
                             compute_scale=cal.compute_scale, bubble_scale=cal.bubble_scale,

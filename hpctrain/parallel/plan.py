@@ -8,7 +8,9 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
 - **compute**: each rank runs its piece: its pipeline stage (cut as ``hpctrain train`` cuts:
   ``cut.balance_stages`` on the pieces' measured times at the micro-batch), its ``1/tp`` share
   of the split layers, on ``batch / (dp * cp)`` samples in ``m`` micro-batches; recompute adds
-  the wrapped blocks' forward again to their backward. Per micro-batch the measured fit
+  the wrapped blocks' forward again to their backward, and so does ZeRO 3 beside tp for the
+  tensor-parallel layers (``_reruns``: they release their gathered parameters after forward and
+  compute again in backward, their forward all-reduces twice). Per micro-batch the measured fit
   ``fixed + per_sample * samples`` counts (a call costs something however small the batch; tp
   divides the work per sample, not that fixed cost, mostly the interpreter's).
 - **tensor parallel**: per micro-batch, each split layer's all-reduce of its ``(rows, d_model)``
@@ -43,8 +45,8 @@ nodes, memory_limit)`` prices one layout; ``plan`` prices every layout the engin
 - **what the steps make of it** (``Costs.step_fixed_s``, ``compute_scale``, ``bubble_scale``,
   ``call_s`` by group; ``plan_calibrate``): a step pays a fixed cost no piece shows (the loss,
   batch checks, the trainer's bookkeeping); the pieces, timed by one rank alone, run slower where
-  a node's ranks share its cores (``compute_scale``); a pipeline's idle stage lends its core to
-  a busy one there, so its bubble costs less than its length (``bubble_scale``); recomputation's
+  a node's ranks share its cores (``compute_scale``); a pipeline's idle stage there lends its
+  core to a busy one or keeps polling on it, as MPICH's waits do (``bubble_scale``); recomputation's
   forward again allocates what the transient pools gave back, which costs more where ranks share
   cores (``recompute_scale``, on the compute recompute adds); and each
   blocking collective (``blocking_calls``: tp's per block and micro-batch, the pipeline's
@@ -199,15 +201,32 @@ def _tp_seconds(calls: tuple[int, ...], samples: float, lay: Layout, link: Link 
     return sum(_allreduce(link, n * samples, lay.tp) for n in calls)
 
 
+def _reruns(pieces: list[PieceCost], lay: Layout) -> list[PieceCost]:
+    """The pieces whose tensor-parallel layers run their forward again in backward: at ZeRO 3 a
+    layer called on tensors (every tp layer) is one ``Rerun`` node that releases its gathered
+    parameters after forward and gathers and computes again in backward (``zero_gather.UnitHooks``:
+    its forward all-reduces twice; plan_check had priced dp=2 x tp=2 ZeRO 3 20-25% under)."""
+    return [p for p in pieces if p.split_params and p.params] if lay.zero == 3 and lay.tp > 1 else []
+
+
+def _rerun_s(p: PieceCost, samples: float, tp: int) -> float:
+    """The forward of piece ``p``'s tensor-parallel layers again (``_reruns``): their share of its
+    forward on a rank holding ``1/tp`` of them."""
+    split = p.split_params / p.params / tp
+    return p.forward_s(samples, tp) * split / p._share(tp)
+
+
 def _stage_times(pieces: list[PieceCost], lay: Layout, costs: Costs, samples: float, links: dict[str, Link | None],
                  last: bool) -> tuple[float, float, float, float, dict[str, float]]:
     """``(forward compute, backward compute, forward communication, backward communication, the
     communication by group)`` seconds of one micro-batch on a stage of ``pieces``."""
     f = sum(p.forward_s(samples, lay.tp, lay.recompute) for p in pieces)
     b = sum(p.backward_s(samples, lay.tp, lay.recompute) for p in pieces)
+    again = _reruns(pieces, lay)
+    b += sum(_rerun_s(p, samples, lay.tp) for p in again)
     redo = [p for p in pieces if p.recomputable] if lay.recompute else []
     tp_link = links["tp"]
-    tf = sum(_tp_seconds(p.tp_forward, samples, lay, tp_link) for p in pieces)
+    tf = sum(_tp_seconds(p.tp_forward, samples, lay, tp_link) for p in [*pieces, *again])
     tf += _tp_seconds(costs.loss_tp, samples, lay, tp_link) if last else 0.0
     tb = sum(_tp_seconds(p.tp_backward, samples, lay, tp_link) for p in [*pieces, *redo])
     # cp's ring: 2 (cp-1)/cp of each attention's keys and values of the whole sequence (forward
@@ -279,7 +298,8 @@ def _buckets(pieces: list[PieceCost], lay: Layout, item: int, bucket_mb: float) 
 def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: bool = True) -> dict[str, int]:
     """Blocking collectives one step of ``layout`` waits on, by group, on a stage of ``pieces``
     (``last``: the stage holding the loss), as the engine issues them: tp, per micro-batch, each
-    split layer's forward and backward all-reduce (a recomputed block's forward again) and the
+    split layer's forward and backward all-reduce (a recomputed block's forward again, and at ZeRO 3
+    each split layer's forward again: ``_reruns``) and the
     vocab-parallel loss's three; pp, one meeting per micro-batch; cp, a ring per attention piece
     forward and backward; ep, five all-to-alls per MoE layer; dp, one wait for the buckets
     (started during backward, waited on together), or ZeRO's reduce-scatter per unit (started as
@@ -293,6 +313,7 @@ def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: 
     redo = [p for p in pieces if p.recomputable] if lay.recompute else []
     if lay.tp > 1:
         per = sum(len(p.tp_forward) + len(p.tp_backward) for p in pieces) + sum(len(p.tp_backward) for p in redo)
+        per += sum(len(p.tp_forward) for p in _reruns(pieces, lay))
         out["tp"] = m * (per + (len(costs.loss_tp) if last else 0))
     if lay.pp > 1:
         out["pp"] = m
@@ -384,7 +405,11 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
     makespan, finish = _pipeline(times, sends, lay, schedule)
     world_link = links.get("intra-node") or links.get("inter-node")
     small = 2 * _allreduce(world_link, 64, lay.world) if lay.world > 1 else 0.0
-    best: tuple = (-1.0, 0.0, 0.0, 0.0, {}, {})  # (step, compute, communication, bubble, parts, calls)
+    # The stage that sets the step is chosen at unit scales (its own work, transfers and idle time as
+    # timed, the calls unpriced), as ``plan_calibrate.terms`` sees the layout: chosen after the
+    # fitted scales, a stage that idles most could win under a large bubble scale and the prediction
+    # leave the fit it came from (plan_check, two nodes: a layout timed for the fit predicted +90%).
+    best: tuple = (-1.0,)  # (unit step, step, compute, communication, bubble, parts, calls, redo)
     for s, st in enumerate(stages):
         f, b, tf, tb, kinds = times[s]
         exposed, after = _reduction(st, lay, costs, dp_link, b, bucket_mb, overlap)
@@ -403,6 +428,8 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
         redo = lay.microbatches * sum(p.forward_s(samples, lay.tp, True) + p.backward_s(samples, lay.tp, True)
                                       - p.forward_s(samples, lay.tp) - p.backward_s(samples, lay.tp)
                                       for p in st) if lay.recompute else 0.0
+        # ZeRO 3's tensor-parallel layers computed again in backward: a forward again, as recompute's
+        redo += lay.microbatches * sum(_rerun_s(p, samples, lay.tp) for p in _reruns(st, lay))
         comm = sum(parts.values())
         # What the schedule leaves idle: the stage's finish beyond its own work and messages.
         bubble = max(0.0, finish[s] + exposed + opt + after + small + meets - compute - comm + parts["calls"])
@@ -410,9 +437,10 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
         # steps make them (calibrate).
         work = costs.step_fixed_s + costs.compute_scale * (compute - redo) + costs.recompute_scale * redo
         step = work + comm + costs.bubble_scale * bubble
-        if step > best[0]:
-            best = (step, work, comm, costs.bubble_scale * bubble, parts, calls, redo)
-    step, compute, comm, bubble, parts, calls, redo = best
+        unit = compute + comm - parts["calls"] + bubble
+        if unit > best[0] + 1e-12:
+            best = (unit, step, work, comm, costs.bubble_scale * bubble, parts, calls, redo)
+    _, step, compute, comm, bubble, parts, calls, redo = best
     need, memory_parts = memory(lay, costs, stages, samples, schedule)
     fits = memory_limit is None or need <= memory_limit
     why = (f"compute {compute * 1e3:.1f} ms + communication {comm * 1e3:.1f} ms + bubble {bubble * 1e3:.1f} ms"

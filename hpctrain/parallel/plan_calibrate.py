@@ -7,8 +7,10 @@ idle ranks; neither sees what a step makes of them:
   ``Costs.step_fixed_s``;
 - the compute as the step runs it: where ranks share a node's cores (this 2-core machine runs 4),
   each runs slower than the rank that timed the pieces: ``Costs.compute_scale``;
-- the pipeline's idle time as the step pays it: an idle stage's rank lends its core to a busy
-  one, so a bubble costs less than its length where cores are shared: ``Costs.bubble_scale``;
+- the pipeline's idle time as the step pays it: where ranks share cores, an idle stage's rank
+  either lends its core to a busy one (a bubble then costs less than its length) or keeps it
+  polling (MPICH's waits poll: a rank waiting in a receive measured 100% of a core on this machine),
+  and the bubble costs what the shared cores make of it: ``Costs.bubble_scale``;
 - what a blocking collective costs ranks that arrive from compute, by group (a peer descheduled
   for a slice; the probe's ``Link.meet`` saw 0.12 ms on this machine while tp's calls timed
   inside steps cost several times more): ``Costs.call_s``.
@@ -37,17 +39,28 @@ from ..comm.linkprobe import Link
 from .plan import Layout, layouts, predict, stages_of
 from .plan_costs import Costs
 
-__all__ = ["calibrate", "fit", "layout_trainer", "probe_layouts", "step_seconds", "terms"]
+__all__ = ["LOWER", "TrainSettings", "calibrate", "fit", "layout_trainer", "probe_layouts", "step_seconds", "terms"]
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """What the timed steps train with besides the layout, as the job will: ``optimizer(params)``
+    (``None``: AdamW) and ``options()``, the trainer's other keyword arguments (precision, clipping,
+    compression, the pipeline ``schedule``...), called once per trainer (a loss scaler keeps state)."""
+
+    optimizer: Callable[[list[Any]], Any] | None = None
+    options: Callable[[], dict[str, Any]] | None = None
+
 
 #: The fitted unknowns, in ``fit``'s column order (the calls' prices by group after the scales).
 UNKNOWNS = ("fixed", "compute", "bubble", "dp", "tp", "pp", "recompute")
 
 
 def layout_trainer(comm: Any, layout: Layout, costs: Costs, build: Callable[[], Any], loss: Any,
-                   timeout: float | None = None) -> tuple[Any, Any]:
+                   timeout: float | None = None, trainer: TrainSettings | None = None) -> tuple[Any, Any]:
     """``(trainer, grid)``: a ``ParallelTrainer`` of ``layout`` on a fresh ``build()`` (overlap
-    on, AdamW), the stages cut as ``hpctrain train`` cuts (the plan's ``stages_of``); collective.
-    ``grid.free()`` when done. ``timeout``: the trainer's (``HPCTRAIN_TIMEOUT`` when ``None``)."""
+    on), the stages cut as ``hpctrain train`` cuts (the plan's ``stages_of``); collective.
+    ``grid.free()`` when done. ``timeout``: the trainer's (``HPCTRAIN_TIMEOUT`` when ``None``).
+    ``trainer``: the job's optimizer and trainer settings (``TrainSettings``; default AdamW, nothing else)."""
     from ..comm.grid import ProcessGrid
     from ..optim import AdamW
     from .parallelize import parallelize
@@ -59,8 +72,11 @@ def layout_trainer(comm: Any, layout: Layout, costs: Costs, build: Callable[[], 
         samples = costs.batch / lay.dp / lay.microbatches
         balance = [len(s) for s in stages_of(costs, lay.pp, samples, lay.tp)] if lay.pp > 1 else None
         part = parallelize(build(), grid, balance=balance, recompute=lay.recompute)
-        tr = ParallelTrainer(model=part, loss=loss, optimizer=AdamW(part.parameters(), lr=1e-3), grid=grid,
-                             microbatches=lay.microbatches, zero=lay.zero, overlap=True, timeout=timeout)
+        job = trainer or TrainSettings()
+        opt = job.optimizer(part.parameters()) if job.optimizer else AdamW(part.parameters(), lr=1e-3)
+        options = {"timeout": timeout, **(job.options() if job.options else {})}
+        tr = ParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid, microbatches=lay.microbatches,
+                             zero=lay.zero, overlap=True, **options)
     except BaseException:
         grid.free()
         raise
@@ -68,20 +84,23 @@ def layout_trainer(comm: Any, layout: Layout, costs: Costs, build: Callable[[], 
 
 
 def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], Any],
-                 data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5, timeout: float | None = None
-                 ) -> float:
+                 data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5, timeout: float | None = None,
+                 trainer: TrainSettings | None = None, min_seconds: float = 0.0) -> float:
     """The median over ``steps`` (after one warm-up) of the slowest rank's step of
     ``layout_trainer``'s trainer, the memory meter watching as in ``fit`` (collective).
-    ``data(n, seed=...)``: ``n`` samples ``(x, y)``."""
-    tr, grid = layout_trainer(comm, layout, costs, build, loss, timeout)
+    ``data(n, seed=...)``: ``n`` samples ``(x, y)``. Short steps are timed more: until the timed
+    steps add up to ``min_seconds`` too, at most ``4 * steps`` (every rank decides alike from the
+    same slowest-rank times)."""
+    tr, grid = layout_trainer(comm, layout, costs, build, loss, timeout, trainer)
     try:
         x, y = data(costs.batch // layout.dp, seed=2 + grid.dp.rank)
         # As the training loop runs a step: its memory meter watching (training.loop reports every
         # step; the meter's look after each recomputed forward costs 1-2 ms a step on the MLP).
         tr.memory_report()
         tr.memory_report(tr.step(x, y))
-        times = []
-        for _ in range(max(1, steps)):
+        times: list[float] = []
+        least = max(1, steps)
+        while len(times) < least or (sum(times) < min_seconds and len(times) < 4 * least):
             comm.barrier()
             t0 = time.perf_counter()
             stats = tr.step(x, y)
@@ -111,16 +130,25 @@ def _columns(t: dict[str, Any]) -> list[float]:
             t.get("recompute", 0.0)]
 
 
+#: Bounds below the fit keeps each unknown at (``fit``): none below zero, and the compute and
+#: recomputation at least as slow as rank 0 timed them alone on an idle node. Without them a fit
+#: through noisy steps could trade the compute for call prices (two nodes: "compute x0.00, bubble
+#: x9.78"), and the layouts it had not timed paid for it.
+LOWER = {"compute": 1.0, "recompute": 1.0}
+
+
 def fit(rows: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
     """The unknowns (``UNKNOWNS``) that make ``terms`` best match the measured seconds of each
-    row ``(terms, measured)``: least squares on the relative error, every unknown >= 0 (each
-    subset of them free in turn, the rest at zero: six unknowns, 64 small solves). An unknown no
-    row varies (no pipeline among the rows: the bubble) takes its neutral value: scales 1, a
-    group's price dp's."""
+    row ``(terms, measured)``: least squares on the relative error, every unknown at or above its
+    bound (``LOWER``, else zero; each subset of them free in turn, the rest at their bounds: seven
+    unknowns, 127 small solves). An unknown no row varies (no pipeline among the rows: the bubble)
+    takes its neutral value: scales 1, a group's price dp's."""
     if not rows:
         raise ValueError("fit needs at least one measured layout")
     a = np.array([_columns(t) for t, _ in rows])
-    y = np.array([m - t["comm"] for t, m in rows])
+    low = np.array([LOWER.get(name, 0.0) for name in UNKNOWNS])
+    # The unknowns above their bounds: x = low + x', x' >= 0, fitted to what the bounds leave.
+    y = np.array([m - t["comm"] for t, m in rows]) - a @ low
     w = 1.0 / np.array([max(m, 1e-9) for _, m in rows])
     seen = [j for j in range(a.shape[1]) if np.any(a[:, j] != 0)]
     best: tuple[float, np.ndarray] | None = None
@@ -135,7 +163,7 @@ def fit(rows: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
             err = float(np.sum(((a @ x - y) * w) ** 2))
             if best is None or err < best[0] - 1e-15:
                 best = (err, x)
-    x = best[1] if best is not None else np.zeros(a.shape[1])
+    x = (best[1] if best is not None else np.zeros(a.shape[1])) + low
     out = dict(zip(UNKNOWNS, (float(v) for v in x)))
     for j, name in enumerate(UNKNOWNS):
         if j not in seen:
@@ -176,11 +204,13 @@ def probe_layouts(world: int, costs: Costs) -> list[Layout]:
 def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Callable[[], Any],
               data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5,
               nodes: list[str] | None = None, memory_limit: int | None = None,
-              timeout: float | None = None) -> Costs:
+              timeout: float | None = None, trainer: TrainSettings | None = None,
+              min_seconds: float = 0.0) -> Costs:
     """``costs`` with the in-step quantities fitted (module docstring; collective: every rank
     times the same layouts and gets the same values). Each ``probe_layouts`` layout that fits in
     ``memory_limit`` bytes per rank (predicted; ``None``: all) trains ``steps`` timed steps (the
-    median counts; ``timeout``: the trainers'); the measured steps are kept in
+    median counts, more where they are short: ``step_seconds``'s ``min_seconds``; ``timeout``:
+    the trainers'; ``trainer``: their optimizer and settings, the job's); the measured steps are kept in
     ``extra["calibration"]`` (seconds by layout label) and the fitted unknowns in
     ``extra["fit"]``. Raises ``ValueError`` when none of them fits."""
     seen: dict[str, float] = {}
@@ -190,7 +220,8 @@ def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Cal
     if not lays:
         raise ValueError(f"none of the layouts calibration times fits in {memory_limit} bytes per rank")
     for lay in lays:
-        measured = seen[lay.label()] = step_seconds(comm, lay, costs, build, data, loss, steps, timeout)
+        measured = seen[lay.label()] = step_seconds(comm, lay, costs, build, data, loss, steps, timeout, trainer,
+                                                    min_seconds)
         rows.append((terms(lay, costs, links, nodes), measured))
     x = fit(rows)
     return dataclasses.replace(costs, step_fixed_s=x["fixed"], compute_scale=x["compute"], bubble_scale=x["bubble"],

@@ -163,6 +163,24 @@ def test_the_plan_prices_the_jobs_own_optimizer(two_node_probe):
     assert adamw - sgd == 2 * (momentum - sgd) > 0, (adamw, momentum, sgd)
 
 
+@pytest.mark.timeout(200)
+def test_plan_with_compression_times_and_lists_the_layouts_it_refuses(tmp_path):
+    # --compression compresses the plain dp all-reduce: layouts with dp=1 or ZeRO refuse it, the
+    # rest are planned and calibrated (the layout-free check used to refuse it on every world)
+    p = hpctrain("plan", "--model", "mlp", "--compression", "fp16", "--json", n=2, timeout=150,
+                 env=clean_env(HPCTRAIN_DATA=str(tmp_path)))
+    assert p.returncode == 0, p.stderr
+    rows = _layouts(p)
+    assert json.loads(p.stdout)["calibration"] is not None
+    fit = [r for r in rows if r["fits"]]
+    assert fit and all(r["dp"] > 1 and r["zero"] == 0 for r in fit), fit
+    for r in rows:
+        if r["dp"] == 1:
+            assert not r["fits"] and "but dp=1" in r["why"], r
+        elif r["zero"]:
+            assert not r["fits"] and "takes no --compression" in r["why"], r
+
+
 @pytest.mark.timeout(240)
 def test_bad_probe_files_and_flags_are_refused_in_one_line(tmp_path, two_node_probe):
     bad = tmp_path / "bad.json"

@@ -17,6 +17,7 @@ from hpctrain.job.planning import (
     keeps,
     label,
     open_layout,
+    open_resolved,
     runnable,
     table,
     usage_problem,
@@ -149,3 +150,18 @@ def test_no_calibrate_goes_with_layout_auto_and_a_chosen_layout_drops_it():
     assert resolve(cfg, 1).calibrate is False
     assert chosen_config(cfg, _row(4, 1, 1)).calibrate is True  # set as if given: resolves without --layout auto
     assert chosen_config(cfg, _row(4, 1, 1), "auto -> ...", list(PLANNED)).calibrate is False  # kept with auto
+
+
+def test_compression_is_checked_per_layout_not_before_one_is_chosen():
+    # --compression refuses dp=1, which only a layout decides: the layout-free check (one rank)
+    # keeps it and leaves the refusal to each row; the other rules still hold there
+    cfg = Config(model="gpt", layout="auto", compression="fp16")
+    with pytest.raises(ConfigError, match="but dp=1"):
+        resolve(cfg.replace(layout=None), 1)  # one rank, as given: refused
+    assert open_resolved(cfg).compression == "fp16"
+    assert chosen_config(cfg, _row(4, 1, 1)).compression == "fp16"
+    resolve(chosen_config(cfg, _row(4, 1, 1)), 4)  # dp=4: the job runs it
+    with pytest.raises(ConfigError, match="but dp=1"):
+        resolve(chosen_config(cfg, _row(1, 2, 2, m=2)), 4)
+    with pytest.raises(ConfigError, match="takes no --compression"):
+        resolve(chosen_config(cfg, _row(4, 1, 1, zero=1)), 4)

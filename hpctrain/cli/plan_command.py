@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace, comm: Any) -> tuple[list[dict[str, Any]], Any, Any, dict[str, Any], Any]:
     """The settings as ``train`` reads them, planned as ``--layout auto`` plans (collective)."""
     from ..job import planning
-    from ..job.config import OPTIONS, read_settings, resolve
+    from ..job.config import OPTIONS, read_settings
     from ..job.runner import everywhere, limit_blas_threads, pick_device, write_builtin
 
     names = {o.name for o in OPTIONS}
@@ -90,7 +90,7 @@ def _plan(args: argparse.Namespace, comm: Any) -> tuple[list[dict[str, Any]], An
     cfg = cfg.replace(layout="auto")
     cons = planning.constraints(cfg)  # (the layout settings given: the plan keeps to them)
     # Checked as one rank's job: what depends on the layout (the batch's split) is each layout's own check.
-    c = everywhere(comm, lambda: resolve(planning.open_layout(cfg), 1))
+    c = everywhere(comm, lambda: planning.open_resolved(cfg))
     device = pick_device(c, comm)
     limit_blas_threads(comm)
     alloc = planning.allocation(comm, everywhere, c.probe_file, device, args.ranks, args.nodes, args.memory)

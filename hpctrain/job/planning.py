@@ -283,6 +283,15 @@ def open_layout(cfg: Config) -> Config:
                        recompute=False)
 
 
+def open_resolved(cfg: Config) -> Config:
+    """``cfg`` resolved without a layout: the layout-free checks, on one rank (``hpctrain plan``
+    and ``--layout auto`` alike); each layout's own checks run on the plan's rows (``plan_rows``).
+    ``--compression`` is left out of this check and kept: it refuses dp=1, which only a layout
+    decides (the rows with dp=1 are listed as refused)."""
+    c = resolve(open_layout(cfg).replace(compression=None), 1)
+    return c.replace(compression=cfg.compression)
+
+
 def keeps(row: dict[str, Any], cons: dict[str, Any]) -> bool:
     """Whether a plan's row keeps to the given layout settings (``--strategy tp`` alone: tp takes
     every rank, as ``train`` reads it; ``pp`` alike)."""
@@ -428,7 +437,7 @@ def choose_layout(cfg: Config, comm: Comm, pick_device: Callable[[Config, Comm],
     the best layout that fits and that the job runs, the rest chosen as filled in (``planned``
     says it for the header); a ``ConfigError`` on every rank when none fits."""
     cons = constraints(cfg)
-    c = everywhere(comm, lambda: resolve(open_layout(cfg), 1))  # (the layout-free checks; each layout's below)
+    c = everywhere(comm, lambda: open_resolved(cfg))  # (the layout-free checks; each layout's below)
     device = pick_device(c, comm)
     alloc = allocation(comm, everywhere, c.probe_file, device)
     rows, _, _, cal = plan_rows(c, comm, device, alloc, everywhere, cons)

@@ -75,6 +75,13 @@ def layout_trainer(comm: Any, layout: Layout, costs: Costs, build: Callable[[], 
         job = trainer or TrainSettings()
         opt = job.optimizer(part.parameters()) if job.optimizer else AdamW(part.parameters(), lr=1e-3)
         options = {"timeout": timeout, **(job.options() if job.options else {})}
+        if lay.dp * lay.cp == 1 or lay.zero:
+            # Compression shrinks the plain data-parallel all-reduce: a layout without one (dp=1), or
+            # with ZeRO's own reducer (which takes no other backend either), refuses it. The plan
+            # lists such layouts as refused for this job; calibration times them without it.
+            options.pop("compression", None)
+            if lay.zero:
+                options.pop("backend", None)
         tr = ParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid, microbatches=lay.microbatches,
                              zero=lay.zero, overlap=True, **options)
     except BaseException:

@@ -170,6 +170,46 @@ def test_memory_per_zero_level_is_the_hand_count(zero, dp):
     assert pred.memory_bytes == model_states(p, dp, zero) + buffers + activations
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_mixed_precision_prices_16_bit_parameters_float32_gradients_and_masters(zero):
+    """bf16-mixed AdamW, by hand: parameters 2 bytes, gradients (and their reduction, ZeRO 1's
+    reduced piece, ZeRO 2/3's unit gradients) 4, optimizer 12 (two moments and the master); ZeRO
+    3's gathered units and ZeRO 1/2's all-gather after the step move the 2-byte parameters."""
+    p, unit, dp = 4_000_000, 250_000, 2
+    pieces = [piece("0", 2_000_000, units=8), piece("1", 2_000_000, units=8)]
+    mixed = dataclasses.replace(costs(pieces, opt_bytes=12.0), itemsize=2, grad_itemsize=4)
+    assert mixed.grad_bytes == 4 and Costs.from_dict(mixed.as_dict()) == mixed
+    pred = predict(Layout(dp, 1, 1, zero=zero), mixed, links(), None, overlap=False)
+    window = (3 + 1) * 4 * unit  # three reductions of a 4-byte unit gradient in flight, the next one
+    assert pred.memory_parts["params"] == (2 * p // dp if zero == 3 else 2 * p)
+    assert pred.memory_parts["grads"] == (4 * p // dp if zero >= 2 else 4 * p)
+    assert pred.memory_parts["optimizer"] == 12 * p // (dp if zero else 1)
+    assert pred.memory_parts["buffers"] == {0: 0, 1: 4 * p // dp, 2: window, 3: window + 2 * 2 * unit}[zero]
+    if zero == 0:  # the gradient all-reduce: float32 bytes
+        ln = links()
+        assert pred.comm_parts["dp"] == pytest.approx(
+            (2 * (dp - 1) / dp * 4 * p / BETA + small(dp, ln["intra-node"])) * 1e3, rel=1e-9)
+    if zero == 1:  # the reduce-scatter of float32 units, the all-gather of 2-byte parameters
+        unmixed = predict(Layout(dp, 1, 1, zero=1), costs(pieces), links(), None, overlap=False)
+        gather = (dp - 1) / dp * 2 * p / BETA  # half of the float32 run's all-gather
+        assert pred.comm_parts["dp"] == pytest.approx(unmixed.comm_parts["dp"] - gather * 1e3, rel=1e-9)
+
+
+def test_measure_in_the_jobs_precision_leaves_the_model_as_it_was():
+    """``measure(precision=)`` casts a copy as the trainer casts the model: the pieces run in
+    16-bit, the gradients are float32, the masters count with AdamW's state."""
+    g = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(16, 32, rng=g), nn.GELU(), nn.Linear(32, 4, rng=g))
+    grads = [p.grad for p in model.parameters()]
+    plain = measure(model, (32, 16), repeats=1)
+    mixed = measure(model, (32, 16), repeats=1, precision="bf16-mixed")
+    assert (plain.itemsize, plain.grad_bytes, plain.optimizer_bytes_per_param) == (4, 4, 8.0)
+    assert (mixed.itemsize, mixed.grad_bytes, mixed.optimizer_bytes_per_param) == (2, 4, 12.0)
+    assert (measure(model, (32, 16), repeats=1, precision="fp64").itemsize) == 8
+    assert all(p.data.dtype == np.float32 and p.grad is q for p, q in zip(model.parameters(), grads))
+    assert Costs.from_dict(mixed.as_dict()) == mixed
+
+
 def test_zero_unit_gradients_are_all_there_with_micro_batches_or_when_the_window_is_larger():
     from hpctrain.parallel.plan_memory import scatter_peak
 

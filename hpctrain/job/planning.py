@@ -122,6 +122,7 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
             return None
         import numpy as np
 
+        from ..training.precision import Precision
         from .builders import build_model, build_optimizer
         from .inputs import data_path, open_data
 
@@ -134,8 +135,10 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
         def sample(n: int) -> Any:
             return _samples(train_set, n, 0, device)[0]
 
+        # (The job's precision: its dtypes size the parameters, gradients, masters and activations.)
         return planner.measure(model, (c.batch_size, *x0.shape[1:]), sample=sample,
-                               optimizer=lambda params: build_optimizer(c, params)).as_dict()
+                               optimizer=lambda params: build_optimizer(c, params),
+                               precision=Precision(c.precision, c.grad_reduce_dtype)).as_dict()
 
     measured = everywhere(comm, lambda: planner.on_rank0_alone(comm, c.timeout, on_rank0))
     return planner.Costs.from_dict(comm.bcast_obj(measured))
@@ -404,7 +407,9 @@ def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any, cons: dict[
     axes = ["dp", "tp", "pp"] + [k for k in ("cp", "ep") if any(r.get(k, 1) > 1 for r in rows)]
     head = (f"hpctrain plan: {costs.params:,} parameters, global batch {costs.batch}, on {alloc.ranks} rank"
             f"{'s' if alloc.ranks > 1 else ''} / {alloc.nodes} node{'s' if alloc.nodes > 1 else ''} ({costs.device})\n"
-            f"memory limit {_size(alloc.memory)} per rank ({alloc.memory_from}); links: {alloc.links_from}"
+            f"memory limit {_size(alloc.memory)} per rank ({alloc.memory_from}); per parameter {costs.itemsize} B, "
+            f"its gradient {costs.grad_bytes} B, optimizer state {costs.optimizer_bytes_per_param:g} B "
+            f"(the job's precision and optimizer); links: {alloc.links_from}"
             + (f"\n{cal.text()}" if cal is not None else "")
             + (f"\nonly layouts with {constraints_text(cons)} (given; the plan chooses the rest)" if cons else ""))
     cols = "".join(f"{k:>4}" for k in axes) + f"{'zero':>5} {'recompute':>9} {'micro':>5}" + \

@@ -252,7 +252,7 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
     gradient reduction over dp (module docstring)."""
     if link is None:
         return 0.0, 0.0
-    p, item = lay.dp, costs.itemsize
+    p, item = lay.dp, costs.grad_bytes  # gradients reduce in their own dtype (mixed precision: float32)
     # Backward runs the pieces in reverse: a unit (zero) or bucket is ready once backward has passed it.
     order = [q for q in reversed(pieces) if q.params]
     total = sum(q.local_params(lay.tp, lay.ep) for q in order) or 1
@@ -275,7 +275,7 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
         start = ready * backward if overlap else backward
         end = max(end, start) + sec
     exposed = max(0.0, end - backward)
-    after = _gather(link, total * item, p) if lay.zero in (1, 2) else 0.0
+    after = _gather(link, total * costs.itemsize, p) if lay.zero in (1, 2) else 0.0  # the updated parameters
     return exposed, after
 
 

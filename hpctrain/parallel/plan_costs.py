@@ -25,7 +25,6 @@ layers' arrays, the replicated ones, the all-reduces' results).
 from __future__ import annotations
 
 import copy
-
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -261,7 +260,6 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
     parameters' ``.grad`` put back)."""
     from ..optim import AdamW
     from ..training.memory import optimizer_arrays, owned_bytes
-
     from ..training.precision import Precision
 
     policy = Precision.of(precision) if precision is not None else None

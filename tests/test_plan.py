@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -208,6 +209,22 @@ def test_measure_in_the_jobs_precision_leaves_the_model_as_it_was():
     assert (measure(model, (32, 16), repeats=1, precision="fp64").itemsize) == 8
     assert all(p.data.dtype == np.float32 and p.grad is q for p, q in zip(model.parameters(), grads))
     assert Costs.from_dict(mixed.as_dict()) == mixed
+
+
+def test_a_given_cut_prices_the_stages_where_it_says():
+    """``--pp-cut``: the stages begin where the cut says (three pieces on stage 0 here, against two
+    when balanced), the plan lists only its stage count, and a cut the engine refuses is refused."""
+    p = 100_000
+    c = costs([piece(str(i), p, fwd=1e-3, act=100) for i in range(4)] + [piece("4", 0)])
+    balanced = predict(Layout(1, 1, 2), c, links(), None)
+    given = predict(Layout(1, 1, 2), c, links(), None, cut=("3",))
+    assert balanced.memory_parts["params"] == 2 * p * 4 and given.memory_parts["params"] == 3 * p * 4
+    assert given.compute_ms == pytest.approx(1.5 * balanced.compute_ms, rel=1e-9)  # 3 pieces' forward against 2
+    assert {x.layout.pp for x in plan(c, links(), 4, cut=("3",))} == {2}
+    for cut, words in ((("9",), "'9' is not a piece"), (("1", "2"), "2 cut point(s) for 2 stages"),
+                       (("4",), "stage 1 of the cut at 4 holds no parameters")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            predict(Layout(1, 1, 2), c, links(), None, cut=cut)
 
 
 def test_zero_unit_gradients_are_all_there_with_micro_batches_or_when_the_window_is_larger():

@@ -109,6 +109,21 @@ def test_layout_settings_given_constrain_the_plan_and_the_rest_is_chosen():
     assert (opened.strategy, opened.tp, opened.pp, opened.zero, opened.recompute) == (None, None, None, 0, False)
 
 
+def test_a_given_pipeline_cut_fixes_the_stages_and_is_checked_against_pp():
+    cfg = Config(model="gpt", pp_cut="blocks.1", layout="auto")
+    cons = constraints(cfg)
+    assert cons == {"pp_cut": "blocks.1"} and constraints_text(cons) == "--pp-cut blocks.1"
+    assert keeps(_row(2, 1, 2, m=2), cons) and not keeps(_row(4, 1, 1), cons) and not keeps(_row(1, 1, 4), cons)
+    # the layout-free check keeps the cut (it used to check it against pp=1 and refuse every plan)
+    assert open_resolved(cfg).pp_cut == "blocks.1" and open_layout(cfg).pp_cut is None
+    assert open_resolved(cfg.replace(pp=2)).pp_cut == "blocks.1"
+    with pytest.raises(ConfigError, match=r"--pp-cut blocks.1: 1 cut point\(s\) for --pp 3 stages"):
+        open_resolved(cfg.replace(pp=3))
+    assert constraints(cfg.replace(pp_cut="auto")) == {}  # auto: the plan's own balanced cut
+    planned = chosen_config(cfg, _row(2, 1, 2, m=2), "auto -> ...", [k for k in PLANNED if k not in cons])
+    assert (resolve(planned, 4).pp, resolve(planned, 4).pp_cut) == (2, "blocks.1")
+
+
 def test_the_plan_chooses_cp_and_ep_as_it_chooses_the_rest():
     """cp and ep are planned axes (issue 43's): a row with them resolves to that layout, a given
     ``--cp``/``--ep`` constrains the plan, and the single-axis strategies keep them at 1."""

@@ -266,12 +266,23 @@ def _samples(train_set: Any, n: int, seed: int, device: str) -> tuple[Any, Any]:
 def constraints(cfg: Config) -> dict[str, Any]:
     """The layout settings given beside ``--layout auto`` (or to ``hpctrain plan``): the plan keeps
     to them and chooses the rest. ``--zero 0``, ``--no-recompute``, ``--cp 1`` and ``--ep 1`` are the
-    defaults, so they leave ZeRO, recompute, cp and ep to the plan."""
+    defaults, so they leave ZeRO, recompute, cp and ep to the plan. ``--pp-cut`` (not ``auto``)
+    keeps the layouts of as many stages as it says, priced cut where it says."""
     out = {k: getattr(cfg, k) for k in ("strategy", "tp", "pp") if getattr(cfg, k) is not None}
+    if pp_cut(cfg):  # the stages and where they begin (open_resolved checks it against --pp)
+        out["pp_cut"] = cfg.pp_cut
     out.update({k: getattr(cfg, k) for k in ("cp", "ep") if getattr(cfg, k) > 1})
     out.update({"zero": cfg.zero} if cfg.zero else {})
     out.update({"recompute": True} if cfg.recompute else {})
     return out
+
+
+def pp_cut(cfg: Config) -> tuple[str, ...] | None:
+    """``--pp-cut``'s points (piece names or indices where stages 1.. begin), ``None`` when not
+    given or ``auto``: the plan prices the layouts with that many stages at those points."""
+    if cfg.pp_cut in (None, "", "auto"):
+        return None
+    return tuple(s.strip() for s in cfg.pp_cut.split(","))
 
 
 def constraints_text(cons: dict[str, Any]) -> str:
@@ -283,16 +294,21 @@ def open_layout(cfg: Config) -> Config:
     """``cfg`` without its layout settings: what is checked before any layout is chosen. (``--strategy
     ps`` stays: it is no layout the plan has, and the configuration's rule refuses it there.)"""
     return cfg.replace(strategy="ps" if cfg.strategy == "ps" else None, tp=None, pp=None, cp=1, ep=1, zero=0,
-                       recompute=False)
+                       recompute=False, pp_cut=None)
 
 
 def open_resolved(cfg: Config) -> Config:
     """``cfg`` resolved without a layout: the layout-free checks, on one rank (``hpctrain plan``
     and ``--layout auto`` alike); each layout's own checks run on the plan's rows (``plan_rows``).
     ``--compression`` is left out of this check and kept: it refuses dp=1, which only a layout
-    decides (the rows with dp=1 are listed as refused)."""
+    decides (the rows with dp=1 are listed as refused). ``--pp-cut`` is kept too: it fixes the
+    stages (:func:`constraints`), and where ``--pp`` is given they must agree."""
+    cut = pp_cut(cfg)
+    if cut and cfg.pp is not None and cfg.pp != len(cut) + 1:
+        raise ConfigError(f"--pp-cut {cfg.pp_cut}: {len(cut)} cut point(s) for --pp {cfg.pp} stages: give "
+                          f"{cfg.pp - 1} (where stages 1.. begin), or leave --pp out (the cut says it)")
     c = resolve(open_layout(cfg).replace(compression=None), 1)
-    return c.replace(compression=cfg.compression)
+    return c.replace(compression=cfg.compression, pp_cut=cfg.pp_cut)
 
 
 def keeps(row: dict[str, Any], cons: dict[str, Any]) -> bool:
@@ -306,7 +322,9 @@ def keeps(row: dict[str, Any], cons: dict[str, Any]) -> bool:
         return False
     if (strategy == "tp" and "tp" not in cons or strategy == "pp" and "pp" not in cons) and row["dp"] > 1:
         return False
-    return all(row[k] == v for k, v in cons.items() if k != "strategy")
+    if "pp_cut" in cons and row["pp"] != len(cons["pp_cut"].split(",")) + 1:
+        return False
+    return all(row[k] == v for k, v in cons.items() if k not in ("strategy", "pp_cut"))
 
 
 def chosen_config(c: Config, layout: dict[str, Any], planned: str | None = None, chosen: list[str] | None = None,
@@ -356,8 +374,14 @@ def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere:
         only = {k: (v,) for k, v in (cons or {}).items() if k in ("zero", "recompute")}  # (not predicted at all)
         # cp and ep where the model has them (the plan's own rules refuse the rest: an MLP's cp).
         axes = {k: tuple(d for d in range(1, alloc.ranks + 1) if alloc.ranks % d == 0) for k in ("cp", "ep")}
+        cut = pp_cut(c)
+        if cut:  # refused as `hpctrain train` refuses it, before any layout is priced at it
+            try:
+                planner.stages_of(costs, len(cut) + 1, 1.0, 1, cut)
+            except ValueError as exc:
+                raise ConfigError(f"--pp-cut {c.pp_cut}: {exc}") from None
         preds = planner.plan(costs, alloc.links, alloc.ranks, list(alloc.names), alloc.memory, schedule=c.schedule,
-                             **axes, **only)
+                             cut=cut, **axes, **only)
         rows = [{**p.as_json(), "compute_ms": round(p.compute_ms, 3), "comm_ms": round(p.comm_ms, 3),
                  "bubble_ms": round(p.bubble_ms, 3), "memory_limit": alloc.memory} for p in preds]
         listed = runnable(c, [r for r in rows if keeps(r, cons or {})], alloc.ranks)

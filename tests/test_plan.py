@@ -51,6 +51,19 @@ def test_dp_allreduce_moves_each_ranks_gradient_bytes():
         assert pred.comm_parts["dp"] == pytest.approx(want * 1e3, rel=1e-9) and pred.compute_ms == 0
 
 
+def test_compression_sends_the_plain_all_reduce_in_16_bits():
+    p = 100_000
+    c = costs([piece("0", p), piece("1", p)])
+    ln = links()
+    for dp in (2, 4):
+        pred = predict(Layout(dp, 1, 1), c, ln, None, overlap=False, compression="fp16")
+        want = 2 * (dp - 1) / dp * 2 * p * 2 / BETA + small(dp, ln["intra-node"])  # 2 bytes a gradient
+        assert pred.comm_parts["dp"] == pytest.approx(want * 1e3, rel=1e-9)
+        zero = dict(overlap=False)  # ZeRO is its own reducer: the same traffic with or without
+        assert predict(Layout(dp, 1, 1, zero=1), c, ln, None, compression="bf16", **zero).comm_parts == \
+            predict(Layout(dp, 1, 1, zero=1), c, ln, None, **zero).comm_parts
+
+
 def test_buckets_count_one_latency_each_and_overlap_hides_what_backward_covers():
     p = 5_000_000  # 20 MB per piece: two pieces overflow one 25 MiB bucket, so two buckets
     c = costs([piece("0", p, bwd=1e-3), piece("1", p, bwd=1e-3)], batch=4)

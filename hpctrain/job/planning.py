@@ -244,7 +244,7 @@ def calibrated_costs(c: Config, comm: Comm, device: str, everywhere: Callable[..
     t0 = time.perf_counter()
     cal = everywhere(comm, lambda: calibrate(comm, costs, alloc.links, build, data, build_loss(c), steps=STEPS,
                                              nodes=list(alloc.names), memory_limit=alloc.memory, timeout=c.timeout,
-                                             trainer=job, min_seconds=MIN_SECONDS))
+                                             trainer=job, min_seconds=MIN_SECONDS, compression=c.compression))
     seconds = comm.bcast_obj(time.perf_counter() - t0)  # (rank 0's clock: one header on every rank)
     return cal, Calibration(seconds, cal.step_fixed_s, dict(cal.call_s), dict(cal.extra.get("calibration", {})),
                             compute_scale=cal.compute_scale, bubble_scale=cal.bubble_scale,
@@ -381,7 +381,7 @@ def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere:
             except ValueError as exc:
                 raise ConfigError(f"--pp-cut {c.pp_cut}: {exc}") from None
         preds = planner.plan(costs, alloc.links, alloc.ranks, list(alloc.names), alloc.memory, schedule=c.schedule,
-                             cut=cut, **axes, **only)
+                             cut=cut, compression=c.compression, **axes, **only)
         rows = [{**p.as_json(), "compute_ms": round(p.compute_ms, 3), "comm_ms": round(p.comm_ms, 3),
                  "bubble_ms": round(p.bubble_ms, 3), "memory_limit": alloc.memory} for p in preds]
         listed = runnable(c, [r for r in rows if keeps(r, cons or {})], alloc.ranks)

@@ -257,9 +257,9 @@ def _stage_times(pieces: list[PieceCost], lay: Layout, costs: Costs, samples: fl
 
 
 def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | None, backward: float,
-               bucket_mb: float, overlap: bool) -> tuple[float, float]:
+               bucket_mb: float, overlap: bool, compression: str | None = None) -> tuple[float, float]:
     """``(exposed seconds after the last backward, seconds after the optimizer step)`` of the
-    gradient reduction over dp (module docstring)."""
+    gradient reduction over dp (module docstring; ``compression``: the buckets' 16-bit wire)."""
     if link is None:
         return 0.0, 0.0
     p, item = lay.dp, costs.grad_bytes  # gradients reduce in their own dtype (mixed precision: float32)
@@ -276,10 +276,11 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
             chunks += [(done / total, link.gather_seconds(per, p))] * q.units
         chunks.append((1.0, link.meet))
     else:
+        wire = min(2, item) if compression else item  # packed at the gradients' size, sent in 16 bits
         for bucket in reversed(_buckets(pieces, lay, item, bucket_mb)):
             size = _local(bucket, lay)
             done += size
-            chunks.append((done / total, _allreduce(link, size * item, p)))
+            chunks.append((done / total, _allreduce(link, size * wire, p)))
     end = 0.0
     for ready, sec in chunks:
         start = ready * backward if overlap else backward
@@ -392,12 +393,15 @@ def _pipeline(stage_times: list[tuple[float, float, float, float]], sends: list[
 
 def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_layout: list[str] | None = None,
             memory_limit: int | None = None, *, bucket_mb: float = 25.0, overlap: bool = True,
-            schedule: str = "1f1b", cut: Sequence[str] | None = None) -> Prediction:
+            schedule: str = "1f1b", cut: Sequence[str] | None = None,
+            compression: str | None = None) -> Prediction:
     """The step time and peak memory per rank of ``layout`` (module docstring: the terms).
 
     ``links``: ``linkprobe.probe``'s fits by class; ``nodes_layout``: each rank's node name (rank
     order; ``None``: one node); ``memory_limit``: bytes per rank (``None``: no limit); ``cut``: the
-    pipeline's cut as ``--pp-cut`` gives it (``stages_of``; ``None``: balanced as ``train`` balances)."""
+    pipeline's cut as ``--pp-cut`` gives it (``stages_of``; ``None``: balanced as ``train`` balances);
+    ``compression``: ``--compression`` (``"fp16"``/``"bf16"``): the plain dp all-reduce's gradients
+    travel in 16 bits (ZeRO, its own reducer, takes none)."""
     lay = layout
     problem = layout_problem(lay, costs)
     if problem is not None:
@@ -423,7 +427,7 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
     best: tuple = (-1.0,)  # (unit step, step, compute, communication, bubble, parts, calls, redo)
     for s, st in enumerate(stages):
         f, b, tf, tb, kinds = times[s]
-        exposed, after = _reduction(st, lay, costs, dp_link, b, bucket_mb, overlap)
+        exposed, after = _reduction(st, lay, costs, dp_link, b, bucket_mb, overlap, compression)
         exposed += lay.microbatches * _zero3_gathers(st, lay, costs, dp_link, f, b)
         opt = costs.optimizer_s_per_param * _local(st, lay) / (lay.dp if lay.zero else 1)
         # A stage that receives meets its neighbour once per micro-batch (plan_check: not per message).
@@ -466,7 +470,8 @@ def plan(costs: Costs, links: dict[str, Link | None], world: int, nodes: list[st
     first), then the ones that do not fit (least memory first), each with its ``why``; the first
     one's ``why`` says what it wins by. ``options``: ``layouts``' choices (``zero``,
     ``recompute``, ``microbatches``, ``cp``, ``ep``) and ``predict``'s (``bucket_mb``,
-    ``overlap``, ``schedule``, ``cut``: with a cut, only the layouts of its stage count)."""
+    ``overlap``, ``schedule``, ``compression``, ``cut``: with a cut, only the layouts of its stage
+    count)."""
     pick = {k: options.pop(k) for k in ("zero", "recompute", "microbatches", "cp", "ep") if k in options}
     cut = options.get("cut")
     lays = [lay for lay in layouts(world, costs, **pick) if not cut or lay.pp == len(cut) + 1]

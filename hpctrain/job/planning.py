@@ -135,8 +135,9 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
         def sample(n: int) -> Any:
             return _samples(train_set, n, 0, device)[0]
 
-        # (The job's precision: its dtypes size the parameters, gradients, masters and activations.)
-        return planner.measure(model, (c.batch_size, *x0.shape[1:]), sample=sample,
+        # The job's precision: its dtypes size the parameters, gradients, masters and activations
+        # (given as a factory, the model is cast in place, not copied: it is this plan's alone).
+        return planner.measure(lambda: model, (c.batch_size, *x0.shape[1:]), sample=sample,
                                optimizer=lambda params: build_optimizer(c, params),
                                precision=Precision(c.precision, c.grad_reduce_dtype)).as_dict()
 

@@ -1,6 +1,7 @@
 """The planner's peak memory checked, by category: every layout ``plan.plan`` lists, no timing.
 
     mpiexec -n 4 python benchmarks/plan_memory_check.py [--quick] [--models mlp gpt gpt-long] [--steps 2]
+                                                        [--precision bf16-mixed]
 
 For ``plan_check.py``'s three models, rank 0 measures the serial model's pieces (``plan.measure``:
 memory is deterministic, so one rank's measurement is every rank's), ``plan.plan`` lists every
@@ -8,7 +9,8 @@ layout of the world (the links are a placeholder: only the memory is compared) a
 trains ``--steps`` steps as ``plan_check.run_layout`` does (``memory_report`` on every step). Per
 layout it prints the predicted peak per rank against ``memory_summary()["total"]``, and the
 predicted categories (``Prediction.memory_parts``) against those of the rank holding most: the
-breakdown says which term of ``plan_memory`` is off.
+breakdown says which term of ``plan_memory`` is off. ``--precision``: measured and trained in
+that policy (``training.precision``), as ``hpctrain plan --precision`` measures.
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ SHORT = {"params": "par", "grads": "grd", "optimizer": "opt", "buffers": "buf", 
          "workspace": "wsp"}
 
 
-def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: int) -> tuple[int, dict[str, int]]:
+def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: int,
+               precision: str = "fp32") -> tuple[int, dict[str, int]]:
     """``(memory_summary's total, the categories of the rank holding most)`` after ``steps`` steps."""
     from hpctrain.nn import CrossEntropyLoss
-    from hpctrain.parallel.plan_calibrate import layout_trainer
+    from hpctrain.parallel.plan_calibrate import TrainSettings, layout_trainer
+    from hpctrain.training.precision import Precision
 
     lay = pred.layout
-    tr, grid = layout_trainer(comm, lay, costs, spec["build"], CrossEntropyLoss())
+    job = TrainSettings(options=lambda: {"precision": Precision.of(precision)})
+    tr, grid = layout_trainer(comm, lay, costs, spec["build"], CrossEntropyLoss(), trainer=job)
     x, y = spec["data"](costs.batch // lay.dp, seed=2 + grid.dp.rank)
     tr.memory_report()
     mine: dict[str, int] = {}
@@ -61,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="steps per layout (memory_report after each)")
     ap.add_argument("--quick", action="store_true", help="plan_check's smaller models")
     ap.add_argument("--only", default="", help="run only layouts whose label contains this text")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "fp64", "bf16-mixed", "fp16-mixed"],
+                    help="the trainer's precision policy (the pieces measured in it too)")
     args = ap.parse_args(argv)
     comm = Communicator()
     specs = models(args.quick)
@@ -71,12 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         costs = None
         if comm.rank == 0:
             x, _ = spec["data"](spec["batch"])
-            costs = planner.measure(spec["build"], x.shape, sample=lambda n, s=spec: s["data"](n)[0])
+            costs = planner.measure(spec["build"], x.shape, sample=lambda n, s=spec: s["data"](n)[0],
+                                    precision=args.precision)
         costs = comm.bcast_obj(costs, root=0)
         preds = [p for p in planner.plan(costs, links, comm.size) if args.only in p.layout.label()]
         within = 0
         for p in preds:
-            total, got = run_layout(comm, spec, p, costs, args.steps)
+            total, got = run_layout(comm, spec, p, costs, args.steps, args.precision)
             err = (p.memory_bytes - total) / total
             within += abs(err) <= 0.10
             if comm.rank == 0:
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:8s} {p.layout.label():34s} predicted {p.memory_bytes / MIB:6.2f} MiB  measured "
                       f"{total / MIB:6.2f} MiB {err * 100:+4.0f}%  | {parts}", flush=True)
         if comm.rank == 0:
-            print(f"{name}: {within} of {len(preds)} layouts within 10%", flush=True)
+            print(f"{name} ({args.precision}): {within} of {len(preds)} layouts within 10%", flush=True)
     return 0
 
 

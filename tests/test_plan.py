@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -48,6 +49,19 @@ def test_dp_allreduce_moves_each_ranks_gradient_bytes():
         want = 2 * (dp - 1) / dp * n / BETA + small(dp, ln["intra-node"])
         assert pred.predicted_ms == pytest.approx(want * 1e3, rel=1e-9)
         assert pred.comm_parts["dp"] == pytest.approx(want * 1e3, rel=1e-9) and pred.compute_ms == 0
+
+
+def test_compression_sends_the_plain_all_reduce_in_16_bits():
+    p = 100_000
+    c = costs([piece("0", p), piece("1", p)])
+    ln = links()
+    for dp in (2, 4):
+        pred = predict(Layout(dp, 1, 1), c, ln, None, overlap=False, compression="fp16")
+        want = 2 * (dp - 1) / dp * 2 * p * 2 / BETA + small(dp, ln["intra-node"])  # 2 bytes a gradient
+        assert pred.comm_parts["dp"] == pytest.approx(want * 1e3, rel=1e-9)
+        zero = dict(overlap=False)  # ZeRO is its own reducer: the same traffic with or without
+        assert predict(Layout(dp, 1, 1, zero=1), c, ln, None, compression="bf16", **zero).comm_parts == \
+            predict(Layout(dp, 1, 1, zero=1), c, ln, None, **zero).comm_parts
 
 
 def test_buckets_count_one_latency_each_and_overlap_hides_what_backward_covers():
@@ -168,6 +182,62 @@ def test_memory_per_zero_level_is_the_hand_count(zero, dp):
                                  "optimizer": pred.memory_parts["optimizer"], "buffers": buffers,
                                  "activations_peak": activations, "workspace": 0}
     assert pred.memory_bytes == model_states(p, dp, zero) + buffers + activations
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_mixed_precision_prices_16_bit_parameters_float32_gradients_and_masters(zero):
+    """bf16-mixed AdamW, by hand: parameters 2 bytes, gradients (and their reduction, ZeRO 1's
+    reduced piece, ZeRO 2/3's unit gradients) 4, optimizer 12 (two moments and the master); ZeRO
+    3's gathered units and ZeRO 1/2's all-gather after the step move the 2-byte parameters."""
+    p, unit, dp = 4_000_000, 250_000, 2
+    pieces = [piece("0", 2_000_000, units=8), piece("1", 2_000_000, units=8)]
+    mixed = dataclasses.replace(costs(pieces, opt_bytes=12.0), itemsize=2, grad_itemsize=4)
+    assert mixed.grad_bytes == 4 and Costs.from_dict(mixed.as_dict()) == mixed
+    pred = predict(Layout(dp, 1, 1, zero=zero), mixed, links(), None, overlap=False)
+    window = (3 + 1) * 4 * unit  # three reductions of a 4-byte unit gradient in flight, the next one
+    assert pred.memory_parts["params"] == (2 * p // dp if zero == 3 else 2 * p)
+    assert pred.memory_parts["grads"] == (4 * p // dp if zero >= 2 else 4 * p)
+    assert pred.memory_parts["optimizer"] == 12 * p // (dp if zero else 1)
+    assert pred.memory_parts["buffers"] == {0: 0, 1: 4 * p // dp, 2: window, 3: window + 2 * 2 * unit}[zero]
+    if zero == 0:  # the gradient all-reduce: float32 bytes
+        ln = links()
+        assert pred.comm_parts["dp"] == pytest.approx(
+            (2 * (dp - 1) / dp * 4 * p / BETA + small(dp, ln["intra-node"])) * 1e3, rel=1e-9)
+    if zero == 1:  # the reduce-scatter of float32 units, the all-gather of 2-byte parameters
+        unmixed = predict(Layout(dp, 1, 1, zero=1), costs(pieces), links(), None, overlap=False)
+        gather = (dp - 1) / dp * 2 * p / BETA  # half of the float32 run's all-gather
+        assert pred.comm_parts["dp"] == pytest.approx(unmixed.comm_parts["dp"] - gather * 1e3, rel=1e-9)
+
+
+def test_measure_in_the_jobs_precision_leaves_the_model_as_it_was():
+    """``measure(precision=)`` casts a copy as the trainer casts the model: the pieces run in
+    16-bit, the gradients are float32, the masters count with AdamW's state."""
+    g = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(16, 32, rng=g), nn.GELU(), nn.Linear(32, 4, rng=g))
+    grads = [p.grad for p in model.parameters()]
+    plain = measure(model, (32, 16), repeats=1)
+    mixed = measure(model, (32, 16), repeats=1, precision="bf16-mixed")
+    assert (plain.itemsize, plain.grad_bytes, plain.optimizer_bytes_per_param) == (4, 4, 8.0)
+    assert (mixed.itemsize, mixed.grad_bytes, mixed.optimizer_bytes_per_param) == (2, 4, 12.0)
+    assert (measure(model, (32, 16), repeats=1, precision="fp64").itemsize) == 8
+    assert all(p.data.dtype == np.float32 and p.grad is q for p, q in zip(model.parameters(), grads))
+    assert Costs.from_dict(mixed.as_dict()) == mixed
+
+
+def test_a_given_cut_prices_the_stages_where_it_says():
+    """``--pp-cut``: the stages begin where the cut says (three pieces on stage 0 here, against two
+    when balanced), the plan lists only its stage count, and a cut the engine refuses is refused."""
+    p = 100_000
+    c = costs([piece(str(i), p, fwd=1e-3, act=100) for i in range(4)] + [piece("4", 0)])
+    balanced = predict(Layout(1, 1, 2), c, links(), None)
+    given = predict(Layout(1, 1, 2), c, links(), None, cut=("3",))
+    assert balanced.memory_parts["params"] == 2 * p * 4 and given.memory_parts["params"] == 3 * p * 4
+    assert given.compute_ms == pytest.approx(1.5 * balanced.compute_ms, rel=1e-9)  # 3 pieces' forward against 2
+    assert {x.layout.pp for x in plan(c, links(), 4, cut=("3",))} == {2}
+    for cut, words in ((("9",), "'9' is not a piece"), (("1", "2"), "2 cut point(s) for 2 stages"),
+                       (("4",), "stage 1 of the cut at 4 holds no parameters")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            predict(Layout(1, 1, 2), c, links(), None, cut=cut)
 
 
 def test_zero_unit_gradients_are_all_there_with_micro_batches_or_when_the_window_is_larger():

@@ -104,6 +104,20 @@ def test_the_probe_layouts_vary_each_term_and_the_engine_runs_them():
     assert probe_layouts(1, costs) == [Layout(1, 1, 1), Layout(1, 1, 1, recompute=True)]
 
 
+def test_the_terms_price_compression_where_the_trainer_takes_it():
+    """Calibration trains dp layouts with the job's --compression and the rest without it
+    (``layout_trainer``): the terms price the plain all-reduce's 16-bit wire alike."""
+    from hpctrain.comm.linkprobe import Link
+
+    costs = measure(build, (32, 16), sample=lambda n: data(n)[0], repeats=1)
+    link = Link((0, 1), 1e-5, 1e8, ())
+    ln = {"intra-node": link, "inter-node": link}
+    plain, packed = (terms(Layout(4, 1, 1), costs, ln, compression=c)["comm"] for c in (None, "fp16"))
+    assert packed < plain
+    for lay in (Layout(4, 1, 1, zero=1), Layout(1, 4, 1)):  # ZeRO's own reducer; no dp all-reduce at all
+        assert terms(lay, costs, ln, compression="fp16") == terms(lay, costs, ln)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_calibration_is_collective_and_the_model_goes_through_the_steps_it_timed():
     comm = Communicator()

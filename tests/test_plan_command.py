@@ -218,6 +218,26 @@ def test_layout_settings_given_constrain_the_plan(tmp_path, two_node_probe):
     assert {r["zero"] for r in rows} == {0, 1, 2, 3}
     p = hpctrain(*common, "--zero", "1")
     assert p.returncode == 0 and "only layouts with --zero 1 (given; the plan chooses the rest)" in p.stdout
+    # --pp-cut: two stages, priced where the cut says (both blocks on stage 0: more memory there)
+    def memory(*flags: str) -> dict:
+        return {(r["dp"], r["zero"], r["recompute"], r["microbatches"]): r["memory_bytes"]
+                for r in _layouts(hpctrain(*common, *flags, "--json")) if r["pp"] == 2}
+    balanced, lopsided = memory("--pp", "2"), memory("--pp-cut", "ln_f")
+    assert balanced and set(lopsided) == set(balanced) and all(lopsided[k] > balanced[k] for k in balanced)
+    assert {r["pp"] for r in _layouts(hpctrain(*common, "--pp-cut", "ln_f", "--json"))} == {2}
+    p = hpctrain(*common, "--pp-cut", "blocks.9")
+    assert p.returncode == 4 and "--pp-cut blocks.9: 'blocks.9' is not a piece of this model" in p.stderr, p.stderr
+
+
+@pytest.mark.timeout(200)
+def test_layout_auto_keeps_a_given_pipeline_cut(tmp_path):
+    # --pp-cut beside --layout auto: the plan's layouts have its two stages and the job cuts there
+    # (the layout-free check used to set pp=1 first and refuse the cut on every world)
+    p = hpctrain("train", "--model", "gpt", "--layout", "auto", "--pp-cut", "blocks.1", "--dry-run", n=2,
+                 timeout=150, cwd=tmp_path, env=clean_env(HPCTRAIN_DATA=str(tmp_path)))
+    assert p.returncode == 0, p.stderr + p.stdout
+    assert "layout: auto -> dp=1 tp=1 pp=2" in p.stdout and "with --pp-cut blocks.1;" in p.stdout, p.stdout
+    assert "1: blocks.1..head" in p.stdout and "(as --pp-cut says)" in p.stdout, p.stdout
 
 
 def _losses(run) -> list[float]:

@@ -72,6 +72,7 @@ def test_the_chosen_layout_resolves_as_planned_and_a_resume_plans_again():
 def test_the_table_says_each_layout_and_why_the_rest_do_not_fit():
     class Costs:
         params, batch, device = 1234, 64, "cpu"
+        itemsize, grad_bytes, optimizer_bytes_per_param = 2, 4, 12.0
 
     alloc = Allocation(4, ("a",) * 4, 2 << 20, "--memory 0.002", {}, "probed now")
     rows = [_row(4, 1, 1, ms=12.3, why="compute 12.3 ms; 5% faster than the next"),
@@ -81,7 +82,8 @@ def test_the_table_says_each_layout_and_why_the_rest_do_not_fit():
     text = table(rows, alloc, Costs())
     lines = text.splitlines()
     assert lines[0] == "hpctrain plan: 1,234 parameters, global batch 64, on 4 ranks / 1 node (cpu)"
-    assert "memory limit 2.0 MiB per rank (--memory 0.002); links: probed now" == lines[1]
+    assert lines[1] == ("memory limit 2.0 MiB per rank (--memory 0.002); per parameter 2 B, its gradient 4 B, "
+                        "optimizer state 12 B (the job's precision and optimizer); links: probed now")
     first = next(line for line in lines if line.startswith("  1 ")).split()
     assert first[1:7] == ["4", "1", "1", "0", "no", "1"] and first[7] == "12.3" and first[-1] == "50%"
     assert "best: dp=4 tp=1 pp=1 zero=0: compute 12.3 ms; 5% faster than the next" in text
@@ -107,6 +109,21 @@ def test_layout_settings_given_constrain_the_plan_and_the_rest_is_chosen():
     assert (opened.strategy, opened.tp, opened.pp, opened.zero, opened.recompute) == (None, None, None, 0, False)
 
 
+def test_a_given_pipeline_cut_fixes_the_stages_and_is_checked_against_pp():
+    cfg = Config(model="gpt", pp_cut="blocks.1", layout="auto")
+    cons = constraints(cfg)
+    assert cons == {"pp_cut": "blocks.1"} and constraints_text(cons) == "--pp-cut blocks.1"
+    assert keeps(_row(2, 1, 2, m=2), cons) and not keeps(_row(4, 1, 1), cons) and not keeps(_row(1, 1, 4), cons)
+    # the layout-free check keeps the cut (it used to check it against pp=1 and refuse every plan)
+    assert open_resolved(cfg).pp_cut == "blocks.1" and open_layout(cfg).pp_cut is None
+    assert open_resolved(cfg.replace(pp=2)).pp_cut == "blocks.1"
+    with pytest.raises(ConfigError, match=r"--pp-cut blocks.1: 1 cut point\(s\) for --pp 3 stages"):
+        open_resolved(cfg.replace(pp=3))
+    assert constraints(cfg.replace(pp_cut="auto")) == {}  # auto: the plan's own balanced cut
+    planned = chosen_config(cfg, _row(2, 1, 2, m=2), "auto -> ...", [k for k in PLANNED if k not in cons])
+    assert (resolve(planned, 4).pp, resolve(planned, 4).pp_cut) == (2, "blocks.1")
+
+
 def test_the_plan_chooses_cp_and_ep_as_it_chooses_the_rest():
     """cp and ep are planned axes (issue 43's): a row with them resolves to that layout, a given
     ``--cp``/``--ep`` constrains the plan, and the single-axis strategies keep them at 1."""
@@ -126,6 +143,7 @@ def test_the_plan_chooses_cp_and_ep_as_it_chooses_the_rest():
 def test_the_header_says_what_calibration_measured_or_why_it_did_not_run():
     class Costs:
         params, batch, device = 1234, 64, "cpu"
+        itemsize, grad_bytes, optimizer_bytes_per_param = 2, 4, 12.0
 
     alloc = Allocation(4, ("a",) * 4, 2 << 20, "--memory 0.002", {}, "probed now")
     steps = {"dp=4": 0.0301, "dp=4 zero 3": 0.0452, "tp=4": 0.0613}

@@ -122,6 +122,7 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
             return None
         import numpy as np
 
+        from ..training.precision import Precision
         from .builders import build_model, build_optimizer
         from .inputs import data_path, open_data
 
@@ -134,8 +135,11 @@ def measured_costs(c: Config, comm: Comm, device: str, everywhere: Callable[...,
         def sample(n: int) -> Any:
             return _samples(train_set, n, 0, device)[0]
 
-        return planner.measure(model, (c.batch_size, *x0.shape[1:]), sample=sample,
-                               optimizer=lambda params: build_optimizer(c, params)).as_dict()
+        # The job's precision: its dtypes size the parameters, gradients, masters and activations
+        # (given as a factory, the model is cast in place, not copied: it is this plan's alone).
+        return planner.measure(lambda: model, (c.batch_size, *x0.shape[1:]), sample=sample,
+                               optimizer=lambda params: build_optimizer(c, params),
+                               precision=Precision(c.precision, c.grad_reduce_dtype)).as_dict()
 
     measured = everywhere(comm, lambda: planner.on_rank0_alone(comm, c.timeout, on_rank0))
     return planner.Costs.from_dict(comm.bcast_obj(measured))
@@ -241,7 +245,7 @@ def calibrated_costs(c: Config, comm: Comm, device: str, everywhere: Callable[..
     t0 = time.perf_counter()
     cal = everywhere(comm, lambda: calibrate(comm, costs, alloc.links, build, data, build_loss(c), steps=STEPS,
                                              nodes=list(alloc.names), memory_limit=alloc.memory, timeout=c.timeout,
-                                             trainer=job, min_seconds=MIN_SECONDS))
+                                             trainer=job, min_seconds=MIN_SECONDS, compression=c.compression))
     seconds = comm.bcast_obj(time.perf_counter() - t0)  # (rank 0's clock: one header on every rank)
     return cal, Calibration(seconds, cal.step_fixed_s, dict(cal.call_s), dict(cal.extra.get("calibration", {})),
                             compute_scale=cal.compute_scale, bubble_scale=cal.bubble_scale,
@@ -263,12 +267,23 @@ def _samples(train_set: Any, n: int, seed: int, device: str) -> tuple[Any, Any]:
 def constraints(cfg: Config) -> dict[str, Any]:
     """The layout settings given beside ``--layout auto`` (or to ``hpctrain plan``): the plan keeps
     to them and chooses the rest. ``--zero 0``, ``--no-recompute``, ``--cp 1`` and ``--ep 1`` are the
-    defaults, so they leave ZeRO, recompute, cp and ep to the plan."""
+    defaults, so they leave ZeRO, recompute, cp and ep to the plan. ``--pp-cut`` (not ``auto``)
+    keeps the layouts of as many stages as it says, priced cut where it says."""
     out = {k: getattr(cfg, k) for k in ("strategy", "tp", "pp") if getattr(cfg, k) is not None}
+    if pp_cut(cfg):  # the stages and where they begin (open_resolved checks it against --pp)
+        out["pp_cut"] = cfg.pp_cut
     out.update({k: getattr(cfg, k) for k in ("cp", "ep") if getattr(cfg, k) > 1})
     out.update({"zero": cfg.zero} if cfg.zero else {})
     out.update({"recompute": True} if cfg.recompute else {})
     return out
+
+
+def pp_cut(cfg: Config) -> tuple[str, ...] | None:
+    """``--pp-cut``'s points (piece names or indices where stages 1.. begin), ``None`` when not
+    given or ``auto``: the plan prices the layouts with that many stages at those points."""
+    if cfg.pp_cut in (None, "", "auto"):
+        return None
+    return tuple(s.strip() for s in cfg.pp_cut.split(","))
 
 
 def constraints_text(cons: dict[str, Any]) -> str:
@@ -280,16 +295,21 @@ def open_layout(cfg: Config) -> Config:
     """``cfg`` without its layout settings: what is checked before any layout is chosen. (``--strategy
     ps`` stays: it is no layout the plan has, and the configuration's rule refuses it there.)"""
     return cfg.replace(strategy="ps" if cfg.strategy == "ps" else None, tp=None, pp=None, cp=1, ep=1, zero=0,
-                       recompute=False)
+                       recompute=False, pp_cut=None)
 
 
 def open_resolved(cfg: Config) -> Config:
     """``cfg`` resolved without a layout: the layout-free checks, on one rank (``hpctrain plan``
     and ``--layout auto`` alike); each layout's own checks run on the plan's rows (``plan_rows``).
     ``--compression`` is left out of this check and kept: it refuses dp=1, which only a layout
-    decides (the rows with dp=1 are listed as refused)."""
+    decides (the rows with dp=1 are listed as refused). ``--pp-cut`` is kept too: it fixes the
+    stages (:func:`constraints`), and where ``--pp`` is given they must agree."""
+    cut = pp_cut(cfg)
+    if cut and cfg.pp is not None and cfg.pp != len(cut) + 1:
+        raise ConfigError(f"--pp-cut {cfg.pp_cut}: {len(cut)} cut point(s) for --pp {cfg.pp} stages: give "
+                          f"{cfg.pp - 1} (where stages 1.. begin), or leave --pp out (the cut says it)")
     c = resolve(open_layout(cfg).replace(compression=None), 1)
-    return c.replace(compression=cfg.compression)
+    return c.replace(compression=cfg.compression, pp_cut=cfg.pp_cut)
 
 
 def keeps(row: dict[str, Any], cons: dict[str, Any]) -> bool:
@@ -303,7 +323,9 @@ def keeps(row: dict[str, Any], cons: dict[str, Any]) -> bool:
         return False
     if (strategy == "tp" and "tp" not in cons or strategy == "pp" and "pp" not in cons) and row["dp"] > 1:
         return False
-    return all(row[k] == v for k, v in cons.items() if k != "strategy")
+    if "pp_cut" in cons and row["pp"] != len(cons["pp_cut"].split(",")) + 1:
+        return False
+    return all(row[k] == v for k, v in cons.items() if k not in ("strategy", "pp_cut"))
 
 
 def chosen_config(c: Config, layout: dict[str, Any], planned: str | None = None, chosen: list[str] | None = None,
@@ -353,8 +375,14 @@ def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere:
         only = {k: (v,) for k, v in (cons or {}).items() if k in ("zero", "recompute")}  # (not predicted at all)
         # cp and ep where the model has them (the plan's own rules refuse the rest: an MLP's cp).
         axes = {k: tuple(d for d in range(1, alloc.ranks + 1) if alloc.ranks % d == 0) for k in ("cp", "ep")}
+        cut = pp_cut(c)
+        if cut:  # refused as `hpctrain train` refuses it, before any layout is priced at it
+            try:
+                planner.stages_of(costs, len(cut) + 1, 1.0, 1, cut)
+            except ValueError as exc:
+                raise ConfigError(f"--pp-cut {c.pp_cut}: {exc}") from None
         preds = planner.plan(costs, alloc.links, alloc.ranks, list(alloc.names), alloc.memory, schedule=c.schedule,
-                             **axes, **only)
+                             cut=cut, compression=c.compression, **axes, **only)
         rows = [{**p.as_json(), "compute_ms": round(p.compute_ms, 3), "comm_ms": round(p.comm_ms, 3),
                  "bubble_ms": round(p.bubble_ms, 3), "memory_limit": alloc.memory} for p in preds]
         listed = runnable(c, [r for r in rows if keeps(r, cons or {})], alloc.ranks)
@@ -404,7 +432,9 @@ def table(rows: list[dict[str, Any]], alloc: Allocation, costs: Any, cons: dict[
     axes = ["dp", "tp", "pp"] + [k for k in ("cp", "ep") if any(r.get(k, 1) > 1 for r in rows)]
     head = (f"hpctrain plan: {costs.params:,} parameters, global batch {costs.batch}, on {alloc.ranks} rank"
             f"{'s' if alloc.ranks > 1 else ''} / {alloc.nodes} node{'s' if alloc.nodes > 1 else ''} ({costs.device})\n"
-            f"memory limit {_size(alloc.memory)} per rank ({alloc.memory_from}); links: {alloc.links_from}"
+            f"memory limit {_size(alloc.memory)} per rank ({alloc.memory_from}); per parameter {costs.itemsize} B, "
+            f"its gradient {costs.grad_bytes} B, optimizer state {costs.optimizer_bytes_per_param:g} B "
+            f"(the job's precision and optimizer); links: {alloc.links_from}"
             + (f"\n{cal.text()}" if cal is not None else "")
             + (f"\nonly layouts with {constraints_text(cons)} (given; the plan chooses the rest)" if cons else ""))
     cols = "".join(f"{k:>4}" for k in axes) + f"{'zero':>5} {'recompute':>9} {'micro':>5}" + \

@@ -76,12 +76,13 @@ back, forward and backward, and one of the counts) when ``Costs`` has them;
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..comm.grid import layout as grid_layout
 from ..comm.linkprobe import Link
-from .cut import balance_stages
+from .cut import balance_stages, counts_at
 from .plan_costs import Costs, PieceCost, measure, on_rank0_alone
 from .plan_layouts import Layout, layout_problem, layouts
 from .plan_memory import gib, memory
@@ -176,17 +177,26 @@ def _send(link: Link | None, nbytes: float) -> float:
 # -- time ----------------------------------------------------------------------------------------
 
 
-def stages_of(costs: Costs, pp: int, samples: float, tp: int = 1) -> list[list[PieceCost]]:
-    """The pieces of each pipeline stage, cut as ``hpctrain train`` cuts (``balance_stages`` on
-    each piece's forward + backward time at the micro-batch)."""
+def stages_of(costs: Costs, pp: int, samples: float, tp: int = 1,
+              cut: Sequence[str] | None = None) -> list[list[PieceCost]]:
+    """The pieces of each pipeline stage, cut as ``hpctrain train`` cuts: at ``cut`` (``--pp-cut``'s
+    points, piece names or indices where stages 1.. begin; ``ValueError`` saying what is wrong
+    with them), else ``balance_stages`` on each piece's forward + backward time at the micro-batch."""
     if pp == 1:
         return [list(costs.pieces)]
-    times = [p.forward_s(samples, tp) + p.backward_s(samples, tp) for p in costs.pieces]
-    counts = balance_stages(times, pp, [p.holds_params for p in costs.pieces])
+    if cut:
+        counts = counts_at(list(cut), [p.name for p in costs.pieces], pp)
+    else:
+        times = [p.forward_s(samples, tp) + p.backward_s(samples, tp) for p in costs.pieces]
+        counts = balance_stages(times, pp, [p.holds_params for p in costs.pieces])
     out, start = [], 0
     for c in counts:
         out.append(costs.pieces[start : start + c])
         start += c
+    empty = next((k for k, st in enumerate(out) if not any(p.holds_params for p in st)), None)
+    if cut and empty is not None:  # (as hpctrain train refuses it: every stage's optimizer needs parameters)
+        raise ValueError(f"stage {empty} of the cut at {', '.join(cut)} holds no parameters: every stage needs a "
+                         "layer with parameters")
     return out
 
 
@@ -247,12 +257,12 @@ def _stage_times(pieces: list[PieceCost], lay: Layout, costs: Costs, samples: fl
 
 
 def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | None, backward: float,
-               bucket_mb: float, overlap: bool) -> tuple[float, float]:
+               bucket_mb: float, overlap: bool, compression: str | None = None) -> tuple[float, float]:
     """``(exposed seconds after the last backward, seconds after the optimizer step)`` of the
-    gradient reduction over dp (module docstring)."""
+    gradient reduction over dp (module docstring; ``compression``: the buckets' 16-bit wire)."""
     if link is None:
         return 0.0, 0.0
-    p, item = lay.dp, costs.itemsize
+    p, item = lay.dp, costs.grad_bytes  # gradients reduce in their own dtype (mixed precision: float32)
     # Backward runs the pieces in reverse: a unit (zero) or bucket is ready once backward has passed it.
     order = [q for q in reversed(pieces) if q.params]
     total = sum(q.local_params(lay.tp, lay.ep) for q in order) or 1
@@ -266,16 +276,17 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
             chunks += [(done / total, link.gather_seconds(per, p))] * q.units
         chunks.append((1.0, link.meet))
     else:
+        wire = min(2, item) if compression else item  # packed at the gradients' size, sent in 16 bits
         for bucket in reversed(_buckets(pieces, lay, item, bucket_mb)):
             size = _local(bucket, lay)
             done += size
-            chunks.append((done / total, _allreduce(link, size * item, p)))
+            chunks.append((done / total, _allreduce(link, size * wire, p)))
     end = 0.0
     for ready, sec in chunks:
         start = ready * backward if overlap else backward
         end = max(end, start) + sec
     exposed = max(0.0, end - backward)
-    after = _gather(link, total * item, p) if lay.zero in (1, 2) else 0.0
+    after = _gather(link, total * costs.itemsize, p) if lay.zero in (1, 2) else 0.0  # the updated parameters
     return exposed, after
 
 
@@ -382,11 +393,15 @@ def _pipeline(stage_times: list[tuple[float, float, float, float]], sends: list[
 
 def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_layout: list[str] | None = None,
             memory_limit: int | None = None, *, bucket_mb: float = 25.0, overlap: bool = True,
-            schedule: str = "1f1b") -> Prediction:
+            schedule: str = "1f1b", cut: Sequence[str] | None = None,
+            compression: str | None = None) -> Prediction:
     """The step time and peak memory per rank of ``layout`` (module docstring: the terms).
 
     ``links``: ``linkprobe.probe``'s fits by class; ``nodes_layout``: each rank's node name (rank
-    order; ``None``: one node); ``memory_limit``: bytes per rank (``None``: no limit)."""
+    order; ``None``: one node); ``memory_limit``: bytes per rank (``None``: no limit); ``cut``: the
+    pipeline's cut as ``--pp-cut`` gives it (``stages_of``; ``None``: balanced as ``train`` balances);
+    ``compression``: ``--compression`` (``"fp16"``/``"bf16"``): the plain dp all-reduce's gradients
+    travel in 16 bits (ZeRO, its own reducer, takes none)."""
     lay = layout
     problem = layout_problem(lay, costs)
     if problem is not None:
@@ -396,7 +411,7 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
     if costs.calibrated:  # call_s measured each call's in-step wait: it replaces the probe's meet
         links = {k: (dataclasses.replace(v, meet=0.0) if v is not None else None) for k, v in links.items()}
     samples = costs.batch / (lay.dp * lay.cp) / lay.microbatches
-    stages = stages_of(costs, lay.pp, samples, lay.tp)
+    stages = stages_of(costs, lay.pp, samples, lay.tp, cut)
     by = {k: group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp_cp", "cp", "ep")}
     pp_link, dp_link = by["pp"], by["dp_cp"]
     times = [_stage_times(st, lay, costs, samples, by, s == lay.pp - 1) for s, st in enumerate(stages)]
@@ -412,7 +427,7 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
     best: tuple = (-1.0,)  # (unit step, step, compute, communication, bubble, parts, calls, redo)
     for s, st in enumerate(stages):
         f, b, tf, tb, kinds = times[s]
-        exposed, after = _reduction(st, lay, costs, dp_link, b, bucket_mb, overlap)
+        exposed, after = _reduction(st, lay, costs, dp_link, b, bucket_mb, overlap, compression)
         exposed += lay.microbatches * _zero3_gathers(st, lay, costs, dp_link, f, b)
         opt = costs.optimizer_s_per_param * _local(st, lay) / (lay.dp if lay.zero else 1)
         # A stage that receives meets its neighbour once per micro-batch (plan_check: not per message).
@@ -455,9 +470,12 @@ def plan(costs: Costs, links: dict[str, Link | None], world: int, nodes: list[st
     first), then the ones that do not fit (least memory first), each with its ``why``; the first
     one's ``why`` says what it wins by. ``options``: ``layouts``' choices (``zero``,
     ``recompute``, ``microbatches``, ``cp``, ``ep``) and ``predict``'s (``bucket_mb``,
-    ``overlap``, ``schedule``)."""
+    ``overlap``, ``schedule``, ``compression``, ``cut``: with a cut, only the layouts of its stage
+    count)."""
     pick = {k: options.pop(k) for k in ("zero", "recompute", "microbatches", "cp", "ep") if k in options}
-    preds = [predict(lay, costs, links, nodes, memory_limit, **options) for lay in layouts(world, costs, **pick)]
+    cut = options.get("cut")
+    lays = [lay for lay in layouts(world, costs, **pick) if not cut or lay.pp == len(cut) + 1]
+    preds = [predict(lay, costs, links, nodes, memory_limit, **options) for lay in lays]
     fit = sorted((p for p in preds if p.fits), key=lambda p: (p.predicted_ms, p.memory_bytes))
     rest = sorted((p for p in preds if not p.fits), key=lambda p: p.memory_bytes)
     if len(fit) > 1:

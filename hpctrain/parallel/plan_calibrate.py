@@ -75,12 +75,9 @@ def layout_trainer(comm: Any, layout: Layout, costs: Costs, build: Callable[[], 
         job = trainer or TrainSettings()
         opt = job.optimizer(part.parameters()) if job.optimizer else AdamW(part.parameters(), lr=1e-3)
         options = {"timeout": timeout, **(job.options() if job.options else {})}
-        if lay.dp * lay.cp == 1 or lay.zero:
-            # Compression shrinks the plain data-parallel all-reduce: a layout without one (dp=1), or
-            # with ZeRO's own reducer (which takes no other backend either), refuses it. The plan
-            # lists such layouts as refused for this job; calibration times them without it.
+        if not _compresses(lay):
             options.pop("compression", None)
-            if lay.zero:
+            if lay.zero:  # (ZeRO's own reducer takes no other backend either)
                 options.pop("backend", None)
         tr = ParallelTrainer(model=part, loss=loss, optimizer=opt, grid=grid, microbatches=lay.microbatches,
                              zero=lay.zero, overlap=True, **options)
@@ -118,14 +115,22 @@ def step_seconds(comm: Any, layout: Layout, costs: Costs, build: Callable[[], An
         grid.free()
 
 
-def terms(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes: list[str] | None = None
-          ) -> dict[str, Any]:
+def _compresses(lay: Layout) -> bool:
+    """Whether ``lay`` takes ``--compression``: it shrinks the plain data-parallel all-reduce, so a
+    layout without one (dp=1) or with ZeRO's own reducer refuses it. The plan lists such layouts
+    as refused for the job; calibration times them without it."""
+    return lay.dp * lay.cp > 1 and not lay.zero
+
+
+def terms(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes: list[str] | None = None,
+          compression: str | None = None) -> dict[str, Any]:
     """``layout``'s step in ``fit``'s terms (seconds; calls counted, not priced): ``compute``,
     ``bubble`` and ``comm`` (the alpha-beta transfers left exposed) at unit scales, no fixed work,
-    and ``calls`` (``plan.blocking_calls`` of the slowest stage)."""
+    and ``calls`` (``plan.blocking_calls`` of the slowest stage). ``compression``: the job's, as
+    ``layout_trainer`` trains the layout (none where the layout refuses it)."""
     base = dataclasses.replace(costs, step_fixed_s=0.0, call_s={}, calibrated=True, compute_scale=1.0,
                                bubble_scale=1.0, recompute_scale=1.0)
-    p = predict(layout, base, links, nodes)
+    p = predict(layout, base, links, nodes, compression=compression if _compresses(layout) else None)
     return {"compute": (p.compute_ms - p.recompute_ms) / 1e3, "recompute": p.recompute_ms / 1e3,
             "bubble": p.bubble_ms / 1e3, "comm": p.comm_ms / 1e3, "calls": dict(p.calls)}
 
@@ -212,12 +217,13 @@ def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Cal
               data: Callable[..., tuple[Any, Any]], loss: Any, steps: int = 5,
               nodes: list[str] | None = None, memory_limit: int | None = None,
               timeout: float | None = None, trainer: TrainSettings | None = None,
-              min_seconds: float = 0.0) -> Costs:
+              min_seconds: float = 0.0, compression: str | None = None) -> Costs:
     """``costs`` with the in-step quantities fitted (module docstring; collective: every rank
     times the same layouts and gets the same values). Each ``probe_layouts`` layout that fits in
     ``memory_limit`` bytes per rank (predicted; ``None``: all) trains ``steps`` timed steps (the
     median counts, more where they are short: ``step_seconds``'s ``min_seconds``; ``timeout``:
-    the trainers'; ``trainer``: their optimizer and settings, the job's); the measured steps are kept in
+    the trainers'; ``trainer``: their optimizer and settings, the job's; ``compression``: the
+    compression those settings carry, priced on the wire in ``terms``); the measured steps are kept in
     ``extra["calibration"]`` (seconds by layout label) and the fitted unknowns in
     ``extra["fit"]``. Raises ``ValueError`` when none of them fits."""
     seen: dict[str, float] = {}
@@ -229,7 +235,7 @@ def calibrate(comm: Any, costs: Costs, links: dict[str, Link | None], build: Cal
     for lay in lays:
         measured = seen[lay.label()] = step_seconds(comm, lay, costs, build, data, loss, steps, timeout, trainer,
                                                     min_seconds)
-        rows.append((terms(lay, costs, links, nodes), measured))
+        rows.append((terms(lay, costs, links, nodes, compression), measured))
     x = fit(rows)
     return dataclasses.replace(costs, step_fixed_s=x["fixed"], compute_scale=x["compute"], bubble_scale=x["bubble"],
                                recompute_scale=x["recompute"], call_s={k: x[k] for k in ("dp", "tp", "pp")},

@@ -24,6 +24,7 @@ layers' arrays, the replicated ones, the all-reduces' results).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -132,8 +133,11 @@ class Costs:
     """Everything the planner measured: the pieces in forward order and the step's other costs.
 
     ``batch``: the global batch (samples) the plan is for; ``itemsize``: bytes of one parameter
-    (and of its gradient); ``optimizer_bytes_per_param``: the optimizer's state per parameter
-    (AdamW in float32: 8); ``optimizer_s_per_param``: seconds of its step per parameter."""
+    as the layers compute with it (and of an activation); ``grad_itemsize``: of one gradient
+    (``None``: ``itemsize``; mixed precision keeps 16-bit parameters beside float32 gradients);
+    ``optimizer_bytes_per_param``: the optimizer's state per parameter (AdamW in float32: 8; mixed
+    precision's float32 masters are counted here too, as ``training.memory`` counts them);
+    ``optimizer_s_per_param``: seconds of its step per parameter."""
 
     pieces: list[PieceCost]
     batch: int
@@ -143,6 +147,7 @@ class Costs:
     device: str = "cpu"
     loss_tp: tuple[int, ...] = ()  # bytes per sample of the vocabulary-parallel loss's all-reduces
     rows: int = 1  # tokens per sample (context parallelism splits them)
+    grad_itemsize: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     #: Seconds of the engine's own work per step that no piece, link or optimizer term prices (the
     #: loss, the batch checks and agreements, the step's bookkeeping), and by group ("tp", "pp",
@@ -160,6 +165,11 @@ class Costs:
     compute_scale: float = 1.0
     bubble_scale: float = 1.0
     recompute_scale: float = 1.0  # on the compute recomputation adds (its transient arrays allocated again)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of one gradient element (``grad_itemsize``, else ``itemsize``)."""
+        return int(self.grad_itemsize or self.itemsize)
 
     @property
     def params(self) -> int:
@@ -235,19 +245,29 @@ def _piece_tp(piece: Piece, splits: dict[str, tuple[str, int, int, int]], rows: 
 
 def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int], Any] | None = None,
             optimizer: Callable[[list[Any]], Any] | None = None, repeats: int = 3,
-            sizes: tuple[int, int] | None = None) -> Costs:
+            sizes: tuple[int, int] | None = None, precision: Any = None) -> Costs:
     """Measure ``model``'s pieces for a global batch of shape ``batch_shape`` (no MPI).
 
     ``model``: the serial model (or a function of no arguments that builds it). ``sample(n)``: a
     batch of ``n`` samples of the model's input (default: standard normal floats of
     ``batch_shape[1:]``; a GPT takes tokens, so give its sampler). ``optimizer(params)``: the
     optimizer to price (default AdamW). ``sizes``: the two micro-batch sizes the linear fits go
-    through (default a sixteenth and a half of the batch). Nothing of the model changes (eval
-    mode while timing, parameters' ``.grad`` put back)."""
+    through (default a sixteenth and a half of the batch). ``precision``: the job's
+    (``training.precision.Precision`` or its name; ``None``: the parameters' own dtype): the pieces
+    are timed and their arrays measured in its compute dtype, the gradients priced in its reduce
+    dtype and its float32 masters with the optimizer's state, as the trainer casts them (on a copy
+    of ``model`` when it is one). Nothing of the model changes (eval mode while timing,
+    parameters' ``.grad`` put back)."""
     from ..optim import AdamW
     from ..training.memory import optimizer_arrays, owned_bytes
+    from ..training.precision import Precision
 
-    model = model() if callable(model) and not hasattr(model, "parameters") else model
+    policy = Precision.of(precision) if precision is not None else None
+    cast = policy is not None and (policy.mixed or policy.name == "fp64")
+    if callable(model) and not hasattr(model, "parameters"):
+        model = model()
+    elif cast:
+        model = copy.deepcopy(model)  # the caller's model keeps its dtypes
     batch = int(batch_shape[0])
     if batch < 1:
         raise ValueError(f"batch_shape must start with a positive batch size, got {tuple(batch_shape)}")
@@ -261,7 +281,12 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
         raise ValueError(f"sizes must be two increasing positive micro-batch sizes, got {sizes}")
     pieces = pipeline_pieces(model)
     params = list(model.parameters())
+    masters = None
+    if cast:  # as the engine does: fp64 casts; a mixed policy keeps float32 masters, 16-bit params
+        policy.cast(params)
+        masters = policy.make_masters(params) if policy.mixed else None
     itemsize = int(np.dtype(params[0].data.dtype).itemsize) if params else 4
+    grad_itemsize = int(np.dtype(params[0].grad.dtype).itemsize) if params and params[0].grad is not None else None
     rows = _rows_per_sample(sample(1))
     splits = _split_sizes(model)
     modes = [(m, m.training) for _, m in model.named_modules() if hasattr(m, "training")]
@@ -272,6 +297,8 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
         small, large = (pieces_at(pieces, sample(n), repeats, params) for n in (lo, hi))
         redo = recomputed(model, sample, (lo, hi), repeats) if any(_recomputable(p) for p in pieces) else None
         opt = (optimizer or (lambda ps: AdamW(ps, lr=0.0)))(params)
+        if masters is not None:
+            opt.set_masters(masters)  # the state lives with the masters, in float32
         opt.step()  # creates the state (lr 0: the weights stay); then time a few steps
         t0 = time.perf_counter()
         for _ in range(max(1, repeats)):
@@ -307,7 +334,8 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
     from ..backend import xp_of
 
     device = "gpu" if xp_of(params[0].data) is not np else "cpu"
-    return Costs(out, batch, itemsize, state / n, opt_s / n, device, loss_tp, rows)
+    return Costs(out, batch, itemsize, state / n, opt_s / n, device, loss_tp, rows,
+                 grad_itemsize if grad_itemsize != itemsize else None)
 
 
 def on_rank0_alone(comm: Any, timeout: float | None, fn: Callable[[], Any]) -> Any:

@@ -4,10 +4,11 @@ counted from the measured pieces instead of from arrays that exist.
 
 - **params**: this rank's pieces (its pipeline stage), the split layers' share ``1/tp``; ZeRO-3
   keeps ``1/dp`` of them (the rest is gathered per unit: two units at once, a buffer).
-- **grads**: as many as the parameters (they live in the dp buckets); ZeRO 2 and 3 keep the
-  reduced ``1/dp`` piece (a unit's local gradient is a transient buffer).
+- **grads**: as many as the parameters, in the reduce dtype (``Costs.grad_bytes``: float32 under
+  mixed precision); they live in the dp buckets; ZeRO 2 and 3 keep the reduced ``1/dp`` piece (a
+  unit's local gradient is a transient buffer).
 - **optimizer**: ``Costs.optimizer_bytes_per_param`` per local parameter (AdamW: two float32
-  moments), ``1/dp`` of it under any ZeRO stage.
+  moments; mixed precision's float32 masters besides), ``1/dp`` of it under any ZeRO stage.
 - **buffers**: ZeRO 1's reduced piece of the gradients (``1/dp``). ZeRO 2's unit gradients:
   with micro-batches all of them (they accumulate through the step); without, the reductions'
   window (``scatter_peak``: three in flight, each with its regrouped copies, and the next unit's
@@ -105,19 +106,20 @@ def memory(layout: Any, costs: Costs, stages: list[list[PieceCost]], samples: fl
     for s, pieces in enumerate(stages):
         local = sum(p.local_params(tp, layout.ep) for p in pieces)
         # A unit's share on this tp rank: the piece's split applies to its units alike.
-        big = max((p.largest_unit * p.local_params(tp, layout.ep) // p.params * costs.itemsize
-                   for p in pieces if p.params), default=0)
-        nbytes = local * costs.itemsize
-        shard = -(-nbytes // dp)
+        big = max((p.largest_unit * p.local_params(tp, layout.ep) // p.params for p in pieces if p.params), default=0)
+        # Parameters in the compute dtype, gradients in the reduce dtype (mixed precision: 2 and 4 bytes).
+        nbytes, gbytes = local * costs.itemsize, local * costs.grad_bytes
+        shard, gshard = -(-nbytes // dp), -(-gbytes // dp)
         # ZeRO 2, 3's unit gradients and ZeRO 3's two gathered units: with micro-batches every
         # unit's gradient lives through the step; without, the reductions' window and the gathered
         # units beside it, or every unit's gradient once backward ended (nothing gathered then).
-        gathered = 2 * big if z == 3 else 0
-        units = nbytes + gathered if layout.microbatches > 1 else min(nbytes, scatter_peak(big, dp) + gathered)
+        gathered = 2 * big * costs.itemsize if z == 3 else 0
+        units = (gbytes + gathered if layout.microbatches > 1
+                 else min(gbytes, scatter_peak(big * costs.grad_bytes, dp) + gathered))
         out = {"params": shard if z == 3 else nbytes,
-               "grads": shard if z >= 2 else nbytes,
+               "grads": gshard if z >= 2 else gbytes,
                "optimizer": int(local * costs.optimizer_bytes_per_param / (dp if z else 1)),
-               "buffers": {0: 0, 1: shard}.get(z, units) if dp > 1 or z == 1 else 0}
+               "buffers": {0: 0, 1: gshard}.get(z, units) if dp > 1 or z == 1 else 0}
         kept, redo = stage_activations(pieces, samples, tp, layout.recompute)
         held = in_flight(schedule, layout.pp, s, layout.microbatches)
         out["activations_peak"] = int(held * kept + redo)

@@ -26,8 +26,8 @@ def _run_piece(piece: Piece, x: Any, params: list[Any]) -> tuple[float, float, i
     from ..backend import synchronize
     from ..training.memory import MemoryMeter
 
-    for q in params:  # scratch gradients (explicit modules add into .grad)
-        q.grad = q.data * 0
+    for q in params:  # scratch gradients (explicit modules add into .grad), in their own dtype (mixed: float32)
+        q.grad = (q.grad if q.grad is not None else q.data) * 0
     meter = MemoryMeter(Tops(piece))
     leaf = Tensor(x, requires_grad=np.dtype(x.dtype).kind == "f")
     synchronize(x)

@@ -243,6 +243,43 @@ def _piece_tp(piece: Piece, splits: dict[str, tuple[str, int, int, int]], rows: 
     return split, tuple(fwd), tuple(bwd), heads, hidden
 
 
+def _as_trained(model: Any, precision: Any) -> tuple[Any, dict[str, Any] | None]:
+    """``(model, float32 masters or None)``: ``model`` (built first when it is a factory) cast as
+    the engine casts it under ``precision`` (``fp64``: float64; a mixed policy: 16-bit parameters,
+    gradients in the reduce dtype, float32 masters), a given model copied first so that it keeps
+    its dtypes."""
+    from ..training.precision import Precision
+
+    policy = Precision.of(precision) if precision is not None else None
+    cast = policy is not None and (policy.mixed or policy.name == "fp64")
+    if callable(model) and not hasattr(model, "parameters"):
+        model = model()
+    elif cast:
+        model = copy.deepcopy(model)
+    if not cast:
+        return model, None
+    params = list(model.parameters())
+    policy.cast(params)
+    return model, (policy.make_masters(params) if policy.mixed else None)
+
+
+def _optimizer_costs(optimizer: Callable[[list[Any]], Any] | None, params: list[Any],
+                     masters: dict[str, Any] | None, repeats: int) -> tuple[int, float]:
+    """``(state bytes, seconds of one step)`` of ``optimizer(params)`` (default AdamW), its state
+    with ``masters`` under mixed precision (float32, as the trainer keeps it)."""
+    from ..optim import AdamW
+    from ..training.memory import optimizer_arrays, owned_bytes
+
+    opt = (optimizer or (lambda ps: AdamW(ps, lr=0.0)))(params)
+    if masters is not None:
+        opt.set_masters(masters)
+    opt.step()  # creates the state (lr 0: the weights stay); then time a few steps
+    t0 = time.perf_counter()
+    for _ in range(max(1, repeats)):
+        opt.step()
+    return owned_bytes(optimizer_arrays(opt)), (time.perf_counter() - t0) / max(1, repeats)
+
+
 def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int], Any] | None = None,
             optimizer: Callable[[list[Any]], Any] | None = None, repeats: int = 3,
             sizes: tuple[int, int] | None = None, precision: Any = None) -> Costs:
@@ -258,16 +295,7 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
     dtype and its float32 masters with the optimizer's state, as the trainer casts them (on a copy
     of ``model`` when it is one). Nothing of the model changes (eval mode while timing,
     parameters' ``.grad`` put back)."""
-    from ..optim import AdamW
-    from ..training.memory import optimizer_arrays, owned_bytes
-    from ..training.precision import Precision
-
-    policy = Precision.of(precision) if precision is not None else None
-    cast = policy is not None and (policy.mixed or policy.name == "fp64")
-    if callable(model) and not hasattr(model, "parameters"):
-        model = model()
-    elif cast:
-        model = copy.deepcopy(model)  # the caller's model keeps its dtypes
+    model, masters = _as_trained(model, precision)
     batch = int(batch_shape[0])
     if batch < 1:
         raise ValueError(f"batch_shape must start with a positive batch size, got {tuple(batch_shape)}")
@@ -281,10 +309,6 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
         raise ValueError(f"sizes must be two increasing positive micro-batch sizes, got {sizes}")
     pieces = pipeline_pieces(model)
     params = list(model.parameters())
-    masters = None
-    if cast:  # as the engine does: fp64 casts; a mixed policy keeps float32 masters, 16-bit params
-        policy.cast(params)
-        masters = policy.make_masters(params) if policy.mixed else None
     itemsize = int(np.dtype(params[0].data.dtype).itemsize) if params else 4
     grad_itemsize = int(np.dtype(params[0].grad.dtype).itemsize) if params and params[0].grad is not None else None
     rows = _rows_per_sample(sample(1))
@@ -296,15 +320,7 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
             m.training = False
         small, large = (pieces_at(pieces, sample(n), repeats, params) for n in (lo, hi))
         redo = recomputed(model, sample, (lo, hi), repeats) if any(_recomputable(p) for p in pieces) else None
-        opt = (optimizer or (lambda ps: AdamW(ps, lr=0.0)))(params)
-        if masters is not None:
-            opt.set_masters(masters)  # the state lives with the masters, in float32
-        opt.step()  # creates the state (lr 0: the weights stay); then time a few steps
-        t0 = time.perf_counter()
-        for _ in range(max(1, repeats)):
-            opt.step()
-        opt_s = (time.perf_counter() - t0) / max(1, repeats)
-        state = owned_bytes(optimizer_arrays(opt))
+        state, opt_s = _optimizer_costs(optimizer, params, masters, repeats)
         tp_rows = tp_memory(model, sample, (lo, hi))
     finally:
         for q, g in zip(params, grads):

@@ -302,13 +302,21 @@ def open_resolved(cfg: Config) -> Config:
     """``cfg`` resolved without a layout: the layout-free checks, on one rank (``hpctrain plan``
     and ``--layout auto`` alike); each layout's own checks run on the plan's rows (``plan_rows``).
     ``--compression`` is left out of this check and kept: it refuses dp=1, which only a layout
-    decides (the rows with dp=1 are listed as refused). ``--pp-cut`` is kept too: it fixes the
+    decides (the rows with dp=1 are listed as refused); what refuses it on every layout (a mixed
+    precision, another backend) is refused here. ``--pp-cut`` is kept too: it fixes the
     stages (:func:`constraints`), and where ``--pp`` is given they must agree."""
     cut = pp_cut(cfg)
     if cut and cfg.pp is not None and cfg.pp != len(cut) + 1:
         raise ConfigError(f"--pp-cut {cfg.pp_cut}: {len(cut)} cut point(s) for --pp {cfg.pp} stages: give "
                           f"{cfg.pp - 1} (where stages 1.. begin), or leave --pp out (the cut says it)")
     c = resolve(open_layout(cfg).replace(compression=None), 1)
+    if cfg.compression is not None:  # what refuses it on any layout: refused before any is timed
+        from ..parallel.engine import compression_problem, mixed_reduce_problem
+
+        problem = (compression_problem(cfg.compression, c.backend, as_flag)
+                   or mixed_reduce_problem(c.precision, cfg.compression, c.backend, as_flag))
+        if problem:
+            raise ConfigError(problem)
     return c.replace(compression=cfg.compression, pp_cut=cfg.pp_cut)
 
 

@@ -240,6 +240,23 @@ def test_layout_auto_keeps_a_given_pipeline_cut(tmp_path):
     assert "1: blocks.1..head" in p.stdout and "(as --pp-cut says)" in p.stdout, p.stdout
 
 
+@pytest.mark.timeout(200)
+def test_a_world_the_batch_does_not_split_over_is_planned_without_a_traceback(tmp_path):
+    # 3 ranks, batch 64: plain dp (calibration's anchor) is refused by the engine; the plan had
+    # died in calibration with a traceback. Now it says so and lists what runs (nothing here).
+    env = clean_env(HPCTRAIN_DATA=str(tmp_path))
+    p = hpctrain("plan", "--model", "gpt", n=3, timeout=150, env=env)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "not calibrated: no layout calibration times runs this model and batch on 3 ranks" in p.stdout
+    assert "no layout of 3 ranks runs this model and batch" in p.stdout
+    p = hpctrain("train", "--model", "gpt", "--layout", "auto", "--dry-run", n=3, timeout=150, env=env, cwd=tmp_path)
+    assert p.returncode == 4 and "--layout auto: no layout of 3 ranks fits this job" in p.stderr, p.stderr
+    p = hpctrain("plan", "--model", "gpt", "--batch-size", "48", n=3, timeout=150, env=env)  # 48 splits: calibrated
+    assert p.returncode == 0 and "calibrated in" in p.stdout, p.stdout
+    assert any(line.split()[1:4] == ["3", "1", "1"]  # a row (#, dp, tp, pp) of dp=3
+               for line in p.stdout.splitlines() if line[:3].strip().isdigit()), p.stdout
+
+
 def _losses(run) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 

@@ -210,8 +210,9 @@ def calibrated_costs(c: Config, comm: Comm, device: str, everywhere: Callable[..
     job's own model, training data and loss on its device (collective: every rank steps; a failure
     on any rank, building the model or sampling the data, is raised on every rank). Not calibrated
     (``costs`` as given, the reason said) when the plan is not for the ranks this job holds
-    (``held`` false: ``--ranks``), with ``--no-calibrate``, or when the plain data-parallel layout
-    that calibration times does not fit in memory. The built-in data set (no ``--data``) must be
+    (``held`` false: ``--ranks``), with ``--no-calibrate``, when the plain data-parallel layout
+    that calibration times does not fit in memory, or when none of its layouts runs the model and
+    batch on these ranks (the engine refuses each). The built-in data set (no ``--data``) must be
     on every node first (``runner.write_builtin``, as ``hpctrain plan`` and ``run`` do)."""
     from ..parallel import plan as planner
 
@@ -221,11 +222,19 @@ def calibrated_costs(c: Config, comm: Comm, device: str, everywhere: Callable[..
         return costs, Calibration(skipped=why)
     if not c.calibrate:
         return costs, Calibration(skipped=f"--no-calibrate ({UNCALIBRATED}: faster, less accurate)")
-    plain = planner.predict(planner.Layout(alloc.ranks, 1, 1), costs, alloc.links, list(alloc.names))
-    if plain.memory_bytes > alloc.memory:
-        return costs, Calibration(skipped=f"the plain data-parallel layout it times needs {_size(plain.memory_bytes)}"
+    from ..parallel.plan_calibrate import TrainSettings, calibrate, probe_layouts
+
+    # Plain dp anchors the fit; where the engine refuses it (a batch 3 ranks do not split) the
+    # other layouts calibration times carry it alone, and where none runs there is nothing to time.
+    if not probe_layouts(alloc.ranks, costs):
+        return costs, Calibration(skipped=f"no layout calibration times runs this model and batch on {alloc.ranks} "
+                                          f"ranks ({UNCALIBRATED})")
+    plain = planner.Layout(alloc.ranks, 1, 1)
+    need = (planner.predict(plain, costs, alloc.links, list(alloc.names)).memory_bytes
+            if planner.layout_problem(plain, costs) is None else 0)
+    if need > alloc.memory:
+        return costs, Calibration(skipped=f"the plain data-parallel layout it times needs {_size(need)}"
                                           f" per rank, has {_size(alloc.memory)} ({UNCALIBRATED})")
-    from ..parallel.plan_calibrate import TrainSettings, calibrate
     from .builders import build_loss, build_model, build_optimizer, trainer_options
     from .inputs import data_path, open_data
 
@@ -302,13 +311,21 @@ def open_resolved(cfg: Config) -> Config:
     """``cfg`` resolved without a layout: the layout-free checks, on one rank (``hpctrain plan``
     and ``--layout auto`` alike); each layout's own checks run on the plan's rows (``plan_rows``).
     ``--compression`` is left out of this check and kept: it refuses dp=1, which only a layout
-    decides (the rows with dp=1 are listed as refused). ``--pp-cut`` is kept too: it fixes the
+    decides (the rows with dp=1 are listed as refused); what refuses it on every layout (a mixed
+    precision, another backend) is refused here. ``--pp-cut`` is kept too: it fixes the
     stages (:func:`constraints`), and where ``--pp`` is given they must agree."""
     cut = pp_cut(cfg)
     if cut and cfg.pp is not None and cfg.pp != len(cut) + 1:
         raise ConfigError(f"--pp-cut {cfg.pp_cut}: {len(cut)} cut point(s) for --pp {cfg.pp} stages: give "
                           f"{cfg.pp - 1} (where stages 1.. begin), or leave --pp out (the cut says it)")
     c = resolve(open_layout(cfg).replace(compression=None), 1)
+    if cfg.compression is not None:  # what refuses it on any layout: refused before any is timed
+        from ..parallel.engine import compression_problem, mixed_reduce_problem
+
+        problem = (compression_problem(cfg.compression, c.backend, as_flag)
+                   or mixed_reduce_problem(c.precision, cfg.compression, c.backend, as_flag))
+        if problem:
+            raise ConfigError(problem)
     return c.replace(compression=cfg.compression, pp_cut=cfg.pp_cut)
 
 

@@ -177,10 +177,10 @@ def pipeline_cut(c: Config, model: Any, comm: Comm, sample: Any = None) -> tuple
             raise ConfigError(f"timing the model's pieces on a micro-batch to cut the pipeline failed: {times}")
     # Every stage needs parameters (its optimizer takes them): the same verdict on every rank.
     holds = [cut.holds_parameters(p) for p in pieces]
-    given = c.pp_cut not in (None, "", "auto")
+    given = c.cut_points is not None
     try:
-        if given:
-            counts, how = cut.counts_at(c.pp_cut.split(","), [p.name for p in pieces], c.pp), "as --pp-cut says"
+        if c.cut_points:
+            counts, how = cut.counts_at(list(c.cut_points), [p.name for p in pieces], c.pp), "as --pp-cut says"
             problem = cut.empty_stage(pieces, counts)
             if problem:
                 raise ValueError(f"{problem}: every stage needs a layer with parameters")

@@ -218,6 +218,14 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def cut_points(self) -> tuple[str, ...] | None:
+        """``--pp-cut``'s points (piece names or indices where stages 1.. begin); ``None`` when it
+        is not given or ``auto`` (the stages balanced): the one reading of it (train, plan, checks)."""
+        if self.pp_cut in (None, "", "auto"):
+            return None
+        return tuple(s.strip() for s in self.pp_cut.split(","))
+
 
 @dataclass(frozen=True)
 class Option:

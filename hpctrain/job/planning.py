@@ -279,20 +279,12 @@ def constraints(cfg: Config) -> dict[str, Any]:
     defaults, so they leave ZeRO, recompute, cp and ep to the plan. ``--pp-cut`` (not ``auto``)
     keeps the layouts of as many stages as it says, priced cut where it says."""
     out = {k: getattr(cfg, k) for k in ("strategy", "tp", "pp") if getattr(cfg, k) is not None}
-    if pp_cut(cfg):  # the stages and where they begin (open_resolved checks it against --pp)
+    if cfg.cut_points:  # the stages and where they begin (open_resolved checks it against --pp)
         out["pp_cut"] = cfg.pp_cut
     out.update({k: getattr(cfg, k) for k in ("cp", "ep") if getattr(cfg, k) > 1})
     out.update({"zero": cfg.zero} if cfg.zero else {})
     out.update({"recompute": True} if cfg.recompute else {})
     return out
-
-
-def pp_cut(cfg: Config) -> tuple[str, ...] | None:
-    """``--pp-cut``'s points (piece names or indices where stages 1.. begin), ``None`` when not
-    given or ``auto``: the plan prices the layouts with that many stages at those points."""
-    if cfg.pp_cut in (None, "", "auto"):
-        return None
-    return tuple(s.strip() for s in cfg.pp_cut.split(","))
 
 
 def constraints_text(cons: dict[str, Any]) -> str:
@@ -314,7 +306,7 @@ def open_resolved(cfg: Config) -> Config:
     decides (the rows with dp=1 are listed as refused); what refuses it on every layout (a mixed
     precision, another backend) is refused here. ``--pp-cut`` is kept too: it fixes the
     stages (:func:`constraints`), and where ``--pp`` is given they must agree."""
-    cut = pp_cut(cfg)
+    cut = cfg.cut_points
     if cut and cfg.pp is not None and cfg.pp != len(cut) + 1:
         raise ConfigError(f"--pp-cut {cfg.pp_cut}: {len(cut)} cut point(s) for --pp {cfg.pp} stages: give "
                           f"{cfg.pp - 1} (where stages 1.. begin), or leave --pp out (the cut says it)")
@@ -392,7 +384,7 @@ def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere:
         only = {k: (v,) for k, v in (cons or {}).items() if k in ("zero", "recompute")}  # (not predicted at all)
         # cp and ep where the model has them (the plan's own rules refuse the rest: an MLP's cp).
         axes = {k: tuple(d for d in range(1, alloc.ranks + 1) if alloc.ranks % d == 0) for k in ("cp", "ep")}
-        cut = pp_cut(c)
+        cut = c.cut_points
         if cut:  # refused as `hpctrain train` refuses it, before any layout is priced at it
             try:
                 planner.stages_of(costs, len(cut) + 1, 1.0, 1, cut)

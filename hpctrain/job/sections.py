@@ -262,7 +262,7 @@ def _parallel(c: Config, world: int) -> None:
     from ..parallel.expert_grads import ep_dp_problem  # (see _parallel_values)
 
     _refuse(ep_dp_problem(c.ep, c.dp, as_flag))
-    if c.pp_cut not in (None, "auto") and c.pp == 1:  # (auto: a run's stored cut dropped, e.g. on a resume)
+    if c.cut_points and c.pp == 1:  # (auto: a run's stored cut dropped, e.g. on a resume)
         raise ConfigError(f"--pp-cut {c.pp_cut} says where pipeline stages begin, but pp=1: give --pp 2 or more "
                           "(or --pp-cut auto)")
     _batch(c)

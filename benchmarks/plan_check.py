@@ -1,6 +1,7 @@
 """The planner checked: every layout ``hpctrain.parallel.plan`` lists, predicted against measured.
 
     mpiexec -n 4 python benchmarks/plan_check.py [--quick] [--models mlp gpt gpt-long] [--markdown FILE]
+                                                 [--precision bf16-mixed]
 
 For three models (the MLP classifier, the GPT, the GPT at a four times longer block), as
 ``hpctrain plan`` does: rank 0 measures the serial model's pieces while the others wait
@@ -14,6 +15,8 @@ cut, ``ParallelTrainer`` with overlap on (as users run it), two warm-up steps an
 ``memory_summary`` (the MemoryMeter's categories, the rank that holds most), and the seconds the
 tensor-parallel all-reduces took (``tensor_mappings.traffic``) against the plan's price of them.
 The table gives both, the errors and where the plan's first choice ranks among the measured.
+``--precision``: the jobs' policy, as ``hpctrain plan --precision`` takes it (the pieces measured,
+calibration's steps and the measured steps all in it).
 
 As root the run moves to two network-namespace nodes (tests/netns_cluster.py) with the link
 shaped to ``--rate`` (``--one-node`` keeps it on this host); the ranks of an outer ``mpiexec``
@@ -81,7 +84,18 @@ def models(quick: bool) -> dict[str, dict[str, Any]]:
                          "what": f"GPT {layers} layers, block {4 * t}"}}
 
 
-def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: int) -> tuple[float, int, float]:
+def job(precision: str) -> Any:
+    """The trainer settings of a job in ``precision`` (``plan_calibrate.TrainSettings``), as
+    ``hpctrain train --precision`` gives them: calibration and the measured steps alike."""
+    from hpctrain.parallel.plan_calibrate import TrainSettings
+    from hpctrain.training.precision import Precision
+
+    # A fresh policy per trainer: fp16's loss scaler is each job's own.
+    return TrainSettings(options=lambda: {"precision": Precision(precision)})
+
+
+def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: int,
+               precision: str = "fp32") -> tuple[float, int, float]:
     """``(median step s, peak memory bytes of the rank holding most, tp all-reduce s per step)``."""
     from mpi4py import MPI
 
@@ -90,7 +104,7 @@ def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: in
     from hpctrain.parallel.tensor_mappings import traffic
 
     lay = pred.layout
-    tr, grid = layout_trainer(comm, lay, costs, spec["build"], CrossEntropyLoss())
+    tr, grid = layout_trainer(comm, lay, costs, spec["build"], CrossEntropyLoss(), trainer=job(precision))
     x, y = spec["data"](costs.batch // lay.dp, seed=2 + grid.dp.rank)
     tr.memory_report()  # watch the activations from the first step on
     for _ in range(2):
@@ -119,8 +133,8 @@ def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: 
     batch = spec["batch"]
     x, _ = spec["data"](batch)
     # As `hpctrain plan` measures: rank 0 alone while the others sleep, the costs shared.
-    costs = planner.on_rank0_alone(comm, None, lambda: planner.measure(spec["build"], x.shape,
-                                                                      sample=lambda n: spec["data"](n)[0]))
+    costs = planner.on_rank0_alone(comm, None, lambda: planner.measure(
+        spec["build"], x.shape, sample=lambda n: spec["data"](n)[0], precision=args.precision))
     costs = comm.bcast_obj(costs, root=0)  # one set of costs: every rank plans alike
     from hpctrain.nn import CrossEntropyLoss
     from hpctrain.parallel.plan_calibrate import calibrate, terms
@@ -131,7 +145,7 @@ def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: 
 
     # Timed as `hpctrain plan` times them (its STEPS, MIN_SECONDS), so the table is what users get.
     costs = calibrate(comm, costs, links, spec["build"], spec["data"], CrossEntropyLoss(), steps=STEPS, nodes=names,
-                      min_seconds=MIN_SECONDS)
+                      min_seconds=MIN_SECONDS, trainer=job(args.precision))
     fitted = costs.extra["fit"]
     calibrated = (f"{name}: calibrated in {time.perf_counter() - t0:.1f} s from {len(costs.extra['calibration'])} "
                   f"layouts (marked *): the engine's own work {costs.step_fixed_s * 1e3:.2f} ms per step, compute x"
@@ -144,7 +158,7 @@ def check_model(comm: Any, name: str, spec: dict[str, Any], links: dict, names: 
     preds = planner.plan(costs, links, comm.size, names, None, **options)
     measured = []
     for p in preds:
-        step, mem, tp_s = run_layout(comm, spec, p, costs, args.steps)
+        step, mem, tp_s = run_layout(comm, spec, p, costs, args.steps, args.precision)
         measured.append((p, step, mem, tp_s))
     fit_set = set(costs.extra["calibration"])
     saved = {"costs": raw.as_dict(), "fit": fitted, "calibration": costs.extra["calibration"],
@@ -195,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     if comm.rank == 0:
         lib = MPI.Get_library_version().splitlines()[0].strip()
         what = "; ".join(f"{k}: {specs[k]['what']}, global batch {specs[k]['batch']}" for k in args.models)
-        emit(f"plan check: {comm.size} ranks ({describe(names)}), {what}, float32 AdamW, overlap on, {lib}, "
+        emit(f"plan check: {comm.size} ranks ({describe(names)}), {what}, {args.precision} AdamW, overlap on, {lib}, "
              f"median of {args.steps} steps, load average {os.getloadavg()[0]:.1f}",
              ["model", "layout", "compute ms", "comm ms", "bubble ms", "predicted ms", "measured ms", "error",
               "predicted MiB", "measured MiB", "mem error", "tp comm ms plan / measured", "measured rank"],
@@ -217,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=["mlp", "gpt", "gpt-long"], choices=["mlp", "gpt", "gpt-long"])
     ap.add_argument("--steps", type=int, default=9, help="timed steps per layout (the median counts)")
     ap.add_argument("--quick", action="store_true", help="smaller models, fewer layouts (zero 0/1/3, no recompute)")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "fp64", "bf16-mixed", "fp16-mixed"],
+                    help="the jobs' precision: measured, calibrated and trained in it (as hpctrain plan --precision)")
     ap.add_argument("--rate", default="1gbit", help="the namespace link's rate (tc tbf) of the two-node run")
     ap.add_argument("--per-node", type=int, default=2, help="ranks on each namespace node")
     ap.add_argument("--one-node", action="store_true", help="run on this host even as root")
@@ -232,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if outer_rank():
         return 0  # started by an outer mpiexec (make bench): rank 0 alone starts the two-node job
     argv = [*this_script(__file__), "--inner", "--steps", str(args.steps), "--models", *args.models,
+            "--precision", args.precision,
             *(["--quick"] if args.quick else []), *(["--markdown", args.markdown] if args.markdown else []),
             *(["--save", args.save] if args.save else [])]
     return across_namespaces(argv, args.rate, [args.per_node], timeout=3000)

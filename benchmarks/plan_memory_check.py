@@ -1,7 +1,7 @@
 """The planner's peak memory checked, by category: every layout ``plan.plan`` lists, no timing.
 
     mpiexec -n 4 python benchmarks/plan_memory_check.py [--quick] [--models mlp gpt gpt-long] [--steps 2]
-                                                        [--precision bf16-mixed]
+                                                        [--precision bf16-mixed] [--markdown FILE]
 
 For ``plan_check.py``'s three models, rank 0 measures the serial model's pieces (``plan.measure``:
 memory is deterministic, so one rank's measurement is every rank's), ``plan.plan`` lists every
@@ -66,11 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="steps per layout (memory_report after each)")
     ap.add_argument("--quick", action="store_true", help="plan_check's smaller models")
     ap.add_argument("--only", default="", help="run only layouts whose label contains this text")
+    ap.add_argument("--markdown", metavar="FILE", help="append the lines to FILE as a Markdown section")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "fp64", "bf16-mixed", "fp16-mixed"],
                     help="the trainer's precision policy (the pieces measured in it too)")
     args = ap.parse_args(argv)
     comm = Communicator()
     specs = models(args.quick)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
     link = Link((0, 1), 1e-5, 1e9, ())  # time is not checked here
     links = {"intra-node": link, "inter-node": link}
     for name in args.models:
@@ -90,10 +97,14 @@ def main(argv: list[str] | None = None) -> int:
             if comm.rank == 0:
                 parts = " ".join(f"{SHORT[k]} {p.memory_parts.get(k, 0) / MIB:.2f}/{got.get(k, 0) / MIB:.2f}"
                                  for k in KEYS)
-                print(f"{name:8s} {p.layout.label():34s} predicted {p.memory_bytes / MIB:6.2f} MiB  measured "
-                      f"{total / MIB:6.2f} MiB {err * 100:+4.0f}%  | {parts}", flush=True)
+                say(f"{name:8s} {p.layout.label():34s} predicted {p.memory_bytes / MIB:6.2f} MiB  measured "
+                    f"{total / MIB:6.2f} MiB {err * 100:+4.0f}%  | {parts}")
         if comm.rank == 0:
-            print(f"{name} ({args.precision}): {within} of {len(preds)} layouts within 10%", flush=True)
+            say(f"{name} ({args.precision}): {within} of {len(preds)} layouts within 10%")
+    if comm.rank == 0 and args.markdown:  # (make bench: every benchmark appends its section)
+        with open(args.markdown, "a") as fh:
+            fh.write(f"\n### plan memory check: {comm.size} ranks, {args.precision}\n\n```text\n" + "\n".join(lines)
+                     + "\n```\n")
     return 0
 
 

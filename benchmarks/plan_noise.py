@@ -1,6 +1,6 @@
 """How far calibration's timed steps move from run to run: the noise the planner's fit carries.
 
-    mpiexec -n 4 python benchmarks/plan_noise.py [--models mlp gpt gpt-long] [--steps 14]
+    mpiexec -n 4 python benchmarks/plan_noise.py [--models mlp gpt gpt-long] [--steps 14] [--quick] [--markdown FILE]
 
 For ``plan_check.py``'s models, every layout ``plan_calibrate.probe_layouts`` times is built twice (two
 passes over the layouts, a trainer each time, as calibration builds them: ``layout_trainer``, one
@@ -29,7 +29,10 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from common import emit  # noqa: E402
 from plan_check import models  # noqa: E402
 
 
@@ -80,12 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["mlp", "gpt", "gpt-long"], choices=["mlp", "gpt", "gpt-long"])
     ap.add_argument("--steps", type=int, default=14, help="timed steps per trainer (at least 10)")
+    ap.add_argument("--quick", action="store_true", help="plan_check's smaller models")
+    ap.add_argument("--markdown", metavar="FILE", help="append the tables to FILE as Markdown")
     args = ap.parse_args(argv)
     if args.steps < 10:
         ap.error("--steps must be at least 10: plan_check's figure is two warm-ups and nine steps")
     comm = Communicator()
-    specs = models(False)
+    specs = models(args.quick)
     diffs: dict[str, list[float]] = {k: [] for k in ESTIMATES}
+    rows: list[list[str]] = []
     for name in args.models:
         spec = specs[name]
         x, _ = spec["data"](spec["batch"])
@@ -94,25 +100,26 @@ def main(argv: list[str] | None = None) -> int:
         costs = comm.bcast_obj(costs, root=0)
         lays = probe_layouts(comm.size, costs)
         passes = [[timed(comm, lay, costs, spec, args.steps) for lay in lays] for _ in range(2)]
-        if comm.rank:
-            continue
-        print(f"\n{name}: {len(lays)} layouts, two passes; each estimate against the other pass's plan_check figure")
-        print(f"{'layout':40s}{'plan_check ms':>15}" + "".join(f"{k:>28}" for k in ESTIMATES))
         for i, lay in enumerate(lays):
             for p in (0, 1):
                 ref = ESTIMATES["plan_check (median of 9)"](passes[1 - p][i])
-                row = []
+                row = [name, f"{lay.label()} (pass {p + 1})", f"{ref * 1e3:.1f}"]
                 for k, fn in ESTIMATES.items():
                     d = fn(passes[p][i]) / ref - 1
                     diffs[k].append(abs(d))
-                    row.append(f"{d * 100:+27.0f}%")
-                print(f"{lay.label() + f' (pass {p + 1})':40s}{ref * 1e3:15.1f}" + "".join(row))
+                    row.append(f"{d * 100:+.0f}%")
+                rows.append(row)
     if comm.rank == 0:
-        print("\n| estimate | median difference | 90th percentile | largest |\n|---|---|---|---|")
+        emit(f"plan noise: {comm.size} ranks, two trainers of each layout calibration times, {args.steps} steps each; "
+             "each estimate against the other trainer's plan_check figure",
+             ["model", "layout", "other pass: plan_check ms", *ESTIMATES], rows, args.markdown)
+        summary = []
         for k, v in diffs.items():
             v = sorted(v)
-            print(f"| {k} | {statistics.median(v) * 100:.1f}% | {v[int(0.9 * (len(v) - 1))] * 100:.1f}% | "
-                  f"{v[-1] * 100:.1f}% |")
+            summary.append([k, f"{statistics.median(v) * 100:.1f}%", f"{v[int(0.9 * (len(v) - 1))] * 100:.1f}%",
+                            f"{v[-1] * 100:.1f}%"])
+        emit("plan noise: differences over every layout and pass",
+             ["estimate", "median difference", "90th percentile", "largest"], summary, args.markdown)
     return 0
 
 

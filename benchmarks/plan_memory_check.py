@@ -26,7 +26,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_check import models  # noqa: E402
+from plan_check import job, models  # noqa: E402
 
 MIB = 2**20
 KEYS = ("params", "grads", "optimizer", "buffers", "activations_peak", "workspace")
@@ -38,12 +38,10 @@ def run_layout(comm: Any, spec: dict[str, Any], pred: Any, costs: Any, steps: in
                precision: str = "fp32") -> tuple[int, dict[str, int]]:
     """``(memory_summary's total, the categories of the rank holding most)`` after ``steps`` steps."""
     from hpctrain.nn import CrossEntropyLoss
-    from hpctrain.parallel.plan_calibrate import TrainSettings, layout_trainer
-    from hpctrain.training.precision import Precision
+    from hpctrain.parallel.plan_calibrate import layout_trainer
 
     lay = pred.layout
-    job = TrainSettings(options=lambda: {"precision": Precision.of(precision)})
-    tr, grid = layout_trainer(comm, lay, costs, spec["build"], CrossEntropyLoss(), trainer=job)
+    tr, grid = layout_trainer(comm, lay, costs, spec["build"], CrossEntropyLoss(), trainer=job(precision))
     x, y = spec["data"](costs.batch // lay.dp, seed=2 + grid.dp.rank)
     tr.memory_report()
     mine: dict[str, int] = {}

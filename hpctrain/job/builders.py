@@ -179,7 +179,7 @@ def pipeline_cut(c: Config, model: Any, comm: Comm, sample: Any = None) -> tuple
     holds = [cut.holds_parameters(p) for p in pieces]
     given = c.cut_points is not None
     try:
-        if c.cut_points:
+        if given:
             counts, how = cut.counts_at(list(c.cut_points), [p.name for p in pieces], c.pp), "as --pp-cut says"
             problem = cut.empty_stage(pieces, counts)
             if problem:

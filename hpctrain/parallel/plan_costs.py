@@ -251,7 +251,7 @@ def _as_trained(model: Any, precision: Any) -> tuple[Any, dict[str, Any] | None]
     from ..training.precision import Precision
 
     policy = Precision.of(precision) if precision is not None else None
-    cast = policy is not None and (policy.mixed or policy.name == "fp64")
+    cast = policy is not None and policy.name != "fp32"  # fp64 casts, a mixed policy makes masters
     if callable(model) and not hasattr(model, "parameters"):
         model = model()
     elif cast:
@@ -350,8 +350,7 @@ def measure(model: Any, batch_shape: tuple[int, ...], *, sample: Callable[[int],
     from ..backend import xp_of
 
     device = "gpu" if xp_of(params[0].data) is not np else "cpu"
-    return Costs(out, batch, itemsize, state / n, opt_s / n, device, loss_tp, rows,
-                 grad_itemsize if grad_itemsize != itemsize else None)
+    return Costs(out, batch, itemsize, state / n, opt_s / n, device, loss_tp, rows, grad_itemsize)
 
 
 def on_rank0_alone(comm: Any, timeout: float | None, fn: Callable[[], Any]) -> Any:

@@ -272,15 +272,16 @@ def test_layout_auto_trains_where_its_layout_trained_by_hand_ends(tmp_path):
     assert p.returncode == 0, p.stderr + p.stdout
     chosen = json.loads((tmp_path / "auto" / "config.json").read_text())
     said = next(line for line in p.stdout.splitlines() if line.startswith("layout: auto -> "))
-    assert f"dp={chosen['dp']} tp={chosen['tp']} pp={chosen['pp']} zero={chosen['zero']}" in said
+    axes = "".join(f" {k}={chosen[k]}" for k in ("cp", "ep") if chosen.get(k, 1) > 1)  # (a GPT may take cp)
+    assert f"dp={chosen['dp']} tp={chosen['tp']} pp={chosen['pp']}{axes} zero={chosen['zero']}" in said
     assert "ms/step, best of " in said and "links probed now" in said
     assert re.search(r"; calibrated from [0-9]+ layouts timed in [0-9.]+ s; links", said), said
     # Kept as auto, the choice recorded as filled in: a resume plans again.
     assert chosen["layout"] == "auto" and set(PLANNED) <= set(chosen["unset"])
-    assert chosen["dp"] * chosen["tp"] * chosen["pp"] == 2
+    assert chosen["dp"] * chosen["tp"] * chosen["pp"] * chosen["cp"] == 2
     by_hand = ["--model", "gpt", "--strategy", chosen["strategy"], "--tp", str(chosen["tp"]), "--pp",
-               str(chosen["pp"]), "--zero", str(chosen["zero"]), "--microbatches", str(chosen["microbatches"]),
-               "--recompute" if chosen["recompute"] else "--no-recompute"]
+               str(chosen["pp"]), "--cp", str(chosen["cp"]), "--zero", str(chosen["zero"]), "--microbatches",
+               str(chosen["microbatches"]), "--recompute" if chosen["recompute"] else "--no-recompute"]
     p = hpctrain("train", *by_hand, *common, "--run-dir", str(tmp_path / "hand"), n=2, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr + p.stdout
     assert "layout: auto" not in p.stdout

@@ -405,10 +405,12 @@ def plan_rows(c: Config, comm: Comm, device: str, alloc: Allocation, everywhere:
 
 def _against_next(fit: list[dict[str, Any]]) -> str:
     """Why the first of the listed layouts wins: its step's parts and its lead on the next one."""
+    from ..parallel.plan import lead
+
     a = fit[0]
     why = f"compute {a['compute_ms']:.1f} ms + communication {a['comm_ms']:.1f} ms + bubble {a['bubble_ms']:.1f} ms"
     if len(fit) > 1:
-        why += f"; {fit[1]['predicted_ms'] / a['predicted_ms'] - 1:.0%} faster than the next, {label(fit[1])}"
+        why += f"; {lead(a['predicted_ms'], fit[1]['predicted_ms'], label(fit[1]))}"
     return why
 
 

@@ -80,15 +80,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..comm.grid import layout as grid_layout
 from ..comm.linkprobe import Link
 from .cut import balance_stages, counts_at
 from .plan_costs import Costs, PieceCost, measure, on_rank0_alone
 from .plan_layouts import Layout, layout_problem, layouts
+from .plan_links import allreduce_seconds, boundary_links, gather_seconds, group_link, group_spans, send_seconds
 from .plan_memory import gib, memory
 
-__all__ = ["Costs", "Layout", "PieceCost", "Prediction", "blocking_calls", "call_seconds", "layouts", "measure",
-           "on_rank0_alone", "plan", "predict"]
+__all__ = ["TIE", "Costs", "Layout", "PieceCost", "Prediction", "blocking_calls", "call_seconds", "layouts", "lead",
+           "measure", "on_rank0_alone", "plan", "predict"]
 
 
 @dataclass
@@ -116,62 +116,6 @@ class Prediction:
                 "recompute": lay.recompute, "microbatches": lay.microbatches,
                 "predicted_ms": round(self.predicted_ms, 3), "memory_bytes": int(self.memory_bytes),
                 "fits": self.fits, "why": self.why}
-
-
-# -- links ---------------------------------------------------------------------------------------
-
-
-def group_link(kind: str, lay: Layout, links: dict[str, Link | None], nodes: list[str] | None) -> Link | None:
-    """The link a ``kind`` group's collectives pay (a ``comm.grid.layout`` group: "tp", "pp", "cp",
-    "ep", "dp_cp"; ``None``: groups of one rank): inter-node when any such group spans nodes, its
-    bandwidth shared by the spanning groups that leave one node at once."""
-    size = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "dp_cp": lay.dp * lay.cp}[kind]
-    if size == 1:
-        return None
-    names = nodes or ["node"] * lay.world
-    groups = grid_layout(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)[kind]
-    span = [g for g in groups if len({names[r] for r in g}) > 1]
-    # Every rank of a spanning group sends across (ring and recursive-doubling algorithms alike):
-    # the ranks of one node in such groups share its link.
-    return _class_link(links, names, [r for g in span for r in g], "a group")
-
-
-def _class_link(links: dict[str, Link | None], names: list[str], leaving: list[int], what: str) -> Link:
-    """The intra-node link when no rank of ``leaving`` sends off its node, else the inter-node one
-    with its bandwidth shared by the ranks of ``leaving`` on one node (the most on any node)."""
-    kind = "inter-node" if leaving else "intra-node"
-    link = links.get(kind)
-    if link is None:
-        where = "spans nodes" if leaving else "lives inside one node"
-        raise ValueError(f"no {kind} link was probed but {what} {where}")
-    flows = max((sum(1 for r in leaving if names[r] == n) for n in set(names)), default=1) or 1
-    # A fit through noisy samples can put the line below zero at no bytes: no latency, not a gain.
-    return dataclasses.replace(link, alpha=max(link.alpha, 0.0), beta=link.beta / flows)
-
-
-def boundary_links(lay: Layout, links: dict[str, Link | None], nodes: list[str] | None) -> list[Link | None]:
-    """The link each pipeline boundary's sends pay (stage ``s`` to ``s + 1``): inter-node where a
-    stage's rank and its neighbour's live on different nodes, its bandwidth shared by the sends
-    leaving one node at once; else intra-node. (A four-stage pipeline on two nodes crosses once.)"""
-    names = nodes or ["node"] * lay.world
-    groups = grid_layout(lay.world, lay.tp, lay.pp, lay.cp, lay.ep)["pp"]
-    return [_class_link(links, names, [g[s] for g in groups if names[g[s]] != names[g[s + 1]]], "a pipeline boundary")
-            for s in range(lay.pp - 1)]
-
-
-def _allreduce(link: Link | None, nbytes: float, p: int) -> float:
-    """A blocking all-reduce: its alpha-beta price and the ranks' meeting (``Link.meet``)."""
-    return 0.0 if link is None else link.allreduce_seconds(nbytes, p) + link.meet
-
-
-def _gather(link: Link | None, nbytes: float, p: int) -> float:
-    """A reduce-scatter or all-gather waited on (as ``_allreduce``)."""
-    return 0.0 if link is None else link.gather_seconds(nbytes, p) + link.meet
-
-
-def _send(link: Link | None, nbytes: float) -> float:
-    """A pipeline message one way (its waits are the schedule's: ``simulate``)."""
-    return 0.0 if link is None else link.seconds(nbytes)
 
 
 # -- time ----------------------------------------------------------------------------------------
@@ -208,7 +152,7 @@ def _local(pieces: list[PieceCost], lay: Layout) -> int:
 def _tp_seconds(calls: tuple[int, ...], samples: float, lay: Layout, link: Link | None) -> float:
     if link is None:
         return 0.0
-    return sum(_allreduce(link, n * samples, lay.tp) for n in calls)
+    return sum(allreduce_seconds(link, n * samples, lay.tp) for n in calls)
 
 
 def _reruns(pieces: list[PieceCost], lay: Layout) -> list[PieceCost]:
@@ -280,13 +224,13 @@ def _reduction(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Link | 
         for bucket in reversed(_buckets(pieces, lay, item, bucket_mb)):
             size = _local(bucket, lay)
             done += size
-            chunks.append((done / total, _allreduce(link, size * wire, p)))
+            chunks.append((done / total, allreduce_seconds(link, size * wire, p)))
     end = 0.0
     for ready, sec in chunks:
         start = ready * backward if overlap else backward
         end = max(end, start) + sec
     exposed = max(0.0, end - backward)
-    after = _gather(link, total * costs.itemsize, p) if lay.zero in (1, 2) else 0.0  # the updated parameters
+    after = gather_seconds(link, total * costs.itemsize, p) if lay.zero in (1, 2) else 0.0  # the updated parameters
     return exposed, after
 
 
@@ -306,19 +250,29 @@ def _buckets(pieces: list[PieceCost], lay: Layout, item: int, bucket_mb: float) 
     return buckets
 
 
-def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: bool = True) -> dict[str, int]:
+def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: bool = True,
+                   dp_spans: bool = False) -> dict[str, int]:
     """Blocking collectives one step of ``layout`` waits on, by group, on a stage of ``pieces``
     (``last``: the stage holding the loss), as the engine issues them: tp, per micro-batch, each
     split layer's forward and backward all-reduce (a recomputed block's forward again, and at ZeRO 3
     each split layer's forward again: ``_reruns``) and the
     vocab-parallel loss's three; pp, one meeting per micro-batch; cp, a ring per attention piece
     forward and backward; ep, five all-to-alls per MoE layer; dp, one wait for the buckets
-    (started during backward, waited on together), or ZeRO's reduce-scatter per unit (started as
-    backward finishes the unit: each costs a call's work in Python and MPI whether or not it
-    waits; plan_check on a quiet machine: ZeRO 1 and 2 cost 5-15 ms more than plain dp on the
-    GPT's 28 units) and ZeRO 1/2's all-gather after the step, ZeRO 3's gather per unit before
-    each forward and backward (and recomputation) of each micro-batch; the trainer's two
-    agreements over the world. What ``Costs.call_s`` multiplies."""
+    (started during backward, waited on together), or ZeRO's reduce-scatter per unit and ZeRO 1/2's
+    all-gather after the step, ZeRO 3's gather per unit before each forward and backward (and
+    recomputation) of each micro-batch; the trainer's two agreements over the world. What
+    ``Costs.call_s`` multiplies.
+
+    ZeRO's reduce-scatters as ``zero_scatter.GradScatter`` waits on them: ZeRO 2 and 3 wait on
+    the oldest once two are in flight, each a call. ZeRO 1 keeps every unit's gradient and waits on
+    none during backward, only on all of them at its end: a reduce-scatter that is one library call
+    (two ranks, or a group size not a power of two) then costs no wait of its own, but over
+    ``2**k`` ranks (``k > 1``) ``comm.pieces.PairTree`` chains ``k`` rounds, each started only when
+    the one before is seen done, so ``k - 1`` of them wait per unit (plan_check, nine one-node
+    runs: ZeRO 1 over two ranks cost a median 0.1-1.3 ms more than plain dp, ZeRO 2 1.9-7.2 ms;
+    over four, ZeRO 1 3.5-6.8 ms). ``dp_spans`` (the dp group crosses nodes): ZeRO 1's
+    reduce-scatters are counted a call each as ZeRO 2's (counting them free there put 5 fewer of
+    three two-node runs' 420 layouts within 20%)."""
     lay, m = layout, layout.microbatches
     out = {"tp": 0, "pp": 0, "cp": 0, "ep": 0, "dp": 0, "trainer": 2 if lay.world > 1 else 0}
     redo = [p for p in pieces if p.recomputable] if lay.recompute else []
@@ -336,11 +290,19 @@ def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: 
         units = sum(max(1, q.units) for q in pieces if q.params)
         if not lay.zero:
             out["dp"] = 1  # the buckets, started during backward, are waited on together
-        elif lay.zero in (1, 2):
-            out["dp"] = units + 1  # a reduce-scatter started per unit (each a call's work), the all-gather
+        elif lay.zero == 2 or (lay.zero == 1 and dp_spans):
+            out["dp"] = units + 1  # a reduce-scatter per unit, the all-gather
+        elif lay.zero == 1:
+            out["dp"] = units * (_rounds(lay.dp * lay.cp) - 1) + 2  # later rounds, the end, the all-gather
         else:
             out["dp"] = units + m * (3 if lay.recompute else 2) * units
     return out
+
+
+def _rounds(p: int) -> int:
+    """The rounds of ``comm.pieces.PairTree``'s reduce-scatter over ``p`` ranks (one library call
+    unless ``p`` is a power of two above 2)."""
+    return p.bit_length() - 1 if p > 2 and p & (p - 1) == 0 else 1
 
 
 def call_seconds(calls: dict[str, int], costs: Costs) -> float:
@@ -357,7 +319,7 @@ def _zero3_gathers(pieces: list[PieceCost], lay: Layout, costs: Costs, link: Lin
         return 0.0
     units = [(q.local_params(lay.tp, lay.ep) * costs.itemsize / max(1, q.units), q.units) for q in pieces if q.params]
     n = sum(k for _, k in units) or 1
-    gathers = [_gather(link, size, lay.dp) for size, k in units for _ in range(k)]
+    gathers = [gather_seconds(link, size, lay.dp) for size, k in units for _ in range(k)]
     passes = 3 if lay.recompute else 2
     exposed = 0.0
     for share in (f / n, b / n):
@@ -414,12 +376,13 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
     stages = stages_of(costs, lay.pp, samples, lay.tp, cut)
     by = {k: group_link(k, lay, links, nodes_layout) for k in ("tp", "pp", "dp_cp", "cp", "ep")}
     pp_link, dp_link = by["pp"], by["dp_cp"]
+    dp_spans = lay.dp * lay.cp > 1 and bool(group_spans("dp_cp", lay, nodes_layout))
     times = [_stage_times(st, lay, costs, samples, by, s == lay.pp - 1) for s, st in enumerate(stages)]
-    sends = [_send(link, st[-1].output_per_sample * samples)
+    sends = [send_seconds(link, st[-1].output_per_sample * samples)
              for link, st in zip(boundary_links(lay, links, nodes_layout), stages[:-1])]
     makespan, finish = _pipeline(times, sends, lay, schedule)
     world_link = links.get("intra-node") or links.get("inter-node")
-    small = 2 * _allreduce(world_link, 64, lay.world) if lay.world > 1 else 0.0
+    small = 2 * allreduce_seconds(world_link, 64, lay.world) if lay.world > 1 else 0.0
     # The stage that sets the step is chosen at unit scales (its own work, transfers and idle time as
     # timed, the calls unpriced), as ``plan_calibrate.terms`` sees the layout: chosen after the
     # fitted scales, a stage that idles most could win under a large bubble scale and the prediction
@@ -437,7 +400,7 @@ def predict(layout: Layout, costs: Costs, links: dict[str, Link | None], nodes_l
                      pp=lay.microbatches * ((sends[s] if s < lay.pp - 1 else 0.0) + (sends[s - 1] if s > 0 else 0.0))
                      + meets)
         # Each blocking call's in-step cost (measured: calibrate).
-        calls = blocking_calls(lay, costs, st, s == lay.pp - 1)
+        calls = blocking_calls(lay, costs, st, s == lay.pp - 1, dp_spans)
         parts["calls"] = call_seconds(calls, costs)
         compute = lay.microbatches * (f + b) + opt
         redo = lay.microbatches * sum(p.forward_s(samples, lay.tp, True) + p.backward_s(samples, lay.tp, True)
@@ -468,8 +431,9 @@ def plan(costs: Costs, links: dict[str, Link | None], world: int, nodes: list[st
          memory_limit: int | None = None, **options: Any) -> list[Prediction]:
     """Every layout of ``world`` ranks, predicted: the ones that fit by predicted step (fastest
     first), then the ones that do not fit (least memory first), each with its ``why``; the first
-    one's ``why`` says what it wins by. ``options``: ``layouts``' choices (``zero``,
-    ``recompute``, ``microbatches``, ``cp``, ``ep``) and ``predict``'s (``bucket_mb``,
+    one's ``why`` says what it wins by. Among the layouts predicted within ``TIE`` of the fastest,
+    the plainest (the least ZeRO, then no recompute) goes first. ``options``: ``layouts``' choices
+    (``zero``, ``recompute``, ``microbatches``, ``cp``, ``ep``) and ``predict``'s (``bucket_mb``,
     ``overlap``, ``schedule``, ``compression``, ``cut``: with a cut, only the layouts of its stage
     count)."""
     pick = {k: options.pop(k) for k in ("zero", "recompute", "microbatches", "cp", "ep") if k in options}
@@ -478,8 +442,26 @@ def plan(costs: Costs, links: dict[str, Link | None], world: int, nodes: list[st
     preds = [predict(lay, costs, links, nodes, memory_limit, **options) for lay in lays]
     fit = sorted((p for p in preds if p.fits), key=lambda p: (p.predicted_ms, p.memory_bytes))
     rest = sorted((p for p in preds if not p.fits), key=lambda p: p.memory_bytes)
+    if fit:
+        near = [p for p in fit if p.predicted_ms <= fit[0].predicted_ms * (1 + TIE)]
+        first = min(near, key=lambda p: (p.layout.zero, p.layout.recompute))  # (the fastest of equals)
+        fit = [first, *(p for p in fit if p is not first)]
     if len(fit) > 1:
-        a, b = fit[0], fit[1]
-        fit[0].why = (f"{a.why}; {b.predicted_ms / a.predicted_ms - 1:.0%} faster than the next, "
-                      f"{b.layout.label()}")
+        fit[0].why = f"{fit[0].why}; {lead(fit[0].predicted_ms, fit[1].predicted_ms, fit[1].layout.label())}"
     return fit + rest
+
+
+#: Predicted steps within this share of the fastest are a tie to the plan: calibration's steps of one
+#: layout move 6% at the median between two trainers on this machine (``benchmarks/plan_noise.py``).
+#: ZeRO and recompute buy memory with time; where the plan cannot tell the times apart, the layout
+#: that does not pay for memory it does not need goes first (plan_check: measured ZeRO 1 over two
+#: ranks a median 0.1-1.3 ms slower than plain dp, ZeRO 2 1.9-7.2 ms).
+TIE = 0.02
+
+
+def lead(first_ms: float, next_ms: float, next_label: str) -> str:
+    """The first layout's lead on the next, as the plan's ``why`` says it (``hpctrain plan``'s too)."""
+    if next_ms >= first_ms:
+        return f"{next_ms / first_ms - 1:.0%} faster than the next, {next_label}"
+    return (f"{next_label} is predicted {1 - next_ms / first_ms:.1%} faster, within the {TIE:.0%} the plan "
+            f"cannot tell apart: the plainer layout (less ZeRO, no recompute) goes first")

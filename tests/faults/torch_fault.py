@@ -46,29 +46,34 @@ def main(out: str, mode: str, ranks: str, steps: str, on_rank_loss: str = "shrin
     opt = torch.optim.AdamW(ddp.parameters(), lr=0.05)
     sampler = htt.ShardedSampler(data, comm, seed=1)
     loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // comm.size, sampler=sampler)
-    done = [0]
+    first = next(model.parameters())
+
+    def done() -> int:
+        # The steps fit has kept, read from the optimizer's state: a shrink puts that back, while a
+        # count of this function's returns would keep a step that returned here but then failed in
+        # fit's agreement (a rank ahead by one: its "step 6" the survivors' step 5).
+        state = opt.state.get(first, {})
+        return int(state["step"]) if "step" in state else 0
 
     def die(where: str) -> None:
-        print(f"rank {world_rank}: injected {where} at step {done[0] + 1}", flush=True)
+        print(f"rank {world_rank}: injected {where} at step {done() + 1}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     if mode == "kill-reduce" and world_rank in at:  # the first registered parameter is the last ready
-        first = next(model.parameters())
-        first.register_post_accumulate_grad_hook(lambda p: die(mode) if done[0] + 1 == at[world_rank] else None)
+        first.register_post_accumulate_grad_hook(lambda p: die(mode) if done() + 1 == at[world_rank] else None)
 
     def step(batch):
         x, y = batch
-        if done[0] + 1 == at.get(world_rank):
+        if done() + 1 == at.get(world_rank):
             if mode == "kill":
                 die(mode)
             elif mode == "stall":
-                print(f"rank {world_rank}: injected stall at step {done[0] + 1}", flush=True)
+                print(f"rank {world_rank}: injected stall at step {done() + 1}", flush=True)
                 time.sleep(60)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         opt.step()
-        done[0] += 1
         return loss.item()
 
     timeout = float(os.environ.get("FAULT_TIMEOUT", "20"))  # the stall watchdog's, for every wait of the job

@@ -71,6 +71,12 @@ def allgather(comm: Communicator, piece: np.ndarray, out: np.ndarray, counts: li
     return iallgather(comm, piece, out, counts).wait()
 
 
+def pair_rounds(size: int) -> int:
+    """The rounds of ``PairTree``'s reduce-scatter over ``size`` ranks: ``log2(size)`` for a power
+    of two above 2, else 1 (the library's one call)."""
+    return size.bit_length() - 1 if size > 2 and size & (size - 1) == 0 else 1
+
+
 class PairTree:
     """A reduce-scatter that adds in the association of recursive doubling (power-of-two groups).
 
@@ -92,7 +98,7 @@ class PairTree:
         self.launched = 0
         self.active: list[_Chain] = []
         self.rounds: list[Communicator] = []
-        if size > 2 and size & (size - 1) == 0:
+        if pair_rounds(size) > 1:
             bit = 1
             while bit < size:
                 self.rounds.append(comm.split(r & ~bit, r))  # the pair {r, r ^ bit}, lower first

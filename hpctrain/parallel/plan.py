@@ -81,6 +81,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..comm.linkprobe import Link
+from ..comm.pieces import pair_rounds
 from .cut import balance_stages, counts_at
 from .plan_costs import Costs, PieceCost, measure, on_rank0_alone
 from .plan_layouts import Layout, layout_problem, layouts
@@ -293,16 +294,10 @@ def blocking_calls(layout: Layout, costs: Costs, pieces: list[PieceCost], last: 
         elif lay.zero == 2 or (lay.zero == 1 and dp_spans):
             out["dp"] = units + 1  # a reduce-scatter per unit, the all-gather
         elif lay.zero == 1:
-            out["dp"] = units * (_rounds(lay.dp * lay.cp) - 1) + 2  # later rounds, the end, the all-gather
+            out["dp"] = units * (pair_rounds(lay.dp * lay.cp) - 1) + 2  # later rounds, the end, the all-gather
         else:
             out["dp"] = units + m * (3 if lay.recompute else 2) * units
     return out
-
-
-def _rounds(p: int) -> int:
-    """The rounds of ``comm.pieces.PairTree``'s reduce-scatter over ``p`` ranks (one library call
-    unless ``p`` is a power of two above 2)."""
-    return p.bit_length() - 1 if p > 2 and p & (p - 1) == 0 else 1
 
 
 def call_seconds(calls: dict[str, int], costs: Costs) -> float:
